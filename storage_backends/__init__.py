@@ -1,0 +1,149 @@
+"""Storage backend plugins for tiered-offload.
+
+Backends register through the entry-point group ``tiered_offload.storage_backends`` (the built-in
+ones too, in this distribution's ``pyproject.toml``), are imported only when first used, and are
+chosen by name or by a spec string::
+
+    posix:/mnt/nvme0/run,/mnt/nvme1/run?threads=8&chunk_bytes=8MiB
+    zarr:/data/state.zip
+    memory
+    auto:/mnt/nvme0/run          # kvikio on a GPU machine where it can do I/O, else posix
+
+A third-party package adds a backend by declaring an entry point in that group whose target is a
+:class:`StorageBackend` subclass taking ``(location, **options)``; or at run time with
+:func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from importlib.metadata import entry_points
+from typing import Callable
+from urllib.parse import parse_qsl
+
+from tiered_offload.errors import BackendUnavailableError, UnknownBackendError
+
+from .base import StorageBackend, filename_to_key, key_to_filename, validate_key
+
+__all__ = [
+    "StorageBackend",
+    "ENTRY_POINT_GROUP",
+    "available_backends",
+    "get_backend_class",
+    "register_backend",
+    "parse_spec",
+    "create_backend",
+    "open_backend",
+    "key_to_filename",
+    "filename_to_key",
+    "validate_key",
+]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "tiered_offload.storage_backends"
+
+# Used only when the distribution's metadata is absent (running from a source tree that was never
+# installed); an installed tiered-offload finds the same targets through its entry points.
+_BUILTIN_TARGETS = {
+    "posix": "storage_backends.posix:PosixBackend",
+    "aiofiles": "storage_backends.aiofiles_backend:AiofilesBackend",
+    "kvikio": "storage_backends.kvikio_backend:KvikioBackend",
+    "zarr": "storage_backends.zarr_backend:ZarrBackend",
+    "memory": "storage_backends.memory:MemoryBackend",
+}
+_INSTALL_HINTS = {
+    "kvikio": "pip install 'tiered-offload[gds]' (kvikio-cu12; needs an NVIDIA GPU and driver)",
+    "aiofiles": "pip install aiofiles",
+    "zarr": "pip install 'zarr>=3'",
+}
+_registered: dict[str, Callable[..., StorageBackend] | str] = {}
+
+
+def _targets() -> dict[str, Callable[..., StorageBackend] | str]:
+    found: dict[str, Callable[..., StorageBackend] | str] = dict(_BUILTIN_TARGETS)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found[ep.name] = ep.value
+    found.update(_registered)
+    return found
+
+
+def available_backends() -> list[str]:
+    """Names of every registered backend (installed or not importable: see :func:`get_backend_class`)."""
+    return sorted(_targets())
+
+
+def register_backend(name: str, target: Callable[..., StorageBackend] | str, *, clobber: bool = False) -> None:
+    """Register a backend class (or ``"module:Class"`` string) under ``name`` at run time."""
+    if not clobber and name in _targets():
+        raise ValueError(f"a storage backend named {name!r} is already registered; pass clobber=True to replace it")
+    _registered[name] = target
+
+
+def get_backend_class(name: str) -> Callable[..., StorageBackend]:
+    """The backend class registered as ``name``, imported on first use."""
+    targets = _targets()
+    if name not in targets:
+        raise UnknownBackendError(f"unknown storage backend {name!r}; known: {', '.join(sorted(targets))} (or 'auto')")
+    target = targets[name]
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        hint = _INSTALL_HINTS.get(name, f"install the package that provides {module_name}")
+        raise BackendUnavailableError(f"storage backend {name!r} cannot be imported ({e}); {hint}") from e
+    return getattr(module, attr)
+
+
+def parse_spec(spec: str) -> tuple[str, str | None, dict[str, str]]:
+    """Split ``name[:location][?key=value&...]`` into its three parts.
+
+    A spec with no ``name:`` prefix that looks like a path (``/mnt/x``, ``./x``, ``~/x``) means
+    ``auto`` with that location.
+    """
+    spec, _, query = spec.partition("?")
+    options = dict(parse_qsl(query, keep_blank_values=True))
+    if spec.startswith(("/", ".", "~")):
+        return "auto", spec, options
+    name, sep, location = spec.partition(":")
+    return name, (location if sep else None), options
+
+
+def _coerce(value: str):
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)
+
+
+def resolve_auto() -> str:
+    """``kvikio`` where a GPU is present and kvikio can do I/O, else ``posix``."""
+    from .kvikio_backend import kvikio_status
+    reason = kvikio_status()
+    if reason is None:
+        return "kvikio"
+    log.info("auto storage backend: using posix (%s)", reason)
+    return "posix"
+
+
+def create_backend(spec: str, **options) -> StorageBackend:
+    """Construct (but do not open) the backend a spec string names. ``options`` override the spec's."""
+    name, location, spec_options = parse_spec(spec)
+    if name == "auto":
+        name = resolve_auto()
+    cls = get_backend_class(name)
+    merged = {k: _coerce(v) for k, v in spec_options.items()}
+    merged.update(options)
+    if location is None:
+        return cls(**merged)
+    return cls(location, **merged)
+
+
+def open_backend(spec: str, **options) -> StorageBackend:
+    """Construct and open the backend a spec string names."""
+    return create_backend(spec, **options).open()

@@ -1,0 +1,33 @@
+"""tiered-offload: train PyTorch models whose fp32 training state exceeds GPU memory and host RAM.
+
+The state streams through three tiers (device memory, a bounded host pool, NVMe files) managed
+by a :class:`TieredStore` with a lookahead scheduler, on pluggable storage backends.
+"""
+
+from .config import StoreConfig
+from .errors import *  # noqa: F401,F403 - the typed errors are part of the public API
+from .errors import __all__ as _error_names
+from .futures import IOFuture
+from .policies import EvictionPolicy, LookaheadPolicy, LRUPolicy
+from .store import StoreStats, TensorRecord, TieredStore
+from .tiers import CopyState, Tier
+from .units import format_size, parse_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TieredStore",
+    "StoreConfig",
+    "StoreStats",
+    "TensorRecord",
+    "Tier",
+    "CopyState",
+    "IOFuture",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "LookaheadPolicy",
+    "parse_size",
+    "format_size",
+    "__version__",
+    *_error_names,
+]

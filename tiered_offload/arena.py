@@ -1,0 +1,106 @@
+"""A fixed-size memory arena with a first-fit allocator: the budget of the host and device tiers.
+
+The whole budget is allocated once, in :meth:`Arena.open` (pinned on CUDA machines, so the engine
+never pins memory per tensor, which is what makes other offload engines run out of pinned
+memory), and handed out as page-aligned slices. Because every byte a tier uses comes out of its
+arena, the tier can never use more than its budget, whatever the threads do.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+import torch
+
+from .buffers import PAGE, aligned_empty
+
+__all__ = ["Arena"]
+
+
+def _round_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+class Arena:
+    """``capacity`` bytes of memory on ``device``, carved into aligned blocks.
+
+    Args:
+        name: for messages (``"host"``, ``"device"``).
+        capacity: bytes; the tier's budget.
+        device: where the memory lives.
+        pin_memory: page-lock it (CUDA machines' host tier), so copies to the GPU run by DMA.
+        alignment: of every block's offset and size; 4096 suits O_DIRECT and GPUDirect Storage.
+    """
+
+    def __init__(self, name: str, capacity: int, device: torch.device, *, pin_memory: bool = False,
+                 alignment: int = PAGE):
+        self.name = name
+        self.capacity = capacity // alignment * alignment  # round down: never more than the budget
+        self.device = device
+        self.pin_memory = pin_memory
+        self.alignment = alignment
+        self._buffer: torch.Tensor | None = None
+        self._free: list[tuple[int, int]] = []  # sorted (offset, size) holes
+        self._lock = threading.Lock()
+        self.used = 0
+        self.peak_used = 0
+
+    def open(self) -> None:
+        """Allocate the backing memory (once)."""
+        if self._buffer is None and self.capacity > 0:
+            self._buffer = aligned_empty(self.capacity, device=self.device, pin_memory=self.pin_memory,
+                                         alignment=self.alignment)
+            self._free = [(0, self.capacity)]
+
+    def close(self) -> None:
+        self._buffer = None
+        self._free = []
+        self.used = 0
+
+    def block_size(self, nbytes: int) -> int:
+        """Bytes a request of ``nbytes`` occupies (rounded up to the alignment)."""
+        return _round_up(max(nbytes, 1), self.alignment)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free block of ``nbytes`` (rounded up), or None if no hole is large enough."""
+        size = self.block_size(nbytes)
+        with self._lock:
+            for i, (off, hole) in enumerate(self._free):
+                if hole >= size:
+                    if hole == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, hole - size)
+                    self.used += size
+                    if self.used > self.capacity:  # pragma: no cover - impossible by construction
+                        raise RuntimeError(f"{self.name} arena accounting broken: {self.used} > {self.capacity}")
+                    self.peak_used = max(self.peak_used, self.used)
+                    return off
+            return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return a block to the arena, merging it with neighbouring holes."""
+        size = self.block_size(nbytes)
+        with self._lock:
+            i = bisect.bisect_left(self._free, (offset, 0))
+            self._free.insert(i, (offset, size))
+            # merge with the next, then the previous hole
+            if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+                self._free[i] = (offset, size + self._free[i + 1][1])
+                del self._free[i + 1]
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+                del self._free[i]
+            self.used -= size
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The uint8 tensor over a block's bytes."""
+        if self._buffer is None:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return self._buffer[offset:offset + nbytes]
+
+    @property
+    def largest_hole(self) -> int:
+        with self._lock:
+            return max((h for _, h in self._free), default=0)

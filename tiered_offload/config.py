@@ -1,0 +1,81 @@
+"""Validated configuration of the tiered store: one keyword-only dataclass, a docstring per field."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import psutil
+import torch
+
+from .errors import ConfigError
+from .units import parse_size
+
+__all__ = ["StoreConfig", "resolve_device"]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``"auto"``/None: the current CUDA device when torch sees one, else the CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device; use device='cpu' or 'auto'")
+    return dev
+
+
+@dataclass(kw_only=True)
+class StoreConfig:
+    """Budgets and policies of a :class:`~tiered_offload.store.TieredStore`."""
+
+    host_budget_bytes: int | str = "auto"
+    """Bytes of host memory the store may use for tensor copies (the pinned pool on CUDA
+    machines). ``"auto"``: a quarter of the memory available now, or ``TIERED_OFFLOAD_HOST_BUDGET``."""
+
+    device_budget_bytes: int | str = "auto"
+    """Bytes of device memory for tensor copies. ``"auto"``: half the free GPU memory on CUDA, 0
+    on the CPU (the device tier is then unused: compute runs on host copies), or
+    ``TIERED_OFFLOAD_DEVICE_BUDGET``."""
+
+    device: str | torch.device = "auto"
+    """The device tier's device. ``"auto"``: CUDA when available, else the CPU. A CPU device tier
+    with a non-zero budget is a real separate tier (handy to test three-tier logic without a GPU)."""
+
+    pin_host_memory: bool | None = None
+    """Page-lock the host pool. None: when the device is CUDA."""
+
+    policy: str | Callable = "lookahead"
+    """Eviction policy per tier: ``"lru"``, ``"lookahead"`` (Belady over the declared access
+    sequence, with prefetching), or a factory returning an ``EvictionPolicy``."""
+
+    prefetch_depth: int = 8
+    """How many upcoming tensors the lookahead policy may prefetch into a tier at once."""
+
+    preallocate: bool = True
+    """Reserve each tensor's disk space at registration, so a full disk fails up front."""
+
+    wait_timeout_s: float = 600.0
+    """Longest wait for space held by operations in flight before giving up with an error."""
+
+    def resolved(self) -> "StoreConfig":
+        """A copy with ``auto`` values and size strings replaced by numbers, validated."""
+        device = resolve_device(self.device)
+        host = self.host_budget_bytes
+        if host == "auto":
+            host = os.environ.get("TIERED_OFFLOAD_HOST_BUDGET") or psutil.virtual_memory().available // 4
+        dev_budget = self.device_budget_bytes
+        if dev_budget == "auto":
+            dev_budget = os.environ.get("TIERED_OFFLOAD_DEVICE_BUDGET")
+            if dev_budget is None:
+                dev_budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 0
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        pin = self.pin_host_memory if self.pin_host_memory is not None else device.type == "cuda"
+        if pin and not torch.cuda.is_available():
+            raise ConfigError("pin_host_memory=True needs CUDA; leave it None on CPU-only machines")
+        return dataclasses.replace(
+            self, device=device, pin_host_memory=pin,
+            host_budget_bytes=parse_size(host, what="host_budget_bytes"),
+            device_budget_bytes=parse_size(dev_budget, what="device_budget_bytes"))

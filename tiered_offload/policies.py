@@ -1,0 +1,189 @@
+"""Eviction policies: which resident tensor a full tier gives up, and what to prefetch.
+
+A policy sees keys only, never memory: the store tells it about registrations and accesses, and
+asks it to rank eviction candidates. Each tier has its own policy instance.
+
+* :class:`LRUPolicy`: evict the least recently used tensor. No prefetching.
+* :class:`LookaheadPolicy`: the caller declares the access sequence (a training step reads
+  blocks 0..L forward, L..0 backward, then runs the optimizer, and repeats); the policy evicts
+  the tensor whose next use is furthest away (Belady's optimal rule) and names the tensors to
+  prefetch next, in order.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import itertools
+import math
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterable, Sequence
+
+from .errors import ConfigError
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "LookaheadPolicy", "make_policy"]
+
+
+class EvictionPolicy(abc.ABC):
+    """The interface the store drives. Implementations must be thread-safe."""
+
+    prefetches: bool = False
+    """Whether :meth:`upcoming` can name anything (the store skips prefetch work otherwise)."""
+
+    def on_register(self, key: str) -> None:
+        """A tensor was registered."""
+
+    def on_unregister(self, key: str) -> None:
+        """A tensor was removed."""
+
+    @abc.abstractmethod
+    def on_access(self, key: str) -> None:
+        """The caller used ``key`` (a ``get``)."""
+
+    @abc.abstractmethod
+    def rank_victims(self, keys: Iterable[str]) -> list[str]:
+        """``keys`` ordered from the best victim to the worst."""
+
+    def next_use(self, key: str) -> float:
+        """How many accesses until ``key`` is needed again (``inf`` if unknown or never)."""
+        return math.inf
+
+    def upcoming(self, limit: int) -> list[str]:
+        """Up to ``limit`` distinct keys expected next, soonest first."""
+        return []
+
+    def set_sequence(self, keys: Sequence[str], *, cyclic: bool = True) -> None:
+        """Declare the access sequence. Policies that do not look ahead ignore it."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first; never-used tensors before any used one."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def on_register(self, key: str) -> None:
+        with self._lock:
+            self._order[key] = None
+            self._order.move_to_end(key, last=False)
+
+    def on_unregister(self, key: str) -> None:
+        with self._lock:
+            self._order.pop(key, None)
+
+    def on_access(self, key: str) -> None:
+        with self._lock:
+            self._order[key] = None
+            self._order.move_to_end(key)
+
+    def rank_victims(self, keys: Iterable[str]) -> list[str]:
+        with self._lock:
+            rank = {k: i for i, k in enumerate(self._order)}
+        return sorted(keys, key=lambda k: rank.get(k, -1))
+
+
+class LookaheadPolicy(EvictionPolicy):
+    """Belady eviction and in-order prefetching over a declared access sequence.
+
+    The sequence is usually cyclic (one training step, repeated). A cursor follows the caller:
+    each access moves it just past the next occurrence of the accessed key, so an access that
+    skips ahead (or a key used out of order) resynchronises it. Keys absent from the sequence
+    count as never needed again, so they are evicted first; among keys with equal distance, the
+    least recently used goes first.
+    """
+
+    prefetches = True
+
+    def __init__(self, sequence: Sequence[str] = (), *, cyclic: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._lru = LRUPolicy()
+        self.set_sequence(sequence, cyclic=cyclic)
+
+    def set_sequence(self, keys: Sequence[str], *, cyclic: bool = True) -> None:
+        with self._lock:
+            self._seq = list(keys)
+            self._cyclic = cyclic
+            self._cursor = 0
+            self._positions: dict[str, list[int]] = {}
+            for i, k in enumerate(self._seq):
+                self._positions.setdefault(k, []).append(i)
+
+    @property
+    def cursor(self) -> int:
+        """Index in the sequence of the next expected access."""
+        return self._cursor
+
+    def on_register(self, key: str) -> None:
+        self._lru.on_register(key)
+
+    def on_unregister(self, key: str) -> None:
+        self._lru.on_unregister(key)
+
+    def on_access(self, key: str) -> None:
+        self._lru.on_access(key)
+        with self._lock:
+            pos = self._positions.get(key)
+            if not pos:
+                return
+            n = len(self._seq)
+            i = bisect.bisect_left(pos, self._cursor)
+            if i < len(pos):
+                nxt = pos[i] + 1
+            elif self._cyclic:
+                nxt = pos[0] + 1
+            else:
+                return
+            self._cursor = nxt % n if self._cyclic else min(nxt, n)
+
+    def _distance(self, key: str) -> float:
+        pos = self._positions.get(key)
+        if not pos:
+            return math.inf
+        i = bisect.bisect_left(pos, self._cursor)
+        if i < len(pos):
+            return pos[i] - self._cursor
+        if self._cyclic:
+            return pos[0] + len(self._seq) - self._cursor
+        return math.inf
+
+    def next_use(self, key: str) -> float:
+        with self._lock:
+            return self._distance(key)
+
+    def rank_victims(self, keys: Iterable[str]) -> list[str]:
+        keys = self._lru.rank_victims(keys)  # LRU order breaks ties (sorted() is stable)
+        with self._lock:
+            return sorted(keys, key=lambda k: -self._distance(k))
+
+    def upcoming(self, limit: int) -> list[str]:
+        with self._lock:
+            n = len(self._seq)
+            if not n or limit <= 0:
+                return []
+            if self._cyclic:
+                indices = itertools.islice(itertools.cycle(range(n)), self._cursor, self._cursor + n)
+            else:
+                indices = range(self._cursor, n)
+            out: list[str] = []
+            seen: set[str] = set()
+            for i in indices:
+                k = self._seq[i]
+                if k not in seen:
+                    seen.add(k)
+                    out.append(k)
+                    if len(out) >= limit:
+                        break
+            return out
+
+
+def make_policy(name: "str | Callable[[], EvictionPolicy]") -> EvictionPolicy:
+    """A new policy from its name (``"lru"``, ``"lookahead"``) or a factory (e.g. a policy class)."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lookahead":
+        return LookaheadPolicy()
+    if callable(name):
+        return name()
+    raise ConfigError(f"unknown eviction policy {name!r}; use 'lru' or 'lookahead'")

@@ -1,0 +1,786 @@
+"""The three-tier tensor store: device memory, a bounded host pool, and a storage backend.
+
+Every tensor is registered under a stable key with its shape and dtype, and gets one
+:class:`TensorRecord`, owned by the store. The record knows which tiers hold a copy, which
+version of the bytes each copy holds, and which single operation is in flight on the tensor.
+
+Consistency model: a tensor has a *version* that grows each time a copy is modified
+(:meth:`TieredStore.mark_dirty`, :meth:`TieredStore.write`). A copy is valid when it holds the
+current version. Moving bytes from tier to tier labels the destination with the version the
+source held when the move started, so a copy that is modified while being written down just
+leaves the destination stale; nothing can mark torn bytes as current. A tensor registered
+without data is implicitly all zeros (version 0) until first written: no disk read is ever
+needed for it, which is why fresh gradients and optimizer states cost no I/O.
+
+Budgets: the host and device tiers take all their memory from an :class:`~tiered_offload.arena.Arena`
+of exactly their budget, allocated once, so they cannot exceed it. When a tier is full, its
+eviction policy picks a victim among unpinned, idle copies; a victim holding the only valid copy
+is written back first (device copies through the host pool, or straight to disk with GPUDirect).
+
+Operations are asynchronous: :meth:`prefetch`, :meth:`write_back` and :meth:`evict` return an
+:class:`~tiered_offload.futures.IOFuture`; :meth:`get` waits and pins the copy until
+:meth:`release`. Work that must wait for space (eviction of a dirty victim) happens in the calling
+thread; completion handlers on I/O threads only update state and start the next copy of a chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from storage_backends import StorageBackend, create_backend, validate_key
+
+from .arena import Arena
+from .config import StoreConfig
+from .copier import Copier
+from .errors import (
+    DiskFullError,
+    TensorStateError,
+    TierCapacityError,
+    UnknownTensorError,
+)
+from .futures import IOFuture, chain, completed, gather
+from .policies import EvictionPolicy, make_policy
+from .tiers import CopyState, Tier
+from .units import format_size
+
+__all__ = ["TieredStore", "TensorRecord", "StoreStats"]
+
+_MEMORY_TIERS = (Tier.DEVICE, Tier.HOST)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A block of a memory tier's arena holding (or receiving) one tensor's bytes."""
+
+    offset: int
+    data: torch.Tensor
+    """Typed view with the tensor's shape and dtype."""
+    raw: torch.Tensor
+    """The same bytes as a flat uint8 tensor, for the backends."""
+    version: int = -1
+    loading: bool = True
+    pins: int = 0
+
+
+@dataclass(eq=False)
+class TensorRecord:
+    """Everything the store knows about one tensor. Mutated only under the store's lock."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    version: int = 0
+    zero: bool = True
+    """The current version is the implicit all-zeros initial value (registered without data)."""
+    disk_version: int = -1
+    slots: dict[Tier, _Slot] = field(default_factory=dict)
+    busy: IOFuture | None = None
+    """The one operation in flight on this tensor, if any."""
+    busy_what: tuple[str, Tier] | None = None
+
+    # ---- queries ------------------------------------------------------------------------
+    def valid(self, tier: Tier) -> bool:
+        """Whether ``tier`` holds the current version."""
+        if tier == Tier.DISK:
+            return self.disk_version == self.version
+        slot = self.slots.get(tier)
+        return slot is not None and not slot.loading and slot.version == self.version
+
+    def held_elsewhere(self, tier: Tier) -> bool:
+        """Whether dropping ``tier``'s copy loses nothing (another tier, or the zero value, has it)."""
+        return self.zero or any(self.valid(t) for t in Tier if t != tier)
+
+    def state(self, tier: Tier) -> CopyState:
+        """The :class:`CopyState` of this tensor's copy in ``tier``."""
+        if tier == Tier.DISK:
+            if self.disk_version < 0:
+                return CopyState.ABSENT
+            return CopyState.CLEAN if self.valid(Tier.DISK) else CopyState.STALE
+        slot = self.slots.get(tier)
+        if slot is None:
+            return CopyState.ABSENT
+        if slot.loading:
+            return CopyState.LOADING
+        if slot.version != self.version:
+            return CopyState.STALE
+        return CopyState.CLEAN if (self.zero or self.valid(Tier.DISK)) else CopyState.DIRTY
+
+    # ---- transitions --------------------------------------------------------------------
+    def modified(self, tier: Tier) -> None:
+        """``tier``'s copy now holds new bytes: it becomes the only current version."""
+        self.version += 1
+        self.zero = False
+        self.slots[tier].version = self.version
+
+    def loaded(self, tier: Tier, version: int) -> None:
+        """Bytes of ``version`` finished arriving in ``tier``."""
+        if tier == Tier.DISK:
+            self.disk_version = max(self.disk_version, version)
+            return
+        slot = self.slots[tier]
+        slot.loading = False
+        slot.version = version
+
+
+@dataclass
+class StoreStats:
+    """Counters since the store was opened (a snapshot: later activity does not change it)."""
+
+    bytes_read: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    """Bytes copied out of each tier (disk: read from storage)."""
+    bytes_written: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    """Bytes copied into each tier (disk: written to storage)."""
+    hits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    """``get`` calls that found a valid copy already in the tier."""
+    misses: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    """``get`` calls that had to wait for a copy to arrive."""
+    evictions: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    """Copies dropped to make room."""
+    io_wait_seconds: float = 0.0
+    """Time callers spent blocked in ``get`` waiting for bytes."""
+    peak_used: dict[Tier, int] = field(default_factory=dict)
+    """Highest bytes in use of each memory tier's budget."""
+
+    def as_dict(self) -> dict:
+        """JSON-friendly form, tier names as keys."""
+        d = dataclasses.asdict(self)
+        return {k: ({t.name.lower(): n for t, n in v.items()} if isinstance(v, dict) else v) for k, v in d.items()}
+
+
+class TieredStore:
+    """Tensors kept in device memory, a bounded host pool and a storage backend.
+
+    Args:
+        backend: an opened or unopened :class:`StorageBackend`, or a spec string
+            (``"posix:/mnt/nvme/run"``, a plain directory path, ``"memory"``). A backend given
+            unopened or by spec is opened and closed by the store.
+        config: budgets and policies; keyword overrides of its fields may be passed directly
+            (``TieredStore("memory", host_budget_bytes="1GiB")``).
+    """
+
+    def __init__(self, backend: StorageBackend | str, config: StoreConfig | None = None, **overrides):
+        config = config or StoreConfig()
+        if overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = config
+        self._backend_arg = backend
+        self.backend: StorageBackend | None = None
+        self._owns_backend = False
+        self._records: dict[str, TensorRecord] = {}
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._arenas: dict[Tier, Arena] = {}
+        self._policies: dict[Tier, EvictionPolicy] = {}
+        self._stats = StoreStats()
+        self._copier: Copier | None = None
+        self._opened = False
+
+    # ---- life cycle ---------------------------------------------------------------------
+    def open(self) -> "TieredStore":
+        """Resolve the configuration, open the backend, allocate the tier pools."""
+        if self._opened:
+            return self
+        self.config = self.config.resolved()
+        cfg = self.config
+        if isinstance(self._backend_arg, StorageBackend):
+            self.backend = self._backend_arg
+            self._owns_backend = not self.backend.is_open
+        else:
+            self.backend = create_backend(str(self._backend_arg))
+            self._owns_backend = True
+        if self._owns_backend:
+            self.backend.open()
+        self.device: torch.device = cfg.device
+        self._arenas = {
+            Tier.DEVICE: Arena("device", cfg.device_budget_bytes, cfg.device),
+            Tier.HOST: Arena("host", cfg.host_budget_bytes, torch.device("cpu"), pin_memory=cfg.pin_host_memory),
+        }
+        for a in self._arenas.values():
+            a.open()
+        self._policies = {t: make_policy(cfg.policy) for t in _MEMORY_TIERS}
+        self._copier = Copier(cfg.device)
+        self._copier.open()
+        self._opened = True
+        return self
+
+    def close(self, *, flush: bool = True) -> None:
+        """Wait for operations in flight, write dirty tensors back (unless ``flush=False``), release memory."""
+        if not self._opened:
+            return
+        try:
+            if flush:
+                self.flush()
+            else:
+                self._wait_idle()
+        finally:
+            self._copier.close()
+            for a in self._arenas.values():
+                a.close()
+            if self._owns_backend:
+                self.backend.close()
+            self._opened = False
+
+    def __enter__(self) -> "TieredStore":
+        return self.open()
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(flush=exc_type is None)
+
+    # ---- introspection ------------------------------------------------------------------
+    @property
+    def compute_tier(self) -> Tier:
+        """Where compute should read tensors: DEVICE when the device tier has a budget, else HOST."""
+        return Tier.DEVICE if self._arenas[Tier.DEVICE].capacity > 0 else Tier.HOST
+
+    def capacity(self, tier: Tier | str) -> int:
+        """Budget in bytes of a memory tier."""
+        return self._arenas[Tier.parse(tier)].capacity
+
+    def used(self, tier: Tier | str) -> int:
+        """Bytes of a memory tier's budget currently allocated."""
+        return self._arenas[Tier.parse(tier)].used
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._records)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._records
+
+    def record(self, key: str) -> TensorRecord:
+        """The record of ``key`` (read-only use: inspect shape, dtype, nbytes)."""
+        return self._rec(key)
+
+    def residency(self, key: str) -> dict[Tier, CopyState]:
+        """The state of ``key``'s copy in each tier."""
+        with self._lock:
+            rec = self._rec(key)
+            return {t: rec.state(t) for t in Tier}
+
+    @property
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            s = dataclasses.replace(self._stats, **{
+                f: dict(getattr(self._stats, f)) for f in ("bytes_read", "bytes_written", "hits", "misses", "evictions")})
+            s.peak_used = {t: self._arenas[t].peak_used for t in _MEMORY_TIERS}
+            return s
+
+    def policy(self, tier: Tier | str) -> EvictionPolicy:
+        return self._policies[Tier.parse(tier)]
+
+    def declare_access_sequence(self, keys: Sequence[str], *, cyclic: bool = True) -> None:
+        """Tell the lookahead policies the order in which tensors will be accessed (e.g. one step)."""
+        for p in self._policies.values():
+            p.set_sequence(list(keys), cyclic=cyclic)
+
+    # ---- registration -------------------------------------------------------------------
+    def register(self, key: str, shape: Iterable[int], dtype: torch.dtype = torch.float32, *,
+                 data: torch.Tensor | None = None) -> TensorRecord:
+        """Register a tensor. Without ``data`` it starts as zeros (no I/O until first written).
+
+        Refuses, with the numbers, a tensor larger than a memory tier's whole budget, and (with
+        ``preallocate``) a tensor whose disk space cannot be reserved.
+        """
+        self._check_open()
+        validate_key(key)
+        shape = tuple(int(s) for s in shape)
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        for tier in _MEMORY_TIERS:
+            arena = self._arenas[tier]
+            if (arena.capacity > 0 or tier == Tier.HOST) and arena.block_size(nbytes) > arena.capacity:
+                raise TierCapacityError(
+                    f"tensor {key!r} ({format_size(nbytes)}, shape {list(shape)}, {dtype}) is larger than the whole "
+                    f"{tier.name.lower()} tier budget ({format_size(arena.capacity)} = {arena.capacity} bytes); "
+                    f"raise the {tier.name.lower()} budget or split the tensor")
+        with self._lock:
+            if key in self._records:
+                raise ValueError(f"tensor {key!r} is already registered")
+            rec = TensorRecord(key, shape, dtype, nbytes)
+            self._records[key] = rec
+        try:
+            self._reserve_disk(rec)
+        except BaseException:
+            with self._lock:
+                del self._records[key]
+            raise
+        for p in self._policies.values():
+            p.on_register(key)
+        if data is not None:
+            self.write(key, data)
+        return rec
+
+    def _reserve_disk(self, rec: TensorRecord) -> None:
+        if rec.nbytes == 0:
+            return
+        if self.config.preallocate:
+            self.backend.allocate(rec.key, rec.nbytes, dtype=str(rec.dtype).replace("torch.", ""), shape=rec.shape)
+            return
+        free = self.backend.free_bytes()
+        if free is not None and rec.nbytes > free:
+            raise DiskFullError(
+                f"not enough free disk for tensor {rec.key!r} in {self.backend.location}: needed {rec.nbytes} bytes, "
+                f"{free} free; free space or add a storage directory",
+                path=self.backend.location, needed_bytes=rec.nbytes, free_bytes=free)
+
+    def unregister(self, key: str) -> None:
+        """Forget a tensor: wait for its operation in flight, free its copies, delete its extent."""
+        with self._lock:
+            rec = self._rec(key)
+            busy = self._begin(rec, ("unregister", Tier.DISK))
+            if any(s.pins for s in rec.slots.values()):
+                self._end(rec, busy, error=TensorStateError(f"tensor {key!r} is pinned; release it before unregistering"))
+                raise TensorStateError(f"tensor {key!r} is pinned; release it before unregistering")
+            for tier in list(rec.slots):
+                self._drop_slot(rec, tier)
+            del self._records[key]
+        try:
+            self.backend.delete(key)
+        finally:
+            for p in self._policies.values():
+                p.on_unregister(key)
+            self._end(rec, busy, result=0)
+
+    # ---- data access --------------------------------------------------------------------
+    def get(self, key: str, tier: Tier | str | None = None) -> torch.Tensor:
+        """Wait until ``tier`` (default: :attr:`compute_tier`) holds the current bytes; pin and return them.
+
+        The returned tensor is the tier's own memory: modify it in place, then call
+        :meth:`mark_dirty`. Call :meth:`release` when done; a pinned copy is never evicted.
+        """
+        tier = self._memory_tier(tier)
+        first = True
+        while True:
+            with self._lock:
+                rec = self._rec(key)
+                if rec.valid(tier):
+                    slot = rec.slots[tier]
+                    slot.pins += 1
+                    (self._stats.hits if first else self._stats.misses)[tier] += 1
+                    data = slot.data
+                    break
+            first = False
+            t0 = time.perf_counter()
+            try:
+                self.prefetch(key, tier).get()
+            finally:
+                with self._lock:
+                    self._stats.io_wait_seconds += time.perf_counter() - t0
+        for p in self._policies.values():
+            p.on_access(key)
+        self._prefetch_ahead()
+        return data
+
+    def release(self, key: str, tier: Tier | str | None = None) -> None:
+        """Unpin a copy taken with :meth:`get`."""
+        tier = self._memory_tier(tier)
+        with self._lock:
+            slot = self._rec(key).slots.get(tier)
+            if slot is None or slot.pins <= 0:
+                raise TensorStateError(f"release({key!r}, {tier.name}): that copy is not pinned")
+            slot.pins -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def hold(self, key: str, tier: Tier | str | None = None, *, dirty: bool = False) -> Iterator[torch.Tensor]:
+        """``with store.hold(key) as t:`` get, yield, (mark dirty if ``dirty``) and release."""
+        t = self.get(key, tier)
+        try:
+            yield t
+            if dirty:
+                self.mark_dirty(key, tier)
+        finally:
+            self.release(key, tier)
+
+    def mark_dirty(self, key: str, tier: Tier | str | None = None) -> None:
+        """Declare that the (held) copy in ``tier`` was modified: it becomes the only current version."""
+        tier = self._memory_tier(tier)
+        with self._lock:
+            rec = self._rec(key)
+            slot = rec.slots.get(tier)
+            if slot is None or slot.loading:
+                raise TensorStateError(f"mark_dirty({key!r}, {tier.name}): no copy in that tier; get() it first")
+            if slot.version != rec.version:
+                raise TensorStateError(f"mark_dirty({key!r}, {tier.name}): that copy is stale (a newer version exists "
+                                       f"elsewhere); get() it again before modifying it")
+            rec.modified(tier)
+
+    def write(self, key: str, data: torch.Tensor, tier: Tier | str = Tier.HOST) -> None:
+        """Replace the tensor's bytes with ``data`` (copied into ``tier``, which becomes dirty)."""
+        tier = self._memory_tier(tier)
+        with self._lock:
+            rec = self._rec(key)
+        if tuple(data.shape) != rec.shape and data.numel() != _numel(rec.shape):
+            raise ValueError(f"write({key!r}): data has shape {tuple(data.shape)}, tensor is {rec.shape}")
+        with self._lock:
+            busy = self._begin(rec, ("write", tier))
+        try:
+            slot = self._ensure_slot(rec, tier)
+            slot.data.copy_(data.reshape(rec.shape).to(rec.dtype))
+            if slot.data.device.type == "cuda":
+                torch.cuda.current_stream(slot.data.device).synchronize()
+            with self._lock:
+                slot.loading = False
+                slot.version = rec.version
+                rec.modified(tier)
+                self._stats.bytes_written[tier] += rec.nbytes
+        except BaseException as e:
+            self._end(rec, busy, error=e)
+            raise
+        self._end(rec, busy, result=rec.nbytes)
+        for p in self._policies.values():
+            p.on_access(key)
+
+    def read(self, key: str) -> torch.Tensor:
+        """A CPU copy of the tensor's current bytes (for inspection and tests)."""
+        with self._lock:
+            rec = self._rec(key)
+            if rec.zero:
+                return torch.zeros(rec.shape, dtype=rec.dtype)
+            src = Tier.DEVICE if rec.valid(Tier.DEVICE) and not rec.valid(Tier.HOST) else Tier.HOST
+        with self.hold(key, src) as t:
+            return t.detach().to("cpu", copy=True)
+
+    # ---- moving bytes -------------------------------------------------------------------
+    def prefetch(self, key: str, tier: Tier | str | None = None) -> IOFuture:
+        """Start bringing the current bytes into ``tier``; the future resolves when they are there.
+
+        May block the caller while it makes room (waiting for a dirty victim's write-back).
+        ``prefetch(key, "disk")`` is :meth:`write_back`.
+        """
+        tier = Tier.parse(tier) if tier is not None else self.compute_tier
+        if tier == Tier.DISK:
+            return self.write_back(key, Tier.DISK)
+        tier = self._memory_tier(tier)
+        with self._lock:
+            rec = self._rec(key)
+            if rec.valid(tier):
+                return completed(0, f"prefetch {key}")
+            if rec.busy is not None and rec.busy_what == ("load", tier):
+                return rec.busy
+            busy = self._begin(rec, ("load", tier))
+            if rec.valid(tier):
+                self._end(rec, busy, result=0)
+                return busy
+        return self._run(rec, busy, lambda: self._start_load(rec, tier))
+
+    def write_back(self, key: str, to: Tier | str = Tier.DISK) -> IOFuture:
+        """Start copying the current bytes down to ``to`` (DISK, or HOST from the device)."""
+        to = Tier.parse(to)
+        with self._lock:
+            rec = self._rec(key)
+            if rec.valid(to) or (to == Tier.DISK and rec.zero):
+                return completed(0, f"write back {key}")
+            busy = self._begin(rec, ("writeback", to))
+            if rec.valid(to) or (to == Tier.DISK and rec.zero):
+                self._end(rec, busy, result=0)
+                return busy
+        return self._run(rec, busy, lambda: self._start_write_back(rec, to))
+
+    def evict(self, key: str, tier: Tier | str) -> IOFuture:
+        """Drop ``tier``'s copy, writing it back first if it is the only current one."""
+        tier = self._memory_tier(tier)
+        with self._lock:
+            rec = self._rec(key)
+            slot = rec.slots.get(tier)
+            if slot is None:
+                return completed(0, f"evict {key}")
+            if slot.pins:
+                raise TensorStateError(f"evict({key!r}, {tier.name}): the copy is pinned; release() it first")
+        fut = completed(0) if rec.held_elsewhere(tier) else self.write_back(key, Tier.DISK)
+
+        def drop() -> IOFuture:
+            with self._lock:
+                s = rec.slots.get(tier)
+                if s is not None and not s.pins and rec.busy is None and rec.held_elsewhere(tier):
+                    self._drop_slot(rec, tier)
+                    self._stats.evictions[tier] += 1
+            return completed(0)
+        return chain(fut, drop, f"evict {key}")
+
+    def flush(self) -> None:
+        """Write every dirty tensor back to storage and make it durable."""
+        self._check_open()
+        with self._lock:
+            keys = [k for k, r in self._records.items() if not (r.zero or r.valid(Tier.DISK))]
+        futures = [self.write_back(k, Tier.DISK) for k in keys]
+        gather(futures, "flush").get()
+        self._wait_idle()
+        self.backend.flush()
+
+    # ---- internals: operation bookkeeping -----------------------------------------------
+    def _check_open(self) -> None:
+        if not self._opened:
+            raise TensorStateError("the store is not open; call open() or use it as a context manager")
+
+    def _rec(self, key: str) -> TensorRecord:
+        try:
+            return self._records[key]
+        except KeyError:
+            raise UnknownTensorError(f"no tensor registered as {key!r}") from None
+
+    def _memory_tier(self, tier: Tier | str | None) -> Tier:
+        tier = self.compute_tier if tier is None else Tier.parse(tier)
+        if tier == Tier.DISK:
+            raise ValueError("this operation needs a memory tier (device or host), not disk")
+        if self._arenas[tier].capacity == 0:
+            raise TierCapacityError(f"the {tier.name.lower()} tier has no budget (0 bytes); give it one, or use "
+                                    f"{self.compute_tier.name.lower()}")
+        return tier
+
+    def _begin(self, rec: TensorRecord, what: tuple[str, Tier], *, block: bool = True) -> IOFuture | None:
+        """Claim ``rec`` for one operation (call with the lock held). Waits for the one in flight."""
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        while rec.busy is not None:
+            if not block:
+                return None
+            if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise TierCapacityError(f"timed out after {self.config.wait_timeout_s}s waiting for the operation "
+                                        f"in flight on {rec.key!r} ({rec.busy_what})")
+        rec.busy = IOFuture(Future(), f"{what[0]} {rec.key} -> {what[1].name}")
+        rec.busy_what = what
+        return rec.busy
+
+    def _end(self, rec: TensorRecord, busy: IOFuture, *, result: int = 0, error: BaseException | None = None) -> None:
+        """Release ``rec`` from its operation and resolve the operation's future."""
+        with self._lock:
+            # An operation that ended (failed, or made no room) leaves no half-filled copy behind.
+            for tier in [t for t, slot in rec.slots.items() if slot.loading]:
+                self._drop_slot(rec, tier)
+            if rec.busy is busy:
+                rec.busy = None
+                rec.busy_what = None
+            self._cond.notify_all()
+        if error is not None:
+            busy._future.set_exception(error)
+        else:
+            busy._future.set_result(result)
+
+    def _run(self, rec: TensorRecord, busy: IOFuture, start) -> IOFuture:
+        """Start an operation's I/O; release ``rec`` when it completes (or fails to start)."""
+        try:
+            inner = start()
+        except BaseException as e:
+            self._end(rec, busy, error=e)
+            raise
+        inner.add_done_callback(lambda f: self._end(rec, busy, result=0 if f.exception() else f.get(),
+                                                    error=f.exception()))
+        return busy
+
+    def _wait_idle(self) -> None:
+        with self._lock:
+            while any(r.busy is not None for r in self._records.values()):
+                self._cond.wait(timeout=1.0)
+
+    # ---- internals: space ---------------------------------------------------------------
+    def _ensure_slot(self, rec: TensorRecord, tier: Tier, *, block: bool = True,
+                     further_than: float | None = None) -> _Slot | None:
+        """Give ``rec`` a slot in ``tier`` (reusing a stale one), marked loading."""
+        with self._lock:
+            slot = rec.slots.get(tier)
+            if slot is not None:
+                if slot.pins and slot.version != rec.version:
+                    raise TensorStateError(f"{rec.key!r}: its stale {tier.name.lower()} copy is still pinned; "
+                                           f"release() it before loading the tensor there again")
+                slot.loading = True
+                return slot
+        offset = self._allocate(tier, rec, block=block, further_than=further_than)
+        if offset is None:
+            return None
+        arena = self._arenas[tier]
+        raw = arena.view(offset, rec.nbytes)
+        data = raw.view(rec.dtype).view(rec.shape) if rec.nbytes else torch.empty(rec.shape, dtype=rec.dtype, device=arena.device)
+        slot = _Slot(offset, data, raw)
+        with self._lock:
+            rec.slots[tier] = slot
+        return slot
+
+    def _drop_slot(self, rec: TensorRecord, tier: Tier) -> None:
+        slot = rec.slots.pop(tier)
+        self._arenas[tier].free(slot.offset, rec.nbytes)
+        self._cond.notify_all()
+
+    def _allocate(self, tier: Tier, rec: TensorRecord, *, block: bool = True,
+                  further_than: float | None = None) -> int | None:
+        """An arena offset for ``rec`` in ``tier``, evicting victims as needed.
+
+        ``block=False`` (prefetching) never waits: it only drops copies that need no write-back,
+        starts the write-back of a dirty victim without waiting for it, and returns None if no
+        room was made. ``further_than`` restricts victims to tensors needed later than that.
+        """
+        arena = self._arenas[tier]
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        while True:
+            with self._lock:
+                offset = arena.alloc(rec.nbytes)
+                if offset is not None:
+                    return offset
+                victim = self._pick_victim(tier, rec, further_than)
+                if victim is None:
+                    if not block:
+                        return None
+                    in_flight = [r for r in self._records.values() if r.busy is not None and r is not rec and tier in r.slots]
+                    if not in_flight:
+                        raise self._capacity_error(tier, rec)
+                    if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                        raise self._capacity_error(tier, rec, waited=True)
+                    continue
+                if victim.held_elsewhere(tier) or victim.slots[tier].version != victim.version:
+                    self._drop_slot(victim, tier)
+                    self._stats.evictions[tier] += 1
+                    continue
+                # The victim holds the only current copy: write it down first.
+                vbusy = self._begin(victim, ("writeback", Tier.DISK), block=False)
+            if vbusy is None:
+                continue
+            try:
+                fut = self._run(victim, vbusy, lambda: self._start_write_back(victim, Tier.DISK))
+            except TierCapacityError:
+                if not block:
+                    return None
+                raise
+            if not block:
+                return None
+            fut.get()
+
+    def _pick_victim(self, tier: Tier, exclude: TensorRecord, further_than: float | None) -> TensorRecord | None:
+        candidates = {r.key: r for r in self._records.values()
+                      if r is not exclude and r.busy is None and tier in r.slots
+                      and not r.slots[tier].pins and not r.slots[tier].loading}
+        if not candidates:
+            return None
+        stale = [r for r in candidates.values() if r.slots[tier].version != r.version]
+        if stale:
+            return stale[0]
+        policy = self._policies[tier]
+        for key in policy.rank_victims(candidates):
+            if further_than is not None and policy.next_use(key) <= further_than:
+                return None
+            return candidates[key]
+        return None
+
+    def _capacity_error(self, tier: Tier, rec: TensorRecord, waited: bool = False) -> TierCapacityError:
+        arena = self._arenas[tier]
+        pinned = sum(r.nbytes for r in self._records.values() if tier in r.slots and r.slots[tier].pins)
+        why = f"waited {self.config.wait_timeout_s}s for space" if waited else "every resident tensor is pinned or in use"
+        return TierCapacityError(
+            f"cannot fit tensor {rec.key!r} ({format_size(rec.nbytes)}) in the {tier.name.lower()} tier: budget "
+            f"{format_size(arena.capacity)}, in use {format_size(arena.used)}, pinned {format_size(pinned)}, largest "
+            f"free block {format_size(arena.largest_hole)}; {why}. Release tensors you hold, or raise the "
+            f"{tier.name.lower()} budget")
+
+    # ---- internals: copies --------------------------------------------------------------
+    def _landed(self, rec: TensorRecord, tier: Tier, version: int, src: Tier):
+        """Completion handler: bytes of ``version`` arrived in ``tier`` from ``src`` (or failed)."""
+        def handler(fut: IOFuture) -> None:
+            error = fut.exception()
+            with self._lock:
+                if error is None:
+                    rec.loaded(tier, version)
+                    self._stats.bytes_read[src] += rec.nbytes
+                    self._stats.bytes_written[tier] += rec.nbytes
+        return handler
+
+    def _copy_between(self, rec: TensorRecord, src: Tier, dst: Tier, version: int) -> IOFuture:
+        """Start one copy of ``rec``'s bytes (of ``version``) from ``src`` to ``dst``; slots already exist."""
+        desc = f"{rec.key} {src.name}->{dst.name}"
+        if rec.nbytes == 0:
+            fut = completed(0, desc)
+        elif dst == Tier.DISK:
+            fut = self.backend.write_from(rec.key, rec.slots[src].raw)
+        elif src == Tier.DISK:
+            fut = self.backend.read_into(rec.key, rec.slots[dst].raw)
+        else:
+            fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
+        fut.add_done_callback(self._landed(rec, dst, version, src))  # runs before any later callback
+        return fut
+
+    def _start_load(self, rec: TensorRecord, tier: Tier, *, block: bool = True,
+                    further_than: float | None = None) -> IOFuture:
+        """Bring the current version into ``tier`` (``rec`` is claimed by the caller)."""
+        with self._lock:
+            version = rec.version
+            zero = rec.zero
+        if self._ensure_slot(rec, tier, block=block, further_than=further_than) is None:
+            raise TierCapacityError(f"no room to prefetch {rec.key!r} into {tier.name.lower()}")
+        if zero:
+            self._copier.fill_zero(rec.slots[tier].raw)
+            with self._lock:
+                rec.loaded(tier, version)
+            return completed(0, f"zero {rec.key}")
+        other = Tier.HOST if tier == Tier.DEVICE else Tier.DEVICE
+        with self._lock:
+            other_valid = rec.valid(other)
+            disk_valid = rec.valid(Tier.DISK)
+        if other_valid:
+            return self._copy_between(rec, other, tier, version)
+        if not disk_valid:
+            raise TensorStateError(f"{rec.key!r} has no valid copy anywhere (version {version}); this is a bug")
+        if tier == Tier.HOST or (self.backend.supports_device_buffers and self.device.type == "cuda"):
+            return self._copy_between(rec, Tier.DISK, tier, version)
+        # disk -> host -> device
+        if self._ensure_slot(rec, Tier.HOST, block=block, further_than=further_than) is None:
+            raise TierCapacityError(f"no room to stage {rec.key!r} in the host tier")
+        first = self._copy_between(rec, Tier.DISK, Tier.HOST, version)
+        return chain(first, lambda: self._copy_between(rec, Tier.HOST, tier, version), f"load {rec.key}")
+
+    def _start_write_back(self, rec: TensorRecord, to: Tier) -> IOFuture:
+        """Copy the current version down to ``to`` (``rec`` is claimed by the caller)."""
+        with self._lock:
+            version = rec.version
+            if rec.valid(Tier.HOST) and to == Tier.DISK:
+                src = Tier.HOST
+            elif rec.valid(Tier.DEVICE):
+                src = Tier.DEVICE
+            else:
+                raise TensorStateError(f"write_back({rec.key!r}): no memory tier holds the current version")
+        if to == Tier.DISK and src == Tier.DEVICE and not (self.backend.supports_device_buffers and self.device.type == "cuda"):
+            self._ensure_slot(rec, Tier.HOST)
+            first = self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
+            return chain(first, lambda: self._copy_between(rec, Tier.HOST, Tier.DISK, version), f"write back {rec.key}")
+        if to == Tier.HOST:
+            self._ensure_slot(rec, Tier.HOST)
+        return self._copy_between(rec, src, to, version)
+
+    # ---- internals: lookahead -----------------------------------------------------------
+    def _prefetch_ahead(self) -> None:
+        """Start loading the tensors the policies expect next, as far as free or cheaply freed space allows."""
+        depth = self.config.prefetch_depth
+        for tier in (Tier.HOST, Tier.DEVICE):
+            policy = self._policies[tier]
+            if not policy.prefetches or self._arenas[tier].capacity == 0 or depth == 0:
+                continue
+            for key in policy.upcoming(depth):
+                with self._lock:
+                    rec = self._records.get(key)
+                    if rec is None or rec.valid(tier) or rec.busy is not None:
+                        continue
+                    if tier == Tier.HOST and rec.valid(Tier.DEVICE):
+                        continue
+                    if tier == Tier.DEVICE and not (rec.zero or rec.valid(Tier.HOST)
+                                                    or self.backend.supports_device_buffers):
+                        continue  # the host pass brings it up first
+                    busy = self._begin(rec, ("load", tier), block=False)
+                    if busy is None:
+                        continue
+                distance = policy.next_use(key)
+                try:
+                    self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
+                except TierCapacityError:
+                    break  # the tier is full of tensors needed sooner
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,46 @@
+"""Byte sizes as people write them ("4GiB", "512 MB", 1048576) and back."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import ConfigError
+
+__all__ = ["parse_size", "format_size"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, *, what: str = "size") -> int:
+    """Return a byte count from an int or a string such as ``"4GiB"``, ``"1.5 GB"`` or ``"64M"``.
+
+    Decimal suffixes (kB, MB, GB) are powers of 1000 and binary ones (KiB, MiB, GiB) powers of 1024,
+    as on the packaging of disks and memory. ``what`` names the setting in the error message.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a byte size, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{what}: a size cannot be negative ({value!r})")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{what}: cannot read {value!r} as a byte size; write e.g. 4GiB, 512MB or 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(nbytes: float) -> str:
+    """Render a byte count with a binary suffix, e.g. ``format_size(3 << 30) == "3.00 GiB"``."""
+    n = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
