@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from storage_backends import StorageBackend, create_backend, validate_key
+from storage_backends.base import StorageBackend, validate_key
 
 from .arena import Arena
 from .config import StoreConfig
@@ -195,6 +195,7 @@ class TieredStore:
             self.backend = self._backend_arg
             self._owns_backend = not self.backend.is_open
         else:
+            from storage_backends import create_backend  # the registry imports this package's errors
             self.backend = create_backend(str(self._backend_arg))
             self._owns_backend = True
         if self._owns_backend:

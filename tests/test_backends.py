@@ -1,0 +1,280 @@
+"""Every built-in backend runs the shared conformance suite; plus backend-specific behaviour."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+import storage_backends
+from storage_backends import open_backend, parse_spec, register_backend
+from storage_backends.aiofiles_backend import AiofilesBackend
+from storage_backends.kvikio_backend import KvikioBackend, kvikio_status
+from storage_backends.memory import MemoryBackend
+from storage_backends.posix import PosixBackend
+from storage_backends.testing import BackendConformanceTests, FaultInjectingBackend
+from storage_backends.zarr_backend import ZarrBackend
+from tiered_offload.errors import (
+    BackendUnavailableError,
+    DirectIOUnsupportedError,
+    DiskFullError,
+    ShortReadError,
+    StorageDirectoryError,
+    UnknownBackendError,
+)
+
+
+class TestPosix(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return PosixBackend(tmp_path / "store", chunk_bytes="1MiB", threads=4)
+
+    def test_uses_direct_io_on_a_local_disk(self, backend):
+        assert backend.supports_direct_io, backend.direct_reason
+
+
+class TestPosixStriped(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return PosixBackend([tmp_path / "nvme0", tmp_path / "nvme1", tmp_path / "nvme2"],
+                            stripe_bytes="64KiB", chunk_bytes="256KiB", threads=4)
+
+    def test_bytes_are_spread_over_every_directory(self, backend, tmp_path):
+        backend.write_from("k", torch.zeros(1 << 20, dtype=torch.uint8)).get()
+        sizes = [os.path.getsize(tmp_path / d / "k") for d in ("nvme0", "nvme1", "nvme2")]
+        assert sum(sizes) == 1 << 20
+        assert max(sizes) - min(sizes) <= 64 << 10
+
+
+class TestPosixBuffered(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return PosixBackend(tmp_path / "store", direct=False, chunk_bytes="1MiB")
+
+
+class TestAiofiles(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return AiofilesBackend(tmp_path / "store", chunk_bytes="1MiB")
+
+
+class TestZarrLocal(BackendConformanceTests):
+    large_bytes = 256 << 20
+
+    def make_backend(self, tmp_path):
+        return ZarrBackend(str(tmp_path / "state.zarr"))
+
+    def test_typed_arrays_are_readable_by_plain_zarr(self, backend, tmp_path):
+        import zarr
+        t = torch.randn(3, 5)
+        backend.allocate("layer.weight", t.nbytes, dtype="float32", shape=(3, 5))
+        backend.write_from("layer.weight", t).get()
+        backend.flush()
+        arr = zarr.open_group(str(tmp_path / "state.zarr"), mode="r")["layer.weight"]
+        assert arr.dtype == "float32"
+        assert torch.equal(torch.from_numpy(arr[:].reshape(arr.attrs["shape"])), t)
+
+
+class TestZarrMemory(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return ZarrBackend("memory")
+
+
+class TestMemory(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return MemoryBackend()
+
+
+class TestFaultInjectingWrapper(BackendConformanceTests):
+    """The wrapper itself conforms (with latency), so tests built on it exercise real behaviour."""
+
+    def make_backend(self, tmp_path):
+        return FaultInjectingBackend(PosixBackend(tmp_path / "store"), latency_s=0.001)
+
+
+@pytest.mark.skipif(kvikio_status() is not None, reason=f"kvikio cannot do I/O here: {kvikio_status()}")
+class TestKvikio(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return KvikioBackend(tmp_path / "store")
+
+    def test_device_round_trip(self, backend):
+        t = torch.randn(1 << 20, device="cuda")
+        backend.write_from("gpu", t).get()
+        out = torch.empty_like(t)
+        backend.read_into("gpu", out).get()
+        assert torch.equal(out, t)
+
+
+# ---- registry and specs ---------------------------------------------------------------------
+def test_builtins_are_registered_through_entry_points():
+    from importlib.metadata import entry_points
+    names = {ep.name for ep in entry_points(group=storage_backends.ENTRY_POINT_GROUP)}
+    assert {"posix", "aiofiles", "kvikio", "zarr", "memory"} <= names
+
+
+def test_third_party_backend_registration(tmp_path):
+    class Mine(MemoryBackend):
+        name = "mine"
+    register_backend("mine-test", Mine)
+    with pytest.raises(ValueError):
+        register_backend("mine-test", Mine)
+    register_backend("mine-test", Mine, clobber=True)
+    b = open_backend("mine-test")
+    assert isinstance(b, Mine)
+    b.write_from("k", bytearray(b"abc")).get()
+    b.close()
+
+
+def test_spec_strings(tmp_path):
+    assert parse_spec("posix:/a,/b?threads=4") == ("posix", "/a,/b", {"threads": "4"})
+    assert parse_spec("/mnt/x") == ("auto", "/mnt/x", {})
+    assert parse_spec("memory") == ("memory", None, {})
+    b = open_backend(f"posix:{tmp_path}/a,{tmp_path}/b?threads=3&chunk_bytes=2MiB")
+    assert b.threads == 3 and b.chunk_bytes == 2 << 20 and len(b.directories) == 2
+    b.close()
+    auto = open_backend(str(tmp_path / "auto"))
+    assert auto.name in ("posix", "kvikio")
+    auto.close()
+
+
+def test_unknown_backend_name():
+    with pytest.raises(UnknownBackendError) as info:
+        open_backend("nvme-magic:/x")
+    assert "posix" in str(info.value)  # lists the known ones
+
+
+@pytest.mark.skipif(kvikio_status() is None, reason="kvikio works here; the missing-kvikio error cannot be shown")
+def test_kvikio_missing_gives_install_hint(tmp_path):
+    with pytest.raises(BackendUnavailableError) as info:
+        open_backend(f"kvikio:{tmp_path}")
+    assert "pip install" in str(info.value) or "CUDA" in str(info.value)
+    assert isinstance(info.value, ImportError)
+
+
+# ---- posix specifics --------------------------------------------------------------------
+def test_no_o_direct_falls_back_to_buffered_with_logged_reason(tmp_path, monkeypatch, caplog):
+    """A file system that refuses O_DIRECT (simulated: the probe reports a refusal)."""
+    import storage_backends.posix as posix
+    monkeypatch.setattr(posix, "probe_direct_io", lambda d: "the file system refuses O_DIRECT (Invalid argument)")
+    with caplog.at_level("WARNING", logger="storage_backends.posix"):
+        b = PosixBackend(tmp_path / "s").open()
+    try:
+        assert not b.supports_direct_io and "refuses O_DIRECT" in b.direct_reason
+        assert any("buffered I/O" in r.message for r in caplog.records)
+        data = torch.arange(10_000, dtype=torch.float64)
+        b.write_from("k", data).get()
+        out = torch.empty_like(data)
+        b.read_into("k", out).get()
+        assert torch.equal(out, data)
+    finally:
+        b.close()
+    monkeypatch.setattr(posix, "probe_direct_io", lambda d: "the file system refuses O_DIRECT (Invalid argument)")
+    with pytest.raises(DirectIOUnsupportedError) as info:
+        PosixBackend(tmp_path / "s", direct=True).open()
+    assert str(tmp_path / "s") in str(info.value)
+
+
+def test_tmpfs_falls_back_to_buffered_with_reason(tmpfs_dir):
+    from storage_backends.posix import probe_direct_io
+    if probe_direct_io(tmpfs_dir) is None:
+        pytest.skip("this kernel's tmpfs accepts O_DIRECT (Linux >= 6.6); the simulated refusal test covers the fallback")
+    b = PosixBackend(tmpfs_dir).open()
+    try:
+        assert not b.supports_direct_io
+        assert "O_DIRECT" in b.direct_reason
+        data = torch.arange(10_000, dtype=torch.float64)
+        b.write_from("k", data).get()
+        out = torch.empty_like(data)
+        b.read_into("k", out).get()
+        assert torch.equal(out, data)
+    finally:
+        b.close()
+
+
+def test_direct_required_on_tmpfs_is_refused(tmpfs_dir):
+    from storage_backends.posix import probe_direct_io
+    if probe_direct_io(tmpfs_dir) is None:
+        pytest.skip("this kernel's tmpfs accepts O_DIRECT (Linux >= 6.6)")
+    with pytest.raises(DirectIOUnsupportedError) as info:
+        PosixBackend(tmpfs_dir, direct=True).open()
+    assert tmpfs_dir in str(info.value)
+
+
+def test_missing_directory_without_create(tmp_path):
+    with pytest.raises(StorageDirectoryError) as info:
+        PosixBackend(tmp_path / "absent", create=False).open()
+    assert "absent" in str(info.value)
+
+
+def test_directory_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(StorageDirectoryError) as info:
+        PosixBackend(f).open()
+    assert str(f) in str(info.value)
+
+
+def test_unwritable_directory(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        if os.access(d, os.W_OK):
+            pytest.skip("running as a user that ignores permissions (root); see test_directory_that_is_a_file")
+        with pytest.raises(StorageDirectoryError):
+            PosixBackend(d).open()
+    finally:
+        d.chmod(0o700)
+
+
+def test_truncated_file_is_a_short_read_naming_the_file(tmp_path):
+    b = PosixBackend(tmp_path / "s").open()
+    try:
+        b.write_from("w", torch.randn(1 << 18)).get()
+        path = tmp_path / "s" / "w"
+        os.truncate(path, 5000)
+        with pytest.raises(ShortReadError) as info:
+            b.read_into("w", torch.empty(1 << 18)).get()
+        assert str(path) in str(info.value)
+    finally:
+        b.close()
+
+
+def test_files_are_owner_only(tmp_path):
+    b = PosixBackend(tmp_path / "s").open()
+    try:
+        b.write_from("w", torch.randn(10)).get()
+        assert (os.stat(tmp_path / "s").st_mode & 0o777) == 0o700
+        assert (os.stat(tmp_path / "s" / "w").st_mode & 0o077) == 0
+    finally:
+        b.close()
+
+
+def test_enospc_on_a_small_file_system(tmp_path):
+    """A real full disk: a 2 MiB tmpfs mounted for the test (needs mount rights)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=2m tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights); the injected-fault test covers ENOSPC")
+    try:
+        b = PosixBackend(mnt).open()
+        try:
+            with pytest.raises(DiskFullError) as info:
+                b.write_from("big", torch.zeros(4 << 20, dtype=torch.uint8)).get()
+            e = info.value
+            assert e.errno == errno.ENOSPC and str(mnt) in str(e)
+            assert e.needed_bytes > 0 and e.free_bytes is not None
+            with pytest.raises(DiskFullError):
+                b.allocate("reserve", 8 << 20)
+        finally:
+            b.close()
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_injected_enospc_is_reported_not_swallowed(tmp_path):
+    b = FaultInjectingBackend(MemoryBackend(), write_quota_bytes=1000).open()
+    try:
+        b.write_from("a", bytearray(800)).get()
+        with pytest.raises(DiskFullError) as info:
+            b.write_from("b", bytearray(800)).get()
+        assert info.value.needed_bytes == 800 and info.value.free_bytes == 200
+        assert not b.exists("b")  # nothing reported written that was not
+    finally:
+        b.close()

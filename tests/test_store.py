@@ -1,0 +1,334 @@
+"""The three-tier store: correctness across tiers, budgets, eviction, lookahead, errors."""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from storage_backends.memory import MemoryBackend
+from storage_backends.posix import PosixBackend
+from storage_backends.testing import FaultInjectingBackend
+from tiered_offload import CopyState, LookaheadPolicy, LRUPolicy, Tier, TieredStore
+from tiered_offload.arena import Arena
+from tiered_offload.errors import (
+    DiskFullError,
+    StorageIOError,
+    TensorStateError,
+    TierCapacityError,
+    UnknownTensorError,
+)
+
+KiB = 1024
+
+
+def make_store(backend, *, host=256 * KiB, device=128 * KiB, policy="lru", **kw):
+    return TieredStore(backend, host_budget_bytes=host, device="cpu", device_budget_bytes=device,
+                       policy=policy, **kw).open()
+
+
+@pytest.fixture
+def posix(tmp_path):
+    return PosixBackend(tmp_path / "disk", chunk_bytes="64KiB")
+
+
+def test_round_trip_through_all_tiers_under_pressure(posix):
+    store = make_store(posix)
+    truth = {}
+    for i in range(20):  # 20 x 32 KiB = 640 KiB of state for 256 KiB host + 128 KiB device
+        t = torch.randn(8 * KiB)
+        truth[f"t{i}"] = t
+        store.register(f"t{i}", t.shape, data=t)
+    for _ in range(3):
+        for k, t in truth.items():
+            with store.hold(k, "device") as x:
+                assert torch.equal(x, t)
+            with store.hold(k, "host") as x:
+                assert torch.equal(x, t)
+    assert store.stats.bytes_written[Tier.DISK] > 0 and store.stats.bytes_read[Tier.DISK] > 0
+    store.close()
+
+
+def test_modifications_on_device_survive_eviction(posix):
+    store = make_store(posix)
+    truth = {f"t{i}": torch.randn(8 * KiB) for i in range(16)}
+    for k, t in truth.items():
+        store.register(k, t.shape, data=t)
+    for step in range(3):
+        for k in truth:
+            with store.hold(k, "device", dirty=True) as x:
+                x.mul_(2).add_(step)
+            truth[k] = truth[k] * 2 + step
+    for k, t in truth.items():
+        assert torch.equal(store.read(k), t), k
+    store.close()
+    # a second store over the same directory sees nothing of the first's memory: flush wrote it all
+    posix2 = PosixBackend(posix.directories[0]).open()
+    out = torch.empty(8 * KiB)
+    for k, t in truth.items():
+        posix2.read_into(k, out).get()
+        assert torch.equal(out, t)
+    posix2.close()
+
+
+def test_zero_initialised_tensors_cost_no_io():
+    store = make_store(MemoryBackend(), host=64 * KiB, device=0)
+    for i in range(10):
+        store.register(f"g{i}", (4 * KiB,))
+    for i in range(10):
+        with store.hold(f"g{i}", "host") as g:
+            assert torch.count_nonzero(g) == 0
+    assert store.stats.bytes_read[Tier.DISK] == 0
+    assert store.stats.bytes_written[Tier.DISK] == 0
+    store.close()
+
+
+def test_residency_states(posix):
+    store = make_store(posix)
+    store.register("w", (100,), data=torch.ones(100))
+    r = store.residency("w")
+    assert r[Tier.HOST] == CopyState.DIRTY and r[Tier.DISK] == CopyState.ABSENT
+    store.write_back("w").get()
+    assert store.residency("w")[Tier.HOST] == CopyState.CLEAN
+    assert store.residency("w")[Tier.DISK] == CopyState.CLEAN
+    with store.hold("w", "device", dirty=True) as x:
+        x.add_(1)
+    r = store.residency("w")
+    assert r[Tier.DEVICE] == CopyState.DIRTY and r[Tier.HOST] == CopyState.STALE and r[Tier.DISK] == CopyState.STALE
+    store.evict("w", "device").get()
+    r = store.residency("w")
+    assert r[Tier.DEVICE] == CopyState.ABSENT and r[Tier.DISK] == CopyState.CLEAN
+    assert torch.equal(store.read("w"), torch.full((100,), 2.0))
+    store.close()
+
+
+def test_tensor_larger_than_a_tier_is_refused_with_numbers():
+    store = make_store(MemoryBackend(), host=64 * KiB, device=0)
+    with pytest.raises(TierCapacityError) as info:
+        store.register("huge", (20 * KiB,))  # 80 KiB > 64 KiB host
+    msg = str(info.value)
+    assert "huge" in msg and "host" in msg and str(64 * KiB) in msg
+    store.close()
+    store = make_store(MemoryBackend(), host=64 * KiB, device=32 * KiB)
+    with pytest.raises(TierCapacityError) as info:
+        store.register("big", (10 * KiB,))  # 40 KiB > 32 KiB device
+    assert "device" in str(info.value)
+    assert isinstance(info.value, MemoryError)
+    assert "big" not in store
+    store.close()
+
+
+def test_all_pinned_is_a_clear_error_not_a_hang():
+    store = make_store(MemoryBackend(), host=64 * KiB, device=0)
+    for i in range(3):
+        store.register(f"t{i}", (8 * KiB,))  # 32 KiB each: two fit
+    store.get("t0", "host")
+    store.get("t1", "host")
+    with pytest.raises(TierCapacityError) as info:
+        store.get("t2", "host")
+    assert "pinned" in str(info.value)
+    store.release("t0", "host")
+    with store.hold("t2", "host"):
+        pass
+    store.release("t1", "host")
+    store.close()
+
+
+def test_unknown_key_and_state_errors():
+    store = make_store(MemoryBackend())
+    with pytest.raises(UnknownTensorError):
+        store.get("missing", "host")
+    store.register("t", (10,))
+    with pytest.raises(TensorStateError):
+        store.release("t", "host")
+    with pytest.raises(TensorStateError):
+        store.mark_dirty("t", "host")
+    with pytest.raises(ValueError):
+        store.register("t", (10,))
+    store.close()
+
+
+def test_budgets_hold_under_concurrency(tmp_path):
+    """Eight threads hammer the store; every arena allocation is checked against its budget."""
+    backend = FaultInjectingBackend(PosixBackend(tmp_path / "d", chunk_bytes="64KiB"), latency_s=0.0005)
+    store = make_store(backend, host=384 * KiB, device=160 * KiB)
+    violations, peaks = [], {}
+    for tier, arena in store._arenas.items():
+        original = arena.alloc
+
+        def checked(n, arena=arena, original=original, tier=tier):
+            off = original(n)
+            if arena.used > arena.capacity:
+                violations.append((tier, arena.used, arena.capacity))
+            peaks[tier] = max(peaks.get(tier, 0), arena.used)
+            return off
+        arena.alloc = checked
+    n_keys = 24
+    truth = {f"t{i}": torch.full((4 * KiB,), float(i)) for i in range(n_keys)}
+    for k, t in truth.items():
+        store.register(k, t.shape, data=t)
+    locks = {k: threading.Lock() for k in truth}
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                k = rng.choice(list(truth))
+                tier = rng.choice(["device", "host"])
+                with locks[k]:  # one writer per tensor at a time, as the executor does
+                    with store.hold(k, tier, dirty=True) as x:
+                        assert torch.equal(x, truth[k]), k
+                        x.add_(1)
+                        truth[k] = truth[k] + 1
+                if rng.random() < 0.1:
+                    try:  # another thread may hold it: then eviction is refused, which is the contract
+                        store.evict(rng.choice(list(truth)), rng.choice(["device", "host"])).get()
+                    except TensorStateError:
+                        pass
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert not violations
+    assert peaks[Tier.HOST] <= 384 * KiB and peaks[Tier.DEVICE] <= 160 * KiB
+    assert store.stats.peak_used[Tier.HOST] <= store.capacity("host")
+    for k, t in truth.items():
+        assert torch.equal(store.read(k), t)
+    store.close()
+
+
+# ---- policies ---------------------------------------------------------------------------
+def test_lru_policy_order():
+    p = LRUPolicy()
+    for k in "abc":
+        p.on_register(k)
+    for k in "abca":
+        p.on_access(k)
+    assert p.rank_victims(["a", "b", "c"]) == ["b", "c", "a"]
+
+
+def test_lookahead_policy_is_belady_over_a_cyclic_sequence():
+    seq = ["e", "b0", "b1", "b2", "b2", "b1", "b0", "opt"]
+    p = LookaheadPolicy(seq)
+    for k in ["e", "b0", "b1"]:
+        p.on_access(k)
+    # cursor now at the first b2 (index 3); next uses: b2=0, b1=2, b0=3, opt=4, e=5 (next step)
+    assert p.next_use("b2") == 0 and p.next_use("b1") == 2 and p.next_use("opt") == 4 and p.next_use("e") == 5
+    assert p.rank_victims(["b0", "b1", "b2", "e", "unknown"])[:2] == ["unknown", "e"]
+    assert p.upcoming(3) == ["b2", "b1", "b0"]
+    p.on_access("opt")  # skipping ahead resynchronises the cursor
+    assert p.upcoming(2) == ["e", "b0"]
+
+
+def test_lookahead_prefetches_so_steady_state_gets_hit(tmp_path):
+    backend = FaultInjectingBackend(PosixBackend(tmp_path / "d", chunk_bytes="64KiB"), latency_s=0.002)
+    store = make_store(backend, host=6 * 32 * KiB, device=0, policy="lookahead", prefetch_depth=4)
+    layers = [f"L{i}" for i in range(12)]  # 12 x 32 KiB; host holds 6
+    for k in layers:
+        store.register(k, (8 * KiB,), data=torch.full((8 * KiB,), float(k[1:])))
+    store.flush()
+    store.declare_access_sequence(layers + layers[::-1])
+    for _ in range(4):
+        for k in layers + layers[::-1]:
+            with store.hold(k, "host") as x:
+                assert x[0].item() == float(k[1:])
+                time.sleep(0.006)  # "compute" longer than one read (2 ms latency): I/O can hide behind it
+    s = store.stats
+    total = s.hits[Tier.HOST] + s.misses[Tier.HOST]
+    # Only the start of the first pass can miss; afterwards lookahead keeps ahead of the accesses.
+    assert s.hits[Tier.HOST] / total > 0.8, s
+    store.close()
+
+
+def test_lookahead_beats_lru_on_a_cyclic_scan(tmp_path):
+    def misses(policy):
+        store = make_store(MemoryBackend(), host=5 * 32 * KiB, device=0, policy=policy, prefetch_depth=0)
+        keys = [f"k{i}" for i in range(8)]
+        for k in keys:
+            store.register(k, (8 * KiB,), data=torch.ones(8 * KiB))
+        store.declare_access_sequence(keys)
+        for _ in range(5):
+            for k in keys:
+                with store.hold(k, "host"):
+                    pass
+        m = store.stats.misses[Tier.HOST]
+        store.close()
+        return m
+    lru, belady = misses("lru"), misses("lookahead")
+    assert belady < lru, (belady, lru)  # LRU misses every access of a scan larger than the cache
+
+
+# ---- errors through the store -----------------------------------------------------------
+def test_failed_read_leaves_the_store_consistent(tmp_path):
+    flaky = {"on": True}
+    backend = FaultInjectingBackend(MemoryBackend(), fail_reads=lambda k: flaky["on"] and k == "bad")
+    store = make_store(backend, host=64 * KiB, device=0)
+    store.register("bad", (4 * KiB,), data=torch.ones(4 * KiB))
+    store.register("other", (8 * KiB,), data=torch.ones(8 * KiB))
+    store.evict("bad", "host").get()  # written back, dropped
+    with pytest.raises(StorageIOError) as info:
+        store.get("bad", "host")
+    assert "bad" in str(info.value)
+    assert store.residency("bad")[Tier.HOST] == CopyState.ABSENT
+    flaky["on"] = False
+    assert torch.equal(store.read("bad"), torch.ones(4 * KiB))
+    store.close()
+
+
+def test_enospc_on_write_back_keeps_the_dirty_copy(tmp_path):
+    backend = FaultInjectingBackend(MemoryBackend(), write_quota_bytes=16 * KiB)
+    store = make_store(backend, host=64 * KiB, device=0, preallocate=False)
+    store.register("a", (4 * KiB,), data=torch.full((4 * KiB,), 3.0))
+    store.write_back("a").get()  # 16 KiB: uses the whole quota
+    with store.hold("a", "host", dirty=True) as x:
+        x.add_(1)
+    with pytest.raises(DiskFullError) as info:
+        store.write_back("a").get()
+    assert info.value.needed_bytes == 16 * KiB
+    assert store.residency("a")[Tier.HOST] == CopyState.DIRTY  # nothing lost, nothing claimed written
+    assert torch.equal(store.read("a"), torch.full((4 * KiB,), 4.0))
+    store.close(flush=False)
+
+
+def test_preflight_refuses_what_the_disk_cannot_hold(tmp_path):
+    backend = FaultInjectingBackend(MemoryBackend(), write_quota_bytes=100 * KiB)
+    store = make_store(backend, host=1024 * KiB, device=0, preallocate=False)
+    with pytest.raises(DiskFullError) as info:
+        store.register("w", (64 * KiB,))  # 256 KiB
+    assert info.value.needed_bytes == 256 * KiB and info.value.free_bytes == 100 * KiB
+    assert "w" in str(info.value)
+    store.close()
+
+
+def test_arena_merges_holes():
+    a = Arena("t", 16 * 4096, torch.device("cpu"))
+    a.open()
+    offs = [a.alloc(4096) for _ in range(16)]
+    assert a.alloc(1) is None
+    for o in offs[::2]:
+        a.free(o, 4096)
+    assert a.alloc(2 * 4096) is None  # fragmented
+    for o in offs[1::2]:
+        a.free(o, 4096)
+    assert a.used == 0 and a.alloc(16 * 4096) == 0
+
+
+def test_reloading_over_a_pinned_stale_copy_is_refused():
+    store = make_store(MemoryBackend())
+    store.register("t", (16,), data=torch.zeros(16))
+    held = store.get("t", "device")
+    store.write("t", torch.ones(16))  # the held device copy is now stale
+    with pytest.raises(TensorStateError) as info:
+        store.get("t", "device")
+    assert "pinned" in str(info.value)
+    assert torch.count_nonzero(held) == 0  # the caller's tensor was not overwritten behind its back
+    store.release("t", "device")
+    assert torch.equal(store.read("t"), torch.ones(16))
+    store.close()
