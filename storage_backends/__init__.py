@@ -131,13 +131,23 @@ def resolve_auto() -> str:
     return "posix"
 
 
-def create_backend(spec: str, **options) -> StorageBackend:
-    """Construct (but do not open) the backend a spec string names. ``options`` override the spec's."""
+def create_backend(spec: str, *, defaults: dict | None = None, **options) -> StorageBackend:
+    """Construct (but do not open) the backend a spec string names.
+
+    Options apply in this order, later ones winning: ``defaults`` (e.g. a bench-io profile's
+    tuned settings, used only where the backend accepts them), the spec's ``?key=value`` options,
+    then ``options``.
+    """
     name, location, spec_options = parse_spec(spec)
     if name == "auto":
         name = resolve_auto()
     cls = get_backend_class(name)
-    merged = {k: _coerce(v) for k, v in spec_options.items()}
+    merged = {}
+    if defaults:
+        import inspect
+        accepted = inspect.signature(cls).parameters
+        merged.update({k: v for k, v in defaults.items() if k in accepted})
+    merged.update({k: _coerce(v) for k, v in spec_options.items()})
     merged.update(options)
     if location is None:
         return cls(**merged)

@@ -195,8 +195,14 @@ class TieredStore:
             self.backend = self._backend_arg
             self._owns_backend = not self.backend.is_open
         else:
-            from storage_backends import create_backend  # the registry imports this package's errors
-            self.backend = create_backend(str(self._backend_arg))
+            from storage_backends import create_backend, parse_spec  # the registry imports this package's errors
+            from .profile import tuned_options
+            spec = str(self._backend_arg)
+            name, location, _opts = parse_spec(spec)
+            # bench-io profiles tune the file backends (threads, request size, direct I/O)
+            tuned = name in ("posix", "kvikio", "auto") and location
+            defaults = tuned_options(location.split(",")[0]) if tuned else {}
+            self.backend = create_backend(spec, defaults=defaults)
             self._owns_backend = True
         if self._owns_backend:
             self.backend.open()

@@ -1,0 +1,66 @@
+"""The command line: bench-io end to end on a small size, profiles, errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiered_offload import TieredStore
+from tiered_offload.cli import main
+from tiered_offload.profile import load_profile, tuned_options
+
+
+def test_bench_io_small_run_writes_json_plot_and_profile(tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "profile.json"
+    monkeypatch.setenv("TIERED_OFFLOAD_PROFILE", str(prof))
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["bench-io", "--path", str(tmp_path / "disk"), "--size", "8MiB", "--request-sizes", "1MiB,2MiB",
+               "--threads", "1,2", "--json", str(out_json), "--plot", str(out_png), "--save-profile", "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "recommended:" in text and "page cache:" in text and "posix-direct" in text
+    report = json.loads(out_json.read_text())
+    assert report["results"] and all(r["verified"] for r in report["results"])
+    assert all(r["read_GBps"] > 0 and r["write_GBps"] > 0 for r in report["results"])
+    modes = {r["backend"] for r in report["results"]}
+    assert {"posix-direct", "posix-buffered", "aiofiles"} <= modes
+    assert any("kvikio" in n for n in report["notes"]) or "kvikio" in modes
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the saved profile tunes a store on the same file system
+    assert load_profile(prof)["filesystems"]
+    opts = tuned_options(tmp_path / "elsewhere")
+    assert opts == report["recommended"]["options"]
+    store = TieredStore(f"posix:{tmp_path / 'run'}", host_budget_bytes="1MiB", device="cpu", device_budget_bytes=0).open()
+    assert store.backend.threads == opts["threads"] and store.backend.chunk_bytes == opts["chunk_bytes"]
+    store.close()
+
+
+def test_bench_io_bad_path_is_a_clear_error(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc = main(["bench-io", "--path", str(f / "sub"), "--size", "1MiB", "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and "error" in err
+
+
+def test_bench_io_refuses_more_than_the_free_space(tmp_path, capsys):
+    rc = main(["bench-io", "--path", str(tmp_path), "--size", "100TiB", "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "free" in err and "--size" in err and str(tmp_path) in err
+
+
+def test_corrupt_profile_names_the_file(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text("{not json")
+    from tiered_offload.errors import ProfileError
+    with pytest.raises(ProfileError) as info:
+        load_profile(p)
+    assert str(p) in str(info.value)
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "tiered_offload", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "bench-io" in r.stdout

@@ -1,0 +1,300 @@
+"""``tiered-offload bench-io``: measure a directory's sequential throughput and tune the engine.
+
+For each available backend and mode (posix with O_DIRECT, posix buffered, aiofiles, kvikio where
+it can run) x request size x thread count, it writes a test file of ``--size`` bytes (timed up to
+a completed ``fsync``, so buffered writes cannot hide in the page cache), evicts it from the page
+cache where it could be cached, reads it back (timed), and verifies every byte. The best
+configuration is recommended and can be saved as the profile the store loads.
+
+Honesty about caches: O_DIRECT modes bypass the page cache by construction. For buffered modes
+the file is dropped from the cache before reading, by ``/proc/sys/vm/drop_caches`` where this
+process may write it, else by ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the test file; the
+report says which was used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from storage_backends import get_backend_class
+from storage_backends.kvikio_backend import kvikio_status
+from storage_backends.posix import probe_direct_io
+
+from .buffers import aligned_empty
+from .errors import StorageDirectoryError
+from .profile import filesystem_id, save_profile
+from .units import format_size, parse_size
+
+__all__ = ["BenchConfig", "BenchResult", "run_bench_io", "drop_page_cache"]
+
+GB = 1e9
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What ``bench-io`` measures."""
+
+    path: str | None = None
+    """Directory to test; None: a temporary directory under the current directory (same file system)."""
+    size_bytes: int = 512 << 20
+    """Size of the test file: large enough to exceed the drive's own cache."""
+    request_sizes: tuple[int, ...] = (1 << 20, 4 << 20, 16 << 20)
+    """Request (chunk) sizes to try."""
+    thread_counts: tuple[int, ...] = (1, 4, 8)
+    """I/O thread counts to try."""
+    backends: tuple[str, ...] = ("posix-direct", "posix-buffered", "aiofiles", "kvikio")
+    """Backend modes to try; unavailable ones are reported and skipped."""
+
+
+@dataclass
+class BenchResult:
+    """One configuration's measurement."""
+
+    backend: str
+    request_bytes: int
+    threads: int
+    write_GBps: float
+    read_GBps: float
+    verified: bool
+    cache_defeat: str
+
+    @property
+    def score(self) -> float:
+        """Harmonic mean of read and write throughput: a training step does both."""
+        if self.read_GBps <= 0 or self.write_GBps <= 0:
+            return 0.0
+        return 2 / (1 / self.read_GBps + 1 / self.write_GBps)
+
+
+def drop_page_cache(files: list[str]) -> str:
+    """Evict ``files`` from the page cache; returns how it was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "dropped the system page cache (/proc/sys/vm/drop_caches)"
+    except OSError:
+        pass
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "posix_fadvise(POSIX_FADV_DONTNEED) on the test file (drop_caches not permitted)"
+
+
+def _plan(cfg: BenchConfig, directory: Path) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """The configurations to run and the notes on modes that cannot run here."""
+    notes, modes = [], []
+    for mode in cfg.backends:
+        if mode == "posix-direct":
+            reason = probe_direct_io(directory)
+            if reason:
+                notes.append(f"posix-direct skipped: {reason}")
+                continue
+        elif mode == "kvikio":
+            reason = kvikio_status()
+            if reason:
+                notes.append(f"kvikio skipped: {reason}")
+                continue
+        elif mode not in ("posix-buffered", "aiofiles"):
+            notes.append(f"{mode}: unknown mode, skipped")
+            continue
+        modes.append(mode)
+    plan = []
+    for mode in modes:
+        threads = (1,) if mode == "aiofiles" else cfg.thread_counts
+        for req in cfg.request_sizes:
+            for t in threads:
+                plan.append((mode, req, t))
+    return plan, notes
+
+
+def _make_backend(mode: str, directory: Path, request: int, threads: int):
+    if mode == "posix-direct":
+        return get_backend_class("posix")(directory, threads=threads, chunk_bytes=request, direct=True)
+    if mode == "posix-buffered":
+        return get_backend_class("posix")(directory, threads=threads, chunk_bytes=request, direct=False)
+    if mode == "aiofiles":
+        return get_backend_class("aiofiles")(directory, chunk_bytes=request)
+    return get_backend_class("kvikio")(directory, threads=threads, chunk_bytes=request)
+
+
+def _measure(mode: str, directory: Path, request: int, threads: int, src: torch.Tensor, dst: torch.Tensor) -> BenchResult:
+    backend = _make_backend(mode, directory, request, threads).open()
+    key = f"bench-{mode}-{request}-{threads}"
+    try:
+        dst.zero_()
+        t0 = time.perf_counter()
+        backend.write_from(key, src).get()
+        backend.flush()
+        write_s = time.perf_counter() - t0
+        files = [backend.describe(key)] if mode == "aiofiles" else backend._paths(key)
+        cache = "O_DIRECT (page cache bypassed)" if mode == "posix-direct" else drop_page_cache(files)
+        if mode == "kvikio":
+            cache = "GPUDirect Storage" if backend.gds_active else "kvikio compat mode; " + cache
+        t0 = time.perf_counter()
+        backend.read_into(key, dst).get()
+        if dst.device.type == "cuda":
+            torch.cuda.synchronize()
+        read_s = time.perf_counter() - t0
+        verified = bool(torch.equal(src, dst))
+        backend.delete(key)
+    finally:
+        backend.close()
+    n = src.numel()
+    return BenchResult(mode, request, threads, n / write_s / GB, n / read_s / GB, verified, cache)
+
+
+def recommend(results: list[BenchResult]) -> BenchResult:
+    """The best verified configuration; among those within 3% of the best, the fewest threads."""
+    ok = [r for r in results if r.verified and r.backend != "aiofiles"] or [r for r in results if r.verified]
+    if not ok:
+        raise RuntimeError("no configuration verified its data: the storage returned wrong bytes")
+    best = max(r.score for r in ok)
+    near = [r for r in ok if r.score >= 0.97 * best]
+    return min(near, key=lambda r: (r.threads, -r.score))
+
+
+def _options_for(r: BenchResult) -> dict:
+    if r.backend.startswith("posix"):
+        return {"threads": r.threads, "chunk_bytes": r.request_bytes, "direct": r.backend == "posix-direct"}
+    if r.backend == "kvikio":
+        return {"threads": r.threads, "chunk_bytes": r.request_bytes}
+    return {"chunk_bytes": r.request_bytes}
+
+
+def format_table(results: list[BenchResult]) -> str:
+    """A plain-text table of the results."""
+    head = f"{'backend':<15} {'request':>9} {'threads':>7} {'write GB/s':>10} {'read GB/s':>9}  verified"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r.backend:<15} {format_size(r.request_bytes):>9} {r.threads:>7} {r.write_GBps:>10.2f} "
+                     f"{r.read_GBps:>9.2f}  {'yes' if r.verified else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot(results: list[BenchResult], out: str) -> None:
+    """Write a PNG: read and write throughput against request size, a line per backend and thread count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    series: dict[tuple[str, int], list[BenchResult]] = {}
+    for r in results:
+        series.setdefault((r.backend, r.threads), []).append(r)
+    for ax, attr, title in ((axes[0], "read_GBps", "sequential read"), (axes[1], "write_GBps", "sequential write (to fsync)")):
+        for (backend, threads), rs in sorted(series.items()):
+            rs = sorted(rs, key=lambda r: r.request_bytes)
+            ax.plot([r.request_bytes / 2**20 for r in rs], [getattr(r, attr) for r in rs], marker="o",
+                    label=f"{backend}, {threads} thr")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("request size (MiB)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
+    """Run the benchmark; return the report (what ``--json`` writes)."""
+    created_tmp = cfg.path is None
+    directory = Path(tempfile.mkdtemp(prefix=".tiered-offload-bench-", dir=os.getcwd())) if created_tmp \
+        else Path(cfg.path).expanduser().absolute()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageDirectoryError(e.errno, f"cannot create benchmark directory {directory}: {e.strerror}") from e
+    if not os.access(directory, os.W_OK):
+        raise StorageDirectoryError(13, f"benchmark directory {directory} is not writable; pass --path to a writable directory")
+    free = shutil.disk_usage(directory).free
+    if cfg.size_bytes > free * 0.9:
+        from .errors import DiskFullError
+        raise DiskFullError(f"bench-io needs {format_size(cfg.size_bytes)} in {directory} but only {format_size(free)} "
+                            f"is free; pass a smaller --size", path=str(directory), needed_bytes=cfg.size_bytes, free_bytes=free)
+    plan, notes = _plan(cfg, directory)
+    host_src = aligned_empty(cfg.size_bytes)
+    g = torch.Generator().manual_seed(1234)
+    host_src.copy_(torch.randint(0, 256, (cfg.size_bytes,), dtype=torch.uint8, generator=g))
+    host_dst = aligned_empty(cfg.size_bytes)
+    results: list[BenchResult] = []
+    try:
+        from tqdm import tqdm
+        bar = tqdm(plan, desc="bench-io", unit="cfg", disable=not progress, leave=False)
+        for mode, req, threads in bar:
+            bar.set_postfix_str(f"{mode} {format_size(req)} x{threads}")
+            if mode == "kvikio":
+                src, dst = host_src.to("cuda"), torch.empty(cfg.size_bytes, dtype=torch.uint8, device="cuda")
+            else:
+                src, dst = host_src, host_dst
+            results.append(_measure(mode, directory, req, threads, src, dst))
+        bar.close()
+    finally:
+        if created_tmp:
+            shutil.rmtree(directory, ignore_errors=True)
+    best = recommend(results)
+    return {
+        "tool": "tiered-offload bench-io",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "path": str(directory),
+        "temporary_path": created_tmp,
+        "filesystem": filesystem_id(directory if directory.exists() else directory.parent),
+        "size_bytes": cfg.size_bytes,
+        "notes": notes,
+        "results": [dataclasses.asdict(r) | {"score_GBps": r.score} for r in results],
+        "recommended": {
+            "backend": "kvikio" if best.backend == "kvikio" else ("aiofiles" if best.backend == "aiofiles" else "posix"),
+            "options": _options_for(best),
+            "read_GBps": best.read_GBps,
+            "write_GBps": best.write_GBps,
+        },
+    }
+
+
+def main(args) -> int:
+    """The ``bench-io`` subcommand (arguments parsed by :mod:`tiered_offload.cli`)."""
+    cfg = BenchConfig(
+        path=args.path,
+        size_bytes=parse_size(args.size, what="--size"),
+        request_sizes=tuple(parse_size(s, what="--request-sizes") for s in args.request_sizes.split(",")),
+        thread_counts=tuple(int(t) for t in args.threads.split(",")),
+        backends=tuple(args.backends.split(",")),
+    )
+    report = run_bench_io(cfg, progress=not args.no_progress)
+    results = [BenchResult(**{k: v for k, v in r.items() if k != "score_GBps"}) for r in report["results"]]
+    print(f"bench-io: {format_size(cfg.size_bytes)} per test in {report['path']}"
+          f"{' (temporary, removed)' if report['temporary_path'] else ''}")
+    print(format_table(results))
+    for note in report["notes"]:
+        print(f"note: {note}")
+    caches = sorted({r.cache_defeat for r in results})
+    print("page cache: " + "; ".join(caches))
+    rec = report["recommended"]
+    print(f"recommended: {rec['backend']} {json.dumps(rec['options'])}  "
+          f"(read {rec['read_GBps']:.2f} GB/s, write {rec['write_GBps']:.2f} GB/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    if args.save_profile is not None:
+        where = save_profile(report, args.save_profile or None)
+        print(f"saved profile for {report['filesystem']['mount_point']} to {where} (the store uses it for this file system)")
+    return 0

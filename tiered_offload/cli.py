@@ -1,0 +1,57 @@
+"""The ``tiered-offload`` command line (also ``python -m tiered_offload``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import TieredOffloadError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiered-offload",
+        description="Train PyTorch models whose training state is larger than GPU memory and host RAM.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine decides")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("bench-io", help="measure a directory's disk throughput and recommend I/O settings",
+                       description="Measure sequential read and write throughput of a directory for each backend, "
+                                   "request size and thread count; verify the data; recommend the best settings.")
+    b.add_argument("--path", help="directory to test (default: a temporary directory under the current one)")
+    b.add_argument("--size", default="512MiB", help="test file size per configuration (default 512MiB)")
+    b.add_argument("--request-sizes", default="1MiB,4MiB,16MiB", help="comma-separated request sizes")
+    b.add_argument("--threads", default="1,4,8", help="comma-separated I/O thread counts")
+    b.add_argument("--backends", default="posix-direct,posix-buffered,aiofiles,kvikio",
+                   help="comma-separated modes: posix-direct, posix-buffered, aiofiles, kvikio")
+    b.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    b.add_argument("--plot", metavar="FILE", help="draw throughput against request size as a PNG")
+    b.add_argument("--save-profile", nargs="?", const="", metavar="FILE",
+                   help="save the recommendation as the store's I/O profile for this file system "
+                        "(default ~/.config/tiered-offload/io-profile.json)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a reported error)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "bench-io":
+            from .bench_io import main as bench_main
+            return bench_main(args)
+    except TieredOffloadError as e:
+        print(f"tiered-offload {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Saved I/O profiles: the settings ``tiered-offload bench-io`` measured best, reused by the store.
+
+A profile records, for the file system it was measured on (identified by its device number and
+mount point), the backend options that gave the best throughput. :func:`tuned_options` returns
+those options for a storage location on the same file system, and nothing for any other, so a
+profile measured on one drive never silently tunes another.
+
+Where: ``--save-profile PATH``, by default ``~/.config/tiered-offload/io-profile.json``; the
+environment variable ``TIERED_OFFLOAD_PROFILE`` points elsewhere, or disables profiles with ``none``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from .errors import ProfileError
+
+__all__ = ["default_profile_path", "save_profile", "load_profile", "tuned_options", "filesystem_id"]
+
+log = logging.getLogger(__name__)
+PROFILE_VERSION = 1
+
+
+def default_profile_path() -> Path | None:
+    """The profile file in use: ``TIERED_OFFLOAD_PROFILE`` or the per-user default; None if disabled."""
+    env = os.environ.get("TIERED_OFFLOAD_PROFILE")
+    if env is not None:
+        return None if env.lower() in ("", "none", "off") else Path(env).expanduser()
+    return Path("~/.config/tiered-offload/io-profile.json").expanduser()
+
+
+def filesystem_id(path: str | os.PathLike) -> dict:
+    """Device number and mount point of the file system holding ``path`` (or its nearest existing parent)."""
+    p = Path(path).expanduser().absolute()
+    while not p.exists():
+        p = p.parent
+    dev = os.stat(p).st_dev
+    mount = p
+    while mount != mount.parent and os.stat(mount.parent).st_dev == dev:
+        mount = mount.parent
+    return {"st_dev": dev, "mount_point": str(mount)}
+
+
+def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
+    """Merge ``profile`` (one file system's entry) into the profile file; returns its path."""
+    target = Path(path).expanduser() if path else default_profile_path()
+    if target is None:
+        raise ProfileError("profiles are disabled (TIERED_OFFLOAD_PROFILE=none); pass a path to --save-profile")
+    existing = {"version": PROFILE_VERSION, "filesystems": {}}
+    if target.exists():
+        try:
+            existing = load_profile(target)
+        except ProfileError:
+            log.warning("replacing unreadable profile %s", target)
+    existing["filesystems"][profile["filesystem"]["mount_point"]] = profile
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(existing, indent=2, sort_keys=True))
+    os.replace(tmp, target)
+    return target
+
+
+def load_profile(path: str | os.PathLike | None = None) -> dict:
+    """Read a profile file; raises :class:`ProfileError` naming the file if it is malformed."""
+    target = Path(path).expanduser() if path else default_profile_path()
+    if target is None or not target.exists():
+        return {"version": PROFILE_VERSION, "filesystems": {}}
+    try:
+        data = json.loads(target.read_text())
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"cannot read I/O profile {target}: {e}; delete it or run tiered-offload bench-io --save-profile again") from e
+    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION or not isinstance(data.get("filesystems"), dict):
+        raise ProfileError(f"I/O profile {target} has an unknown format (expected version {PROFILE_VERSION}); "
+                           f"run tiered-offload bench-io --save-profile again")
+    return data
+
+
+def tuned_options(location: str | os.PathLike, path: str | os.PathLike | None = None) -> dict:
+    """Backend options measured best for the file system holding ``location``; {} if none match."""
+    try:
+        data = load_profile(path)
+    except ProfileError as e:
+        log.warning("%s", e)
+        return {}
+    fs = filesystem_id(location)
+    for entry in data["filesystems"].values():
+        if entry.get("filesystem", {}).get("st_dev") == fs["st_dev"]:
+            return dict(entry.get("recommended", {}).get("options", {}))
+    return {}
