@@ -5,6 +5,7 @@ by a :class:`TieredStore` with a lookahead scheduler, on pluggable storage backe
 """
 
 from .config import StoreConfig
+from .engine import Engine, empty_init
 from .errors import *  # noqa: F401,F403 - the typed errors are part of the public API
 from .errors import __all__ as _error_names
 from .futures import IOFuture
@@ -16,6 +17,8 @@ from .units import format_size, parse_size
 __version__ = "0.1.0"
 
 __all__ = [
+    "Engine",
+    "empty_init",
     "TieredStore",
     "StoreConfig",
     "StoreStats",

@@ -63,21 +63,31 @@ class Arena:
         return _round_up(max(nbytes, 1), self.alignment)
 
     def alloc(self, nbytes: int) -> int | None:
-        """Offset of a free block of ``nbytes`` (rounded up), or None if no hole is large enough."""
+        """Offset of a free block of ``nbytes`` (rounded up), or None if no hole is large enough.
+
+        Best fit (the smallest hole that is large enough), which keeps large holes whole for
+        large tensors when sizes are mixed.
+        """
         size = self.block_size(nbytes)
         with self._lock:
+            best = None
             for i, (off, hole) in enumerate(self._free):
-                if hole >= size:
+                if hole >= size and (best is None or hole < self._free[best][1]):
+                    best = i
                     if hole == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + size, hole - size)
-                    self.used += size
-                    if self.used > self.capacity:  # pragma: no cover - impossible by construction
-                        raise RuntimeError(f"{self.name} arena accounting broken: {self.used} > {self.capacity}")
-                    self.peak_used = max(self.peak_used, self.used)
-                    return off
-            return None
+                        break
+            if best is None:
+                return None
+            off, hole = self._free[best]
+            if hole == size:
+                del self._free[best]
+            else:
+                self._free[best] = (off + size, hole - size)
+            self.used += size
+            if self.used > self.capacity:  # pragma: no cover - impossible by construction
+                raise RuntimeError(f"{self.name} arena accounting broken: {self.used} > {self.capacity}")
+            self.peak_used = max(self.peak_used, self.used)
+            return off
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return a block to the arena, merging it with neighbouring holes."""

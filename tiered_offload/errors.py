@@ -29,6 +29,9 @@ __all__ = [
     "TensorStateError",
     "InvalidKeyError",
     "ProfileError",
+    "ModelStructureError",
+    "ModelInputError",
+    "NonFiniteError",
 ]
 
 
@@ -110,3 +113,15 @@ class InvalidKeyError(TieredOffloadError, ValueError):
 
 class ProfileError(TieredOffloadError, ValueError):
     """A saved bench-io profile is unreadable or does not match this machine."""
+
+
+class ModelStructureError(TieredOffloadError, ValueError):
+    """The model cannot be split into streamed blocks (no block sequence found, weights shared across blocks...)."""
+
+
+class ModelInputError(TieredOffloadError, ValueError):
+    """The model's forward rejected the batch; the original exception is chained."""
+
+
+class NonFiniteError(TieredOffloadError, FloatingPointError):
+    """A loss or gradient is NaN or infinite; the training state was left untouched."""

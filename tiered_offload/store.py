@@ -447,6 +447,19 @@ class TieredStore:
         for p in self._policies.values():
             p.on_access(key)
 
+    def zero(self, key: str) -> None:
+        """Reset the tensor to all zeros without any I/O (its copies become stale and are dropped lazily)."""
+        with self._lock:
+            rec = self._rec(key)
+            busy = self._begin(rec, ("zero", Tier.HOST))
+            if any(s.pins for s in rec.slots.values()):
+                error = TensorStateError(f"zero({key!r}): a copy is pinned; release() it first")
+                self._end(rec, busy, error=error)
+                raise error
+            rec.version += 1
+            rec.zero = True
+        self._end(rec, busy, result=0)
+
     def read(self, key: str) -> torch.Tensor:
         """A CPU copy of the tensor's current bytes (for inspection and tests)."""
         with self._lock:

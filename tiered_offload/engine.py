@@ -1,0 +1,653 @@
+"""The layer-streaming training engine.
+
+``Engine`` wraps a model whose fp32 training state (weights, gradients, optimizer states) does
+not fit in memory. It splits the model into units (each block of its block sequence, and the
+rest: see :mod:`.model_split`), keeps every unit's state as flat buffers in a
+:class:`~tiered_offload.store.TieredStore`, and replaces each block in the model by a proxy, so
+the model's own ``forward`` runs unchanged:
+
+* forward: the rest's weights are bound into the model; each block proxy fetches its block's
+  weights from the store, runs the block without building a graph, keeps only the block's
+  inputs (the activation checkpoint) and releases the weights;
+* backward: autograd reaches the blocks in reverse order; each one fetches its weights again,
+  recomputes its forward with the RNG state of the first run, back-propagates, and adds its
+  weight gradient into the unit's gradient buffer in the store;
+* step: each unit's weights, gradients and optimizer states are fetched and updated by the very
+  ``torch.optim`` class the user named (on the flat buffers, elementwise: the same arithmetic as
+  in-memory training), then written back by the store as it needs room.
+
+The store's lookahead policy is told each iteration's access sequence (recorded from the
+previous iteration), so it prefetches the next units while the current one computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import tempfile
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .config import StoreConfig, resolve_device
+from .errors import (
+    ConfigError,
+    DiskFullError,
+    ModelInputError,
+    ModelStructureError,
+    NonFiniteError,
+    TierCapacityError,
+    TieredOffloadError,
+)
+from .model_split import Unit, plan_units
+from .store import TieredStore
+from .tiers import Tier
+from .units import format_size, parse_size
+
+__all__ = ["Engine", "empty_init"]
+
+_FP32 = 4
+
+
+@contextlib.contextmanager
+def empty_init():
+    """Build a model with its parameters on the meta device and its buffers real.
+
+    ``with tiered_offload.empty_init(): model = MyModel(config)`` allocates no parameter memory;
+    the engine then initialises the parameters unit by unit, straight into its store, with the
+    modules' own initialisation. Buffers (rotary frequencies, masks) are computed normally.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _storage_spec(storage) -> str:
+    if isinstance(storage, (list, tuple)):
+        return "posix:" + ",".join(os.fspath(p) for p in storage)
+    if isinstance(storage, os.PathLike):
+        return "auto:" + os.fspath(storage)
+    text = str(storage)
+    from storage_backends import available_backends
+    name = text.split("?")[0].split(":")[0]
+    if name in available_backends() or name == "auto":
+        return text
+    return "auto:" + text
+
+
+class _BlockProxy(nn.Module):
+    """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
+
+    def __init__(self, engine: "Engine", index: int):
+        super().__init__()
+        self._engine_ref = engine
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        return self._engine_ref._block_forward(self.index, args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"streamed block {self.index}"
+
+
+class _StreamedBlock(torch.autograd.Function):
+    """A block as one autograd node: forward without a graph, backward by recomputation."""
+
+    @staticmethod
+    def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
+        ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
+        ctx.rng = engine._rng_state()
+        args, kwargs = _rebuild(spec, leaves, tensors)
+        out = engine._run_block(index, args, kwargs)
+        out_leaves, out_spec = tree_flatten(out)
+        box["spec"], box["leaves"] = out_spec, out_leaves
+        ctx.out_mask = [isinstance(x, torch.Tensor) for x in out_leaves]
+        ctx.save_for_backward(*tensors)
+        outs = tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
+        ids = {id(t) for t in tensors}
+        return tuple(o.clone() if id(o) in ids else o for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[6:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
+        input_grads = ctx.engine._block_backward(ctx.index, ctx.spec, ctx.leaves, inputs, needs, grad_outputs, ctx.rng)
+        return (None,) * 6 + tuple(input_grads)
+
+
+def _rebuild(spec, leaves, tensors):
+    it = iter(tensors)
+    filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return tree_unflatten(filled, spec)
+
+
+class Engine:
+    """Train ``model`` with its state streamed through device memory, a host budget and disk.
+
+    Args:
+        model: an ``nn.Module`` (possibly built with :func:`empty_init` or on the meta device)
+            whose bulk is a sequence of blocks.
+        optimizer: a ``torch.optim`` class (Adam, AdamW, SGD, ...) whose per-parameter state is
+            elementwise.
+        optimizer_kwargs: its hyperparameters (``lr``, ``weight_decay``...).
+        storage: a directory, a list of directories (striped), or a backend spec
+            (``"posix:/mnt/a,/mnt/b"``, ``"memory"``). Default: a temporary directory.
+        host_memory: host budget (pinned on CUDA); ``"auto"``: a quarter of available memory.
+        device_memory: device budget on CUDA (``"auto"``: half the free memory); unused on the CPU.
+        blocks: dotted name of the block sequence when it cannot be found automatically.
+        device: ``"auto"`` (CUDA when available), ``"cuda"``, ``"cpu"``.
+        on_nonfinite: ``"raise"`` (default) or ``"skip"``: what to do when a loss or gradient
+            is NaN or infinite. Either way no weight or optimizer state is touched.
+        store_config: extra :class:`StoreConfig` fields (policy, prefetch_depth...).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 optimizer_kwargs: dict | None = None, storage=None, host_memory: int | str = "auto",
+                 device_memory: int | str = "auto", *, blocks: str | None = None, device: str = "auto",
+                 on_nonfinite: str = "raise", store_config: dict | None = None):
+        if on_nonfinite not in ("raise", "skip"):
+            raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.model = model
+        self.device = resolve_device(device)
+        self.on_nonfinite = on_nonfinite
+        self.optimizer_class = optimizer
+        self._opt_kwargs = dict(optimizer_kwargs or {})
+        self._tmpdir = None
+        if storage is None:
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="tiered-offload-")
+            storage = self._tmpdir.name
+        self.seq_name, self.blocks, self.rest, self._param_order = plan_units(model, blocks)
+        self.units: list[Unit] = [*self.blocks, self.rest]
+        self._state_kinds, group = self._probe_optimizer()
+        self.param_groups = [group]
+        cuda = self.device.type == "cuda"
+        cfg = StoreConfig(host_budget_bytes=host_memory, device=self.device,
+                          device_budget_bytes=device_memory if cuda else 0, policy="lookahead",
+                          prefetch_depth=4, **(store_config or {}))
+        self.store = TieredStore(_storage_spec(storage), cfg)
+        self.store.open()
+        try:
+            self._check_budgets()
+            self._check_disk()
+            self._register_and_load()
+            self._install_proxies()
+        except BaseException:
+            self.store.close(flush=False)
+            raise
+        self.step_count = 0
+        self._rest_bound = False
+        self._rest_view: torch.Tensor | None = None
+        self._placeholders: dict[int, torch.Tensor] = {}
+        self._grads_finite: dict[str, bool] = {}
+        self._grad_scale: torch.Tensor | None = None
+        self._skip_step = False
+        self._trace: list[str] = []
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._optimizer_view: _OptimizerView | None = None
+        self.store.declare_access_sequence(self._default_sequence())
+        self._unbind_rest()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _probe_optimizer(self) -> tuple[list[str], dict]:
+        """Which per-parameter state tensors the optimizer keeps, and its full hyperparameters."""
+        p = torch.zeros(3, requires_grad=True)
+        try:
+            opt = self.optimizer_class([p], **self._opt_kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{self.optimizer_class.__name__} rejected optimizer_kwargs {self._opt_kwargs}: {e}") from e
+        p.grad = torch.ones(3)
+        opt.step()
+        kinds = [k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.shape == p.shape]
+        self._has_step = "step" in opt.state[p]
+        self._ctor_keys = set(inspect.signature(self.optimizer_class).parameters) - {"params"}
+        group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        return kinds, group
+
+    def _unit_bytes(self, unit: Unit) -> int:
+        return unit.numel * _FP32
+
+    def _check_budgets(self) -> None:
+        """Refuse, up front and with the numbers, budgets that cannot hold one step's working set."""
+        compute = self.store.compute_tier
+        cap = self.store.capacity(compute)
+        align = 4096
+        def b(unit): return (self._unit_bytes(unit) + align - 1) // align * align
+        biggest = max(self.blocks, key=b)
+        states = len(self._state_kinds)
+        largest = max(b(u) for u in self.units)
+        fwd_bwd = 2 * b(self.rest) + 3 * b(biggest)   # rest W+G, block W+G, next block's W prefetched
+        opt = (2 + states) * largest
+        # plus one unit of slack: pinned tensors can split the free space into holes
+        need = max(fwd_bwd, opt) + largest
+        if need > cap:
+            raise TierCapacityError(
+                f"the {compute.name.lower()} budget ({format_size(cap)}) cannot hold one step's working set: "
+                f"{format_size(need)} needed (largest block {biggest.name} = {format_size(b(biggest))} of weights, "
+                f"rest of the model {format_size(b(self.rest))}; forward/backward keeps the rest's weights and "
+                f"gradients plus two blocks' weights and one block's gradients, the optimizer keeps one unit's "
+                f"weights, gradients and {states} state tensor(s); plus one unit of slack against fragmentation). Raise host_memory"
+                f"{' / device_memory' if compute == Tier.DEVICE else ''} to at least {format_size(need)}")
+        if compute == Tier.DEVICE and self.store.capacity(Tier.HOST) < max(b(u) for u in self.units):
+            raise TierCapacityError(f"host_memory ({format_size(self.store.capacity(Tier.HOST))}) must hold at least the "
+                                    f"largest unit ({format_size(max(b(u) for u in self.units))}) to stage it to the GPU")
+
+    def state_bytes(self) -> int:
+        """Bytes of training state on disk: weights, gradients and optimizer states of every unit."""
+        return sum(self._unit_bytes(u) for u in self.units) * (2 + len(self._state_kinds))
+
+    def _check_disk(self) -> None:
+        free = self.store.backend.free_bytes()
+        need = self.state_bytes()
+        if free is not None and need > free:
+            raise DiskFullError(
+                f"the training state needs {format_size(need)} ({need} bytes) in {self.store.backend.location} "
+                f"but {format_size(free)} ({free} bytes) is free; free space or add storage directories",
+                path=self.store.backend.location, needed_bytes=need, free_bytes=free)
+
+    def _register_and_load(self) -> None:
+        """Register every unit's buffers and fill the weights (copied, or initialised if on meta)."""
+        meta = any(p.device.type == "meta" for p in self.model.parameters())
+        init = self._initialiser() if meta else None
+        for unit in self.units:
+            self.store.register(unit.key("weight"), (unit.numel,))
+            self.store.register(unit.key("grad"), (unit.numel,))
+            for kind in self._state_kinds:
+                self.store.register(unit.key(f"state.{kind}"), (unit.numel,))
+            flat = self.store.get(unit.key("weight"), Tier.HOST)
+            try:
+                if meta:
+                    self._initialise_unit(unit, flat, init)
+                else:
+                    for slot in unit.params:
+                        flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+                self.store.mark_dirty(unit.key("weight"), Tier.HOST)
+            finally:
+                self.store.release(unit.key("weight"), Tier.HOST)
+            self.store.write_back(unit.key("weight")).get()
+            self.store.evict(unit.key("weight"), Tier.HOST).get()
+        if meta:
+            self._replace_meta_parameters()
+        for unit in self.units:  # the model no longer holds the weights: the store does
+            for slot in unit.params:
+                slot.param.data = self._placeholder()
+        self._move_buffers()
+
+    def _placeholder(self) -> torch.Tensor:
+        """What an unbound parameter holds: no memory (its real value lives in the store)."""
+        return torch.empty(0, device=self.device)
+
+    def _replace_meta_parameters(self) -> None:
+        """Swap meta parameters for real (empty) ones: a meta tensor's data cannot be rebound later."""
+        new: dict[int, nn.Parameter] = {}
+        for unit in self.units:
+            for slot in unit.params:
+                new[id(slot.param)] = nn.Parameter(self._placeholder(), requires_grad=slot.param.requires_grad)
+        for module in [self.model, *(u.module for u in self.blocks)]:
+            for sub in module.modules():
+                for name, p in list(sub._parameters.items()):
+                    if p is not None and id(p) in new:
+                        sub._parameters[name] = new[id(p)]
+        for unit in self.units:
+            for slot in unit.params:
+                slot.param = new[id(slot.param)]
+
+    def _initialiser(self) -> Callable[[nn.Module], None]:
+        hf_init = getattr(self.model, "_init_weights", None)
+        if callable(hf_init):
+            return hf_init
+
+        def reset(module: nn.Module) -> None:
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        return reset
+
+    def _initialise_unit(self, unit: Unit, flat: torch.Tensor, init: Callable[[nn.Module], None]) -> None:
+        """Materialise the unit's modules on the CPU one at a time, initialise them, copy into ``flat``."""
+        wanted = {id(s.param): s for s in unit.params}
+        root = unit.module if unit.module is not None else self.model
+        modules = [m for m in _post_order(root) if any(id(p) in wanted for p in m.parameters(recurse=False))]
+        if unit.module is None:  # the rest: skip modules inside the block sequence
+            seq = self.model.get_submodule(self.seq_name)
+            inside = {id(m) for m in seq.modules()}
+            modules = [m for m in modules if id(m) not in inside]
+        for m in modules:
+            mine = [(n, wanted[id(p)]) for n, p in m.named_parameters(recurse=False) if id(p) in wanted]
+            for n, slot in mine:  # a real tensor for the initialiser to fill; NaN shows what it missed
+                m._parameters[n] = nn.Parameter(torch.full(slot.shape, math.nan), requires_grad=slot.param.requires_grad)
+            init(m)
+            for n, slot in mine:
+                value = m._parameters[n].detach()
+                if torch.isnan(value).any():
+                    raise ModelStructureError(
+                        f"parameter {slot.name!r} ({type(m).__name__}) has no initialiser: neither reset_parameters() "
+                        f"nor the model's _init_weights set it. Build the model on the CPU instead of the meta device, "
+                        f"or give the module a reset_parameters()")
+                flat[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+                m._parameters[n] = slot.param  # back to the meta parameter the unit tracks
+
+    def _move_buffers(self) -> None:
+        for module in [*(u.module for u in self.blocks), self.model]:
+            for sub in module.modules():
+                for name, buf in list(sub._buffers.items()):
+                    if buf is not None and buf.device != self.device:
+                        if buf.device.type == "meta":
+                            raise ModelStructureError(
+                                f"buffer {name!r} of {type(sub).__name__} is on the meta device, so its value is lost; "
+                                f"build the model with tiered_offload.empty_init() (buffers stay real) instead of "
+                                f"torch.device('meta')")
+                        sub._buffers[name] = buf.to(self.device)
+
+    def _install_proxies(self) -> None:
+        seq = self.model.get_submodule(self.seq_name)
+        for i in range(len(seq)):
+            seq[i] = _BlockProxy(self, i)
+        cfg = getattr(self.model, "config", None)
+        if cfg is not None and getattr(cfg, "use_cache", False):
+            cfg.use_cache = False  # key/value caches are for generation; training does not need them
+
+    # ---- access bookkeeping -------------------------------------------------------------
+    def _get(self, key: str) -> torch.Tensor:
+        self._trace.append(key)
+        return self.store.get(key)
+
+    def _release(self, key: str) -> None:
+        self.store.release(key)
+
+    def _default_sequence(self) -> list[str]:
+        fwd = [self.rest.key("weight")] + [b.key("weight") for b in self.blocks]
+        bwd = [k for b in reversed(self.blocks) for k in (b.key("weight"), b.key("grad"))] + [self.rest.key("grad")]
+        opt = [u.key(k) for u in self._optimizer_order() for k in ("weight", "grad", *(f"state.{s}" for s in self._state_kinds))]
+        return fwd + bwd + opt
+
+    def _optimizer_order(self) -> list[Unit]:
+        return [*reversed(self.blocks), self.rest]
+
+    def _rng_state(self):
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    # ---- forward ------------------------------------------------------------------------
+    def _to_device(self, tree):
+        return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, tree)
+
+    def _bind_rest(self) -> None:
+        if self._rest_bound:
+            return
+        flat = self._get(self.rest.key("weight"))
+        for slot in self.rest.params:
+            slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self._rest_view = flat
+        self._rest_bound = True
+
+    def _unbind_rest(self) -> None:
+        if not self._rest_bound:
+            return
+        self._collect_rest_grads()
+        for slot in self.rest.params:
+            slot.param.data = self._placeholder()
+        self._release(self.rest.key("weight"))
+        self._rest_bound = False
+        self._rest_view = None
+
+    def __call__(self, *args, **kwargs):
+        """Run the model's forward, streaming its blocks; returns what the model returns."""
+        args, kwargs = self._to_device((args, kwargs))
+        self._bind_rest()
+        try:
+            return self.model(*args, **kwargs)
+        except TieredOffloadError:
+            raise
+        except (TypeError, ValueError, RuntimeError, IndexError) as e:
+            raise ModelInputError(f"{type(self.model).__name__}.forward rejected the batch: {e}. Check the inputs' "
+                                  f"shapes, dtypes and keyword names against what the model expects") from e
+
+    def _run_block(self, index: int, args, kwargs):
+        unit = self.blocks[index]
+        flat = self._get(unit.key("weight"))
+        try:
+            return functional_call(unit.module, unit.views(flat), args, kwargs, strict=False)
+        finally:
+            self._release(unit.key("weight"))
+
+    def _block_forward(self, index: int, args, kwargs):
+        if not torch.is_grad_enabled():
+            return self._run_block(index, args, kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        box: dict[str, Any] = {}
+        outs = _StreamedBlock.apply(self, index, spec, leaves, box, self._anchor, *tensors)
+        it = iter(outs)
+        return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
+
+    # ---- backward -----------------------------------------------------------------------
+    def _block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng):
+        unit = self.blocks[index]
+        key = unit.key("weight")
+        flat = self._get(key)
+        try:
+            leaf = flat.detach().requires_grad_(True)
+            args, kwargs = _rebuild(spec, leaves, inputs)
+            with torch.enable_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.set_rng_state(rng["cpu"])
+                if "cuda" in rng:
+                    torch.cuda.set_rng_state(rng["cuda"], self.device)
+                out = functional_call(unit.module, unit.views(leaf), args, kwargs, strict=False)
+            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+            wrt = [leaf] + [x for x, n in zip(inputs, needs) if n]
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        finally:
+            self._release(key)
+        self._accumulate(unit, grads[0])
+        it = iter(grads[1:])
+        return [next(it) if n else None for n in needs]
+
+    def _accumulate(self, unit: Unit, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        key = unit.key("grad")
+        g = self._get(key)
+        try:
+            g.add_(grad)
+            self.store.mark_dirty(key)
+        finally:
+            self._release(key)
+        if not bool(torch.isfinite(grad).all()):
+            self._grads_finite[unit.name] = False
+
+    def _collect_rest_grads(self) -> None:
+        grads = [(s, s.param.grad) for s in self.rest.params if s.param.grad is not None]
+        if not grads:
+            return
+        flat = torch.zeros(self.rest.numel, device=self.device)
+        for s, g in grads:
+            flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+            s.param.grad = None
+        self._accumulate(self.rest, flat)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward needs a scalar tensor computed from the engine's output")
+        if not bool(torch.isfinite(loss.detach()).all()):
+            if self.on_nonfinite == "skip":
+                self._skip_step = True
+                self._unbind_rest()
+                return
+            self._unbind_rest()
+            raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
+                                 f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
+        try:
+            loss.backward()
+        finally:
+            self._unbind_rest()
+
+    # ---- optimizer ----------------------------------------------------------------------
+    def _grad_views(self, unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm over all parameters, as ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns the total norm before clipping. The scaling is applied in :meth:`step`, on the
+        way through, saving a pass over the gradients on disk.
+        """
+        self._unbind_rest()
+        norms: dict[int, torch.Tensor] = {}
+        for unit in self._optimizer_order():
+            flat = self._get(unit.key("grad"))
+            try:
+                views = self._grad_views(unit, flat)
+                for s, n in zip(unit.params, torch._foreach_norm(views, norm_type)):
+                    norms[id(s)] = n.clone()
+            finally:
+                self._release(unit.key("grad"))
+        ordered = [norms[id(s)] for _, s in self._param_order]
+        total = torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._grad_scale = coef if self._grad_scale is None else self._grad_scale * coef
+        return total
+
+    def step(self) -> bool:
+        """Apply one optimizer update to every unit. Returns False if the step was skipped (non-finite)."""
+        self._unbind_rest()
+        if self._skip_step or not all(self._grads_finite.values()):
+            bad = [k for k, ok in self._grads_finite.items() if not ok]
+            self._grads_finite.clear()
+            self._grad_scale = None
+            if self.on_nonfinite == "skip" or self._skip_step:
+                self._skip_step = False
+                self.zero_grad()
+                return False
+            raise NonFiniteError(f"non-finite gradients in {', '.join(bad)}; no weight or optimizer state was updated. "
+                                 f"Call zero_grad() and lower the learning rate, or pass on_nonfinite='skip'")
+        # the current hyperparameters (a scheduler may have changed lr) as constructor arguments
+        kwargs = {k: v for k, v in self.param_groups[0].items() if k in self._ctor_keys}
+        for unit in self._optimizer_order():
+            self._update_unit(unit, kwargs)
+        self.step_count += 1
+        self._grad_scale = None
+        self._grads_finite.clear()
+        self._learn_sequence()
+        return True
+
+    def _update_unit(self, unit: Unit, hyper: dict) -> None:
+        keys = [unit.key("weight"), unit.key("grad")] + [unit.key(f"state.{k}") for k in self._state_kinds]
+        tensors = [self._get(k) for k in keys]
+        try:
+            w, g, states = tensors[0], tensors[1], tensors[2:]
+            if self._grad_scale is not None:
+                g.mul_(self._grad_scale.to(g.device))
+                self.store.mark_dirty(keys[1])
+            opt = self.optimizer_class([w], **hyper)
+            w.grad = g
+            first = self.step_count == 0
+            if not first:
+                state: dict[str, Any] = {k: s for k, s in zip(self._state_kinds, states)}
+                if self._has_step:
+                    state["step"] = torch.tensor(float(self.step_count))
+                opt.state[w] = state
+            with torch.no_grad():
+                opt.step()
+            if first:
+                for k, s in zip(self._state_kinds, states):
+                    s.copy_(opt.state[w][k])
+            w.grad = None
+            for k in keys[:1] + keys[2:]:
+                self.store.mark_dirty(k)
+        finally:
+            for k in keys:
+                self._release(k)
+
+    def _learn_sequence(self) -> None:
+        """Declare the access sequence just observed, so the next iteration is prefetched exactly."""
+        if self._trace:
+            self.store.declare_access_sequence(self._trace)
+        self._trace = []
+
+    def zero_grad(self) -> None:
+        """Reset every gradient to zero (no I/O: the store just forgets the old values)."""
+        self._unbind_rest()
+        for unit in self.units:
+            self.store.zero(unit.key("grad"))
+        self._grads_finite.clear()
+
+    # ---- inspection ---------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
+        self._unbind_rest()
+        for unit, slot in self._param_order:
+            with self.store.hold(unit.key("weight"), Tier.HOST) as flat:
+                value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            yield slot.name, value
+
+    def state_dict_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Alias of :meth:`named_parameters`."""
+        return self.named_parameters()
+
+    @property
+    def optimizer(self) -> "_OptimizerView":
+        """A ``torch.optim.Optimizer`` view of the engine, for learning-rate schedulers."""
+        if self._optimizer_view is None:
+            self._optimizer_view = _OptimizerView(self)
+        return self._optimizer_view
+
+    @property
+    def stats(self):
+        """The store's counters (bytes per tier, hits, waits)."""
+        return self.store.stats
+
+    def close(self) -> None:
+        """Write everything back and release memory and files (a temporary storage directory is removed)."""
+        self._unbind_rest()
+        self.store.close()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _OptimizerView(torch.optim.Optimizer):
+    """Enough of ``torch.optim.Optimizer`` for LR schedulers: shared ``param_groups``, ``step``, ``zero_grad``."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        dummy = torch.zeros(1, requires_grad=True)
+        super().__init__([dummy], dict(engine.param_groups[0]))
+        engine.param_groups[0]["params"] = [dummy]
+        self.param_groups = engine.param_groups
+
+    def step(self, closure=None):  # noqa: D102 - forwards to the engine
+        return self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        self._engine.zero_grad()
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module

@@ -1,0 +1,124 @@
+"""Split a model into streamed units: one per block of its block sequence, plus the rest.
+
+A *unit* is what the engine moves through the tiers as one piece: a flat fp32 buffer per kind of
+state (weights, gradients, each optimizer state) holding all of the unit's parameters back to
+back. Blocks are the members of the model's block sequence (an ``nn.ModuleList`` or
+``nn.Sequential``, found as the one holding the most parameters, or named by the user); the
+``rest`` unit holds everything around them (embeddings, final norm, head, tied weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import ModelStructureError
+
+__all__ = ["ParamSlot", "Unit", "find_block_sequence", "plan_units"]
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside its unit's flat buffers."""
+
+    name: str
+    """Its name in ``model.named_parameters()`` (the first name, for tied weights)."""
+    local_name: str
+    """Its name relative to the unit's module (what ``functional_call`` needs), for blocks."""
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Unit:
+    """A piece of the model streamed as one: a block, or the rest."""
+
+    name: str
+    index: int | None
+    """Position in the block sequence, None for the rest unit."""
+    module: nn.Module | None
+    """The block module (None for the rest unit, whose parameters stay in the model)."""
+    params: list[ParamSlot] = field(default_factory=list)
+    numel: int = 0
+
+    def key(self, kind: str) -> str:
+        """Store key of this unit's flat buffer of ``kind`` (``weight``, ``grad``, ``state.exp_avg``...)."""
+        return f"{self.name}/{kind}"
+
+    def add(self, name: str, local_name: str, param: nn.Parameter) -> None:
+        n = param.numel()
+        self.params.append(ParamSlot(name, local_name, param, self.numel, n, tuple(param.shape)))
+        self.numel += n
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{local_name: view}`` of each parameter inside ``flat``."""
+        return {p.local_name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.params}
+
+
+def find_block_sequence(model: nn.Module, hint: str | None = None) -> tuple[str, nn.Module]:
+    """The dotted name and module of the model's block sequence.
+
+    With ``hint`` (e.g. ``"transformer.h"``), that submodule; otherwise the ``ModuleList`` or
+    ``Sequential`` of at least two children that holds the most parameters.
+    """
+    if hint is not None:
+        try:
+            seq = model.get_submodule(hint)
+        except AttributeError:
+            raise ModelStructureError(f"the model has no submodule {hint!r} to use as its block sequence; "
+                                      f"pass blocks= with the dotted name of its nn.ModuleList of layers") from None
+        if not isinstance(seq, (nn.ModuleList, nn.Sequential)):
+            raise ModelStructureError(f"{hint!r} is a {type(seq).__name__}, not an nn.ModuleList or nn.Sequential")
+        return hint, seq
+    best, best_n = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2 and mod is not model:
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_n:
+                best, best_n = (name, mod), n
+    if best is None:
+        raise ModelStructureError(
+            f"{type(model).__name__} has no block sequence (an nn.ModuleList or nn.Sequential of two or more "
+            f"layers holding parameters); pass blocks='<dotted name>' to say which submodule holds the layers")
+    return best
+
+
+def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Unit], Unit, list[tuple[Unit, ParamSlot]]]:
+    """Units of ``model``: its blocks and the rest, and every parameter in ``model.parameters()`` order.
+
+    Raises :class:`ModelStructureError` if a parameter is shared between a block and anything else.
+    """
+    seq_name, seq = find_block_sequence(model, hint)
+    owner: dict[int, Unit] = {}
+    blocks: list[Unit] = []
+    for i, block in enumerate(seq):
+        unit = Unit(f"block.{i}", i, block)
+        for local, p in block.named_parameters():
+            if id(p) in owner:
+                raise ModelStructureError(f"parameter {seq_name}.{i}.{local} is shared with {owner[id(p)].name}; "
+                                          f"weights shared between blocks cannot be streamed")
+            owner[id(p)] = unit
+            unit.add(f"{seq_name}.{i}.{local}", local, p)
+        blocks.append(unit)
+    rest = Unit("rest", None, None)
+    order: list[tuple[Unit, ParamSlot]] = []
+    block_slots = {id(s.param): (u, s) for u in blocks for s in u.params}
+    for name, p in model.named_parameters():
+        if id(p) in block_slots:
+            order.append(block_slots[id(p)])
+            continue
+        rest.add(name, name, p)
+        order.append((rest, rest.params[-1]))
+    # a parameter tied between a block and the rest shows up only once in named_parameters();
+    # make sure no rest parameter object is also a block parameter
+    for name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            full = f"{name}.{pname}" if name else pname
+            if id(p) in block_slots and not full.startswith(f"{seq_name}."):
+                raise ModelStructureError(f"{full} is the same tensor as {block_slots[id(p)][1].name}: weights tied "
+                                          f"between a block and the rest of the model cannot be streamed")
+    return seq_name, blocks, rest, order
