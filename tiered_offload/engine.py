@@ -77,13 +77,15 @@ def empty_init():
         nn.Module.register_parameter = original
 
 
-def _storage_spec(storage) -> str:
+def _storage_spec(storage):
+    from storage_backends import StorageBackend, available_backends
+    if isinstance(storage, StorageBackend):
+        return storage
     if isinstance(storage, (list, tuple)):
         return "posix:" + ",".join(os.fspath(p) for p in storage)
     if isinstance(storage, os.PathLike):
         return "auto:" + os.fspath(storage)
     text = str(storage)
-    from storage_backends import available_backends
     name = text.split("?")[0].split(":")[0]
     if name in available_backends() or name == "auto":
         return text
@@ -320,15 +322,20 @@ class Engine:
 
     def _initialise_unit(self, unit: Unit, flat: torch.Tensor, init: Callable[[nn.Module], None]) -> None:
         """Materialise the unit's modules on the CPU one at a time, initialise them, copy into ``flat``."""
-        wanted = {id(s.param): s for s in unit.params}
+        # A tied parameter is initialised by the module that registered it first (the name
+        # named_parameters() reports), as when the model is built eagerly and then tied.
+        by_name = {(s.local_name if unit.module is not None else s.name): s for s in unit.params}
         root = unit.module if unit.module is not None else self.model
-        modules = [m for m in _post_order(root) if any(id(p) in wanted for p in m.parameters(recurse=False))]
+        inside = set()
         if unit.module is None:  # the rest: skip modules inside the block sequence
-            seq = self.model.get_submodule(self.seq_name)
-            inside = {id(m) for m in seq.modules()}
-            modules = [m for m in modules if id(m) not in inside]
-        for m in modules:
-            mine = [(n, wanted[id(p)]) for n, p in m.named_parameters(recurse=False) if id(p) in wanted]
+            inside = {id(m) for m in self.model.get_submodule(self.seq_name).modules()}
+        for qual, m in _post_order(root):
+            if id(m) in inside:
+                continue
+            mine = [(n, by_name[f"{qual}.{n}" if qual else n]) for n, _ in m.named_parameters(recurse=False)
+                    if (f"{qual}.{n}" if qual else n) in by_name]
+            if not mine:
+                continue
             for n, slot in mine:  # a real tensor for the initialiser to fill; NaN shows what it missed
                 m._parameters[n] = nn.Parameter(torch.full(slot.shape, math.nan), requires_grad=slot.param.requires_grad)
             init(m)
@@ -545,6 +552,8 @@ class Engine:
         for unit in self._optimizer_order():
             self._update_unit(unit, kwargs)
         self.step_count += 1
+        if self._optimizer_view is not None:
+            self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
         self._grad_scale = None
         self._grads_finite.clear()
         self._learn_sequence()
@@ -647,7 +656,8 @@ class _OptimizerView(torch.optim.Optimizer):
         self._engine.zero_grad()
 
 
-def _post_order(module: nn.Module) -> Iterator[nn.Module]:
-    for child in module.children():
-        yield from _post_order(child)
-    yield module
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` children first: the order ``module.apply`` initialises in."""
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
