@@ -105,10 +105,16 @@ class Arena:
             self.used -= size
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """The uint8 tensor over a block's bytes."""
+        """The uint8 tensor over a block's bytes.
+
+        Built with ``set_`` rather than by slicing, so each block has its own autograd version
+        counter: an in-place update of one tensor (a gradient accumulating) must not look like a
+        modification of every other tensor in the arena to autograd.
+        """
         if self._buffer is None:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return self._buffer[offset:offset + nbytes]
+        t = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return t.set_(self._buffer.untyped_storage(), self._buffer.storage_offset() + offset, (nbytes,))
 
     @property
     def largest_hole(self) -> int:

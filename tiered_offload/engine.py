@@ -194,8 +194,11 @@ class Engine:
             self.store.close(flush=False)
             raise
         self.step_count = 0
+        self.optimizer_chunk = 1 << 20
+        """Elements per optimizer call (bounds the optimizer's temporary memory)."""
         self._rest_bound = False
-        self._rest_view: torch.Tensor | None = None
+        self._rest_backward_ran = False
+        self._rest_grad: torch.Tensor | None = None
         self._placeholders: dict[int, torch.Tensor] = {}
         self._grads_finite: dict[str, bool] = {}
         self._grad_scale: torch.Tensor | None = None
@@ -218,6 +221,10 @@ class Engine:
         opt.step()
         kinds = [k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.shape == p.shape]
         self._has_step = "step" in opt.state[p]
+        # Adam and AdamW start every state at zero, so the store's implicit zeros are exact and
+        # their first step allocates nothing; other optimizers create their state on the first
+        # step (SGD's momentum buffer is a copy of the gradient) and we copy it into the store.
+        self._zero_init_states = issubclass(self.optimizer_class, (torch.optim.Adam, torch.optim.AdamW))
         self._ctor_keys = set(inspect.signature(self.optimizer_class).parameters) - {"params"}
         group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         return kinds, group
@@ -397,23 +404,32 @@ class Engine:
         return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, tree)
 
     def _bind_rest(self) -> None:
+        """Point the rest's parameters at its weight buffer, and their .grad at its gradient buffer."""
         if self._rest_bound:
             return
         flat = self._get(self.rest.key("weight"))
+        gflat = self._get(self.rest.key("grad"))
         for slot in self.rest.params:
             slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        self._rest_view = flat
+            slot.param.grad = gflat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self._rest_grad = gflat
         self._rest_bound = True
 
     def _unbind_rest(self) -> None:
         if not self._rest_bound:
             return
-        self._collect_rest_grads()
+        key = self.rest.key("grad")
+        if self._rest_backward_ran:
+            self._note_gradients(self.rest, self._rest_grad)
+            self.store.mark_dirty(key)
+            self._rest_backward_ran = False
         for slot in self.rest.params:
+            slot.param.grad = None
             slot.param.data = self._placeholder()
+        self._release(key)
         self._release(self.rest.key("weight"))
         self._rest_bound = False
-        self._rest_view = None
+        self._rest_grad = None
 
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
@@ -448,48 +464,43 @@ class Engine:
     # ---- backward -----------------------------------------------------------------------
     def _block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng):
         unit = self.blocks[index]
-        key = unit.key("weight")
-        flat = self._get(key)
+        wkey, gkey = unit.key("weight"), unit.key("grad")
+        flat = self._get(wkey)
         try:
-            leaf = flat.detach().requires_grad_(True)
-            args, kwargs = _rebuild(spec, leaves, inputs)
-            with torch.enable_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.set_rng_state(rng["cpu"])
-                if "cuda" in rng:
-                    torch.cuda.set_rng_state(rng["cuda"], self.device)
-                out = functional_call(unit.module, unit.views(leaf), args, kwargs, strict=False)
-            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-            pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-            wrt = [leaf] + [x for x, n in zip(inputs, needs) if n]
-            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            gflat = self._get(gkey)
+            try:
+                # Each parameter is a leaf over the weight buffer whose .grad is a view of the
+                # gradient buffer: autograd adds each weight gradient in place, straight into the
+                # store, with no flat gradient allocated (the same additions PyTorch does into .grad).
+                params = {}
+                for s_ in unit.params:
+                    leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach().requires_grad_(True)
+                    leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+                    params[s_.local_name] = leaf
+                args, kwargs = _rebuild(spec, leaves, inputs)
+                devices = [self.device] if self.device.type == "cuda" else []
+                with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+                    torch.set_rng_state(rng["cpu"])
+                    if "cuda" in rng:
+                        torch.cuda.set_rng_state(rng["cuda"], self.device)
+                    out = functional_call(unit.module, params, args, kwargs, strict=False)
+                outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+                pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+                diff_inputs = [x for x, n in zip(inputs, needs) if n]
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
+                                        inputs=list(params.values()) + diff_inputs)
+                self._note_gradients(unit, gflat)
+                self.store.mark_dirty(gkey)
+            finally:
+                self._release(gkey)
         finally:
-            self._release(key)
-        self._accumulate(unit, grads[0])
-        it = iter(grads[1:])
-        return [next(it) if n else None for n in needs]
+            self._release(wkey)
+        return [x.grad if n else None for x, n in zip(inputs, needs)]
 
-    def _accumulate(self, unit: Unit, grad: torch.Tensor | None) -> None:
-        if grad is None:
-            return
-        key = unit.key("grad")
-        g = self._get(key)
-        try:
-            g.add_(grad)
-            self.store.mark_dirty(key)
-        finally:
-            self._release(key)
-        if not bool(torch.isfinite(grad).all()):
+    def _note_gradients(self, unit: Unit, gflat: torch.Tensor) -> None:
+        """Remember a unit whose accumulated gradient is no longer finite (checked before any update)."""
+        if not bool(torch.isfinite(gflat).all()):
             self._grads_finite[unit.name] = False
-
-    def _collect_rest_grads(self) -> None:
-        grads = [(s, s.param.grad) for s in self.rest.params if s.param.grad is not None]
-        if not grads:
-            return
-        flat = torch.zeros(self.rest.numel, device=self.device)
-        for s, g in grads:
-            flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
-            s.param.grad = None
-        self._accumulate(self.rest, flat)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
@@ -506,6 +517,7 @@ class Engine:
         try:
             loss.backward()
         finally:
+            self._rest_backward_ran = True
             self._unbind_rest()
 
     # ---- optimizer ----------------------------------------------------------------------
@@ -560,6 +572,12 @@ class Engine:
         return True
 
     def _update_unit(self, unit: Unit, hyper: dict) -> None:
+        """Run the optimizer over one unit's flat buffers, a chunk at a time.
+
+        The update is elementwise, so running it on slices gives exactly the numbers a run on
+        whole parameters gives, while the optimizer's temporaries stay a few chunks in size
+        instead of several times the unit.
+        """
         keys = [unit.key("weight"), unit.key("grad")] + [unit.key(f"state.{k}") for k in self._state_kinds]
         tensors = [self._get(k) for k in keys]
         try:
@@ -567,20 +585,23 @@ class Engine:
             if self._grad_scale is not None:
                 g.mul_(self._grad_scale.to(g.device))
                 self.store.mark_dirty(keys[1])
-            opt = self.optimizer_class([w], **hyper)
-            w.grad = g
-            first = self.step_count == 0
-            if not first:
-                state: dict[str, Any] = {k: s for k, s in zip(self._state_kinds, states)}
-                if self._has_step:
-                    state["step"] = torch.tensor(float(self.step_count))
-                opt.state[w] = state
-            with torch.no_grad():
-                opt.step()
-            if first:
-                for k, s in zip(self._state_kinds, states):
-                    s.copy_(opt.state[w][k])
-            w.grad = None
+            first = self.step_count == 0 and not self._zero_init_states
+            for a in range(0, unit.numel, self.optimizer_chunk):
+                b = min(unit.numel, a + self.optimizer_chunk)
+                wc = w[a:b]
+                opt = self.optimizer_class([wc], **hyper)
+                wc.grad = g[a:b]
+                if not first:
+                    state: dict[str, Any] = {k: s[a:b] for k, s in zip(self._state_kinds, states)}
+                    if self._has_step:
+                        state["step"] = torch.tensor(float(self.step_count))
+                    opt.state[wc] = state
+                with torch.no_grad():
+                    opt.step()
+                if first:  # the optimizer created its state: keep it in the store
+                    for k, s in zip(self._state_kinds, states):
+                        s[a:b].copy_(opt.state[wc][k])
+                wc.grad = None
             for k in keys[:1] + keys[2:]:
                 self.store.mark_dirty(k)
         finally:

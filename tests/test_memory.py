@@ -1,0 +1,52 @@
+"""Peak host memory of a training run stays within the budgets plus the stated fixed overhead.
+
+Runs in a subprocess so the measurement (peak RSS, ``ru_maxrss``) sees nothing of pytest's own
+allocations. The model is built with ``empty_init`` (its parameters never exist in memory) and
+its training state is at least 4x the host budget.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+MiB = 1 << 20
+
+SCRIPT = textwrap.dedent("""
+    import gc, json, resource, sys
+    import psutil, torch
+    import torch.nn.functional as F
+    import tiered_offload
+    from tiered_offload.models import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=256, context=64, d_model=256, n_layers=10, n_heads=8)
+    with tiered_offload.empty_init():
+        model = GPT(cfg)
+    x = torch.randint(0, 256, (2, 65))
+    gc.collect()
+    base = psutil.Process().memory_info().rss
+    engine = tiered_offload.Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=sys.argv[1], host_memory="20MiB")
+    for _ in range(3):
+        logits = engine(x[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    largest = 4 * 256 * 4 * 256  # the MLP matrices, 1024 x 256 fp32: the largest parameter
+    print(json.dumps(dict(base=base, peak=peak, host=engine.store.capacity("host"), state=engine.state_bytes(),
+                          disk_read=engine.stats.bytes_read[tiered_offload.Tier.DISK], largest_param=largest)))
+    engine.close()
+""")
+
+
+def test_peak_rss_growth_within_budget_plus_fixed_overhead(tmp_path):
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "state")], capture_output=True, text=True,
+                         check=True, timeout=600)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["state"] >= 4 * r["host"], r
+    assert r["disk_read"] > r["state"] // 2, r  # the state really streamed from disk
+    growth = r["peak"] - r["base"]
+    # README, "Memory": peak RSS growth <= host budget + device budget + 96 MiB + 8 x the largest parameter
+    allowed = r["host"] + 96 * MiB + 8 * r["largest_param"]
+    assert growth <= allowed, f"peak RSS grew {growth / MiB:.1f} MiB, allowed {allowed / MiB:.1f} MiB: {r}"
