@@ -33,6 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the recommendation as the store's I/O profile for this file system "
                         "(default ~/.config/tiered-offload/io-profile.json)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    d = sub.add_parser("demo", help="train a byte-level GPT whose state is several times the host budget",
+                       description="Train a GPT-style byte-level model on the Python standard library's source, "
+                                   "with its training state streamed through a host budget a fraction of its size.")
+    d.add_argument("--d-model", type=int, default=384, help="model width (default 384)")
+    d.add_argument("--layers", type=int, default=8, help="number of blocks (default 8)")
+    d.add_argument("--heads", type=int, default=6, help="attention heads (default 6)")
+    d.add_argument("--context", type=int, default=128, help="tokens per sequence (default 128)")
+    d.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    d.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    d.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    d.add_argument("--storage", help="storage directory (default: a temporary directory under the current one)")
+    d.add_argument("--host-memory", help="host budget (default: a fifth of the training state)")
+    d.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -44,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench-io":
             from .bench_io import main as bench_main
             return bench_main(args)
+        if args.command == "demo":
+            from .demo import main as demo_main
+            return demo_main(args)
     except TieredOffloadError as e:
         print(f"tiered-offload {args.command}: error: {e}", file=sys.stderr)
         return 2
