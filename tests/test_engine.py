@@ -112,6 +112,43 @@ def test_parity_adamw_hf(make, tmp_path):
     assert stats.bytes_read[Tier.DISK] > 0 and stats.bytes_written[Tier.DISK] > 0  # the disk tier really worked
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep-activations"])
+def test_parity_when_the_state_fits_in_memory(recompute, tmp_path):
+    """A budget larger than the state: 'auto' keeps activations; both modes give the same numbers."""
+    torch.manual_seed(0)
+    ref = llama()
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s",
+                    host_memory="16MiB", recompute=recompute)
+    assert engine.recompute is recompute
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        le = hf_loss(engine, x)
+        engine.backward(le)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        lr_ = hf_loss(ref, x)
+        lr_.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        assert le.item() == lr_.item()
+    weights = dict(ref.named_parameters())
+    assert all(torch.equal(v, weights[k]) for k, v in engine.named_parameters())
+    engine.close()
+
+
+def test_auto_recompute_follows_the_budget(tmp_path):
+    big = Engine(plain_gpt(2), storage="memory", host_memory="16MiB")
+    small = Engine(plain_gpt(8), storage="memory", host_memory="400KiB")
+    assert not big.recompute and small.recompute
+    assert not big.overlap_step  # nothing to hide: no background update competing for cores
+    big.close()
+    small.close()
+
+
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
 def test_parity_with_clipping(make, tmp_path):
     assert assert_same(*train_pair(make, hf_loss, tmp_path, clip=0.5)[:4])

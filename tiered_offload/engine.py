@@ -27,6 +27,7 @@ import inspect
 import math
 import os
 import tempfile
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -157,13 +158,16 @@ class Engine:
         device: ``"auto"`` (CUDA when available), ``"cuda"``, ``"cpu"``.
         on_nonfinite: ``"raise"`` (default) or ``"skip"``: what to do when a loss or gradient
             is NaN or infinite. Either way no weight or optimizer state is touched.
+        recompute: checkpoint each block's input and recompute the block in backward (True), or
+            keep its activations and its weights resident until backward, as plain PyTorch does
+            (False). ``"auto"``: recompute unless the whole training state fits the compute tier.
         store_config: extra :class:`StoreConfig` fields (policy, prefetch_depth...).
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  optimizer_kwargs: dict | None = None, storage=None, host_memory: int | str = "auto",
                  device_memory: int | str = "auto", *, blocks: str | None = None, device: str = "auto",
-                 on_nonfinite: str = "raise", store_config: dict | None = None):
+                 on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.model = model
@@ -182,7 +186,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         cfg = StoreConfig(host_budget_bytes=host_memory, device=self.device,
                           device_budget_bytes=device_memory if cuda else 0, policy="lookahead",
-                          prefetch_depth=4, **(store_config or {}))
+                          prefetch_depth=16, **(store_config or {}))
         self.store = TieredStore(_storage_spec(storage), cfg)
         self.store.open()
         try:
@@ -203,10 +207,23 @@ class Engine:
         self._grads_finite: dict[str, bool] = {}
         self._grad_scale: torch.Tensor | None = None
         self._skip_step = False
-        self._trace: list[str] = []
+        self._phases: list[str] = []
+        self._pending: dict[str, threading.Event] = {}
+        """Per unit, the event set when the step in flight has updated it (overlapped step)."""
+        self._pending_lock = threading.Lock()
+        self._zero_after_update: set[str] = set()
+        self._update_error: BaseException | None = None
+        self._update_thread: threading.Thread | None = None
         self._anchor = torch.zeros((), requires_grad=True)
         self._optimizer_view: _OptimizerView | None = None
-        self.store.declare_access_sequence(self._default_sequence())
+        if recompute == "auto":
+            recompute = self.state_bytes() > self.store.capacity(self.store.compute_tier)
+        self.recompute = bool(recompute)
+        """Whether blocks are recomputed in backward (activation checkpointing)."""
+        self._held: list[tuple[Unit, torch.Tensor]] = []
+        self.overlap_step = self._fits_overlap()
+        """Whether step() returns at once and updates units in the background, ahead of the next forward."""
+        self.store.declare_access_sequence(self._sequence(["fwd", "bwd", "opt"]))
         self._unbind_rest()
 
     # ---- set-up -------------------------------------------------------------------------
@@ -256,6 +273,19 @@ class Engine:
         if compute == Tier.DEVICE and self.store.capacity(Tier.HOST) < max(b(u) for u in self.units):
             raise TierCapacityError(f"host_memory ({format_size(self.store.capacity(Tier.HOST))}) must hold at least the "
                                     f"largest unit ({format_size(max(b(u) for u in self.units))}) to stage it to the GPU")
+
+    def _fits_overlap(self) -> bool:
+        """Whether overlapping the step with the next forward pays: there is disk traffic to hide
+        (the state does not fit the compute tier) and the tier can hold a unit being updated while
+        the forward runs. When everything fits, a background update would only compete for cores."""
+        if self.state_bytes() <= self.store.capacity(self.store.compute_tier):
+            return False
+        align = 4096
+        def b(unit): return (self._unit_bytes(unit) + align - 1) // align * align
+        largest = max(b(u) for u in self.units)
+        biggest_block = max(b(u) for u in self.blocks)
+        need = (2 + len(self._state_kinds)) * largest + 2 * b(self.rest) + 2 * biggest_block + largest
+        return self.store.capacity(self.store.compute_tier) >= need
 
     def state_bytes(self) -> int:
         """Bytes of training state on disk: weights, gradients and optimizer states of every unit."""
@@ -378,17 +408,38 @@ class Engine:
 
     # ---- access bookkeeping -------------------------------------------------------------
     def _get(self, key: str) -> torch.Tensor:
-        self._trace.append(key)
         return self.store.get(key)
 
     def _release(self, key: str) -> None:
         self.store.release(key)
 
-    def _default_sequence(self) -> list[str]:
-        fwd = [self.rest.key("weight")] + [b.key("weight") for b in self.blocks]
-        bwd = [k for b in reversed(self.blocks) for k in (b.key("weight"), b.key("grad"))] + [self.rest.key("grad")]
-        opt = [u.key(k) for u in self._optimizer_order() for k in ("weight", "grad", *(f"state.{s}" for s in self._state_kinds))]
-        return fwd + bwd + opt
+    def _phase(self, name: str) -> None:
+        """Record what the caller does this iteration (forward, backward, clip, step)."""
+        if not self._phases or self._phases[-1] != name or name == "bwd":
+            self._phases.append(name)
+
+    def _sequence(self, phases: list[str]) -> list[str]:
+        """The access order of one iteration made of ``phases``, as the store's lookahead sees it.
+
+        The cycle is rotated so it starts with the step, whose units (in forward order) are
+        interleaved with the next forward: with the step overlapped, unit ``i`` is updated just
+        before the forward needs its weights.
+        """
+        kinds = ("weight", "grad", *(f"state.{k}" for k in self._state_kinds))
+        fwd_keys = {u.name: [u.key("weight")] + ([u.key("grad")] if u is self.rest else []) for u in self.units}
+        merged = [k for u in self._update_order() for k in [u.key(kind) for kind in kinds] + fwd_keys[u.name]]
+        bwd = [k for b in reversed(self.blocks) for k in (b.key("weight"), b.key("grad"))]
+        fwd = [k for u in self._update_order() for k in fwd_keys[u.name]]
+        clip = [u.key("grad") for u in self._optimizer_order()]
+        body = {"fwd": fwd, "bwd": bwd, "clip": clip}
+        phases = [p for p in phases if p != "opt"]
+        if phases and phases[0] == "fwd":
+            phases = phases[1:]  # it is part of ``merged``
+        return merged + [k for p in phases for k in body[p]]
+
+    def _update_order(self) -> list[Unit]:
+        """Units in the order the forward needs them: the step updates them in this order."""
+        return [self.rest, *self.blocks]
 
     def _optimizer_order(self) -> list[Unit]:
         return [*reversed(self.blocks), self.rest]
@@ -403,10 +454,24 @@ class Engine:
     def _to_device(self, tree):
         return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, tree)
 
+    def _await(self, unit: Unit | None = None) -> None:
+        """Wait until the step in flight has updated ``unit`` (every unit if None); re-raise its error."""
+        events = list(self._pending.values()) if unit is None else [self._pending.get(unit.name)]
+        for ev in events:
+            if ev is not None:
+                ev.wait()
+        if unit is None and self._update_thread is not None:
+            self._update_thread.join()
+            self._update_thread = None
+        if self._update_error is not None:
+            error, self._update_error = self._update_error, None
+            raise error
+
     def _bind_rest(self) -> None:
         """Point the rest's parameters at its weight buffer, and their .grad at its gradient buffer."""
         if self._rest_bound:
             return
+        self._await(self.rest)
         flat = self._get(self.rest.key("weight"))
         gflat = self._get(self.rest.key("grad"))
         for slot in self.rest.params:
@@ -416,7 +481,10 @@ class Engine:
         self._rest_bound = True
 
     def _unbind_rest(self) -> None:
+        """End of a forward/backward: release the rest (and any blocks kept for backward)."""
+        self._release_held(self._rest_backward_ran)
         if not self._rest_bound:
+            self._rest_backward_ran = False
             return
         key = self.rest.key("grad")
         if self._rest_backward_ran:
@@ -434,6 +502,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
         args, kwargs = self._to_device((args, kwargs))
+        self._phase("fwd")
         self._bind_rest()
         try:
             return self.model(*args, **kwargs)
@@ -445,6 +514,7 @@ class Engine:
 
     def _run_block(self, index: int, args, kwargs):
         unit = self.blocks[index]
+        self._await(unit)
         flat = self._get(unit.key("weight"))
         try:
             return functional_call(unit.module, unit.views(flat), args, kwargs, strict=False)
@@ -454,6 +524,8 @@ class Engine:
     def _block_forward(self, index: int, args, kwargs):
         if not torch.is_grad_enabled():
             return self._run_block(index, args, kwargs)
+        if not self.recompute:
+            return self._run_block_keeping_graph(index, args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         box: dict[str, Any] = {}
@@ -461,22 +533,47 @@ class Engine:
         it = iter(outs)
         return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
 
+    def _param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter as a leaf over the weight buffer whose .grad is a view of the gradient buffer.
+
+        Autograd then adds every weight gradient in place, straight into the store's buffer, with
+        no flat gradient allocated: the same additions PyTorch does into ``param.grad``.
+        """
+        params = {}
+        for s_ in unit.params:
+            leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach().requires_grad_(True)
+            leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+            params[s_.local_name] = leaf
+        return params
+
+    def _run_block_keeping_graph(self, index: int, args, kwargs):
+        """Run a block with autograd as usual; its weights and gradients stay pinned until backward."""
+        unit = self.blocks[index]
+        self._await(unit)
+        flat = self._get(unit.key("weight"))
+        gflat = self._get(unit.key("grad"))
+        self._held.append((unit, gflat))
+        return functional_call(unit.module, self._param_leaves(unit, flat, gflat), args, kwargs, strict=False)
+
+    def _release_held(self, backward_ran: bool) -> None:
+        for unit, gflat in self._held:
+            if backward_ran:
+                self._note_gradients(unit, gflat)
+                self.store.mark_dirty(unit.key("grad"))
+            self._release(unit.key("grad"))
+            self._release(unit.key("weight"))
+        self._held = []
+
     # ---- backward -----------------------------------------------------------------------
     def _block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng):
         unit = self.blocks[index]
+        self._await(unit)
         wkey, gkey = unit.key("weight"), unit.key("grad")
         flat = self._get(wkey)
         try:
             gflat = self._get(gkey)
             try:
-                # Each parameter is a leaf over the weight buffer whose .grad is a view of the
-                # gradient buffer: autograd adds each weight gradient in place, straight into the
-                # store, with no flat gradient allocated (the same additions PyTorch does into .grad).
-                params = {}
-                for s_ in unit.params:
-                    leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach().requires_grad_(True)
-                    leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                    params[s_.local_name] = leaf
+                params = self._param_leaves(unit, flat, gflat)
                 args, kwargs = _rebuild(spec, leaves, inputs)
                 devices = [self.device] if self.device.type == "cuda" else []
                 with torch.enable_grad(), torch.random.fork_rng(devices=devices):
@@ -514,6 +611,7 @@ class Engine:
             self._unbind_rest()
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
+        self._phase("bwd")
         try:
             loss.backward()
         finally:
@@ -531,6 +629,8 @@ class Engine:
         way through, saving a pass over the gradients on disk.
         """
         self._unbind_rest()
+        self._await()
+        self._phase("clip")
         norms: dict[int, torch.Tensor] = {}
         for unit in self._optimizer_order():
             flat = self._get(unit.key("grad"))
@@ -547,8 +647,15 @@ class Engine:
         return total
 
     def step(self) -> bool:
-        """Apply one optimizer update to every unit. Returns False if the step was skipped (non-finite)."""
+        """Apply one optimizer update to every unit. Returns False if the step was skipped (non-finite).
+
+        With :attr:`overlap_step` (the budget allows it) the update runs in the background, unit
+        by unit in forward order, and returns at once: the next forward waits for each unit's
+        update just before it needs the unit, so the update's disk traffic overlaps compute.
+        Every other engine call waits for the units it touches; the numbers are the same.
+        """
         self._unbind_rest()
+        self._await()
         if self._skip_step or not all(self._grads_finite.values()):
             bad = [k for k, ok in self._grads_finite.items() if not ok]
             self._grads_finite.clear()
@@ -559,19 +666,43 @@ class Engine:
                 return False
             raise NonFiniteError(f"non-finite gradients in {', '.join(bad)}; no weight or optimizer state was updated. "
                                  f"Call zero_grad() and lower the learning rate, or pass on_nonfinite='skip'")
+        self._phase("opt")
         # the current hyperparameters (a scheduler may have changed lr) as constructor arguments
-        kwargs = {k: v for k, v in self.param_groups[0].items() if k in self._ctor_keys}
-        for unit in self._optimizer_order():
-            self._update_unit(unit, kwargs)
+        hyper = {k: v for k, v in self.param_groups[0].items() if k in self._ctor_keys}
+        scale, self._grad_scale = self._grad_scale, None
+        step_index = self.step_count
+        self._pending = {u.name: threading.Event() for u in self.units}
+        self.store.declare_access_sequence(self._sequence(self._phases))
+        self._phases = []
+        if self.overlap_step:
+            self._update_thread = threading.Thread(target=self._update_all, args=(hyper, scale, step_index),
+                                                   name="tiered-offload-step", daemon=True)
+            self._update_thread.start()
+        else:
+            self._update_all(hyper, scale, step_index)
+            self._await()
         self.step_count += 1
         if self._optimizer_view is not None:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
-        self._grad_scale = None
         self._grads_finite.clear()
-        self._learn_sequence()
         return True
 
-    def _update_unit(self, unit: Unit, hyper: dict) -> None:
+    def _update_all(self, hyper: dict, scale: torch.Tensor | None, step_index: int) -> None:
+        try:
+            for unit in self._update_order():
+                self._update_unit(unit, hyper, scale, step_index)
+                with self._pending_lock:
+                    if unit.name in self._zero_after_update:
+                        self._zero_after_update.discard(unit.name)
+                        self.store.zero(unit.key("grad"))
+                    self._pending[unit.name].set()
+        except BaseException as e:  # surfaced by the next engine call that waits
+            self._update_error = e
+        finally:
+            for ev in self._pending.values():
+                ev.set()
+
+    def _update_unit(self, unit: Unit, hyper: dict, scale: torch.Tensor | None, step_index: int) -> None:
         """Run the optimizer over one unit's flat buffers, a chunk at a time.
 
         The update is elementwise, so running it on slices gives exactly the numbers a run on
@@ -582,10 +713,10 @@ class Engine:
         tensors = [self._get(k) for k in keys]
         try:
             w, g, states = tensors[0], tensors[1], tensors[2:]
-            if self._grad_scale is not None:
-                g.mul_(self._grad_scale.to(g.device))
+            if scale is not None:
+                g.mul_(scale.to(g.device))
                 self.store.mark_dirty(keys[1])
-            first = self.step_count == 0 and not self._zero_init_states
+            first = step_index == 0 and not self._zero_init_states
             for a in range(0, unit.numel, self.optimizer_chunk):
                 b = min(unit.numel, a + self.optimizer_chunk)
                 wc = w[a:b]
@@ -594,7 +725,7 @@ class Engine:
                 if not first:
                     state: dict[str, Any] = {k: s[a:b] for k, s in zip(self._state_kinds, states)}
                     if self._has_step:
-                        state["step"] = torch.tensor(float(self.step_count))
+                        state["step"] = torch.tensor(float(step_index))
                     opt.state[wc] = state
                 with torch.no_grad():
                     opt.step()
@@ -607,24 +738,32 @@ class Engine:
         finally:
             for k in keys:
                 self._release(k)
-
-    def _learn_sequence(self) -> None:
-        """Declare the access sequence just observed, so the next iteration is prefetched exactly."""
-        if self._trace:
-            self.store.declare_access_sequence(self._trace)
-        self._trace = []
+        # Write behind: the updated weights and states are not needed again until the next
+        # forward / step, so start writing them now; when their space is wanted they are clean
+        # and can be dropped at once instead of stalling the caller on a write.
+        for k in keys[:1] + keys[2:]:
+            self.store.write_back(k)
 
     def zero_grad(self) -> None:
-        """Reset every gradient to zero (no I/O: the store just forgets the old values)."""
+        """Reset every gradient to zero (no I/O: the store just forgets the old values).
+
+        A unit the step in flight has not reached yet is zeroed right after its update.
+        """
         self._unbind_rest()
-        for unit in self.units:
-            self.store.zero(unit.key("grad"))
+        with self._pending_lock:
+            for unit in self.units:
+                ev = self._pending.get(unit.name)
+                if ev is not None and not ev.is_set():
+                    self._zero_after_update.add(unit.name)
+                else:
+                    self.store.zero(unit.key("grad"))
         self._grads_finite.clear()
 
     # ---- inspection ---------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
         self._unbind_rest()
+        self._await()
         for unit, slot in self._param_order:
             with self.store.hold(unit.key("weight"), Tier.HOST) as flat:
                 value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
@@ -649,6 +788,7 @@ class Engine:
     def close(self) -> None:
         """Write everything back and release memory and files (a temporary storage directory is removed)."""
         self._unbind_rest()
+        self._await()
         self.store.close()
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
