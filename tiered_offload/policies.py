@@ -96,9 +96,12 @@ class LookaheadPolicy(EvictionPolicy):
 
     prefetches = True
 
-    def __init__(self, sequence: Sequence[str] = (), *, cyclic: bool = True) -> None:
+    def __init__(self, sequence: Sequence[str] = (), *, cyclic: bool = True, late_window: int = 32) -> None:
         self._lock = threading.Lock()
         self._lru = LRUPolicy()
+        self.late_window = late_window
+        """An access to a key that occurred up to this many positions *behind* the cursor is a
+        late access (two threads working slightly out of step), not a jump a whole cycle ahead."""
         self.set_sequence(sequence, cyclic=cyclic)
 
     def set_sequence(self, keys: Sequence[str], *, cyclic: bool = True) -> None:
@@ -128,6 +131,8 @@ class LookaheadPolicy(EvictionPolicy):
             if not pos:
                 return
             n = len(self._seq)
+            if self._recently_passed(pos, n):
+                return
             i = bisect.bisect_left(pos, self._cursor)
             if i < len(pos):
                 nxt = pos[i] + 1
@@ -136,6 +141,18 @@ class LookaheadPolicy(EvictionPolicy):
             else:
                 return
             self._cursor = nxt % n if self._cyclic else min(nxt, n)
+
+    def _recently_passed(self, pos: list[int], n: int) -> bool:
+        """Whether the key (at sorted positions ``pos``) occurs shortly before the cursor.
+
+        The window is ``late_window`` positions, at most a quarter of the sequence.
+        """
+        window = min(self.late_window, n // 4)
+        lo = self._cursor - window
+        i = bisect.bisect_left(pos, max(lo, 0))
+        if i < len(pos) and pos[i] < self._cursor:
+            return True
+        return self._cyclic and lo < 0 and bisect.bisect_left(pos, n + lo) < len(pos)
 
     def _distance(self, key: str) -> float:
         pos = self._positions.get(key)
