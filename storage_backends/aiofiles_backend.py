@@ -18,16 +18,15 @@ import aiofiles.os
 from tiered_offload.buffers import byte_view
 from tiered_offload.errors import (
     ConfigError,
-    DiskFullError,
     ExtentNotFoundError,
     ShortReadError,
-    StorageDirectoryError,
     StorageIOError,
 )
 from tiered_offload.futures import IOFuture
 from tiered_offload.units import parse_size
 
 from . import _aio
+from ._files import disk_full, fsync_path, prepare_directory
 from .base import StorageBackend, filename_to_key, key_to_filename
 
 __all__ = ["AiofilesBackend"]
@@ -55,16 +54,7 @@ class AiofilesBackend(StorageBackend):
         return str(self.directory / key_to_filename(key))
 
     def _open(self) -> None:
-        d = self.directory
-        if not d.exists():
-            if not self.create:
-                raise StorageDirectoryError(errno.ENOENT, f"storage directory {d} does not exist; create it or pass create=True")
-            try:
-                d.mkdir(parents=True, mode=0o700)
-            except OSError as e:
-                raise StorageDirectoryError(e.errno, f"cannot create storage directory {d}: {e.strerror}") from e
-        if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
-            raise StorageDirectoryError(errno.EACCES, f"storage directory {d} is not a writable directory; choose another")
+        prepare_directory(self.directory, create=self.create)
 
     def _close(self) -> None:
         if self._dirty:
@@ -122,9 +112,7 @@ class AiofilesBackend(StorageBackend):
                 return sum(await asyncio.gather(*(one(a, b) for a, b in self._ranges(len(mv)))))
             except OSError as e:
                 if e.errno == errno.ENOSPC:
-                    free = shutil.disk_usage(self.directory).free
-                    raise DiskFullError(f"disk full writing {key!r} to {path} (needed {len(mv)} bytes, {free} free); free space",
-                                        path=path, needed_bytes=len(mv), free_bytes=free) from e
+                    raise disk_full(key, path, len(mv)) from e
                 raise StorageIOError(e.errno, f"writing {path} for {key!r} failed: {e.strerror}") from e
 
         return IOFuture(_aio.submit(run()), f"write {key}")
@@ -152,14 +140,7 @@ class AiofilesBackend(StorageBackend):
     def _flush(self) -> None:
         dirty, self._dirty = self._dirty, set()
         for path in sorted(dirty):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
 
     def free_bytes(self) -> int | None:
         return shutil.disk_usage(self.directory).free

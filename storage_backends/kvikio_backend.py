@@ -15,20 +15,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 
 import torch
 
 from tiered_offload.buffers import is_device_buffer, tensor_bytes
 from tiered_offload.errors import (
     BackendUnavailableError,
-    DiskFullError,
     ExtentNotFoundError,
     ShortReadError,
     StorageIOError,
 )
 from tiered_offload.futures import IOFuture, gather
 
+from ._files import disk_full
 from .posix import PosixBackend, _Part
 
 __all__ = ["KvikioBackend", "kvikio_status"]
@@ -122,9 +121,7 @@ class KvikioBackend(PosixBackend):
             raise
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                free = shutil.disk_usage(os.path.dirname(part.path)).free
-                raise DiskFullError(f"disk full writing {key!r} to {part.path} (needed {part.length} bytes, {free} free)",
-                                    path=part.path, needed_bytes=part.length, free_bytes=free) from e
+                raise disk_full(key, part.path, part.length) from e
             raise StorageIOError(e.errno, f"GPUDirect I/O on {part.path} for {key!r} failed: {e.strerror}") from e
         except RuntimeError as e:  # kvikio reports cuFile errors as RuntimeError
             raise StorageIOError(errno.EIO, f"GPUDirect I/O on {part.path} for {key!r} failed: {e}") from e

@@ -34,15 +34,14 @@ from tiered_offload.buffers import PAGE, aligned_empty, byte_view
 from tiered_offload.errors import (
     ConfigError,
     DirectIOUnsupportedError,
-    DiskFullError,
     ExtentNotFoundError,
     ShortReadError,
-    StorageDirectoryError,
     StorageIOError,
 )
 from tiered_offload.futures import IOFuture, gather
-from tiered_offload.units import format_size, parse_size
+from tiered_offload.units import parse_size
 
+from ._files import disk_full, fsync_path, prepare_directory
 from .base import StorageBackend, filename_to_key, key_to_filename
 
 __all__ = ["PosixBackend", "probe_direct_io"]
@@ -159,17 +158,7 @@ class PosixBackend(StorageBackend):
     def _open(self) -> None:
         reasons = []
         for d in self.directories:
-            if not d.exists():
-                if not self.create:
-                    raise StorageDirectoryError(errno.ENOENT, f"storage directory {d} does not exist; create it or pass create=True")
-                try:
-                    d.mkdir(parents=True, mode=0o700)
-                except OSError as e:
-                    raise StorageDirectoryError(e.errno, f"cannot create storage directory {d}: {e.strerror}; choose a directory you can write") from e
-            if not d.is_dir():
-                raise StorageDirectoryError(errno.ENOTDIR, f"storage path {d} is not a directory; give a directory")
-            if not os.access(d, os.W_OK | os.X_OK):
-                raise StorageDirectoryError(errno.EACCES, f"storage directory {d} is not writable by this user; fix its permissions or choose another")
+            prepare_directory(d, create=self.create)
             if self.direct_mode is not False:
                 reason = probe_direct_io(d)
                 if reason:
@@ -286,11 +275,7 @@ class PosixBackend(StorageBackend):
             return part.length
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                free = shutil.disk_usage(os.path.dirname(part.path)).free
-                raise DiskFullError(
-                    f"disk full writing {format_size(part.length)} of {key!r} to {part.path} "
-                    f"(needed {part.length} bytes, {free} free); free space or add a storage directory",
-                    path=part.path, needed_bytes=part.length, free_bytes=free) from e
+                raise disk_full(key, part.path, part.length) from e
             raise StorageIOError(e.errno, f"writing {part.path} for {key!r} failed: {e.strerror}") from e
 
     def _direct_transfer(self, fd: int, mv: memoryview, file_offset: int, key: str, part: _Part, *, read: bool) -> None:
@@ -355,10 +340,7 @@ class PosixBackend(StorageBackend):
                 os.posix_fallocate(fd, 0, length)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
-                    free = shutil.disk_usage(os.path.dirname(path)).free
-                    raise DiskFullError(f"cannot reserve {format_size(length)} for {key!r} in {path} "
-                                        f"(needed {length} bytes, {free} free); free space or add a storage directory",
-                                        path=path, needed_bytes=length, free_bytes=free) from e
+                    raise disk_full(key, path, length, "reserving") from e
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise StorageIOError(e.errno, f"reserving space in {path} failed: {e.strerror}") from e
             finally:
@@ -408,20 +390,9 @@ class PosixBackend(StorageBackend):
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
         for path in sorted(dirty):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
         for d in self.directories:
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(d)
 
     def free_bytes(self) -> int | None:
         # Stripes spread evenly, so the fullest directory bounds what the set can take.

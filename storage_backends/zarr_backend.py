@@ -27,6 +27,7 @@ from tiered_offload.errors import ExtentNotFoundError, ShortReadError, StorageIO
 from tiered_offload.futures import IOFuture
 from tiered_offload.units import parse_size
 
+from ._files import fsync_path
 from .base import StorageBackend, filename_to_key, key_to_filename
 
 __all__ = ["ZarrBackend"]
@@ -187,8 +188,4 @@ class ZarrBackend(StorageBackend):
         if isinstance(self._store, zarr.storage.LocalStore) and root is not None:
             for dirpath, _dirs, files in os.walk(root):
                 for f in files:
-                    fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                    fsync_path(os.path.join(dirpath, f))

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tiered_offload
 from storage_backends.memory import MemoryBackend
 from storage_backends.testing import FaultInjectingBackend
 from tiered_offload import Engine, Tier, empty_init
@@ -371,3 +370,21 @@ def test_disk_too_small_is_refused_up_front():
     with pytest.raises(DiskFullError) as info:
         Engine(plain_gpt(2), storage=backend, host_memory="1MiB")
     assert info.value.needed_bytes > info.value.free_bytes == 10_000
+
+
+def test_storage_full_in_mid_training_is_a_clear_error():
+    """Writes start failing with ENOSPC after the preflight passed: the error surfaces, typed, with numbers."""
+    torch.manual_seed(0)
+    model = plain_gpt(8)
+    n = sum(p.numel() for p in model.parameters())
+    backend = FaultInjectingBackend(MemoryBackend(), write_quota_bytes=16 * 4 * n + 200_000)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=backend, host_memory="400KiB")
+    x = torch.randint(0, 128, (2, 17))
+    with pytest.raises(DiskFullError) as info:
+        for _ in range(20):
+            engine.backward(plain_loss(engine, x))
+            engine.step()
+            engine.zero_grad()
+        engine.named_parameters().__next__()
+    assert info.value.needed_bytes > 0 and info.value.free_bytes is not None
+    assert "injected ENOSPC" in str(info.value)

@@ -48,7 +48,7 @@ from .errors import (
 from .model_split import Unit, plan_units
 from .store import TieredStore
 from .tiers import Tier
-from .units import format_size, parse_size
+from .units import format_size
 
 __all__ = ["Engine", "empty_init"]
 

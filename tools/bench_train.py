@@ -103,7 +103,7 @@ def main() -> int:
             opt.step()
             opt.zero_grad()
         t_ref = time_steps(ref_step, batches)
-        del ref, opt
+
 
         def run_engine(host_budget, sub, recompute="auto"):
             engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs,

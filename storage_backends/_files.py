@@ -1,0 +1,50 @@
+"""File-system helpers shared by the file-based backends (posix, aiofiles, kvikio, zarr)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from tiered_offload.errors import DiskFullError, StorageDirectoryError
+from tiered_offload.units import format_size
+
+__all__ = ["prepare_directory", "fsync_path", "disk_full"]
+
+
+def prepare_directory(directory: Path, *, create: bool) -> None:
+    """Make sure ``directory`` exists (created owner-only if ``create``) and is a writable directory."""
+    if not directory.exists():
+        if not create:
+            raise StorageDirectoryError(errno.ENOENT, f"storage directory {directory} does not exist; create it or pass create=True")
+        try:
+            directory.mkdir(parents=True, mode=0o700)
+        except OSError as e:
+            raise StorageDirectoryError(e.errno, f"cannot create storage directory {directory}: {e.strerror}; "
+                                                 f"choose a directory you can write") from e
+    if not directory.is_dir():
+        raise StorageDirectoryError(errno.ENOTDIR, f"storage path {directory} is not a directory; give a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StorageDirectoryError(errno.EACCES, f"storage directory {directory} is not writable by this user; "
+                                                  f"fix its permissions or choose another")
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or directory by path; a file deleted meanwhile is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_full(key: str, path: str, needed: int, what: str = "writing") -> DiskFullError:
+    """The error for ENOSPC while ``what`` ``needed`` bytes of ``key`` to ``path``, with the free space."""
+    free = shutil.disk_usage(os.path.dirname(path) or ".").free
+    return DiskFullError(f"disk full {what} {format_size(needed)} of {key!r} to {path} (needed {needed} bytes, "
+                         f"{free} free); free space or add a storage directory",
+                         path=path, needed_bytes=needed, free_bytes=free)
