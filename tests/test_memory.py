@@ -13,10 +13,11 @@ import textwrap
 MiB = 1 << 20
 
 SCRIPT = textwrap.dedent("""
-    import gc, json, resource, sys
+    import gc, json, sys
     import psutil, torch
     import torch.nn.functional as F
     import tiered_offload
+    from tiered_offload.memstat import peak_rss_bytes
     from tiered_offload.models import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=256, context=64, d_model=256, n_layers=10, n_heads=8)
     with tiered_offload.empty_init():
@@ -32,7 +33,7 @@ SCRIPT = textwrap.dedent("""
         engine.clip_grad_norm_(1.0)
         engine.step()
         engine.zero_grad()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     largest = 4 * 256 * 4 * 256  # the MLP matrices, 1024 x 256 fp32: the largest parameter
     print(json.dumps(dict(base=base, peak=peak, host=engine.store.capacity("host"), state=engine.state_bytes(),
                           disk_read=engine.stats.bytes_read[tiered_offload.Tier.DISK], largest_param=largest)))

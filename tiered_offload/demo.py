@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import shutil
 import sysconfig
 import tempfile
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import Engine, empty_init
+from .memstat import peak_rss_bytes
 from .models import GPT, GPTConfig
 from .tiers import Tier
 from .units import format_size, parse_size
@@ -49,10 +49,6 @@ def load_stdlib_bytes(limit_bytes: int = 32 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: int = 128, batch: int = 8,
              steps: int = 60, lr: float = 2e-3, storage: str | None = None, host_memory: str | int | None = None,
              device: str = "auto", progress: bool = True, seed: int = 0) -> dict:
@@ -66,7 +62,7 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
     if storage is None:
         tmp = tempfile.mkdtemp(prefix=".tiered-offload-demo-", dir=os.getcwd())
         storage = tmp
-    rss0 = _peak_rss()
+    rss0 = peak_rss_bytes()
     with empty_init():
         model = GPT(cfg)
     engine = Engine(model, torch.optim.AdamW, dict(lr=lr, weight_decay=0.1, betas=(0.9, 0.95)),
@@ -97,7 +93,7 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
                 f"loss {loss.item():.3f} | {batch * context / dt:,.0f} tok/s | disk read "
                 f"{(s.bytes_read[Tier.DISK] - stats0.bytes_read[Tier.DISK]) / elapsed / 1e9:.2f} GB/s write "
                 f"{(s.bytes_written[Tier.DISK] - stats0.bytes_written[Tier.DISK]) / elapsed / 1e9:.2f} GB/s | "
-                f"peak host {format_size(_peak_rss())}")
+                f"peak host {format_size(peak_rss_bytes())}")
     finally:
         bar.close()
         summary_stats = engine.stats
@@ -118,7 +114,7 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
         "tokens_per_second": steps * batch * context / elapsed,
         "disk_read_bytes": summary_stats.bytes_read[Tier.DISK],
         "disk_written_bytes": summary_stats.bytes_written[Tier.DISK],
-        "peak_rss_bytes": _peak_rss(),
+        "peak_rss_bytes": peak_rss_bytes(),
         "rss_before_bytes": rss0,
         "uniform_loss": math.log(256),
     }

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 from tiered_offload import Engine, Tier, empty_init, format_size
 from tiered_offload.demo import load_stdlib_bytes
+from tiered_offload.memstat import peak_rss_bytes
 from tiered_offload.models import GPT, GPTConfig
 
 
@@ -68,11 +68,11 @@ def main() -> int:
             print(f"step {step}: {time.perf_counter() - t:.1f} s, loss {loss.item():.3f}, disk read "
                   f"{format_size(s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK])}, written "
                   f"{format_size(s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK])}, "
-                  f"peak RSS so far {format_size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}", flush=True)
+                  f"peak RSS so far {format_size(peak_rss_bytes())}", flush=True)
         t = time.perf_counter()
         engine.close()
         print(f"final write-back {time.perf_counter() - t:.1f} s; peak RSS "
-              f"{format_size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}", flush=True)
+              f"{format_size(peak_rss_bytes())}", flush=True)
     finally:
         if args.storage is None:
             shutil.rmtree(storage, ignore_errors=True)
