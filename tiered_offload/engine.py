@@ -203,7 +203,6 @@ class Engine:
         self._rest_bound = False
         self._rest_backward_ran = False
         self._rest_grad: torch.Tensor | None = None
-        self._placeholders: dict[int, torch.Tensor] = {}
         self._grads_finite: dict[str, bool] = {}
         self._grad_scale: torch.Tensor | None = None
         self._skip_step = False
@@ -249,12 +248,15 @@ class Engine:
     def _unit_bytes(self, unit: Unit) -> int:
         return unit.numel * _FP32
 
+    def _arena_bytes(self, unit: Unit) -> int:
+        """What one of the unit's buffers occupies in a tier (rounded up to the arena's alignment)."""
+        return self.store.footprint(self._unit_bytes(unit), self.store.compute_tier)
+
     def _check_budgets(self) -> None:
         """Refuse, up front and with the numbers, budgets that cannot hold one step's working set."""
         compute = self.store.compute_tier
         cap = self.store.capacity(compute)
-        align = 4096
-        def b(unit): return (self._unit_bytes(unit) + align - 1) // align * align
+        b = self._arena_bytes
         biggest = max(self.blocks, key=b)
         states = len(self._state_kinds)
         largest = max(b(u) for u in self.units)
@@ -280,8 +282,7 @@ class Engine:
         the forward runs. When everything fits, a background update would only compete for cores."""
         if self.state_bytes() <= self.store.capacity(self.store.compute_tier):
             return False
-        align = 4096
-        def b(unit): return (self._unit_bytes(unit) + align - 1) // align * align
+        b = self._arena_bytes
         largest = max(b(u) for u in self.units)
         biggest_block = max(b(u) for u in self.blocks)
         need = (2 + len(self._state_kinds)) * largest + 2 * b(self.rest) + 2 * biggest_block + largest
@@ -421,28 +422,37 @@ class Engine:
     def _sequence(self, phases: list[str]) -> list[str]:
         """The access order of one iteration made of ``phases``, as the store's lookahead sees it.
 
-        The cycle is rotated so it starts with the step, whose units (in forward order) are
-        interleaved with the next forward: with the step overlapped, unit ``i`` is updated just
-        before the forward needs its weights.
+        With the step overlapped, the cycle starts with the step's units (in forward order)
+        interleaved with the next forward, since unit ``i`` is updated just before the forward
+        needs its weights; otherwise the phases follow each other.
         """
         kinds = ("weight", "grad", *(f"state.{k}" for k in self._state_kinds))
         fwd_keys = {u.name: [u.key("weight")] + ([u.key("grad")] if u is self.rest else []) for u in self.units}
-        merged = [k for u in self._update_order() for k in [u.key(kind) for kind in kinds] + fwd_keys[u.name]]
-        bwd = [k for b in reversed(self.blocks) for k in (b.key("weight"), b.key("grad"))]
-        fwd = [k for u in self._update_order() for k in fwd_keys[u.name]]
-        clip = [u.key("grad") for u in self._optimizer_order()]
-        body = {"fwd": fwd, "bwd": bwd, "clip": clip}
-        phases = [p for p in phases if p != "opt"]
-        if phases and phases[0] == "fwd":
-            phases = phases[1:]  # it is part of ``merged``
-        return merged + [k for p in phases for k in body[p]]
+        opt_keys = {u.name: [u.key(kind) for kind in kinds] for u in self.units}
+        order = self._update_order()
+        body = {
+            "fwd": [k for u in order for k in fwd_keys[u.name]],
+            "bwd": [k for b in reversed(self.blocks) for k in (b.key("weight"), b.key("grad"))],
+            "clip": [u.key("grad") for u in self._clip_order()],
+            "opt": [k for u in order for k in opt_keys[u.name]],
+        }
+        if not self.overlap_step:
+            # declared as the step begins: rotate so the cycle starts with it
+            i = phases.index("opt") if "opt" in phases else 0
+            return [k for p in phases[i:] + phases[:i] for k in body[p]]
+        merged = [k for u in order for k in opt_keys[u.name] + fwd_keys[u.name]]
+        rest = [p for p in phases if p != "opt"]
+        if rest and rest[0] == "fwd":
+            rest = rest[1:]  # it is part of ``merged``
+        return merged + [k for p in rest for k in body[p]]
+
+    def _clip_order(self) -> list[Unit]:
+        """Gradients in the order backward last touched them (block 0 and the rest most recently)."""
+        return [self.rest, *self.blocks]
 
     def _update_order(self) -> list[Unit]:
         """Units in the order the forward needs them: the step updates them in this order."""
         return [self.rest, *self.blocks]
-
-    def _optimizer_order(self) -> list[Unit]:
-        return [*reversed(self.blocks), self.rest]
 
     def _rng_state(self):
         state = {"cpu": torch.get_rng_state()}
@@ -632,7 +642,7 @@ class Engine:
         self._await()
         self._phase("clip")
         norms: dict[int, torch.Tensor] = {}
-        for unit in self._optimizer_order():
+        for unit in self._clip_order():
             flat = self._get(unit.key("grad"))
             try:
                 views = self._grad_views(unit, flat)
@@ -768,10 +778,6 @@ class Engine:
             with self.store.hold(unit.key("weight"), Tier.HOST) as flat:
                 value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
             yield slot.name, value
-
-    def state_dict_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Alias of :meth:`named_parameters`."""
-        return self.named_parameters()
 
     @property
     def optimizer(self) -> "_OptimizerView":

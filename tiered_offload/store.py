@@ -252,6 +252,10 @@ class TieredStore:
         """Budget in bytes of a memory tier."""
         return self._arenas[Tier.parse(tier)].capacity
 
+    def footprint(self, nbytes: int, tier: Tier | str) -> int:
+        """Bytes of ``tier``'s budget a tensor of ``nbytes`` occupies (rounded up to the alignment)."""
+        return self._arenas[Tier.parse(tier)].block_size(nbytes)
+
     def used(self, tier: Tier | str) -> int:
         """Bytes of a memory tier's budget currently allocated."""
         return self._arenas[Tier.parse(tier)].used
