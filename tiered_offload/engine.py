@@ -204,6 +204,7 @@ class Engine:
         self._rest_backward_ran = False
         self._rest_grad: torch.Tensor | None = None
         self._grads_finite: dict[str, bool] = {}
+        self._norm_cache: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self._grad_scale: torch.Tensor | None = None
         self._skip_step = False
         self._phases: list[str] = []
@@ -213,6 +214,14 @@ class Engine:
         self._zero_after_update: set[str] = set()
         self._update_error: BaseException | None = None
         self._update_thread: threading.Thread | None = None
+        self._progress = threading.Condition()
+        self._fwd_progress = -1
+        """Index (in update order) of the last unit the forward has started on."""
+        self._free_run = True
+        """Whether the background step may run ahead of the forward without limit."""
+        self.step_lead = 2
+        """How many units the background step may run ahead of the forward: further ahead, the
+        units it updated would be evicted again before the forward reaches them."""
         self._anchor = torch.zeros((), requires_grad=True)
         self._optimizer_view: _OptimizerView | None = None
         if recompute == "auto":
@@ -433,7 +442,7 @@ class Engine:
         body = {
             "fwd": [k for u in order for k in fwd_keys[u.name]],
             "bwd": [k for b in reversed(self.blocks) for k in (b.key("weight"), b.key("grad"))],
-            "clip": [u.key("grad") for u in self._clip_order()],
+            "clip": [],  # the L2 norms come from backward: clipping reads nothing (see clip_grad_norm_)
             "opt": [k for u in order for k in opt_keys[u.name]],
         }
         if not self.overlap_step:
@@ -466,6 +475,10 @@ class Engine:
 
     def _await(self, unit: Unit | None = None) -> None:
         """Wait until the step in flight has updated ``unit`` (every unit if None); re-raise its error."""
+        if unit is None:  # not the forward: nothing will consume units in order any more
+            with self._progress:
+                self._free_run = True
+                self._progress.notify_all()
         events = list(self._pending.values()) if unit is None else [self._pending.get(unit.name)]
         for ev in events:
             if ev is not None:
@@ -477,10 +490,18 @@ class Engine:
             error, self._update_error = self._update_error, None
             raise error
 
+    def _forward_reached(self, index: int) -> None:
+        """The forward started on unit ``index`` of the update order: let the background step advance."""
+        with self._progress:
+            if index > self._fwd_progress:
+                self._fwd_progress = index
+                self._progress.notify_all()
+
     def _bind_rest(self) -> None:
         """Point the rest's parameters at its weight buffer, and their .grad at its gradient buffer."""
         if self._rest_bound:
             return
+        self._forward_reached(0)
         self._await(self.rest)
         flat = self._get(self.rest.key("weight"))
         gflat = self._get(self.rest.key("grad"))
@@ -498,8 +519,7 @@ class Engine:
             return
         key = self.rest.key("grad")
         if self._rest_backward_ran:
-            self._note_gradients(self.rest, self._rest_grad)
-            self.store.mark_dirty(key)
+            self._gradients_done(self.rest, self._rest_grad)
             self._rest_backward_ran = False
         for slot in self.rest.params:
             slot.param.grad = None
@@ -524,6 +544,7 @@ class Engine:
 
     def _run_block(self, index: int, args, kwargs):
         unit = self.blocks[index]
+        self._forward_reached(index + 1)
         self._await(unit)
         flat = self._get(unit.key("weight"))
         try:
@@ -559,6 +580,7 @@ class Engine:
     def _run_block_keeping_graph(self, index: int, args, kwargs):
         """Run a block with autograd as usual; its weights and gradients stay pinned until backward."""
         unit = self.blocks[index]
+        self._forward_reached(index + 1)
         self._await(unit)
         flat = self._get(unit.key("weight"))
         gflat = self._get(unit.key("grad"))
@@ -568,8 +590,7 @@ class Engine:
     def _release_held(self, backward_ran: bool) -> None:
         for unit, gflat in self._held:
             if backward_ran:
-                self._note_gradients(unit, gflat)
-                self.store.mark_dirty(unit.key("grad"))
+                self._gradients_done(unit, gflat)
             self._release(unit.key("grad"))
             self._release(unit.key("weight"))
         self._held = []
@@ -596,17 +617,26 @@ class Engine:
                 diff_inputs = [x for x, n in zip(inputs, needs) if n]
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
                                         inputs=list(params.values()) + diff_inputs)
-                self._note_gradients(unit, gflat)
-                self.store.mark_dirty(gkey)
+                self._gradients_done(unit, gflat)
             finally:
                 self._release(gkey)
         finally:
             self._release(wkey)
         return [x.grad if n else None for x, n in zip(inputs, needs)]
 
-    def _note_gradients(self, unit: Unit, gflat: torch.Tensor) -> None:
-        """Remember a unit whose accumulated gradient is no longer finite (checked before any update)."""
-        if not bool(torch.isfinite(gflat).all()):
+    def _gradients_done(self, unit: Unit, gflat: torch.Tensor) -> None:
+        """A backward finished adding into the unit's (pinned) gradient buffer.
+
+        Marks it dirty, and computes its per-parameter L2 norms while the bytes are in memory: they
+        tell whether the gradient is still finite (checked before any update), and
+        :meth:`clip_grad_norm_` reuses them instead of reading every gradient back from disk, as
+        long as the buffer has not changed since.
+        """
+        key = unit.key("grad")
+        self.store.mark_dirty(key)
+        norms = [n.clone() for n in torch._foreach_norm(self._grad_views(unit, gflat), 2.0)]
+        self._norm_cache[unit.name] = (self.store.record(key).version, norms)
+        if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
             self._grads_finite[unit.name] = False
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -635,21 +665,27 @@ class Engine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over all parameters, as ``torch.nn.utils.clip_grad_norm_``.
 
-        Returns the total norm before clipping. The scaling is applied in :meth:`step`, on the
-        way through, saving a pass over the gradients on disk.
+        Returns the total norm before clipping. The L2 norms of each unit come from the backward
+        that last changed its gradient (no pass over the gradients on disk), and the scaling is
+        applied in :meth:`step`, on the way through.
         """
         self._unbind_rest()
         self._await()
         self._phase("clip")
         norms: dict[int, torch.Tensor] = {}
         for unit in self._clip_order():
-            flat = self._get(unit.key("grad"))
-            try:
-                views = self._grad_views(unit, flat)
-                for s, n in zip(unit.params, torch._foreach_norm(views, norm_type)):
-                    norms[id(s)] = n.clone()
-            finally:
-                self._release(unit.key("grad"))
+            key = unit.key("grad")
+            cached = self._norm_cache.get(unit.name)
+            if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
+                unit_norms = cached[1]  # computed by the backward that last changed this gradient
+            else:
+                flat = self._get(key)
+                try:
+                    unit_norms = [n.clone() for n in torch._foreach_norm(self._grad_views(unit, flat), norm_type)]
+                finally:
+                    self._release(key)
+            for s, n in zip(unit.params, unit_norms):
+                norms[id(s)] = n
         ordered = [norms[id(s)] for _, s in self._param_order]
         total = torch.linalg.vector_norm(torch.stack(ordered), norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -685,6 +721,8 @@ class Engine:
         self.store.declare_access_sequence(self._sequence(self._phases))
         self._phases = []
         if self.overlap_step:
+            with self._progress:
+                self._fwd_progress, self._free_run = -1, False
             self._update_thread = threading.Thread(target=self._update_all, args=(hyper, scale, step_index),
                                                    name="tiered-offload-step", daemon=True)
             self._update_thread.start()
@@ -699,7 +737,10 @@ class Engine:
 
     def _update_all(self, hyper: dict, scale: torch.Tensor | None, step_index: int) -> None:
         try:
-            for unit in self._update_order():
+            for index, unit in enumerate(self._update_order()):
+                with self._progress:
+                    while not self._free_run and index - self._fwd_progress > self.step_lead:
+                        self._progress.wait()
                 self._update_unit(unit, hyper, scale, step_index)
                 with self._pending_lock:
                     if unit.name in self._zero_after_update:

@@ -87,11 +87,14 @@ class LRUPolicy(EvictionPolicy):
 class LookaheadPolicy(EvictionPolicy):
     """Belady eviction and in-order prefetching over a declared access sequence.
 
-    The sequence is usually cyclic (one training step, repeated). A cursor follows the caller:
-    each access moves it just past the next occurrence of the accessed key, so an access that
-    skips ahead (or a key used out of order) resynchronises it. Keys absent from the sequence
-    count as never needed again, so they are evicted first; among keys with equal distance, the
-    least recently used goes first.
+    The sequence is usually cyclic (one training step, repeated). A cursor follows each calling
+    thread: an access moves that thread's cursor just past the next occurrence of the accessed
+    key, so an access that skips ahead (or a key used out of order) resynchronises it. Several
+    threads can walk different parts of the sequence at once (the engine's background optimizer
+    step runs ahead of the forward): a key's next use is the nearest one seen from any cursor, so
+    what one thread is about to use is not evicted by the other. A new thread's cursor starts
+    from the last cursor moved. Keys absent from the sequence count as never needed again, so
+    they are evicted first; among keys with equal distance, the least recently used goes first.
     """
 
     prefetches = True
@@ -101,22 +104,23 @@ class LookaheadPolicy(EvictionPolicy):
         self._lru = LRUPolicy()
         self.late_window = late_window
         """An access to a key that occurred up to this many positions *behind* the cursor is a
-        late access (two threads working slightly out of step), not a jump a whole cycle ahead."""
+        late access (slightly out of order), not a jump a whole cycle ahead."""
         self.set_sequence(sequence, cyclic=cyclic)
 
     def set_sequence(self, keys: Sequence[str], *, cyclic: bool = True) -> None:
         with self._lock:
             self._seq = list(keys)
             self._cyclic = cyclic
-            self._cursor = 0
+            self._cursors: dict[int, int] = {}
+            self._last = 0
             self._positions: dict[str, list[int]] = {}
             for i, k in enumerate(self._seq):
                 self._positions.setdefault(k, []).append(i)
 
     @property
     def cursor(self) -> int:
-        """Index in the sequence of the next expected access."""
-        return self._cursor
+        """Index in the sequence of the calling thread's next expected access."""
+        return self._cursors.get(threading.get_ident(), self._last)
 
     def on_register(self, key: str) -> None:
         self._lru.on_register(key)
@@ -131,39 +135,45 @@ class LookaheadPolicy(EvictionPolicy):
             if not pos:
                 return
             n = len(self._seq)
-            if self._recently_passed(pos, n):
+            tid = threading.get_ident()
+            cursor = self._cursors.get(tid, self._last)
+            if self._recently_passed(pos, n, cursor):
                 return
-            i = bisect.bisect_left(pos, self._cursor)
+            i = bisect.bisect_left(pos, cursor)
             if i < len(pos):
                 nxt = pos[i] + 1
             elif self._cyclic:
                 nxt = pos[0] + 1
             else:
                 return
-            self._cursor = nxt % n if self._cyclic else min(nxt, n)
+            self._cursors[tid] = self._last = nxt % n if self._cyclic else min(nxt, n)
 
-    def _recently_passed(self, pos: list[int], n: int) -> bool:
-        """Whether the key (at sorted positions ``pos``) occurs shortly before the cursor.
+    def _recently_passed(self, pos: list[int], n: int, cursor: int) -> bool:
+        """Whether the key (at sorted positions ``pos``) occurs shortly before ``cursor``.
 
         The window is ``late_window`` positions, at most a quarter of the sequence.
         """
         window = min(self.late_window, n // 4)
-        lo = self._cursor - window
+        lo = cursor - window
         i = bisect.bisect_left(pos, max(lo, 0))
-        if i < len(pos) and pos[i] < self._cursor:
+        if i < len(pos) and pos[i] < cursor:
             return True
         return self._cyclic and lo < 0 and bisect.bisect_left(pos, n + lo) < len(pos)
+
+    def _distance_from(self, pos: list[int], cursor: int) -> float:
+        i = bisect.bisect_left(pos, cursor)
+        if i < len(pos):
+            return pos[i] - cursor
+        if self._cyclic:
+            return pos[0] + len(self._seq) - cursor
+        return math.inf
 
     def _distance(self, key: str) -> float:
         pos = self._positions.get(key)
         if not pos:
             return math.inf
-        i = bisect.bisect_left(pos, self._cursor)
-        if i < len(pos):
-            return pos[i] - self._cursor
-        if self._cyclic:
-            return pos[0] + len(self._seq) - self._cursor
-        return math.inf
+        cursors = self._cursors.values() or (self._last,)
+        return min(self._distance_from(pos, c) for c in cursors)
 
     def next_use(self, key: str) -> float:
         with self._lock:
@@ -175,14 +185,16 @@ class LookaheadPolicy(EvictionPolicy):
             return sorted(keys, key=lambda k: -self._distance(k))
 
     def upcoming(self, limit: int) -> list[str]:
+        """The calling thread's next keys."""
         with self._lock:
             n = len(self._seq)
             if not n or limit <= 0:
                 return []
+            cursor = self._cursors.get(threading.get_ident(), self._last)
             if self._cyclic:
-                indices = itertools.islice(itertools.cycle(range(n)), self._cursor, self._cursor + n)
+                indices = itertools.islice(itertools.cycle(range(n)), cursor, cursor + n)
             else:
-                indices = range(self._cursor, n)
+                indices = range(cursor, n)
             out: list[str] = []
             seen: set[str] = set()
             for i in indices:
