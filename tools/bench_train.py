@@ -1,22 +1,23 @@
 #!/usr/bin/env python
 """Step time of the engine against plain in-memory PyTorch, and against the I/O lower bound.
 
-Measured in one run, same model, batch and optimizer (AdamW, clipping at 1.0):
+Four configurations of the same model, batch and optimizer (AdamW, clipping at 1.0), built once
+and then run in interleaved rounds (each round runs every configuration for a few steps, in
+turn), so the noise of a shared machine hits them alike; medians over rounds:
 
-1. plain PyTorch, everything in memory: the reference step time;
-2. the engine with a host budget that holds the whole training state (no disk traffic after
-   the first step);
-3. the engine with the same arithmetic (blocks recomputed in backward) and everything in memory:
-   the compute time of the disk run;
+1. plain PyTorch, everything in memory: the reference;
+2. the engine with a host budget that holds the whole training state;
+3. the engine with the same arithmetic as the disk run (blocks recomputed in backward) with
+   everything in memory: the compute time of the disk run;
 4. the engine with the state on disk and a host budget of a quarter of it (``--host-fraction``).
 
-For the disk run it prints the bytes moved per step per tier, the disk throughput measured
-here (raw posix reads and writes of the same directory, interleaved with nothing else), the I/O
-lower bound (bytes read / read rate + bytes written / write rate: what the disk needs even with
-perfect overlap; reads and writes share the device) and the compute time (3.), and the ratio step / max(compute, I/O bound): 1.0 means I/O fully
-hidden behind compute, or compute fully hidden behind I/O.
+A configuration's time per step is the wall time of its steps in the round, up to the point
+where all its work is done (a background optimizer step is waited for at the end of the round,
+so nothing it does is hidden behind another configuration). For the disk run it prints the
+bytes moved per step, the disk throughput measured here, the I/O lower bound (bytes read / read
+rate + bytes written / write rate) and the ratio step / max(compute, I/O bound).
 
-    python tools/bench_train.py --d-model 512 --layers 8 --batch 8 --context 128 --steps 5
+    python tools/bench_train.py --d-model 512 --layers 8 --batch 8 --context 128 --rounds 5
 """
 
 from __future__ import annotations
@@ -45,17 +46,6 @@ def loss_of(model, x):
     return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
 
 
-def time_steps(step, batches):
-    """Median time of ``step`` over ``batches[1:]``, after a warm-up on ``batches[0]``."""
-    step(batches[0])
-    times = []
-    for x in batches[1:]:
-        t0 = time.perf_counter()
-        step(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def disk_rates(directory: str, nbytes: int = 512 << 20) -> tuple[float, float]:
     """Sequential write (to fsync) and O_DIRECT read rates of ``directory``, bytes/s."""
     b = PosixBackend(directory).open()
@@ -75,6 +65,27 @@ def disk_rates(directory: str, nbytes: int = 512 << 20) -> tuple[float, float]:
     return w, r
 
 
+class Config:
+    """One configuration: a step function, a way to finish pending work, and its timings."""
+
+    def __init__(self, name, step, finish=lambda: None, engine=None):
+        self.name, self.step, self.finish, self.engine = name, step, finish, engine
+        self.per_step: list[float] = []
+        self.moved = {"read": [], "written": []}
+
+    def run(self, batches):
+        s0 = self.engine.stats if self.engine else None
+        t0 = time.perf_counter()
+        for x in batches:
+            self.step(x)
+        self.finish()
+        self.per_step.append((time.perf_counter() - t0) / len(batches))
+        if self.engine:
+            s1 = self.engine.stats
+            self.moved["read"].append((s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK]) / len(batches))
+            self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=512)
@@ -82,18 +93,19 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration (after one warm-up)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after a warm-up round)")
+    ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--path", default=None, help="storage directory (default: a temp dir under cwd)")
     ap.add_argument("--host-fraction", type=float, default=0.25, help="host budget of the disk run, as a fraction of the state")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     base = GPT(cfg)
-    batches = [torch.randint(0, 256, (args.batch, args.context + 1)) for _ in range(args.steps + 1)]
+    g = torch.Generator().manual_seed(1)
     directory = args.path or tempfile.mkdtemp(prefix=".bench-train-", dir=os.getcwd())
     opt_kwargs = dict(lr=1e-4, weight_decay=0.01)
+    engines = []
     try:
-        # 1. plain PyTorch
         ref = copy.deepcopy(base)
         opt = torch.optim.AdamW(ref.parameters(), **opt_kwargs)
 
@@ -102,60 +114,62 @@ def main() -> int:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
-        t_ref = time_steps(ref_step, batches)
 
-
-        def run_engine(host_budget, sub, recompute="auto"):
+        def engine_config(name, host_budget, recompute="auto"):
             engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs,
-                            storage=os.path.join(directory, sub), host_memory=host_budget, recompute=recompute)
-            flags = f"recompute={engine.recompute}, overlapped step={engine.overlap_step}"
+                            storage=os.path.join(directory, name), host_memory=host_budget, recompute=recompute)
+            engines.append(engine)
 
             def step(x):
                 engine.backward(loss_of(engine, x))
                 engine.clip_grad_norm_(1.0)
                 engine.step()
                 engine.zero_grad()
-            step(batches[0])  # warm-up: the first step initialises the optimizer states
-            s0 = engine.stats
-            times = []
-            for x in batches[1:]:
-                t0 = time.perf_counter()
-                step(x)
-                times.append(time.perf_counter() - t0)
-            s1 = engine.stats
-            n = len(times)
-            moved = {k: {t.name.lower(): (getattr(s1, k)[t] - getattr(s0, k)[t]) / n for t in Tier}
-                     for k in ("bytes_read", "bytes_written")}
-            state = engine.state_bytes()
-            engine.close()
-            return statistics.median(times), moved, state, s1.io_wait_seconds - s0.io_wait_seconds, flags
+            c = Config(name, step, finish=engine._await, engine=engine)
+            c.flags = f"recompute={engine.recompute}, overlapped step={engine.overlap_step}"
+            return c
 
-        state_bytes = 16 * cfg.n_params()
-        roomy = int(state_bytes * 1.6) + (64 << 20)
-        t_host, _, state, _, flags_host = run_engine(roomy, "host")
-        # the disk run recomputes blocks in backward: its compute time is the same arithmetic in memory
-        t_compute, _, _, _, _ = run_engine(roomy, "compute", recompute=True)
-        t_disk, moved_disk, _, wait, flags_disk = run_engine(int(state * args.host_fraction), "disk")
+        state = 16 * cfg.n_params()
+        roomy = int(state * 1.6) + (64 << 20)
+        plain = Config("plain", ref_step)
+        plain.flags = ""
+        host = engine_config("host", roomy)
+        compute = engine_config("compute", roomy, recompute=True)
+        disk = engine_config("disk", int(engines[0].state_bytes() * args.host_fraction))
+        configs = [plain, host, compute, disk]
+        for r in range(args.rounds + 1):
+            for c in configs if r % 2 == 0 else configs[::-1]:
+                c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
+                       for _ in range(args.steps_per_round)])
+        for c in configs:  # drop the warm-up round (first steps initialise optimizer states)
+            c.per_step = c.per_step[1:]
+            c.moved = {k: v[1:] for k, v in c.moved.items()}
+        state_bytes = engines[0].state_bytes()
+        for e in engines:
+            e.close()
+        engines.clear()
         w_rate, r_rate = disk_rates(directory)
     finally:
+        for e in engines:
+            e.close()
         if args.path is None:
             shutil.rmtree(directory, ignore_errors=True)
-    rd, wr = moved_disk["bytes_read"]["disk"], moved_disk["bytes_written"]["disk"]
+    med = {c.name: statistics.median(c.per_step) for c in configs}
+    rd, wr = statistics.median(disk.moved["read"]), statistics.median(disk.moved["written"])
     io_bound = rd / r_rate + wr / w_rate
-    compute = t_compute
-    print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
-          f"{args.context} tokens; AdamW + clipping; median of {args.steps} steps after a warm-up")
-    print(f"plain PyTorch in memory         {t_ref:8.3f} s/step")
-    print(f"engine, state fits host tier     {t_host:8.3f} s/step   engine/in-memory = {t_host / t_ref:.2f}   ({flags_host})")
-    print(f"engine, in memory, recomputing   {t_compute:8.3f} s/step   (the disk run's compute)")
-    print(f"engine, state on disk (host={args.host_fraction:.2f}x state) {t_disk:8.3f} s/step   engine/in-memory = "
-          f"{t_disk / t_ref:.2f}   ({flags_disk})")
-    print(f"disk run, per step: read {format_size(rd)} from disk, wrote {format_size(wr)}; "
-          f"host tier in {format_size(moved_disk['bytes_written']['host'])}")
+    print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state_bytes)}; batch {args.batch} x "
+          f"{args.context} tokens; AdamW + clipping; {args.rounds} interleaved rounds of {args.steps_per_round} steps, medians")
+    print(f"plain PyTorch in memory                     {med['plain']:7.3f} s/step")
+    print(f"engine, state fits host tier                {med['host']:7.3f} s/step   engine/in-memory = "
+          f"{med['host'] / med['plain']:.2f}   ({host.flags})")
+    print(f"engine, in memory, recomputing              {med['compute']:7.3f} s/step   (the disk run's compute; "
+          f"{med['compute'] / med['plain']:.2f} x plain)")
+    print(f"engine, state on disk (host={args.host_fraction:.2f} x state)  {med['disk']:7.3f} s/step   engine/in-memory = "
+          f"{med['disk'] / med['plain']:.2f}   ({disk.flags})")
+    print(f"disk run, per step: read {format_size(rd)} from disk, wrote {format_size(wr)}")
     print(f"disk rates here: read {r_rate / 1e9:.2f} GB/s, write {w_rate / 1e9:.2f} GB/s -> I/O lower bound "
-          f"{io_bound:.3f} s/step; compute (same arithmetic in memory) {compute:.3f} s/step")
-    print(f"disk step / max(compute, I/O bound) = {t_disk / max(compute, io_bound):.2f}; time blocked waiting for I/O "
-          f"{wait / args.steps:.3f} s/step")
+          f"{io_bound:.3f} s/step; compute {med['compute']:.3f} s/step")
+    print(f"disk step / max(compute, I/O bound) = {med['disk'] / max(med['compute'], io_bound):.2f}")
     return 0
 
 
