@@ -45,6 +45,7 @@ from .errors import (
     TierCapacityError,
     TieredOffloadError,
 )
+from .memstat import tune_allocator
 from .model_split import Unit, plan_units
 from .store import TieredStore
 from .tiers import Tier
@@ -170,6 +171,7 @@ class Engine:
                  on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        tune_allocator()  # freed temporaries go back to the system: resident memory tracks the budget
         self.model = model
         self.device = resolve_device(device)
         self.on_nonfinite = on_nonfinite

