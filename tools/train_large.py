@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--host-memory", default="4GiB")
     ap.add_argument("--storage", default=None, help="default: a temp dir under cwd (removed afterwards)")
     args = ap.parse_args()
+    torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     storage = args.storage or tempfile.mkdtemp(prefix=".train-large-", dir=os.getcwd())
     ram = psutil.virtual_memory().total
