@@ -236,20 +236,7 @@ class PosixBackend(StorageBackend):
 
     def _read_part(self, key: str, part: _Part, mv: memoryview) -> int:
         try:
-            head, body = self._aligned_split(part.file_offset, part.length) if self._direct else (part.length, 0)
-            fd = os.open(part.path, os.O_RDONLY)
-            try:
-                self._pread_full(fd, mv[:head], part.file_offset, key, part)
-                self._pread_full(fd, mv[head + body:], part.file_offset + head + body, key, part)
-            finally:
-                os.close(fd)
-            if body:
-                dfd = os.open(part.path, os.O_RDONLY | _O_DIRECT)
-                try:
-                    self._direct_transfer(dfd, mv[head:head + body], part.file_offset + head, key, part, read=True)
-                finally:
-                    os.close(dfd)
-            return part.length
+            return self._transfer_part(key, part, mv, read=True)
         except FileNotFoundError as e:
             raise ExtentNotFoundError(f"extent {key!r}: file {part.path} is missing (deleted behind the store's back?)") from e
         except (ShortReadError, ExtentNotFoundError):
@@ -259,24 +246,34 @@ class PosixBackend(StorageBackend):
 
     def _write_part(self, key: str, part: _Part, mv: memoryview) -> int:
         try:
-            head, body = self._aligned_split(part.file_offset, part.length) if self._direct else (part.length, 0)
-            fd = os.open(part.path, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                self._pwrite_full(fd, mv[:head], part.file_offset)
-                self._pwrite_full(fd, mv[head + body:], part.file_offset + head + body)
-            finally:
-                os.close(fd)
-            if body:
-                dfd = os.open(part.path, os.O_WRONLY | _O_DIRECT)
-                try:
-                    self._direct_transfer(dfd, mv[head:head + body], part.file_offset + head, key, part, read=False)
-                finally:
-                    os.close(dfd)
-            return part.length
+            return self._transfer_part(key, part, mv, read=False)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise disk_full(key, part.path, part.length) from e
             raise StorageIOError(e.errno, f"writing {part.path} for {key!r} failed: {e.strerror}") from e
+
+    def _transfer_part(self, key: str, part: _Part, mv: memoryview, *, read: bool) -> int:
+        """Move one part: the page-aligned body with O_DIRECT, a sub-page head or tail buffered."""
+        head, body = self._aligned_split(part.file_offset, part.length) if self._direct else (part.length, 0)
+        flags = os.O_RDONLY if read else os.O_WRONLY | os.O_CREAT
+        ends = [(lo, n) for lo, n in ((0, head), (head + body, part.length - head - body)) if n]
+        if ends:  # only extents whose size is not a multiple of 4096 (or buffered mode) get here
+            fd = os.open(part.path, flags, 0o600)
+            try:
+                for lo, n in ends:
+                    if read:
+                        self._pread_full(fd, mv[lo:lo + n], part.file_offset + lo, key, part)
+                    else:
+                        self._pwrite_full(fd, mv[lo:lo + n], part.file_offset + lo)
+            finally:
+                os.close(fd)
+        if body:
+            dfd = os.open(part.path, flags | _O_DIRECT, 0o600)
+            try:
+                self._direct_transfer(dfd, mv[head:head + body], part.file_offset + head, key, part, read=read)
+            finally:
+                os.close(dfd)
+        return part.length
 
     def _direct_transfer(self, fd: int, mv: memoryview, file_offset: int, key: str, part: _Part, *, read: bool) -> None:
         """Move a page-aligned range with O_DIRECT, bouncing through an aligned buffer if ``mv`` is not aligned."""
