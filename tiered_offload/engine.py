@@ -224,6 +224,8 @@ class Engine:
         self.step_lead = 2
         """How many units the background step may run ahead of the forward: further ahead, the
         units it updated would be evicted again before the forward reaches them."""
+        # passed to every streamed block so autograd always records the block (and so calls its
+        # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
         self._optimizer_view: _OptimizerView | None = None
         if recompute == "auto":
@@ -419,12 +421,6 @@ class Engine:
             cfg.use_cache = False  # key/value caches are for generation; training does not need them
 
     # ---- access bookkeeping -------------------------------------------------------------
-    def _get(self, key: str) -> torch.Tensor:
-        return self.store.get(key)
-
-    def _release(self, key: str) -> None:
-        self.store.release(key)
-
     def _phase(self, name: str) -> None:
         """Record what the caller does this iteration (forward, backward, clip, step)."""
         if not self._phases or self._phases[-1] != name or name == "bwd":
@@ -505,8 +501,8 @@ class Engine:
             return
         self._forward_reached(0)
         self._await(self.rest)
-        flat = self._get(self.rest.key("weight"))
-        gflat = self._get(self.rest.key("grad"))
+        flat = self.store.get(self.rest.key("weight"))
+        gflat = self.store.get(self.rest.key("grad"))
         for slot in self.rest.params:
             slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
             slot.param.grad = gflat[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -526,8 +522,8 @@ class Engine:
         for slot in self.rest.params:
             slot.param.grad = None
             slot.param.data = self._placeholder()
-        self._release(key)
-        self._release(self.rest.key("weight"))
+        self.store.release(key)
+        self.store.release(self.rest.key("weight"))
         self._rest_bound = False
         self._rest_grad = None
 
@@ -548,11 +544,11 @@ class Engine:
         unit = self.blocks[index]
         self._forward_reached(index + 1)
         self._await(unit)
-        flat = self._get(unit.key("weight"))
+        flat = self.store.get(unit.key("weight"))
         try:
             return functional_call(unit.module, unit.views(flat), args, kwargs, strict=False)
         finally:
-            self._release(unit.key("weight"))
+            self.store.release(unit.key("weight"))
 
     def _block_forward(self, index: int, args, kwargs):
         if not torch.is_grad_enabled():
@@ -584,8 +580,8 @@ class Engine:
         unit = self.blocks[index]
         self._forward_reached(index + 1)
         self._await(unit)
-        flat = self._get(unit.key("weight"))
-        gflat = self._get(unit.key("grad"))
+        flat = self.store.get(unit.key("weight"))
+        gflat = self.store.get(unit.key("grad"))
         self._held.append((unit, gflat))
         return functional_call(unit.module, self._param_leaves(unit, flat, gflat), args, kwargs, strict=False)
 
@@ -593,8 +589,8 @@ class Engine:
         for unit, gflat in self._held:
             if backward_ran:
                 self._gradients_done(unit, gflat)
-            self._release(unit.key("grad"))
-            self._release(unit.key("weight"))
+            self.store.release(unit.key("grad"))
+            self.store.release(unit.key("weight"))
         self._held = []
 
     # ---- backward -----------------------------------------------------------------------
@@ -602,9 +598,9 @@ class Engine:
         unit = self.blocks[index]
         self._await(unit)
         wkey, gkey = unit.key("weight"), unit.key("grad")
-        flat = self._get(wkey)
+        flat = self.store.get(wkey)
         try:
-            gflat = self._get(gkey)
+            gflat = self.store.get(gkey)
             try:
                 params = self._param_leaves(unit, flat, gflat)
                 args, kwargs = _rebuild(spec, leaves, inputs)
@@ -621,9 +617,9 @@ class Engine:
                                         inputs=list(params.values()) + diff_inputs)
                 self._gradients_done(unit, gflat)
             finally:
-                self._release(gkey)
+                self.store.release(gkey)
         finally:
-            self._release(wkey)
+            self.store.release(wkey)
         return [x.grad if n else None for x, n in zip(inputs, needs)]
 
     def _gradients_done(self, unit: Unit, gflat: torch.Tensor) -> None:
@@ -636,7 +632,7 @@ class Engine:
         """
         key = unit.key("grad")
         self.store.mark_dirty(key)
-        norms = [n.clone() for n in torch._foreach_norm(self._grad_views(unit, gflat), 2.0)]
+        norms = [n.clone() for n in torch._foreach_norm(list(unit.views(gflat).values()), 2.0)]
         self._norm_cache[unit.name] = (self.store.record(key).version, norms)
         if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
             self._grads_finite[unit.name] = False
@@ -661,9 +657,6 @@ class Engine:
             self._unbind_rest()
 
     # ---- optimizer ----------------------------------------------------------------------
-    def _grad_views(self, unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params]
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over all parameters, as ``torch.nn.utils.clip_grad_norm_``.
 
@@ -681,11 +674,11 @@ class Engine:
             if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
                 unit_norms = cached[1]  # computed by the backward that last changed this gradient
             else:
-                flat = self._get(key)
+                flat = self.store.get(key)
                 try:
-                    unit_norms = [n.clone() for n in torch._foreach_norm(self._grad_views(unit, flat), norm_type)]
+                    unit_norms = [n.clone() for n in torch._foreach_norm(list(unit.views(flat).values()), norm_type)]
                 finally:
-                    self._release(key)
+                    self.store.release(key)
             for s, n in zip(unit.params, unit_norms):
                 norms[id(s)] = n
         ordered = [norms[id(s)] for _, s in self._param_order]
@@ -763,7 +756,7 @@ class Engine:
         instead of several times the unit.
         """
         keys = [unit.key("weight"), unit.key("grad")] + [unit.key(f"state.{k}") for k in self._state_kinds]
-        tensors = [self._get(k) for k in keys]
+        tensors = [self.store.get(k) for k in keys]
         try:
             w, g, states = tensors[0], tensors[1], tensors[2:]
             if scale is not None:
@@ -790,7 +783,7 @@ class Engine:
                 self.store.mark_dirty(k)
         finally:
             for k in keys:
-                self._release(k)
+                self.store.release(k)
         # Write behind: the updated weights and states are not needed again until the next
         # forward / step, so start writing them now; when their space is wanted they are clean
         # and can be dropped at once instead of stalling the caller on a write.
