@@ -265,6 +265,45 @@ def test_lookahead_beats_lru_on_a_cyclic_scan(tmp_path):
     assert belady < lru, (belady, lru)  # LRU misses every access of a scan larger than the cache
 
 
+def test_get_during_a_lookahead_load_that_gives_up_still_loads(monkeypatch):
+    """A lookahead load that finds no room fails quietly; a get() that joined it must load for itself.
+
+    Regression: the background optimizer's get() used to inherit the lookahead's TierCapacityError.
+    """
+    store = make_store(MemoryBackend(), host=2 * 32 * KiB, device=0, policy="lookahead", prefetch_depth=2)
+    for k in ("a", "b", "c"):
+        store.register(k, (8 * KiB,), data=torch.full((8 * KiB,), float(ord(k))))
+    store.flush()
+    for k in ("a", "b", "c"):
+        store.evict(k, "host").get()
+    store.declare_access_sequence(["a", "b", "c"])
+    real_ensure = store._ensure_slot
+    joined = {}
+
+    def ensure(rec, tier, *, block=True, further_than=None):
+        if not block and rec.key == "c" and "thread" not in joined:
+            # The lookahead is loading "c" and is about to give up: let another thread ask for "c" now.
+            def other():
+                try:
+                    with store.hold("c", "host") as t:
+                        joined["value"] = t[0].item()
+                except BaseException as e:  # noqa: BLE001 - the assertion below reports it
+                    joined["error"] = e
+            joined["thread"] = threading.Thread(target=other)
+            joined["thread"].start()
+            time.sleep(0.2)  # the other thread finds the lookahead load in flight
+            return None
+        return real_ensure(rec, tier, block=block, further_than=further_than)
+
+    monkeypatch.setattr(store, "_ensure_slot", ensure)
+    with store.hold("a", "host"), store.hold("b", "host"):  # both slots pinned: the lookahead for "c" gives up
+        pass
+    joined["thread"].join(timeout=10)
+    assert "error" not in joined, joined.get("error")
+    assert joined["value"] == float(ord("c"))
+    store.close()
+
+
 # ---- errors through the store -----------------------------------------------------------
 def test_failed_read_leaves_the_store_consistent(tmp_path):
     flaky = {"on": True}

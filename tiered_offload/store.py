@@ -491,6 +491,8 @@ class TieredStore:
                 return completed(0, f"prefetch {key}")
             if rec.busy is not None and rec.busy_what == ("load", tier):
                 return rec.busy
+            # A lookahead load in flight may still give up for lack of room: wait for it to end
+            # (in _begin), then load for this caller if it did not land.
             busy = self._begin(rec, ("load", tier))
             if rec.valid(tier):
                 self._end(rec, busy, result=0)
@@ -793,7 +795,7 @@ class TieredStore:
                     if tier == Tier.DEVICE and not (rec.zero or rec.valid(Tier.HOST)
                                                     or self.backend.supports_device_buffers):
                         continue  # the host pass brings it up first
-                    busy = self._begin(rec, ("load", tier), block=False)
+                    busy = self._begin(rec, ("lookahead", tier), block=False)
                     if busy is None:
                         continue
                 distance = policy.next_use(key)
