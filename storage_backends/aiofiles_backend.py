@@ -50,6 +50,10 @@ class AiofilesBackend(StorageBackend):
     def location(self) -> str:
         return str(self.directory)
 
+    @property
+    def directories(self) -> list[Path]:
+        return [self.directory]
+
     def describe(self, key: str) -> str:
         return str(self.directory / key_to_filename(key))
 

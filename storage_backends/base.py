@@ -211,6 +211,19 @@ class StorageBackend(abc.ABC):
         self._check_open()
         self._flush()
 
+    def sync(self, keys: Iterable[str]) -> None:
+        """Make the completed writes of ``keys`` (and their directory entries) durable.
+
+        The default syncs everything (:meth:`flush`); file backends sync just those files.
+        """
+        self._check_open()
+        for key in keys:
+            validate_key(key)
+        self._sync([*keys])
+
+    def _sync(self, keys: list[str]) -> None:
+        self._flush()
+
     def free_bytes(self) -> int | None:
         """Bytes that can still be written, or None when the backend cannot tell."""
         return None

@@ -391,6 +391,15 @@ class PosixBackend(StorageBackend):
         for d in self.directories:
             fsync_path(d)
 
+    def _sync(self, keys: list[str]) -> None:
+        paths = {p for k in keys for p in self._paths(k)}
+        with self._dirty_lock:
+            self._dirty -= paths
+        for path in sorted(paths):
+            fsync_path(path)
+        for d in self.directories:
+            fsync_path(d)
+
     def free_bytes(self) -> int | None:
         # Stripes spread evenly, so the fullest directory bounds what the set can take.
         return min(shutil.disk_usage(d).free for d in self.directories) * len(self.directories)

@@ -235,6 +235,17 @@ class FaultInjectingBackend(StorageBackend):
     def location(self) -> str:
         return f"faulty({self.inner.location})"
 
+    @property
+    def directories(self) -> list:
+        """The wrapped backend's directories (so a durable engine can keep its state files there)."""
+        return list(getattr(self.inner, "directories", []))
+
+    def describe(self, key: str) -> str:
+        return self.inner.describe(key)
+
+    def _sync(self, keys: list[str]) -> None:
+        self.inner.sync(keys)
+
     def _open(self) -> None:
         self.inner.open()
 

@@ -48,6 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host-memory", help="host budget (default: a fifth of the training state)")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    i = sub.add_parser("inspect", help="show what a storage directory holds",
+                       description="Show a storage directory's committed training state: step, tensors, sizes, "
+                                   "where the bytes are, free space, a step in flight, the process holding it.")
+    i.add_argument("directory")
+    i.add_argument("--json", action="store_true", help="print JSON")
+
+    v = sub.add_parser("verify", help="check every tensor of a storage directory against its checksum",
+                       description="Read every tensor of the committed state and compare it with the checksum "
+                                   "recorded when it was written. Exit status 1 if anything is damaged.")
+    v.add_argument("directory")
+    v.add_argument("--json", action="store_true", help="print JSON")
+
+    e = sub.add_parser("export", help="write a storage directory's weights as Hugging Face safetensors",
+                       description="Write the committed weights of a storage directory as sharded safetensors with "
+                                   "an index (Hugging Face layout), streaming, checking every checksum.")
+    e.add_argument("directory")
+    e.add_argument("out")
+    e.add_argument("--max-shard-size", default="2GB", help="largest shard (default 2GB)")
     return parser
 
 
@@ -62,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import main as demo_main
             return demo_main(args)
+        if args.command in ("inspect", "verify", "export"):
+            return _state_command(args)
     except TieredOffloadError as e:
         print(f"tiered-offload {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -69,6 +90,61 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _state_command(args) -> int:
+    import json
+
+    from .state_dir import StateDirectory
+    from .units import format_size
+    with StateDirectory(args.directory) as sd:
+        if args.command == "export":
+            files = sd.export(args.out, args.max_shard_size)
+            for f in files:
+                print(f)
+            return 0
+        if args.command == "verify":
+            report = sd.verify()
+            if args.json:
+                print(json.dumps(report, indent=1))
+            else:
+                print(f"{report['directory']}: step {report['step']}, {report['tensors_checked']} tensors, "
+                      f"{format_size(report['bytes_checked'])} checked")
+                for bad in report["damaged"]:
+                    print(f"DAMAGED {bad['tensor']} in {bad['file']}: {bad['problem']}")
+                print("OK: every tensor matches its checksum" if report["ok"] else
+                      f"{len(report['damaged'])} damaged tensor(s): restore them from a copy of the directory")
+            return 0 if report["ok"] else 1
+        info = sd.inspect()
+        if args.json:
+            print(json.dumps(info, indent=1))
+            return 0
+        print(f"{info['directory']}")
+        print(f"  step            {info['step']}" + (f"  (step {info['step_in_flight']['step']} in flight: "
+                                                      f"{info['step_in_flight']['units_recorded']}/"
+                                                      f"{info['step_in_flight']['units']} units written; a resume finishes it)"
+                                                      if info["step_in_flight"] else ""))
+        print(f"  parameters      {info['parameter_count']:,} in {info['parameters']} tensors, {len(info['units'])} units")
+        print(f"  optimizer       {info['optimizer']['class']} (states: {', '.join(info['optimizer']['states']) or 'none'})"
+              f", lr {info['learning_rate']}")
+        print(f"  state on disk   {format_size(info['state_bytes'])} in {info['tensors']} tensors "
+              f"({info['tensors_all_zero']} all-zero, no file)")
+        if info["user_state"]:
+            print(f"  user state      {json.dumps(info['user_state'])}")
+        holder = info["lock_holder"]
+        print(f"  in use by       " + (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
+                                       if holder else "nobody"))
+        for d in info["storage"]:
+            print(f"  {d['directory']}: {d['files']} files, {format_size(d['bytes'])}; "
+                  f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}")
+            if d["unreferenced_files"]:
+                print(f"    not part of the committed state (a step in flight, or leftovers a resume deletes): "
+                      f"{', '.join(d['unreferenced_files'][:5])}")
+        print(f"  {'unit':<14}{'params':>12}  files")
+        for u in info["units"]:
+            files = ", ".join(f"{k}={t['file'] or '(zero)'}" for k, t in u["tensors"].items())
+            print(f"  {u['name']:<14}{u['numel']:>12,}  {files}")
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

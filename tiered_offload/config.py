@@ -56,6 +56,15 @@ class StoreConfig:
     preallocate: bool = True
     """Reserve each tensor's disk space at registration, so a full disk fails up front."""
 
+    verify_checksums: bool = True
+    """Record a CRC-32 of every tensor written to disk and check it on every read back."""
+
+    versioned_writes: bool = False
+    """Write each new version of a tensor to a new extent (``key@N``) instead of over the old one,
+    so the last version written stays readable until a newer one has fully landed. The old
+    extent is deleted once superseded, or handed to :attr:`TieredStore.on_disk_written` to
+    decide (the engine's journal keeps the extents its committed state refers to)."""
+
     wait_timeout_s: float = 600.0
     """Longest wait for space held by operations in flight before giving up with an error."""
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import os
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -36,7 +38,9 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .config import StoreConfig, resolve_device
+from .durable import FORMAT, Committer, DirectoryLock, StateFiles, decode_rng, encode_rng, state_directory
 from .errors import (
+    CheckpointError,
     ConfigError,
     DiskFullError,
     ModelInputError,
@@ -163,14 +167,24 @@ class Engine:
             keep its activations and its weights resident until backward, as plain PyTorch does
             (False). ``"auto"``: recompute unless the whole training state fits the compute tier.
         store_config: extra :class:`StoreConfig` fields (policy, prefetch_depth...).
+        durable: keep the storage directory a consistent, resumable training state after every
+            step (see :mod:`.durable`). Default: on when ``storage`` is a directory (or several),
+            off for a temporary directory, ``"memory"`` or a backend object.
+        resume: continue the training state in ``storage`` (True: it must hold one; ``"auto"``:
+            if it holds one, else start fresh). False refuses a directory that holds a state.
+        init_from: a safetensors file, or a directory of safetensors shards with its index, to
+            load the weights from (Hugging Face parameter names), streamed one tensor at a time.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  optimizer_kwargs: dict | None = None, storage=None, host_memory: int | str = "auto",
                  device_memory: int | str = "auto", *, blocks: str | None = None, device: str = "auto",
-                 on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None):
+                 on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None,
+                 durable: bool | None = None, resume: bool | str = False, init_from: str | os.PathLike | None = None):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        if resume not in (True, False, "auto"):
+            raise ConfigError(f"resume must be True, False or 'auto', got {resume!r}")
         tune_allocator()  # freed temporaries go back to the system: resident memory tracks the budget
         self.model = model
         self.device = resolve_device(device)
@@ -178,9 +192,24 @@ class Engine:
         self.optimizer_class = optimizer
         self._opt_kwargs = dict(optimizer_kwargs or {})
         self._tmpdir = None
+        spec = _storage_spec(storage) if storage is not None else None
+        if durable is None:
+            durable = isinstance(spec, str) and spec.split(":")[0] in ("auto", "posix", "aiofiles", "kvikio")
+        if resume and not durable:
+            raise ConfigError("resume needs durable storage: give storage= a directory (and not durable=False)")
         if storage is None:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="tiered-offload-")
-            storage = self._tmpdir.name
+            spec = _storage_spec(self._tmpdir.name)
+        self.durable = bool(durable)
+        """Whether the storage directory holds a committed, resumable state after every step."""
+        self.user_state: dict = {}
+        """JSON-serialisable values saved with every step (a data loader's position...) and
+        restored by a resume."""
+        self._scheduler = None
+        self._resumed_scheduler_state = None
+        self._dir_lock: DirectoryLock | None = None
+        self._committer: Committer | None = None
+        self._model_config = _model_config(model)
         self.seq_name, self.blocks, self.rest, self._param_order = plan_units(model, blocks)
         self.units: list[Unit] = [*self.blocks, self.rest]
         self._state_kinds, group = self._probe_optimizer()
@@ -188,18 +217,27 @@ class Engine:
         cuda = self.device.type == "cuda"
         cfg = StoreConfig(host_budget_bytes=host_memory, device=self.device,
                           device_budget_bytes=device_memory if cuda else 0, policy="lookahead",
-                          prefetch_depth=16, **(store_config or {}))
-        self.store = TieredStore(_storage_spec(storage), cfg)
+                          prefetch_depth=16, **{"versioned_writes": self.durable, **(store_config or {})})
+        self.store = TieredStore(spec, cfg)
         self.store.open()
+        self.step_count = 0
+        manifest = None
         try:
+            if self.durable:
+                manifest = self._open_directory(resume)
             self._check_budgets()
-            self._check_disk()
-            self._register_and_load()
+            if manifest is None:
+                self._check_disk()
+                self._register_and_load(init_from)
+            else:
+                if init_from is not None:
+                    raise ConfigError("init_from and a resumed state both give the weights; pass only one")
+                self._adopt(manifest)
             self._install_proxies()
         except BaseException:
+            self._release_directory()
             self.store.close(flush=False)
             raise
-        self.step_count = 0
         self.optimizer_chunk = 1 << 20
         """Elements per optimizer call (bounds the optimizer's temporary memory)."""
         self._rest_bound = False
@@ -237,6 +275,13 @@ class Engine:
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
         self.store.declare_access_sequence(self._sequence(["fwd", "bwd", "opt"]))
         self._unbind_rest()
+        if self.durable:
+            try:
+                self._start_commits(manifest)
+            except BaseException:
+                self._release_directory()
+                self.store.close(flush=False)
+                raise
 
     # ---- set-up -------------------------------------------------------------------------
     def _probe_optimizer(self) -> tuple[list[str], dict]:
@@ -305,19 +350,37 @@ class Engine:
         """Bytes of training state on disk: weights, gradients and optimizer states of every unit."""
         return sum(self._unit_bytes(u) for u in self.units) * (2 + len(self._state_kinds))
 
+    def commit_window(self) -> int:
+        """Units whose new weights and states may coexist on disk with the committed ones (durable mode):
+        as many as keep the extra space within a quarter of the state, and at least one."""
+        per_unit = max(self._unit_bytes(u) for u in self.units) * (1 + len(self._state_kinds))
+        return max(1, int(0.25 * self.state_bytes()) // per_unit)
+
+    def extra_disk_bytes(self) -> int:
+        """Most disk space beyond :meth:`state_bytes` a step can need (durable mode: the commit window)."""
+        if not self.durable:
+            return 0
+        per_unit = max(self._unit_bytes(u) for u in self.units) * (1 + len(self._state_kinds))
+        return self.commit_window() * per_unit
+
     def _check_disk(self) -> None:
         free = self.store.backend.free_bytes()
-        need = self.state_bytes()
+        need = self.state_bytes() + self.extra_disk_bytes()
         if free is not None and need > free:
             raise DiskFullError(
                 f"the training state needs {format_size(need)} ({need} bytes) in {self.store.backend.location} "
                 f"but {format_size(free)} ({free} bytes) is free; free space or add storage directories",
                 path=self.store.backend.location, needed_bytes=need, free_bytes=free)
 
-    def _register_and_load(self) -> None:
-        """Register every unit's buffers and fill the weights (copied, or initialised if on meta)."""
+    def _register_and_load(self, init_from=None) -> None:
+        """Register every unit's buffers and fill the weights (copied, loaded, or initialised if on meta)."""
         meta = any(p.device.type == "meta" for p in self.model.parameters())
-        init = self._initialiser() if meta else None
+        init = self._initialiser() if meta and init_from is None else None
+        reader = None
+        if init_from is not None:
+            from .safetensors_io import PretrainedReader
+            reader = PretrainedReader(init_from)
+            reader.check_covers([(s.name, s.shape) for _, s in self._param_order])
         for unit in self.units:
             self.store.register(unit.key("weight"), (unit.numel,))
             self.store.register(unit.key("grad"), (unit.numel,))
@@ -325,7 +388,10 @@ class Engine:
                 self.store.register(unit.key(f"state.{kind}"), (unit.numel,))
             flat = self.store.get(unit.key("weight"), Tier.HOST)
             try:
-                if meta:
+                if reader is not None:
+                    for slot in unit.params:
+                        reader.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                elif meta:
                     self._initialise_unit(unit, flat, init)
                 else:
                     for slot in unit.params:
@@ -335,6 +401,8 @@ class Engine:
                 self.store.release(unit.key("weight"), Tier.HOST)
             self.store.write_back(unit.key("weight")).get()
             self.store.evict(unit.key("weight"), Tier.HOST).get()
+        if reader is not None:
+            reader.close()
         if meta:
             self._replace_meta_parameters()
         for unit in self.units:  # the model no longer holds the weights: the store does
@@ -419,6 +487,213 @@ class Engine:
         cfg = getattr(self.model, "config", None)
         if cfg is not None and getattr(cfg, "use_cache", False):
             cfg.use_cache = False  # key/value caches are for generation; training does not need them
+
+    # ---- durable state ------------------------------------------------------------------
+    def _open_directory(self, resume) -> dict | None:
+        """Lock the storage directory; the manifest to resume from, or None to start fresh."""
+        directories = getattr(self.store.backend, "directories", None)
+        if not directories:
+            raise ConfigError(f"durable=True needs storage in a directory (posix, aiofiles, kvikio); "
+                              f"{self.store.backend.location} has none")
+        state_dir = state_directory(str(directories[0]))
+        self._dir_lock = DirectoryLock(state_dir).acquire()
+        self._files = StateFiles(state_dir)
+        manifest = self._files.read_manifest()
+        if manifest is not None and not resume:
+            raise CheckpointError(
+                f"{self.store.backend.location} already holds a training state (step {manifest['step']}); pass "
+                f"resume=True to continue it, or give an empty directory (or delete this one) to start over")
+        if manifest is None and resume is True:
+            raise CheckpointError(f"{self.store.backend.location} holds no committed training state to resume "
+                                  f"(no {self._files.manifest_path}); pass resume='auto' to start fresh when there is none")
+        if manifest is not None:
+            self._check_layout(manifest)
+        return manifest
+
+    def _release_directory(self) -> None:
+        if self._committer is not None:
+            self._committer.close()
+            self._committer = None
+        if self._dir_lock is not None:
+            self._dir_lock.release()
+            self._dir_lock = None
+
+    def _layout(self) -> dict:
+        return {
+            "units": [{"name": u.name, "numel": u.numel} for u in self.units],
+            "params": [{"name": s.name, "tensor": u.key("weight"), "offset": s.offset, "shape": list(s.shape)}
+                       for u, s in self._param_order],
+            "optimizer": {"class": f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}",
+                          "states": list(self._state_kinds)},
+        }
+
+    def _check_layout(self, manifest: dict) -> None:
+        mine = self._layout()
+        for what in ("units", "params", "optimizer"):
+            if manifest.get(what) != mine[what]:
+                theirs = manifest.get(what) or []
+                diff = next((f"{a} != {b}" for a, b in zip(theirs, mine[what]) if a != b),
+                            f"{len(theirs)} entries != {len(mine[what])}") if isinstance(theirs, list) else f"{theirs} != {mine[what]}"
+                raise CheckpointError(
+                    f"{self._files.manifest_path} was written for another model or optimizer: its {what} differ "
+                    f"(saved vs. this run: {diff}). Build the same model and optimizer, or use another directory")
+
+    def _durable_keys(self, unit: Unit) -> list[str]:
+        return [unit.key("weight")] + [unit.key(f"state.{k}") for k in self._state_kinds]
+
+    def _adopt(self, manifest: dict) -> None:
+        """Register every tensor from the committed state (and the step in flight, if any) without reading it."""
+        records = self._files.read_journal()
+        base = manifest["step"]
+        intent = next((r for r in records if r.get("type") == "intent" and r.get("step") == base + 1), None)
+        recorded = {r["unit"]: r["tensors"] for r in records
+                    if intent is not None and r.get("type") == "unit" and r.get("step") == base + 1}
+        tensors = {k: v["extent"] and (v["extent"], v["crc"]) for k, v in manifest["tensors"].items()}
+        for refs in recorded.values():
+            tensors.update({k: v and tuple(v) for k, v in refs.items()})
+        grads = {}
+        if intent is not None:
+            grads = {k: v and tuple(v) for k, v in intent["grads"].items()}
+        keep = {r[0] for r in [*tensors.values(), *grads.values()] if r}
+        mine = {u.key(k) for u in self.units for k in ("weight", "grad", *(f"state.{x}" for x in self._state_kinds))}
+        for extent in self.store.backend.keys():  # remains of writes the crash cut short
+            key, _, gen = extent.rpartition("@")
+            if key in mine and gen.isdigit() and extent not in keep:
+                self.store.backend.delete(extent)
+        for unit in self.units:
+            for key in self._durable_keys(unit):
+                ref = tensors.get(key)
+                self.store.adopt(key, (unit.numel,), extent=ref and ref[0], crc=ref and ref[1],
+                                 generation=_generation(ref))
+            gref = grads.get(unit.key("grad"))
+            self.store.adopt(unit.key("grad"), (unit.numel,), extent=gref and gref[0], crc=gref and gref[1],
+                             generation=_generation(gref))
+        if any(p.device.type == "meta" for p in self.model.parameters()):
+            self._replace_meta_parameters()
+        for unit in self.units:
+            for slot in unit.params:
+                slot.param.data = self._placeholder()
+        self._move_buffers()
+        self._resume_base, self._resume_intent, self._resume_recorded = manifest, intent, recorded
+
+    def _start_commits(self, manifest: dict | None) -> None:
+        """Hand the committed state to the commit protocol; finish a step a crash interrupted."""
+        units = {u.name: self._durable_keys(u) for u in self.units}
+        grads = {u.name: u.key("grad") for u in self.units}
+        self._committer = Committer(self._files, self.store, units, grads, self._describe)
+        if manifest is None:
+            committed = {k: self.store.extent(k) for keys in units.values() for k in keys}
+            committed = {k: (r if r[0] is not None else None) for k, r in committed.items()}
+            latest = {k: r[0] for k, r in committed.items() if r}
+            self.store.backend.sync(latest.values())
+            self._committer.start(0, committed, self._meta(), latest)
+            self._committer.write_manifest(0, self._meta())
+            return
+        committed = {k: v["extent"] and (v["extent"], v["crc"]) for k, v in manifest["tensors"].items()}
+        latest = {k: e for k in self.store.keys() if (e := self.store.extent(k)[0]) is not None}
+        self._committer.start(manifest["step"], committed, manifest["meta"], latest)
+        meta = manifest["meta"]
+        intent = self._resume_intent
+        if intent is not None:
+            todo = self._committer.resume_intent(intent, {u: {k: v and tuple(v) for k, v in refs.items()}
+                                                          for u, refs in self._resume_recorded.items()})
+            hyper = _hyper_from_json(intent["hyper"], self.param_groups[0])
+            scale = None if intent["scale"] is None else torch.tensor(intent["scale"], dtype=torch.float32)
+            by_name = {u.name: u for u in self.units}
+            for name in [u.name for u in self._update_order() if u.name in todo]:
+                self._committer.throttle(self.commit_window())
+                self._update_unit(by_name[name], hyper, scale, intent["step_index"])
+            self._committer.finish_now()
+            self._committer.wait()
+            meta = intent["meta"]
+        for unit in self.units:
+            self.store.zero(unit.key("grad"))
+        self._restore_meta(meta)
+        del self._resume_base, self._resume_intent, self._resume_recorded
+
+    def _meta(self) -> dict:
+        """What, besides the tensors, the state after a step is."""
+        rng = {"cpu": encode_rng(torch.get_rng_state())}
+        if self.device.type == "cuda":
+            rng["cuda"] = encode_rng(torch.cuda.get_rng_state(self.device))
+        try:
+            user = json.loads(json.dumps(self.user_state, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"engine.user_state must be JSON-serialisable (it is saved with every step): {e}") from e
+        scheduler = None
+        if self._scheduler is not None:
+            scheduler = _jsonable(self._scheduler.state_dict(), "the scheduler's state_dict()")
+        return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
+                "param_groups": [_jsonable({k: v for k, v in self.param_groups[0].items() if k != "params"},
+                                           "the optimizer's param_groups")]}
+
+    def _restore_meta(self, meta: dict) -> None:
+        self.step_count = meta["step_count"]
+        self.param_groups[0].update(_hyper_from_json(meta["param_groups"][0], self.param_groups[0]))
+        torch.set_rng_state(decode_rng(meta["rng"]["cpu"]))
+        if "cuda" in meta["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(decode_rng(meta["rng"]["cuda"]), self.device)
+        self.user_state = meta["user_state"]
+        self._resumed_scheduler_state = meta["scheduler"]
+
+    def _describe(self, step: int, committed: dict, meta: dict) -> dict:
+        """The manifest of the committed state after ``step``."""
+        backend = self.store.backend
+        tensors = {}
+        for unit in self.units:
+            for key in self._durable_keys(unit):
+                ref = committed.get(key)
+                tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
+                                "shape": [unit.numel], "nbytes": unit.numel * _FP32, "offset": 0}
+        return {"format": FORMAT, "step": step, "tensors": tensors, "meta": meta, "model_config": self._model_config,
+                "storage": {"backend": backend.name, "directories": [str(d) for d in getattr(backend, "directories", [])],
+                            "stripe_bytes": getattr(backend, "stripe_bytes", None)},
+                **self._layout()}
+
+    def attach_scheduler(self, scheduler) -> None:
+        """Let the engine step ``scheduler`` after each optimizer step and save its state with the step.
+
+        Call ``engine.step()`` only (not ``scheduler.step()``). On a resumed engine the scheduler's
+        saved state is loaded into it.
+        """
+        self._scheduler = scheduler
+        if self._resumed_scheduler_state is not None:
+            scheduler.load_state_dict(self._resumed_scheduler_state)
+            self._resumed_scheduler_state = None
+
+    def export_safetensors(self, out: str | os.PathLike, max_shard_size: int | str = "2GB") -> list:
+        """Write the current weights as Hugging Face sharded safetensors in ``out``, streaming.
+
+        ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
+        ``model.safetensors.index.json`` when larger than ``max_shard_size``), parameters under
+        their ``model.named_parameters()`` names (a tied weight once, as ``save_pretrained``
+        does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
+        """
+        from .safetensors_io import iter_chunks
+        from .state_dir import export_params
+        self._unbind_rest()
+        self._await()
+
+        def fill(p: dict, write) -> None:
+            with self.store.hold(p["tensor"], Tier.HOST) as flat:
+                n = math.prod(p["shape"])
+                for chunk in iter_chunks(flat[p["offset"]:p["offset"] + n]):
+                    write(chunk)
+        files = export_params(out, self._layout()["params"], fill, max_shard_size,
+                              {"step": str(self.step_count), "source": "tiered-offload"})
+        if self._model_config is not None:
+            path = Path(out) / "config.json"
+            path.write_text(json.dumps(self._model_config, indent=2, sort_keys=True))
+            files.append(path)
+        return files
+
+    def wait_committed(self) -> int:
+        """Wait until the last step is fully written to the storage directory; returns its number."""
+        self._await()
+        if self._committer is None:
+            return self.step_count
+        self._committer.wait()
+        return self._committer.step
 
     # ---- access bookkeeping -------------------------------------------------------------
     def _phase(self, name: str) -> None:
@@ -650,6 +925,10 @@ class Engine:
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
         self._phase("bwd")
+        if self._committer is not None:
+            # the last step's gradients stay on disk until every unit of it is recorded: wait, so
+            # this backward's gradients never need a second copy alongside them
+            self._committer.wait()
         try:
             loss.backward()
         finally:
@@ -712,6 +991,18 @@ class Engine:
         hyper = {k: v for k, v in self.param_groups[0].items() if k in self._ctor_keys}
         scale, self._grad_scale = self._grad_scale, None
         step_index = self.step_count
+        self.step_count += 1
+        if self._optimizer_view is not None:
+            self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
+        if self._scheduler is not None:
+            self._scheduler.step()
+        if self._committer is not None:
+            # the step is committed once its gradients and this record are on disk: from here on a
+            # crash resumes after it, by re-running the update of the units not yet recorded
+            self._committer.begin_step({
+                "step": self.step_count, "step_index": step_index,
+                "hyper": _jsonable(hyper, "the optimizer's hyperparameters"),
+                "scale": None if scale is None else float(scale.item()), "meta": self._meta()})
         self._pending = {u.name: threading.Event() for u in self.units}
         self.store.declare_access_sequence(self._sequence(self._phases))
         self._phases = []
@@ -724,9 +1015,6 @@ class Engine:
         else:
             self._update_all(hyper, scale, step_index)
             self._await()
-        self.step_count += 1
-        if self._optimizer_view is not None:
-            self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
         self._grads_finite.clear()
         return True
 
@@ -736,6 +1024,8 @@ class Engine:
                 with self._progress:
                     while not self._free_run and index - self._fwd_progress > self.step_lead:
                         self._progress.wait()
+                if self._committer is not None:
+                    self._committer.throttle(self.commit_window())
                 self._update_unit(unit, hyper, scale, step_index)
                 with self._pending_lock:
                     if unit.name in self._zero_after_update:
@@ -759,15 +1049,14 @@ class Engine:
         tensors = [self.store.get(k) for k in keys]
         try:
             w, g, states = tensors[0], tensors[1], tensors[2:]
-            if scale is not None:
-                g.mul_(scale.to(g.device))
-                self.store.mark_dirty(keys[1])
             first = step_index == 0 and not self._zero_init_states
             for a in range(0, unit.numel, self.optimizer_chunk):
                 b = min(unit.numel, a + self.optimizer_chunk)
                 wc = w[a:b]
                 opt = self.optimizer_class([wc], **hyper)
-                wc.grad = g[a:b]
+                # clipping scales the gradient as it goes in (the gradient on disk stays what backward
+                # made: a resumed step re-scales the same bytes)
+                wc.grad = g[a:b] if scale is None else g[a:b] * scale.to(g.device)
                 if not first:
                     state: dict[str, Any] = {k: s[a:b] for k, s in zip(self._state_kinds, states)}
                     if self._has_step:
@@ -787,8 +1076,9 @@ class Engine:
         # Write behind: the updated weights and states are not needed again until the next
         # forward / step, so start writing them now; when their space is wanted they are clean
         # and can be dropped at once instead of stalling the caller on a write.
-        for k in keys[:1] + keys[2:]:
-            self.store.write_back(k)
+        futures = [self.store.write_back(k) for k in keys[:1] + keys[2:]]
+        if self._committer is not None:
+            self._committer.unit_updated(unit.name, futures)
 
     def zero_grad(self) -> None:
         """Reset every gradient to zero (no I/O: the store just forgets the old values).
@@ -828,12 +1118,24 @@ class Engine:
         return self.store.stats
 
     def close(self) -> None:
-        """Write everything back and release memory and files (a temporary storage directory is removed)."""
-        self._unbind_rest()
-        self._await()
-        self.store.close()
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
+        """Finish writing the last step, release memory, files and the directory's lock
+        (a temporary storage directory is removed)."""
+        if self.store is None:
+            return
+        try:
+            self._unbind_rest()
+            self._await()
+            if self._committer is not None:
+                self._committer.wait()
+        finally:
+            try:
+                # durable: the committed state is complete; what is dirty now (gradients) is not part of it
+                self.store.close(flush=not self.durable)
+            finally:
+                self._release_directory()
+                self.store = None
+                if self._tmpdir is not None:
+                    self._tmpdir.cleanup()
 
     def __enter__(self) -> "Engine":
         return self
@@ -857,6 +1159,51 @@ class _OptimizerView(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         self._engine.zero_grad()
+
+
+def _model_config(model: nn.Module) -> dict | None:
+    """The model's Hugging Face configuration as JSON (for config.json next to an export), if it has one."""
+    cfg = getattr(model, "config", None)
+    to_json = getattr(cfg, "to_json_string", None)
+    if not callable(to_json):
+        return None
+    try:
+        return json.loads(to_json())
+    except (TypeError, ValueError):
+        return None
+
+
+def _generation(ref) -> int:
+    if not ref:
+        return 0
+    gen = ref[0].rpartition("@")[2]
+    return int(gen) if gen.isdigit() else 0
+
+
+def _jsonable(value, what: str):
+    """``value`` with tensors as numbers and tuples as lists, checked to survive JSON exactly."""
+    def conv(v):
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.numel() == 1 else v.tolist()
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): conv(x) for k, x in v.items()}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        raise ConfigError(f"{what} holds a {type(v).__name__} ({v!r}), which cannot be saved with the training "
+                          f"state; use numbers, strings, lists and dicts")
+    out = conv(value)
+    try:
+        json.dumps(out, allow_nan=False)
+    except ValueError as e:
+        raise ConfigError(f"{what} cannot be saved with the training state: {e}") from e
+    return out
+
+
+def _hyper_from_json(saved: dict, like: dict) -> dict:
+    """Hyperparameters read back from JSON, with tuples where the optimizer had tuples."""
+    return {k: (tuple(v) if isinstance(like.get(k), tuple) and isinstance(v, list) else v) for k, v in saved.items()}
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import errno as _errno
 
 __all__ = [
+    "CorruptionError",
+    "StorageLockedError",
+    "CheckpointError",
     "TieredOffloadError",
     "ConfigError",
     "BackendUnavailableError",
@@ -125,3 +128,15 @@ class ModelInputError(TieredOffloadError, ValueError):
 
 class NonFiniteError(TieredOffloadError, FloatingPointError):
     """A loss or gradient is NaN or infinite; the training state was left untouched."""
+
+
+class CorruptionError(TieredOffloadError, OSError):
+    """Bytes read back do not match the checksum recorded when they were written, or a state file is unreadable."""
+
+
+class StorageLockedError(TieredOffloadError, RuntimeError):
+    """Another live process owns the storage directory."""
+
+
+class CheckpointError(TieredOffloadError, ValueError):
+    """A storage directory's committed state cannot be used (missing, wrong model, unknown format)."""

@@ -40,7 +40,9 @@ from storage_backends.base import StorageBackend, validate_key
 from .arena import Arena
 from .config import StoreConfig
 from .copier import Copier
+from .checksum import crc32
 from .errors import (
+    CorruptionError,
     DiskFullError,
     TensorStateError,
     TierCapacityError,
@@ -82,6 +84,12 @@ class TensorRecord:
     zero: bool = True
     """The current version is the implicit all-zeros initial value (registered without data)."""
     disk_version: int = -1
+    disk_key: str | None = None
+    """The extent holding the disk copy (the key itself unless writes are versioned)."""
+    disk_crc: int | None = None
+    """CRC-32 of the disk copy's bytes, checked when they are read back."""
+    disk_gen: int = 0
+    """Generation of the last versioned extent written (``key@gen``)."""
     slots: dict[Tier, _Slot] = field(default_factory=dict)
     busy: IOFuture | None = None
     """The one operation in flight on this tensor, if any."""
@@ -183,6 +191,10 @@ class TieredStore:
         self._stats = StoreStats()
         self._copier: Copier | None = None
         self._opened = False
+        self.on_disk_written = None
+        """With versioned writes: called as ``fn(key, new_extent, crc, old_extent)`` after a new
+        disk version has landed (outside the store's lock); it owns deleting ``old_extent``.
+        Unset, the store deletes the superseded extent itself."""
 
     # ---- life cycle ---------------------------------------------------------------------
     def open(self) -> "TieredStore":
@@ -303,7 +315,7 @@ class TieredStore:
         ``preallocate``) a tensor whose disk space cannot be reserved.
         """
         self._check_open()
-        validate_key(key)
+        self._check_key(key)
         shape = tuple(int(s) for s in shape)
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         for tier in _MEMORY_TIERS:
@@ -333,7 +345,7 @@ class TieredStore:
     def _reserve_disk(self, rec: TensorRecord) -> None:
         if rec.nbytes == 0:
             return
-        if self.config.preallocate:
+        if self.config.preallocate and not self.config.versioned_writes:
             self.backend.allocate(rec.key, rec.nbytes, dtype=str(rec.dtype).replace("torch.", ""), shape=rec.shape)
             return
         free = self.backend.free_bytes()
@@ -342,6 +354,41 @@ class TieredStore:
                 f"not enough free disk for tensor {rec.key!r} in {self.backend.location}: needed {rec.nbytes} bytes, "
                 f"{free} free; free space or add a storage directory",
                 path=self.backend.location, needed_bytes=rec.nbytes, free_bytes=free)
+
+    def adopt(self, key: str, shape: Iterable[int], dtype: torch.dtype = torch.float32, *,
+              extent: str | None, crc: int | None, generation: int = 0) -> TensorRecord:
+        """Register a tensor whose current bytes already are on disk in ``extent`` (None: all zeros).
+
+        For reopening a storage directory: nothing is read until the tensor is first used, and
+        then the bytes are checked against ``crc``.
+        """
+        self._check_open()
+        self._check_key(key)
+        if extent is not None:
+            validate_key(extent)
+        shape = tuple(int(s) for s in shape)
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            if key in self._records:
+                raise ValueError(f"tensor {key!r} is already registered")
+            rec = TensorRecord(key, shape, dtype, nbytes, disk_gen=generation)
+            if extent is not None:
+                rec.zero = False
+                rec.disk_version = 0
+                rec.disk_key, rec.disk_crc = extent, crc
+            self._records[key] = rec
+        for p in self._policies.values():
+            p.on_register(key)
+        return rec
+
+    def extent(self, key: str) -> tuple[str | None, int | None]:
+        """``(extent, crc)`` of the tensor's current disk copy, or ``(None, None)`` if the disk
+        does not hold the current version (it is dirty in memory, or all zeros)."""
+        with self._lock:
+            rec = self._rec(key)
+            if rec.zero or not rec.valid(Tier.DISK):
+                return None, None
+            return rec.disk_key or rec.key, rec.disk_crc
 
     def unregister(self, key: str) -> None:
         """Forget a tensor: wait for its operation in flight, free its copies, delete its extent."""
@@ -355,7 +402,7 @@ class TieredStore:
                 self._drop_slot(rec, tier)
             del self._records[key]
         try:
-            self.backend.delete(key)
+            self.backend.delete(rec.disk_key or key)
         finally:
             for p in self._policies.values():
                 p.on_unregister(key)
@@ -462,7 +509,15 @@ class TieredStore:
                 raise error
             rec.version += 1
             rec.zero = True
+            old = None
+            if self.config.versioned_writes and rec.disk_key is not None:
+                old, rec.disk_key, rec.disk_crc = rec.disk_key, None, None  # superseded by the zeros
         self._end(rec, busy, result=0)
+        if old is not None:
+            if self.on_disk_written is not None:
+                self.on_disk_written(key, None, None, old)
+            else:
+                self._delete_quietly(old)
 
     def read(self, key: str) -> torch.Tensor:
         """A CPU copy of the tensor's current bytes (for inspection and tests)."""
@@ -547,6 +602,12 @@ class TieredStore:
     def _check_open(self) -> None:
         if not self._opened:
             raise TensorStateError("the store is not open; call open() or use it as a context manager")
+
+    def _check_key(self, key: str) -> None:
+        validate_key(key)
+        if self.config.versioned_writes and "@" in key:
+            raise ValueError(f"tensor key {key!r} contains '@', which names versions of extents when writes are "
+                             f"versioned; rename it")
 
     def _rec(self, key: str) -> TensorRecord:
         try:
@@ -705,30 +766,88 @@ class TieredStore:
             f"{tier.name.lower()} budget")
 
     # ---- internals: copies --------------------------------------------------------------
-    def _landed(self, rec: TensorRecord, tier: Tier, version: int, src: Tier):
+    def _landed(self, rec: TensorRecord, tier: Tier, version: int, src: Tier, extent: str | None = None,
+                crc: int | None = None):
         """Completion handler: bytes of ``version`` arrived in ``tier`` from ``src`` (or failed)."""
         def handler(fut: IOFuture) -> None:
             error = fut.exception()
+            old = None
             with self._lock:
                 if error is None:
                     rec.loaded(tier, version)
                     self._stats.bytes_read[src] += rec.nbytes
                     self._stats.bytes_written[tier] += rec.nbytes
+                    if tier == Tier.DISK and extent is not None:
+                        old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc
+            if tier != Tier.DISK or extent is None or not self.config.versioned_writes:
+                return
+            if error is not None:  # a half-written new extent is garbage; the old one is untouched
+                self._delete_quietly(extent)
+            elif self.on_disk_written is not None:
+                self.on_disk_written(rec.key, extent, crc, old)
+            elif old is not None and old != extent:
+                self._delete_quietly(old)
         return handler
+
+    def _delete_quietly(self, extent: str) -> None:
+        try:
+            self.backend.delete(extent)
+        except Exception as e:  # noqa: BLE001 - a leftover file is reported, not fatal
+            import logging
+            logging.getLogger(__name__).warning("could not delete superseded extent %r: %s", extent, e)
 
     def _copy_between(self, rec: TensorRecord, src: Tier, dst: Tier, version: int) -> IOFuture:
         """Start one copy of ``rec``'s bytes (of ``version``) from ``src`` to ``dst``; slots already exist."""
         desc = f"{rec.key} {src.name}->{dst.name}"
+        extent = crc = None
         if rec.nbytes == 0:
             fut = completed(0, desc)
+            if dst == Tier.DISK:
+                extent, crc = self._next_extent(rec), 0
         elif dst == Tier.DISK:
-            fut = self.backend.write_from(rec.key, rec.slots[src].raw)
+            raw = rec.slots[src].raw
+            extent = self._next_extent(rec)
+            crc = crc32(raw) if self.config.verify_checksums else None
+            fut = self.backend.write_from(extent, raw)
         elif src == Tier.DISK:
-            fut = self.backend.read_into(rec.key, rec.slots[dst].raw)
+            fut = self._verified_read(rec, rec.slots[dst].raw)
         else:
             fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
-        fut.add_done_callback(self._landed(rec, dst, version, src))  # runs before any later callback
+        fut.add_done_callback(self._landed(rec, dst, version, src, extent, crc))  # runs before any later callback
         return fut
+
+    def _next_extent(self, rec: TensorRecord) -> str:
+        if not self.config.versioned_writes:
+            return rec.key
+        with self._lock:
+            rec.disk_gen += 1
+            return f"{rec.key}@{rec.disk_gen}"
+
+    def _verified_read(self, rec: TensorRecord, raw: torch.Tensor) -> IOFuture:
+        """Read the disk copy into ``raw``; fail with :class:`CorruptionError` if its checksum differs."""
+        with self._lock:
+            extent, expected = rec.disk_key or rec.key, rec.disk_crc
+        inner = self.backend.read_into(extent, raw)
+        if expected is None or not self.config.verify_checksums:
+            return inner
+        out: Future = Future()
+
+        def check(f: IOFuture) -> None:
+            error = f.exception()
+            if error is None:
+                actual = crc32(raw)
+                if actual != expected:
+                    error = CorruptionError(
+                        f"tensor {rec.key!r}: the bytes read from {self.backend.describe(extent)} do not match the "
+                        f"checksum recorded when they were written (crc32 {actual:08x}, expected {expected:08x}); the "
+                        f"file was modified or the disk returned bad data. Restore the directory from a copy, or "
+                        f"run `tiered-offload verify` on it to list every damaged tensor")
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(f.get())
+        inner.add_done_callback(check)
+        return IOFuture(out, f"read {rec.key}")
 
     def _start_load(self, rec: TensorRecord, tier: Tier, *, block: bool = True,
                     further_than: float | None = None) -> IOFuture:

@@ -1,0 +1,463 @@
+"""Durable training state: the storage directory *is* the checkpoint, consistent after every step.
+
+Layout of a storage directory (the first one when striped)::
+
+    .tiered-offload/lock            held with flock() by the one process using the directory
+    .tiered-offload/manifest.json   the last fully written step: every tensor's extent, checksum
+    .tiered-offload/journal.jsonl   what happened since: at most one step's intent and unit records
+    block.0%2Fweight@7 ...          tensor extents; a new version always goes to a new extent
+
+Protocol (redo log with copy-on-write extents). Nothing is ever overwritten in place:
+
+1. ``step()`` makes every gradient durable, then appends an *intent* record: the step number,
+   the optimizer hyperparameters and gradient scale it will use, each gradient's extent and
+   checksum, and the state after the step (step counter, learning rates, scheduler, RNG,
+   user dict). Once the intent is on disk the step is committed: whatever happens next, the
+   state after it can be rebuilt from the previous state and those gradients.
+2. Each unit's new weights and optimizer states are written to new extents; once they are
+   durable a *unit* record names them, and only then are the unit's previous extents (and its
+   gradient's) deleted. At most ``window`` units are between "updated" and "recorded", which
+   bounds the extra disk space.
+3. When every unit is recorded the manifest is rewritten atomically (temporary file, fsync,
+   rename, fsync of the directory) and the journal emptied.
+
+Recovery reads the manifest and the journal, deletes extents that nothing refers to (the
+remains of a write cut short), and re-runs the update for the units of a committed step that
+have no unit record, from their previous extents and the gradients the intent names: the same
+code on the same bytes, so the result is bitwise what the uninterrupted run computed.
+
+Every record and the manifest carry a CRC; a torn last journal line (a crash mid-append) is
+ignored, a damaged manifest is an error naming the file.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .errors import CheckpointError, CorruptionError, DiskFullError, StorageLockedError
+from .units import format_size
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STATE_DIR", "FORMAT", "DirectoryLock", "StateFiles", "Committer", "encode_rng", "decode_rng",
+           "state_directory"]
+
+STATE_DIR = ".tiered-offload"
+FORMAT = "tiered-offload/1"
+MANIFEST = "manifest.json"
+JOURNAL = "journal.jsonl"
+LOCK = "lock"
+
+
+def state_directory(location: str) -> Path:
+    """Where the lock, manifest and journal of a storage location (``dir`` or ``dir1,dir2``) live."""
+    return Path(str(location).split(",")[0]).expanduser().absolute() / STATE_DIR
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+# ---- the lock ---------------------------------------------------------------------------
+class DirectoryLock:
+    """One process per storage directory: an ``flock`` held for the engine's lifetime.
+
+    The kernel drops the lock when its holder dies, however it dies, so a lock file left by a
+    dead process is never mistaken for a live owner (and no PID-reuse guessing is needed). The
+    file names the holder, for the error a second process gets.
+    """
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / LOCK
+        self._fd: int | None = None
+        self.took_over: dict | None = None
+        """The holder recorded by a previous process that died without releasing the lock."""
+
+    def acquire(self) -> "DirectoryLock":
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('since')}: "
+                   f"{holder.get('command')})") if holder else "another process"
+            raise StorageLockedError(
+                f"storage directory {self.path.parent.parent} is in use by {who}; the lock is {self.path}. Stop that "
+                f"process, or give this run another directory") from None
+        previous = _read_holder(fd)
+        if previous:
+            self.took_over = previous
+            log.warning("%s: taking over the lock left by process %s on %s, which is no longer running",
+                        self.path, previous.get("pid"), previous.get("host"))
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)[:200]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _dumps(me).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # a clean exit leaves no holder behind
+        finally:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        return json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {}
+
+
+# ---- the manifest and the journal ---------------------------------------------------------
+class StateFiles:
+    """The manifest (replaced atomically) and the journal (appended, one checksummed JSON line per record)."""
+
+    def __init__(self, state_dir: Path):
+        self.dir = state_dir
+        self.manifest_path = state_dir / MANIFEST
+        self.journal_path = state_dir / JOURNAL
+
+    def read_manifest(self) -> dict | None:
+        try:
+            text = self.manifest_path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            crc, _, payload = text.partition(" ")
+            if int(crc, 16) != zlib.crc32(payload.encode()):
+                raise ValueError("checksum mismatch")
+            manifest = json.loads(payload)
+        except ValueError as e:
+            raise CorruptionError(f"{self.manifest_path} is damaged ({e}); it was modified by something other than "
+                                  f"tiered-offload. Restore the directory from a copy") from None
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{self.manifest_path} has format {manifest.get('format')!r}; this version of "
+                                  f"tiered-offload reads {FORMAT!r}")
+        return manifest
+
+    def write_manifest(self, manifest: dict) -> None:
+        payload = _dumps(manifest)
+        tmp = self.manifest_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, f"{zlib.crc32(payload.encode()):08x} {payload}".encode(), tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.manifest_path)
+        _fsync_dir(self.dir)
+
+    def read_journal(self) -> list[dict]:
+        """The journal's records, up to the first damaged line (the tail of an append cut short)."""
+        try:
+            data = self.journal_path.read_bytes()
+        except FileNotFoundError:
+            return []
+        records = []
+        for line in data.split(b"\n"):
+            crc, _, payload = line.partition(b" ")
+            try:
+                if int(crc, 16) != zlib.crc32(payload):
+                    break
+                records.append(json.loads(payload))
+            except ValueError:
+                break
+        return records
+
+    def append(self, record: dict) -> None:
+        payload = _dumps(record).encode()
+        line = b"%08x %s\n" % (zlib.crc32(payload), payload)
+        fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            _write_all(fd, line, self.journal_path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def reset_journal(self) -> None:
+        fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self.dir)
+
+
+def _write_all(fd: int, data: bytes, path: Path) -> None:
+    view = memoryview(data)
+    try:
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            import shutil
+            free = shutil.disk_usage(path.parent).free
+            raise DiskFullError(f"disk full writing {path} ({len(data)} bytes needed, {free} free); the last "
+                                f"committed state is intact. Free space and resume",
+                                path=str(path), needed_bytes=len(data), free_bytes=free) from e
+        raise
+
+
+def encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+# ---- the commit protocol -----------------------------------------------------------------
+Ref = tuple[str, int | None] | None
+"""An extent and its CRC, or None for an all-zero tensor (no extent)."""
+
+
+class Committer:
+    """Runs the commit protocol for one engine: which extents the durable state refers to, and when
+    superseded ones may be deleted. Journal work runs on one background thread, in order.
+
+    Args:
+        files: the manifest and journal.
+        store: the engine's store (versioned writes; its ``on_disk_written`` is set here).
+        units: unit name -> the keys of its durable tensors (weights, optimizer states).
+        grads: unit name -> its gradient key.
+        describe: ``fn(step, committed, meta) -> manifest`` builds the manifest for a step.
+    """
+
+    def __init__(self, files: StateFiles, store, units: dict[str, list[str]], grads: dict[str, str],
+                 describe: Callable[[int, dict[str, Ref], dict], dict]):
+        self.files = files
+        self.store = store
+        self.units = units
+        self.grads = grads
+        self.describe = describe
+        self._lock = threading.Condition()
+        self._committed: dict[str, Ref] = {}
+        self._latest: dict[str, str] = {}
+        self._refs: dict[str, int] = {}
+        self._intent: dict | None = None
+        self._waiting: set[str] = set()
+        self._in_window: set[str] = set()
+        self._meta: dict = {}
+        self._step = 0
+        self._error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-offload-journal")
+        store.on_disk_written = self._written
+
+    # ---- references ---------------------------------------------------------------------
+    def _ref(self, ref: Ref) -> None:
+        if ref is not None:
+            self._refs[ref[0]] = self._refs.get(ref[0], 0) + 1
+
+    def _unref(self, ref: Ref) -> list[str]:
+        """Drop a reference; the extents that became garbage (call with the lock held)."""
+        if ref is None:
+            return []
+        n = self._refs.get(ref[0], 0) - 1
+        if n > 0:
+            self._refs[ref[0]] = n
+            return []
+        self._refs.pop(ref[0], None)
+        return [] if ref[0] in self._latest.values() else [ref[0]]
+
+    def _delete(self, extents: Iterable[str]) -> None:
+        for e in extents:
+            self.store._delete_quietly(e)
+
+    def _written(self, key: str, extent: str | None, crc: int | None, old: str | None) -> None:
+        """The store wrote a new version of ``key`` to ``extent``; ``old`` is superseded."""
+        with self._lock:
+            if extent is None:  # the tensor went back to all zeros: no extent holds it any more
+                self._latest.pop(key, None)
+            else:
+                self._latest[key] = extent
+            garbage = [old] if old is not None and old != extent and old not in self._refs else []
+        self._delete(garbage)
+
+    # ---- setting up -----------------------------------------------------------------------
+    def start(self, step: int, committed: dict[str, Ref], meta: dict, latest: dict[str, str]) -> None:
+        """Adopt a committed state (fresh, or read back from the manifest)."""
+        with self._lock:
+            self._step, self._meta = step, meta
+            self._committed = dict(committed)
+            self._latest.update(latest)
+            for ref in committed.values():
+                self._ref(ref)
+
+    def resume_intent(self, intent: dict, recorded: dict[str, dict[str, Ref]]) -> list[str]:
+        """Continue a committed step found in the journal; returns the units still to update."""
+        with self._lock:
+            self._intent = intent
+            for ref in intent["grads"].values():
+                self._ref(_ref(ref))
+            for unit, refs in recorded.items():
+                self._record_unit(unit, refs)
+            self._waiting = set(self.units) - set(recorded)
+            return sorted(self._waiting)
+
+    def referenced(self) -> set[str]:
+        with self._lock:
+            return set(self._refs)
+
+    # ---- a step -------------------------------------------------------------------------
+    def begin_step(self, intent: dict) -> None:
+        """Make the gradients durable and commit the step's intent (before anything is updated)."""
+        self.wait()
+        futures = [self.store.write_back(k) for k in self.grads.values()]
+        for f in futures:
+            f.get()
+        grads = {k: self.store.extent(k) for k in self.grads.values()}
+        self.store.backend.sync([r[0] for r in grads.values() if r[0] is not None])
+        intent = dict(intent, type="intent", grads={k: (list(r) if r[0] is not None else None) for k, r in grads.items()})
+        self.files.append(intent)
+        with self._lock:
+            self._intent = intent
+            for r in intent["grads"].values():
+                self._ref(_ref(r))
+            self._waiting = set(self.units)
+            self._in_window = set()
+
+    def throttle(self, window: int) -> None:
+        """Wait until fewer than ``window`` updated units are not yet recorded (bounds the extra disk)."""
+        with self._lock:
+            while len(self._in_window) >= window and self._error is None:
+                self._lock.wait()
+            if self._error is not None:
+                raise self._error
+
+    def unit_updated(self, unit: str, futures: list) -> None:
+        """``unit``'s new weights and states are being written (``futures``): record them once durable."""
+        with self._lock:
+            self._in_window.add(unit)
+        self._pool.submit(self._record_when_durable, unit, futures)
+
+    def _record_when_durable(self, unit: str, futures: list) -> None:
+        try:
+            with self._lock:
+                if self._error is not None:
+                    return
+            for f in futures:
+                f.get()
+            refs = {k: self.store.extent(k) for k in self.units[unit]}
+            missing = [k for k, r in refs.items() if r[0] is None and not self.store.record(k).zero]
+            if missing:
+                raise CheckpointError(f"unit {unit}: {missing} not on disk after their write-back; this is a bug")
+            self.store.backend.sync([r[0] for r in refs.values() if r[0] is not None])
+            record = {"type": "unit", "step": self._intent["step"], "unit": unit,
+                      "tensors": {k: (list(r) if r[0] is not None else None) for k, r in refs.items()}}
+            self.files.append(record)
+            with self._lock:
+                garbage = self._record_unit(unit, record["tensors"])
+                self._waiting.discard(unit)
+                self._in_window.discard(unit)
+                finished = not self._waiting
+                self._lock.notify_all()
+            self._delete(garbage)
+            if finished:
+                self._finish()
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait() / throttle()
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
+
+    def _record_unit(self, unit: str, refs: dict[str, Any]) -> list[str]:
+        """Point the committed state at a unit's new extents (lock held); the garbage it leaves."""
+        garbage: list[str] = []
+        for k, r in refs.items():
+            new = _ref(r)
+            self._ref(new)
+            garbage += self._unref(self._committed.get(k))
+            self._committed[k] = new
+        return garbage
+
+    def _finish(self) -> None:
+        """Every unit of the step is recorded: fold the journal into a new manifest."""
+        intent = self._intent
+        with self._lock:
+            committed = dict(self._committed)
+        self.files.write_manifest(self.describe(intent["step"], committed, intent["meta"]))
+        self.files.reset_journal()
+        with self._lock:
+            self._step, self._meta = intent["step"], intent["meta"]
+            garbage = []
+            for r in intent["grads"].values():
+                garbage += self._unref(_ref(r))
+            self._intent = None
+            self._lock.notify_all()
+        self._delete(garbage)
+
+    def finish_now(self) -> None:
+        """Complete a step in which every unit was recorded before the engine stopped (resume)."""
+        with self._lock:
+            if self._intent is None or self._waiting:
+                return
+        self._finish()
+
+    def write_manifest(self, step: int, meta: dict) -> None:
+        """Write the manifest of the current committed state (a fresh directory, or to refresh meta)."""
+        self.wait()
+        with self._lock:
+            committed = dict(self._committed)
+            self._step, self._meta = step, meta
+        self.files.write_manifest(self.describe(step, committed, meta))
+
+    def wait(self) -> None:
+        """Wait until the step in flight is fully recorded; raise what went wrong while recording it."""
+        with self._lock:
+            while self._intent is not None and self._error is None:
+                self._lock.wait()
+            if self._error is not None:
+                error = self._error
+                raise error
+
+    @property
+    def step(self) -> int:
+        with self._lock:
+            return self._step
+
+    def extra_extents(self) -> int:
+        """Units updated but not yet recorded (each holds an old and a new set of extents)."""
+        with self._lock:
+            return len(self._in_window)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.store.on_disk_written = None
+
+
+def _ref(value) -> Ref:
+    if value is None:
+        return None
+    return (value[0], value[1])

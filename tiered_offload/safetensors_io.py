@@ -1,0 +1,269 @@
+"""Streaming safetensors: load pretrained weights into the engine, export trained ones.
+
+The format is small enough to handle directly (8-byte little-endian header length, a JSON
+header of ``name -> dtype, shape, data_offsets``, then the bytes), which lets both directions
+stream: a tensor is read straight into its place in the engine's weight buffer (through a
+bounded conversion buffer when the file holds another dtype), and an export writes one tensor
+at a time. Nothing is unpickled. Hugging Face's sharded layout (``model-0000i-of-0000n.safetensors``
+plus ``model.safetensors.index.json``) is read and written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError, CorruptionError
+from .units import parse_size
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PretrainedReader", "SafetensorsWriter", "plan_shards", "INDEX_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_MAX_HEADER = 100 << 20
+_BUFFER = 16 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """``(tensors, data_start)`` of a safetensors file, every entry checked against the file's size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    start = 8 + n
+    for name, info in header.items():
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = [int(s) for s in info["shape"]]
+            a, b = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        numel = int(np.prod(shape)) if shape else 1
+        if not 0 <= a <= b or start + b > size or (b - a) != numel * torch.empty((), dtype=dtype).element_size():
+            raise CheckpointError(f"{path}: tensor {name!r} ({info['dtype']}, shape {shape}) claims bytes {a}..{b}, "
+                                  f"which do not match its size or lie outside the file ({size} bytes)")
+        info["torch_dtype"] = dtype
+    return header, start
+
+
+class PretrainedReader:
+    """Reads named tensors from a safetensors file or a directory of shards, one at a time.
+
+    Args:
+        path: a ``.safetensors`` file, or a directory holding ``model.safetensors`` or an index
+            (``*.safetensors.index.json``) with its shards.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path).expanduser()
+        if path.is_dir():
+            indexes = sorted(path.glob("*.safetensors.index.json"))
+            if indexes:
+                try:
+                    weight_map = json.loads(indexes[0].read_text())["weight_map"]
+                except (OSError, ValueError, KeyError) as e:
+                    raise CheckpointError(f"{indexes[0]} is not a safetensors index (needs a 'weight_map'): {e}") from None
+                files = {}
+                for name, shard in weight_map.items():
+                    if Path(shard).name != shard or shard.startswith("."):
+                        raise CheckpointError(f"{indexes[0]}: shard name {shard!r} for {name!r} is not a plain file "
+                                              f"name in that directory; refusing to read outside it")
+                    files[name] = path / shard
+            elif (path / SINGLE_NAME).is_file():
+                files = None
+                path = path / SINGLE_NAME
+            else:
+                raise CheckpointError(f"{path} holds neither {SINGLE_NAME} nor a *.safetensors.index.json")
+        elif path.is_file():
+            files = None
+        else:
+            raise CheckpointError(f"pretrained weights {path} do not exist")
+        self.entries: dict[str, tuple[Path, dict, int]] = {}
+        headers: dict[Path, tuple[dict, int]] = {}
+        shards = sorted(set(files.values())) if files else [path]
+        for shard in shards:
+            headers[shard] = read_header(shard)
+        if files:
+            for name, shard in files.items():
+                header, start = headers[shard]
+                if name not in header:
+                    raise CheckpointError(f"the index maps {name!r} to {shard}, whose header does not list it")
+                self.entries[name] = (shard, header[name], start)
+        else:
+            header, start = headers[path]
+            self.entries = {name: (path, info, start) for name, info in header.items()}
+        self.source = path
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def check_covers(self, wanted: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """Every ``(name, shape)`` must be present with that shape; report all that are not."""
+        missing, wrong = [], []
+        wanted = list(wanted)
+        for name, shape in wanted:
+            e = self.entries.get(name)
+            if e is None:
+                missing.append(name)
+            elif list(e[1]["shape"]) != list(shape):
+                wrong.append(f"{name}: file {e[1]['shape']} vs model {list(shape)}")
+        if missing or wrong:
+            raise CheckpointError(
+                f"{self.source} does not fit this model: " + "; ".join(
+                    ([f"{len(missing)} parameter(s) missing ({', '.join(missing[:5])}{'...' if len(missing) > 5 else ''})"]
+                     if missing else []) + ([f"shape mismatch ({'; '.join(wrong[:5])})"] if wrong else []))
+                + ". Check that the checkpoint was saved from the same architecture and configuration")
+        extra = set(self.entries) - {n for n, _ in wanted}
+        if extra:
+            log.info("%s: %d tensor(s) not used by the model (e.g. %s)", self.source, len(extra), sorted(extra)[:3])
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read tensor ``name`` into ``out`` (a contiguous CPU tensor of its shape), converting the dtype."""
+        path, info, start = self.entries[name]
+        a, b = info["data_offsets"]
+        dtype = info["torch_dtype"]
+        flat = out.reshape(-1)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start + a)
+            if dtype == out.dtype and out.is_contiguous():
+                _read_exact(f, memoryview(flat.view(torch.uint8).numpy()), path, name)
+                return
+            size = torch.empty((), dtype=dtype).element_size()
+            per = max(1, _BUFFER // size)
+            buf = torch.empty(per * size, dtype=torch.uint8)
+            for lo in range(0, flat.numel(), per):
+                hi = min(flat.numel(), lo + per)
+                chunk = buf[:(hi - lo) * size]
+                _read_exact(f, memoryview(chunk.numpy()), path, name)
+                flat[lo:hi].copy_(chunk.view(dtype))
+
+    def close(self) -> None:
+        pass
+
+
+def _read_exact(f, mv: memoryview, path: Path, name: str) -> None:
+    while len(mv):
+        n = f.readinto(mv)
+        if not n:
+            raise CheckpointError(f"{path} ends in the middle of tensor {name!r}")
+        mv = mv[n:]
+
+
+# ---- writing --------------------------------------------------------------------------
+def plan_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size) -> list[list[int]]:
+    """Group tensor indices into shards of at most ``max_shard_size`` bytes (a larger tensor gets its own)."""
+    limit = parse_size(max_shard_size, what="max_shard_size")
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, (_n, dtype, shape) in enumerate(tensors):
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size() if shape else 4
+        if shards[-1] and used + nbytes > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += nbytes
+    return shards
+
+
+class SafetensorsWriter:
+    """Writes named tensors into sharded safetensors files, streaming: headers first, then each
+    tensor's bytes as the caller produces them, in the order declared.
+
+    ``tensors`` is ``[(name, dtype, shape), ...]``; ``fill(i, write)`` must call ``write(bytes-like)``
+    with tensor ``i``'s bytes (possibly in several pieces).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 max_shard_size="2GB", metadata: dict | None = None):
+        self.out = Path(out_dir)
+        self.tensors = tensors
+        self.shards = plan_shards(tensors, max_shard_size)
+        self.metadata = {"format": "pt", **(metadata or {})}
+
+    def file_name(self, k: int) -> str:
+        n = len(self.shards)
+        return SINGLE_NAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+    def write(self, fill: Callable[[int, Callable[[bytes], None]], None]) -> list[Path]:
+        self.out.mkdir(parents=True, exist_ok=True, mode=0o700)
+        written: list[Path] = []
+        weight_map, total = {}, 0
+        try:
+            for k, members in enumerate(self.shards):
+                header, offset = {"__metadata__": self.metadata}, 0
+                for i in members:
+                    name, dtype, shape = self.tensors[i]
+                    nbytes = (int(np.prod(shape)) if shape else 1) * torch.empty((), dtype=dtype).element_size()
+                    header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+                    offset += nbytes
+                    weight_map[name] = self.file_name(k)
+                total += offset
+                raw = json.dumps(header, separators=(",", ":")).encode()
+                raw += b" " * (-len(raw) % 8)
+                path = self.out / self.file_name(k)
+                tmp = path.with_name(f".{path.name}.partial")
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                    written.append(tmp)
+                    f.write(struct.pack("<Q", len(raw)))
+                    f.write(raw)
+                    for i in members:
+                        start = f.tell()
+                        fill(i, f.write)
+                        expect = int(header[self.tensors[i][0]]["data_offsets"][1] - header[self.tensors[i][0]]["data_offsets"][0])
+                        if f.tell() - start != expect:
+                            raise CorruptionError(f"export: tensor {self.tensors[i][0]!r} produced {f.tell() - start} "
+                                                  f"bytes, expected {expect}")
+                    f.flush()
+                    os.fsync(f.fileno())
+            finals = []
+            for k, tmp in enumerate(written):
+                final = self.out / self.file_name(k)
+                os.replace(tmp, final)
+                finals.append(final)
+            if len(self.shards) > 1:
+                index = self.out / INDEX_NAME
+                index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+                finals.append(index)
+            return finals
+        except BaseException:
+            for tmp in written:
+                tmp.unlink(missing_ok=True)
+            raise
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def iter_chunks(t: torch.Tensor, chunk: int = _BUFFER) -> Iterator[memoryview]:
+    mv = tensor_bytes(t)
+    for a in range(0, len(mv), chunk):
+        yield mv[a:a + chunk]

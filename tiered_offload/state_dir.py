@@ -1,0 +1,206 @@
+"""Offline access to a storage directory's committed state: inspect, verify, export.
+
+Works without the model: the manifest records every tensor's extent, checksum and layout, and
+every parameter's name, unit and offset. Reading never takes the directory's lock (the manifest
+is replaced atomically, so a reader sees one committed step), never unpickles anything, and
+reaches files only through the storage backend's key-to-file-name mapping, so no name in a
+manifest can point outside the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from storage_backends.base import key_to_filename, validate_key
+from storage_backends.posix import PosixBackend
+
+from .checksum import crc32
+from .durable import LOCK, STATE_DIR, StateFiles, _read_holder
+from .errors import CheckpointError, CorruptionError, ExtentNotFoundError, InvalidKeyError, ShortReadError
+from .safetensors_io import SafetensorsWriter
+from .units import format_size
+
+__all__ = ["StateDirectory", "export_params"]
+
+_CHUNK = 16 << 20
+
+
+class StateDirectory:
+    """A storage directory opened read-only."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser().absolute()
+        self.files = StateFiles(self.path / STATE_DIR)
+        manifest = self.files.read_manifest() if self.path.is_dir() else None
+        if manifest is None:
+            raise CheckpointError(f"{self.path} holds no training state (no {self.files.manifest_path}); give the "
+                                  f"storage directory an engine trained in")
+        self.manifest = manifest
+        storage = manifest.get("storage") or {}
+        dirs = [Path(d) for d in storage.get("directories") or [self.path]]
+        dirs[0] = self.path  # the directory may have been moved since
+        self.backend = PosixBackend(dirs, direct=False, create=False,
+                                    **({"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}))
+        self.backend.open()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "StateDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- reading -------------------------------------------------------------------------
+    def extent_of(self, key: str) -> tuple[str | None, int | None, int]:
+        info = self.manifest["tensors"][key]
+        extent = info["extent"]
+        if extent is not None:
+            try:
+                validate_key(extent)
+            except InvalidKeyError as e:
+                raise CorruptionError(f"{self.files.manifest_path}: tensor {key!r} names an invalid extent: {e}") from None
+        return extent, info["crc"], int(info["nbytes"])
+
+    def read_range(self, extent: str, offset: int, out: torch.Tensor) -> None:
+        """Read ``out.nbytes`` bytes of ``extent`` at byte ``offset`` into the uint8 tensor ``out``."""
+        self.backend.read_into(extent, out, offset).get()
+
+    def verify(self, progress=None) -> dict:
+        """Check every tensor of the committed state against its checksum. Returns a report."""
+        bad, checked, nbytes = [], 0, 0
+        buf = torch.empty(_CHUNK, dtype=torch.uint8)
+        for key in self.manifest["tensors"]:
+            extent, expected, size = self.extent_of(key)
+            if extent is None:
+                continue
+            where = self.backend.describe(extent)
+            try:
+                actual_size = self.backend.size(extent)
+                if actual_size < size:
+                    raise ShortReadError(f"holds {actual_size} bytes, {size} expected")
+                value = 0
+                for a in range(0, size, _CHUNK):
+                    piece = buf[:min(_CHUNK, size - a)]
+                    self.read_range(extent, a, piece)
+                    value = crc32(piece, value)
+                if expected is not None and value != expected:
+                    raise CorruptionError(f"crc32 {value:08x}, expected {expected:08x}")
+            except (CorruptionError, ShortReadError, ExtentNotFoundError, OSError) as e:
+                bad.append({"tensor": key, "file": where, "problem": str(e).splitlines()[0]})
+            checked += 1
+            nbytes += size
+            if progress:
+                progress(size)
+        return {"directory": str(self.path), "step": self.manifest["step"], "tensors_checked": checked,
+                "bytes_checked": nbytes, "damaged": bad, "ok": not bad}
+
+    def inspect(self) -> dict:
+        """What the directory holds: step, tensors, sizes, files, free space, the step in flight, the owner."""
+        m = self.manifest
+        tensors = m["tensors"]
+        stored = {k: v for k, v in tensors.items() if v["extent"] is not None}
+        referenced = {key_to_filename(v["extent"]) for v in stored.values()}
+        per_dir = []
+        for d in self.backend.directories:
+            files = [f for f in os.listdir(d) if not f.startswith(".")]
+            size = sum(os.stat(d / f).st_size for f in files)
+            usage = shutil.disk_usage(d)
+            per_dir.append({"directory": str(d), "files": len(files), "bytes": size,
+                            "unreferenced_files": sorted(f for f in files if f not in referenced)[:20],
+                            "free_bytes": usage.free, "total_bytes": usage.total})
+        journal = self.files.read_journal()
+        intent = next((r for r in journal if r.get("type") == "intent" and r.get("step") == m["step"] + 1), None)
+        with open(self.path / STATE_DIR / LOCK, "a+") as f:
+            holder = _read_holder(f.fileno())
+        return {
+            "directory": str(self.path),
+            "step": m["step"],
+            "step_in_flight": None if intent is None else {
+                "step": intent["step"],
+                "units_recorded": sum(1 for r in journal if r.get("type") == "unit" and r.get("step") == intent["step"]),
+                "units": len(m["units"])},
+            "parameters": len(m["params"]),
+            "parameter_count": sum(u["numel"] for u in m["units"]),
+            "optimizer": m["optimizer"],
+            "tensors": len(tensors),
+            "tensors_all_zero": len(tensors) - len(stored),
+            "state_bytes": sum(v["nbytes"] for v in tensors.values()),
+            "learning_rate": (m["meta"].get("param_groups") or [{}])[0].get("lr"),
+            "user_state": m["meta"].get("user_state"),
+            "storage": per_dir,
+            "lock_holder": holder or None,
+            "units": [{"name": u["name"], "numel": u["numel"],
+                       "tensors": {k.split("/", 1)[1]: {"bytes": v["nbytes"], "file": v["extent"] and key_to_filename(v["extent"])}
+                                   for k, v in tensors.items() if k.split("/", 1)[0] == u["name"]}}
+                      for u in m["units"]],
+        }
+
+    def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
+        """Write the committed weights as Hugging Face sharded safetensors (plus config.json if recorded)."""
+        params = self.manifest["params"]
+        buf = torch.empty(_CHUNK, dtype=torch.uint8)
+        state = {"unit": None, "crc": 0, "pos": 0}
+
+        def fill(p: dict, write) -> None:
+            extent, expected, size = self.extent_of(p["tensor"])
+            if state["unit"] != p["tensor"]:
+                state.update(unit=p["tensor"], crc=0, pos=0)
+            start = p["offset"] * 4
+            if start != state["pos"]:
+                raise CheckpointError(f"{self.files.manifest_path}: parameters of {p['tensor']} are not contiguous")
+            n = _numel(p["shape"]) * 4
+            if extent is None:
+                zeros = bytes(min(n, _CHUNK))
+                for a in range(0, n, _CHUNK):
+                    write(zeros[:min(_CHUNK, n - a)])
+                state["pos"] += n
+                return
+            for a in range(0, n, _CHUNK):
+                piece = buf[:min(_CHUNK, n - a)]
+                self.read_range(extent, start + a, piece)
+                state["crc"] = crc32(piece, state["crc"])
+                write(piece.numpy().data)
+            state["pos"] += n
+            if state["pos"] == size and expected is not None and state["crc"] != expected:
+                raise CorruptionError(f"{self.backend.describe(extent)} (tensor {p['tensor']!r}) does not match its "
+                                      f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
+
+        files = export_params(out, params, fill, max_shard_size,
+                              {"step": str(self.manifest["step"]), "source": "tiered-offload"})
+        config = self.manifest.get("model_config")
+        if config is not None:
+            path = Path(out) / "config.json"
+            path.write_text(json.dumps(config, indent=2, sort_keys=True))
+            files.append(path)
+        return files
+
+
+def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict) -> list[Path]:
+    """Export parameters in unit order (each unit's bytes read front to back, once)."""
+    order = sorted(range(len(params)), key=lambda i: (params[i]["tensor"], params[i]["offset"]))
+    # keep units in the order they first appear in the model, parameters in buffer order
+    first = {}
+    for i, p in enumerate(params):
+        first.setdefault(p["tensor"], i)
+    order.sort(key=lambda i: (first[params[i]["tensor"]], params[i]["offset"]))
+    tensors = [(params[i]["name"], torch.float32, tuple(params[i]["shape"])) for i in order]
+    writer = SafetensorsWriter(out, tensors, max_shard_size, metadata)
+    return writer.write(lambda k, write: fill(params[order[k]], write))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def describe_size(n: int) -> str:
+    return format_size(n)
