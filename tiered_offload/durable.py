@@ -410,13 +410,14 @@ class Committer:
         self.files.write_manifest(self.describe(intent["step"], committed, intent["meta"]))
         self.files.reset_journal()
         with self._lock:
-            self._step, self._meta = intent["step"], intent["meta"]
             garbage = []
             for r in intent["grads"].values():
                 garbage += self._unref(_ref(r))
+        self._delete(garbage)
+        with self._lock:
+            self._step, self._meta = intent["step"], intent["meta"]
             self._intent = None
             self._lock.notify_all()
-        self._delete(garbage)
 
     def finish_now(self) -> None:
         """Complete a step in which every unit was recorded before the engine stopped (resume)."""
@@ -432,6 +433,14 @@ class Committer:
             committed = dict(self._committed)
             self._step, self._meta = step, meta
         self.files.write_manifest(self.describe(step, committed, meta))
+
+    def fail(self, error: BaseException) -> None:
+        """The step's update failed: it will never be fully recorded. The journal keeps its intent,
+        so the next engine on this directory finishes it; this one reports ``error`` from now on."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._lock.notify_all()
 
     def wait(self) -> None:
         """Wait until the step in flight is fully recorded; raise what went wrong while recording it."""

@@ -46,6 +46,7 @@ from .errors import (
     ModelInputError,
     ModelStructureError,
     NonFiniteError,
+    TensorStateError,
     TierCapacityError,
     TieredOffloadError,
 )
@@ -1034,6 +1035,8 @@ class Engine:
                     self._pending[unit.name].set()
         except BaseException as e:  # surfaced by the next engine call that waits
             self._update_error = e
+            if self._committer is not None:
+                self._committer.fail(e)
         finally:
             for ev in self._pending.values():
                 ev.set()
@@ -1046,7 +1049,7 @@ class Engine:
         instead of several times the unit.
         """
         keys = [unit.key("weight"), unit.key("grad")] + [unit.key(f"state.{k}") for k in self._state_kinds]
-        tensors = [self.store.get(k) for k in keys]
+        tensors = self._get_group(keys)
         try:
             w, g, states = tensors[0], tensors[1], tensors[2:]
             first = step_index == 0 and not self._zero_init_states
@@ -1079,6 +1082,30 @@ class Engine:
         futures = [self.store.write_back(k) for k in keys[:1] + keys[2:]]
         if self._committer is not None:
             self._committer.unit_updated(unit.name, futures)
+
+    def _get_group(self, keys: list[str]) -> list[torch.Tensor]:
+        """Pin all of ``keys`` in the compute tier.
+
+        The budget check counts bytes, but the tier's free space can be split into holes by the
+        copies pinned so far, none large enough for the next tensor. Then the group lets go of
+        what it holds, moves its own copies out (written back first if dirty), and asks again:
+        freed, those holes merge and the group is placed side by side.
+        """
+        for attempt in range(2):
+            got: list[torch.Tensor] = []
+            try:
+                for k in keys:
+                    got.append(self.store.get(k))
+                return got
+            except TierCapacityError:
+                for k in keys[:len(got)]:
+                    self.store.release(k)
+                if attempt:
+                    raise
+                for k in keys:
+                    with contextlib.suppress(TensorStateError):  # pinned elsewhere: stays where it is
+                        self.store.evict(k, self.store.compute_tier).get()
+        raise AssertionError("unreachable")
 
     def zero_grad(self) -> None:
         """Reset every gradient to zero (no I/O: the store just forgets the old values).
@@ -1127,6 +1154,7 @@ class Engine:
             self._await()
             if self._committer is not None:
                 self._committer.wait()
+                self._committer.close()  # no journal work left running when the backend closes
         finally:
             try:
                 # durable: the committed state is complete; what is dirty now (gradients) is not part of it

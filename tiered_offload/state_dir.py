@@ -41,6 +41,21 @@ class StateDirectory:
             raise CheckpointError(f"{self.path} holds no training state (no {self.files.manifest_path}); give the "
                                   f"storage directory an engine trained in")
         self.manifest = manifest
+        # a step in flight: its intent and the units already rewritten are part of the state
+        journal = self.files.read_journal()
+        self.intent = next((r for r in journal if r.get("type") == "intent" and r.get("step") == manifest["step"] + 1), None)
+        self.recorded = {r["unit"]: r["tensors"] for r in journal
+                         if self.intent is not None and r.get("type") == "unit" and r.get("step") == self.intent["step"]}
+        self.tensors = {k: dict(v) for k, v in manifest["tensors"].items()}
+        for refs in self.recorded.values():
+            for k, ref in refs.items():
+                self.tensors[k].update(extent=ref and ref[0], crc=ref and ref[1])
+        if self.intent is not None:
+            for k, ref in self.intent["grads"].items():
+                unit = k.split("/", 1)[0]
+                n = next(u["numel"] for u in manifest["units"] if u["name"] == unit) * 4
+                self.tensors[k] = {"extent": ref and ref[0], "crc": ref and ref[1], "nbytes": n, "dtype": "float32",
+                                   "shape": [n // 4], "offset": 0}
         storage = manifest.get("storage") or {}
         dirs = [Path(d) for d in storage.get("directories") or [self.path]]
         dirs[0] = self.path  # the directory may have been moved since
@@ -59,7 +74,7 @@ class StateDirectory:
 
     # ---- reading -------------------------------------------------------------------------
     def extent_of(self, key: str) -> tuple[str | None, int | None, int]:
-        info = self.manifest["tensors"][key]
+        info = self.tensors[key]
         extent = info["extent"]
         if extent is not None:
             try:
@@ -76,7 +91,7 @@ class StateDirectory:
         """Check every tensor of the committed state against its checksum. Returns a report."""
         bad, checked, nbytes = [], 0, 0
         buf = torch.empty(_CHUNK, dtype=torch.uint8)
-        for key in self.manifest["tensors"]:
+        for key in self.tensors:
             extent, expected, size = self.extent_of(key)
             if extent is None:
                 continue
@@ -104,7 +119,7 @@ class StateDirectory:
     def inspect(self) -> dict:
         """What the directory holds: step, tensors, sizes, files, free space, the step in flight, the owner."""
         m = self.manifest
-        tensors = m["tensors"]
+        tensors = self.tensors
         stored = {k: v for k, v in tensors.items() if v["extent"] is not None}
         referenced = {key_to_filename(v["extent"]) for v in stored.values()}
         per_dir = []
@@ -115,8 +130,7 @@ class StateDirectory:
             per_dir.append({"directory": str(d), "files": len(files), "bytes": size,
                             "unreferenced_files": sorted(f for f in files if f not in referenced)[:20],
                             "free_bytes": usage.free, "total_bytes": usage.total})
-        journal = self.files.read_journal()
-        intent = next((r for r in journal if r.get("type") == "intent" and r.get("step") == m["step"] + 1), None)
+        intent = self.intent
         with open(self.path / STATE_DIR / LOCK, "a+") as f:
             holder = _read_holder(f.fileno())
         return {
@@ -124,7 +138,7 @@ class StateDirectory:
             "step": m["step"],
             "step_in_flight": None if intent is None else {
                 "step": intent["step"],
-                "units_recorded": sum(1 for r in journal if r.get("type") == "unit" and r.get("step") == intent["step"]),
+                "units_recorded": len(self.recorded),
                 "units": len(m["units"])},
             "parameters": len(m["params"]),
             "parameter_count": sum(u["numel"] for u in m["units"]),
@@ -144,6 +158,11 @@ class StateDirectory:
 
     def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
         """Write the committed weights as Hugging Face sharded safetensors (plus config.json if recorded)."""
+        if self.intent is not None:
+            raise CheckpointError(
+                f"{self.path}: step {self.intent['step']} is in flight ({len(self.recorded)} of "
+                f"{len(self.manifest['units'])} units rewritten when the engine stopped), so the weights on disk are "
+                f"not one step's. Open the directory with the engine (resume=True) to finish the step, then export")
         params = self.manifest["params"]
         buf = torch.empty(_CHUNK, dtype=torch.uint8)
         state = {"unit": None, "crc": 0, "pos": 0}

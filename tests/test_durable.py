@@ -1,0 +1,437 @@
+"""Durable training state: resume, crash safety, full disk, locking, integrity, safety, import/export."""
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from storage_backends.posix import PosixBackend
+from storage_backends.testing import FaultInjectingBackend
+from tiered_offload import Engine, empty_init
+from tiered_offload.cli import main as cli_main
+from tiered_offload.durable import STATE_DIR, DirectoryLock, StateFiles
+from tiered_offload.errors import (
+    CheckpointError,
+    CorruptionError,
+    DiskFullError,
+    StorageLockedError,
+    TieredOffloadError,
+)
+from tiered_offload.models import GPT, GPTConfig
+from tiered_offload.state_dir import StateDirectory
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def make_model(layers=4):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, context=32, d_model=32, n_layers=layers, n_heads=4))
+
+
+def make_engine(storage, layers=4, **kw):
+    model = make_model(layers)
+    n = sum(p.numel() for p in model.parameters())
+    kw.setdefault("host_memory", 16 * n // 3)  # a third of the state: units stream through the disk
+    engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1), storage=storage, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5)
+    engine.attach_scheduler(sched)
+    return engine
+
+
+def train(engine, until, *, clip=1.0):
+    """Train to step ``until``; batches come from the global RNG (a resume must restore it)."""
+    losses = []
+    while engine.step_count < until:
+        x = torch.randint(0, 128, (2, 17))
+        loss = F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        engine.backward(loss)
+        if clip:
+            engine.clip_grad_norm_(clip)
+        engine.user_state = {"seen": engine.step_count + 1}
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def weights(engine):
+    return {k: v.clone() for k, v in engine.named_parameters()}
+
+
+def same(a, b):
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Weights after each of 6 steps of a run that was never stopped."""
+    engine = make_engine(tmp_path_factory.mktemp("ref") / "s")
+    torch.manual_seed(123)
+    per_step = {0: weights(engine)}
+    losses = []
+    for s in range(1, 7):
+        losses += train(engine, s)
+        per_step[s] = weights(engine)
+    engine.close()
+    return per_step, losses
+
+
+# ---- resume -------------------------------------------------------------------------------
+def test_stop_and_resume_is_bitwise_equal_to_never_stopping(tmp_path, uninterrupted):
+    per_step, losses_ref = uninterrupted
+    engine = make_engine(tmp_path / "s")
+    torch.manual_seed(123)
+    losses = train(engine, 3)
+    engine.close()
+    torch.manual_seed(999)  # a resume must restore the RNG, not rely on the caller's seed
+    engine = make_engine(tmp_path / "s", resume=True)
+    assert engine.step_count == 3 and engine.user_state == {"seen": 3}
+    assert engine.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.5)  # the scheduler's state came back too
+    losses += train(engine, 6)
+    assert same(weights(engine), per_step[6])
+    assert losses == losses_ref
+    engine.close()
+
+
+@pytest.mark.parametrize("recorded", [0, 2, 5])
+def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterrupted, monkeypatch, recorded):
+    """The process dies after the step's intent, with ``recorded`` of its 5 units written: resume completes it."""
+    from tiered_offload import durable
+    per_step, _ = uninterrupted
+    engine = make_engine(tmp_path / "s")
+    torch.manual_seed(123)
+    train(engine, 2)
+    engine.wait_committed()
+    real = durable.Committer._record_when_durable
+    count = {"n": 0}
+
+    def dying(self, unit, futures):
+        count["n"] += 1
+        if count["n"] > recorded:  # nothing more reaches the journal; the engine stops at its next wait
+            with self._lock:
+                self._error = SystemExit("simulated death")
+                self._lock.notify_all()
+            return None
+        return real(self, unit, futures)
+    def dying_before_the_manifest(self):
+        with self._lock:
+            self._error = SystemExit("simulated death")
+            self._lock.notify_all()
+    if recorded == 5:  # every unit recorded; the manifest not yet rewritten
+        monkeypatch.setattr(durable.Committer, "_finish", dying_before_the_manifest)
+    else:
+        monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
+    with pytest.raises(SystemExit):
+        train(engine, 3)
+        engine.wait_committed()
+    engine._dir_lock.release()  # what the kernel does when the process dies
+    monkeypatch.undo()
+    journal = StateFiles(tmp_path / "s" / STATE_DIR).read_journal()
+    assert [r["type"] for r in journal] == ["intent"] + ["unit"] * recorded
+    resumed = make_engine(tmp_path / "s", resume=True)
+    assert resumed.step_count == 3
+    assert same(weights(resumed), per_step[3])
+    train(resumed, 6)
+    assert same(weights(resumed), per_step[6])
+    resumed.close()
+
+
+def test_kill_loop_resumes_bitwise_every_time(tmp_path):
+    """SIGKILL at random moments (start-up, forward, backward, write-back, commit), resume each time."""
+    from crash_loop import crash_loop
+    summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None)
+    assert summary["kills"] == 8
+    assert summary["identical"], summary
+    assert summary["disk_overhead"] <= 0.25, summary
+
+
+def test_disk_space_stays_within_a_quarter_of_the_state(tmp_path):
+    engine = make_engine(tmp_path / "s", layers=8)
+    assert engine.extra_disk_bytes() <= 0.25 * engine.state_bytes()
+    engine.close()
+
+
+def test_resume_refuses_another_model_and_fresh_start_refuses_a_used_directory(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    with pytest.raises(CheckpointError, match="resume=True"):
+        make_engine(tmp_path / "s")
+    with pytest.raises(CheckpointError, match="another model"):
+        make_engine(tmp_path / "s", layers=3, resume=True)
+    with pytest.raises(CheckpointError, match="no committed training state"):
+        make_engine(tmp_path / "empty", resume=True)
+    make_engine(tmp_path / "empty2", resume="auto").close()  # nothing to resume: starts fresh
+
+
+# ---- full disk ------------------------------------------------------------------------------
+@pytest.mark.parametrize("quota_steps", [0.05, 0.4, 0.8, 1.3, 2.1])
+def test_disk_full_at_any_moment_keeps_the_last_committed_state(tmp_path, uninterrupted, quota_steps):
+    per_step, _ = uninterrupted
+    probe = make_engine(tmp_path / "probe")
+    state, need = probe.state_bytes(), probe.state_bytes() + probe.extra_disk_bytes()
+    probe.close()
+    # passes the preflight; the cumulative writes (weights, then ~the state per step) then fail
+    # at a different moment of a step for each quota
+    quota = int(need + quota_steps * state)
+    backend = FaultInjectingBackend(PosixBackend(tmp_path / "s"), write_quota_bytes=quota)
+    engine = make_engine(backend, durable=True)
+    torch.manual_seed(123)
+    with pytest.raises(DiskFullError) as info:
+        train(engine, 6)
+        engine.wait_committed()
+    assert info.value.needed_bytes > 0 and info.value.free_bytes is not None
+    try:
+        engine.close()  # may report the failure again; releases the lock either way
+    except TieredOffloadError:
+        pass
+    resumed = make_engine(tmp_path / "s", resume=True)
+    step = resumed.step_count
+    assert same(weights(resumed), per_step[step]), step
+    resumed.close()
+    assert StateDirectory(tmp_path / "s").verify()["ok"]
+
+
+def test_preflight_refuses_a_disk_too_small_with_the_numbers(tmp_path):
+    backend = FaultInjectingBackend(PosixBackend(tmp_path / "s"), write_quota_bytes=100_000)
+    with pytest.raises(DiskFullError) as info:
+        make_engine(backend, durable=True)
+    assert info.value.free_bytes == 100_000 and info.value.needed_bytes > 100_000
+    assert str(info.value.needed_bytes) in str(info.value)
+
+
+# ---- one owner ------------------------------------------------------------------------------
+def test_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    with pytest.raises(StorageLockedError, match=f"process {os.getpid()}"):
+        make_engine(tmp_path / "s", resume=True)
+    engine.close()
+    # a process that died holding the directory: its record is in the file, its flock is gone
+    lock = tmp_path / "s" / STATE_DIR / "lock"
+    lock.write_text(json.dumps({"pid": 999999, "host": "gone", "since": "yesterday", "command": "x"}))
+    engine = make_engine(tmp_path / "s", resume=True)
+    assert engine._dir_lock.took_over["pid"] == 999999
+    engine.close()
+
+
+def test_lock_holds_across_processes(tmp_path):
+    (tmp_path / STATE_DIR).mkdir()
+    code = ("import sys, time; from pathlib import Path; from tiered_offload.durable import DirectoryLock;"
+            "DirectoryLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / STATE_DIR)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(StorageLockedError, match=str(proc.pid)):
+            DirectoryLock(tmp_path / STATE_DIR).acquire()
+    finally:
+        proc.kill()
+        proc.wait()
+    DirectoryLock(tmp_path / STATE_DIR).acquire().release()  # the kernel released the dead holder's lock
+
+
+# ---- integrity ------------------------------------------------------------------------------
+def _flip_a_byte(path: Path, at: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _file_of(directory: Path, tensor: str) -> Path:
+    extent = StateDirectory(directory).tensors[tensor]["extent"]
+    return Path(PosixBackend(directory).describe(extent))
+
+
+@pytest.mark.parametrize("tensor", ["block.2/weight", "block.1/state.exp_avg_sq"])
+def test_a_flipped_byte_is_caught_on_read_and_by_verify(tmp_path, capsys, tensor):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 2)
+    engine.close()
+    victim = _file_of(tmp_path / "s", tensor)
+    _flip_a_byte(victim)
+    assert cli_main(["verify", str(tmp_path / "s")]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED {tensor}" in out and victim.name in out
+    if tensor.endswith("weight"):
+        with pytest.raises(CorruptionError, match=victim.name):
+            StateDirectory(tmp_path / "s").export(tmp_path / "out")
+        assert not list((tmp_path / "out").glob("*.safetensors"))  # no half export left behind
+    engine = make_engine(tmp_path / "s", resume=True)
+    with pytest.raises(CorruptionError) as info:
+        train(engine, 3)
+        engine.wait_committed()
+    assert tensor in str(info.value) and victim.name in str(info.value)
+    try:
+        engine.close()
+    except TieredOffloadError:
+        pass
+    assert cli_main(["verify", str(tmp_path / "s")]) == 1  # still reported, still the same file
+    assert victim.name in capsys.readouterr().out
+
+
+def test_damaged_manifest_and_torn_journal(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    files = StateFiles(tmp_path / "s" / STATE_DIR)
+    with open(files.journal_path, "ab") as f:
+        f.write(b'0badc0de {"type":"intent","ste')  # an append cut short by a crash
+    assert files.read_journal() == []
+    make_engine(tmp_path / "s", resume=True).close()
+    _flip_a_byte(files.manifest_path, at=40)
+    with pytest.raises(CorruptionError, match="manifest.json"):
+        make_engine(tmp_path / "s", resume=True)
+
+
+# ---- safety ---------------------------------------------------------------------------------
+def test_files_are_owner_only(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    base = tmp_path / "s"
+    for p in [base, base / STATE_DIR, *base.iterdir(), *(base / STATE_DIR).iterdir()]:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode & 0o077 == 0, (p, oct(mode))
+
+
+def test_names_from_a_manifest_cannot_leave_the_directory(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"x" * 100_000)
+    files = StateFiles(tmp_path / "s" / STATE_DIR)
+    manifest = files.read_manifest()
+    manifest["tensors"]["block.0/weight"]["extent"] = "../secret"
+    files.write_manifest(manifest)
+    report = StateDirectory(tmp_path / "s").verify()
+    bad = {b["tensor"]: b for b in report["damaged"]}
+    assert "block.0/weight" in bad and str(tmp_path / "s") in bad["block.0/weight"]["file"]
+    named = Path(bad["block.0/weight"]["file"])
+    assert named.parent == tmp_path / "s" and "%2F" in named.name  # the name was escaped, not followed
+    assert outside.read_bytes() == b"x" * 100_000
+
+
+def test_nothing_is_unpickled():
+    sources = list((ROOT / "tiered_offload").glob("*.py")) + list((ROOT / "storage_backends").glob("*.py"))
+    for path in sources:
+        found = re.findall(r"import pickle|from pickle|pickle\.loads?\(|torch\.load\(|allow_pickle=True|import dill",
+                           path.read_text())
+        assert not found, (path, found)
+
+
+# ---- inspect ----------------------------------------------------------------------------------
+def test_inspect_reports_step_tensors_and_space(tmp_path, capsys):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 2)
+    engine.close()
+    assert cli_main(["inspect", str(tmp_path / "s"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step"] == 2 and info["user_state"] == {"seen": 2}
+    assert info["tensors"] == 5 * 3 and info["tensors_all_zero"] == 0
+    assert info["storage"][0]["free_bytes"] > 0 and info["lock_holder"] is None
+    assert cli_main(["inspect", str(tmp_path / "s")]) == 0
+    text = capsys.readouterr().out
+    assert "step            2" in text and "block.3" in text
+    assert cli_main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+# ---- import / export --------------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2():
+    cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=3, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("shard", ["2GB", "20KB"], ids=["single", "sharded"])
+def test_import_then_export_round_trip_with_transformers(tmp_path, make, shard):
+    torch.manual_seed(0)
+    original = make().eval()
+    original.save_pretrained(tmp_path / "pretrained", max_shard_size=shard, safe_serialization=True)
+    with empty_init():
+        model = make()
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="2MiB",
+                    init_from=tmp_path / "pretrained")
+    for name, value in engine.named_parameters():  # import: every tensor exactly as saved
+        assert torch.equal(value, dict(original.named_parameters())[name]), name
+    x = torch.randint(0, 128, (2, 16))
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    engine.zero_grad()
+    with torch.no_grad():
+        logits = engine(input_ids=x).logits
+    files = engine.export_safetensors(tmp_path / "export", max_shard_size=shard)
+    assert (tmp_path / "export" / "config.json").exists()
+    assert (len(files) > 3) == (shard == "20KB")  # shards plus an index, or one file plus config
+    trained = dict(engine.named_parameters())
+    engine.close()
+    reloaded = type(original).from_pretrained(tmp_path / "export").eval()
+    for name, value in trained.items():
+        assert torch.equal(dict(reloaded.named_parameters())[name], value), name
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=x).logits, logits)
+    # the command exports the same bytes from the directory, without the model
+    assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "cli"), "--max-shard-size", shard]) == 0
+    again = type(original).from_pretrained(tmp_path / "cli").eval()
+    for name, value in trained.items():
+        assert torch.equal(dict(again.named_parameters())[name], value), name
+
+
+def test_import_refuses_a_checkpoint_of_another_shape(tmp_path):
+    torch.manual_seed(0)
+    tiny_gpt2().save_pretrained(tmp_path / "pretrained")
+    cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=3, n_head=4)
+    with empty_init():
+        model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        Engine(model, storage=tmp_path / "s", host_memory="4MiB", init_from=tmp_path / "pretrained")
+
+
+def test_index_cannot_name_a_shard_outside_its_directory(tmp_path):
+    from tiered_offload.safetensors_io import INDEX_NAME, PretrainedReader
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / INDEX_NAME).write_text(json.dumps({"weight_map": {"w": "../evil.safetensors"}}))
+    with pytest.raises(CheckpointError, match="outside"):
+        PretrainedReader(d)
+
+
+def test_truncated_safetensors_is_a_clear_error(tmp_path):
+    from tiered_offload.safetensors_io import PretrainedReader
+    torch.manual_seed(0)
+    tiny_gpt2().save_pretrained(tmp_path / "p")
+    f = tmp_path / "p" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        PretrainedReader(tmp_path / "p")
+
+
+def test_manifest_checksum_format_is_crc32_of_the_payload(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    engine.close()
+    text = (tmp_path / "s" / STATE_DIR / "manifest.json").read_text()
+    crc, payload = text.split(" ", 1)
+    assert int(crc, 16) == zlib.crc32(payload.encode())
+    assert json.loads(payload)["format"] == "tiered-offload/1"
