@@ -435,3 +435,27 @@ def test_manifest_checksum_format_is_crc32_of_the_payload(tmp_path):
     crc, payload = text.split(" ", 1)
     assert int(crc, 16) == zlib.crc32(payload.encode())
     assert json.loads(payload)["format"] == "tiered-offload/1"
+
+
+def test_journal_appends_never_follow_a_torn_record(tmp_path, monkeypatch):
+    files = StateFiles(tmp_path)
+    files.append({"type": "a"})
+    with open(files.journal_path, "ab") as f:
+        f.write(b"deadbeef {\"type\":")  # a crash in the middle of an append
+    files.trim()
+    files.append({"type": "b"})
+    assert files.read_journal() == [{"type": "a"}, {"type": "b"}]
+    size = files.journal_path.stat().st_size
+    real_write = os.write
+
+    def full(fd, data):
+        real_write(fd, data[:5])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(DiskFullError) as info:
+        files.append({"type": "c"})
+    monkeypatch.setattr(os, "write", real_write)
+    assert "journal.jsonl" in str(info.value) and info.value.needed_bytes > 0
+    assert files.journal_path.stat().st_size == size  # the partial record was cut off again
+    files.append({"type": "d"})
+    assert [r["type"] for r in files.read_journal()] == ["a", "b", "d"]

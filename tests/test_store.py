@@ -371,3 +371,53 @@ def test_reloading_over_a_pinned_stale_copy_is_refused():
     store.release("t", "device")
     assert torch.equal(store.read("t"), torch.ones(16))
     store.close()
+
+
+# ---- checksums and versioned extents --------------------------------------------------------
+def test_a_byte_changed_on_disk_is_reported_with_the_tensor_and_the_file(tmp_path):
+    from tiered_offload.errors import CorruptionError
+    backend = PosixBackend(tmp_path / "d")
+    store = make_store(backend, host=64 * KiB, device=0)
+    store.register("w", (4 * KiB,), data=torch.arange(4 * KiB, dtype=torch.float32))
+    store.evict("w", "host").get()
+    path = tmp_path / "d" / "w"
+    raw = bytearray(path.read_bytes())
+    raw[1234] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptionError) as info:
+        store.get("w", "host")
+    assert "'w'" in str(info.value) and str(path) in str(info.value)
+    assert store.residency("w")[Tier.HOST] == CopyState.ABSENT  # nothing torn was kept
+    store.close(flush=False)
+
+
+def test_versioned_writes_never_overwrite_and_leave_one_extent(tmp_path):
+    backend = PosixBackend(tmp_path / "d")
+    store = make_store(backend, host=64 * KiB, device=0, versioned_writes=True)
+    store.register("w", (1024,), data=torch.ones(1024))
+    seen = []
+    for v in range(2, 6):
+        store.write("w", torch.full((1024,), float(v)))
+        store.write_back("w").get()
+        seen.append(store.extent("w")[0])
+        assert backend.keys() == [seen[-1]]  # the superseded extent is gone once the new one landed
+    assert seen == ["w@1", "w@2", "w@3", "w@4"]
+    store.evict("w", "host").get()
+    assert store.read("w")[0].item() == 5.0
+    store.zero("w")
+    assert backend.keys() == [] and store.extent("w") == (None, None)
+    store.close()
+
+
+def test_a_failed_versioned_write_keeps_the_previous_extent(tmp_path):
+    backend = FaultInjectingBackend(PosixBackend(tmp_path / "d"), write_quota_bytes=4096 + 100)
+    store = make_store(backend, host=64 * KiB, device=0, versioned_writes=True, preallocate=False)
+    store.register("w", (1024,), data=torch.ones(1024))
+    store.write_back("w").get()
+    good = store.extent("w")
+    store.write("w", torch.full((1024,), 2.0))
+    with pytest.raises(DiskFullError):
+        store.write_back("w").get()
+    assert store.extent("w") == (None, None)  # the disk does not hold the current version...
+    assert backend.keys() == [good[0]]  # ...and the last written one is intact
+    store.close(flush=False)

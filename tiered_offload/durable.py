@@ -181,12 +181,16 @@ class StateFiles:
 
     def read_journal(self) -> list[dict]:
         """The journal's records, up to the first damaged line (the tail of an append cut short)."""
+        return self._parse()[0]
+
+    def _parse(self) -> tuple[list[dict], int]:
+        """The valid records and the length of the valid prefix, in bytes."""
         try:
             data = self.journal_path.read_bytes()
         except FileNotFoundError:
-            return []
-        records = []
-        for line in data.split(b"\n"):
+            return [], 0
+        records, valid = [], 0
+        for line in data.split(b"\n")[:-1]:  # a last piece without its newline is incomplete
             crc, _, payload = line.partition(b" ")
             try:
                 if int(crc, 16) != zlib.crc32(payload):
@@ -194,15 +198,36 @@ class StateFiles:
                 records.append(json.loads(payload))
             except ValueError:
                 break
-        return records
+            valid += len(line) + 1
+        return records, valid
+
+    def trim(self) -> None:
+        """Cut a damaged tail off the journal, so later appends follow the last valid record."""
+        _records, valid = self._parse()
+        if self.journal_path.exists() and self.journal_path.stat().st_size != valid:
+            fd = os.open(self.journal_path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, valid)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def append(self, record: dict) -> None:
+        """Append one record and fsync; a failed append is cut off again, never left half-written."""
         payload = _dumps(record).encode()
         line = b"%08x %s\n" % (zlib.crc32(payload), payload)
         fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            _write_all(fd, line, self.journal_path)
-            os.fsync(fd)
+            before = os.fstat(fd).st_size
+            try:
+                _write_all(fd, line, self.journal_path)
+                os.fsync(fd)
+            except BaseException:
+                try:
+                    os.ftruncate(fd, before)
+                except OSError:
+                    pass  # trim() at the next start removes it
+                raise
         finally:
             os.close(fd)
 
@@ -309,6 +334,7 @@ class Committer:
     # ---- setting up -----------------------------------------------------------------------
     def start(self, step: int, committed: dict[str, Ref], meta: dict, latest: dict[str, str]) -> None:
         """Adopt a committed state (fresh, or read back from the manifest)."""
+        self.files.trim()
         with self._lock:
             self._step, self._meta = step, meta
             self._committed = dict(committed)

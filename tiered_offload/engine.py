@@ -228,6 +228,8 @@ class Engine:
                 manifest = self._open_directory(resume)
             self._check_budgets()
             if manifest is None:
+                if self.durable:
+                    self._collect_garbage(set())  # a first start that died before its first manifest
                 self._check_disk()
                 self._register_and_load(init_from)
             else:
@@ -555,12 +557,7 @@ class Engine:
         grads = {}
         if intent is not None:
             grads = {k: v and tuple(v) for k, v in intent["grads"].items()}
-        keep = {r[0] for r in [*tensors.values(), *grads.values()] if r}
-        mine = {u.key(k) for u in self.units for k in ("weight", "grad", *(f"state.{x}" for x in self._state_kinds))}
-        for extent in self.store.backend.keys():  # remains of writes the crash cut short
-            key, _, gen = extent.rpartition("@")
-            if key in mine and gen.isdigit() and extent not in keep:
-                self.store.backend.delete(extent)
+        self._collect_garbage({r[0] for r in [*tensors.values(), *grads.values()] if r})
         for unit in self.units:
             for key in self._durable_keys(unit):
                 ref = tensors.get(key)
@@ -576,6 +573,15 @@ class Engine:
                 slot.param.data = self._placeholder()
         self._move_buffers()
         self._resume_base, self._resume_intent, self._resume_recorded = manifest, intent, recorded
+
+    def _collect_garbage(self, keep: set[str]) -> None:
+        """Delete this engine's extents that the committed state does not name: remains of writes a
+        crash cut short. Other files in the directory are never touched."""
+        mine = {u.key(k) for u in self.units for k in ("weight", "grad", *(f"state.{x}" for x in self._state_kinds))}
+        for extent in self.store.backend.keys():
+            key, _, gen = extent.rpartition("@")
+            if key in mine and gen.isdigit() and extent not in keep:
+                self.store.backend.delete(extent)
 
     def _start_commits(self, manifest: dict | None) -> None:
         """Hand the committed state to the commit protocol; finish a step a crash interrupted."""

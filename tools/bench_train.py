@@ -11,6 +11,10 @@ turn), so the noise of a shared machine hits them alike; medians over rounds:
    everything in memory: the compute time of the disk run;
 4. the engine with the state on disk and a host budget of a quarter of it (``--host-fraction``).
 
+Runs 2 and 4 are durable (the storage directory is a committed, resumable state after every
+step: every step's gradients and updated weights and optimizer states are written and fsynced);
+with ``--volatile`` each also runs with ``durable=False``, to show what durability costs.
+
 A configuration's time per step is the wall time of its steps in the round, up to the point
 where all its work is done (a background optimizer step is waited for at the end of the round,
 so nothing it does is hidden behind another configuration). For the disk run it prints the
@@ -97,6 +101,7 @@ def main() -> int:
     ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--path", default=None, help="storage directory (default: a temp dir under cwd)")
     ap.add_argument("--host-fraction", type=float, default=0.25, help="host budget of the disk run, as a fraction of the state")
+    ap.add_argument("--volatile", action="store_true", help="also run the host and disk configurations with durable=False")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
@@ -115,9 +120,9 @@ def main() -> int:
             opt.step()
             opt.zero_grad()
 
-        def engine_config(name, host_budget, recompute="auto"):
-            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs,
-                            storage=os.path.join(directory, name), host_memory=host_budget, recompute=recompute)
+        def engine_config(name, host_budget, recompute="auto", durable=True):
+            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs, storage=os.path.join(directory, name),
+                            host_memory=host_budget, recompute=recompute, durable=durable)
             engines.append(engine)
 
             def step(x):
@@ -125,8 +130,8 @@ def main() -> int:
                 engine.clip_grad_norm_(1.0)
                 engine.step()
                 engine.zero_grad()
-            c = Config(name, step, finish=engine._await, engine=engine)
-            c.flags = f"recompute={engine.recompute}, overlapped step={engine.overlap_step}"
+            c = Config(name, step, finish=engine.wait_committed, engine=engine)
+            c.flags = f"recompute={engine.recompute}, overlapped step={engine.overlap_step}, durable={engine.durable}"
             return c
 
         state = 16 * cfg.n_params()
@@ -134,9 +139,12 @@ def main() -> int:
         plain = Config("plain", ref_step)
         plain.flags = ""
         host = engine_config("host", roomy)
-        compute = engine_config("compute", roomy, recompute=True)
+        compute = engine_config("compute", roomy, recompute=True, durable=False)
         disk = engine_config("disk", int(engines[0].state_bytes() * args.host_fraction))
         configs = [plain, host, compute, disk]
+        if args.volatile:
+            configs += [engine_config("host-volatile", roomy, durable=False),
+                        engine_config("disk-volatile", int(engines[0].state_bytes() * args.host_fraction), durable=False)]
         for r in range(args.rounds + 1):
             for c in configs if r % 2 == 0 else configs[::-1]:
                 c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
@@ -170,6 +178,10 @@ def main() -> int:
     print(f"disk rates here: read {r_rate / 1e9:.2f} GB/s, write {w_rate / 1e9:.2f} GB/s -> I/O lower bound "
           f"{io_bound:.3f} s/step; compute {med['compute']:.3f} s/step")
     print(f"disk step / max(compute, I/O bound) = {med['disk'] / max(med['compute'], io_bound):.2f}")
+    if args.volatile:
+        print(f"durability: host run durable/volatile = {med['host'] / med['host-volatile']:.2f}, "
+              f"disk run durable/volatile = {med['disk'] / med['disk-volatile']:.2f} "
+              f"(volatile: {med['host-volatile']:.3f} / {med['disk-volatile']:.3f} s/step)")
     return 0
 
 
