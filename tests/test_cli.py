@@ -64,3 +64,15 @@ def test_corrupt_profile_names_the_file(tmp_path):
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "tiered_offload", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "bench-io" in r.stdout
+
+
+def test_demo_with_a_storage_directory_resumes_where_it_stopped(tmp_path):
+    from tiered_offload.demo import run_demo
+    small = dict(d_model=32, layers=2, heads=2, context=16, batch=2, progress=False, host_memory="320KiB")
+    whole = run_demo(steps=5, storage=str(tmp_path / "whole"), **small)
+    first = run_demo(steps=3, storage=str(tmp_path / "parts"), **small)
+    second = run_demo(steps=5, storage=str(tmp_path / "parts"), **small)
+    assert (first["first_step"], first["steps"]) == (0, 3)
+    assert (second["first_step"], second["steps"]) == (3, 2)
+    assert second["loss_last"] == whole["loss_last"]  # step 5 is the same step, resumed or not
+    assert main(["inspect", str(tmp_path / "parts")]) == 0

@@ -65,16 +65,19 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
     rss0 = peak_rss_bytes()
     with empty_init():
         model = GPT(cfg)
+    # a directory of the user's is a resumable training state: run the same command again to continue
     engine = Engine(model, torch.optim.AdamW, dict(lr=lr, weight_decay=0.1, betas=(0.9, 0.95)),
-                    storage=storage, host_memory=host, device=device)
-    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(1.0, (s + 1) / 5))
-    g = torch.Generator().manual_seed(seed)
+                    storage=storage, host_memory=host, device=device, resume="auto" if tmp is None else False)
+    engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(1.0, (s + 1) / 5)))
+    first_step = engine.step_count
     losses, t_start = [], time.perf_counter()
     stats0 = engine.stats
     from tqdm import tqdm
-    bar = tqdm(range(steps), desc="demo", unit="step", disable=not progress)
+    bar = tqdm(range(first_step, steps), desc="demo", unit="step", initial=first_step, total=steps,
+               disable=not progress)
     try:
         for step in bar:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + step)  # step i's batch, resumed or not
             starts = torch.randint(0, len(data) - context - 1, (batch,), generator=g)
             window = torch.stack([data[s:s + context + 1] for s in starts.tolist()]).long()
             t0 = time.perf_counter()
@@ -82,9 +85,8 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
             loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].to(logits.device).flatten())
             engine.backward(loss)
             engine.clip_grad_norm_(1.0)
-            engine.step()
+            engine.step()  # also steps the LR schedule; the step is committed to the storage directory
             engine.zero_grad()
-            sched.step()
             dt = time.perf_counter() - t0
             losses.append(loss.item())
             s = engine.stats
@@ -97,21 +99,25 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
     finally:
         bar.close()
         summary_stats = engine.stats
+        last_step = engine.step_count
         engine.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
+    done = last_step - first_step
     return {
         "params": cfg.n_params(),
         "state_bytes": engine.state_bytes(),
         "host_budget_bytes": host,
-        "steps": steps,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "loss_first5_mean": sum(losses[:5]) / min(5, len(losses)),
-        "loss_last5_mean": sum(losses[-5:]) / min(5, len(losses)),
+        "steps": done,
+        "first_step": first_step,
+        "storage": None if tmp is not None else str(storage),
+        "loss_first": losses[0] if losses else math.nan,
+        "loss_last": losses[-1] if losses else math.nan,
+        "loss_first5_mean": sum(losses[:5]) / min(5, len(losses)) if losses else math.nan,
+        "loss_last5_mean": sum(losses[-5:]) / min(5, len(losses)) if losses else math.nan,
         "seconds": elapsed,
-        "tokens_per_second": steps * batch * context / elapsed,
+        "tokens_per_second": done * batch * context / elapsed,
         "disk_read_bytes": summary_stats.bytes_read[Tier.DISK],
         "disk_written_bytes": summary_stats.bytes_written[Tier.DISK],
         "peak_rss_bytes": peak_rss_bytes(),
@@ -130,7 +136,12 @@ def main(args) -> int:
           f"= {s['state_bytes'] / s['host_budget_bytes']:.1f}x the host budget of {format_size(s['host_budget_bytes'])}")
     print(f"loss: {s['loss_first5_mean']:.3f} (mean of the first 5 steps) -> {s['loss_last5_mean']:.3f} (last 5); "
           f"uniform guessing is {s['uniform_loss']:.3f}")
+    if s["first_step"]:
+        print(f"resumed at step {s['first_step']} from {s['storage']}")
     print(f"{s['steps']} steps in {s['seconds']:.1f} s ({s['tokens_per_second']:,.0f} tokens/s); disk read "
           f"{format_size(s['disk_read_bytes'])}, written {format_size(s['disk_written_bytes'])}; "
           f"peak host memory {format_size(s['peak_rss_bytes'])} (before the model: {format_size(s['rss_before_bytes'])})")
+    if s["storage"]:
+        print(f"the training state after step {s['first_step'] + s['steps']} is committed in {s['storage']}: run the "
+              f"same command with a larger --steps to continue, `tiered-offload inspect {s['storage']}` to look at it")
     return 0

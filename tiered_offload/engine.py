@@ -208,6 +208,7 @@ class Engine:
         restored by a resume."""
         self._scheduler = None
         self._resumed_scheduler_state = None
+        self._resumed_param_groups = None
         self._dir_lock: DirectoryLock | None = None
         self._committer: Committer | None = None
         self._model_config = _model_config(model)
@@ -642,6 +643,7 @@ class Engine:
             torch.cuda.set_rng_state(decode_rng(meta["rng"]["cuda"]), self.device)
         self.user_state = meta["user_state"]
         self._resumed_scheduler_state = meta["scheduler"]
+        self._resumed_param_groups = meta["param_groups"]
 
     def _describe(self, step: int, committed: dict, meta: dict) -> dict:
         """The manifest of the committed state after ``step``."""
@@ -667,6 +669,9 @@ class Engine:
         if self._resumed_scheduler_state is not None:
             scheduler.load_state_dict(self._resumed_scheduler_state)
             self._resumed_scheduler_state = None
+            # building the scheduler re-ran its first step, which set the learning rates from its
+            # start (LambdaLR, warm-ups); loading its state does not undo that: the saved ones do
+            self.param_groups[0].update(_hyper_from_json(self._resumed_param_groups[0], self.param_groups[0]))
 
     def export_safetensors(self, out: str | os.PathLike, max_shard_size: int | str = "2GB") -> list:
         """Write the current weights as Hugging Face sharded safetensors in ``out``, streaming.
