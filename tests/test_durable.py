@@ -152,6 +152,7 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path):
     summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None)
     assert summary["kills"] == 8
     assert summary["identical"], summary
+    assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
     assert summary["disk_overhead"] <= 0.25, summary
 
 
@@ -172,6 +173,11 @@ def test_resume_refuses_another_model_and_fresh_start_refuses_a_used_directory(t
     with pytest.raises(CheckpointError, match="no committed training state"):
         make_engine(tmp_path / "empty", resume=True)
     make_engine(tmp_path / "empty2", resume="auto").close()  # nothing to resume: starts fresh
+    # Engine.resume: the optimizer and its hyperparameters come from the directory
+    engine = Engine.resume(tmp_path / "s", make_model(), host_memory=16 * 56_000 // 3)
+    assert engine.optimizer_class is torch.optim.AdamW and engine.step_count == 1
+    assert engine.param_groups[0]["weight_decay"] == 0.1
+    engine.close()
 
 
 # ---- full disk ------------------------------------------------------------------------------

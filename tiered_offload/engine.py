@@ -287,6 +287,28 @@ class Engine:
                 self.store.close(flush=False)
                 raise
 
+    @classmethod
+    def resume(cls, storage, model: nn.Module, optimizer: type[torch.optim.Optimizer] | None = None,
+               optimizer_kwargs: dict | None = None, **kwargs) -> "Engine":
+        """Continue the training state in ``storage`` with ``model`` (built as before, e.g. with
+        :func:`empty_init`). The optimizer and its hyperparameters default to the saved ones
+        (a ``torch.optim`` class; another one must be passed)."""
+        from .state_dir import StateDirectory
+        with StateDirectory(storage) as sd:
+            saved_class = sd.manifest["optimizer"]["class"]
+            groups = sd.manifest["meta"]["param_groups"]
+        if optimizer is None:
+            module, _, name = saved_class.rpartition(".")
+            if not module.startswith("torch.optim"):
+                raise ConfigError(f"{storage} was trained with {saved_class}; pass optimizer= that class to resume")
+            optimizer = getattr(torch.optim, name, None)
+            if optimizer is None:
+                raise ConfigError(f"{saved_class} is not a torch.optim optimizer of this torch; pass optimizer=")
+        if optimizer_kwargs is None:
+            ctor = set(inspect.signature(optimizer).parameters) - {"params"}
+            optimizer_kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in groups[0].items() if k in ctor}
+        return cls(model, optimizer, optimizer_kwargs, storage=storage, resume=True, **kwargs)
+
     # ---- set-up -------------------------------------------------------------------------
     def _probe_optimizer(self) -> tuple[list[str], dict]:
         """Which per-parameter state tensors the optimizer keeps, and its full hyperparameters."""
@@ -681,7 +703,7 @@ class Engine:
         their ``model.named_parameters()`` names (a tied weight once, as ``save_pretrained``
         does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
         """
-        from .safetensors_io import iter_chunks
+        from .safetensors_io import iter_chunks, write_private
         from .state_dir import export_params
         self._unbind_rest()
         self._await()
@@ -695,7 +717,7 @@ class Engine:
                               {"step": str(self.step_count), "source": "tiered-offload"})
         if self._model_config is not None:
             path = Path(out) / "config.json"
-            path.write_text(json.dumps(self._model_config, indent=2, sort_keys=True))
+            write_private(path, json.dumps(self._model_config, indent=2, sort_keys=True))
             files.append(path)
         return files
 

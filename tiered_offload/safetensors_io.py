@@ -249,13 +249,19 @@ class SafetensorsWriter:
                 finals.append(final)
             if len(self.shards) > 1:
                 index = self.out / INDEX_NAME
-                index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+                write_private(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
                 finals.append(index)
             return finals
         except BaseException:
             for tmp in written:
                 tmp.unlink(missing_ok=True)
             raise
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a text file readable by its owner only (like everything else tiered-offload creates)."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(text)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -22,7 +22,7 @@ from storage_backends.posix import PosixBackend
 from .checksum import crc32
 from .durable import LOCK, STATE_DIR, StateFiles, _read_holder
 from .errors import CheckpointError, CorruptionError, ExtentNotFoundError, InvalidKeyError, ShortReadError
-from .safetensors_io import SafetensorsWriter
+from .safetensors_io import SafetensorsWriter, write_private
 from .units import format_size
 
 __all__ = ["StateDirectory", "export_params"]
@@ -196,7 +196,7 @@ class StateDirectory:
         config = self.manifest.get("model_config")
         if config is not None:
             path = Path(out) / "config.json"
-            path.write_text(json.dumps(config, indent=2, sort_keys=True))
+            write_private(path, json.dumps(config, indent=2, sort_keys=True))
             files.append(path)
         return files
 
