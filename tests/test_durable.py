@@ -466,3 +466,19 @@ def test_journal_appends_never_follow_a_torn_record(tmp_path, monkeypatch):
     assert files.journal_path.stat().st_size == size  # the partial record was cut off again
     files.append({"type": "d"})
     assert [r["type"] for r in files.read_journal()] == ["a", "b", "d"]
+
+
+def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
+    per_step, _ = uninterrupted
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    spec = f"posix:{dirs[0]},{dirs[1]}?stripe_bytes=16KiB"
+    engine = make_engine(spec)
+    torch.manual_seed(123)
+    train(engine, 2)
+    engine.close()
+    assert any(p.name.startswith("block") for p in dirs[1].iterdir())  # the bytes really are striped
+    engine = make_engine(spec, resume=True)
+    train(engine, 4)
+    assert same(weights(engine), per_step[4])
+    engine.close()
+    assert StateDirectory(dirs[0]).verify()["ok"]
