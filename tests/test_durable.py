@@ -482,3 +482,19 @@ def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
     assert same(weights(engine), per_step[4])
     engine.close()
     assert StateDirectory(dirs[0]).verify()["ok"]
+
+
+def test_import_converts_a_bf16_checkpoint_one_bounded_chunk_at_a_time(tmp_path):
+    from tiered_offload.safetensors_io import SafetensorsWriter, tensor_bytes
+    torch.manual_seed(0)
+    original = tiny_gpt2()
+    params = [(n, p.detach().to(torch.bfloat16)) for n, p in original.named_parameters()]
+    writer = SafetensorsWriter(tmp_path / "bf16", [(n, t.dtype, tuple(t.shape)) for n, t in params], "2GB")
+    writer.write(lambda i, write: write(tensor_bytes(params[i][1])))
+    with empty_init():
+        model = tiny_gpt2()
+    engine = Engine(model, storage=tmp_path / "s", host_memory="2MiB", init_from=tmp_path / "bf16" / "model.safetensors")
+    loaded = dict(engine.named_parameters())
+    engine.close()
+    for name, value in params:
+        assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], value.float()), name
