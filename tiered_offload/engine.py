@@ -961,7 +961,9 @@ class Engine:
         self._phase("bwd")
         if self._committer is not None:
             # the last step's gradients stay on disk until every unit of it is recorded: wait, so
-            # this backward's gradients never need a second copy alongside them
+            # this backward's gradients never need a second copy alongside them (the forward has
+            # waited for every unit it used; a unit it skipped is updated now)
+            self._await()
             self._committer.wait()
         try:
             loss.backward()
