@@ -153,6 +153,7 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path):
     assert summary["kills"] == 8
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
+    assert summary["runs_finished"] >= 1 and summary["runs_finished_identical"] == summary["runs_finished"], summary
     assert summary["disk_overhead"] <= 0.25, summary
 
 

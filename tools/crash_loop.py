@@ -1,15 +1,17 @@
 """Kill training with SIGKILL at random moments, resume, repeat; check the end result is bitwise right.
 
-    python tools/crash_loop.py --kills 300            # the long run (about 15-25 minutes here)
-    python tools/crash_loop.py --kills 20 --steps 12  # what the CI test runs
+    python tools/crash_loop.py --kills 300             # the long run (about 30 minutes here)
+    python tools/crash_loop.py --kills 8 --steps 8     # about what the CI test runs
 
 A worker process trains a small GPT through the engine (durable storage, a host budget far below
 the state, an LR scheduler, batches drawn from the global RNG, a user dict) and resumes from its
 storage directory whenever it starts. The driver starts it, kills it with SIGKILL after a random
 delay (so kills land in start-up, recovery, forward, backward, the optimizer's write-back and the
-commit itself), restarts it, and after ``--kills`` kills lets it finish. Its final weights must
-equal, byte for byte, those of a run that was never interrupted. The driver also samples the disk
-usage of the uninterrupted run and reports the largest excess over the training state's size.
+commit itself) and restarts it until it finishes; then it starts over in a fresh directory, until
+``--kills`` kills have landed. Every start prints a digest of the weights it resumed with, which
+must equal the uninterrupted run's at that step, and every finished run's weights must equal that
+run's final weights byte for byte. The driver also samples the disk usage of the uninterrupted run
+and reports the largest excess over the training state's size.
 """
 
 from __future__ import annotations
@@ -131,28 +133,38 @@ def reference(work: Path, steps: int, layers: int) -> tuple[Path, float, float, 
     return out, boot, time.perf_counter() - t0, peak[0], state, digests
 
 
-def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print) -> dict:
-    """Run the kill/resume loop; returns a summary (``identical`` says whether the weights matched)."""
+def _same_file(a: Path, b: Path) -> bool:
     import numpy as np
+    x, y = np.load(a), np.load(b)
+    return sorted(x.files) == sorted(y.files) and all(x[k].tobytes() == y[k].tobytes() for k in x.files)
+
+
+def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print) -> dict:
+    """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
+    run matched the uninterrupted run bitwise).
+
+    Training runs one after another, each in a fresh directory (an *episode*); each launch is
+    killed after a random delay unless it finishes first, and relaunched (resuming) until it
+    does. Every launch prints a digest of the weights it started from, compared with the
+    uninterrupted run's at that step; every finished episode's weights are compared whole.
+    """
     rng = random.Random(seed)
     ref_out, boot, duration, peak, state, ref_digests = reference(work, steps, layers)
-    log(f"uninterrupted run: {duration:.1f} s; training state {state} bytes, peak disk usage {peak} bytes "
-        f"(+{100 * (peak - state) / state:.1f}%)")
-    d, out = work / "crashed", work / "crashed.npz"
-    done_kills, resumed_at, phases = 0, [], {}
-    resumes, identical_resumes, mismatches = 0, 0, []
+    log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
+        f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
+    episode, done_kills, phases = 0, 0, {}
+    resumes, identical_resumes, mismatches, resumed_at = 0, 0, [], set()
+    finished, finished_identical = 0, 0
+    d, out = work / "run0", work / "run0.npz"
     while True:
         proc = _launch(d, steps, layers, out)
-        if done_kills >= kills:
-            stdout, stderr = proc.communicate()
-            if proc.returncode != 0:
-                raise SystemExit(f"the final resume failed:\n{stderr}")
-            break
-        # mostly while training (forward, backward, write-back, commit), sometimes in start-up / recovery
-        time.sleep(rng.uniform(0.0, boot) if rng.random() < 0.2 else rng.uniform(boot, duration))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            done_kills += 1
+        killing = done_kills < kills
+        if killing:
+            # mostly while training (forward, backward, write-back, commit), sometimes in start-up / recovery
+            time.sleep(rng.uniform(0.0, boot) if rng.random() < 0.2 else rng.uniform(boot, duration))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                done_kills += 1
         stdout, stderr = proc.communicate()
         if proc.returncode not in (0, -signal.SIGKILL):
             raise SystemExit(f"a resume failed (exit {proc.returncode}) after {done_kills} kills:\n{stderr}")
@@ -160,24 +172,30 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
         for x in lines:
             if x.startswith("START"):
                 step, digest = int(x.split()[1]), x.split()[2]
-                resumed_at.append(step)
+                resumed_at.add(step)
                 resumes += 1
                 if digest == ref_digests.get(step):
                     identical_resumes += 1
                 else:
-                    mismatches.append(step)
-        last = lines[-1].split()[0] if lines else "BOOT"
-        phases[last] = phases.get(last, 0) + 1
-        if proc.returncode == 0:  # it finished before the kill; the next launch resumes at the end and exits
-            out.unlink(missing_ok=True)
-    a, b = np.load(ref_out), np.load(out)
-    identical = sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) and a[k].tobytes() == b[k].tobytes()
-                                                           for k in a.files)
-    return {"kills": done_kills, "identical": identical and not mismatches, "final_weights_identical": identical,
-            "resumes": resumes, "resumes_bitwise_identical": identical_resumes, "mismatched_resumes_at": mismatches,
-            "resumed_at_steps": sorted(set(resumed_at)),
-            "killed_after": phases, "state_bytes": state, "peak_disk_bytes": peak,
-            "disk_overhead": (peak - state) / state, "uninterrupted_s": duration}
+                    mismatches.append((episode, step))
+        if proc.returncode != 0:
+            last = lines[-1].split()[0] if lines else "START-UP"
+            phases[last] = phases.get(last, 0) + 1
+            continue
+        finished += 1
+        finished_identical += _same_file(ref_out, out)
+        if not killing:
+            break
+        shutil.rmtree(d, ignore_errors=True)  # the next episode trains from scratch again
+        episode += 1
+        d, out = work / f"run{episode}", work / f"run{episode}.npz"
+        if (episode % 10) == 0:
+            log(f"{done_kills} kills, {episode} runs finished, {identical_resumes}/{resumes} resumes identical")
+    return {"kills": done_kills, "runs_finished": finished, "runs_finished_identical": finished_identical,
+            "resumes": resumes, "resumes_bitwise_identical": identical_resumes, "mismatched_resumes": mismatches,
+            "identical": finished_identical == finished and not mismatches,
+            "resumed_at_steps": sorted(resumed_at), "killed_after": phases, "state_bytes": state,
+            "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "uninterrupted_s": duration}
 
 
 def main() -> None:
@@ -185,7 +203,7 @@ def main() -> None:
     ap.add_argument("--worker", metavar="DIR")
     ap.add_argument("--out")
     ap.add_argument("--kills", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -200,9 +218,10 @@ def main() -> None:
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
-        print(f"{summary['kills']} SIGKILLs; {summary['resumes_bitwise_identical']} of {summary['resumes']} starts resumed "
-              f"with weights bitwise identical to the uninterrupted run's at that step; final weights "
-              f"{'bitwise identical' if summary['final_weights_identical'] else 'DIFFERENT'}; peak extra disk "
+        print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "
+              f"{summary['resumes_bitwise_identical']} of {summary['resumes']} starts resumed with weights bitwise "
+              f"identical to the uninterrupted run's at that step; {summary['runs_finished_identical']} of "
+              f"{summary['runs_finished']} runs ended bitwise identical to it; peak extra disk "
               f"{100 * summary['disk_overhead']:.1f}% of the state")
         sys.exit(0 if summary["identical"] else 1)
     finally:
