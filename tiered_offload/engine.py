@@ -1113,10 +1113,14 @@ class Engine:
                 self.store.release(k)
         # Write behind: the updated weights and states are not needed again until the next
         # forward / step, so start writing them now; when their space is wanted they are clean
-        # and can be dropped at once instead of stalling the caller on a write.
-        futures = [self.store.write_back(k) for k in keys[:1] + keys[2:]]
+        # and can be dropped at once instead of stalling the caller on a write. (Durable: the
+        # commit needs them on disk anyway. Volatile with everything in memory: nothing is
+        # evicted, so nothing is written.)
         if self._committer is not None:
-            self._committer.unit_updated(unit.name, futures)
+            self._committer.unit_updated(unit.name, [self.store.write_back(k) for k in keys[:1] + keys[2:]])
+        elif self.state_bytes() > self.store.capacity(self.store.compute_tier):
+            for k in keys[:1] + keys[2:]:
+                self.store.write_back(k)
 
     def _get_group(self, keys: list[str]) -> list[torch.Tensor]:
         """Pin all of ``keys`` in the compute tier.
