@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
@@ -227,8 +227,6 @@ class TieredStore:
             a.open()
         self._policies = {t: make_policy(cfg.policy) for t in _MEMORY_TIERS}
         self._copier = Copier(cfg.device)
-        # checksums of outgoing bytes are computed beside the write, not in the caller's thread
-        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="tiered-offload-crc")
         self._copier.open()
         self._opened = True
         return self
@@ -244,7 +242,6 @@ class TieredStore:
                 self._wait_idle()
         finally:
             self._copier.close()
-            self._hasher.shutdown(wait=True)
             for a in self._arenas.values():
                 a.close()
             if self._owns_backend:
@@ -770,7 +767,7 @@ class TieredStore:
 
     # ---- internals: copies --------------------------------------------------------------
     def _landed(self, rec: TensorRecord, tier: Tier, version: int, src: Tier, extent: str | None = None,
-                crc: "int | Future | None" = None):
+                crc: int | None = None):
         """Completion handler: bytes of ``version`` arrived in ``tier`` from ``src`` (or failed)."""
         def handler(fut: IOFuture) -> None:
             error = fut.exception()
@@ -781,8 +778,7 @@ class TieredStore:
                     self._stats.bytes_read[src] += rec.nbytes
                     self._stats.bytes_written[tier] += rec.nbytes
                     if tier == Tier.DISK and extent is not None:
-                        value = crc.result() if isinstance(crc, Future) else crc
-                        old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, value
+                        old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc
             if tier != Tier.DISK or extent is None or not self.config.versioned_writes:
                 return
             if error is not None:  # a half-written new extent is garbage; the old one is untouched
@@ -811,39 +807,16 @@ class TieredStore:
         elif dst == Tier.DISK:
             raw = rec.slots[src].raw
             extent = self._next_extent(rec)
+            # (computing it on a helper thread beside the write measured slower on 2 cores: it
+            # competes with the compute threads; see the README's step-time notes)
+            crc = crc32(raw) if self.config.verify_checksums else None
             fut = self.backend.write_from(extent, raw)
-            if self.config.verify_checksums:
-                fut, crc = self._with_checksum(fut, raw)
         elif src == Tier.DISK:
             fut = self._verified_read(rec, rec.slots[dst].raw)
         else:
             fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
         fut.add_done_callback(self._landed(rec, dst, version, src, extent, crc))  # runs before any later callback
         return fut
-
-    def _with_checksum(self, write: IOFuture, raw: torch.Tensor) -> tuple[IOFuture, Future]:
-        """Compute ``raw``'s CRC-32 while it is being written; the returned future waits for both.
-
-        The bytes are stable meanwhile: the record is busy, and a holder that modifies its copy
-        makes a new version, so this one would only ever label a stale disk copy."""
-        crc = self._hasher.submit(crc32, raw)
-        out: Future = Future()
-        left = [2]
-        lock = threading.Lock()
-
-        def one_done(_f) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            error = write.exception() or crc.exception()
-            if error is not None:
-                out.set_exception(error)
-            else:
-                out.set_result(write.get())
-        write.add_done_callback(one_done)
-        crc.add_done_callback(one_done)
-        return IOFuture(out, write.description), crc
 
     def _next_extent(self, rec: TensorRecord) -> str:
         if not self.config.versioned_writes:
