@@ -10,7 +10,7 @@ import zlib
 
 import torch
 
-__all__ = ["crc32", "crc32_file"]
+__all__ = ["crc32"]
 
 _CHUNK = 64 << 20
 
@@ -24,21 +24,3 @@ def crc32(raw: torch.Tensor, value: int = 0) -> int:
             value = zlib.crc32(raw[a:a + _CHUNK].cpu().numpy(), value)
         return value
     return zlib.crc32(raw.numpy(), value)
-
-
-def crc32_file(paths_and_ranges, chunk: int = 8 << 20) -> int:
-    """CRC-32 of bytes read from files: ``[(path, offset, length), ...]`` in order."""
-    value = 0
-    buf = bytearray(chunk)
-    mv = memoryview(buf)
-    for path, offset, length in paths_and_ranges:
-        with open(path, "rb", buffering=0) as f:
-            f.seek(offset)
-            left = length
-            while left:
-                n = f.readinto(mv[:min(chunk, left)])
-                if not n:
-                    raise EOFError(f"{path} ends {left} bytes early")
-                value = zlib.crc32(mv[:n], value)
-                left -= n
-    return value

@@ -132,7 +132,7 @@ def _state_command(args) -> int:
         if info["user_state"]:
             print(f"  user state      {json.dumps(info['user_state'])}")
         holder = info["lock_holder"]
-        print(f"  in use by       " + (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
+        print("  in use by       " + (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
                                        if holder else "nobody"))
         for d in info["storage"]:
             print(f"  {d['directory']}: {d['files']} files, {format_size(d['bytes'])}; "

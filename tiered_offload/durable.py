@@ -50,7 +50,6 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .errors import CheckpointError, CorruptionError, DiskFullError, StorageLockedError
-from .units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -353,10 +352,6 @@ class Committer:
             self._waiting = set(self.units) - set(recorded)
             return sorted(self._waiting)
 
-    def referenced(self) -> set[str]:
-        with self._lock:
-            return set(self._refs)
-
     # ---- a step -------------------------------------------------------------------------
     def begin_step(self, intent: dict) -> None:
         """Make the gradients durable and commit the step's intent (before anything is updated)."""
@@ -481,11 +476,6 @@ class Committer:
     def step(self) -> int:
         with self._lock:
             return self._step
-
-    def extra_extents(self) -> int:
-        """Units updated but not yet recorded (each holds an old and a new set of extents)."""
-        with self._lock:
-            return len(self._in_window)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -23,7 +23,6 @@ from .checksum import crc32
 from .durable import LOCK, STATE_DIR, StateFiles, _read_holder
 from .errors import CheckpointError, CorruptionError, ExtentNotFoundError, InvalidKeyError, ShortReadError
 from .safetensors_io import SafetensorsWriter, write_private
-from .units import format_size
 
 __all__ = ["StateDirectory", "export_params"]
 
@@ -219,7 +218,3 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-def describe_size(n: int) -> str:
-    return format_size(n)
