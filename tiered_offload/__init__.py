@@ -4,7 +4,7 @@ The state streams through three tiers (device memory, a bounded host pool, NVMe 
 by a :class:`TieredStore` with a lookahead scheduler, on pluggable storage backends.
 """
 
-from .config import StoreConfig
+from .config import EngineConfig, StoreConfig
 from .engine import Engine, empty_init
 from .errors import *  # noqa: F401,F403 - the typed errors are part of the public API
 from .errors import __all__ as _error_names
@@ -21,6 +21,7 @@ __all__ = [
     "empty_init",
     "TieredStore",
     "StoreConfig",
+    "EngineConfig",
     "StoreStats",
     "TensorRecord",
     "Tier",

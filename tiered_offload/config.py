@@ -13,7 +13,7 @@ import torch
 from .errors import ConfigError
 from .units import parse_size
 
-__all__ = ["StoreConfig", "resolve_device"]
+__all__ = ["EngineConfig", "StoreConfig", "resolve_device"]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -88,3 +88,39 @@ class StoreConfig:
             self, device=device, pin_host_memory=pin,
             host_budget_bytes=parse_size(host, what="host_budget_bytes"),
             device_budget_bytes=parse_size(dev_budget, what="device_budget_bytes"))
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Tuning knobs of an :class:`~tiered_offload.Engine` (the defaults suit most runs).
+
+    ``Engine(model, ..., config=EngineConfig(state_piece_numel=1 << 20))``.
+    """
+
+    optimizer_chunk_numel: int = 1 << 20
+    """Elements per optimizer call: bounds the optimizer's temporaries (a few chunks of fp32)."""
+
+    state_piece_numel: int = 4 << 20
+    """Elements per piece of an optimizer-state buffer. The step streams a unit's states through
+    memory one piece of each kind at a time, so the host working set of the step is the largest
+    unit's weights and gradients plus one piece per state kind, not four whole buffers. Fixed
+    for a storage directory (a resume must use the same value)."""
+
+    step_lead: int = 2
+    """How many units the background (overlapped) step may run ahead of the next forward: further
+    ahead, the units it updated would be evicted again before the forward reaches them."""
+
+    prefetch_depth: int = 16
+    """How many upcoming tensors the lookahead policy may prefetch into a tier at once."""
+
+    overlap_step: bool | None = None
+    """Run the step in the background, overlapped with the next forward. None: when the state
+    does not fit the compute tier and the budget holds a unit being updated beside the forward's
+    working set."""
+
+    def __post_init__(self):
+        for name in ("optimizer_chunk_numel", "state_piece_numel", "step_lead"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"EngineConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")

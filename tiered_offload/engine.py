@@ -29,6 +29,7 @@ import math
 import os
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,7 +38,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .config import StoreConfig, resolve_device
+from .config import EngineConfig, StoreConfig, resolve_device
 from .durable import FORMAT, Committer, DirectoryLock, StateFiles, decode_rng, encode_rng, state_directory
 from .errors import (
     CheckpointError,
@@ -51,10 +52,12 @@ from .errors import (
     TieredOffloadError,
 )
 from .memstat import tune_allocator
-from .model_split import Unit, plan_units
+from .model_split import ParamSlot, Unit, plan_units
+from .optim_spec import OptimizerSpec, read_optimizer
+from .schedule import Phase, Schedule
 from .store import TieredStore
 from .tiers import Tier
-from .units import format_size
+from .units import format_size, format_size_up
 
 __all__ = ["Engine", "empty_init"]
 
@@ -147,6 +150,21 @@ def _rebuild(spec, leaves, tensors):
     return tree_unflatten(filled, spec)
 
 
+@dataclass(eq=False)
+class _UnitRun:
+    """What the engine tracks of one unit between calls (the store tracks its bytes)."""
+
+    grads_finite: bool = True
+    """False once a backward left a NaN or infinity in its gradient (checked before any update)."""
+    norms: tuple[int, list[torch.Tensor]] | None = None
+    """``(gradient version, L2 norm of each trainable parameter's gradient)`` from the backward
+    that last changed the gradient: clipping reuses them while the version matches."""
+    updated: threading.Event | None = None
+    """Set once the step in flight has updated the unit (None: no step yet)."""
+    zero_after_update: bool = False
+    """``zero_grad()`` came while the unit's update was still to run: zero its gradient after it."""
+
+
 class Engine:
     """Train ``model`` with its state streamed through device memory, a host budget and disk.
 
@@ -177,11 +195,12 @@ class Engine:
             load the weights from (Hugging Face parameter names), streamed one tensor at a time.
     """
 
-    def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer = torch.optim.AdamW,
                  optimizer_kwargs: dict | None = None, storage=None, host_memory: int | str = "auto",
                  device_memory: int | str = "auto", *, blocks: str | None = None, device: str = "auto",
                  on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None,
-                 durable: bool | None = None, resume: bool | str = False, init_from: str | os.PathLike | None = None):
+                 durable: bool | None = None, resume: bool | str = False, init_from: str | os.PathLike | None = None,
+                 config: EngineConfig | None = None):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         if resume not in (True, False, "auto"):
@@ -190,8 +209,9 @@ class Engine:
         self.model = model
         self.device = resolve_device(device)
         self.on_nonfinite = on_nonfinite
-        self.optimizer_class = optimizer
-        self._opt_kwargs = dict(optimizer_kwargs or {})
+        self.config = config or EngineConfig()
+        self._grad_hooks: list = []
+        """Tuning knobs (see :class:`EngineConfig`)."""
         self._tmpdir = None
         spec = _storage_spec(storage) if storage is not None else None
         if durable is None:
@@ -214,14 +234,27 @@ class Engine:
         self._model_config = _model_config(model)
         self.seq_name, self.blocks, self.rest, self._param_order = plan_units(model, blocks)
         self.units: list[Unit] = [*self.blocks, self.rest]
-        self._state_kinds, group = self._probe_optimizer()
-        self.param_groups = [group]
+        self._spec: OptimizerSpec = read_optimizer(optimizer, optimizer_kwargs, (p for _, p in model.named_parameters()))
+        self.optimizer_class = self._spec.cls
+        self._state_kinds = self._spec.kinds
+        self.param_groups: list[dict] = [dict(g) for g in self._spec.groups]
+        """The optimizer's parameter groups (hyperparameters only), in the optimizer's order: change
+        ``lr`` here, or through a scheduler on :attr:`optimizer`."""
+        group_of = self._spec.group_of()
+        self._spec.members = []  # no reference to the user's (possibly meta) parameters is kept
+        for unit in self.units:
+            unit.piece_numel = self.config.state_piece_numel
+            unit.arrange(group_of)
         cuda = self.device.type == "cuda"
         cfg = StoreConfig(host_budget_bytes=host_memory, device=self.device,
                           device_budget_bytes=device_memory if cuda else 0, policy="lookahead",
-                          prefetch_depth=16, **{"versioned_writes": self.durable, **(store_config or {})})
+                          prefetch_depth=self.config.prefetch_depth,
+                          **{"versioned_writes": self.durable, **(store_config or {})})
         self.store = TieredStore(spec, cfg)
         self.store.open()
+        self.schedule = Schedule(self.units, tuple(self._state_kinds),
+                                 lambda n: self.store.footprint(n, self.store.compute_tier))
+        """Unit order, access sequence and budget arithmetic (pure numbers)."""
         self.step_count = 0
         manifest = None
         try:
@@ -242,20 +275,15 @@ class Engine:
             self._release_directory()
             self.store.close(flush=False)
             raise
-        self.optimizer_chunk = 1 << 20
-        """Elements per optimizer call (bounds the optimizer's temporary memory)."""
         self._rest_bound = False
         self._rest_backward_ran = False
         self._rest_grad: torch.Tensor | None = None
-        self._grads_finite: dict[str, bool] = {}
-        self._norm_cache: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._runs: dict[str, _UnitRun] = {u.name: _UnitRun() for u in self.units}
+        """Per unit, what the engine tracks of it between calls."""
         self._grad_scale: torch.Tensor | None = None
         self._skip_step = False
-        self._phases: list[str] = []
-        self._pending: dict[str, threading.Event] = {}
-        """Per unit, the event set when the step in flight has updated it (overlapped step)."""
+        self._phases: list[Phase] = []
         self._pending_lock = threading.Lock()
-        self._zero_after_update: set[str] = set()
         self._update_error: BaseException | None = None
         self._update_thread: threading.Thread | None = None
         self._progress = threading.Condition()
@@ -263,21 +291,22 @@ class Engine:
         """Index (in update order) of the last unit the forward has started on."""
         self._free_run = True
         """Whether the background step may run ahead of the forward without limit."""
-        self.step_lead = 2
-        """How many units the background step may run ahead of the forward: further ahead, the
-        units it updated would be evicted again before the forward reaches them."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
         self._optimizer_view: _OptimizerView | None = None
         if recompute == "auto":
-            recompute = self.state_bytes() > self.store.capacity(self.store.compute_tier)
+            recompute = not self.schedule.fits(self.store.capacity(self.store.compute_tier))
         self.recompute = bool(recompute)
         """Whether blocks are recomputed in backward (activation checkpointing)."""
         self._held: list[tuple[Unit, torch.Tensor]] = []
-        self.overlap_step = self._fits_overlap()
+        overlap = self.config.overlap_step
+        self.overlap_step = (self.schedule.overlap_fits(self.store.capacity(self.store.compute_tier))
+                             if overlap is None else bool(overlap))
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
-        self.store.declare_access_sequence(self._sequence(["fwd", "bwd", "opt"]))
+        self._grad_hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_arrived_hook(slot))
+                            for slot in self.rest.params if slot.requires_grad]
+        self.store.declare_access_sequence(self._sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP]))
         self._unbind_rest()
         if self.durable:
             try:
@@ -288,106 +317,80 @@ class Engine:
                 raise
 
     @classmethod
-    def resume(cls, storage, model: nn.Module, optimizer: type[torch.optim.Optimizer] | None = None,
+    def resume(cls, storage, model: nn.Module, optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | None = None,
                optimizer_kwargs: dict | None = None, **kwargs) -> "Engine":
         """Continue the training state in ``storage`` with ``model`` (built as before, e.g. with
-        :func:`empty_init`). The optimizer and its hyperparameters default to the saved ones
-        (a ``torch.optim`` class; another one must be passed)."""
+        :func:`empty_init`). The optimizer, its parameter groups and their hyperparameters default
+        to the saved ones (a ``torch.optim`` class; another one must be passed)."""
         from .state_dir import StateDirectory
         with StateDirectory(storage) as sd:
-            saved_class = sd.manifest["optimizer"]["class"]
+            saved = sd.manifest["optimizer"]
             groups = sd.manifest["meta"]["param_groups"]
         if optimizer is None:
-            module, _, name = saved_class.rpartition(".")
+            module, _, name = saved["class"].rpartition(".")
             if not module.startswith("torch.optim"):
-                raise ConfigError(f"{storage} was trained with {saved_class}; pass optimizer= that class to resume")
+                raise ConfigError(f"{storage} was trained with {saved['class']}; pass optimizer= that class to resume")
             optimizer = getattr(torch.optim, name, None)
             if optimizer is None:
-                raise ConfigError(f"{saved_class} is not a torch.optim optimizer of this torch; pass optimizer=")
-        if optimizer_kwargs is None:
+                raise ConfigError(f"{saved['class']} is not a torch.optim optimizer of this torch; pass optimizer=")
+        members = saved.get("groups")
+        if isinstance(optimizer, type) and optimizer_kwargs is None and members is not None:
+            # rebuild the saved parameter groups over this model's parameters, by name
+            named = dict(model.named_parameters())
+            missing = [n for names in members for n in names if n not in named]
+            if missing:
+                raise CheckpointError(f"{storage} was trained with parameter groups naming {missing[:3]}, which this "
+                                      f"model does not have; build the same model")
+            ctor = set(inspect.signature(optimizer).parameters) - {"params"}
+            optimizer = optimizer([{"params": [named[n] for n in names],
+                                    **{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k in ctor}}
+                                   for names, g in zip(members, groups)])
+        elif optimizer_kwargs is None and isinstance(optimizer, type):
             ctor = set(inspect.signature(optimizer).parameters) - {"params"}
             optimizer_kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in groups[0].items() if k in ctor}
         return cls(model, optimizer, optimizer_kwargs, storage=storage, resume=True, **kwargs)
 
     # ---- set-up -------------------------------------------------------------------------
-    def _probe_optimizer(self) -> tuple[list[str], dict]:
-        """Which per-parameter state tensors the optimizer keeps, and its full hyperparameters."""
-        p = torch.zeros(3, requires_grad=True)
-        try:
-            opt = self.optimizer_class([p], **self._opt_kwargs)
-        except TypeError as e:
-            raise ConfigError(f"{self.optimizer_class.__name__} rejected optimizer_kwargs {self._opt_kwargs}: {e}") from e
-        p.grad = torch.ones(3)
-        opt.step()
-        kinds = [k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.shape == p.shape]
-        self._has_step = "step" in opt.state[p]
-        # Adam and AdamW start every state at zero, so the store's implicit zeros are exact and
-        # their first step allocates nothing; other optimizers create their state on the first
-        # step (SGD's momentum buffer is a copy of the gradient) and we copy it into the store.
-        self._zero_init_states = issubclass(self.optimizer_class, (torch.optim.Adam, torch.optim.AdamW))
-        self._ctor_keys = set(inspect.signature(self.optimizer_class).parameters) - {"params"}
-        group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-        return kinds, group
-
-    def _unit_bytes(self, unit: Unit) -> int:
-        return unit.numel * _FP32
-
-    def _arena_bytes(self, unit: Unit) -> int:
-        """What one of the unit's buffers occupies in a tier (rounded up to the arena's alignment)."""
-        return self.store.footprint(self._unit_bytes(unit), self.store.compute_tier)
-
     def _check_budgets(self) -> None:
         """Refuse, up front and with the numbers, budgets that cannot hold one step's working set."""
         compute = self.store.compute_tier
         cap = self.store.capacity(compute)
-        b = self._arena_bytes
-        biggest = max(self.blocks, key=b)
-        states = len(self._state_kinds)
-        largest = max(b(u) for u in self.units)
-        fwd_bwd = 2 * b(self.rest) + 3 * b(biggest)   # rest W+G, block W+G, next block's W prefetched
-        opt = (2 + states) * largest
-        # plus one unit of slack: pinned tensors can split the free space into holes
-        need = max(fwd_bwd, opt) + largest
+        ws = self.schedule.working_set()
+        need = ws.need
         if need > cap:
             raise TierCapacityError(
                 f"the {compute.name.lower()} budget ({format_size(cap)}) cannot hold one step's working set: "
-                f"{format_size(need)} needed (largest block {biggest.name} = {format_size(b(biggest))} of weights, "
-                f"rest of the model {format_size(b(self.rest))}; forward/backward keeps the rest's weights and "
-                f"gradients plus two blocks' weights and one block's gradients, the optimizer keeps one unit's "
-                f"weights, gradients and {states} state tensor(s); plus one unit of slack against fragmentation). Raise host_memory"
-                f"{' / device_memory' if compute == Tier.DEVICE else ''} to at least {format_size(need)}")
-        if compute == Tier.DEVICE and self.store.capacity(Tier.HOST) < max(b(u) for u in self.units):
+                f"{format_size_up(need)} ({need} bytes) needed. Forward and backward keep the weights and gradients of "
+                f"the parameters outside the blocks ({format_size(ws.rest_bytes)}) plus two blocks' weights and one "
+                f"block's gradients (largest block {ws.largest_block} = {format_size(ws.block_bytes)} of weights): "
+                f"{format_size(ws.forward_backward)}; the optimizer keeps one unit's weights and gradients and one "
+                f"{format_size(self.config.state_piece_numel * _FP32)} piece of each of its {len(self._state_kinds)} "
+                f"state(s): {format_size(ws.optimizer)}; plus {format_size(ws.slack)} of slack against fragmentation. "
+                f"Raise host_memory{' / device_memory' if compute == Tier.DEVICE else ''} to at least "
+                f"{format_size_up(need)}")
+        largest = max(self.schedule.unit_bytes(u, "weight") for u in self.units)
+        if compute == Tier.DEVICE and self.store.capacity(Tier.HOST) < largest:
             raise TierCapacityError(f"host_memory ({format_size(self.store.capacity(Tier.HOST))}) must hold at least the "
-                                    f"largest unit ({format_size(max(b(u) for u in self.units))}) to stage it to the GPU")
+                                    f"largest unit ({format_size_up(largest)}) to stage it to the GPU")
 
-    def _fits_overlap(self) -> bool:
-        """Whether overlapping the step with the next forward pays: there is disk traffic to hide
-        (the state does not fit the compute tier) and the tier can hold a unit being updated while
-        the forward runs. When everything fits, a background update would only compete for cores."""
-        if self.state_bytes() <= self.store.capacity(self.store.compute_tier):
-            return False
-        b = self._arena_bytes
-        largest = max(b(u) for u in self.units)
-        biggest_block = max(b(u) for u in self.blocks)
-        need = (2 + len(self._state_kinds)) * largest + 2 * b(self.rest) + 2 * biggest_block + largest
-        return self.store.capacity(self.store.compute_tier) >= need
+    def minimum_budget(self) -> int:
+        """The smallest compute-tier budget (bytes) this engine's model and optimizer train in: see
+        :meth:`Schedule.working_set`."""
+        return self.schedule.working_set().need
 
     def state_bytes(self) -> int:
-        """Bytes of training state on disk: weights, gradients and optimizer states of every unit."""
-        return sum(self._unit_bytes(u) for u in self.units) * (2 + len(self._state_kinds))
+        """Bytes of training state on disk: weights of every parameter, gradients of the trainable
+        ones and optimizer states of those the optimizer updates."""
+        return self.schedule.state_bytes()
 
     def commit_window(self) -> int:
         """Units whose new weights and states may coexist on disk with the committed ones (durable mode):
         as many as keep the extra space within a quarter of the state, and at least one."""
-        per_unit = max(self._unit_bytes(u) for u in self.units) * (1 + len(self._state_kinds))
-        return max(1, int(0.25 * self.state_bytes()) // per_unit)
+        return self.schedule.commit_window()
 
     def extra_disk_bytes(self) -> int:
         """Most disk space beyond :meth:`state_bytes` a step can need (durable mode: the commit window)."""
-        if not self.durable:
-            return 0
-        per_unit = max(self._unit_bytes(u) for u in self.units) * (1 + len(self._state_kinds))
-        return self.commit_window() * per_unit
+        return self.schedule.extra_disk_bytes(self.durable)
 
     def _check_disk(self) -> None:
         free = self.store.backend.free_bytes()
@@ -408,10 +411,8 @@ class Engine:
             reader = PretrainedReader(init_from)
             reader.check_covers([(s.name, s.shape) for _, s in self._param_order])
         for unit in self.units:
-            self.store.register(unit.key("weight"), (unit.numel,))
-            self.store.register(unit.key("grad"), (unit.numel,))
-            for kind in self._state_kinds:
-                self.store.register(unit.key(f"state.{kind}"), (unit.numel,))
+            for key, numel in unit.shapes(self._state_kinds).items():
+                self.store.register(key, (numel,))
             flat = self.store.get(unit.key("weight"), Tier.HOST)
             try:
                 if reader is not None:
@@ -545,16 +546,44 @@ class Engine:
             self._dir_lock = None
 
     def _layout(self) -> dict:
+        """How the state's tensors map to the model and the optimizer (checked by a resume)."""
+        units = []
+        for u in self.units:
+            entry = {"name": u.name, "numel": u.numel}
+            if u.grad_numel != u.numel or u.state_numel != u.numel:  # frozen or unoptimized parameters
+                entry.update(grad_numel=u.grad_numel, state_numel=u.state_numel)
+            if len(u.pieces()) > 1:
+                entry["piece_numel"] = u.piece_numel
+            units.append(entry)
+        optimizer = {"class": self._spec.name, "states": list(self._state_kinds)}
+        members = [[s.name for _, s in self._param_order if s.group == i] for i in range(len(self.param_groups))]
+        if len(members) != 1 or len(members[0]) != len(self._param_order):
+            optimizer["groups"] = members
         return {
-            "units": [{"name": u.name, "numel": u.numel} for u in self.units],
-            "params": [{"name": s.name, "tensor": u.key("weight"), "offset": s.offset, "shape": list(s.shape)}
+            "units": units,
+            "params": [{"name": s.name, "tensor": u.weight_key, "offset": s.offset, "shape": list(s.shape)}
                        for u, s in self._param_order],
-            "optimizer": {"class": f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}",
-                          "states": list(self._state_kinds)},
+            "optimizer": optimizer,
         }
 
     def _check_layout(self, manifest: dict) -> None:
         mine = self._layout()
+        saved_groups = (manifest.get("optimizer") or {}).get("groups")
+        if saved_groups != mine["optimizer"].get("groups"):
+            everything = [[s.name for _, s in self._param_order]]
+            theirs, ours = saved_groups or everything, mine["optimizer"].get("groups") or everything
+            diff = f"{len(theirs)} group(s) saved, {len(ours)} now"
+            for i, (a, b) in enumerate(zip(theirs, ours)):
+                if a != b:
+                    only_a = [n for n in a if n not in b]
+                    only_b = [n for n in b if n not in a]
+                    diff = (f"group {i} holds {only_a[0]!r} in the saved state but not now" if only_a else
+                            f"group {i} holds {only_b[0]!r} now but not in the saved state" if only_b else
+                            f"group {i} lists its parameters in another order")
+                    break
+            raise CheckpointError(
+                f"{self._files.manifest_path} was trained with other optimizer parameter groups: {diff}. Build the "
+                f"optimizer's groups as before (or resume with Engine.resume(...) and no optimizer=, which rebuilds them)")
         for what in ("units", "params", "optimizer"):
             if manifest.get(what) != mine[what]:
                 theirs = manifest.get(what) or []
@@ -565,7 +594,7 @@ class Engine:
                     f"(saved vs. this run: {diff}). Build the same model and optimizer, or use another directory")
 
     def _durable_keys(self, unit: Unit) -> list[str]:
-        return [unit.key("weight")] + [unit.key(f"state.{k}") for k in self._state_kinds]
+        return unit.durable_keys(self._state_kinds)
 
     def _adopt(self, manifest: dict) -> None:
         """Register every tensor from the committed state (and the step in flight, if any) without reading it."""
@@ -582,13 +611,9 @@ class Engine:
             grads = {k: v and tuple(v) for k, v in intent["grads"].items()}
         self._collect_garbage({r[0] for r in [*tensors.values(), *grads.values()] if r})
         for unit in self.units:
-            for key in self._durable_keys(unit):
-                ref = tensors.get(key)
-                self.store.adopt(key, (unit.numel,), extent=ref and ref[0], crc=ref and ref[1],
-                                 generation=_generation(ref))
-            gref = grads.get(unit.key("grad"))
-            self.store.adopt(unit.key("grad"), (unit.numel,), extent=gref and gref[0], crc=gref and gref[1],
-                             generation=_generation(gref))
+            for key, numel in unit.shapes(self._state_kinds).items():
+                ref = grads.get(key) if key == unit.grad_key else tensors.get(key)
+                self.store.adopt(key, (numel,), extent=ref and ref[0], crc=ref and ref[1], generation=_generation(ref))
         if any(p.device.type == "meta" for p in self.model.parameters()):
             self._replace_meta_parameters()
         for unit in self.units:
@@ -600,7 +625,7 @@ class Engine:
     def _collect_garbage(self, keep: set[str]) -> None:
         """Delete this engine's extents that the committed state does not name: remains of writes a
         crash cut short. Other files in the directory are never touched."""
-        mine = {u.key(k) for u in self.units for k in ("weight", "grad", *(f"state.{x}" for x in self._state_kinds))}
+        mine = {k for u in self.units for k in u.all_keys(self._state_kinds)}
         for extent in self.store.backend.keys():
             key, _, gen = extent.rpartition("@")
             if key in mine and gen.isdigit() and extent not in keep:
@@ -609,7 +634,7 @@ class Engine:
     def _start_commits(self, manifest: dict | None) -> None:
         """Hand the committed state to the commit protocol; finish a step a crash interrupted."""
         units = {u.name: self._durable_keys(u) for u in self.units}
-        grads = {u.name: u.key("grad") for u in self.units}
+        grads = {u.name: u.grad_key for u in self.units if u.grad_key}
         self._committer = Committer(self._files, self.store, units, grads, self._describe)
         if manifest is None:
             committed = {k: self.store.extent(k) for keys in units.values() for k in keys}
@@ -627,17 +652,20 @@ class Engine:
         if intent is not None:
             todo = self._committer.resume_intent(intent, {u: {k: v and tuple(v) for k, v in refs.items()}
                                                           for u, refs in self._resume_recorded.items()})
-            hyper = _hyper_from_json(intent["hyper"], self.param_groups[0])
+            saved = intent["hyper"] if isinstance(intent["hyper"], list) else [intent["hyper"]]
+            hypers = [_hyper_from_json(h, g) for h, g in zip(saved, self.param_groups)]
             scale = None if intent["scale"] is None else torch.tensor(intent["scale"], dtype=torch.float32)
+            todo_slots = self._replayed_updates(intent)
             by_name = {u.name: u for u in self.units}
-            for name in [u.name for u in self._update_order() if u.name in todo]:
+            for name in [u.name for u in self.schedule.update_order() if u.name in todo]:
                 self._committer.throttle(self.commit_window())
-                self._update_unit(by_name[name], hyper, scale, intent["step_index"])
+                self._update_unit(by_name[name], hypers, scale, todo_slots)
             self._committer.finish_now()
             self._committer.wait()
             meta = intent["meta"]
         for unit in self.units:
-            self.store.zero(unit.key("grad"))
+            if unit.grad_key:
+                self.store.zero(unit.grad_key)
         self._restore_meta(meta)
         del self._resume_base, self._resume_intent, self._resume_recorded
 
@@ -653,13 +681,27 @@ class Engine:
         scheduler = None
         if self._scheduler is not None:
             scheduler = _jsonable(self._scheduler.state_dict(), "the scheduler's state_dict()")
+        # per-parameter step counts, where a parameter missed steps (it had no gradient)
+        updates = {s.name: s.updates for _, s in self._param_order if s.optimized and s.updates != self.step_count}
         return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
-                "param_groups": [_jsonable({k: v for k, v in self.param_groups[0].items() if k != "params"},
-                                           "the optimizer's param_groups")]}
+                "param_updates": updates,
+                "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
+                                 for g in self.param_groups]}
+
+    def _replayed_updates(self, intent: dict) -> dict[int, int]:
+        """For a step a resume finishes: ``{id(slot): step count before}`` of the parameters it updated."""
+        after = intent["meta"].get("param_updates", {})
+        steps = intent["meta"]["step_count"]
+        skipped = set(intent.get("no_grad", ()))
+        return {id(s): after.get(s.name, steps) - 1 for _, s in self._param_order if s.optimized and s.name not in skipped}
 
     def _restore_meta(self, meta: dict) -> None:
         self.step_count = meta["step_count"]
-        self.param_groups[0].update(_hyper_from_json(meta["param_groups"][0], self.param_groups[0]))
+        for group, saved in zip(self.param_groups, meta["param_groups"]):
+            group.update(_hyper_from_json(saved, group))
+        updates = meta.get("param_updates", {})
+        for _, slot in self._param_order:
+            slot.updates = updates.get(slot.name, self.step_count) if slot.optimized else 0
         torch.set_rng_state(decode_rng(meta["rng"]["cpu"]))
         if "cuda" in meta["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(decode_rng(meta["rng"]["cuda"]), self.device)
@@ -672,10 +714,11 @@ class Engine:
         backend = self.store.backend
         tensors = {}
         for unit in self.units:
+            shapes = unit.shapes(self._state_kinds)
             for key in self._durable_keys(unit):
                 ref = committed.get(key)
                 tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
-                                "shape": [unit.numel], "nbytes": unit.numel * _FP32, "offset": 0}
+                                "shape": [shapes[key]], "nbytes": shapes[key] * _FP32, "offset": 0}
         return {"format": FORMAT, "step": step, "tensors": tensors, "meta": meta, "model_config": self._model_config,
                 "storage": {"backend": backend.name, "directories": [str(d) for d in getattr(backend, "directories", [])],
                             "stripe_bytes": getattr(backend, "stripe_bytes", None)},
@@ -693,7 +736,8 @@ class Engine:
             self._resumed_scheduler_state = None
             # building the scheduler re-ran its first step, which set the learning rates from its
             # start (LambdaLR, warm-ups); loading its state does not undo that: the saved ones do
-            self.param_groups[0].update(_hyper_from_json(self._resumed_param_groups[0], self.param_groups[0]))
+            for group, saved in zip(self.param_groups, self._resumed_param_groups):
+                group.update(_hyper_from_json(saved, group))
 
     def export_safetensors(self, out: str | os.PathLike, max_shard_size: int | str = "2GB") -> list:
         """Write the current weights as Hugging Face sharded safetensors in ``out``, streaming.
@@ -730,45 +774,17 @@ class Engine:
         return self._committer.step
 
     # ---- access bookkeeping -------------------------------------------------------------
-    def _phase(self, name: str) -> None:
+    def _phase(self, phase: Phase) -> None:
         """Record what the caller does this iteration (forward, backward, clip, step)."""
-        if not self._phases or self._phases[-1] != name or name == "bwd":
-            self._phases.append(name)
+        if not self._phases or self._phases[-1] != phase or phase == Phase.BACKWARD:
+            self._phases.append(phase)
 
-    def _sequence(self, phases: list[str]) -> list[str]:
-        """The access order of one iteration made of ``phases``, as the store's lookahead sees it.
-
-        With the step overlapped, the cycle starts with the step's units (in forward order)
-        interleaved with the next forward, since unit ``i`` is updated just before the forward
-        needs its weights; otherwise the phases follow each other.
-        """
-        kinds = ("weight", "grad", *(f"state.{k}" for k in self._state_kinds))
-        fwd_keys = {u.name: [u.key("weight")] + ([u.key("grad")] if u is self.rest else []) for u in self.units}
-        opt_keys = {u.name: [u.key(kind) for kind in kinds] for u in self.units}
-        order = self._update_order()
-        body = {
-            "fwd": [k for u in order for k in fwd_keys[u.name]],
-            "bwd": [k for b in reversed(self.blocks) for k in (b.key("weight"), b.key("grad"))],
-            "clip": [],  # the L2 norms come from backward: clipping reads nothing (see clip_grad_norm_)
-            "opt": [k for u in order for k in opt_keys[u.name]],
-        }
-        if not self.overlap_step:
-            # declared as the step begins: rotate so the cycle starts with it
-            i = phases.index("opt") if "opt" in phases else 0
-            return [k for p in phases[i:] + phases[:i] for k in body[p]]
-        merged = [k for u in order for k in opt_keys[u.name] + fwd_keys[u.name]]
-        rest = [p for p in phases if p != "opt"]
-        if rest and rest[0] == "fwd":
-            rest = rest[1:]  # it is part of ``merged``
-        return merged + [k for p in rest for k in body[p]]
-
-    def _clip_order(self) -> list[Unit]:
-        """Gradients in the order backward last touched them (block 0 and the rest most recently)."""
-        return [self.rest, *self.blocks]
+    def _sequence(self, phases: list[Phase]) -> list[str]:
+        """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
+        return self.schedule.access_sequence(phases, overlap=self.overlap_step)
 
     def _update_order(self) -> list[Unit]:
-        """Units in the order the forward needs them: the step updates them in this order."""
-        return [self.rest, *self.blocks]
+        return self.schedule.update_order()
 
     def _rng_state(self):
         state = {"cpu": torch.get_rng_state()}
@@ -786,7 +802,7 @@ class Engine:
             with self._progress:
                 self._free_run = True
                 self._progress.notify_all()
-        events = list(self._pending.values()) if unit is None else [self._pending.get(unit.name)]
+        events = [r.updated for r in self._runs.values()] if unit is None else [self._runs[unit.name].updated]
         for ev in events:
             if ev is not None:
                 ev.wait()
@@ -805,16 +821,18 @@ class Engine:
                 self._progress.notify_all()
 
     def _bind_rest(self) -> None:
-        """Point the rest's parameters at its weight buffer, and their .grad at its gradient buffer."""
+        """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its gradient buffer."""
         if self._rest_bound:
             return
         self._forward_reached(0)
         self._await(self.rest)
-        flat = self.store.get(self.rest.key("weight"))
-        gflat = self.store.get(self.rest.key("grad"))
-        for slot in self.rest.params:
+        rest = self.rest
+        flat = self.store.get(rest.weight_key)
+        gflat = self.store.get(rest.grad_key) if rest.grad_key else None
+        for slot in rest.params:
             slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            slot.param.grad = gflat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            if slot.requires_grad:
+                slot.param.grad = gflat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self._rest_grad = gflat
         self._rest_bound = True
 
@@ -824,22 +842,30 @@ class Engine:
         if not self._rest_bound:
             self._rest_backward_ran = False
             return
-        key = self.rest.key("grad")
-        if self._rest_backward_ran:
+        if self._rest_backward_ran and self._rest_grad is not None:
             self._gradients_done(self.rest, self._rest_grad)
-            self._rest_backward_ran = False
+        self._rest_backward_ran = False
         for slot in self.rest.params:
             slot.param.grad = None
             slot.param.data = self._placeholder()
-        self.store.release(key)
-        self.store.release(self.rest.key("weight"))
+        if self.rest.grad_key:
+            self.store.release(self.rest.grad_key)
+        self.store.release(self.rest.weight_key)
         self._rest_bound = False
         self._rest_grad = None
+
+    @staticmethod
+    def _grad_arrived_hook(slot: ParamSlot):
+        """A hook autograd runs after accumulating into ``slot``'s gradient: from now on the
+        parameter "has a .grad" in PyTorch's sense (the step updates it, clipping counts it)."""
+        def arrived(_tensor) -> None:
+            slot.has_grad = True
+        return arrived
 
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
         args, kwargs = self._to_device((args, kwargs))
-        self._phase("fwd")
+        self._phase(Phase.FORWARD)
         self._bind_rest()
         try:
             return self.model(*args, **kwargs)
@@ -853,11 +879,11 @@ class Engine:
         unit = self.blocks[index]
         self._forward_reached(index + 1)
         self._await(unit)
-        flat = self.store.get(unit.key("weight"))
+        flat = self.store.get(unit.weight_key)
         try:
             return functional_call(unit.module, unit.views(flat), args, kwargs, strict=False)
         finally:
-            self.store.release(unit.key("weight"))
+            self.store.release(unit.weight_key)
 
     def _block_forward(self, index: int, args, kwargs):
         if not torch.is_grad_enabled():
@@ -871,16 +897,20 @@ class Engine:
         it = iter(outs)
         return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
 
-    def _param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each parameter as a leaf over the weight buffer whose .grad is a view of the gradient buffer.
+    def _param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Each parameter as a leaf over the weight buffer; a trainable one's .grad is a view of the
+        gradient buffer, a frozen one requires no gradient (autograd skips it, as in PyTorch).
 
         Autograd then adds every weight gradient in place, straight into the store's buffer, with
         no flat gradient allocated: the same additions PyTorch does into ``param.grad``.
         """
         params = {}
         for s_ in unit.params:
-            leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach().requires_grad_(True)
-            leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+            leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
+            if s_.requires_grad:
+                leaf.requires_grad_(True)
+                leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+                leaf.register_post_accumulate_grad_hook(self._grad_arrived_hook(s_))
             params[s_.local_name] = leaf
         return params
 
@@ -889,27 +919,31 @@ class Engine:
         unit = self.blocks[index]
         self._forward_reached(index + 1)
         self._await(unit)
-        flat = self.store.get(unit.key("weight"))
-        gflat = self.store.get(unit.key("grad"))
+        flat = self.store.get(unit.weight_key)
+        gflat = self.store.get(unit.grad_key) if unit.grad_key else None
         self._held.append((unit, gflat))
         return functional_call(unit.module, self._param_leaves(unit, flat, gflat), args, kwargs, strict=False)
 
     def _release_held(self, backward_ran: bool) -> None:
         for unit, gflat in self._held:
-            if backward_ran:
+            if backward_ran and gflat is not None:
                 self._gradients_done(unit, gflat)
-            self.store.release(unit.key("grad"))
-            self.store.release(unit.key("weight"))
+            if unit.grad_key:
+                self.store.release(unit.grad_key)
+            self.store.release(unit.weight_key)
         self._held = []
 
     # ---- backward -----------------------------------------------------------------------
     def _block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng):
         unit = self.blocks[index]
+        diff_inputs = [x for x, n in zip(inputs, needs) if n]
+        if not unit.grad_key and not diff_inputs:
+            return [None] * len(inputs)  # a frozen block whose input needs no gradient: nothing to do
         self._await(unit)
-        wkey, gkey = unit.key("weight"), unit.key("grad")
+        wkey, gkey = unit.weight_key, unit.grad_key
         flat = self.store.get(wkey)
         try:
-            gflat = self.store.get(gkey)
+            gflat = self.store.get(gkey) if gkey else None
             try:
                 params = self._param_leaves(unit, flat, gflat)
                 args, kwargs = _rebuild(spec, leaves, inputs)
@@ -921,12 +955,14 @@ class Engine:
                     out = functional_call(unit.module, params, args, kwargs, strict=False)
                 outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
                 pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-                diff_inputs = [x for x, n in zip(inputs, needs) if n]
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs],
-                                        inputs=list(params.values()) + diff_inputs)
-                self._gradients_done(unit, gflat)
+                targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
+                if pairs and targets:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+                if gflat is not None:
+                    self._gradients_done(unit, gflat)
             finally:
-                self.store.release(gkey)
+                if gkey:
+                    self.store.release(gkey)
         finally:
             self.store.release(wkey)
         return [x.grad if n else None for x, n in zip(inputs, needs)]
@@ -939,12 +975,13 @@ class Engine:
         :meth:`clip_grad_norm_` reuses them instead of reading every gradient back from disk, as
         long as the buffer has not changed since.
         """
-        key = unit.key("grad")
+        key = unit.grad_key
         self.store.mark_dirty(key)
-        norms = [n.clone() for n in torch._foreach_norm(list(unit.views(gflat).values()), 2.0)]
-        self._norm_cache[unit.name] = (self.store.record(key).version, norms)
+        norms = [n.clone() for n in torch._foreach_norm(unit.grad_views(gflat), 2.0)]
+        run = self._runs[unit.name]
+        run.norms = (self.store.record(key).version, norms)
         if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
-            self._grads_finite[unit.name] = False
+            run.grads_finite = False
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
@@ -958,7 +995,7 @@ class Engine:
             self._unbind_rest()
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
-        self._phase("bwd")
+        self._phase(Phase.BACKWARD)
         if self._committer is not None:
             # the last step's gradients stay on disk until every unit of it is recorded: wait, so
             # this backward's gradients never need a second copy alongside them (the forward has
@@ -973,7 +1010,8 @@ class Engine:
 
     # ---- optimizer ----------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient norm over all parameters, as ``torch.nn.utils.clip_grad_norm_``.
+        """Clip the global gradient norm over the parameters that have a gradient, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``.
 
         Returns the total norm before clipping. The L2 norms of each unit come from the backward
         that last changed its gradient (no pass over the gradients on disk), and the scaling is
@@ -981,29 +1019,38 @@ class Engine:
         """
         self._unbind_rest()
         self._await()
-        self._phase("clip")
+        self._phase(Phase.CLIP)
         norms: dict[int, torch.Tensor] = {}
-        for unit in self._clip_order():
-            key = unit.key("grad")
-            cached = self._norm_cache.get(unit.name)
+        for unit in self.schedule.clip_order():
+            key = unit.grad_key
+            if key is None:
+                continue
+            cached = self._runs[unit.name].norms
             if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
                 unit_norms = cached[1]  # computed by the backward that last changed this gradient
             else:
                 flat = self.store.get(key)
                 try:
-                    unit_norms = [n.clone() for n in torch._foreach_norm(list(unit.views(flat).values()), norm_type)]
+                    unit_norms = [n.clone() for n in torch._foreach_norm(unit.grad_views(flat), norm_type)]
                 finally:
                     self.store.release(key)
-            for s, n in zip(unit.params, unit_norms):
+            for s, n in zip(unit.trainable(), unit_norms):
                 norms[id(s)] = n
-        ordered = [norms[id(s)] for _, s in self._param_order]
+        ordered = [norms[id(s)] for _, s in self._param_order if s.has_grad]
+        if not ordered:
+            return torch.tensor(0.0)  # as torch: nothing to clip
         total = torch.linalg.vector_norm(torch.stack(ordered), norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._grad_scale = coef if self._grad_scale is None else self._grad_scale * coef
         return total
 
     def step(self) -> bool:
-        """Apply one optimizer update to every unit. Returns False if the step was skipped (non-finite).
+        """Apply one optimizer update to every parameter that has a gradient. Returns False if the
+        step was skipped (non-finite).
+
+        As ``torch.optim`` does, a parameter without a gradient since the last :meth:`zero_grad`
+        (frozen, outside the optimizer, or unused by this step's batches) is left as it is: no
+        weight decay, no moment update, its step count unchanged.
 
         With :attr:`overlap_step` (the budget allows it) the update runs in the background, unit
         by unit in forward order, and returns at once: the next forward waits for each unit's
@@ -1012,9 +1059,10 @@ class Engine:
         """
         self._unbind_rest()
         self._await()
-        if self._skip_step or not all(self._grads_finite.values()):
-            bad = [k for k, ok in self._grads_finite.items() if not ok]
-            self._grads_finite.clear()
+        bad = [name for name, run in self._runs.items() if not run.grads_finite]
+        if self._skip_step or bad:
+            for run in self._runs.values():
+                run.grads_finite = True
             self._grad_scale = None
             if self.on_nonfinite == "skip" or self._skip_step:
                 self._skip_step = False
@@ -1022,11 +1070,16 @@ class Engine:
                 return False
             raise NonFiniteError(f"non-finite gradients in {', '.join(bad)}; no weight or optimizer state was updated. "
                                  f"Call zero_grad() and lower the learning rate, or pass on_nonfinite='skip'")
-        self._phase("opt")
-        # the current hyperparameters (a scheduler may have changed lr) as constructor arguments
-        hyper = {k: v for k, v in self.param_groups[0].items() if k in self._ctor_keys}
+        self._phase(Phase.STEP)
+        hypers = [self._spec.hyper(g) for g in self.param_groups]
         scale, self._grad_scale = self._grad_scale, None
         step_index = self.step_count
+        # which parameters this step updates, and each one's step count before it
+        todo = {id(s): s.updates for _, s in self._param_order if s.optimized and s.has_grad}
+        no_grad = [s.name for _, s in self._param_order if s.optimized and not s.has_grad]
+        for _, s in self._param_order:
+            if id(s) in todo:
+                s.updates += 1
         self.step_count += 1
         if self._optimizer_view is not None:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
@@ -1037,90 +1090,128 @@ class Engine:
             # crash resumes after it, by re-running the update of the units not yet recorded
             self._committer.begin_step({
                 "step": self.step_count, "step_index": step_index,
-                "hyper": _jsonable(hyper, "the optimizer's hyperparameters"),
+                "hyper": [_jsonable(h, "the optimizer's hyperparameters") for h in hypers], "no_grad": no_grad,
                 "scale": None if scale is None else float(scale.item()), "meta": self._meta()})
-        self._pending = {u.name: threading.Event() for u in self.units}
+        for run in self._runs.values():
+            run.updated = threading.Event()
         self.store.declare_access_sequence(self._sequence(self._phases))
         self._phases = []
         if self.overlap_step:
             with self._progress:
                 self._fwd_progress, self._free_run = -1, False
-            self._update_thread = threading.Thread(target=self._update_all, args=(hyper, scale, step_index),
+            self._update_thread = threading.Thread(target=self._update_all, args=(hypers, scale, todo),
                                                    name="tiered-offload-step", daemon=True)
             self._update_thread.start()
         else:
-            self._update_all(hyper, scale, step_index)
+            self._update_all(hypers, scale, todo)
             self._await()
-        self._grads_finite.clear()
         return True
 
-    def _update_all(self, hyper: dict, scale: torch.Tensor | None, step_index: int) -> None:
+    def _update_all(self, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int]) -> None:
         try:
-            for index, unit in enumerate(self._update_order()):
+            for index, unit in enumerate(self.schedule.update_order()):
                 with self._progress:
-                    while not self._free_run and index - self._fwd_progress > self.step_lead:
+                    while not self._free_run and index - self._fwd_progress > self.config.step_lead:
                         self._progress.wait()
                 if self._committer is not None:
                     self._committer.throttle(self.commit_window())
-                self._update_unit(unit, hyper, scale, step_index)
+                self._update_unit(unit, hypers, scale, todo)
+                run = self._runs[unit.name]
                 with self._pending_lock:
-                    if unit.name in self._zero_after_update:
-                        self._zero_after_update.discard(unit.name)
-                        self.store.zero(unit.key("grad"))
-                    self._pending[unit.name].set()
+                    if run.zero_after_update:
+                        run.zero_after_update = False
+                        self.store.zero(unit.grad_key)
+                    run.updated.set()
         except BaseException as e:  # surfaced by the next engine call that waits
             self._update_error = e
             if self._committer is not None:
                 self._committer.fail(e)
         finally:
-            for ev in self._pending.values():
-                ev.set()
+            for run in self._runs.values():
+                if run.updated is not None:
+                    run.updated.set()
 
-    def _update_unit(self, unit: Unit, hyper: dict, scale: torch.Tensor | None, step_index: int) -> None:
-        """Run the optimizer over one unit's flat buffers, a chunk at a time.
+    def _update_runs(self, unit: Unit, todo: dict[int, int]) -> list[tuple[int, int, int, int]]:
+        """``(start, end, group, step count)`` of the unit's stretches the step updates: adjacent
+        parameters in ``todo`` with the same group and step count, merged."""
+        runs: list[list[int]] = []
+        for s in unit.params:
+            updates = todo.get(id(s))
+            if updates is None:
+                continue
+            if runs and runs[-1][1] == s.offset and runs[-1][2] == s.group and runs[-1][3] == updates:
+                runs[-1][1] += s.numel
+            else:
+                runs.append([s.offset, s.offset + s.numel, s.group, updates])
+        return [tuple(r) for r in runs]
 
-        The update is elementwise, so running it on slices gives exactly the numbers a run on
-        whole parameters gives, while the optimizer's temporaries stay a few chunks in size
-        instead of several times the unit.
+    def _update_unit(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int]) -> None:
+        """Run the optimizer over one unit's parameters that have a gradient, streaming its states.
+
+        The weights and gradients are held whole; each optimizer state goes through memory one
+        piece at a time (fetched, updated, written behind), and the optimizer runs on chunks of
+        the flat buffers. The update is elementwise, so running it on slices gives exactly the
+        numbers a run on whole parameters gives, while the working set stays a few pieces.
         """
-        keys = [unit.key("weight"), unit.key("grad")] + [unit.key(f"state.{k}") for k in self._state_kinds]
-        tensors = self._get_group(keys)
-        try:
-            w, g, states = tensors[0], tensors[1], tensors[2:]
-            first = step_index == 0 and not self._zero_init_states
-            for a in range(0, unit.numel, self.optimizer_chunk):
-                b = min(unit.numel, a + self.optimizer_chunk)
-                wc = w[a:b]
-                opt = self.optimizer_class([wc], **hyper)
-                # clipping scales the gradient as it goes in (the gradient on disk stays what backward
-                # made: a resumed step re-scales the same bytes)
-                wc.grad = g[a:b] if scale is None else g[a:b] * scale.to(g.device)
-                if not first:
-                    state: dict[str, Any] = {k: s[a:b] for k, s in zip(self._state_kinds, states)}
-                    if self._has_step:
-                        state["step"] = torch.tensor(float(step_index))
-                    opt.state[wc] = state
-                with torch.no_grad():
-                    opt.step()
-                if first:  # the optimizer created its state: keep it in the store
-                    for k, s in zip(self._state_kinds, states):
-                        s[a:b].copy_(opt.state[wc][k])
-                wc.grad = None
-            for k in keys[:1] + keys[2:]:
-                self.store.mark_dirty(k)
-        finally:
-            for k in keys:
-                self.store.release(k)
-        # Write behind: the updated weights and states are not needed again until the next
-        # forward / step, so start writing them now; when their space is wanted they are clean
-        # and can be dropped at once instead of stalling the caller on a write. (Durable: the
-        # commit needs them on disk anyway. Volatile with everything in memory: nothing is
-        # evicted, so nothing is written.)
+        runs = self._update_runs(unit, todo)
+        futures: list = []
+        if runs:
+            # Write behind: the updated weights and states are not needed again until the next
+            # forward / step, so start writing them now; when their space is wanted they are clean
+            # and can be dropped at once instead of stalling the caller on a write. (Durable: the
+            # commit needs them on disk anyway. Volatile with everything in memory: nothing is
+            # evicted, so nothing is written.)
+            write_behind = self._committer is not None or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
+            w, g = self._get_group([unit.weight_key, unit.grad_key])
+            try:
+                for i, (a, b) in enumerate(unit.pieces()):
+                    mine = [(max(a, ra), min(b, rb), grp, n) for ra, rb, grp, n in runs if ra < b and rb > a]
+                    if not mine:
+                        continue
+                    keys = unit.piece_keys(self._state_kinds, i)
+                    states = self._get_group(keys)
+                    try:
+                        for ra, rb, grp, n in mine:
+                            self._apply_optimizer(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n)
+                        for k in keys:
+                            self.store.mark_dirty(k)
+                    finally:
+                        for k in keys:
+                            self.store.release(k)
+                    if write_behind:
+                        futures += [self.store.write_back(k) for k in keys]
+                self.store.mark_dirty(unit.weight_key)
+            finally:
+                self.store.release(unit.grad_key)
+                self.store.release(unit.weight_key)
+            if write_behind:
+                futures.append(self.store.write_back(unit.weight_key))
         if self._committer is not None:
-            self._committer.unit_updated(unit.name, [self.store.write_back(k) for k in keys[:1] + keys[2:]])
-        elif self.state_bytes() > self.store.capacity(self.store.compute_tier):
-            for k in keys[:1] + keys[2:]:
-                self.store.write_back(k)
+            self._committer.unit_updated(unit.name, futures)
+
+    def _apply_optimizer(self, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], a: int, b: int,
+                         hyper: dict, scale: torch.Tensor | None, updates: int) -> None:
+        """One optimizer step over elements ``a:b`` of a unit (``states`` already cut to them), a chunk at a time."""
+        first = updates == 0 and not self._spec.zero_init_states
+        chunk = self.config.optimizer_chunk_numel
+        for c in range(a, b, chunk):
+            d = min(b, c + chunk)
+            wc = w[c:d]
+            opt = self.optimizer_class([wc], **hyper)
+            # clipping scales the gradient as it goes in (the gradient on disk stays what backward
+            # made: a resumed step re-scales the same bytes)
+            wc.grad = g[c:d] if scale is None else g[c:d] * scale.to(g.device)
+            if not first:
+                state: dict[str, Any] = {k: s_[c - a:d - a] for k, s_ in zip(self._state_kinds, states)}
+                if self._spec.has_step:
+                    state["step"] = torch.tensor(float(updates))
+                opt.state[wc] = state
+            with torch.no_grad():
+                opt.step()
+            if first:  # the optimizer created its state: keep it in the store
+                for k, s_ in zip(self._state_kinds, states):
+                    s_[c - a:d - a].copy_(opt.state[wc][k])
+            wc.grad = None
 
     def _get_group(self, keys: list[str]) -> list[torch.Tensor]:
         """Pin all of ``keys`` in the compute tier.
@@ -1146,20 +1237,26 @@ class Engine:
                         self.store.evict(k, self.store.compute_tier).get()
         raise AssertionError("unreachable")
 
-    def zero_grad(self) -> None:
-        """Reset every gradient to zero (no I/O: the store just forgets the old values).
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget every gradient, as ``optimizer.zero_grad()`` (set to None) does: no parameter has
+        a gradient until the next backward gives it one. No I/O: the store just forgets the bytes.
 
         A unit the step in flight has not reached yet is zeroed right after its update.
         """
         self._unbind_rest()
         with self._pending_lock:
             for unit in self.units:
-                ev = self._pending.get(unit.name)
-                if ev is not None and not ev.is_set():
-                    self._zero_after_update.add(unit.name)
+                if not unit.grad_key:
+                    continue
+                run = self._runs[unit.name]
+                if run.updated is not None and not run.updated.is_set():
+                    run.zero_after_update = True
                 else:
-                    self.store.zero(unit.key("grad"))
-        self._grads_finite.clear()
+                    self.store.zero(unit.grad_key)
+        for _, slot in self._param_order:
+            slot.has_grad = False
+        for run in self._runs.values():
+            run.grads_finite = True
 
     # ---- inspection ---------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -1189,6 +1286,9 @@ class Engine:
         if self.store is None:
             return
         try:
+            for handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks = []
             self._unbind_rest()
             self._await()
             if self._committer is not None:
@@ -1216,9 +1316,12 @@ class _OptimizerView(torch.optim.Optimizer):
 
     def __init__(self, engine: Engine):
         self._engine = engine
-        dummy = torch.zeros(1, requires_grad=True)
-        super().__init__([dummy], dict(engine.param_groups[0]))
-        engine.param_groups[0]["params"] = [dummy]
+        # one stand-in tensor per group: the view must look like an optimizer, but it holds no
+        # parameters (the engine's are in its store) and no state
+        dummies = [torch.zeros(1, requires_grad=True) for _ in engine.param_groups]
+        super().__init__([{"params": [d]} for d in dummies], dict(engine._spec.defaults))
+        for group, dummy in zip(engine.param_groups, dummies):
+            group["params"] = [dummy]
         self.param_groups = engine.param_groups
 
     def step(self, closure=None):  # noqa: D102 - forwards to the engine

@@ -15,48 +15,82 @@ import torch
 from torch import nn
 
 from .errors import ModelStructureError
+from .schedule import UnitLayout
 
 __all__ = ["ParamSlot", "Unit", "find_block_sequence", "plan_units"]
 
 
-@dataclass
+@dataclass(eq=False)
 class ParamSlot:
-    """Where one parameter lives inside its unit's flat buffers."""
+    """One parameter: where it lives inside its unit's flat buffers, and its training record."""
 
     name: str
     """Its name in ``model.named_parameters()`` (the first name, for tied weights)."""
     local_name: str
     """Its name relative to the unit's module (what ``functional_call`` needs), for blocks."""
     param: nn.Parameter
-    offset: int
     numel: int
     shape: tuple[int, ...]
+    offset: int = 0
+    """Start in the unit's buffers (weights; gradients and states too, where it has them)."""
+    requires_grad: bool = True
+    """Trainable: it gets a gradient buffer. Frozen parameters are never modified."""
+    group: int | None = None
+    """Index of its optimizer parameter group; None: the optimizer does not update it."""
+    has_grad: bool = False
+    """A backward since the last ``zero_grad()`` gave it a gradient (PyTorch: ``.grad is not None``)."""
+    updates: int = 0
+    """Optimizer steps applied to it so far (its ``step`` count in Adam's state)."""
+
+    @property
+    def optimized(self) -> bool:
+        return self.requires_grad and self.group is not None
 
 
-@dataclass
-class Unit:
+@dataclass(kw_only=True, eq=False)
+class Unit(UnitLayout):
     """A piece of the model streamed as one: a block, or the rest."""
 
-    name: str
-    index: int | None
+    index: int | None = None
     """Position in the block sequence, None for the rest unit."""
-    module: nn.Module | None
+    module: nn.Module | None = None
     """The block module (None for the rest unit, whose parameters stay in the model)."""
     params: list[ParamSlot] = field(default_factory=list)
-    numel: int = 0
-
-    def key(self, kind: str) -> str:
-        """Store key of this unit's flat buffer of ``kind`` (``weight``, ``grad``, ``state.exp_avg``...)."""
-        return f"{self.name}/{kind}"
 
     def add(self, name: str, local_name: str, param: nn.Parameter) -> None:
-        n = param.numel()
-        self.params.append(ParamSlot(name, local_name, param, self.numel, n, tuple(param.shape)))
-        self.numel += n
+        self.params.append(ParamSlot(name, local_name, param, param.numel(), tuple(param.shape),
+                                     requires_grad=param.requires_grad))
+
+    def arrange(self, group_of: dict[int, int]) -> None:
+        """Assign groups and lay the parameters out: optimized (by group), trainable, then frozen."""
+        for s in self.params:
+            s.group = group_of.get(id(s.param))
+        rank = {id(s): i for i, s in enumerate(self.params)}
+
+        def category(s: ParamSlot):
+            if s.optimized:
+                return (0, s.group, rank[id(s)])
+            return (1 if s.requires_grad else 2, 0, rank[id(s)])
+        self.params.sort(key=category)
+        offset = 0
+        for s in self.params:
+            s.offset = offset
+            offset += s.numel
+        self.numel = offset
+        self.grad_numel = sum(s.numel for s in self.params if s.requires_grad)
+        self.state_numel = sum(s.numel for s in self.params if s.optimized)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{local_name: view}`` of each parameter inside ``flat``."""
+        """``{local_name: view}`` of each parameter inside the weight buffer ``flat``."""
         return {p.local_name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.params}
+
+    def trainable(self) -> list[ParamSlot]:
+        """The parameters with a gradient buffer, in buffer order."""
+        return [p for p in self.params if p.requires_grad]
+
+    def grad_views(self, gflat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each trainable parameter's gradient inside the gradient buffer ``gflat``."""
+        return [gflat[p.offset:p.offset + p.numel].view(p.shape) for p in self.trainable()]
 
 
 def find_block_sequence(model: nn.Module, hint: str | None = None) -> tuple[str, nn.Module]:
@@ -96,7 +130,7 @@ def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Uni
     owner: dict[int, Unit] = {}
     blocks: list[Unit] = []
     for i, block in enumerate(seq):
-        unit = Unit(f"block.{i}", i, block)
+        unit = Unit(name=f"block.{i}", is_block=True, index=i, module=block)
         for local, p in block.named_parameters():
             if id(p) in owner:
                 raise ModelStructureError(f"parameter {seq_name}.{i}.{local} is shared with {owner[id(p)].name}; "
@@ -104,7 +138,7 @@ def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Uni
             owner[id(p)] = unit
             unit.add(f"{seq_name}.{i}.{local}", local, p)
         blocks.append(unit)
-    rest = Unit("rest", None, None)
+    rest = Unit(name="rest")
     order: list[tuple[Unit, ParamSlot]] = []
     block_slots = {id(s.param): (u, s) for u in blocks for s in u.params}
     for name, p in model.named_parameters():

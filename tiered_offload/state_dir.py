@@ -52,7 +52,8 @@ class StateDirectory:
         if self.intent is not None:
             for k, ref in self.intent["grads"].items():
                 unit = k.split("/", 1)[0]
-                n = next(u["numel"] for u in manifest["units"] if u["name"] == unit) * 4
+                info = next(u for u in manifest["units"] if u["name"] == unit)
+                n = info.get("grad_numel", info["numel"]) * 4
                 self.tensors[k] = {"extent": ref and ref[0], "crc": ref and ref[1], "nbytes": n, "dtype": "float32",
                                    "shape": [n // 4], "offset": 0}
         storage = manifest.get("storage") or {}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import ConfigError
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "format_size_up"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -42,5 +43,18 @@ def format_size(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_size_up(nbytes: float) -> str:
+    """Like :func:`format_size`, rounded *up* at the last digit shown: a minimum stated this way is
+    enough when passed back (``parse_size(format_size_up(n)) >= n``)."""
+    n = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(nbytes)} B"
+            return f"{math.ceil(n * 100 - 1e-6) / 100:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

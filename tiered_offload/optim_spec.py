@@ -1,0 +1,123 @@
+"""What the engine needs to know of the user's optimizer: its class, its parameter groups and the
+per-parameter state it keeps, read from a ``torch.optim`` class plus keyword arguments or from an
+optimizer instance built over the model's parameters the usual way (parameter groups included).
+
+The engine never runs the user's instance: it runs a fresh instance of the same class over each
+chunk of a unit's flat buffers with the chunk's group's hyperparameters, which for elementwise
+optimizers (Adam, AdamW, SGD, ...) is the same arithmetic as a step over whole parameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["OptimizerSpec", "read_optimizer"]
+
+
+@dataclass
+class OptimizerSpec:
+    """The optimizer as the engine runs it."""
+
+    cls: type[torch.optim.Optimizer]
+    defaults: dict[str, Any]
+    """The class's defaults with the user's overrides (what ``optimizer.defaults`` holds)."""
+    groups: list[dict[str, Any]]
+    """Each parameter group's hyperparameters (no ``params``), in the user's order."""
+    members: list[list[int]]
+    """``id()`` of each group's parameters, in the group's order."""
+    kinds: list[str] = field(default_factory=list)
+    """Per-parameter state tensors (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``)."""
+    has_step: bool = False
+    """Whether the state holds a per-parameter ``step`` count."""
+    zero_init_states: bool = False
+    """Whether every state starts at zero (Adam, AdamW): the store's implicit zeros are exact and
+    the first step allocates nothing; other optimizers create their state on a parameter's first
+    step (SGD's momentum buffer is a copy of the gradient) and the engine copies it in."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+    @property
+    def ctor_keys(self) -> set[str]:
+        return set(inspect.signature(self.cls).parameters) - {"params"}
+
+    def hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        """A group's hyperparameters as constructor arguments (a scheduler may have changed lr)."""
+        keys = self.ctor_keys
+        return {k: v for k, v in group.items() if k in keys}
+
+    def group_of(self) -> dict[int, int]:
+        """``{id(param): group index}``."""
+        return {pid: i for i, ids in enumerate(self.members) for pid in ids}
+
+
+def read_optimizer(optimizer, optimizer_kwargs: dict | None, parameters: Iterable[torch.nn.Parameter]) -> OptimizerSpec:
+    """Read ``optimizer`` (a class with ``optimizer_kwargs``, or an instance over ``parameters``)."""
+    params = list(parameters)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer_kwargs:
+            raise ConfigError("optimizer_kwargs is for an optimizer class; an optimizer instance already holds its "
+                              "hyperparameters (pass them when building it)")
+        if len(optimizer.state):
+            raise ConfigError(f"the {type(optimizer).__name__} passed as optimizer= has already stepped (it holds "
+                              f"state for {len(optimizer.state)} parameter(s)); build a fresh one over the model's "
+                              f"parameters, or resume the engine's own state with resume=True")
+        known = {id(p) for p in params}
+        groups, members = [], []
+        for i, g in enumerate(optimizer.param_groups):
+            ids = []
+            for p in g["params"]:
+                if id(p) not in known:
+                    raise ConfigError(f"parameter group {i} of the optimizer holds a tensor of shape {list(p.shape)} "
+                                      f"that is not a parameter of the model; build the optimizer over "
+                                      f"model.parameters() (or named_parameters()) of the model given to the engine")
+                ids.append(id(p))
+            members.append(ids)
+            groups.append({k: v for k, v in g.items() if k != "params"})
+        spec = OptimizerSpec(type(optimizer), dict(optimizer.defaults), groups, members)
+    else:
+        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer= must be a torch.optim.Optimizer class (torch.optim.AdamW) or an instance "
+                              f"built over the model's parameters, got {optimizer!r}")
+        kwargs = dict(optimizer_kwargs or {})
+        probe = torch.zeros(1, requires_grad=True)
+        try:
+            opt = optimizer([probe], **kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{optimizer.__name__} rejected optimizer_kwargs {kwargs}: {e}") from e
+        group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        # like torch.optim.X(model.parameters()): one group over every parameter; the frozen
+        # ones never get a gradient, so the optimizer never touches them
+        spec = OptimizerSpec(optimizer, dict(opt.defaults), [group], [[id(p) for p in params]])
+    _probe_state(spec)
+    return spec
+
+
+def _probe_state(spec: OptimizerSpec) -> None:
+    """Step a 3-element parameter once per group to see which state the optimizer keeps."""
+    seen = None
+    for i, group in enumerate(spec.groups):
+        p = torch.zeros(3, requires_grad=True)
+        try:
+            opt = spec.cls([p], **spec.hyper(group))
+        except TypeError as e:
+            raise ConfigError(f"{spec.cls.__name__} rejected the hyperparameters of group {i} ({group}): {e}") from e
+        p.grad = torch.ones(3)
+        opt.step()
+        state = opt.state[p]
+        kinds = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape]
+        if seen is not None and kinds != seen:
+            raise ConfigError(f"parameter group {i} makes {spec.cls.__name__} keep state {kinds}, group 0 keeps {seen}; "
+                              f"the engine needs the same per-parameter state in every group (e.g. the same "
+                              f"amsgrad / momentum setting being on or off)")
+        seen = kinds
+        spec.has_step = "step" in state
+    spec.kinds = seen or []
+    spec.zero_init_states = issubclass(spec.cls, (torch.optim.Adam, torch.optim.AdamW))

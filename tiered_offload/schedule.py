@@ -1,0 +1,262 @@
+"""The training step's schedule, as numbers: no torch, no model, no store.
+
+What the engine streams is a list of units (each block of the block sequence, and the rest of the
+model), each with flat buffers per kind of state. This module owns every decision that follows
+from their sizes alone, so a test can drive it with numbers:
+
+* :class:`UnitLayout`: one unit's buffer sizes and store keys (weights; gradients for its
+  trainable prefix; optimizer states for the prefix the optimizer updates, in pieces);
+* :class:`Phase` and :meth:`Schedule.access_sequence`: the order in which one iteration touches
+  the keys, which the store's lookahead policy prefetches and evicts by;
+* :meth:`Schedule.working_set`: the bytes one step needs resident at once (the budget check and
+  the error that names the minimum budget);
+* :meth:`Schedule.overlap_fits`, :meth:`Schedule.commit_window`: whether the optimizer step may
+  run in the background, and how many updated units may wait for their commit record.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+__all__ = ["Phase", "UnitLayout", "WorkingSet", "Schedule", "FP32_BYTES", "DEFAULT_PIECE_NUMEL"]
+
+FP32_BYTES = 4
+DEFAULT_PIECE_NUMEL = 4 << 20
+"""Elements per optimizer-state piece (16 MiB of fp32): the optimizer streams a unit's states
+through memory one piece of each kind at a time."""
+
+
+class Phase(enum.Enum):
+    """What the caller does in an iteration, in the order a training loop does it."""
+
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+    CLIP = "clip"
+    STEP = "opt"
+
+
+@dataclass(kw_only=True)
+class UnitLayout:
+    """One streamed unit's flat buffers.
+
+    The unit's parameters are laid out trainable-and-optimized first (grouped by parameter
+    group), then trainable parameters the optimizer does not update, then frozen ones. So the
+    gradient buffer is the weights' first :attr:`grad_numel` elements and each optimizer-state
+    buffer the first :attr:`state_numel`: a frozen parameter costs its weights only.
+    """
+
+    name: str
+    """Unique, used in store keys (``block.3``, ``rest``)."""
+    is_block: bool = False
+    """A member of the block sequence (streamed one at a time) or the rest of the model (bound
+    for the whole forward and backward)."""
+    numel: int = 0
+    """Elements of the weight buffer (every parameter of the unit)."""
+    grad_numel: int = 0
+    """Elements of the gradient buffer (the parameters that require a gradient)."""
+    state_numel: int = 0
+    """Elements each optimizer-state buffer covers (the parameters in an optimizer group)."""
+    piece_numel: int = DEFAULT_PIECE_NUMEL
+    """Elements per optimizer-state piece."""
+
+    def key(self, kind: str) -> str:
+        """Store key of this unit's buffer of ``kind`` (``weight``, ``grad``, ``state.exp_avg``...)."""
+        return f"{self.name}/{kind}"
+
+    @property
+    def weight_key(self) -> str:
+        return self.key("weight")
+
+    @property
+    def grad_key(self) -> str | None:
+        """None when no parameter of the unit is trainable: it has no gradient buffer."""
+        return self.key("grad") if self.grad_numel else None
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """``(start, end)`` element ranges of the optimizer-state pieces."""
+        step = max(1, self.piece_numel)
+        return [(a, min(self.state_numel, a + step)) for a in range(0, self.state_numel, step)]
+
+    def state_key(self, kind: str, piece: int) -> str:
+        """Key of piece ``piece`` of optimizer state ``kind`` (a unit of one piece keeps the plain key)."""
+        return self.key(f"state.{kind}") if self.state_numel <= self.piece_numel else self.key(f"state.{kind}.{piece}")
+
+    def piece_keys(self, kinds: Sequence[str], piece: int) -> list[str]:
+        return [self.state_key(k, piece) for k in kinds]
+
+    def state_keys(self, kinds: Sequence[str]) -> list[str]:
+        """Every optimizer-state key, piece by piece."""
+        return [k for i in range(len(self.pieces())) for k in self.piece_keys(kinds, i)]
+
+    def durable_keys(self, kinds: Sequence[str]) -> list[str]:
+        """What the committed training state holds of this unit: weights and optimizer states."""
+        return [self.weight_key, *self.state_keys(kinds)]
+
+    def all_keys(self, kinds: Sequence[str]) -> list[str]:
+        return [self.weight_key, *([self.grad_key] if self.grad_key else []), *self.state_keys(kinds)]
+
+    def shapes(self, kinds: Sequence[str]) -> dict[str, int]:
+        """``{key: numel}`` of every buffer the unit registers."""
+        out = {self.weight_key: self.numel}
+        if self.grad_key:
+            out[self.grad_key] = self.grad_numel
+        for i, (a, b) in enumerate(self.pieces()):
+            for key in self.piece_keys(kinds, i):
+                out[key] = b - a
+        return out
+
+
+@dataclass
+class WorkingSet:
+    """Bytes one training step needs resident in the compute tier at once, and why."""
+
+    forward_backward: int
+    """The rest's weights and gradients, plus two blocks' weights (one computing, the next
+    prefetched) and one block's gradients."""
+    optimizer: int
+    """The largest unit's weights and gradients plus one piece of each optimizer state."""
+    slack: int
+    """A fixed margin against fragmentation of the tier by pinned tensors."""
+    largest_block: str
+    rest_bytes: int
+    block_bytes: int
+
+    @property
+    def need(self) -> int:
+        return max(self.forward_backward, self.optimizer) + self.slack
+
+
+@dataclass
+class Schedule:
+    """Unit order, access sequence and budget arithmetic of one engine.
+
+    Args:
+        units: the blocks in order, then the rest unit (exactly one unit with ``is_block=False``).
+        state_kinds: the optimizer's per-parameter state tensors (``exp_avg``, ``exp_avg_sq``).
+        footprint: bytes a buffer of so many bytes occupies in the compute tier (alignment).
+    """
+
+    units: list[UnitLayout]
+    state_kinds: tuple[str, ...]
+    footprint: Callable[[int], int] = field(default=lambda n: n)
+
+    def __post_init__(self):
+        rest = [u for u in self.units if not u.is_block]
+        if len(rest) != 1:
+            raise ValueError(f"a schedule needs exactly one rest unit, got {len(rest)}")
+        self.rest = rest[0]
+        self.blocks = [u for u in self.units if u.is_block]
+
+    # ---- order ----------------------------------------------------------------------------
+    def update_order(self) -> list[UnitLayout]:
+        """Units in the order the forward needs them: the step updates them in this order."""
+        return [self.rest, *self.blocks]
+
+    def clip_order(self) -> list[UnitLayout]:
+        """Gradients in the order backward last touched them (block 0 and the rest most recently)."""
+        return [self.rest, *self.blocks]
+
+    def _forward_keys(self, unit: UnitLayout) -> list[str]:
+        # the rest's gradient buffer is bound (as .grad) for the whole forward and backward
+        if unit is self.rest:
+            return [unit.weight_key, *([unit.grad_key] if unit.grad_key else [])]
+        return [unit.weight_key]
+
+    def _step_keys(self, unit: UnitLayout) -> list[str]:
+        if not unit.state_numel:
+            return []
+        return [unit.weight_key, unit.grad_key, *unit.state_keys(self.state_kinds)]
+
+    def access_sequence(self, phases: Iterable[Phase], *, overlap: bool) -> list[str]:
+        """The keys one iteration made of ``phases`` touches, in order, as the lookahead sees it.
+
+        With the step overlapped, the cycle starts with the step's units (in forward order)
+        interleaved with the next forward, since unit ``i`` is updated just before the forward
+        needs its weights; otherwise the phases follow each other, starting with the step.
+        """
+        phases = [Phase(p) for p in phases]
+        order = self.update_order()
+        body = {
+            Phase.FORWARD: [k for u in order for k in self._forward_keys(u)],
+            Phase.BACKWARD: [k for b in reversed(self.blocks) for k in (b.weight_key, b.grad_key) if k],
+            Phase.CLIP: [],  # the norms come from backward: clipping reads nothing
+            Phase.STEP: [k for u in order for k in self._step_keys(u)],
+        }
+        if not overlap:
+            i = phases.index(Phase.STEP) if Phase.STEP in phases else 0
+            return [k for p in phases[i:] + phases[:i] for k in body[p]]
+        merged = [k for u in order for k in self._step_keys(u) + self._forward_keys(u)]
+        rest = [p for p in phases if p != Phase.STEP]
+        if rest and rest[0] == Phase.FORWARD:
+            rest = rest[1:]  # it is part of ``merged``
+        return merged + [k for p in rest for k in body[p]]
+
+    # ---- sizes ----------------------------------------------------------------------------
+    def _bytes(self, numel: int) -> int:
+        return self.footprint(numel * FP32_BYTES) if numel else 0
+
+    def unit_bytes(self, unit: UnitLayout, kind: str) -> int:
+        """Compute-tier bytes of the unit's ``weight``, ``grad`` or one ``piece`` of every state kind."""
+        if kind == "weight":
+            return self._bytes(unit.numel)
+        if kind == "grad":
+            return self._bytes(unit.grad_numel)
+        if kind == "piece":
+            return len(self.state_kinds) * self._bytes(min(unit.state_numel, unit.piece_numel))
+        raise ValueError(kind)
+
+    def state_bytes(self) -> int:
+        """Bytes of training state on disk: every unit's weights, gradients and optimizer states."""
+        return sum((u.numel + u.grad_numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
+
+    def working_set(self) -> WorkingSet:
+        """What one step needs resident at once (see :class:`WorkingSet`)."""
+        b = self.unit_bytes
+        blocks = self.blocks or [self.rest]
+        biggest = max(blocks, key=lambda u: b(u, "weight"))
+        block_w = max(b(u, "weight") for u in blocks)
+        block_g = max(b(u, "grad") for u in blocks)
+        rest = b(self.rest, "weight") + b(self.rest, "grad")
+        fwd_bwd = rest + 2 * block_w + block_g
+        opt = max(b(u, "weight") + b(u, "grad") + b(u, "piece") for u in self.units)
+        # pinned tensors can split the free space into holes: a margin of the largest thing
+        # that moves while others are pinned, a block or a piece set (not the largest unit)
+        one_state_piece = max(b(u, "piece") // max(1, len(self.state_kinds)) for u in self.units)
+        slack = max(block_w, one_state_piece)
+        return WorkingSet(fwd_bwd, opt, slack, biggest.name, rest, block_w)
+
+    def overlap_fits(self, capacity: int) -> bool:
+        """Whether overlapping the step with the next forward pays: there is disk traffic to hide
+        (the state does not fit ``capacity``) and the tier can hold a unit being updated while the
+        forward holds the rest and a block. When everything fits, a background update would only
+        compete for cores."""
+        if self.state_bytes() <= capacity:
+            return False
+        ws = self.working_set()
+        return capacity >= ws.optimizer + ws.forward_backward + ws.slack
+
+    def fits(self, capacity: int) -> bool:
+        """Whether the whole training state fits ``capacity`` (nothing needs to go to disk)."""
+        return self.state_bytes() <= capacity
+
+    def commit_window(self) -> int:
+        """Units whose new weights and states may coexist on disk with the committed ones (durable
+        mode): as many as keep the extra space within a quarter of the state, and at least one."""
+        per_unit = max((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
+        return max(1, int(0.25 * self.state_bytes()) // max(1, per_unit))
+
+    def extra_disk_bytes(self, durable: bool) -> int:
+        """Most disk space beyond :meth:`state_bytes` a step can need (durable: the commit window)."""
+        if not durable:
+            return 0
+        per_unit = max((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
+        return self.commit_window() * per_unit
+
+
+def ceil_to(value: float, decimals: int = 2) -> float:
+    """``value`` rounded up at ``decimals`` (a minimum stated in an error must be enough when passed back)."""
+    scale = 10 ** decimals
+    return math.ceil(value * scale - 1e-9) / scale
