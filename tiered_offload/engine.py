@@ -118,22 +118,31 @@ class _BlockProxy(nn.Module):
 
 
 class _StreamedBlock(torch.autograd.Function):
-    """A block as one autograd node: forward without a graph, backward by recomputation."""
+    """A block as one autograd node: its graph dropped after the forward, rebuilt by
+    recomputation in backward."""
 
     @staticmethod
     def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
         ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
         ctx.rng = engine._rng_state()
-        args, kwargs = _rebuild(spec, leaves, tensors)
-        out = engine._run_block(index, args, kwargs)
+        # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
+        # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
+        # the forward computes exactly what PyTorch's does and what the recompute will; the
+        # block's graph is let go as soon as its outputs are detached.
+        needs = ctx.needs_input_grad[6:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
+        args, kwargs = _rebuild(spec, leaves, inputs)
+        with torch.enable_grad():
+            out = engine._run_block(index, args, kwargs, as_trained=True)
         out_leaves, out_spec = tree_flatten(out)
-        box["spec"], box["leaves"] = out_spec, out_leaves
-        ctx.out_mask = [isinstance(x, torch.Tensor) for x in out_leaves]
-        ctx.save_for_backward(*tensors)
-        outs = tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
-        ids = {id(t) for t in tensors}
-        return tuple(o.clone() if id(o) in ids else o for o in outs)
+        ids = {id(t) for t in inputs}
+        out_leaves = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
+                      for x in out_leaves]
+        del out
+        box["spec"], box["leaves"] = out_spec, out_leaves
+        ctx.save_for_backward(*tensors)
+        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -875,13 +884,18 @@ class Engine:
             raise ModelInputError(f"{type(self.model).__name__}.forward rejected the batch: {e}. Check the inputs' "
                                   f"shapes, dtypes and keyword names against what the model expects") from e
 
-    def _run_block(self, index: int, args, kwargs):
+    def _run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
+        """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
         unit = self.blocks[index]
         self._forward_reached(index + 1)
         self._await(unit)
         flat = self.store.get(unit.weight_key)
         try:
-            return functional_call(unit.module, unit.views(flat), args, kwargs, strict=False)
+            params = unit.views(flat)
+            if as_trained:
+                params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
+                          for s_ in unit.params}
+            return functional_call(unit.module, params, args, kwargs, strict=False)
         finally:
             self.store.release(unit.weight_key)
 

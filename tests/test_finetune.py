@@ -1,0 +1,440 @@
+"""Fine-tuning semantics exactly as PyTorch: parameter groups, frozen and adapter weights,
+parameters outside the optimizer, experts that get no tokens; bitwise against in-memory training
+with the state on disk and a host budget below the state."""
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiered_offload import Engine, EngineConfig, empty_init
+from tiered_offload.errors import CheckpointError, ConfigError, TierCapacityError
+
+VOCAB = 64
+
+
+# ---- small models ---------------------------------------------------------------------------
+class LoRALinear(nn.Module):
+    """A frozen linear layer with a trainable low-rank adapter, as PEFT's LoRA builds it."""
+
+    def __init__(self, d_in, d_out, rank=4):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(rank, d_in) * 0.1)
+        self.lora_B = nn.Parameter(torch.randn(d_out, rank) * 0.01)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_A.t()) @ self.lora_B.t()
+
+
+class MLP(nn.Module):
+    def __init__(self, d, linear=nn.Linear):
+        super().__init__()
+        self.up, self.down = linear(d, 2 * d), linear(2 * d, d)
+
+    def forward(self, x, route=None):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """Top-1 mixture of experts; ``route`` says which expert each token goes to. An expert that
+    receives no token is not run at all, so its parameters get no gradient (as in real MoE code)."""
+
+    def __init__(self, d, experts=4):
+        super().__init__()
+        self.experts = nn.ModuleList(MLP(d) for _ in range(experts))
+
+    def forward(self, x, route):
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = route == e
+            if bool(mask.any()):
+                out[mask] = expert(x[mask])
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, d, ffn):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.ffn = ffn
+
+    def forward(self, x, route=None):
+        return x + self.ffn(self.norm(x), route)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, ffn, d=16, layers=4):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d, ffn(d)) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h, route)
+        return self.head(self.norm(h))
+
+
+def lm_loss(model, ids, route=None):
+    logits = model(ids, route) if route is not None else model(ids)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def make_lora():
+    torch.manual_seed(0)
+    return TinyLM(lambda d: MLP(d, LoRALinear))
+
+
+def make_moe():
+    torch.manual_seed(0)
+    return TinyLM(MoE)
+
+
+def make_gpt2(frozen=False, dropout=0.0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.config.use_cache = False  # as the engine sets it: a key/value cache changes attention's memory layout
+    if frozen:
+        model.transformer.wpe.weight.requires_grad_(False)
+        model.transformer.h[0].requires_grad_(False)
+    return model
+
+
+def make_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def hf_loss(model, ids, route=None):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def hf_groups(model, lr=1e-3, head_lr=3e-3, weight_decay=0.1):
+    """The Hugging Face Trainer recipe: decay on matrices, none on biases and norms; plus the head on its own lr."""
+    decay, no_decay, head = [], [], []
+    for name, p in model.named_parameters():
+        if name.startswith("lm_head"):
+            head.append(p)
+        elif p.ndim < 2 or "norm" in name or "ln_" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+            {"params": head, "lr": head_lr, "weight_decay": 0.0}]
+
+
+# ---- the harness ------------------------------------------------------------------------------
+def batches(steps, accumulate, *, routes=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(steps):
+        step = []
+        for _ in range(accumulate):
+            ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+            route = None
+            if routes is not None:  # step s sends its tokens only to the experts routes[s] names
+                choice = torch.tensor(routes[s])
+                route = choice[torch.randint(0, len(choice), ids.shape, generator=g)]
+            step.append((ids, route))
+        out.append(step)
+    return out
+
+
+def train(model, optimizer, data, loss_fn, clip):
+    """Plain PyTorch, in memory."""
+    losses = []
+    for step in data:
+        for ids, route in step:
+            loss = loss_fn(model, ids, route) / len(step)
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        model.zero_grad()  # every parameter's gradient, as engine.zero_grad() and HF Trainer do
+    return losses
+
+
+def train_engine(engine, data, loss_fn, clip):
+    losses = []
+    for step in data:
+        for ids, route in step:
+            loss = loss_fn(engine, ids, route) / len(step)
+            engine.backward(loss)
+            losses.append(loss.item())
+        if clip is not None:
+            engine.clip_grad_norm_(clip)
+        engine.step()
+        engine.zero_grad()
+    return losses
+
+
+def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, accumulate=1, clip=None,
+                 routes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir", **engine_kwargs):
+    """Train ``make()`` in memory and through the engine (state on disk, host budget below it);
+    with ``resume_at``, the engine is closed after that many steps and a new one resumes.
+    Returns the engine's final weights, the reference model and the engine's state bytes."""
+    ref = make()
+    start = copy.deepcopy(ref.state_dict())
+    data = batches(steps, accumulate, routes=routes)
+    losses_ref = train(ref, make_optimizer(ref), data, loss_fn, clip)
+
+    def build(resume):
+        model = make()
+        model.load_state_dict(start)
+        engine = Engine(model, make_optimizer(model), storage=None if storage is None else tmp_path / "state",
+                        host_memory=host, config=config, resume=resume, **engine_kwargs)
+        assert engine.state_bytes() > engine.store.capacity("host"), "the state must not fit the host budget"
+        return engine
+
+    if host is None:
+        host = int(16 * sum(p.numel() for p in ref.parameters()) * host_fraction)
+    engine = build(False)
+    split = steps if resume_at is None else resume_at
+    losses = train_engine(engine, data[:split], loss_fn, clip)
+    if resume_at is not None:
+        engine.close()
+        engine = build(True)
+        assert engine.step_count == resume_at
+        losses += train_engine(engine, data[split:], loss_fn, clip)
+    assert losses == losses_ref, "losses differ from PyTorch's"
+    weights = dict(engine.named_parameters())
+    reference = dict(ref.named_parameters())
+    assert list(weights) == list(reference)
+    different = [k for k, w in weights.items() if not torch.equal(w, reference[k].detach())]
+    assert not different, f"not bitwise equal to PyTorch: {different[:5]}"
+    state = engine.state_bytes()
+    engine.close()
+    return weights, ref, start, state
+
+
+# ---- frozen parameters ------------------------------------------------------------------------
+def test_frozen_embeddings_and_block_are_never_modified_and_cost_4_bytes(tmp_path):
+    weights, ref, start, state = check_parity(
+        lambda: make_gpt2(frozen=True), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+        tmp_path, loss_fn=hf_loss, clip=1.0, accumulate=2)
+    frozen = [k for k, p in ref.named_parameters() if not p.requires_grad]
+    assert "transformer.wpe.weight" in frozen and any(k.startswith("transformer.h.0.") for k in frozen)
+    for k in frozen:
+        assert torch.equal(weights[k], start[k]), f"{k} is frozen but changed"
+    trained = [k for k, p in ref.named_parameters() if p.requires_grad]
+    assert all(not torch.equal(weights[k], start[k]) for k in trained if k.endswith("weight"))
+    n_frozen = sum(p.numel() for p in ref.parameters() if not p.requires_grad)
+    n_trained = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    assert state == 4 * n_frozen + 16 * n_trained  # weights only for a frozen parameter
+
+
+def test_lora_adapters_on_frozen_linears(tmp_path):
+    def adapters_only(model):
+        return torch.optim.AdamW([p for n, p in model.named_parameters() if "lora_" in n], lr=1e-2)
+
+    def make():
+        model = make_lora()
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                p.requires_grad_(False)
+        return model
+    weights, ref, start, state = check_parity(make, adapters_only, tmp_path, clip=0.5, accumulate=2, resume_at=2,
+                                              steps=4)
+    for k in weights:
+        assert torch.equal(weights[k], start[k]) == ("lora_" not in k), k
+    n_lora = sum(p.numel() for n, p in ref.named_parameters() if "lora_" in n)
+    n_all = sum(p.numel() for p in ref.parameters())
+    assert state == 4 * n_all + 12 * n_lora
+
+
+# ---- parameter groups ---------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_three_groups_with_their_own_lr_and_weight_decay(optimizer, tmp_path):
+    def make_optimizer(model):
+        groups = hf_groups(model)
+        if optimizer == "adamw":
+            return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+        return torch.optim.SGD(groups, lr=1e-2, momentum=0.9, dampening=0.1)
+    check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, clip=1.0, accumulate=2, steps=4, resume_at=2)
+
+
+def test_param_groups_drive_schedulers_and_per_group_changes(tmp_path):
+    model = make_llama()
+    ref = copy.deepcopy(model)
+    engine = Engine(model, torch.optim.AdamW(hf_groups(model), lr=1e-3), storage=tmp_path / "s", host_memory="1MiB")
+    opt = torch.optim.AdamW(hf_groups(ref), lr=1e-3)
+    assert [g["weight_decay"] for g in engine.param_groups] == [0.1, 0.0, 0.0]
+    assert [g["lr"] for g in engine.param_groups] == [1e-3, 1e-3, 3e-3]
+    sched_e = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 0.5 ** s)
+    sched_r = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for step in batches(3, 1):
+        ids = step[0][0]
+        engine.backward(hf_loss(engine, ids))
+        hf_loss(ref, ids).backward()
+        engine.param_groups[1]["weight_decay"] = opt.param_groups[1]["weight_decay"] = 0.05
+        engine.step(), opt.step()
+        engine.zero_grad(), opt.zero_grad()
+        sched_e.step(), sched_r.step()
+        assert [g["lr"] for g in engine.param_groups] == [g["lr"] for g in opt.param_groups]
+    reference = dict(ref.named_parameters())
+    assert all(torch.equal(w, reference[k]) for k, w in engine.named_parameters())
+    engine.close()
+
+
+def test_parameters_left_out_of_the_optimizer_are_never_modified(tmp_path):
+    left_out = ("norm.weight", "norm.bias", "blocks.1.ffn.up.weight")
+
+    def make_optimizer(model):
+        return torch.optim.AdamW([p for n, p in model.named_parameters() if n not in left_out], lr=1e-2)
+    # they still get gradients (and so count in clipping, as torch.nn.utils.clip_grad_norm_ does)
+    weights, ref, start, state = check_parity(lambda: TinyLM(MLP), make_optimizer, tmp_path, clip=0.1, steps=3,
+                                              host_fraction=0.7)
+    for k in left_out:
+        assert torch.equal(weights[k], start[k]), k
+    n_out = sum(dict(ref.named_parameters())[k].numel() for k in left_out)
+    n_all = sum(p.numel() for p in ref.parameters())
+    assert state == 16 * n_all - 8 * n_out  # weights and gradients, no optimizer state
+
+
+# ---- parameters without a gradient --------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_expert_without_tokens_is_skipped_like_torch_optim(optimizer, tmp_path):
+    """Expert 3 gets no token until step 3 and expert 0 none in step 2: each is skipped by the steps it
+    missed (no decay, no moment update, its step count unchanged), across a resume."""
+    routes = [[0, 1], [1, 2], [0, 1, 2], [3, 1], [0, 3]]
+
+    def make_optimizer(model):
+        if optimizer == "adamw":
+            return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.1)
+    weights, ref, start, _ = check_parity(make_moe, make_optimizer, tmp_path, routes=routes, steps=5, resume_at=3,
+                                          clip=1.0)
+    assert not torch.equal(weights["blocks.0.ffn.experts.3.up.weight"], start["blocks.0.ffn.experts.3.up.weight"])
+
+
+def test_expert_never_routed_keeps_its_initial_weights(tmp_path):
+    weights, _, start, _ = check_parity(make_moe, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.5),
+                                        tmp_path, routes=[[0, 1, 2]] * 3, steps=3)
+    for k in weights:
+        if ".experts.3." in k:
+            assert torch.equal(weights[k], start[k]), k
+
+
+# ---- the rest of the parity coverage ------------------------------------------------------------------
+def test_units_larger_than_the_optimizer_chunk_and_the_state_piece(tmp_path):
+    config = EngineConfig(optimizer_chunk_numel=1000, state_piece_numel=2500)
+    check_parity(make_llama, lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3), tmp_path, loss_fn=hf_loss,
+                 clip=1.0, steps=4, resume_at=2, config=config)
+
+
+def test_dropout_is_replayed_bitwise_by_the_recompute(tmp_path):
+    check_parity(lambda: make_gpt2(dropout=0.1), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), tmp_path,
+                 loss_fn=hf_loss, steps=3)
+
+
+def test_background_step_overlapped_with_the_forward(tmp_path):
+    seen = {}
+
+    def make_optimizer(model):
+        return torch.optim.AdamW(hf_groups(model), lr=1e-3)
+    original = Engine._update_all
+
+    def spy(self, *args):
+        import threading
+        seen["thread"] = threading.current_thread().name
+        return original(self, *args)
+    Engine._update_all = spy
+    try:
+        check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, steps=3, clip=1.0,
+                     config=EngineConfig(overlap_step=True))
+    finally:
+        Engine._update_all = original
+    assert seen["thread"] == "tiered-offload-step"
+
+
+def test_storage_none_uses_a_temporary_directory(tmp_path):
+    check_parity(make_lora, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), tmp_path, storage=None,
+                 host_fraction=0.6)
+
+
+def test_optimizer_instance_on_a_meta_model(tmp_path):
+    """The optimizer built over empty_init() parameters, as a user does before the engine exists."""
+    ref = make_llama()
+    with empty_init():
+        model = make_llama()
+    engine = Engine(model, torch.optim.AdamW(hf_groups(model), lr=1e-3), storage=tmp_path / "s",
+                    host_memory="1MiB", init_from=_save(ref, tmp_path))
+    opt = torch.optim.AdamW(hf_groups(ref), lr=1e-3)
+    for step in batches(2, 1):
+        ids = step[0][0]
+        engine.backward(hf_loss(engine, ids))
+        hf_loss(ref, ids).backward()
+        engine.step(), opt.step()
+        engine.zero_grad(), opt.zero_grad()
+    reference = dict(ref.named_parameters())
+    assert all(torch.equal(w, reference[k]) for k, w in engine.named_parameters())
+    engine.close()
+
+
+def _save(model, tmp_path):
+    from safetensors.torch import save_file
+    path = tmp_path / "init.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in model.named_parameters()}, path)
+    return path
+
+
+# ---- resume with groups ---------------------------------------------------------------------------
+def test_resume_restores_groups_and_refuses_other_groups(tmp_path):
+    model = make_llama()
+    engine = Engine(model, torch.optim.AdamW(hf_groups(model), lr=1e-3), storage=tmp_path / "s", host_memory="1MiB")
+    ids = batches(1, 1)[0][0][0]
+    engine.backward(hf_loss(engine, ids))
+    engine.param_groups[2]["lr"] = 7e-4
+    engine.step()
+    engine.close()
+    # Engine.resume with no optimizer rebuilds the saved groups by name, with their saved hyperparameters
+    resumed = Engine.resume(tmp_path / "s", make_llama(), host_memory="1MiB")
+    assert [g["lr"] for g in resumed.param_groups] == [1e-3, 1e-3, 7e-4]
+    assert [g["weight_decay"] for g in resumed.param_groups] == [0.1, 0.0, 0.0]
+    resumed.close()
+    other = make_llama()
+    groups = hf_groups(other)
+    groups[0]["params"] = groups[0]["params"][1:]
+    groups[1]["params"] = [*groups[1]["params"], hf_groups(other)[0]["params"][0]]
+    with pytest.raises(CheckpointError, match=r"group 0 holds 'model\.embed_tokens\.weight' in the saved state but not now"):
+        Engine(other, torch.optim.AdamW(groups, lr=1e-3), storage=tmp_path / "s", host_memory="1MiB", resume=True)
+
+
+def test_an_optimizer_over_foreign_or_stepped_parameters_is_refused():
+    model = TinyLM(MLP)
+    with pytest.raises(ConfigError, match="not a parameter of the model"):
+        Engine(model, torch.optim.AdamW([nn.Parameter(torch.zeros(3))]), storage="memory", host_memory="4MiB")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    lm_loss(model, torch.randint(0, VOCAB, (2, 9))).backward()
+    opt.step()
+    with pytest.raises(ConfigError, match="already stepped"):
+        Engine(model, opt, storage="memory", host_memory="4MiB")
+    with pytest.raises(ConfigError, match="optimizer_kwargs"):
+        Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), dict(lr=0.2), storage="memory", host_memory="4MiB")
+
+
+# ---- the minimum budget ---------------------------------------------------------------------------
+def test_the_minimum_budget_named_by_the_error_is_accepted_and_trains(tmp_path):
+    make = lambda: TinyLM(MLP, d=32, layers=4)  # noqa: E731
+    with pytest.raises(TierCapacityError) as e:
+        Engine(make(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "a", host_memory="64KiB")
+    figure = re.search(r"Raise host_memory to at least ([0-9.]+ [KMG]iB)", str(e.value)).group(1)
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), tmp_path, host=figure, steps=3, clip=1.0)
