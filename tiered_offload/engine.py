@@ -836,8 +836,8 @@ class Engine:
         self._forward_reached(0)
         self._await(self.rest)
         rest = self.rest
-        flat = self.store.get(rest.weight_key)
-        gflat = self.store.get(rest.grad_key) if rest.grad_key else None
+        flat, *grad = self._get_group([rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
+        gflat = grad[0] if grad else None
         for slot in rest.params:
             slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
             if slot.requires_grad:
@@ -933,8 +933,8 @@ class Engine:
         unit = self.blocks[index]
         self._forward_reached(index + 1)
         self._await(unit)
-        flat = self.store.get(unit.weight_key)
-        gflat = self.store.get(unit.grad_key) if unit.grad_key else None
+        flat, *grad = self._get_group([unit.weight_key, *([unit.grad_key] if unit.grad_key else [])])
+        gflat = grad[0] if grad else None
         self._held.append((unit, gflat))
         return functional_call(unit.module, self._param_leaves(unit, flat, gflat), args, kwargs, strict=False)
 
@@ -955,9 +955,9 @@ class Engine:
             return [None] * len(inputs)  # a frozen block whose input needs no gradient: nothing to do
         self._await(unit)
         wkey, gkey = unit.weight_key, unit.grad_key
-        flat = self.store.get(wkey)
+        flat, *grad = self._get_group([wkey, *([gkey] if gkey else [])])
         try:
-            gflat = self.store.get(gkey) if gkey else None
+            gflat = grad[0] if grad else None
             try:
                 params = self._param_leaves(unit, flat, gflat)
                 args, kwargs = _rebuild(spec, leaves, inputs)
@@ -1228,7 +1228,7 @@ class Engine:
             wc.grad = None
 
     def _get_group(self, keys: list[str]) -> list[torch.Tensor]:
-        """Pin all of ``keys`` in the compute tier.
+        """Pin all of ``keys`` in the compute tier (and return them in that order).
 
         The budget check counts bytes, but the tier's free space can be split into holes by the
         copies pinned so far, none large enough for the next tensor. Then the group lets go of
