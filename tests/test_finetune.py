@@ -438,3 +438,61 @@ def test_the_minimum_budget_named_by_the_error_is_accepted_and_trains(tmp_path):
         Engine(make(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "a", host_memory="64KiB")
     figure = re.search(r"Raise host_memory to at least ([0-9.]+ [KMG]iB)", str(e.value)).group(1)
     check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), tmp_path, host=figure, steps=3, clip=1.0)
+
+
+# ---- module buffers ---------------------------------------------------------------------------------
+class NormedMLP(nn.Module):
+    """A block with BatchNorm (running statistics, num_batches_tracked) and a step counter that the
+    output depends on: a recompute that saw the counter after its forward would compute another thing."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(d)
+        self.mlp = MLP(d)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scratch", torch.zeros(d), persistent=False)
+
+    def forward(self, x, route=None):
+        h = self.bn(x.transpose(1, 2)).transpose(1, 2) * (1.0 + 0.01 * self.calls)
+        if self.training:
+            self.calls += 1
+        return self.mlp(h)
+
+
+def test_buffers_end_each_step_as_pytorch_leaves_them_and_survive_resume_and_export(tmp_path):
+    from safetensors.torch import load_file
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(NormedMLP)
+    make_optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)  # noqa: E731
+    ref = make()
+    data = batches(4, 2)
+    train(ref, make_optimizer(ref), data, lm_loss, clip=1.0)
+    reference = dict(ref.named_buffers())
+    assert int(reference["blocks.0.ffn.calls"]) == 8 and int(reference["blocks.0.ffn.bn.num_batches_tracked"]) == 8
+
+    model = make()
+    engine = Engine(model, make_optimizer(model), storage=tmp_path / "s", host_memory="96KiB")
+    assert engine.state_bytes() > engine.store.capacity("host") and engine.recompute
+    train_engine(engine, data[:2], lm_loss, 1.0)
+    engine.close()
+    model = make()
+    engine = Engine(model, make_optimizer(model), storage=tmp_path / "s", host_memory="96KiB", resume=True)
+    assert int(dict(engine.named_buffers())["blocks.0.ffn.calls"]) == 4  # restored with the step
+    train_engine(engine, data[2:], lm_loss, 1.0)
+    mine = dict(engine.named_buffers())
+    assert list(mine) == list(reference)
+    assert all(torch.equal(mine[k], reference[k]) for k in reference), [k for k in reference if not torch.equal(mine[k], reference[k])]
+    weights = dict(ref.named_parameters())
+    assert all(torch.equal(w, weights[k]) for k, w in engine.named_parameters())
+    files = engine.export_safetensors(tmp_path / "out")
+    engine.close()
+    exported = load_file(next(f for f in files if f.suffix == ".safetensors"))
+    assert torch.equal(exported["blocks.3.ffn.bn.running_var"], reference["blocks.3.ffn.bn.running_var"])
+    assert int(exported["blocks.1.ffn.calls"]) == 8 and "blocks.1.ffn.scratch" not in exported  # persistent ones only
+    assert set(exported) == set(ref.state_dict())
+    from tiered_offload.state_dir import StateDirectory
+    with StateDirectory(tmp_path / "s") as sd:  # the offline export (`tiered-offload export`) has them too
+        offline = load_file(next(f for f in sd.export(tmp_path / "out2") if f.suffix == ".safetensors"))
+    assert all(torch.equal(offline[k], exported[k]) for k in exported)

@@ -54,7 +54,7 @@ from .errors import CheckpointError, CorruptionError, DiskFullError, StorageLock
 log = logging.getLogger(__name__)
 
 __all__ = ["STATE_DIR", "FORMAT", "DirectoryLock", "StateFiles", "Committer", "encode_rng", "decode_rng",
-           "state_directory"]
+           "encode_tensor", "decode_tensor", "state_directory"]
 
 STATE_DIR = ".tiered-offload"
 FORMAT = "tiered-offload/1"
@@ -257,6 +257,24 @@ def _write_all(fd: int, data: bytes, path: Path) -> None:
 
 def encode_rng(state: torch.Tensor) -> str:
     return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def encode_tensor(t: torch.Tensor) -> dict:
+    """A small tensor (a module buffer) as JSON: dtype, shape and its bytes in base64."""
+    t = t.detach().to("cpu").contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes()).decode("ascii")}
+
+
+def decode_tensor(value: dict) -> torch.Tensor:
+    """The tensor :func:`encode_tensor` wrote."""
+    try:
+        dtype = getattr(torch, value["dtype"])
+        raw = bytearray(base64.b64decode(value["data"], validate=True))
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(dtype).reshape(value["shape"]).clone()
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"a saved buffer cannot be decoded ({e}); the manifest is damaged") from e
 
 
 def decode_rng(text: str) -> torch.Tensor:

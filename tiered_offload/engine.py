@@ -39,7 +39,17 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .config import EngineConfig, StoreConfig, resolve_device
-from .durable import FORMAT, Committer, DirectoryLock, StateFiles, decode_rng, encode_rng, state_directory
+from .durable import (
+    FORMAT,
+    Committer,
+    DirectoryLock,
+    StateFiles,
+    decode_rng,
+    decode_tensor,
+    encode_rng,
+    encode_tensor,
+    state_directory,
+)
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -132,8 +142,13 @@ class _StreamedBlock(torch.autograd.Function):
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
         args, kwargs = _rebuild(spec, leaves, inputs)
+        snapshot = engine._snapshot_buffers(engine.blocks[index])
         with torch.enable_grad():
             out = engine._run_block(index, args, kwargs, as_trained=True)
+        # a block that updates buffers (BatchNorm's running statistics, a counter) sees them in
+        # the recompute as its forward saw them, and the recompute's updates are discarded
+        ctx.buffers_before = engine._changed_buffers(snapshot)
+        del snapshot
         out_leaves, out_spec = tree_flatten(out)
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
         ids = {id(t) for t in inputs}
@@ -149,7 +164,8 @@ class _StreamedBlock(torch.autograd.Function):
         tensors = ctx.saved_tensors
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
-        input_grads = ctx.engine._block_backward(ctx.index, ctx.spec, ctx.leaves, inputs, needs, grad_outputs, ctx.rng)
+        input_grads = ctx.engine._block_backward(ctx.index, ctx.spec, ctx.leaves, inputs, needs, grad_outputs, ctx.rng,
+                                                 ctx.buffers_before)
         return (None,) * 6 + tuple(input_grads)
 
 
@@ -280,6 +296,7 @@ class Engine:
                     raise ConfigError("init_from and a resumed state both give the weights; pass only one")
                 self._adopt(manifest)
             self._install_proxies()
+            self._module_buffers = self._buffer_slots()
         except BaseException:
             self._release_directory()
             self.store.close(flush=False)
@@ -516,6 +533,40 @@ class Engine:
                                 f"torch.device('meta')")
                         sub._buffers[name] = buf.to(self.device)
 
+    def _buffer_slots(self) -> list[tuple[str, nn.Module, str, bool]]:
+        """``(name, module, attribute, persistent)`` of every module buffer, blocks included, under
+        the name ``model.named_buffers()`` gives it (call once the proxies are in place)."""
+        out, seen = [], set()
+        roots = [("", self.model), *((f"{self.seq_name}.{u.index}", u.module) for u in self.blocks)]
+        for prefix, root in roots:
+            for mname, mod in root.named_modules():
+                for bname, buf in mod._buffers.items():
+                    if buf is None or id(buf) in seen:
+                        continue
+                    seen.add(id(buf))
+                    full = ".".join(x for x in (prefix, mname, bname) if x)
+                    out.append((full, mod, bname, bname not in mod._non_persistent_buffers_set))
+        return out
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every module buffer (BatchNorm statistics, counters), as
+        ``model.named_buffers()`` would give them, copied to the CPU."""
+        self._await()
+        for name, mod, attr, _ in self._module_buffers:
+            yield name, mod._buffers[attr].detach().to("cpu", copy=True)
+
+    def _snapshot_buffers(self, unit: Unit) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
+        """The block's buffers before its forward (to replay the forward exactly in backward)."""
+        return [(mod, name, buf, buf._version, buf.clone()) for mod in unit.module.modules()
+                for name, buf in mod._buffers.items() if buf is not None]
+
+    @staticmethod
+    def _changed_buffers(snapshot) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """Of a snapshot, the buffers the forward changed (in place or by assignment), with their old values."""
+        # kernels that update running statistics do not always bump the version counter: compare
+        return [(mod, name, old) for mod, name, buf, version, old in snapshot
+                if mod._buffers.get(name) is not buf or buf._version != version or not torch.equal(buf, old)]
+
     def _install_proxies(self) -> None:
         seq = self.model.get_submodule(self.seq_name)
         for i in range(len(seq)):
@@ -692,8 +743,9 @@ class Engine:
             scheduler = _jsonable(self._scheduler.state_dict(), "the scheduler's state_dict()")
         # per-parameter step counts, where a parameter missed steps (it had no gradient)
         updates = {s.name: s.updates for _, s in self._param_order if s.optimized and s.updates != self.step_count}
+        buffers = {name: encode_tensor(mod._buffers[attr]) for name, mod, attr, persistent in self._module_buffers if persistent}
         return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
-                "param_updates": updates,
+                "param_updates": updates, "buffers": buffers,
                 "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
                                  for g in self.param_groups]}
 
@@ -708,6 +760,14 @@ class Engine:
         self.step_count = meta["step_count"]
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update(_hyper_from_json(saved, group))
+        saved = meta.get("buffers", {})
+        for name, mod, attr, persistent in self._module_buffers:
+            if persistent and name in saved:
+                value = decode_tensor(saved[name])
+                if value.shape != mod._buffers[attr].shape:
+                    raise CheckpointError(f"buffer {name} was saved with shape {list(value.shape)}, the model has "
+                                          f"{list(mod._buffers[attr].shape)}; build the same model")
+                mod._buffers[attr] = value.to(device=mod._buffers[attr].device, dtype=mod._buffers[attr].dtype)
         updates = meta.get("param_updates", {})
         for _, slot in self._param_order:
             slot.updates = updates.get(slot.name, self.step_count) if slot.optimized else 0
@@ -766,8 +826,9 @@ class Engine:
                 n = math.prod(p["shape"])
                 for chunk in iter_chunks(flat[p["offset"]:p["offset"] + n]):
                     write(chunk)
+        buffers = [(name, mod._buffers[attr].detach().cpu()) for name, mod, attr, persistent in self._module_buffers if persistent]
         files = export_params(out, self._layout()["params"], fill, max_shard_size,
-                              {"step": str(self.step_count), "source": "tiered-offload"})
+                              {"step": str(self.step_count), "source": "tiered-offload"}, buffers)
         if self._model_config is not None:
             path = Path(out) / "config.json"
             write_private(path, json.dumps(self._model_config, indent=2, sort_keys=True))
@@ -948,7 +1009,7 @@ class Engine:
         self._held = []
 
     # ---- backward -----------------------------------------------------------------------
-    def _block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng):
+    def _block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng, buffers_before=()):
         unit = self.blocks[index]
         diff_inputs = [x for x, n in zip(inputs, needs) if n]
         if not unit.grad_key and not diff_inputs:
@@ -962,11 +1023,18 @@ class Engine:
                 params = self._param_leaves(unit, flat, gflat)
                 args, kwargs = _rebuild(spec, leaves, inputs)
                 devices = [self.device] if self.device.type == "cuda" else []
-                with torch.enable_grad(), torch.random.fork_rng(devices=devices):
-                    torch.set_rng_state(rng["cpu"])
-                    if "cuda" in rng:
-                        torch.cuda.set_rng_state(rng["cuda"], self.device)
-                    out = functional_call(unit.module, params, args, kwargs, strict=False)
+                kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
+                for mod, name, old in buffers_before:
+                    mod._buffers[name] = old.clone()
+                try:
+                    with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+                        torch.set_rng_state(rng["cpu"])
+                        if "cuda" in rng:
+                            torch.cuda.set_rng_state(rng["cuda"], self.device)
+                        out = functional_call(unit.module, params, args, kwargs, strict=False)
+                finally:
+                    for mod, name, value in kept:
+                        mod._buffers[name] = value
                 outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
                 pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
                 targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs

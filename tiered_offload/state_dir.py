@@ -20,7 +20,7 @@ from storage_backends.base import key_to_filename, validate_key
 from storage_backends.posix import PosixBackend
 
 from .checksum import crc32
-from .durable import LOCK, STATE_DIR, StateFiles, _read_holder
+from .durable import LOCK, STATE_DIR, StateFiles, _read_holder, decode_tensor
 from .errors import CheckpointError, CorruptionError, ExtentNotFoundError, InvalidKeyError, ShortReadError
 from .safetensors_io import SafetensorsWriter, write_private
 
@@ -191,8 +191,9 @@ class StateDirectory:
                 raise CorruptionError(f"{self.backend.describe(extent)} (tensor {p['tensor']!r}) does not match its "
                                       f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
 
+        buffers = [(name, decode_tensor(v)) for name, v in (self.manifest["meta"].get("buffers") or {}).items()]
         files = export_params(out, params, fill, max_shard_size,
-                              {"step": str(self.manifest["step"]), "source": "tiered-offload"})
+                              {"step": str(self.manifest["step"]), "source": "tiered-offload"}, buffers)
         config = self.manifest.get("model_config")
         if config is not None:
             path = Path(out) / "config.json"
@@ -201,8 +202,10 @@ class StateDirectory:
         return files
 
 
-def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict) -> list[Path]:
-    """Export parameters in unit order (each unit's bytes read front to back, once)."""
+def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
+                  buffers: list[tuple[str, torch.Tensor]] = ()) -> list[Path]:
+    """Export parameters in unit order (each unit's bytes read front to back, once), then the
+    model's persistent buffers."""
     order = sorted(range(len(params)), key=lambda i: (params[i]["tensor"], params[i]["offset"]))
     # keep units in the order they first appear in the model, parameters in buffer order
     first = {}
@@ -210,8 +213,16 @@ def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict)
         first.setdefault(p["tensor"], i)
     order.sort(key=lambda i: (first[params[i]["tensor"]], params[i]["offset"]))
     tensors = [(params[i]["name"], torch.float32, tuple(params[i]["shape"])) for i in order]
+    tensors += [(name, t.dtype, tuple(t.shape)) for name, t in buffers]
+
+    def fill_one(k: int, write) -> None:
+        if k < len(order):
+            fill(params[order[k]], write)
+        else:
+            t = buffers[k - len(order)][1].contiguous()
+            write(t.reshape(-1).view(torch.uint8).numpy().data)
     writer = SafetensorsWriter(out, tensors, max_shard_size, metadata)
-    return writer.write(lambda k, write: fill(params[order[k]], write))
+    return writer.write(fill_one)
 
 
 def _numel(shape) -> int:
