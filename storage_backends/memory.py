@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tiered_offload.buffers import byte_view
 from tiered_offload.errors import ExtentNotFoundError, ShortReadError
-from tiered_offload.futures import IOFuture
+from tiered_offload.futures import IOFuture, completed, failed
 
 from .base import StorageBackend
 
@@ -19,7 +19,11 @@ __all__ = ["MemoryBackend"]
 
 
 class MemoryBackend(StorageBackend):
-    """Extents held in process memory; lost on close. ``location`` is only a label."""
+    """Extents held in process memory; lost on close. ``location`` is only a label.
+
+    ``threads=0`` runs every request in the caller's thread, so each returned future is already
+    done: I/O takes no time, which makes the scheduler's decisions deterministic in tests.
+    """
 
     name = "memory"
 
@@ -36,12 +40,22 @@ class MemoryBackend(StorageBackend):
         return f"memory:{self.label}"
 
     def _open(self) -> None:
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiered-offload-memory")
+        if self.threads > 0:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiered-offload-memory")
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._pool = None
         self._data.clear()
+
+    def _submit(self, run, description: str) -> IOFuture:
+        if self._pool is not None:
+            return IOFuture(self._pool.submit(run), description)
+        try:
+            return completed(run(), description)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future, as from a thread
+            return failed(e, description)
 
     def _read_into(self, key, buffer, offset) -> IOFuture:
         mv = byte_view(buffer)
@@ -60,7 +74,7 @@ class MemoryBackend(StorageBackend):
                 mv[:] = data[offset:offset + len(mv)]
             return len(mv)
 
-        return IOFuture(self._pool.submit(run), f"read {key}")
+        return self._submit(run, f"read {key}")
 
     def _write_from(self, key, buffer, offset) -> IOFuture:
         mv = byte_view(buffer)
@@ -73,7 +87,7 @@ class MemoryBackend(StorageBackend):
                 data[offset:offset + len(mv)] = mv
             return len(mv)
 
-        return IOFuture(self._pool.submit(run), f"write {key}")
+        return self._submit(run, f"write {key}")
 
     def _allocate(self, key, nbytes, dtype, shape) -> None:
         with self._lock:

@@ -81,6 +81,11 @@ class TestMemory(BackendConformanceTests):
         return MemoryBackend()
 
 
+class TestMemorySynchronous(BackendConformanceTests):
+    def make_backend(self, tmp_path):
+        return MemoryBackend(threads=0)
+
+
 class TestFaultInjectingWrapper(BackendConformanceTests):
     """The wrapper itself conforms (with latency), so tests built on it exercise real behaviour."""
 

@@ -151,6 +151,9 @@ class StoreStats:
     """``get`` calls that found a valid copy already in the tier."""
     misses: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
     """``get`` calls that had to wait for a copy to arrive."""
+    prefetch_waits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    """Of the misses, those that found their load already under way (a prefetch not done yet);
+    the others had to start it themselves."""
     evictions: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
     """Copies dropped to make room."""
     io_wait_seconds: float = 0.0
@@ -294,7 +297,8 @@ class TieredStore:
         """A snapshot of the counters."""
         with self._lock:
             s = dataclasses.replace(self._stats, **{
-                f: dict(getattr(self._stats, f)) for f in ("bytes_read", "bytes_written", "hits", "misses", "evictions")})
+                f: dict(getattr(self._stats, f))
+                for f in ("bytes_read", "bytes_written", "hits", "misses", "prefetch_waits", "evictions")})
             s.peak_used = {t: self._arenas[t].peak_used for t in _MEMORY_TIERS}
             return s
 
@@ -426,6 +430,8 @@ class TieredStore:
                     (self._stats.hits if first else self._stats.misses)[tier] += 1
                     data = slot.data
                     break
+                if first and rec.busy is not None and rec.busy_what == ("load", tier):
+                    self._stats.prefetch_waits[tier] += 1
             first = False
             t0 = time.perf_counter()
             try:

@@ -77,6 +77,9 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
 
 
 # ---- the driver ---------------------------------------------------------------------------
+REFERENCE_TIMEOUT_S = 600.0
+"""Longest an uninterrupted run may take before it is taken for hung and killed."""
+
 def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(HERE), "--worker", str(directory), "--steps", str(steps),
@@ -111,6 +114,9 @@ def reference(work: Path, steps: int, layers: int) -> tuple[Path, float, float, 
             time.sleep(0.002)
     t0 = time.perf_counter()
     proc = _launch(d, steps, layers, out, digests=True)
+    # a hung worker must not hang the loop (or CI): kill it after a generous deadline
+    watchdog = threading.Timer(REFERENCE_TIMEOUT_S, proc.kill)
+    watchdog.start()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     boot = None
@@ -122,11 +128,13 @@ def reference(work: Path, steps: int, layers: int) -> tuple[Path, float, float, 
         if line.startswith("STEP"):
             digests[int(line.split()[1])] = line.split()[3]
     stderr = proc.stderr.read()
-    proc.wait()
+    proc.wait(timeout=REFERENCE_TIMEOUT_S)
+    watchdog.cancel()
     stop.set()
-    sampler.join()
+    sampler.join(timeout=10)
     if proc.returncode != 0:
-        raise SystemExit(f"the uninterrupted run failed:\n{stderr}")
+        raise SystemExit(f"the uninterrupted run failed (exit {proc.returncode}; -9 after {REFERENCE_TIMEOUT_S} s means "
+                         f"it hung):\n{stderr}")
     manifest = json.loads((d / ".tiered-offload" / "manifest.json").read_text().split(" ", 1)[1])
     weights_and_states = sum(t["nbytes"] for t in manifest["tensors"].values())
     state = weights_and_states // (1 + len(manifest["optimizer"]["states"])) * (2 + len(manifest["optimizer"]["states"]))
@@ -165,7 +173,13 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 done_kills += 1
-        stdout, stderr = proc.communicate()
+        try:
+            stdout, stderr = proc.communicate(timeout=max(60.0, 10 * duration))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=30)
+            raise SystemExit(f"a run hung: no exit {max(60.0, 10 * duration):.0f} s after its start (the uninterrupted "
+                             f"run took {duration:.1f} s), after {done_kills} kills; directory {d}") from None
         if proc.returncode not in (0, -signal.SIGKILL):
             raise SystemExit(f"a resume failed (exit {proc.returncode}) after {done_kills} kills:\n{stderr}")
         lines = stdout.splitlines()
