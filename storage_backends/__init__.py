@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Callable
 from urllib.parse import parse_qsl
 
-from tiered_offload.errors import BackendUnavailableError, UnknownBackendError
+from offload_core.errors import BackendUnavailableError, UnknownBackendError
 
 from .base import StorageBackend, filename_to_key, key_to_filename, validate_key
 
@@ -33,6 +35,9 @@ __all__ = [
     "get_backend_class",
     "register_backend",
     "parse_spec",
+    "StorageSpec",
+    "resolve_storage",
+    "FILE_BACKENDS",
     "create_backend",
     "open_backend",
     "key_to_filename",
@@ -131,14 +136,66 @@ def resolve_auto() -> str:
     return "posix"
 
 
-def create_backend(spec: str, *, defaults: dict | None = None, **options) -> StorageBackend:
+FILE_BACKENDS = ("auto", "posix", "aiofiles", "kvikio")
+"""Backends that keep extents as files in directories (so a durable training state can live there)."""
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """What a ``storage=`` argument names, read once: a backend object, or a backend name with
+    its location and options. The one place a user's storage argument is interpreted."""
+
+    name: str
+    """Backend name (``auto`` until :func:`create_backend` resolves it); the object's name for ``backend``."""
+    location: str | None = None
+    options: dict = field(default_factory=dict)
+    backend: StorageBackend | None = None
+    """The backend object the user passed, used as it is."""
+
+    @property
+    def text(self) -> str:
+        """The spec as a string (``posix:/a,/b?threads=8``)."""
+        query = "&".join(f"{k}={v}" for k, v in self.options.items())
+        return self.name + (f":{self.location}" if self.location is not None else "") + (f"?{query}" if query else "")
+
+    @property
+    def names_directories(self) -> bool:
+        """The user named directories for a file backend (not a backend object, not memory or zarr)."""
+        return self.backend is None and self.name in FILE_BACKENDS and bool(self.location)
+
+    @property
+    def first_directory(self) -> str | None:
+        return self.location.split(",")[0] if self.names_directories else None
+
+
+def resolve_storage(storage) -> StorageSpec:
+    """Read a ``storage=`` argument: a :class:`StorageBackend`, a directory (``str`` or path), a list
+    of directories (striped), or a spec string (``posix:/a,/b?threads=8``, ``memory``, ``zarr:x``)."""
+    if isinstance(storage, StorageSpec):
+        return storage
+    if isinstance(storage, StorageBackend):
+        return StorageSpec(storage.name, None, {}, storage)
+    if isinstance(storage, (list, tuple)):
+        return StorageSpec("posix", ",".join(os.fspath(p) for p in storage))
+    if isinstance(storage, os.PathLike):
+        return StorageSpec("auto", os.fspath(storage))
+    name, location, options = parse_spec(str(storage))
+    if name not in available_backends() and name != "auto":
+        return StorageSpec("auto", str(storage))  # a directory whose name holds a colon
+    return StorageSpec(name, location, options)
+
+
+def create_backend(spec: str | StorageSpec, *, defaults: dict | None = None, **options) -> StorageBackend:
     """Construct (but do not open) the backend a spec string names.
 
     Options apply in this order, later ones winning: ``defaults`` (e.g. a bench-io profile's
     tuned settings, used only where the backend accepts them), the spec's ``?key=value`` options,
     then ``options``.
     """
-    name, location, spec_options = parse_spec(spec)
+    if isinstance(spec, StorageSpec):
+        name, location, spec_options = spec.name, spec.location, spec.options
+    else:
+        name, location, spec_options = parse_spec(spec)
     if name == "auto":
         name = resolve_auto()
     cls = get_backend_class(name)

@@ -7,8 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from tiered_offload.errors import DiskFullError, StorageDirectoryError
-from tiered_offload.units import format_size
+from offload_core.errors import DiskFullError, StorageDirectoryError
+from offload_core.sizes import format_size
 
 __all__ = ["prepare_directory", "fsync_path", "disk_full"]
 

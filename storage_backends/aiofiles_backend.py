@@ -15,15 +15,15 @@ from pathlib import Path
 import aiofiles
 import aiofiles.os
 
-from tiered_offload.buffers import byte_view
-from tiered_offload.errors import (
+from offload_core.buffers import byte_view
+from offload_core.errors import (
     ConfigError,
     ExtentNotFoundError,
     ShortReadError,
     StorageIOError,
 )
-from tiered_offload.futures import IOFuture
-from tiered_offload.units import parse_size
+from offload_core.futures import IOFuture
+from offload_core.sizes import parse_size
 
 from . import _aio
 from ._files import disk_full, fsync_path, prepare_directory

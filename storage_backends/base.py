@@ -2,7 +2,7 @@
 
 A backend stores *extents*: named runs of bytes (a tensor's bytes, or a piece of a larger object),
 read into and written from caller-provided buffers at a byte offset inside the extent. Every
-read and write is asynchronous and returns an :class:`~tiered_offload.futures.IOFuture`; reads
+read and write is asynchronous and returns an :class:`~offload_core.futures.IOFuture`; reads
 never allocate a buffer per request. Public methods live here and do the checks once (open?,
 valid key?, writable buffer?, device buffer allowed?) and the in-flight accounting that lets
 ``close()`` drain safely; subclasses implement the underscored hooks.
@@ -13,11 +13,12 @@ from __future__ import annotations
 import abc
 import re
 import threading
-from typing import Any, ClassVar, Iterable
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Sequence
 
-from tiered_offload.buffers import buffer_nbytes, is_device_buffer
-from tiered_offload.errors import BackendClosedError, InvalidKeyError
-from tiered_offload.futures import IOFuture, failed
+from offload_core.buffers import buffer_nbytes, is_device_buffer
+from offload_core.errors import BackendClosedError, InvalidKeyError
+from offload_core.futures import IOFuture, failed
 
 __all__ = ["StorageBackend", "validate_key", "key_to_filename", "filename_to_key"]
 
@@ -86,6 +87,14 @@ class StorageBackend(abc.ABC):
     name: ClassVar[str] = "abstract"
     """The name this backend is registered under (``posix``, ``zarr``...)."""
 
+    directories: Sequence[Path] = ()
+    """The directories whose files hold the extents (several: striped), for backends that keep
+    extents as files; empty for the others. Durable training state (lock, manifest, journal)
+    lives in the first one."""
+
+    stripe_bytes: int | None = None
+    """Bytes per stripe when extents are striped over several :attr:`directories`."""
+
     def __init__(self) -> None:
         self._state_lock = threading.Condition()
         self._inflight = 0
@@ -102,6 +111,18 @@ class StorageBackend(abc.ABC):
     def supports_device_buffers(self) -> bool:
         """True when reads and writes accept CUDA tensors directly (no host staging needed)."""
         return False
+
+    @property
+    def supports_rewrite(self) -> bool:
+        """True when an extent can be rewritten in place and deleted without the store growing
+        (what training needs: every step rewrites its tensors). False for append-only stores."""
+        return True
+
+    @property
+    def supports_durable_state(self) -> bool:
+        """True when the engine can keep a committed training state here: extents are files in
+        :attr:`directories`, beside which the lock, manifest and journal live."""
+        return bool(self.directories)
 
     @property
     def location(self) -> str:

@@ -18,14 +18,14 @@ import os
 
 import torch
 
-from tiered_offload.buffers import is_device_buffer, tensor_bytes
-from tiered_offload.errors import (
+from offload_core.buffers import is_device_buffer, tensor_bytes
+from offload_core.errors import (
     BackendUnavailableError,
     ExtentNotFoundError,
     ShortReadError,
     StorageIOError,
 )
-from tiered_offload.futures import IOFuture, gather
+from offload_core.futures import IOFuture, gather
 
 from ._files import disk_full
 from .posix import PosixBackend, _Part

@@ -9,9 +9,9 @@ import errno
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from tiered_offload.buffers import byte_view
-from tiered_offload.errors import ExtentNotFoundError, ShortReadError
-from tiered_offload.futures import IOFuture, completed, failed
+from offload_core.buffers import byte_view
+from offload_core.errors import ExtentNotFoundError, ShortReadError
+from offload_core.futures import IOFuture, completed, failed
 
 from .base import StorageBackend
 

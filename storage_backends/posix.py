@@ -30,16 +30,16 @@ from typing import Sequence
 
 import numpy as np
 
-from tiered_offload.buffers import PAGE, aligned_empty, byte_view
-from tiered_offload.errors import (
+from offload_core.buffers import PAGE, aligned_empty, byte_view
+from offload_core.errors import (
     ConfigError,
     DirectIOUnsupportedError,
     ExtentNotFoundError,
     ShortReadError,
     StorageIOError,
 )
-from tiered_offload.futures import IOFuture, gather
-from tiered_offload.units import parse_size
+from offload_core.futures import IOFuture, gather
+from offload_core.sizes import parse_size
 
 from ._files import disk_full, fsync_path, prepare_directory
 from .base import StorageBackend, filename_to_key, key_to_filename

@@ -25,15 +25,15 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_offload.buffers import buffer_nbytes
-from tiered_offload.errors import (
+from offload_core.buffers import buffer_nbytes
+from offload_core.errors import (
     BackendClosedError,
     DiskFullError,
     ExtentNotFoundError,
     ShortReadError,
     StorageIOError,
 )
-from tiered_offload.futures import IOFuture, failed
+from offload_core.futures import IOFuture, failed
 
 from .base import StorageBackend
 
@@ -238,7 +238,15 @@ class FaultInjectingBackend(StorageBackend):
     @property
     def directories(self) -> list:
         """The wrapped backend's directories (so a durable engine can keep its state files there)."""
-        return list(getattr(self.inner, "directories", []))
+        return list(self.inner.directories)
+
+    @property
+    def stripe_bytes(self):
+        return self.inner.stripe_bytes
+
+    @property
+    def supports_rewrite(self) -> bool:
+        return self.inner.supports_rewrite
 
     def describe(self, key: str) -> str:
         return self.inner.describe(key)

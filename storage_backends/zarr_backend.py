@@ -22,10 +22,10 @@ import numpy as np
 import zarr
 import zarr.storage
 
-from tiered_offload.buffers import byte_view
-from tiered_offload.errors import ExtentNotFoundError, ShortReadError, StorageIOError
-from tiered_offload.futures import IOFuture
-from tiered_offload.units import parse_size
+from offload_core.buffers import byte_view
+from offload_core.errors import BackendCapabilityError, ExtentNotFoundError, ShortReadError, StorageIOError
+from offload_core.futures import IOFuture
+from offload_core.sizes import parse_size
 
 from ._files import fsync_path
 from .base import StorageBackend, filename_to_key, key_to_filename
@@ -70,6 +70,11 @@ class ZarrBackend(StorageBackend):
             self._store = loc
         self._group = zarr.open_group(store=self._store, mode="a")
         self._pool = ThreadPoolExecutor(1 if self._io_lock else self.threads, thread_name_prefix="tiered-offload-zarr")
+
+    @property
+    def supports_rewrite(self) -> bool:
+        """A ``.zip`` store appends a new entry on every rewrite and cannot delete one."""
+        return not isinstance(self._location, (str, os.PathLike)) or not str(self._location).endswith(".zip")
 
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -165,6 +170,10 @@ class ZarrBackend(StorageBackend):
         return IOFuture(self._pool.submit(run), f"write {key}")
 
     def _delete(self, key) -> None:
+        if not self.supports_rewrite:
+            raise BackendCapabilityError(
+                f"cannot delete {key!r} from {self.location}: a zip archive only appends. Use a zarr directory "
+                f"(zarr:/path/to/state) for training; a .zip suits a state written once")
         with self._meta_lock:
             name = key_to_filename(key)
             if name in self._group:

@@ -14,7 +14,7 @@ from storage_backends.memory import MemoryBackend
 from storage_backends.posix import PosixBackend
 from storage_backends.testing import BackendConformanceTests, FaultInjectingBackend
 from storage_backends.zarr_backend import ZarrBackend
-from tiered_offload.errors import (
+from offload_core.errors import (
     BackendUnavailableError,
     DirectIOUnsupportedError,
     DiskFullError,
@@ -282,3 +282,32 @@ def test_injected_enospc_is_reported_not_swallowed(tmp_path):
         assert not b.exists("b")  # nothing reported written that was not
     finally:
         b.close()
+
+
+def test_zarr_zip_is_refused_for_training_with_a_clear_error(tmp_path):
+    """A zip archive only appends: every rewrite would add an entry and nothing could be deleted."""
+    from offload_core.errors import BackendCapabilityError, ConfigError
+    from tiered_offload import TieredStore
+    backend = ZarrBackend(str(tmp_path / "state.zip")).open()
+    assert not backend.supports_rewrite
+    buf = torch.ones(16)
+    backend.write_from("t", buf).get()
+    with pytest.raises(BackendCapabilityError, match="only appends"):
+        backend.delete("t")
+    backend.close()
+    with pytest.raises(ConfigError, match="zip archive only appends"):
+        TieredStore(f"zarr:{tmp_path / 'other.zip'}", host_budget_bytes="1MiB", device_budget_bytes=0).open()
+    assert ZarrBackend(str(tmp_path / "dir")).supports_rewrite
+
+
+def test_storage_argument_is_read_in_one_place(tmp_path):
+    from storage_backends import resolve_storage
+    assert resolve_storage(tmp_path).names_directories and resolve_storage(tmp_path).name == "auto"
+    striped = resolve_storage([tmp_path / "a", tmp_path / "b"])
+    assert (striped.name, striped.location) == ("posix", f"{tmp_path / 'a'},{tmp_path / 'b'}")
+    assert striped.first_directory == str(tmp_path / "a")
+    spec = resolve_storage("posix:/x,/y?threads=8")
+    assert (spec.name, spec.location, spec.options, spec.text) == ("posix", "/x,/y", {"threads": "8"}, "posix:/x,/y?threads=8")
+    assert not resolve_storage("memory").names_directories
+    assert not resolve_storage(MemoryBackend()).names_directories
+    assert resolve_storage("run:1").location == "run:1"  # a directory with a colon in its name

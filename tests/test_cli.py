@@ -55,7 +55,7 @@ def test_bench_io_refuses_more_than_the_free_space(tmp_path, capsys):
 def test_corrupt_profile_names_the_file(tmp_path):
     p = tmp_path / "p.json"
     p.write_text("{not json")
-    from tiered_offload.errors import ProfileError
+    from offload_core.errors import ProfileError
     with pytest.raises(ProfileError) as info:
         load_profile(p)
     assert str(p) in str(info.value)
@@ -67,7 +67,7 @@ def test_python_dash_m_entry_point():
 
 
 def test_demo_with_a_storage_directory_resumes_where_it_stopped(tmp_path):
-    from tiered_offload.demo import run_demo
+    from tiered_offload_examples.demo import run_demo
     small = dict(d_model=32, layers=2, heads=2, context=16, batch=2, progress=False, host_memory="320KiB")
     whole = run_demo(steps=5, storage=str(tmp_path / "whole"), **small)
     first = run_demo(steps=3, storage=str(tmp_path / "parts"), **small)

@@ -18,16 +18,16 @@ from storage_backends.posix import PosixBackend
 from storage_backends.testing import FaultInjectingBackend
 from tiered_offload import Engine, empty_init
 from tiered_offload.cli import main as cli_main
-from tiered_offload.durable import STATE_DIR, DirectoryLock, StateFiles
-from tiered_offload.errors import (
+from tiered_offload.checkpoint.durable import STATE_DIR, DirectoryLock, StateFiles
+from offload_core.errors import (
     CheckpointError,
     CorruptionError,
     DiskFullError,
     StorageLockedError,
     TieredOffloadError,
 )
-from tiered_offload.models import GPT, GPTConfig
-from tiered_offload.state_dir import StateDirectory
+from tiered_offload_examples.models import GPT, GPTConfig
+from tiered_offload.checkpoint.state_dir import StateDirectory
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -107,7 +107,7 @@ def test_stop_and_resume_is_bitwise_equal_to_never_stopping(tmp_path, uninterrup
 @pytest.mark.parametrize("recorded", [0, 2, 5])
 def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterrupted, monkeypatch, recorded):
     """The process dies after the step's intent, with ``recorded`` of its 5 units written: resume completes it."""
-    from tiered_offload import durable
+    from tiered_offload.checkpoint import durable
     per_step, _ = uninterrupted
     engine = make_engine(tmp_path / "s")
     torch.manual_seed(123)
@@ -163,7 +163,7 @@ def test_disk_space_stays_within_a_quarter_of_the_state(tmp_path, monkeypatch):
     plus the new one) stays within the state plus a quarter."""
     import threading
     from storage_backends.base import StorageBackend
-    from tiered_offload.buffers import buffer_nbytes
+    from offload_core.buffers import buffer_nbytes
     d = tmp_path / "s"
     peak, lock = [0], threading.Lock()
     original = StorageBackend.write_from
@@ -258,7 +258,7 @@ def test_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path):
 
 def test_lock_holds_across_processes(tmp_path):
     (tmp_path / STATE_DIR).mkdir()
-    code = ("import sys, time; from pathlib import Path; from tiered_offload.durable import DirectoryLock;"
+    code = ("import sys, time; from pathlib import Path; from tiered_offload.checkpoint.durable import DirectoryLock;"
             "DirectoryLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / STATE_DIR)], stdout=subprocess.PIPE, text=True)
     try:
@@ -449,7 +449,7 @@ def test_import_refuses_a_checkpoint_of_another_shape(tmp_path):
 
 
 def test_index_cannot_name_a_shard_outside_its_directory(tmp_path):
-    from tiered_offload.safetensors_io import INDEX_NAME, PretrainedReader
+    from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, PretrainedReader
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / INDEX_NAME).write_text(json.dumps({"weight_map": {"w": "../evil.safetensors"}}))
@@ -458,7 +458,7 @@ def test_index_cannot_name_a_shard_outside_its_directory(tmp_path):
 
 
 def test_truncated_safetensors_is_a_clear_error(tmp_path):
-    from tiered_offload.safetensors_io import PretrainedReader
+    from tiered_offload.checkpoint.safetensors_io import PretrainedReader
     torch.manual_seed(0)
     tiny_gpt2().save_pretrained(tmp_path / "p")
     f = tmp_path / "p" / "model.safetensors"
@@ -517,7 +517,7 @@ def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
 
 
 def test_import_converts_a_bf16_checkpoint_one_bounded_chunk_at_a_time(tmp_path):
-    from tiered_offload.safetensors_io import SafetensorsWriter, tensor_bytes
+    from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, tensor_bytes
     torch.manual_seed(0)
     original = tiny_gpt2()
     params = [(n, p.detach().to(torch.bfloat16)) for n, p in original.named_parameters()]

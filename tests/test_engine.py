@@ -11,14 +11,14 @@ from torch import nn
 from storage_backends.memory import MemoryBackend
 from storage_backends.testing import FaultInjectingBackend
 from tiered_offload import Engine, EngineConfig, Tier, empty_init
-from tiered_offload.errors import (
+from offload_core.errors import (
     DiskFullError,
     ModelInputError,
     ModelStructureError,
     NonFiniteError,
     TierCapacityError,
 )
-from tiered_offload.models import GPT, GPTConfig
+from tiered_offload_examples.models import GPT, GPTConfig
 
 
 

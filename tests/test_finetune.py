@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiered_offload import Engine, EngineConfig, empty_init
-from tiered_offload.errors import CheckpointError, ConfigError, TierCapacityError
+from offload_core.errors import CheckpointError, ConfigError, TierCapacityError
 
 VOCAB = 64
 
@@ -492,7 +492,7 @@ def test_buffers_end_each_step_as_pytorch_leaves_them_and_survive_resume_and_exp
     assert torch.equal(exported["blocks.3.ffn.bn.running_var"], reference["blocks.3.ffn.bn.running_var"])
     assert int(exported["blocks.1.ffn.calls"]) == 8 and "blocks.1.ffn.scratch" not in exported  # persistent ones only
     assert set(exported) == set(ref.state_dict())
-    from tiered_offload.state_dir import StateDirectory
+    from tiered_offload.checkpoint.state_dir import StateDirectory
     with StateDirectory(tmp_path / "s") as sd:  # the offline export (`tiered-offload export`) has them too
         offline = load_file(next(f for f in sd.export(tmp_path / "out2") if f.suffix == ".safetensors"))
     assert all(torch.equal(offline[k], exported[k]) for k in exported)

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     import torch.nn.functional as F
     import tiered_offload
     from tiered_offload.memstat import peak_rss_bytes
-    from tiered_offload.models import GPT, GPTConfig
+    from tiered_offload_examples.models import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=256, context=64, d_model=256, n_layers=10, n_heads=8)
     with tiered_offload.empty_init():
         model = GPT(cfg)

@@ -11,8 +11,8 @@ from storage_backends.memory import MemoryBackend
 from storage_backends.posix import PosixBackend
 from storage_backends.testing import FaultInjectingBackend
 from tiered_offload import CopyState, LookaheadPolicy, LRUPolicy, Tier, TieredStore
-from tiered_offload.arena import Arena
-from tiered_offload.errors import (
+from tiered_offload.store.arena import Arena
+from offload_core.errors import (
     DiskFullError,
     StorageIOError,
     TensorStateError,
@@ -377,7 +377,7 @@ def test_reloading_over_a_pinned_stale_copy_is_refused():
 
 # ---- checksums and versioned extents --------------------------------------------------------
 def test_a_byte_changed_on_disk_is_reported_with_the_tensor_and_the_file(tmp_path):
-    from tiered_offload.errors import CorruptionError
+    from offload_core.errors import CorruptionError
     backend = PosixBackend(tmp_path / "d")
     store = make_store(backend, host=64 * KiB, device=0)
     store.register("w", (4 * KiB,), data=torch.arange(4 * KiB, dtype=torch.float32))

@@ -12,7 +12,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from storage_backends.memory import MemoryBackend
 from storage_backends.posix import PosixBackend
 from tiered_offload import TieredStore
-from tiered_offload.errors import TensorStateError
+from offload_core.errors import TensorStateError
 
 KiB = 1024
 TIERS = st.sampled_from(["device", "host"])

@@ -4,15 +4,14 @@ The state streams through three tiers (device memory, a bounded host pool, NVMe 
 by a :class:`TieredStore` with a lookahead scheduler, on pluggable storage backends.
 """
 
+from offload_core.errors import *  # noqa: F401,F403 - the typed errors are part of the public API
+from offload_core.errors import __all__ as _error_names
+from offload_core.futures import IOFuture
+from offload_core.sizes import format_size, parse_size
+
 from .config import EngineConfig, StoreConfig
 from .engine import Engine, empty_init
-from .errors import *  # noqa: F401,F403 - the typed errors are part of the public API
-from .errors import __all__ as _error_names
-from .futures import IOFuture
-from .policies import EvictionPolicy, LookaheadPolicy, LRUPolicy
-from .store import StoreStats, TensorRecord, TieredStore
-from .tiers import CopyState, Tier
-from .units import format_size, parse_size
+from .store import CopyState, EvictionPolicy, LookaheadPolicy, LRUPolicy, StoreStats, TensorRecord, Tier, TieredStore
 
 __version__ = "0.1.0"
 

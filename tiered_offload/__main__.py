@@ -1,5 +1,5 @@
 """``python -m tiered_offload`` is the ``tiered-offload`` command."""
 
-from .cli import main
+from tiered_offload.cli import main
 
 raise SystemExit(main())

@@ -30,10 +30,10 @@ from storage_backends import get_backend_class
 from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.posix import probe_direct_io
 
-from .buffers import aligned_empty
-from .errors import StorageDirectoryError
-from .profile import filesystem_id, save_profile
-from .units import format_size, parse_size
+from offload_core.buffers import aligned_empty
+from offload_core.errors import StorageDirectoryError
+from tiered_offload.profile import filesystem_id, save_profile
+from offload_core.sizes import format_size, parse_size
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench_io", "drop_page_cache"]
 
@@ -224,7 +224,7 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
         raise StorageDirectoryError(13, f"benchmark directory {directory} is not writable; pass --path to a writable directory")
     free = shutil.disk_usage(directory).free
     if cfg.size_bytes > free * 0.9:
-        from .errors import DiskFullError
+        from offload_core.errors import DiskFullError
         raise DiskFullError(f"bench-io needs {format_size(cfg.size_bytes)} in {directory} but only {format_size(free)} "
                             f"is free; pass a smaller --size", path=str(directory), needed_bytes=cfg.size_bytes, free_bytes=free)
     plan, notes = _plan(cfg, directory)

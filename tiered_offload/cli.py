@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from .errors import TieredOffloadError
+from offload_core.errors import TieredOffloadError
 
 __all__ = ["main", "build_parser"]
 
@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "bench-io":
-            from .bench_io import main as bench_main
+            from tiered_offload.bench_io import main as bench_main
             return bench_main(args)
         if args.command == "demo":
-            from .demo import main as demo_main
+            from tiered_offload_examples.demo import main as demo_main
             return demo_main(args)
         if args.command in ("inspect", "verify", "export"):
             return _state_command(args)
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 def _state_command(args) -> int:
     import json
 
-    from .state_dir import StateDirectory
-    from .units import format_size
+    from tiered_offload.checkpoint.state_dir import StateDirectory
+    from offload_core.sizes import format_size
     with StateDirectory(args.directory) as sd:
         if args.command == "export":
             files = sd.export(args.out, args.max_shard_size)

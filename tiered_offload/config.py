@@ -10,8 +10,8 @@ from typing import Callable
 import psutil
 import torch
 
-from .errors import ConfigError
-from .units import parse_size
+from offload_core.errors import ConfigError
+from offload_core.sizes import parse_size
 
 __all__ = ["EngineConfig", "StoreConfig", "resolve_device"]
 
@@ -28,7 +28,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 @dataclass(kw_only=True)
 class StoreConfig:
-    """Budgets and policies of a :class:`~tiered_offload.store.TieredStore`."""
+    """Budgets and policies of a :class:`~tiered_offload.store.tiered_store.TieredStore`."""
 
     host_budget_bytes: int | str = "auto"
     """Bytes of host memory the store may use for tensor copies (the pinned pool on CUDA

@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-from .errors import ProfileError
+from offload_core.errors import ProfileError
 
 __all__ = ["default_profile_path", "save_profile", "load_profile", "tuned_options", "filesystem_id"]
 

@@ -25,8 +25,8 @@ import time
 import torch
 
 from storage_backends.posix import PosixBackend
-from tiered_offload.buffers import aligned_empty
-from tiered_offload.units import parse_size
+from offload_core.buffers import aligned_empty
+from offload_core.sizes import parse_size
 
 
 def fio_run(path: str, rw: str, size: int, request: int, depth: int, engine: str) -> float:

@@ -24,8 +24,8 @@ import torch
 
 from storage_backends.posix import PosixBackend
 from tiered_offload import TieredStore
-from tiered_offload.buffers import aligned_empty
-from tiered_offload.units import parse_size
+from offload_core.buffers import aligned_empty
+from offload_core.sizes import parse_size
 
 
 def main() -> int:

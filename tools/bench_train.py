@@ -40,9 +40,9 @@ import torch.nn.functional as F
 
 from storage_backends.posix import PosixBackend
 from tiered_offload import Engine, Tier
-from tiered_offload.buffers import aligned_empty
-from tiered_offload.models import GPT, GPTConfig
-from tiered_offload.units import format_size
+from offload_core.buffers import aligned_empty
+from tiered_offload_examples.models import GPT, GPTConfig
+from offload_core.sizes import format_size
 
 
 def loss_of(model, x):

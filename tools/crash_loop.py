@@ -48,7 +48,7 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     import torch.nn.functional as F
 
     from tiered_offload import Engine
-    from tiered_offload.models import GPT, GPTConfig
+    from tiered_offload_examples.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4))

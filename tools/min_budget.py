@@ -22,7 +22,7 @@ import torch
 
 from tiered_offload import Engine, TierCapacityError, empty_init
 from tiered_offload.memstat import peak_rss_bytes
-from tiered_offload.units import format_size
+from offload_core.sizes import format_size
 
 
 def gpt2(layers: int, d_model: int, vocab: int):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .futures import IOFuture
+from offload_core.futures import IOFuture
 
 __all__ = ["Copier"]
 

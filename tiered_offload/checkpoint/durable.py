@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import CheckpointError, CorruptionError, DiskFullError, StorageLockedError
+from offload_core.errors import CheckpointError, CorruptionError, DiskFullError, StorageLockedError
 
 log = logging.getLogger(__name__)
 

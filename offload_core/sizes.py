@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from .errors import ConfigError
+from offload_core.errors import ConfigError
 
 __all__ = ["parse_size", "format_size", "format_size_up"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .errors import ModelStructureError
-from .schedule import UnitLayout
+from offload_core.errors import ModelStructureError
+from tiered_offload.engine.schedule import UnitLayout
 
 __all__ = ["ParamSlot", "Unit", "find_block_sequence", "plan_units"]
 

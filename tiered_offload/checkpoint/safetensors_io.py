@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from .errors import CheckpointError, CorruptionError
-from .units import parse_size
+from offload_core.errors import CheckpointError, CorruptionError
+from offload_core.sizes import parse_size
 
 log = logging.getLogger(__name__)
 

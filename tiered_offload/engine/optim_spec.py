@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .errors import ConfigError
+from offload_core.errors import ConfigError
 
 __all__ = ["OptimizerSpec", "read_optimizer"]
 

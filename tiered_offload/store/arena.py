@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .buffers import PAGE, aligned_empty
+from offload_core.buffers import PAGE, aligned_empty
 
 __all__ = ["Arena"]
 

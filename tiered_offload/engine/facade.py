@@ -3,7 +3,7 @@
 ``Engine`` wraps a model whose fp32 training state (weights, gradients, optimizer states) does
 not fit in memory. It splits the model into units (each block of its block sequence, and the
 rest: see :mod:`.model_split`), keeps every unit's state as flat buffers in a
-:class:`~tiered_offload.store.TieredStore`, and replaces each block in the model by a proxy, so
+:class:`~tiered_offload.store.tiered_store.TieredStore`, and replaces each block in the model by a proxy, so
 the model's own ``forward`` runs unchanged:
 
 * forward: the rest's weights are bound into the model; each block proxy fetches its block's
@@ -38,8 +38,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .config import EngineConfig, StoreConfig, resolve_device
-from .durable import (
+from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
+from tiered_offload.checkpoint.durable import (
     FORMAT,
     Committer,
     DirectoryLock,
@@ -50,7 +50,7 @@ from .durable import (
     encode_tensor,
     state_directory,
 )
-from .errors import (
+from offload_core.errors import (
     CheckpointError,
     ConfigError,
     DiskFullError,
@@ -61,13 +61,15 @@ from .errors import (
     TierCapacityError,
     TieredOffloadError,
 )
-from .memstat import tune_allocator
-from .model_split import ParamSlot, Unit, plan_units
-from .optim_spec import OptimizerSpec, read_optimizer
-from .schedule import Phase, Schedule
-from .store import TieredStore
-from .tiers import Tier
-from .units import format_size, format_size_up
+from storage_backends import resolve_storage
+
+from tiered_offload.memstat import tune_allocator
+from tiered_offload.engine.binding import ParamSlot, Unit, plan_units
+from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
+from tiered_offload.engine.schedule import Phase, Schedule
+from tiered_offload.store.tiered_store import TieredStore
+from tiered_offload.store.tiers import Tier
+from offload_core.sizes import format_size, format_size_up
 
 __all__ = ["Engine", "empty_init"]
 
@@ -95,21 +97,6 @@ def empty_init():
         yield
     finally:
         nn.Module.register_parameter = original
-
-
-def _storage_spec(storage):
-    from storage_backends import StorageBackend, available_backends
-    if isinstance(storage, StorageBackend):
-        return storage
-    if isinstance(storage, (list, tuple)):
-        return "posix:" + ",".join(os.fspath(p) for p in storage)
-    if isinstance(storage, os.PathLike):
-        return "auto:" + os.fspath(storage)
-    text = str(storage)
-    name = text.split("?")[0].split(":")[0]
-    if name in available_backends() or name == "auto":
-        return text
-    return "auto:" + text
 
 
 class _BlockProxy(nn.Module):
@@ -238,14 +225,14 @@ class Engine:
         self._grad_hooks: list = []
         """Tuning knobs (see :class:`EngineConfig`)."""
         self._tmpdir = None
-        spec = _storage_spec(storage) if storage is not None else None
+        spec = resolve_storage(storage) if storage is not None else None
         if durable is None:
-            durable = isinstance(spec, str) and spec.split(":")[0] in ("auto", "posix", "aiofiles", "kvikio")
+            durable = spec is not None and spec.names_directories
         if resume and not durable:
             raise ConfigError("resume needs durable storage: give storage= a directory (and not durable=False)")
         if storage is None:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="tiered-offload-")
-            spec = _storage_spec(self._tmpdir.name)
+            spec = resolve_storage(self._tmpdir.name)
         self.durable = bool(durable)
         """Whether the storage directory holds a committed, resumable state after every step."""
         self.user_state: dict = {}
@@ -348,7 +335,7 @@ class Engine:
         """Continue the training state in ``storage`` with ``model`` (built as before, e.g. with
         :func:`empty_init`). The optimizer, its parameter groups and their hyperparameters default
         to the saved ones (a ``torch.optim`` class; another one must be passed)."""
-        from .state_dir import StateDirectory
+        from tiered_offload.checkpoint.state_dir import StateDirectory
         with StateDirectory(storage) as sd:
             saved = sd.manifest["optimizer"]
             groups = sd.manifest["meta"]["param_groups"]
@@ -433,7 +420,7 @@ class Engine:
         init = self._initialiser() if meta and init_from is None else None
         reader = None
         if init_from is not None:
-            from .safetensors_io import PretrainedReader
+            from tiered_offload.checkpoint.safetensors_io import PretrainedReader
             reader = PretrainedReader(init_from)
             reader.check_covers([(s.name, s.shape) for _, s in self._param_order])
         for unit in self.units:
@@ -578,8 +565,8 @@ class Engine:
     # ---- durable state ------------------------------------------------------------------
     def _open_directory(self, resume) -> dict | None:
         """Lock the storage directory; the manifest to resume from, or None to start fresh."""
-        directories = getattr(self.store.backend, "directories", None)
-        if not directories:
+        directories = self.store.backend.directories
+        if not self.store.backend.supports_durable_state:
             raise ConfigError(f"durable=True needs storage in a directory (posix, aiofiles, kvikio); "
                               f"{self.store.backend.location} has none")
         state_dir = state_directory(str(directories[0]))
@@ -789,8 +776,8 @@ class Engine:
                 tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
                                 "shape": [shapes[key]], "nbytes": shapes[key] * _FP32, "offset": 0}
         return {"format": FORMAT, "step": step, "tensors": tensors, "meta": meta, "model_config": self._model_config,
-                "storage": {"backend": backend.name, "directories": [str(d) for d in getattr(backend, "directories", [])],
-                            "stripe_bytes": getattr(backend, "stripe_bytes", None)},
+                "storage": {"backend": backend.name, "directories": [str(d) for d in backend.directories],
+                            "stripe_bytes": backend.stripe_bytes},
                 **self._layout()}
 
     def attach_scheduler(self, scheduler) -> None:
@@ -816,8 +803,8 @@ class Engine:
         their ``model.named_parameters()`` names (a tied weight once, as ``save_pretrained``
         does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
         """
-        from .safetensors_io import iter_chunks, write_private
-        from .state_dir import export_params
+        from tiered_offload.checkpoint.safetensors_io import iter_chunks, write_private
+        from tiered_offload.checkpoint.state_dir import export_params
         self._unbind_rest()
         self._await()
 

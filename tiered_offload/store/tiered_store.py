@@ -12,13 +12,13 @@ leaves the destination stale; nothing can mark torn bytes as current. A tensor r
 without data is implicitly all zeros (version 0) until first written: no disk read is ever
 needed for it, which is why fresh gradients and optimizer states cost no I/O.
 
-Budgets: the host and device tiers take all their memory from an :class:`~tiered_offload.arena.Arena`
+Budgets: the host and device tiers take all their memory from an :class:`~tiered_offload.store.arena.Arena`
 of exactly their budget, allocated once, so they cannot exceed it. When a tier is full, its
 eviction policy picks a victim among unpinned, idle copies; a victim holding the only valid copy
 is written back first (device copies through the host pool, or straight to disk with GPUDirect).
 
 Operations are asynchronous: :meth:`prefetch`, :meth:`write_back` and :meth:`evict` return an
-:class:`~tiered_offload.futures.IOFuture`; :meth:`get` waits and pins the copy until
+:class:`~offload_core.futures.IOFuture`; :meth:`get` waits and pins the copy until
 :meth:`release`. Work that must wait for space (eviction of a dirty victim) happens in the calling
 thread; completion handlers on I/O threads only update state and start the next copy of a chain.
 """
@@ -37,21 +37,22 @@ import torch
 
 from storage_backends.base import StorageBackend, validate_key
 
-from .arena import Arena
-from .config import StoreConfig
-from .copier import Copier
-from .checksum import crc32
-from .errors import (
+from tiered_offload.store.arena import Arena
+from tiered_offload.config import StoreConfig
+from tiered_offload.store.copier import Copier
+from tiered_offload.store.checksum import crc32
+from offload_core.errors import (
+    ConfigError,
     CorruptionError,
     DiskFullError,
     TensorStateError,
     TierCapacityError,
     UnknownTensorError,
 )
-from .futures import IOFuture, chain, completed, gather
-from .policies import EvictionPolicy, make_policy
-from .tiers import CopyState, Tier
-from .units import format_size
+from offload_core.futures import IOFuture, chain, completed, gather
+from tiered_offload.store.policies import EvictionPolicy, make_policy
+from tiered_offload.store.tiers import CopyState, Tier
+from offload_core.sizes import format_size
 
 __all__ = ["TieredStore", "TensorRecord", "StoreStats"]
 
@@ -206,21 +207,27 @@ class TieredStore:
             return self
         self.config = self.config.resolved()
         cfg = self.config
-        if isinstance(self._backend_arg, StorageBackend):
-            self.backend = self._backend_arg
+        from storage_backends import create_backend, resolve_storage  # the registry imports this package's errors
+        spec = resolve_storage(self._backend_arg)
+        if spec.backend is not None:
+            self.backend = spec.backend
             self._owns_backend = not self.backend.is_open
         else:
-            from storage_backends import create_backend, parse_spec  # the registry imports this package's errors
-            from .profile import tuned_options
-            spec = str(self._backend_arg)
-            name, location, _opts = parse_spec(spec)
+            from tiered_offload.profile import tuned_options
             # bench-io profiles tune the file backends (threads, request size, direct I/O)
-            tuned = name in ("posix", "kvikio", "auto") and location
-            defaults = tuned_options(location.split(",")[0]) if tuned else {}
+            tuned = spec.name in ("posix", "kvikio", "auto") and spec.location
+            defaults = tuned_options(spec.location.split(",")[0]) if tuned else {}
             self.backend = create_backend(spec, defaults=defaults)
             self._owns_backend = True
         if self._owns_backend:
             self.backend.open()
+        if not self.backend.supports_rewrite:
+            if self._owns_backend:
+                self.backend.close()
+            raise ConfigError(
+                f"storage {self.backend.location} cannot rewrite or delete a tensor in place (a zip archive only "
+                f"appends: it would grow with every write). Give a directory (zarr:/path/to/state, or a plain "
+                f"directory) instead")
         self.device: torch.device = cfg.device
         self._arenas = {
             Tier.DEVICE: Arena("device", cfg.device_budget_bytes, cfg.device),

@@ -1,7 +1,7 @@
 """``tiered-offload demo``: train a byte-level GPT whose training state is several times the host budget.
 
 The text is the Python standard library's own source files, which every machine with Python has.
-The model is built with :func:`~tiered_offload.engine.empty_init` (its parameters never exist
+The model is built with :func:`~tiered_offload.engine.facade.empty_init` (its parameters never exist
 whole in memory), initialised unit by unit into the store, and trained with AdamW through the
 engine with a host budget a fraction of its state. A progress bar shows the loss, tokens per
 second, the disk's read and write rates and the peak host memory.
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .engine import Engine, empty_init
-from .memstat import peak_rss_bytes
-from .models import GPT, GPTConfig
-from .tiers import Tier
-from .units import format_size, parse_size
+from tiered_offload.engine.facade import Engine, empty_init
+from tiered_offload.memstat import peak_rss_bytes
+from tiered_offload_examples.models import GPT, GPTConfig
+from tiered_offload.store.tiers import Tier
+from offload_core.sizes import format_size, parse_size
 
 __all__ = ["load_stdlib_bytes", "run_demo"]
 

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
-from .errors import ConfigError
+from offload_core.errors import ConfigError
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "LookaheadPolicy", "make_policy"]
 

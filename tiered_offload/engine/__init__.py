@@ -1,0 +1,13 @@
+"""The layer-streaming training engine, as parts that each own their state:
+
+* :mod:`.schedule`: unit layouts, the access sequence, phases and the budget arithmetic (no torch);
+* :mod:`.binding`: the model split into units, parameters laid out in flat buffers;
+* :mod:`.optim_spec`: the user's optimizer (class or instance with parameter groups) as the engine runs it;
+* :mod:`.pipeline`: the background optimizer step (thread, per-unit events, errors);
+* :mod:`.facade`: :class:`Engine`, which composes them with the store and the checkpoint.
+"""
+
+from .facade import Engine, empty_init
+from .schedule import Phase, Schedule, UnitLayout, WorkingSet
+
+__all__ = ["Engine", "empty_init", "Phase", "Schedule", "UnitLayout", "WorkingSet"]
