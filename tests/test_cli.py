@@ -76,3 +76,40 @@ def test_demo_with_a_storage_directory_resumes_where_it_stopped(tmp_path):
     assert (second["first_step"], second["steps"]) == (3, 2)
     assert second["loss_last"] == whole["loss_last"]  # step 5 is the same step, resumed or not
     assert main(["inspect", str(tmp_path / "parts")]) == 0
+
+
+def test_bench_io_plot_without_matplotlib_fails_before_measuring(tmp_path, capsys, monkeypatch):
+    import tiered_offload.bench_io as bench_io
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    measured = []
+    monkeypatch.setattr(bench_io, "run_bench_io", lambda *a, **k: measured.append(1))
+    rc = main(["bench-io", "--path", str(tmp_path / "d"), "--size", "1MiB", "--plot", str(tmp_path / "p.png"),
+               "--no-progress"])
+    assert rc == 2 and not measured
+    assert "pip install 'tiered-offload[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_host_budget_auto_honours_the_container_memory_limit(tmp_path, version, monkeypatch):
+    from tiered_offload import memstat
+    root, proc = tmp_path / "cgroup", tmp_path / "cgroup.txt"
+    if version == "v2":
+        (root / "job").mkdir(parents=True)
+        (root / "job" / "memory.max").write_text(f"{2 << 30}\n")
+        (root / "job" / "memory.current").write_text(f"{512 << 20}\n")
+        proc.write_text("0::/job\n")
+    else:
+        (root / "memory" / "job").mkdir(parents=True)
+        (root / "memory" / "job" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+        (root / "memory" / "job" / "memory.usage_in_bytes").write_text(f"{512 << 20}\n")
+        proc.write_text("4:memory:/job\n0::/\n")
+    assert memstat.cgroup_memory(str(root), str(proc)) == (2 << 30, 512 << 20)
+    real = memstat.cgroup_memory
+    monkeypatch.setattr(memstat, "cgroup_memory", lambda *_: real(str(root), str(proc)))
+    monkeypatch.delenv("TIERED_OFFLOAD_HOST_BUDGET", raising=False)
+    from tiered_offload import StoreConfig
+    cfg = StoreConfig(host_budget_bytes="auto", device="cpu", device_budget_bytes=0).resolved()
+    assert cfg.host_budget_bytes == min(memstat.psutil.virtual_memory().available, (2 << 30) - (512 << 20)) // 4
+    (root / ("job" if version == "v2" else "memory/job") / ("memory.max" if version == "v2" else "memory.limit_in_bytes")).write_text(
+        "max\n" if version == "v2" else "9223372036854771712\n")
+    assert real(str(root), str(proc)) is None  # no limit

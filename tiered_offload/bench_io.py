@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import tempfile
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,6 +270,13 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
 
 def main(args) -> int:
     """The ``bench-io`` subcommand (arguments parsed by :mod:`tiered_offload.cli`)."""
+    if args.plot:  # before measuring for minutes, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("bench-io: --plot needs matplotlib, which is not installed: pip install 'tiered-offload[plot]' "
+                  "(or drop --plot); nothing was measured", file=sys.stderr)
+            return 2
     cfg = BenchConfig(
         path=args.path,
         size_bytes=parse_size(args.size, what="--size"),

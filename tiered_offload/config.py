@@ -7,11 +7,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-import psutil
 import torch
 
 from offload_core.errors import ConfigError
 from offload_core.sizes import parse_size
+
+from .memstat import available_memory_bytes
 
 __all__ = ["EngineConfig", "StoreConfig", "resolve_device"]
 
@@ -32,7 +33,8 @@ class StoreConfig:
 
     host_budget_bytes: int | str = "auto"
     """Bytes of host memory the store may use for tensor copies (the pinned pool on CUDA
-    machines). ``"auto"``: a quarter of the memory available now, or ``TIERED_OFFLOAD_HOST_BUDGET``."""
+    machines). ``"auto"``: a quarter of the memory available now (within a container's cgroup limit,
+    ``memory.max``, where there is one), or ``TIERED_OFFLOAD_HOST_BUDGET``."""
 
     device_budget_bytes: int | str = "auto"
     """Bytes of device memory for tensor copies. ``"auto"``: half the free GPU memory on CUDA, 0
@@ -73,7 +75,7 @@ class StoreConfig:
         device = resolve_device(self.device)
         host = self.host_budget_bytes
         if host == "auto":
-            host = os.environ.get("TIERED_OFFLOAD_HOST_BUDGET") or psutil.virtual_memory().available // 4
+            host = os.environ.get("TIERED_OFFLOAD_HOST_BUDGET") or available_memory_bytes() // 4
         dev_budget = self.device_budget_bytes
         if dev_budget == "auto":
             dev_budget = os.environ.get("TIERED_OFFLOAD_DEVICE_BUDGET")

@@ -10,7 +10,7 @@ import resource
 
 import psutil
 
-__all__ = ["rss_bytes", "peak_rss_bytes", "tune_allocator"]
+__all__ = ["rss_bytes", "peak_rss_bytes", "tune_allocator", "cgroup_memory", "available_memory_bytes"]
 
 log = logging.getLogger(__name__)
 _M_MMAP_THRESHOLD = -3
@@ -64,3 +64,57 @@ def tune_allocator(mmap_threshold: int = 8 << 20) -> bool:
         log.info("could not tune the allocator: %s", e)
         return False
     return _tuned
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= 1 << 60 else value  # cgroup v1 writes "no limit" as a huge number
+
+
+def cgroup_memory(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> tuple[int, int] | None:
+    """``(limit, usage)`` in bytes of the memory cgroup this process runs in (a container's limit),
+    or None when there is no limit. Reads cgroup v2 (``memory.max``, ``memory.current``) and v1
+    (``memory.limit_in_bytes``, ``memory.usage_in_bytes``)."""
+    paths_v2, paths_v1 = [""], [""]
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    paths_v2.insert(0, path.lstrip("/"))
+                elif "memory" in controllers.split(","):
+                    paths_v1.insert(0, path.lstrip("/"))
+    except (OSError, ValueError):
+        pass
+    for rel in paths_v2:
+        base = os.path.join(root, rel)
+        limit = _read_int(os.path.join(base, "memory.max"))
+        if limit is not None:
+            return limit, _read_int(os.path.join(base, "memory.current")) or 0
+    for rel in paths_v1:
+        base = os.path.join(root, "memory", rel)
+        limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
+        if limit is not None:
+            return limit, _read_int(os.path.join(base, "memory.usage_in_bytes")) or 0
+    return None
+
+
+def available_memory_bytes() -> int:
+    """Memory this process can still take: the machine's available memory, or less where a
+    container's cgroup limit says so."""
+    available = psutil.virtual_memory().available
+    cgroup = cgroup_memory()
+    if cgroup is not None:
+        limit, usage = cgroup
+        available = min(available, max(0, limit - usage))
+    return available
