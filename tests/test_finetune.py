@@ -350,18 +350,18 @@ def test_background_step_overlapped_with_the_forward(tmp_path):
 
     def make_optimizer(model):
         return torch.optim.AdamW(hf_groups(model), lr=1e-3)
-    original = Engine._update_all
+    original = Engine._update_unit
 
     def spy(self, *args):
         import threading
         seen["thread"] = threading.current_thread().name
         return original(self, *args)
-    Engine._update_all = spy
+    Engine._update_unit = spy
     try:
         check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, steps=3, clip=1.0,
                      config=EngineConfig(overlap_step=True))
     finally:
-        Engine._update_all = original
+        Engine._update_unit = original
     assert seen["thread"] == "tiered-offload-step"
 
 

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -66,6 +65,7 @@ from storage_backends import resolve_storage
 from tiered_offload.memstat import tune_allocator
 from tiered_offload.engine.binding import ParamSlot, Unit, plan_units
 from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
+from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.store.tiered_store import TieredStore
 from tiered_offload.store.tiers import Tier
@@ -171,10 +171,6 @@ class _UnitRun:
     norms: tuple[int, list[torch.Tensor]] | None = None
     """``(gradient version, L2 norm of each trainable parameter's gradient)`` from the backward
     that last changed the gradient: clipping reuses them while the version matches."""
-    updated: threading.Event | None = None
-    """Set once the step in flight has updated the unit (None: no step yet)."""
-    zero_after_update: bool = False
-    """``zero_grad()`` came while the unit's update was still to run: zero its gradient after it."""
 
 
 class Engine:
@@ -296,14 +292,11 @@ class Engine:
         self._grad_scale: torch.Tensor | None = None
         self._skip_step = False
         self._phases: list[Phase] = []
-        self._pending_lock = threading.Lock()
-        self._update_error: BaseException | None = None
-        self._update_thread: threading.Thread | None = None
-        self._progress = threading.Condition()
-        self._fwd_progress = -1
-        """Index (in update order) of the last unit the forward has started on."""
-        self._free_run = True
-        """Whether the background step may run ahead of the forward without limit."""
+        self._pipeline = UpdatePipeline(
+            self.config.step_lead,
+            before_each=lambda: self._committer is not None and self._committer.throttle(self.commit_window()),
+            on_error=lambda e: self._committer is not None and self._committer.fail(e))
+        """The optimizer step over units, inline or in the background."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
@@ -855,27 +848,11 @@ class Engine:
 
     def _await(self, unit: Unit | None = None) -> None:
         """Wait until the step in flight has updated ``unit`` (every unit if None); re-raise its error."""
-        if unit is None:  # not the forward: nothing will consume units in order any more
-            with self._progress:
-                self._free_run = True
-                self._progress.notify_all()
-        events = [r.updated for r in self._runs.values()] if unit is None else [self._runs[unit.name].updated]
-        for ev in events:
-            if ev is not None:
-                ev.wait()
-        if unit is None and self._update_thread is not None:
-            self._update_thread.join()
-            self._update_thread = None
-        if self._update_error is not None:
-            error, self._update_error = self._update_error, None
-            raise error
+        self._pipeline.wait(None if unit is None else unit.name)
 
     def _forward_reached(self, index: int) -> None:
         """The forward started on unit ``index`` of the update order: let the background step advance."""
-        with self._progress:
-            if index > self._fwd_progress:
-                self._fwd_progress = index
-                self._progress.notify_all()
+        self._pipeline.forward_reached(index)
 
     def _bind_rest(self) -> None:
         """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its gradient buffer."""
@@ -1161,44 +1138,13 @@ class Engine:
                 "step": self.step_count, "step_index": step_index,
                 "hyper": [_jsonable(h, "the optimizer's hyperparameters") for h in hypers], "no_grad": no_grad,
                 "scale": None if scale is None else float(scale.item()), "meta": self._meta()})
-        for run in self._runs.values():
-            run.updated = threading.Event()
         self.store.declare_access_sequence(self._sequence(self._phases))
         self._phases = []
-        if self.overlap_step:
-            with self._progress:
-                self._fwd_progress, self._free_run = -1, False
-            self._update_thread = threading.Thread(target=self._update_all, args=(hypers, scale, todo),
-                                                   name="tiered-offload-step", daemon=True)
-            self._update_thread.start()
-        else:
-            self._update_all(hypers, scale, todo)
-            self._await()
+        by_name = {u.name: u for u in self.units}
+        self._pipeline.run([u.name for u in self.schedule.update_order()],
+                           lambda name: self._update_unit(by_name[name], hypers, scale, todo),
+                           background=self.overlap_step)
         return True
-
-    def _update_all(self, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int]) -> None:
-        try:
-            for index, unit in enumerate(self.schedule.update_order()):
-                with self._progress:
-                    while not self._free_run and index - self._fwd_progress > self.config.step_lead:
-                        self._progress.wait()
-                if self._committer is not None:
-                    self._committer.throttle(self.commit_window())
-                self._update_unit(unit, hypers, scale, todo)
-                run = self._runs[unit.name]
-                with self._pending_lock:
-                    if run.zero_after_update:
-                        run.zero_after_update = False
-                        self.store.zero(unit.grad_key)
-                    run.updated.set()
-        except BaseException as e:  # surfaced by the next engine call that waits
-            self._update_error = e
-            if self._committer is not None:
-                self._committer.fail(e)
-        finally:
-            for run in self._runs.values():
-                if run.updated is not None:
-                    run.updated.set()
 
     def _update_runs(self, unit: Unit, todo: dict[int, int]) -> list[tuple[int, int, int, int]]:
         """``(start, end, group, step count)`` of the unit's stretches the step updates: adjacent
@@ -1313,15 +1259,9 @@ class Engine:
         A unit the step in flight has not reached yet is zeroed right after its update.
         """
         self._unbind_rest()
-        with self._pending_lock:
-            for unit in self.units:
-                if not unit.grad_key:
-                    continue
-                run = self._runs[unit.name]
-                if run.updated is not None and not run.updated.is_set():
-                    run.zero_after_update = True
-                else:
-                    self.store.zero(unit.grad_key)
+        for unit in self.units:
+            if unit.grad_key:
+                self._pipeline.after_update(unit.name, lambda key=unit.grad_key: self.store.zero(key))
         for _, slot in self._param_order:
             slot.has_grad = False
         for run in self._runs.values():

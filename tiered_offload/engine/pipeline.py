@@ -1,0 +1,118 @@
+"""The optimizer step as a pipeline over units: run inline, or on a background thread that the
+next forward paces (the step updates unit ``i`` just before the forward needs it, never more
+than ``lead`` units ahead of it, so what it updated is still resident when the forward arrives).
+
+The pipeline owns its thread, a per-unit event, the pacing condition and the error of a failed
+step; the engine tells it what one unit's update is and asks it to wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+__all__ = ["UpdatePipeline"]
+
+
+class UpdatePipeline:
+    """Runs ``update(name)`` for each unit name in order, inline or in the background.
+
+    Args:
+        lead: how many units the background step may run ahead of the forward.
+        before_each: called before each unit's update (the commit protocol throttles there).
+        on_error: called with the exception that stopped a background step.
+    """
+
+    def __init__(self, lead: int, *, before_each: Callable[[], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None):
+        self.lead = lead
+        self.before_each = before_each
+        self.on_error = on_error
+        self._updated: dict[str, threading.Event] = {}
+        self._after: dict[str, list[Callable[[], None]]] = {}
+        self._lock = threading.Lock()
+        self._progress = threading.Condition()
+        self._forward_at = -1
+        self._free_run = True
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- running ----------------------------------------------------------------------------
+    def run(self, names: Sequence[str], update: Callable[[str], None], *, background: bool) -> None:
+        """Update every unit of ``names`` in order. In the background: returns at once, and the
+        forward paces it through :meth:`forward_reached`. Inline: returns when all are updated
+        (raising what failed)."""
+        self.wait()
+        with self._lock:
+            self._updated = {n: threading.Event() for n in names}
+            self._after = {}
+        if not background:
+            self._run(list(names), update)
+            self.wait()
+            return
+        with self._progress:
+            self._forward_at, self._free_run = -1, False
+        self._thread = threading.Thread(target=self._run, args=(list(names), update), name="tiered-offload-step",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, names: list[str], update: Callable[[str], None]) -> None:
+        try:
+            for index, name in enumerate(names):
+                with self._progress:
+                    while not self._free_run and index - self._forward_at > self.lead:
+                        self._progress.wait()
+                if self.before_each is not None:
+                    self.before_each()
+                update(name)
+                with self._lock:
+                    for fn in self._after.pop(name, ()):
+                        fn()
+                    self._updated[name].set()
+        except BaseException as e:  # surfaced by the next wait()
+            self._error = e
+            if self.on_error is not None:
+                self.on_error(e)
+        finally:
+            for ev in self._updated.values():
+                ev.set()
+
+    # ---- the forward's side -------------------------------------------------------------------
+    def forward_reached(self, index: int) -> None:
+        """The forward started on unit ``index`` of the update order: let the background step advance."""
+        with self._progress:
+            if index > self._forward_at:
+                self._forward_at = index
+                self._progress.notify_all()
+
+    def wait(self, name: str | None = None) -> None:
+        """Wait until the step in flight has updated unit ``name`` (every unit if None); re-raise its error."""
+        if name is None:  # not the forward: nothing will consume units in order any more
+            with self._progress:
+                self._free_run = True
+                self._progress.notify_all()
+            events = list(self._updated.values())
+        else:
+            events = [self._updated[name]] if name in self._updated else []
+        for ev in events:
+            ev.wait()
+        if name is None and self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def after_update(self, name: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once unit ``name``'s update in flight is done: now if it is (or none is in flight)."""
+        with self._lock:
+            ev = self._updated.get(name)
+            if ev is not None and not ev.is_set():
+                self._after.setdefault(name, []).append(fn)
+                return
+        fn()
+
+    @property
+    def in_background(self) -> bool:
+        """A background step is running (or finished but not yet waited for)."""
+        return self._thread is not None
