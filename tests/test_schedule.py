@@ -1,0 +1,134 @@
+"""The schedule and the update pipeline, driven with numbers and names alone: no model, no store."""
+
+import threading
+
+import pytest
+
+from tiered_offload.engine.pipeline import UpdatePipeline
+from tiered_offload.engine.schedule import Phase, Schedule, UnitLayout
+
+KINDS = ("exp_avg", "exp_avg_sq")
+
+
+def units(n_blocks=3, block=1000, rest=5000, frozen_rest=0, piece=1 << 22):
+    blocks = [UnitLayout(name=f"block.{i}", is_block=True, numel=block, grad_numel=block, state_numel=block,
+                         piece_numel=piece) for i in range(n_blocks)]
+    trainable = rest - frozen_rest
+    return [*blocks, UnitLayout(name="rest", numel=rest, grad_numel=trainable, state_numel=trainable, piece_numel=piece)]
+
+
+def test_state_bytes_count_frozen_parameters_as_weights_only():
+    s = Schedule(units(frozen_rest=2000), KINDS)
+    assert s.state_bytes() == 3 * 1000 * 16 + 3000 * 16 + 2000 * 4
+
+
+def test_keys_pieces_and_shapes():
+    u = UnitLayout(name="rest", numel=10, grad_numel=8, state_numel=7, piece_numel=3)
+    assert u.pieces() == [(0, 3), (3, 6), (6, 7)]
+    assert u.piece_keys(KINDS, 1) == ["rest/state.exp_avg.1", "rest/state.exp_avg_sq.1"]
+    assert u.shapes(KINDS) == {"rest/weight": 10, "rest/grad": 8, "rest/state.exp_avg.0": 3, "rest/state.exp_avg_sq.0": 3,
+                               "rest/state.exp_avg.1": 3, "rest/state.exp_avg_sq.1": 3, "rest/state.exp_avg.2": 1,
+                               "rest/state.exp_avg_sq.2": 1}
+    one = UnitLayout(name="block.0", is_block=True, numel=5, grad_numel=5, state_numel=5, piece_numel=8)
+    assert one.state_keys(KINDS) == ["block.0/state.exp_avg", "block.0/state.exp_avg_sq"]  # one piece: the plain key
+    frozen = UnitLayout(name="block.1", is_block=True, numel=5)
+    assert frozen.grad_key is None and frozen.state_keys(KINDS) == [] and frozen.shapes(KINDS) == {"block.1/weight": 5}
+
+
+def test_access_sequence_phases_in_order_and_overlapped():
+    s = Schedule(units(n_blocks=2), ("m",))
+    plain = s.access_sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], overlap=False)
+    # the cycle starts with the step, then the forward (rest bound first), backward in reverse
+    assert plain[:3] == ["rest/weight", "rest/grad", "rest/state.m"]
+    fwd = plain.index("block.1/state.m") + 1
+    assert plain[fwd:fwd + 4] == ["rest/weight", "rest/grad", "block.0/weight", "block.1/weight"]
+    assert plain[fwd + 4:] == ["block.1/weight", "block.1/grad", "block.0/weight", "block.0/grad"]
+    overlapped = s.access_sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], overlap=True)
+    # each unit's update is followed at once by the forward's use of it
+    assert overlapped[:5] == ["rest/weight", "rest/grad", "rest/state.m", "rest/weight", "rest/grad"]
+    assert overlapped[5:9] == ["block.0/weight", "block.0/grad", "block.0/state.m", "block.0/weight"]
+    assert Phase("clip") is Phase.CLIP
+
+
+def test_working_set_does_not_scale_with_the_largest_units_optimizer_state():
+    # a vocabulary-sized rest (50M elements) and small blocks: the step streams its states in pieces
+    s = Schedule(units(n_blocks=4, block=3_000_000, rest=50_000_000, piece=4 << 20), KINDS)
+    ws = s.working_set()
+    mib = 1 << 20
+    assert ws.forward_backward == (2 * 50_000_000 + 3 * 3_000_000) * 4
+    assert ws.optimizer == 2 * 50_000_000 * 4 + 2 * 16 * mib  # weights + gradients + one piece per state
+    assert ws.slack == 16 * mib  # the larger of a block's weights and one state piece, not the largest unit
+    assert ws.need < 0.5 * s.state_bytes()
+    assert ws.largest_block == "block.0"
+
+
+def test_overlap_needs_room_for_an_update_beside_the_forward():
+    s = Schedule(units(n_blocks=20), KINDS)
+    ws = s.working_set()
+    assert not s.overlap_fits(s.state_bytes())  # everything fits: nothing to hide
+    assert s.overlap_fits(ws.optimizer + ws.forward_backward + ws.slack)
+    assert not s.overlap_fits(ws.optimizer + ws.forward_backward + ws.slack - 1)
+
+
+def test_commit_window_keeps_extra_disk_within_a_quarter():
+    s = Schedule(units(n_blocks=8, rest=1000), KINDS)
+    assert s.commit_window() == 3  # units of 12000 bytes of weights and states; a quarter of 144000 is 36000
+    assert s.extra_disk_bytes(durable=True) <= 0.25 * s.state_bytes()
+    assert s.extra_disk_bytes(durable=False) == 0
+    # a unit larger than a quarter of the state: still one at a time (the bound is then that unit)
+    assert Schedule(units(n_blocks=1, rest=50_000), KINDS).commit_window() == 1
+
+
+def test_a_schedule_needs_one_rest_unit():
+    with pytest.raises(ValueError, match="exactly one rest unit"):
+        Schedule([UnitLayout(name="a", is_block=True, numel=1)], KINDS)
+
+
+# ---- the update pipeline --------------------------------------------------------------------------
+def test_inline_pipeline_updates_in_order_and_runs_deferred_work():
+    done = []
+    p = UpdatePipeline(lead=2)
+    p.run(["rest", "block.0", "block.1"], done.append, background=False)
+    assert done == ["rest", "block.0", "block.1"]
+    p.after_update("block.0", lambda: done.append("zero block.0"))  # nothing in flight: runs now
+    assert done[-1] == "zero block.0"
+
+
+def test_background_pipeline_never_runs_more_than_lead_units_ahead_of_the_forward():
+    lead, names = 1, [f"u{i}" for i in range(6)]
+    started, forward_at, ahead = [], [-1], []
+    lock = threading.Lock()
+
+    def update(name):
+        with lock:
+            ahead.append(names.index(name) - forward_at[0])
+            started.append(name)
+    p = UpdatePipeline(lead=lead)
+    p.run(names, update, background=True)
+    for i in range(len(names)):
+        p.wait(names[i]) if i > lead + 1 else None
+        with lock:
+            forward_at[0] = i
+        p.forward_reached(i)
+        p.wait(names[i])
+    p.wait()
+    assert started == names and max(ahead) <= lead + 1
+
+
+def test_background_error_reaches_the_next_wait_and_deferred_work_still_runs():
+    errors, zeroed = [], []
+    gate = threading.Event()
+
+    def update(name):
+        gate.wait(10)
+        if name == "u1":
+            raise OSError("disk gone")
+    p = UpdatePipeline(lead=10, on_error=errors.append)
+    p.run(["u0", "u1", "u2"], update, background=True)
+    p.after_update("u0", lambda: zeroed.append("u0"))  # still pending: deferred until u0 is updated
+    assert zeroed == []
+    gate.set()
+    with pytest.raises(OSError, match="disk gone"):
+        p.wait()
+    assert zeroed == ["u0"] and len(errors) == 1
+    p.wait()  # reported once
