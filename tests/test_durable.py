@@ -135,7 +135,7 @@ def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterr
     with pytest.raises(SystemExit):
         train(engine, 3)
         engine.wait_committed()
-    engine._dir_lock.release()  # what the kernel does when the process dies
+    engine._checkpoint.lock.release()  # what the kernel does when the process dies
     monkeypatch.undo()
     journal = StateFiles(tmp_path / "s" / STATE_DIR).read_journal()
     assert [r["type"] for r in journal] == ["intent"] + ["unit"] * recorded
@@ -252,7 +252,7 @@ def test_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path):
     lock = tmp_path / "s" / STATE_DIR / "lock"
     lock.write_text(json.dumps({"pid": 999999, "host": "gone", "since": "yesterday", "command": "x"}))
     engine = make_engine(tmp_path / "s", resume=True)
-    assert engine._dir_lock.took_over["pid"] == 999999
+    assert engine._checkpoint.lock.took_over["pid"] == 999999
     engine.close()
 
 

@@ -43,6 +43,7 @@ import socket
 import sys
 import threading
 import zlib
+from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -54,7 +55,7 @@ from offload_core.errors import CheckpointError, CorruptionError, DiskFullError,
 log = logging.getLogger(__name__)
 
 __all__ = ["STATE_DIR", "FORMAT", "DirectoryLock", "StateFiles", "Committer", "encode_rng", "decode_rng",
-           "encode_tensor", "decode_tensor", "state_directory"]
+           "encode_tensor", "decode_tensor", "state_directory", "CommittedState", "read_committed"]
 
 STATE_DIR = ".tiered-offload"
 FORMAT = "tiered-offload/1"
@@ -284,6 +285,52 @@ def decode_rng(text: str) -> torch.Tensor:
 # ---- the commit protocol -----------------------------------------------------------------
 Ref = tuple[str, int | None] | None
 """An extent and its CRC, or None for an all-zero tensor (no extent)."""
+
+
+@dataclass
+class CommittedState:
+    """The training state a storage directory holds: the manifest's step, plus the step in flight
+    that the journal holds when the engine stopped between a step's intent and its last unit
+    record (committed all the same: its gradients and hyperparameters are in the intent)."""
+
+    manifest: dict
+    intent: dict | None = None
+    """The intent record of step ``manifest["step"] + 1``, if that step is in flight."""
+    recorded: dict[str, dict[str, Ref]] = field(default_factory=dict)
+    """Of the step in flight, the units already rewritten: unit -> {key: (extent, crc) or None}."""
+
+    def committed(self) -> dict[str, Ref]:
+        """``{key: (extent, crc)}`` of the manifest's tensors (None: all zeros)."""
+        return {k: v["extent"] and (v["extent"], v["crc"]) for k, v in self.manifest["tensors"].items()}
+
+    def tensors(self) -> dict[str, Ref]:
+        """The current version of every durable tensor: the manifest's, then the recorded units'."""
+        out = self.committed()
+        for refs in self.recorded.values():
+            out.update(refs)
+        return out
+
+    def grads(self) -> dict[str, Ref]:
+        """The gradients the step in flight applies ({} when none is in flight)."""
+        if self.intent is None:
+            return {}
+        return {k: _ref(v) for k, v in self.intent["grads"].items()}
+
+
+def read_committed(files: "StateFiles") -> CommittedState | None:
+    """Read a directory's committed state (the one journal replay, for the engine and the offline
+    tools alike); None when it holds none."""
+    manifest = files.read_manifest()
+    if manifest is None:
+        return None
+    records = files.read_journal()
+    nxt = manifest["step"] + 1
+    intent = next((r for r in records if r.get("type") == "intent" and r.get("step") == nxt), None)
+    recorded = {}
+    if intent is not None:
+        recorded = {r["unit"]: {k: _ref(v) for k, v in r["tensors"].items()}
+                    for r in records if r.get("type") == "unit" and r.get("step") == nxt}
+    return CommittedState(manifest, intent, recorded)
 
 
 class Committer:

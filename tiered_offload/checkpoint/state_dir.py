@@ -20,7 +20,7 @@ from storage_backends.base import key_to_filename, validate_key
 from storage_backends.posix import PosixBackend
 
 from tiered_offload.store.checksum import crc32
-from tiered_offload.checkpoint.durable import LOCK, STATE_DIR, StateFiles, _read_holder, decode_tensor
+from tiered_offload.checkpoint.durable import LOCK, STATE_DIR, StateFiles, _read_holder, decode_tensor, read_committed
 from offload_core.errors import CheckpointError, CorruptionError, ExtentNotFoundError, InvalidKeyError, ShortReadError
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, write_private
 
@@ -35,27 +35,23 @@ class StateDirectory:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser().absolute()
         self.files = StateFiles(self.path / STATE_DIR)
-        manifest = self.files.read_manifest() if self.path.is_dir() else None
-        if manifest is None:
+        state = read_committed(self.files) if self.path.is_dir() else None
+        if state is None:
             raise CheckpointError(f"{self.path} holds no training state (no {self.files.manifest_path}); give the "
                                   f"storage directory an engine trained in")
-        self.manifest = manifest
+        manifest = self.manifest = state.manifest
         # a step in flight: its intent and the units already rewritten are part of the state
-        journal = self.files.read_journal()
-        self.intent = next((r for r in journal if r.get("type") == "intent" and r.get("step") == manifest["step"] + 1), None)
-        self.recorded = {r["unit"]: r["tensors"] for r in journal
-                         if self.intent is not None and r.get("type") == "unit" and r.get("step") == self.intent["step"]}
+        self.intent, self.recorded = state.intent, state.recorded
+        current = state.tensors()
         self.tensors = {k: dict(v) for k, v in manifest["tensors"].items()}
-        for refs in self.recorded.values():
-            for k, ref in refs.items():
-                self.tensors[k].update(extent=ref and ref[0], crc=ref and ref[1])
-        if self.intent is not None:
-            for k, ref in self.intent["grads"].items():
-                unit = k.split("/", 1)[0]
-                info = next(u for u in manifest["units"] if u["name"] == unit)
-                n = info.get("grad_numel", info["numel"]) * 4
-                self.tensors[k] = {"extent": ref and ref[0], "crc": ref and ref[1], "nbytes": n, "dtype": "float32",
-                                   "shape": [n // 4], "offset": 0}
+        for k, ref in current.items():
+            self.tensors[k].update(extent=ref and ref[0], crc=ref and ref[1])
+        for k, ref in state.grads().items():
+            unit = k.split("/", 1)[0]
+            info = next(u for u in manifest["units"] if u["name"] == unit)
+            n = info.get("grad_numel", info["numel"]) * 4
+            self.tensors[k] = {"extent": ref and ref[0], "crc": ref and ref[1], "nbytes": n, "dtype": "float32",
+                               "shape": [n // 4], "offset": 0}
         storage = manifest.get("storage") or {}
         dirs = [Path(d) for d in storage.get("directories") or [self.path]]
         dirs[0] = self.path  # the directory may have been moved since

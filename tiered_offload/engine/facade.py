@@ -38,17 +38,8 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
-from tiered_offload.checkpoint.durable import (
-    FORMAT,
-    Committer,
-    DirectoryLock,
-    StateFiles,
-    decode_rng,
-    decode_tensor,
-    encode_rng,
-    encode_tensor,
-    state_directory,
-)
+from tiered_offload.checkpoint.durable import FORMAT, CommittedState, decode_rng, decode_tensor, encode_rng, encode_tensor
+from tiered_offload.checkpoint.session import CheckpointSession
 from offload_core.errors import (
     CheckpointError,
     ConfigError,
@@ -237,8 +228,8 @@ class Engine:
         self._scheduler = None
         self._resumed_scheduler_state = None
         self._resumed_param_groups = None
-        self._dir_lock: DirectoryLock | None = None
-        self._committer: Committer | None = None
+        self._checkpoint: CheckpointSession | None = None
+        """The storage directory as a checkpoint (durable mode)."""
         self._model_config = _model_config(model)
         self.seq_name, self.blocks, self.rest, self._param_order = plan_units(model, blocks)
         self.units: list[Unit] = [*self.blocks, self.rest]
@@ -264,20 +255,23 @@ class Engine:
                                  lambda n: self.store.footprint(n, self.store.compute_tier))
         """Unit order, access sequence and budget arithmetic (pure numbers)."""
         self.step_count = 0
-        manifest = None
+        recovered = None
         try:
             if self.durable:
-                manifest = self._open_directory(resume)
+                self._checkpoint = CheckpointSession(self.store, self._describe)
+                recovered = self._checkpoint.open(resume)
+                if recovered is not None:
+                    self._check_layout(recovered.manifest)
+                # remains of writes a crash cut short (a first start that died before its first manifest too)
+                self._checkpoint.collect_garbage({k for u in self.units for k in u.all_keys(self._state_kinds)})
             self._check_budgets()
-            if manifest is None:
-                if self.durable:
-                    self._collect_garbage(set())  # a first start that died before its first manifest
+            if recovered is None:
                 self._check_disk()
                 self._register_and_load(init_from)
             else:
                 if init_from is not None:
                     raise ConfigError("init_from and a resumed state both give the weights; pass only one")
-                self._adopt(manifest)
+                self._adopt(recovered)
             self._install_proxies()
             self._module_buffers = self._buffer_slots()
         except BaseException:
@@ -294,8 +288,8 @@ class Engine:
         self._phases: list[Phase] = []
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
-            before_each=lambda: self._committer is not None and self._committer.throttle(self.commit_window()),
-            on_error=lambda e: self._committer is not None and self._committer.fail(e))
+            before_each=lambda: self._checkpoint is not None and self._checkpoint.throttle(self.commit_window()),
+            on_error=lambda e: self._checkpoint is not None and self._checkpoint.fail(e))
         """The optimizer step over units, inline or in the background."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
@@ -316,7 +310,7 @@ class Engine:
         self._unbind_rest()
         if self.durable:
             try:
-                self._start_commits(manifest)
+                self._start_commits()
             except BaseException:
                 self._release_directory()
                 self.store.close(flush=False)
@@ -556,34 +550,10 @@ class Engine:
             cfg.use_cache = False  # key/value caches are for generation; training does not need them
 
     # ---- durable state ------------------------------------------------------------------
-    def _open_directory(self, resume) -> dict | None:
-        """Lock the storage directory; the manifest to resume from, or None to start fresh."""
-        directories = self.store.backend.directories
-        if not self.store.backend.supports_durable_state:
-            raise ConfigError(f"durable=True needs storage in a directory (posix, aiofiles, kvikio); "
-                              f"{self.store.backend.location} has none")
-        state_dir = state_directory(str(directories[0]))
-        self._dir_lock = DirectoryLock(state_dir).acquire()
-        self._files = StateFiles(state_dir)
-        manifest = self._files.read_manifest()
-        if manifest is not None and not resume:
-            raise CheckpointError(
-                f"{self.store.backend.location} already holds a training state (step {manifest['step']}); pass "
-                f"resume=True to continue it, or give an empty directory (or delete this one) to start over")
-        if manifest is None and resume is True:
-            raise CheckpointError(f"{self.store.backend.location} holds no committed training state to resume "
-                                  f"(no {self._files.manifest_path}); pass resume='auto' to start fresh when there is none")
-        if manifest is not None:
-            self._check_layout(manifest)
-        return manifest
-
     def _release_directory(self) -> None:
-        if self._committer is not None:
-            self._committer.close()
-            self._committer = None
-        if self._dir_lock is not None:
-            self._dir_lock.release()
-            self._dir_lock = None
+        if self._checkpoint is not None:
+            self._checkpoint.close()
+            self._checkpoint = None
 
     def _layout(self) -> dict:
         """How the state's tensors map to the model and the optimizer (checked by a resume)."""
@@ -622,7 +592,7 @@ class Engine:
                             f"group {i} lists its parameters in another order")
                     break
             raise CheckpointError(
-                f"{self._files.manifest_path} was trained with other optimizer parameter groups: {diff}. Build the "
+                f"{self._checkpoint.files.manifest_path} was trained with other optimizer parameter groups: {diff}. Build the "
                 f"optimizer's groups as before (or resume with Engine.resume(...) and no optimizer=, which rebuilds them)")
         for what in ("units", "params", "optimizer"):
             if manifest.get(what) != mine[what]:
@@ -630,26 +600,15 @@ class Engine:
                 diff = next((f"{a} != {b}" for a, b in zip(theirs, mine[what]) if a != b),
                             f"{len(theirs)} entries != {len(mine[what])}") if isinstance(theirs, list) else f"{theirs} != {mine[what]}"
                 raise CheckpointError(
-                    f"{self._files.manifest_path} was written for another model or optimizer: its {what} differ "
+                    f"{self._checkpoint.files.manifest_path} was written for another model or optimizer: its {what} differ "
                     f"(saved vs. this run: {diff}). Build the same model and optimizer, or use another directory")
 
     def _durable_keys(self, unit: Unit) -> list[str]:
         return unit.durable_keys(self._state_kinds)
 
-    def _adopt(self, manifest: dict) -> None:
-        """Register every tensor from the committed state (and the step in flight, if any) without reading it."""
-        records = self._files.read_journal()
-        base = manifest["step"]
-        intent = next((r for r in records if r.get("type") == "intent" and r.get("step") == base + 1), None)
-        recorded = {r["unit"]: r["tensors"] for r in records
-                    if intent is not None and r.get("type") == "unit" and r.get("step") == base + 1}
-        tensors = {k: v["extent"] and (v["extent"], v["crc"]) for k, v in manifest["tensors"].items()}
-        for refs in recorded.values():
-            tensors.update({k: v and tuple(v) for k, v in refs.items()})
-        grads = {}
-        if intent is not None:
-            grads = {k: v and tuple(v) for k, v in intent["grads"].items()}
-        self._collect_garbage({r[0] for r in [*tensors.values(), *grads.values()] if r})
+    def _adopt(self, state: CommittedState) -> None:
+        """Register every tensor of the committed state (and of the step in flight) without reading it."""
+        tensors, grads = state.tensors(), state.grads()
         for unit in self.units:
             for key, numel in unit.shapes(self._state_kinds).items():
                 ref = grads.get(key) if key == unit.grad_key else tensors.get(key)
@@ -660,54 +619,30 @@ class Engine:
             for slot in unit.params:
                 slot.param.data = self._placeholder()
         self._move_buffers()
-        self._resume_base, self._resume_intent, self._resume_recorded = manifest, intent, recorded
 
-    def _collect_garbage(self, keep: set[str]) -> None:
-        """Delete this engine's extents that the committed state does not name: remains of writes a
-        crash cut short. Other files in the directory are never touched."""
-        mine = {k for u in self.units for k in u.all_keys(self._state_kinds)}
-        for extent in self.store.backend.keys():
-            key, _, gen = extent.rpartition("@")
-            if key in mine and gen.isdigit() and extent not in keep:
-                self.store.backend.delete(extent)
-
-    def _start_commits(self, manifest: dict | None) -> None:
-        """Hand the committed state to the commit protocol; finish a step a crash interrupted."""
+    def _start_commits(self) -> None:
+        """Hand the committed state to the commit protocol (finishing a step a crash interrupted)
+        and restore the step counter, learning rates, RNG, buffers and user state it records."""
         units = {u.name: self._durable_keys(u) for u in self.units}
         grads = {u.name: u.grad_key for u in self.units if u.grad_key}
-        self._committer = Committer(self._files, self.store, units, grads, self._describe)
-        if manifest is None:
-            committed = {k: self.store.extent(k) for keys in units.values() for k in keys}
-            committed = {k: (r if r[0] is not None else None) for k, r in committed.items()}
-            latest = {k: r[0] for k, r in committed.items() if r}
-            self.store.backend.sync(latest.values())
-            self._committer.start(0, committed, self._meta(), latest)
-            self._committer.write_manifest(0, self._meta())
+        meta = self._checkpoint.start(units, grads, self._meta, self._redo_step)
+        if self._checkpoint.recovered is None:
             return
-        committed = {k: v["extent"] and (v["extent"], v["crc"]) for k, v in manifest["tensors"].items()}
-        latest = {k: e for k in self.store.keys() if (e := self.store.extent(k)[0]) is not None}
-        self._committer.start(manifest["step"], committed, manifest["meta"], latest)
-        meta = manifest["meta"]
-        intent = self._resume_intent
-        if intent is not None:
-            todo = self._committer.resume_intent(intent, {u: {k: v and tuple(v) for k, v in refs.items()}
-                                                          for u, refs in self._resume_recorded.items()})
-            saved = intent["hyper"] if isinstance(intent["hyper"], list) else [intent["hyper"]]
-            hypers = [_hyper_from_json(h, g) for h, g in zip(saved, self.param_groups)]
-            scale = None if intent["scale"] is None else torch.tensor(intent["scale"], dtype=torch.float32)
-            todo_slots = self._replayed_updates(intent)
-            by_name = {u.name: u for u in self.units}
-            for name in [u.name for u in self.schedule.update_order() if u.name in todo]:
-                self._committer.throttle(self.commit_window())
-                self._update_unit(by_name[name], hypers, scale, todo_slots)
-            self._committer.finish_now()
-            self._committer.wait()
-            meta = intent["meta"]
         for unit in self.units:
             if unit.grad_key:
                 self.store.zero(unit.grad_key)
         self._restore_meta(meta)
-        del self._resume_base, self._resume_intent, self._resume_recorded
+
+    def _redo_step(self, intent: dict, todo: list[str]) -> None:
+        """Re-run a committed step's update of the units ``todo`` from the bytes it started from."""
+        saved = intent["hyper"] if isinstance(intent["hyper"], list) else [intent["hyper"]]
+        hypers = [_hyper_from_json(h, g) for h, g in zip(saved, self.param_groups)]
+        scale = None if intent["scale"] is None else torch.tensor(intent["scale"], dtype=torch.float32)
+        updates = self._replayed_updates(intent)
+        for unit in self.schedule.update_order():
+            if unit.name in todo:
+                self._checkpoint.throttle(self.commit_window())
+                self._update_unit(unit, hypers, scale, updates)
 
     def _meta(self) -> dict:
         """What, besides the tensors, the state after a step is."""
@@ -818,10 +753,9 @@ class Engine:
     def wait_committed(self) -> int:
         """Wait until the last step is fully written to the storage directory; returns its number."""
         self._await()
-        if self._committer is None:
+        if self._checkpoint is None:
             return self.step_count
-        self._committer.wait()
-        return self._committer.step
+        return self._checkpoint.wait()
 
     # ---- access bookkeeping -------------------------------------------------------------
     def _phase(self, phase: Phase) -> None:
@@ -1042,12 +976,12 @@ class Engine:
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
         self._phase(Phase.BACKWARD)
-        if self._committer is not None:
+        if self._checkpoint is not None:
             # the last step's gradients stay on disk until every unit of it is recorded: wait, so
             # this backward's gradients never need a second copy alongside them (the forward has
             # waited for every unit it used; a unit it skipped is updated now)
             self._await()
-            self._committer.wait()
+            self._checkpoint.wait()
         try:
             loss.backward()
         finally:
@@ -1131,10 +1065,10 @@ class Engine:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
         if self._scheduler is not None:
             self._scheduler.step()
-        if self._committer is not None:
+        if self._checkpoint is not None:
             # the step is committed once its gradients and this record are on disk: from here on a
             # crash resumes after it, by re-running the update of the units not yet recorded
-            self._committer.begin_step({
+            self._checkpoint.begin_step({
                 "step": self.step_count, "step_index": step_index,
                 "hyper": [_jsonable(h, "the optimizer's hyperparameters") for h in hypers], "no_grad": no_grad,
                 "scale": None if scale is None else float(scale.item()), "meta": self._meta()})
@@ -1176,7 +1110,7 @@ class Engine:
             # and can be dropped at once instead of stalling the caller on a write. (Durable: the
             # commit needs them on disk anyway. Volatile with everything in memory: nothing is
             # evicted, so nothing is written.)
-            write_behind = self._committer is not None or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
+            write_behind = self._checkpoint is not None or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
             w, g = self._get_group([unit.weight_key, unit.grad_key])
             try:
                 for i, (a, b) in enumerate(unit.pieces()):
@@ -1201,8 +1135,8 @@ class Engine:
                 self.store.release(unit.weight_key)
             if write_behind:
                 futures.append(self.store.write_back(unit.weight_key))
-        if self._committer is not None:
-            self._committer.unit_updated(unit.name, futures)
+        if self._checkpoint is not None:
+            self._checkpoint.unit_updated(unit.name, futures)
 
     def _apply_optimizer(self, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], a: int, b: int,
                          hyper: dict, scale: torch.Tensor | None, updates: int) -> None:
@@ -1300,9 +1234,9 @@ class Engine:
             self._grad_hooks = []
             self._unbind_rest()
             self._await()
-            if self._committer is not None:
-                self._committer.wait()
-                self._committer.close()  # no journal work left running when the backend closes
+            if self._checkpoint is not None:
+                self._checkpoint.wait()
+                self._checkpoint.close()  # no journal work left running when the backend closes
         finally:
             try:
                 # durable: the committed state is complete; what is dirty now (gradients) is not part of it
