@@ -9,7 +9,11 @@ back. Blocks are the members of the model's block sequence (an ``nn.ModuleList``
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -17,7 +21,7 @@ from torch import nn
 from offload_core.errors import ModelStructureError
 from tiered_offload.engine.schedule import UnitLayout
 
-__all__ = ["ParamSlot", "Unit", "find_block_sequence", "plan_units"]
+__all__ = ["ParamSlot", "Unit", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
 
 
 @dataclass(eq=False)
@@ -156,3 +160,207 @@ def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Uni
                 raise ModelStructureError(f"{full} is the same tensor as {block_slots[id(p)][1].name}: weights tied "
                                           f"between a block and the rest of the model cannot be streamed")
     return seq_name, blocks, rest, order
+
+
+@contextlib.contextmanager
+def empty_init():
+    """Build a model with its parameters on the meta device and its buffers real.
+
+    ``with tiered_offload.empty_init(): model = MyModel(config)`` allocates no parameter memory;
+    the engine then initialises the parameters unit by unit, straight into its store, with the
+    modules' own initialisation. Buffers (rotary frequencies, masks) are computed normally.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+class _BlockProxy(nn.Module):
+    """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
+
+    def __init__(self, forward: Callable[[int, tuple, dict], Any], index: int):
+        super().__init__()
+        self._streamed_forward = forward
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        return self._streamed_forward(self.index, args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"streamed block {self.index}"
+
+
+class ModelBinding:
+    """The user's model as the engine streams it: split into units whose parameters are slots in
+    flat buffers, meta parameters made real (and empty: their values live in the store), blocks
+    replaced by proxies, buffers on the device. No store and no streaming here.
+
+    Args:
+        model: the user's model (possibly built with :func:`empty_init`).
+        blocks: dotted name of the block sequence, or None to find it.
+        device: where compute runs (buffers and placeholders live there).
+    """
+
+    def __init__(self, model: nn.Module, blocks: str | None, device: torch.device):
+        self.model = model
+        self.device = device
+        self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks)
+        self.units: list[Unit] = [*self.blocks, self.rest]
+        self.model_config = model_config(model)
+        """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
+        self.buffers: list[tuple[str, nn.Module, str, bool]] = []
+        """``(name, module, attribute, persistent)`` of every buffer, once the proxies are in place."""
+
+    def arrange(self, group_of: dict[int, int], piece_numel: int) -> None:
+        """Lay every unit's parameters out for the optimizer's groups (see :meth:`Unit.arrange`)."""
+        for unit in self.units:
+            unit.piece_numel = piece_numel
+            unit.arrange(group_of)
+
+    @property
+    def on_meta(self) -> bool:
+        return any(p.device.type == "meta" for p in self.model.parameters())
+
+    def release_parameters(self) -> None:
+        """The store holds the weights now: parameters become empty (real, not meta) tensors."""
+        if self.on_meta:
+            self.replace_meta_parameters()
+        for unit in self.units:
+            for slot in unit.params:
+                slot.param.data = self.placeholder()
+        self.move_buffers()
+
+    def placeholder(self) -> torch.Tensor:
+        """What an unbound parameter holds: no memory (its real value lives in the store)."""
+        return torch.empty(0, device=self.device)
+
+    def replace_meta_parameters(self) -> None:
+        """Swap meta parameters for real (empty) ones: a meta tensor's data cannot be rebound later."""
+        new: dict[int, nn.Parameter] = {}
+        for unit in self.units:
+            for slot in unit.params:
+                new[id(slot.param)] = nn.Parameter(self.placeholder(), requires_grad=slot.param.requires_grad)
+        for module in [self.model, *(u.module for u in self.blocks)]:
+            for sub in module.modules():
+                for name, p in list(sub._parameters.items()):
+                    if p is not None and id(p) in new:
+                        sub._parameters[name] = new[id(p)]
+        for unit in self.units:
+            for slot in unit.params:
+                slot.param = new[id(slot.param)]
+
+    def initialiser(self) -> Callable[[nn.Module], None]:
+        hf_init = getattr(self.model, "_init_weights", None)
+        if callable(hf_init):
+            return hf_init
+
+        def reset(module: nn.Module) -> None:
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        return reset
+
+    def initialise_unit(self, unit: Unit, flat: torch.Tensor, init: Callable[[nn.Module], None]) -> None:
+        """Materialise the unit's modules on the CPU one at a time, initialise them, copy into ``flat``."""
+        # A tied parameter is initialised by the module that registered it first (the name
+        # named_parameters() reports), as when the model is built eagerly and then tied.
+        by_name = {(s.local_name if unit.module is not None else s.name): s for s in unit.params}
+        root = unit.module if unit.module is not None else self.model
+        inside = set()
+        if unit.module is None:  # the rest: skip modules inside the block sequence
+            inside = {id(m) for m in self.model.get_submodule(self.seq_name).modules()}
+        for qual, m in _post_order(root):
+            if id(m) in inside:
+                continue
+            mine = [(n, by_name[f"{qual}.{n}" if qual else n]) for n, _ in m.named_parameters(recurse=False)
+                    if (f"{qual}.{n}" if qual else n) in by_name]
+            if not mine:
+                continue
+            for n, slot in mine:  # a real tensor for the initialiser to fill; NaN shows what it missed
+                m._parameters[n] = nn.Parameter(torch.full(slot.shape, math.nan), requires_grad=slot.param.requires_grad)
+            init(m)
+            for n, slot in mine:
+                value = m._parameters[n].detach()
+                if torch.isnan(value).any():
+                    raise ModelStructureError(
+                        f"parameter {slot.name!r} ({type(m).__name__}) has no initialiser: neither reset_parameters() "
+                        f"nor the model's _init_weights set it. Build the model on the CPU instead of the meta device, "
+                        f"or give the module a reset_parameters()")
+                flat[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+                m._parameters[n] = slot.param  # back to the meta parameter the unit tracks
+
+    def move_buffers(self) -> None:
+        for module in [*(u.module for u in self.blocks), self.model]:
+            for sub in module.modules():
+                for name, buf in list(sub._buffers.items()):
+                    if buf is not None and buf.device != self.device:
+                        if buf.device.type == "meta":
+                            raise ModelStructureError(
+                                f"buffer {name!r} of {type(sub).__name__} is on the meta device, so its value is lost; "
+                                f"build the model with tiered_offload.empty_init() (buffers stay real) instead of "
+                                f"torch.device('meta')")
+                        sub._buffers[name] = buf.to(self.device)
+
+    def buffer_slots(self) -> list[tuple[str, nn.Module, str, bool]]:
+        """``(name, module, attribute, persistent)`` of every module buffer, blocks included, under
+        the name ``model.named_buffers()`` gives it (call once the proxies are in place)."""
+        out, seen = [], set()
+        roots = [("", self.model), *((f"{self.seq_name}.{u.index}", u.module) for u in self.blocks)]
+        for prefix, root in roots:
+            for mname, mod in root.named_modules():
+                for bname, buf in mod._buffers.items():
+                    if buf is None or id(buf) in seen:
+                        continue
+                    seen.add(id(buf))
+                    full = ".".join(x for x in (prefix, mname, bname) if x)
+                    out.append((full, mod, bname, bname not in mod._non_persistent_buffers_set))
+        return out
+
+    def snapshot_buffers(self, unit: Unit) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
+        """The block's buffers before its forward (to replay the forward exactly in backward)."""
+        return [(mod, name, buf, buf._version, buf.clone()) for mod in unit.module.modules()
+                for name, buf in mod._buffers.items() if buf is not None]
+
+    @staticmethod
+    def changed_buffers(snapshot) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """Of a snapshot, the buffers the forward changed (in place or by assignment), with their old values."""
+        # kernels that update running statistics do not always bump the version counter: compare
+        return [(mod, name, old) for mod, name, buf, version, old in snapshot
+                if mod._buffers.get(name) is not buf or buf._version != version or not torch.equal(buf, old)]
+
+    def install_proxies(self, forward: Callable[[int, tuple, dict], Any]) -> None:
+        """Replace each block of the model's sequence by a proxy that calls ``forward(index, args, kwargs)``."""
+        seq = self.model.get_submodule(self.seq_name)
+        for i in range(len(seq)):
+            seq[i] = _BlockProxy(forward, i)
+        cfg = getattr(self.model, "config", None)
+        if cfg is not None and getattr(cfg, "use_cache", False):
+            cfg.use_cache = False  # key/value caches are for generation; training does not need them
+
+
+def model_config(model: nn.Module) -> dict | None:
+    """The model's Hugging Face configuration as JSON (for config.json next to an export), if it has one."""
+    cfg = getattr(model, "config", None)
+    to_json = getattr(cfg, "to_json_string", None)
+    if not callable(to_json):
+        return None
+    try:
+        return json.loads(to_json())
+    except (TypeError, ValueError):
+        return None
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` children first: the order ``module.apply`` initialises in."""
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module

@@ -30,7 +30,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -45,7 +45,6 @@ from offload_core.errors import (
     ConfigError,
     DiskFullError,
     ModelInputError,
-    ModelStructureError,
     NonFiniteError,
     TensorStateError,
     TierCapacityError,
@@ -54,7 +53,7 @@ from offload_core.errors import (
 from storage_backends import resolve_storage
 
 from tiered_offload.memstat import tune_allocator
-from tiered_offload.engine.binding import ParamSlot, Unit, plan_units
+from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, empty_init
 from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.schedule import Phase, Schedule
@@ -65,44 +64,6 @@ from offload_core.sizes import format_size, format_size_up
 __all__ = ["Engine", "empty_init"]
 
 _FP32 = 4
-
-
-@contextlib.contextmanager
-def empty_init():
-    """Build a model with its parameters on the meta device and its buffers real.
-
-    ``with tiered_offload.empty_init(): model = MyModel(config)`` allocates no parameter memory;
-    the engine then initialises the parameters unit by unit, straight into its store, with the
-    modules' own initialisation. Buffers (rotary frequencies, masks) are computed normally.
-    """
-    original = nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            p = module._parameters[name]
-            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-class _BlockProxy(nn.Module):
-    """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
-
-    def __init__(self, engine: "Engine", index: int):
-        super().__init__()
-        self._engine_ref = engine
-        self.index = index
-
-    def forward(self, *args, **kwargs):
-        return self._engine_ref._block_forward(self.index, args, kwargs)
-
-    def extra_repr(self) -> str:
-        return f"streamed block {self.index}"
 
 
 class _StreamedBlock(torch.autograd.Function):
@@ -120,12 +81,12 @@ class _StreamedBlock(torch.autograd.Function):
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
         args, kwargs = _rebuild(spec, leaves, inputs)
-        snapshot = engine._snapshot_buffers(engine.blocks[index])
+        snapshot = engine.binding.snapshot_buffers(engine.blocks[index])
         with torch.enable_grad():
             out = engine._run_block(index, args, kwargs, as_trained=True)
         # a block that updates buffers (BatchNorm's running statistics, a counter) sees them in
         # the recompute as its forward saw them, and the recompute's updates are discarded
-        ctx.buffers_before = engine._changed_buffers(snapshot)
+        ctx.buffers_before = engine.binding.changed_buffers(snapshot)
         del snapshot
         out_leaves, out_spec = tree_flatten(out)
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
@@ -230,9 +191,11 @@ class Engine:
         self._resumed_param_groups = None
         self._checkpoint: CheckpointSession | None = None
         """The storage directory as a checkpoint (durable mode)."""
-        self._model_config = _model_config(model)
-        self.seq_name, self.blocks, self.rest, self._param_order = plan_units(model, blocks)
-        self.units: list[Unit] = [*self.blocks, self.rest]
+        self.binding = ModelBinding(model, blocks, self.device)
+        """The model split into units, its parameters as slots in flat buffers, its proxies."""
+        self.seq_name, self.blocks, self.rest = self.binding.seq_name, self.binding.blocks, self.binding.rest
+        self.units: list[Unit] = self.binding.units
+        self._param_order = self.binding.param_order
         self._spec: OptimizerSpec = read_optimizer(optimizer, optimizer_kwargs, (p for _, p in model.named_parameters()))
         self.optimizer_class = self._spec.cls
         self._state_kinds = self._spec.kinds
@@ -241,9 +204,7 @@ class Engine:
         ``lr`` here, or through a scheduler on :attr:`optimizer`."""
         group_of = self._spec.group_of()
         self._spec.members = []  # no reference to the user's (possibly meta) parameters is kept
-        for unit in self.units:
-            unit.piece_numel = self.config.state_piece_numel
-            unit.arrange(group_of)
+        self.binding.arrange(group_of, self.config.state_piece_numel)
         cuda = self.device.type == "cuda"
         cfg = StoreConfig(host_budget_bytes=host_memory, device=self.device,
                           device_budget_bytes=device_memory if cuda else 0, policy="lookahead",
@@ -272,8 +233,8 @@ class Engine:
                 if init_from is not None:
                     raise ConfigError("init_from and a resumed state both give the weights; pass only one")
                 self._adopt(recovered)
-            self._install_proxies()
-            self._module_buffers = self._buffer_slots()
+            self.binding.install_proxies(self._block_forward)
+            self.binding.buffers = self.binding.buffer_slots()
         except BaseException:
             self._release_directory()
             self.store.close(flush=False)
@@ -403,8 +364,8 @@ class Engine:
 
     def _register_and_load(self, init_from=None) -> None:
         """Register every unit's buffers and fill the weights (copied, loaded, or initialised if on meta)."""
-        meta = any(p.device.type == "meta" for p in self.model.parameters())
-        init = self._initialiser() if meta and init_from is None else None
+        meta = self.binding.on_meta
+        init = self.binding.initialiser() if meta and init_from is None else None
         reader = None
         if init_from is not None:
             from tiered_offload.checkpoint.safetensors_io import PretrainedReader
@@ -419,7 +380,7 @@ class Engine:
                     for slot in unit.params:
                         reader.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
                 elif meta:
-                    self._initialise_unit(unit, flat, init)
+                    self.binding.initialise_unit(unit, flat, init)
                 else:
                     for slot in unit.params:
                         flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
@@ -430,124 +391,14 @@ class Engine:
             self.store.evict(unit.key("weight"), Tier.HOST).get()
         if reader is not None:
             reader.close()
-        if meta:
-            self._replace_meta_parameters()
-        for unit in self.units:  # the model no longer holds the weights: the store does
-            for slot in unit.params:
-                slot.param.data = self._placeholder()
-        self._move_buffers()
-
-    def _placeholder(self) -> torch.Tensor:
-        """What an unbound parameter holds: no memory (its real value lives in the store)."""
-        return torch.empty(0, device=self.device)
-
-    def _replace_meta_parameters(self) -> None:
-        """Swap meta parameters for real (empty) ones: a meta tensor's data cannot be rebound later."""
-        new: dict[int, nn.Parameter] = {}
-        for unit in self.units:
-            for slot in unit.params:
-                new[id(slot.param)] = nn.Parameter(self._placeholder(), requires_grad=slot.param.requires_grad)
-        for module in [self.model, *(u.module for u in self.blocks)]:
-            for sub in module.modules():
-                for name, p in list(sub._parameters.items()):
-                    if p is not None and id(p) in new:
-                        sub._parameters[name] = new[id(p)]
-        for unit in self.units:
-            for slot in unit.params:
-                slot.param = new[id(slot.param)]
-
-    def _initialiser(self) -> Callable[[nn.Module], None]:
-        hf_init = getattr(self.model, "_init_weights", None)
-        if callable(hf_init):
-            return hf_init
-
-        def reset(module: nn.Module) -> None:
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        return reset
-
-    def _initialise_unit(self, unit: Unit, flat: torch.Tensor, init: Callable[[nn.Module], None]) -> None:
-        """Materialise the unit's modules on the CPU one at a time, initialise them, copy into ``flat``."""
-        # A tied parameter is initialised by the module that registered it first (the name
-        # named_parameters() reports), as when the model is built eagerly and then tied.
-        by_name = {(s.local_name if unit.module is not None else s.name): s for s in unit.params}
-        root = unit.module if unit.module is not None else self.model
-        inside = set()
-        if unit.module is None:  # the rest: skip modules inside the block sequence
-            inside = {id(m) for m in self.model.get_submodule(self.seq_name).modules()}
-        for qual, m in _post_order(root):
-            if id(m) in inside:
-                continue
-            mine = [(n, by_name[f"{qual}.{n}" if qual else n]) for n, _ in m.named_parameters(recurse=False)
-                    if (f"{qual}.{n}" if qual else n) in by_name]
-            if not mine:
-                continue
-            for n, slot in mine:  # a real tensor for the initialiser to fill; NaN shows what it missed
-                m._parameters[n] = nn.Parameter(torch.full(slot.shape, math.nan), requires_grad=slot.param.requires_grad)
-            init(m)
-            for n, slot in mine:
-                value = m._parameters[n].detach()
-                if torch.isnan(value).any():
-                    raise ModelStructureError(
-                        f"parameter {slot.name!r} ({type(m).__name__}) has no initialiser: neither reset_parameters() "
-                        f"nor the model's _init_weights set it. Build the model on the CPU instead of the meta device, "
-                        f"or give the module a reset_parameters()")
-                flat[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
-                m._parameters[n] = slot.param  # back to the meta parameter the unit tracks
-
-    def _move_buffers(self) -> None:
-        for module in [*(u.module for u in self.blocks), self.model]:
-            for sub in module.modules():
-                for name, buf in list(sub._buffers.items()):
-                    if buf is not None and buf.device != self.device:
-                        if buf.device.type == "meta":
-                            raise ModelStructureError(
-                                f"buffer {name!r} of {type(sub).__name__} is on the meta device, so its value is lost; "
-                                f"build the model with tiered_offload.empty_init() (buffers stay real) instead of "
-                                f"torch.device('meta')")
-                        sub._buffers[name] = buf.to(self.device)
-
-    def _buffer_slots(self) -> list[tuple[str, nn.Module, str, bool]]:
-        """``(name, module, attribute, persistent)`` of every module buffer, blocks included, under
-        the name ``model.named_buffers()`` gives it (call once the proxies are in place)."""
-        out, seen = [], set()
-        roots = [("", self.model), *((f"{self.seq_name}.{u.index}", u.module) for u in self.blocks)]
-        for prefix, root in roots:
-            for mname, mod in root.named_modules():
-                for bname, buf in mod._buffers.items():
-                    if buf is None or id(buf) in seen:
-                        continue
-                    seen.add(id(buf))
-                    full = ".".join(x for x in (prefix, mname, bname) if x)
-                    out.append((full, mod, bname, bname not in mod._non_persistent_buffers_set))
-        return out
+        self.binding.release_parameters()  # the model no longer holds the weights: the store does
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of every module buffer (BatchNorm statistics, counters), as
         ``model.named_buffers()`` would give them, copied to the CPU."""
         self._await()
-        for name, mod, attr, _ in self._module_buffers:
+        for name, mod, attr, _ in self.binding.buffers:
             yield name, mod._buffers[attr].detach().to("cpu", copy=True)
-
-    def _snapshot_buffers(self, unit: Unit) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
-        """The block's buffers before its forward (to replay the forward exactly in backward)."""
-        return [(mod, name, buf, buf._version, buf.clone()) for mod in unit.module.modules()
-                for name, buf in mod._buffers.items() if buf is not None]
-
-    @staticmethod
-    def _changed_buffers(snapshot) -> list[tuple[nn.Module, str, torch.Tensor]]:
-        """Of a snapshot, the buffers the forward changed (in place or by assignment), with their old values."""
-        # kernels that update running statistics do not always bump the version counter: compare
-        return [(mod, name, old) for mod, name, buf, version, old in snapshot
-                if mod._buffers.get(name) is not buf or buf._version != version or not torch.equal(buf, old)]
-
-    def _install_proxies(self) -> None:
-        seq = self.model.get_submodule(self.seq_name)
-        for i in range(len(seq)):
-            seq[i] = _BlockProxy(self, i)
-        cfg = getattr(self.model, "config", None)
-        if cfg is not None and getattr(cfg, "use_cache", False):
-            cfg.use_cache = False  # key/value caches are for generation; training does not need them
 
     # ---- durable state ------------------------------------------------------------------
     def _release_directory(self) -> None:
@@ -613,12 +464,7 @@ class Engine:
             for key, numel in unit.shapes(self._state_kinds).items():
                 ref = grads.get(key) if key == unit.grad_key else tensors.get(key)
                 self.store.adopt(key, (numel,), extent=ref and ref[0], crc=ref and ref[1], generation=_generation(ref))
-        if any(p.device.type == "meta" for p in self.model.parameters()):
-            self._replace_meta_parameters()
-        for unit in self.units:
-            for slot in unit.params:
-                slot.param.data = self._placeholder()
-        self._move_buffers()
+        self.binding.release_parameters()
 
     def _start_commits(self) -> None:
         """Hand the committed state to the commit protocol (finishing a step a crash interrupted)
@@ -658,7 +504,7 @@ class Engine:
             scheduler = _jsonable(self._scheduler.state_dict(), "the scheduler's state_dict()")
         # per-parameter step counts, where a parameter missed steps (it had no gradient)
         updates = {s.name: s.updates for _, s in self._param_order if s.optimized and s.updates != self.step_count}
-        buffers = {name: encode_tensor(mod._buffers[attr]) for name, mod, attr, persistent in self._module_buffers if persistent}
+        buffers = {name: encode_tensor(mod._buffers[attr]) for name, mod, attr, persistent in self.binding.buffers if persistent}
         return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
                 "param_updates": updates, "buffers": buffers,
                 "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
@@ -676,7 +522,7 @@ class Engine:
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update(_hyper_from_json(saved, group))
         saved = meta.get("buffers", {})
-        for name, mod, attr, persistent in self._module_buffers:
+        for name, mod, attr, persistent in self.binding.buffers:
             if persistent and name in saved:
                 value = decode_tensor(saved[name])
                 if value.shape != mod._buffers[attr].shape:
@@ -703,7 +549,7 @@ class Engine:
                 ref = committed.get(key)
                 tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
                                 "shape": [shapes[key]], "nbytes": shapes[key] * _FP32, "offset": 0}
-        return {"format": FORMAT, "step": step, "tensors": tensors, "meta": meta, "model_config": self._model_config,
+        return {"format": FORMAT, "step": step, "tensors": tensors, "meta": meta, "model_config": self.binding.model_config,
                 "storage": {"backend": backend.name, "directories": [str(d) for d in backend.directories],
                             "stripe_bytes": backend.stripe_bytes},
                 **self._layout()}
@@ -741,12 +587,12 @@ class Engine:
                 n = math.prod(p["shape"])
                 for chunk in iter_chunks(flat[p["offset"]:p["offset"] + n]):
                     write(chunk)
-        buffers = [(name, mod._buffers[attr].detach().cpu()) for name, mod, attr, persistent in self._module_buffers if persistent]
+        buffers = [(name, mod._buffers[attr].detach().cpu()) for name, mod, attr, persistent in self.binding.buffers if persistent]
         files = export_params(out, self._layout()["params"], fill, max_shard_size,
                               {"step": str(self.step_count), "source": "tiered-offload"}, buffers)
-        if self._model_config is not None:
+        if self.binding.model_config is not None:
             path = Path(out) / "config.json"
-            write_private(path, json.dumps(self._model_config, indent=2, sort_keys=True))
+            write_private(path, json.dumps(self.binding.model_config, indent=2, sort_keys=True))
             files.append(path)
         return files
 
@@ -815,7 +661,7 @@ class Engine:
         self._rest_backward_ran = False
         for slot in self.rest.params:
             slot.param.grad = None
-            slot.param.data = self._placeholder()
+            slot.param.data = self.binding.placeholder()
         if self.rest.grad_key:
             self.store.release(self.rest.grad_key)
         self.store.release(self.rest.weight_key)
@@ -1274,18 +1120,6 @@ class _OptimizerView(torch.optim.Optimizer):
         self._engine.zero_grad()
 
 
-def _model_config(model: nn.Module) -> dict | None:
-    """The model's Hugging Face configuration as JSON (for config.json next to an export), if it has one."""
-    cfg = getattr(model, "config", None)
-    to_json = getattr(cfg, "to_json_string", None)
-    if not callable(to_json):
-        return None
-    try:
-        return json.loads(to_json())
-    except (TypeError, ValueError):
-        return None
-
-
 def _generation(ref) -> int:
     if not ref:
         return 0
@@ -1317,10 +1151,3 @@ def _jsonable(value, what: str):
 def _hyper_from_json(saved: dict, like: dict) -> dict:
     """Hyperparameters read back from JSON, with tuples where the optimizer had tuples."""
     return {k: (tuple(v) if isinstance(like.get(k), tuple) and isinstance(v, list) else v) for k, v in saved.items()}
-
-
-def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` children first: the order ``module.apply`` initialises in."""
-    for name, child in module.named_children():
-        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
-    yield prefix, module
