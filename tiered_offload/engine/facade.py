@@ -22,7 +22,6 @@ previous iteration), so it prefetches the next units while the current one compu
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
@@ -46,7 +45,6 @@ from offload_core.errors import (
     DiskFullError,
     ModelInputError,
     NonFiniteError,
-    TensorStateError,
     TierCapacityError,
     TieredOffloadError,
 )
@@ -55,6 +53,7 @@ from storage_backends import resolve_storage
 from tiered_offload.memstat import tune_allocator
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, empty_init
 from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
+from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.store.tiered_store import TieredStore
@@ -247,6 +246,7 @@ class Engine:
         self._grad_scale: torch.Tensor | None = None
         self._skip_step = False
         self._phases: list[Phase] = []
+        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel)
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
             before_each=lambda: self._checkpoint is not None and self._checkpoint.throttle(self.commit_window()),
@@ -641,7 +641,7 @@ class Engine:
         self._forward_reached(0)
         self._await(self.rest)
         rest = self.rest
-        flat, *grad = self._get_group([rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
+        flat, *grad = self.store.get_group([rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
         gflat = grad[0] if grad else None
         for slot in rest.params:
             slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -738,7 +738,7 @@ class Engine:
         unit = self.blocks[index]
         self._forward_reached(index + 1)
         self._await(unit)
-        flat, *grad = self._get_group([unit.weight_key, *([unit.grad_key] if unit.grad_key else [])])
+        flat, *grad = self.store.get_group([unit.weight_key, *([unit.grad_key] if unit.grad_key else [])])
         gflat = grad[0] if grad else None
         self._held.append((unit, gflat))
         return functional_call(unit.module, self._param_leaves(unit, flat, gflat), args, kwargs, strict=False)
@@ -760,7 +760,7 @@ class Engine:
             return [None] * len(inputs)  # a frozen block whose input needs no gradient: nothing to do
         self._await(unit)
         wkey, gkey = unit.weight_key, unit.grad_key
-        flat, *grad = self._get_group([wkey, *([gkey] if gkey else [])])
+        flat, *grad = self.store.get_group([wkey, *([gkey] if gkey else [])])
         try:
             gflat = grad[0] if grad else None
             try:
@@ -926,111 +926,12 @@ class Engine:
                            background=self.overlap_step)
         return True
 
-    def _update_runs(self, unit: Unit, todo: dict[int, int]) -> list[tuple[int, int, int, int]]:
-        """``(start, end, group, step count)`` of the unit's stretches the step updates: adjacent
-        parameters in ``todo`` with the same group and step count, merged."""
-        runs: list[list[int]] = []
-        for s in unit.params:
-            updates = todo.get(id(s))
-            if updates is None:
-                continue
-            if runs and runs[-1][1] == s.offset and runs[-1][2] == s.group and runs[-1][3] == updates:
-                runs[-1][1] += s.numel
-            else:
-                runs.append([s.offset, s.offset + s.numel, s.group, updates])
-        return [tuple(r) for r in runs]
-
     def _update_unit(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int]) -> None:
-        """Run the optimizer over one unit's parameters that have a gradient, streaming its states.
-
-        The weights and gradients are held whole; each optimizer state goes through memory one
-        piece at a time (fetched, updated, written behind), and the optimizer runs on chunks of
-        the flat buffers. The update is elementwise, so running it on slices gives exactly the
-        numbers a run on whole parameters gives, while the working set stays a few pieces.
-        """
-        runs = self._update_runs(unit, todo)
-        futures: list = []
-        if runs:
-            # Write behind: the updated weights and states are not needed again until the next
-            # forward / step, so start writing them now; when their space is wanted they are clean
-            # and can be dropped at once instead of stalling the caller on a write. (Durable: the
-            # commit needs them on disk anyway. Volatile with everything in memory: nothing is
-            # evicted, so nothing is written.)
-            write_behind = self._checkpoint is not None or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
-            w, g = self._get_group([unit.weight_key, unit.grad_key])
-            try:
-                for i, (a, b) in enumerate(unit.pieces()):
-                    mine = [(max(a, ra), min(b, rb), grp, n) for ra, rb, grp, n in runs if ra < b and rb > a]
-                    if not mine:
-                        continue
-                    keys = unit.piece_keys(self._state_kinds, i)
-                    states = self._get_group(keys)
-                    try:
-                        for ra, rb, grp, n in mine:
-                            self._apply_optimizer(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n)
-                        for k in keys:
-                            self.store.mark_dirty(k)
-                    finally:
-                        for k in keys:
-                            self.store.release(k)
-                    if write_behind:
-                        futures += [self.store.write_back(k) for k in keys]
-                self.store.mark_dirty(unit.weight_key)
-            finally:
-                self.store.release(unit.grad_key)
-                self.store.release(unit.weight_key)
-            if write_behind:
-                futures.append(self.store.write_back(unit.weight_key))
+        """One unit's optimizer step (see :class:`UnitUpdater`), recorded by the commit when durable."""
+        write_behind = self._checkpoint is not None or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
+        futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind)
         if self._checkpoint is not None:
             self._checkpoint.unit_updated(unit.name, futures)
-
-    def _apply_optimizer(self, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], a: int, b: int,
-                         hyper: dict, scale: torch.Tensor | None, updates: int) -> None:
-        """One optimizer step over elements ``a:b`` of a unit (``states`` already cut to them), a chunk at a time."""
-        first = updates == 0 and not self._spec.zero_init_states
-        chunk = self.config.optimizer_chunk_numel
-        for c in range(a, b, chunk):
-            d = min(b, c + chunk)
-            wc = w[c:d]
-            opt = self.optimizer_class([wc], **hyper)
-            # clipping scales the gradient as it goes in (the gradient on disk stays what backward
-            # made: a resumed step re-scales the same bytes)
-            wc.grad = g[c:d] if scale is None else g[c:d] * scale.to(g.device)
-            if not first:
-                state: dict[str, Any] = {k: s_[c - a:d - a] for k, s_ in zip(self._state_kinds, states)}
-                if self._spec.has_step:
-                    state["step"] = torch.tensor(float(updates))
-                opt.state[wc] = state
-            with torch.no_grad():
-                opt.step()
-            if first:  # the optimizer created its state: keep it in the store
-                for k, s_ in zip(self._state_kinds, states):
-                    s_[c - a:d - a].copy_(opt.state[wc][k])
-            wc.grad = None
-
-    def _get_group(self, keys: list[str]) -> list[torch.Tensor]:
-        """Pin all of ``keys`` in the compute tier (and return them in that order).
-
-        The budget check counts bytes, but the tier's free space can be split into holes by the
-        copies pinned so far, none large enough for the next tensor. Then the group lets go of
-        what it holds, moves its own copies out (written back first if dirty), and asks again:
-        freed, those holes merge and the group is placed side by side.
-        """
-        for attempt in range(2):
-            got: list[torch.Tensor] = []
-            try:
-                for k in keys:
-                    got.append(self.store.get(k))
-                return got
-            except TierCapacityError:
-                for k in keys[:len(got)]:
-                    self.store.release(k)
-                if attempt:
-                    raise
-                for k in keys:
-                    with contextlib.suppress(TensorStateError):  # pinned elsewhere: stays where it is
-                        self.store.evict(k, self.store.compute_tier).get()
-        raise AssertionError("unreachable")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget every gradient, as ``optimizer.zero_grad()`` (set to None) does: no parameter has

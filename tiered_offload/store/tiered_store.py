@@ -451,6 +451,30 @@ class TieredStore:
         self._prefetch_ahead()
         return data
 
+    def get_group(self, keys: list[str], tier: Tier | str | None = None) -> list[torch.Tensor]:
+        """:meth:`get` every one of ``keys`` (default tier: the compute tier), returned in that order.
+
+        The budget check counts bytes, but the tier's free space can be split into holes by the
+        copies pinned so far, none large enough for the next tensor. Then the group lets go of
+        what it holds, moves its own copies out (written back first if dirty), and asks again:
+        freed, those holes merge and the group is placed side by side.
+        """
+        for attempt in range(2):
+            got: list[torch.Tensor] = []
+            try:
+                for k in keys:
+                    got.append(self.get(k, tier))
+                return got
+            except TierCapacityError:
+                for k in keys[:len(got)]:
+                    self.release(k, tier)
+                if attempt:
+                    raise
+                for k in keys:
+                    with contextlib.suppress(TensorStateError):  # pinned elsewhere: stays where it is
+                        self.evict(k, self._memory_tier(tier)).get()
+        raise AssertionError("unreachable")
+
     def release(self, key: str, tier: Tier | str | None = None) -> None:
         """Unpin a copy taken with :meth:`get`."""
         tier = self._memory_tier(tier)

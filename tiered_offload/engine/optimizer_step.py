@@ -1,0 +1,115 @@
+"""One unit's optimizer step on the store: the parameters that have a gradient, in stretches of
+one parameter group and one step count, run through a fresh instance of the user's optimizer
+class a chunk at a time, with the optimizer states streamed through memory one piece at a time.
+
+The update is elementwise (Adam, AdamW, SGD...), so running it on slices of the flat buffers gives
+exactly the numbers a step over whole parameters gives, while the working set stays the unit's
+weights and gradients plus one piece of each state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tiered_offload.engine.binding import Unit
+from tiered_offload.engine.optim_spec import OptimizerSpec
+
+__all__ = ["UnitUpdater", "update_runs"]
+
+
+def update_runs(unit: Unit, todo: dict[int, int]) -> list[tuple[int, int, int, int]]:
+    """``(start, end, group, step count)`` of the unit's stretches a step updates: adjacent
+    parameters in ``todo`` (``{id(slot): step count before}``) with the same group and count, merged."""
+    runs: list[list[int]] = []
+    for s in unit.params:
+        updates = todo.get(id(s))
+        if updates is None:
+            continue
+        if runs and runs[-1][1] == s.offset and runs[-1][2] == s.group and runs[-1][3] == updates:
+            runs[-1][1] += s.numel
+        else:
+            runs.append([s.offset, s.offset + s.numel, s.group, updates])
+    return [tuple(r) for r in runs]
+
+
+class UnitUpdater:
+    """Applies the optimizer to one unit at a time.
+
+    Args:
+        store: the tiered store holding the unit's buffers.
+        spec: the optimizer (class, per-parameter state kinds, zero-initialised or not).
+        chunk_numel: elements per optimizer call (bounds its temporaries).
+    """
+
+    def __init__(self, store, spec: OptimizerSpec, chunk_numel: int):
+        self.store = store
+        self.spec = spec
+        self.chunk_numel = chunk_numel
+
+    def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int], *,
+               write_behind: bool) -> list:
+        """Update ``unit``'s parameters in ``todo``; returns the futures of the write-backs started
+        (``write_behind``: start writing each updated piece and the weights at once, so that when
+        their space is wanted they are clean and can be dropped without stalling a caller)."""
+        runs = update_runs(unit, todo)
+        if not runs:
+            return []
+        store, kinds = self.store, self.spec.kinds
+        futures: list = []
+        # prologue: the weights and gradients stay pinned for the whole unit
+        w, g = store.get_group([unit.weight_key, unit.grad_key])
+        try:
+            # steady state: one piece of every state kind at a time; the store's lookahead (told this
+            # order by the access sequence) brings piece i+1 in while piece i is computed, and piece
+            # i-1 is being written behind
+            for i, (a, b) in enumerate(unit.pieces()):
+                mine = [(max(a, ra), min(b, rb), grp, n) for ra, rb, grp, n in runs if ra < b and rb > a]
+                if not mine:
+                    continue
+                keys = unit.piece_keys(kinds, i)
+                states = store.get_group(keys)
+                try:
+                    for ra, rb, grp, n in mine:
+                        self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n)
+                    for k in keys:
+                        store.mark_dirty(k)
+                finally:
+                    for k in keys:
+                        store.release(k)
+                if write_behind:
+                    futures += [store.write_back(k) for k in keys]
+            # epilogue: the weights
+            store.mark_dirty(unit.weight_key)
+        finally:
+            store.release(unit.grad_key)
+            store.release(unit.weight_key)
+        if write_behind:
+            futures.append(store.write_back(unit.weight_key))
+        return futures
+
+    def apply(self, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], a: int, b: int,
+              hyper: dict, scale: torch.Tensor | None, updates: int) -> None:
+        """One optimizer step over elements ``a:b`` of a unit (``states`` already cut to them), a
+        chunk at a time; ``updates``: the step count of these parameters before this step."""
+        spec = self.spec
+        first = updates == 0 and not spec.zero_init_states
+        for c in range(a, b, self.chunk_numel):
+            d = min(b, c + self.chunk_numel)
+            wc = w[c:d]
+            opt = spec.cls([wc], **hyper)
+            # clipping scales the gradient as it goes in (the gradient on disk stays what backward
+            # made: a resumed step re-scales the same bytes)
+            wc.grad = g[c:d] if scale is None else g[c:d] * scale.to(g.device)
+            if not first:
+                state: dict[str, Any] = {k: s_[c - a:d - a] for k, s_ in zip(spec.kinds, states)}
+                if spec.has_step:
+                    state["step"] = torch.tensor(float(updates))
+                opt.state[wc] = state
+            with torch.no_grad():
+                opt.step()
+            if first:  # the optimizer created its state: keep it in the store
+                for k, s_ in zip(spec.kinds, states):
+                    s_[c - a:d - a].copy_(opt.state[wc][k])
+            wc.grad = None
