@@ -3,6 +3,8 @@
 * :mod:`.schedule`: unit layouts, the access sequence, phases and the budget arithmetic (no torch);
 * :mod:`.binding`: the model split into units, parameters laid out in flat buffers;
 * :mod:`.optim_spec`: the user's optimizer (class or instance with parameter groups) as the engine runs it;
+* :mod:`.streaming`: forward and backward through the store, block by block (recompute, buffers);
+* :mod:`.optimizer_step`: one unit's optimizer step, states streamed in pieces;
 * :mod:`.pipeline`: the background optimizer step (thread, per-unit events, errors);
 * :mod:`.facade`: :class:`Engine`, which composes them with the store and the checkpoint.
 """

@@ -27,14 +27,12 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
-from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
 from tiered_offload.checkpoint.durable import FORMAT, CommittedState, decode_rng, decode_tensor, encode_rng, encode_tensor
@@ -51,10 +49,11 @@ from offload_core.errors import (
 from storage_backends import resolve_storage
 
 from tiered_offload.memstat import tune_allocator
-from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, empty_init
+from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
 from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
+from tiered_offload.engine.streaming import BlockStreamer
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.store.tiered_store import TieredStore
 from tiered_offload.store.tiers import Tier
@@ -63,65 +62,6 @@ from offload_core.sizes import format_size, format_size_up
 __all__ = ["Engine", "empty_init"]
 
 _FP32 = 4
-
-
-class _StreamedBlock(torch.autograd.Function):
-    """A block as one autograd node: its graph dropped after the forward, rebuilt by
-    recomputation in backward."""
-
-    @staticmethod
-    def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
-        ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
-        ctx.rng = engine._rng_state()
-        # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
-        # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
-        # the forward computes exactly what PyTorch's does and what the recompute will; the
-        # block's graph is let go as soon as its outputs are detached.
-        needs = ctx.needs_input_grad[6:]
-        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
-        args, kwargs = _rebuild(spec, leaves, inputs)
-        snapshot = engine.binding.snapshot_buffers(engine.blocks[index])
-        with torch.enable_grad():
-            out = engine._run_block(index, args, kwargs, as_trained=True)
-        # a block that updates buffers (BatchNorm's running statistics, a counter) sees them in
-        # the recompute as its forward saw them, and the recompute's updates are discarded
-        ctx.buffers_before = engine.binding.changed_buffers(snapshot)
-        del snapshot
-        out_leaves, out_spec = tree_flatten(out)
-        # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
-        ids = {id(t) for t in inputs}
-        out_leaves = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
-                      for x in out_leaves]
-        del out
-        box["spec"], box["leaves"] = out_spec, out_leaves
-        ctx.save_for_backward(*tensors)
-        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        tensors = ctx.saved_tensors
-        needs = ctx.needs_input_grad[6:]
-        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
-        input_grads = ctx.engine._block_backward(ctx.index, ctx.spec, ctx.leaves, inputs, needs, grad_outputs, ctx.rng,
-                                                 ctx.buffers_before)
-        return (None,) * 6 + tuple(input_grads)
-
-
-def _rebuild(spec, leaves, tensors):
-    it = iter(tensors)
-    filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
-    return tree_unflatten(filled, spec)
-
-
-@dataclass(eq=False)
-class _UnitRun:
-    """What the engine tracks of one unit between calls (the store tracks its bytes)."""
-
-    grads_finite: bool = True
-    """False once a backward left a NaN or infinity in its gradient (checked before any update)."""
-    norms: tuple[int, list[torch.Tensor]] | None = None
-    """``(gradient version, L2 norm of each trainable parameter's gradient)`` from the backward
-    that last changed the gradient: clipping reuses them while the version matches."""
 
 
 class Engine:
@@ -169,7 +109,6 @@ class Engine:
         self.device = resolve_device(device)
         self.on_nonfinite = on_nonfinite
         self.config = config or EngineConfig()
-        self._grad_hooks: list = []
         """Tuning knobs (see :class:`EngineConfig`)."""
         self._tmpdir = None
         spec = resolve_storage(storage) if storage is not None else None
@@ -232,17 +171,12 @@ class Engine:
                 if init_from is not None:
                     raise ConfigError("init_from and a resumed state both give the weights; pass only one")
                 self._adopt(recovered)
-            self.binding.install_proxies(self._block_forward)
+            self.binding.install_proxies(lambda index, args, kwargs: self._streamer.block_forward(index, args, kwargs))
             self.binding.buffers = self.binding.buffer_slots()
         except BaseException:
             self._release_directory()
             self.store.close(flush=False)
             raise
-        self._rest_bound = False
-        self._rest_backward_ran = False
-        self._rest_grad: torch.Tensor | None = None
-        self._runs: dict[str, _UnitRun] = {u.name: _UnitRun() for u in self.units}
-        """Per unit, what the engine tracks of it between calls."""
         self._grad_scale: torch.Tensor | None = None
         self._skip_step = False
         self._phases: list[Phase] = []
@@ -252,23 +186,19 @@ class Engine:
             before_each=lambda: self._checkpoint is not None and self._checkpoint.throttle(self.commit_window()),
             on_error=lambda e: self._checkpoint is not None and self._checkpoint.fail(e))
         """The optimizer step over units, inline or in the background."""
-        # passed to every streamed block so autograd always records the block (and so calls its
-        # backward for the weight gradients) even when none of its inputs requires grad
-        self._anchor = torch.zeros((), requires_grad=True)
         self._optimizer_view: _OptimizerView | None = None
         if recompute == "auto":
             recompute = not self.schedule.fits(self.store.capacity(self.store.compute_tier))
         self.recompute = bool(recompute)
         """Whether blocks are recomputed in backward (activation checkpointing)."""
-        self._held: list[tuple[Unit, torch.Tensor]] = []
+        self._streamer = BlockStreamer(self.store, self.binding, self._pipeline, self.device, self.recompute)
+        """Forward and backward through the store."""
         overlap = self.config.overlap_step
         self.overlap_step = (self.schedule.overlap_fits(self.store.capacity(self.store.compute_tier))
                              if overlap is None else bool(overlap))
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
-        self._grad_hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_arrived_hook(slot))
-                            for slot in self.rest.params if slot.requires_grad]
         self.store.declare_access_sequence(self._sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP]))
-        self._unbind_rest()
+        self._streamer.unbind_rest()
         if self.durable:
             try:
                 self._start_commits()
@@ -579,7 +509,7 @@ class Engine:
         """
         from tiered_offload.checkpoint.safetensors_io import iter_chunks, write_private
         from tiered_offload.checkpoint.state_dir import export_params
-        self._unbind_rest()
+        self._streamer.unbind_rest()
         self._await()
 
         def fill(p: dict, write) -> None:
@@ -616,12 +546,6 @@ class Engine:
     def _update_order(self) -> list[Unit]:
         return self.schedule.update_order()
 
-    def _rng_state(self):
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
     # ---- forward ------------------------------------------------------------------------
     def _to_device(self, tree):
         return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, tree)
@@ -634,53 +558,11 @@ class Engine:
         """The forward started on unit ``index`` of the update order: let the background step advance."""
         self._pipeline.forward_reached(index)
 
-    def _bind_rest(self) -> None:
-        """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its gradient buffer."""
-        if self._rest_bound:
-            return
-        self._forward_reached(0)
-        self._await(self.rest)
-        rest = self.rest
-        flat, *grad = self.store.get_group([rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
-        gflat = grad[0] if grad else None
-        for slot in rest.params:
-            slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            if slot.requires_grad:
-                slot.param.grad = gflat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        self._rest_grad = gflat
-        self._rest_bound = True
-
-    def _unbind_rest(self) -> None:
-        """End of a forward/backward: release the rest (and any blocks kept for backward)."""
-        self._release_held(self._rest_backward_ran)
-        if not self._rest_bound:
-            self._rest_backward_ran = False
-            return
-        if self._rest_backward_ran and self._rest_grad is not None:
-            self._gradients_done(self.rest, self._rest_grad)
-        self._rest_backward_ran = False
-        for slot in self.rest.params:
-            slot.param.grad = None
-            slot.param.data = self.binding.placeholder()
-        if self.rest.grad_key:
-            self.store.release(self.rest.grad_key)
-        self.store.release(self.rest.weight_key)
-        self._rest_bound = False
-        self._rest_grad = None
-
-    @staticmethod
-    def _grad_arrived_hook(slot: ParamSlot):
-        """A hook autograd runs after accumulating into ``slot``'s gradient: from now on the
-        parameter "has a .grad" in PyTorch's sense (the step updates it, clipping counts it)."""
-        def arrived(_tensor) -> None:
-            slot.has_grad = True
-        return arrived
-
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
         args, kwargs = self._to_device((args, kwargs))
         self._phase(Phase.FORWARD)
-        self._bind_rest()
+        self._streamer.bind_rest()
         try:
             return self.model(*args, **kwargs)
         except TieredOffloadError:
@@ -689,126 +571,6 @@ class Engine:
             raise ModelInputError(f"{type(self.model).__name__}.forward rejected the batch: {e}. Check the inputs' "
                                   f"shapes, dtypes and keyword names against what the model expects") from e
 
-    def _run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
-        """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
-        unit = self.blocks[index]
-        self._forward_reached(index + 1)
-        self._await(unit)
-        flat = self.store.get(unit.weight_key)
-        try:
-            params = unit.views(flat)
-            if as_trained:
-                params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
-                          for s_ in unit.params}
-            return functional_call(unit.module, params, args, kwargs, strict=False)
-        finally:
-            self.store.release(unit.weight_key)
-
-    def _block_forward(self, index: int, args, kwargs):
-        if not torch.is_grad_enabled():
-            return self._run_block(index, args, kwargs)
-        if not self.recompute:
-            return self._run_block_keeping_graph(index, args, kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        box: dict[str, Any] = {}
-        outs = _StreamedBlock.apply(self, index, spec, leaves, box, self._anchor, *tensors)
-        it = iter(outs)
-        return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
-
-    def _param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Each parameter as a leaf over the weight buffer; a trainable one's .grad is a view of the
-        gradient buffer, a frozen one requires no gradient (autograd skips it, as in PyTorch).
-
-        Autograd then adds every weight gradient in place, straight into the store's buffer, with
-        no flat gradient allocated: the same additions PyTorch does into ``param.grad``.
-        """
-        params = {}
-        for s_ in unit.params:
-            leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
-            if s_.requires_grad:
-                leaf.requires_grad_(True)
-                leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                leaf.register_post_accumulate_grad_hook(self._grad_arrived_hook(s_))
-            params[s_.local_name] = leaf
-        return params
-
-    def _run_block_keeping_graph(self, index: int, args, kwargs):
-        """Run a block with autograd as usual; its weights and gradients stay pinned until backward."""
-        unit = self.blocks[index]
-        self._forward_reached(index + 1)
-        self._await(unit)
-        flat, *grad = self.store.get_group([unit.weight_key, *([unit.grad_key] if unit.grad_key else [])])
-        gflat = grad[0] if grad else None
-        self._held.append((unit, gflat))
-        return functional_call(unit.module, self._param_leaves(unit, flat, gflat), args, kwargs, strict=False)
-
-    def _release_held(self, backward_ran: bool) -> None:
-        for unit, gflat in self._held:
-            if backward_ran and gflat is not None:
-                self._gradients_done(unit, gflat)
-            if unit.grad_key:
-                self.store.release(unit.grad_key)
-            self.store.release(unit.weight_key)
-        self._held = []
-
-    # ---- backward -----------------------------------------------------------------------
-    def _block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng, buffers_before=()):
-        unit = self.blocks[index]
-        diff_inputs = [x for x, n in zip(inputs, needs) if n]
-        if not unit.grad_key and not diff_inputs:
-            return [None] * len(inputs)  # a frozen block whose input needs no gradient: nothing to do
-        self._await(unit)
-        wkey, gkey = unit.weight_key, unit.grad_key
-        flat, *grad = self.store.get_group([wkey, *([gkey] if gkey else [])])
-        try:
-            gflat = grad[0] if grad else None
-            try:
-                params = self._param_leaves(unit, flat, gflat)
-                args, kwargs = _rebuild(spec, leaves, inputs)
-                devices = [self.device] if self.device.type == "cuda" else []
-                kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
-                for mod, name, old in buffers_before:
-                    mod._buffers[name] = old.clone()
-                try:
-                    with torch.enable_grad(), torch.random.fork_rng(devices=devices):
-                        torch.set_rng_state(rng["cpu"])
-                        if "cuda" in rng:
-                            torch.cuda.set_rng_state(rng["cuda"], self.device)
-                        out = functional_call(unit.module, params, args, kwargs, strict=False)
-                finally:
-                    for mod, name, value in kept:
-                        mod._buffers[name] = value
-                outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-                pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-                targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
-                if pairs and targets:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
-                if gflat is not None:
-                    self._gradients_done(unit, gflat)
-            finally:
-                if gkey:
-                    self.store.release(gkey)
-        finally:
-            self.store.release(wkey)
-        return [x.grad if n else None for x, n in zip(inputs, needs)]
-
-    def _gradients_done(self, unit: Unit, gflat: torch.Tensor) -> None:
-        """A backward finished adding into the unit's (pinned) gradient buffer.
-
-        Marks it dirty, and computes its per-parameter L2 norms while the bytes are in memory: they
-        tell whether the gradient is still finite (checked before any update), and
-        :meth:`clip_grad_norm_` reuses them instead of reading every gradient back from disk, as
-        long as the buffer has not changed since.
-        """
-        key = unit.grad_key
-        self.store.mark_dirty(key)
-        norms = [n.clone() for n in torch._foreach_norm(unit.grad_views(gflat), 2.0)]
-        run = self._runs[unit.name]
-        run.norms = (self.store.record(key).version, norms)
-        if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
-            run.grads_finite = False
-
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -816,9 +578,9 @@ class Engine:
         if not bool(torch.isfinite(loss.detach()).all()):
             if self.on_nonfinite == "skip":
                 self._skip_step = True
-                self._unbind_rest()
+                self._streamer.unbind_rest()
                 return
-            self._unbind_rest()
+            self._streamer.unbind_rest()
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
         self._phase(Phase.BACKWARD)
@@ -831,8 +593,8 @@ class Engine:
         try:
             loss.backward()
         finally:
-            self._rest_backward_ran = True
-            self._unbind_rest()
+            self._streamer.backward_ran()
+            self._streamer.unbind_rest()
 
     # ---- optimizer ----------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -843,23 +605,14 @@ class Engine:
         that last changed its gradient (no pass over the gradients on disk), and the scaling is
         applied in :meth:`step`, on the way through.
         """
-        self._unbind_rest()
+        self._streamer.unbind_rest()
         self._await()
         self._phase(Phase.CLIP)
         norms: dict[int, torch.Tensor] = {}
         for unit in self.schedule.clip_order():
-            key = unit.grad_key
-            if key is None:
+            if unit.grad_key is None:
                 continue
-            cached = self._runs[unit.name].norms
-            if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
-                unit_norms = cached[1]  # computed by the backward that last changed this gradient
-            else:
-                flat = self.store.get(key)
-                try:
-                    unit_norms = [n.clone() for n in torch._foreach_norm(unit.grad_views(flat), norm_type)]
-                finally:
-                    self.store.release(key)
+            unit_norms = self._streamer.grad_norms(unit, norm_type)  # mostly computed by the backward
             for s, n in zip(unit.trainable(), unit_norms):
                 norms[id(s)] = n
         ordered = [norms[id(s)] for _, s in self._param_order if s.has_grad]
@@ -883,11 +636,11 @@ class Engine:
         update just before it needs the unit, so the update's disk traffic overlaps compute.
         Every other engine call waits for the units it touches; the numbers are the same.
         """
-        self._unbind_rest()
+        self._streamer.unbind_rest()
         self._await()
-        bad = [name for name, run in self._runs.items() if not run.grads_finite]
+        bad = [name for name, run in self._streamer.runs.items() if not run.grads_finite]
         if self._skip_step or bad:
-            for run in self._runs.values():
+            for run in self._streamer.runs.values():
                 run.grads_finite = True
             self._grad_scale = None
             if self.on_nonfinite == "skip" or self._skip_step:
@@ -939,19 +692,19 @@ class Engine:
 
         A unit the step in flight has not reached yet is zeroed right after its update.
         """
-        self._unbind_rest()
+        self._streamer.unbind_rest()
         for unit in self.units:
             if unit.grad_key:
                 self._pipeline.after_update(unit.name, lambda key=unit.grad_key: self.store.zero(key))
         for _, slot in self._param_order:
             slot.has_grad = False
-        for run in self._runs.values():
+        for run in self._streamer.runs.values():
             run.grads_finite = True
 
     # ---- inspection ---------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
-        self._unbind_rest()
+        self._streamer.unbind_rest()
         self._await()
         for unit, slot in self._param_order:
             with self.store.hold(unit.key("weight"), Tier.HOST) as flat:
@@ -976,10 +729,8 @@ class Engine:
         if self.store is None:
             return
         try:
-            for handle in self._grad_hooks:
-                handle.remove()
-            self._grad_hooks = []
-            self._unbind_rest()
+            self._streamer.close()
+            self._streamer.unbind_rest()
             self._await()
             if self._checkpoint is not None:
                 self._checkpoint.wait()

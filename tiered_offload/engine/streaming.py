@@ -1,0 +1,305 @@
+"""Forward and backward through the store, block by block.
+
+The rest of the model (embeddings, final norm, head) is bound for a whole forward and backward:
+its parameters point into the rest unit's buffers and their ``.grad`` into its gradient buffer.
+Each block proxy fetches its block's weights, runs it as training runs it, keeps only its inputs
+(the activation checkpoint) and the RNG state, and releases the weights; in backward the block is
+fetched again, recomputed with that RNG state and the buffers its forward saw, and autograd adds
+its weight gradients in place into the store's gradient buffer. Frozen parameters require no
+gradient, so autograd skips them; a hook marks each parameter that received one, which is what
+``.grad is not None`` means to ``torch.optim`` and to clipping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
+from tiered_offload.engine.pipeline import UpdatePipeline
+
+__all__ = ["BlockStreamer", "StreamedBlock", "UnitRun"]
+
+
+class StreamedBlock(torch.autograd.Function):
+    """A block as one autograd node: its graph dropped after the forward, rebuilt by
+    recomputation in backward."""
+
+    @staticmethod
+    def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
+        ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
+        ctx.rng = engine.rng_state()
+        # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
+        # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
+        # the forward computes exactly what PyTorch's does and what the recompute will; the
+        # block's graph is let go as soon as its outputs are detached.
+        needs = ctx.needs_input_grad[6:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
+        args, kwargs = _rebuild(spec, leaves, inputs)
+        snapshot = engine.binding.snapshot_buffers(engine.binding.blocks[index])
+        with torch.enable_grad():
+            out = engine.run_block(index, args, kwargs, as_trained=True)
+        # a block that updates buffers (BatchNorm's running statistics, a counter) sees them in
+        # the recompute as its forward saw them, and the recompute's updates are discarded
+        ctx.buffers_before = engine.binding.changed_buffers(snapshot)
+        del snapshot
+        out_leaves, out_spec = tree_flatten(out)
+        # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
+        ids = {id(t) for t in inputs}
+        out_leaves = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
+                      for x in out_leaves]
+        del out
+        box["spec"], box["leaves"] = out_spec, out_leaves
+        ctx.save_for_backward(*tensors)
+        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[6:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
+        input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, inputs, needs, grad_outputs, ctx.rng,
+                                                 ctx.buffers_before)
+        return (None,) * 6 + tuple(input_grads)
+
+
+def _rebuild(spec, leaves, tensors):
+    it = iter(tensors)
+    filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return tree_unflatten(filled, spec)
+
+
+@dataclass(eq=False)
+class UnitRun:
+    """What the engine tracks of one unit between calls (the store tracks its bytes)."""
+
+    grads_finite: bool = True
+    """False once a backward left a NaN or infinity in its gradient (checked before any update)."""
+    norms: tuple[int, list[torch.Tensor]] | None = None
+    """``(gradient version, L2 norm of each trainable parameter's gradient)`` from the backward
+    that last changed the gradient: clipping reuses them while the version matches."""
+
+
+class BlockStreamer:
+    """Runs the model's forward and backward with its units' bytes in the store.
+
+    Args:
+        store: the tiered store; binding: the model split into units; pipeline: the step in
+        flight (a unit is used only once its update is done); device: where compute runs;
+        recompute: checkpoint each block's input and recompute it in backward (else keep its
+        activations, its weights and gradients pinned until backward, as plain PyTorch does).
+    """
+
+    def __init__(self, store, binding: ModelBinding, pipeline: UpdatePipeline, device: torch.device, recompute: bool):
+        self.store = store
+        self.binding = binding
+        self.pipeline = pipeline
+        self.device = device
+        self.recompute = recompute
+        self.rest = binding.rest
+        self.runs: dict[str, UnitRun] = {u.name: UnitRun() for u in binding.units}
+        """Per unit, what is tracked of its gradient between calls."""
+        self._rest_bound = False
+        self._backward_ran = False
+        self._rest_grad: torch.Tensor | None = None
+        self._held: list[tuple[Unit, torch.Tensor | None]] = []
+        # passed to every streamed block so autograd always records the block (and so calls its
+        # backward for the weight gradients) even when none of its inputs requires grad
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._grad_hooks = [slot.param.register_post_accumulate_grad_hook(self.grad_arrived_hook(slot))
+                            for slot in self.rest.params if slot.requires_grad]
+
+    def close(self) -> None:
+        """Remove the hooks put on the model's parameters."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+
+    def backward_ran(self) -> None:
+        """A backward through the current forward has finished (its gradients are complete)."""
+        self._backward_ran = True
+
+    def grad_norms(self, unit: Unit, norm_type: float) -> list[torch.Tensor]:
+        """Norms of each trainable parameter's gradient in ``unit``: those the backward that last
+        changed it computed (L2), else read back."""
+        key = unit.grad_key
+        cached = self.runs[unit.name].norms
+        if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
+            return cached[1]
+        flat = self.store.get(key)
+        try:
+            return [n.clone() for n in torch._foreach_norm(unit.grad_views(flat), norm_type)]
+        finally:
+            self.store.release(key)
+
+    def rng_state(self):
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def bind_rest(self) -> None:
+        """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its gradient buffer."""
+        if self._rest_bound:
+            return
+        self.pipeline.forward_reached(0)
+        self.pipeline.wait(self.rest.name)
+        rest = self.rest
+        flat, *grad = self.store.get_group([rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
+        gflat = grad[0] if grad else None
+        for slot in rest.params:
+            slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            if slot.requires_grad:
+                slot.param.grad = gflat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self._rest_grad = gflat
+        self._rest_bound = True
+
+    def unbind_rest(self) -> None:
+        """End of a forward/backward: release the rest (and any blocks kept for backward)."""
+        self.release_held(self._backward_ran)
+        if not self._rest_bound:
+            self._backward_ran = False
+            return
+        if self._backward_ran and self._rest_grad is not None:
+            self.gradients_done(self.rest, self._rest_grad)
+        self._backward_ran = False
+        for slot in self.rest.params:
+            slot.param.grad = None
+            slot.param.data = self.binding.placeholder()
+        if self.rest.grad_key:
+            self.store.release(self.rest.grad_key)
+        self.store.release(self.rest.weight_key)
+        self._rest_bound = False
+        self._rest_grad = None
+
+    @staticmethod
+    def grad_arrived_hook(slot: ParamSlot):
+        """A hook autograd runs after accumulating into ``slot``'s gradient: from now on the
+        parameter "has a .grad" in PyTorch's sense (the step updates it, clipping counts it)."""
+        def arrived(_tensor) -> None:
+            slot.has_grad = True
+        return arrived
+
+    def run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
+        """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
+        unit = self.binding.blocks[index]
+        self.pipeline.forward_reached(index + 1)
+        self.pipeline.wait(unit.name)
+        flat = self.store.get(unit.weight_key)
+        try:
+            params = unit.views(flat)
+            if as_trained:
+                params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
+                          for s_ in unit.params}
+            return functional_call(unit.module, params, args, kwargs, strict=False)
+        finally:
+            self.store.release(unit.weight_key)
+
+    def block_forward(self, index: int, args, kwargs):
+        if not torch.is_grad_enabled():
+            return self.run_block(index, args, kwargs)
+        if not self.recompute:
+            return self.run_block_keeping_graph(index, args, kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        box: dict[str, Any] = {}
+        outs = StreamedBlock.apply(self, index, spec, leaves, box, self._anchor, *tensors)
+        it = iter(outs)
+        return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
+
+    def param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Each parameter as a leaf over the weight buffer; a trainable one's .grad is a view of the
+        gradient buffer, a frozen one requires no gradient (autograd skips it, as in PyTorch).
+
+        Autograd then adds every weight gradient in place, straight into the store's buffer, with
+        no flat gradient allocated: the same additions PyTorch does into ``param.grad``.
+        """
+        params = {}
+        for s_ in unit.params:
+            leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
+            if s_.requires_grad:
+                leaf.requires_grad_(True)
+                leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+                leaf.register_post_accumulate_grad_hook(self.grad_arrived_hook(s_))
+            params[s_.local_name] = leaf
+        return params
+
+    def run_block_keeping_graph(self, index: int, args, kwargs):
+        """Run a block with autograd as usual; its weights and gradients stay pinned until backward."""
+        unit = self.binding.blocks[index]
+        self.pipeline.forward_reached(index + 1)
+        self.pipeline.wait(unit.name)
+        flat, *grad = self.store.get_group([unit.weight_key, *([unit.grad_key] if unit.grad_key else [])])
+        gflat = grad[0] if grad else None
+        self._held.append((unit, gflat))
+        return functional_call(unit.module, self.param_leaves(unit, flat, gflat), args, kwargs, strict=False)
+
+    def release_held(self, backward_ran: bool) -> None:
+        for unit, gflat in self._held:
+            if backward_ran and gflat is not None:
+                self.gradients_done(unit, gflat)
+            if unit.grad_key:
+                self.store.release(unit.grad_key)
+            self.store.release(unit.weight_key)
+        self._held = []
+
+    # ---- backward -----------------------------------------------------------------------
+    def block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng, buffers_before=()):
+        unit = self.binding.blocks[index]
+        diff_inputs = [x for x, n in zip(inputs, needs) if n]
+        if not unit.grad_key and not diff_inputs:
+            return [None] * len(inputs)  # a frozen block whose input needs no gradient: nothing to do
+        self.pipeline.wait(unit.name)
+        wkey, gkey = unit.weight_key, unit.grad_key
+        flat, *grad = self.store.get_group([wkey, *([gkey] if gkey else [])])
+        try:
+            gflat = grad[0] if grad else None
+            try:
+                params = self.param_leaves(unit, flat, gflat)
+                args, kwargs = _rebuild(spec, leaves, inputs)
+                devices = [self.device] if self.device.type == "cuda" else []
+                kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
+                for mod, name, old in buffers_before:
+                    mod._buffers[name] = old.clone()
+                try:
+                    with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+                        torch.set_rng_state(rng["cpu"])
+                        if "cuda" in rng:
+                            torch.cuda.set_rng_state(rng["cuda"], self.device)
+                        out = functional_call(unit.module, params, args, kwargs, strict=False)
+                finally:
+                    for mod, name, value in kept:
+                        mod._buffers[name] = value
+                outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+                pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+                targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
+                if pairs and targets:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+                if gflat is not None:
+                    self.gradients_done(unit, gflat)
+            finally:
+                if gkey:
+                    self.store.release(gkey)
+        finally:
+            self.store.release(wkey)
+        return [x.grad if n else None for x, n in zip(inputs, needs)]
+
+    def gradients_done(self, unit: Unit, gflat: torch.Tensor) -> None:
+        """A backward finished adding into the unit's (pinned) gradient buffer.
+
+        Marks it dirty, and computes its per-parameter L2 norms while the bytes are in memory: they
+        tell whether the gradient is still finite (checked before any update), and
+        :meth:`clip_grad_norm_` reuses them instead of reading every gradient back from disk, as
+        long as the buffer has not changed since.
+        """
+        key = unit.grad_key
+        self.store.mark_dirty(key)
+        norms = [n.clone() for n in torch._foreach_norm(unit.grad_views(gflat), 2.0)]
+        run = self.runs[unit.name]
+        run.norms = (self.store.record(key).version, norms)
+        if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
+            run.grads_finite = False
