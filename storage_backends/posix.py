@@ -49,8 +49,10 @@ __all__ = ["PosixBackend", "probe_direct_io"]
 log = logging.getLogger(__name__)
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-DEFAULT_THREADS = int(os.environ.get("TIERED_OFFLOAD_IO_THREADS", "8"))
-DEFAULT_CHUNK = os.environ.get("TIERED_OFFLOAD_CHUNK", "8MiB")
+DEFAULT_THREADS = 8
+"""I/O threads when neither the caller nor ``TIERED_OFFLOAD_IO_THREADS`` says."""
+DEFAULT_CHUNK = "8MiB"
+"""Request size when neither the caller nor ``TIERED_OFFLOAD_CHUNK`` says."""
 DEFAULT_STRIPE = "4MiB"
 
 
@@ -116,8 +118,10 @@ class PosixBackend(StorageBackend):
         self.directories = [Path(p).expanduser().absolute() for p in location]
         if not self.directories:
             raise ConfigError("posix backend: give at least one directory")
-        self.threads = int(threads or DEFAULT_THREADS)
-        self.chunk_bytes = parse_size(chunk_bytes or DEFAULT_CHUNK, what="chunk_bytes")
+        # the environment is read when a backend is made, not when this module is imported
+        self.threads = int(threads or os.environ.get("TIERED_OFFLOAD_IO_THREADS") or DEFAULT_THREADS)
+        self.chunk_bytes = parse_size(chunk_bytes or os.environ.get("TIERED_OFFLOAD_CHUNK") or DEFAULT_CHUNK,
+                                      what="chunk_bytes")
         self.stripe_bytes = parse_size(stripe_bytes, what="stripe_bytes")
         for what, v in (("chunk_bytes", self.chunk_bytes), ("stripe_bytes", self.stripe_bytes)):
             if v <= 0 or v % PAGE:
