@@ -496,3 +496,52 @@ def test_buffers_end_each_step_as_pytorch_leaves_them_and_survive_resume_and_exp
     with StateDirectory(tmp_path / "s") as sd:  # the offline export (`tiered-offload export`) has them too
         offline = load_file(next(f for f in sd.export(tmp_path / "out2") if f.suffix == ".safetensors"))
     assert all(torch.equal(offline[k], exported[k]) for k in exported)
+
+
+# ---- a large untied embedding and head stream like blocks -------------------------------------------
+def test_untied_embedding_and_head_stream_like_blocks_bitwise(tmp_path):
+    config = EngineConfig(stream_modules_numel=1)  # every untied Embedding / Linear outside the blocks
+
+    def make_optimizer(model):
+        return torch.optim.AdamW(hf_groups(model), lr=1e-3)
+    check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, clip=1.0, accumulate=2, steps=4, resume_at=2,
+                 config=config)
+    model = make_llama()
+    model.model.embed_tokens.requires_grad_(False)  # frozen: streamed for its forward, skipped in backward
+    engine = Engine(model, make_optimizer(model), storage=tmp_path / "frozen", host_memory="1MiB", config=config)
+    assert [u.name for u in engine.blocks][0] == "module.model.embed_tokens"
+    assert [u.name for u in engine.blocks][-1] == "module.lm_head"
+    engine.close()
+    check_parity(lambda: _frozen(make_llama()), make_optimizer, tmp_path / "f", loss_fn=hf_loss, clip=1.0, steps=2,
+                 config=config)
+
+
+def _frozen(model):
+    model.model.embed_tokens.requires_grad_(False)
+    return model
+
+
+def test_minimum_budget_follows_the_largest_parameter_not_the_sum_of_the_non_block_ones():
+    """A Llama-style model with a 16K vocabulary, untied: embedding and head (2M parameters each)
+    dwarf a block; streamed, only one of them is resident with its gradient at a time."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+
+    def need(config):
+        with empty_init():
+            model = transformers.LlamaForCausalLM(cfg)
+        with pytest.raises(TierCapacityError) as e:
+            Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage="memory", host_memory="64KiB", config=config)
+        return int(re.search(r"\((\d+) bytes\) needed", str(e.value)).group(1))
+    streamed, bound = need(EngineConfig()), need(EngineConfig(stream_modules_numel=None))
+    big = 16384 * 128 * 4  # one vocabulary matrix, fp32
+    block = 4 * 128 * 128 * 4 + 3 * 128 * 256 * 4  # attention (q, k, v, o with 2 kv heads: <= 4 d^2) + MLP, fp32
+    assert bound >= 4 * big  # embedding and head weights and gradients, all at once
+    # the rule: the largest parameter's weights and gradient, two blocks' weights, one block's
+    # gradients, the small rest, plus a fixed amount: one 16 MiB piece of each of the 2 optimizer
+    # states (the step streams them) and the slack (at most one piece here)
+    mib = 1 << 20
+    assert streamed <= 2 * big + 3 * block + 64 * 1024 + 2 * 16 * mib + 16 * mib, (streamed, big)
+    assert streamed < bound

@@ -115,6 +115,13 @@ class EngineConfig:
     prefetch_depth: int = 16
     """How many upcoming tensors the lookahead policy may prefetch into a tier at once."""
 
+    stream_modules_numel: int | None = 0
+    """An ``nn.Embedding`` or ``nn.Linear`` outside the block sequence whose parameters are its own
+    (an untied embedding or head) and number at least this many streams like a block: fetched for
+    its forward, recomputed in backward, instead of held for the whole forward and backward. 0: as
+    many as the largest block; None: never (such modules stay with the rest of the model). Fixed
+    for a storage directory (it decides the units)."""
+
     overlap_step: bool | None = None
     """Run the step in the background, overlapped with the next forward. None: when the state
     does not fit the compute tier and the budget holds a unit being updated beside the forward's

@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from tiered_offload import Engine, TierCapacityError, empty_init
+from tiered_offload import Engine, EngineConfig, TierCapacityError, empty_init
 from tiered_offload.memstat import peak_rss_bytes
 from offload_core.sizes import format_size
 
 
-def gpt2(layers: int, d_model: int, vocab: int):
+def gpt2(layers: int, d_model: int, vocab: int, untied: bool = False):
     import transformers
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=d_model, n_layer=layers,
-                                  n_head=max(1, d_model // 64))
+                                  n_head=max(1, d_model // 64), tie_word_embeddings=not untied)
     with empty_init():
         model = transformers.GPT2LMHeadModel(cfg)
     model.config.use_cache = False
@@ -44,10 +44,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--dir", default=None, help="storage directory (default: a temporary one)")
+    ap.add_argument("--untied", action="store_true", help="a head of its own instead of the tied embedding")
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    model = gpt2(args.layers, args.d_model, args.vocab)
+    model = gpt2(args.layers, args.d_model, args.vocab, args.untied)
     n = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         try:
@@ -57,12 +58,20 @@ def main() -> None:
             message = str(e)
         figure = re.search(r"at least ([0-9.]+ [KMGT]iB)", message).group(1)
         need = int(re.search(r"\((\d+) bytes\) needed", message).group(1))
-        model = gpt2(args.layers, args.d_model, args.vocab)
+        model = gpt2(args.layers, args.d_model, args.vocab, args.untied)
         engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4), storage=f"{tmp}/run", host_memory=figure.replace(" ", ""))
         state = engine.state_bytes()
-        print(f"model: GPT-2, {args.layers} blocks x {args.d_model}, vocabulary {args.vocab}: {n / 1e6:.1f}M parameters")
+        print(f"model: GPT-2, {args.layers} blocks x {args.d_model}, vocabulary {args.vocab}"
+              f"{' (untied head)' if args.untied else ''}: {n / 1e6:.1f}M parameters")
         print(f"training state (weights, gradients, AdamW m and v): {format_size(state)} ({state} bytes)")
         print(f"minimum host budget: {figure} ({need} bytes) = {need / state:.1%} of the state")
+        try:  # the same model with its large non-block modules held for the whole pass instead of streamed
+            Engine(gpt2(args.layers, args.d_model, args.vocab, args.untied), torch.optim.AdamW, dict(lr=1e-4),
+                   storage=f"{tmp}/bound", host_memory="1MiB", config=EngineConfig(stream_modules_numel=None))
+        except TierCapacityError as e:
+            bound = int(re.search(r"\((\d+) bytes\) needed", str(e)).group(1))
+            print(f"  with EngineConfig(stream_modules_numel=None) (embedding and head not streamed): "
+                  f"{format_size(bound)} = {bound / state:.1%}")
         print(f"  the error's figure passed back as host_memory={figure!r}: accepted "
               f"(host tier {format_size(engine.store.capacity('host'))})")
         g = torch.Generator().manual_seed(0)
@@ -79,7 +88,7 @@ def main() -> None:
                   f"host tier peak {format_size(engine.store._arenas[engine.store.compute_tier].peak_used)}")
         engine.close()
         try:
-            Engine(gpt2(args.layers, args.d_model, args.vocab), torch.optim.AdamW, dict(lr=1e-4),
+            Engine(gpt2(args.layers, args.d_model, args.vocab, args.untied), torch.optim.AdamW, dict(lr=1e-4),
                    storage=f"{tmp}/less", host_memory=need - 1)
             print(f"  {need - 1} bytes: accepted (the stated figure is not the minimum)")
         except TierCapacityError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -56,9 +57,11 @@ class Unit(UnitLayout):
     """A piece of the model streamed as one: a block, or the rest."""
 
     index: int | None = None
-    """Position in the block sequence, None for the rest unit."""
+    """Position in the order the forward streams units (None for the rest unit)."""
     module: nn.Module | None = None
-    """The block module (None for the rest unit, whose parameters stay in the model)."""
+    """The streamed module (None for the rest unit, whose parameters stay in the model)."""
+    qualname: str = ""
+    """Where the module sits in the model (``transformer.h.3``, ``lm_head``)."""
     params: list[ParamSlot] = field(default_factory=list)
 
     def add(self, name: str, local_name: str, param: nn.Parameter) -> None:
@@ -125,8 +128,17 @@ def find_block_sequence(model: nn.Module, hint: str | None = None) -> tuple[str,
     return best
 
 
-def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Unit], Unit, list[tuple[Unit, ParamSlot]]]:
-    """Units of ``model``: its blocks and the rest, and every parameter in ``model.parameters()`` order.
+def plan_units(model: nn.Module, hint: str | None = None, stream_modules_numel: int | None = 0
+               ) -> tuple[str, list[Unit], Unit, list[tuple[Unit, ParamSlot]]]:
+    """Units of ``model``: the streamed ones in forward order, the rest, and every parameter in
+    ``model.parameters()`` order.
+
+    The streamed units are the blocks of the block sequence and, with ``stream_modules_numel``
+    not None, each ``nn.Embedding`` or ``nn.Linear`` outside it whose parameters are its own (not
+    tied to another module) and number at least ``stream_modules_numel`` (0: as many as the largest
+    block): a large untied embedding or head then streams like a block instead of staying bound for
+    the whole forward and backward. Modules registered before the block sequence are taken to run
+    before it, the others after it.
 
     Raises :class:`ModelStructureError` if a parameter is shared between a block and anything else.
     """
@@ -134,7 +146,7 @@ def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Uni
     owner: dict[int, Unit] = {}
     blocks: list[Unit] = []
     for i, block in enumerate(seq):
-        unit = Unit(name=f"block.{i}", is_block=True, index=i, module=block)
+        unit = Unit(name=f"block.{i}", is_block=True, module=block, qualname=f"{seq_name}.{i}")
         for local, p in block.named_parameters():
             if id(p) in owner:
                 raise ModelStructureError(f"parameter {seq_name}.{i}.{local} is shared with {owner[id(p)].name}; "
@@ -142,6 +154,30 @@ def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Uni
             owner[id(p)] = unit
             unit.add(f"{seq_name}.{i}.{local}", local, p)
         blocks.append(unit)
+    before, after = [], []
+    if stream_modules_numel is not None:
+        threshold = stream_modules_numel or max((sum(s.numel for s in u.params) for u in blocks), default=0)
+        uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        in_seq = {id(m) for m in seq.modules()}
+        seen_seq = False
+        for qual, mod in model.named_modules():
+            if mod is seq:
+                seen_seq = True
+            if id(mod) in in_seq or not isinstance(mod, (nn.Embedding, nn.Linear)):
+                continue
+            own = list(mod.named_parameters())
+            if not own or any(uses[id(p)] > 1 or id(p) in owner for _, p in own):
+                continue  # tied to another module: stays in the rest, bound for the whole pass
+            if sum(p.numel() for _, p in own) < max(1, threshold):
+                continue
+            unit = Unit(name=f"module.{qual}", is_block=True, in_sequence=False, module=mod, qualname=qual)
+            for local, p in own:
+                owner[id(p)] = unit
+                unit.add(f"{qual}.{local}", local, p)
+            (after if seen_seq else before).append(unit)
+    blocks = [*before, *blocks, *after]
+    for i, unit in enumerate(blocks):
+        unit.index = i
     rest = Unit(name="rest")
     order: list[tuple[Unit, ParamSlot]] = []
     block_slots = {id(s.param): (u, s) for u in blocks for s in u.params}
@@ -156,7 +192,7 @@ def plan_units(model: nn.Module, hint: str | None = None) -> tuple[str, list[Uni
     for name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False, remove_duplicate=False):
             full = f"{name}.{pname}" if name else pname
-            if id(p) in block_slots and not full.startswith(f"{seq_name}."):
+            if id(p) in block_slots and not full.startswith(f"{block_slots[id(p)][0].qualname}."):
                 raise ModelStructureError(f"{full} is the same tensor as {block_slots[id(p)][1].name}: weights tied "
                                           f"between a block and the rest of the model cannot be streamed")
     return seq_name, blocks, rest, order
@@ -211,10 +247,10 @@ class ModelBinding:
         device: where compute runs (buffers and placeholders live there).
     """
 
-    def __init__(self, model: nn.Module, blocks: str | None, device: torch.device):
+    def __init__(self, model: nn.Module, blocks: str | None, device: torch.device, stream_modules_numel: int | None = 0):
         self.model = model
         self.device = device
-        self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks)
+        self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
         self.units: list[Unit] = [*self.blocks, self.rest]
         self.model_config = model_config(model)
         """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
@@ -277,7 +313,7 @@ class ModelBinding:
         root = unit.module if unit.module is not None else self.model
         inside = set()
         if unit.module is None:  # the rest: skip modules inside the block sequence
-            inside = {id(m) for m in self.model.get_submodule(self.seq_name).modules()}
+            inside = {id(m) for u in self.blocks for m in u.module.modules()}
         for qual, m in _post_order(root):
             if id(m) in inside:
                 continue
@@ -314,7 +350,7 @@ class ModelBinding:
         """``(name, module, attribute, persistent)`` of every module buffer, blocks included, under
         the name ``model.named_buffers()`` gives it (call once the proxies are in place)."""
         out, seen = [], set()
-        roots = [("", self.model), *((f"{self.seq_name}.{u.index}", u.module) for u in self.blocks)]
+        roots = [("", self.model), *((u.qualname, u.module) for u in self.blocks)]
         for prefix, root in roots:
             for mname, mod in root.named_modules():
                 for bname, buf in mod._buffers.items():
@@ -338,10 +374,11 @@ class ModelBinding:
                 if mod._buffers.get(name) is not buf or buf._version != version or not torch.equal(buf, old)]
 
     def install_proxies(self, forward: Callable[[int, tuple, dict], Any]) -> None:
-        """Replace each block of the model's sequence by a proxy that calls ``forward(index, args, kwargs)``."""
-        seq = self.model.get_submodule(self.seq_name)
-        for i in range(len(seq)):
-            seq[i] = _BlockProxy(forward, i)
+        """Replace each streamed module in the model by a proxy that calls ``forward(index, args, kwargs)``."""
+        for unit in self.blocks:
+            parent_name, _, attr = unit.qualname.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            parent._modules[attr] = _BlockProxy(forward, unit.index)
         cfg = getattr(self.model, "config", None)
         if cfg is not None and getattr(cfg, "use_cache", False):
             cfg.use_cache = False  # key/value caches are for generation; training does not need them

@@ -129,7 +129,7 @@ class Engine:
         self._resumed_param_groups = None
         self._checkpoint: CheckpointSession | None = None
         """The storage directory as a checkpoint (durable mode)."""
-        self.binding = ModelBinding(model, blocks, self.device)
+        self.binding = ModelBinding(model, blocks, self.device, self.config.stream_modules_numel)
         """The model split into units, its parameters as slots in flat buffers, its proxies."""
         self.seq_name, self.blocks, self.rest = self.binding.seq_name, self.binding.blocks, self.binding.rest
         self.units: list[Unit] = self.binding.units
@@ -252,8 +252,9 @@ class Engine:
             raise TierCapacityError(
                 f"the {compute.name.lower()} budget ({format_size(cap)}) cannot hold one step's working set: "
                 f"{format_size_up(need)} ({need} bytes) needed. Forward and backward keep the weights and gradients of "
-                f"the parameters outside the blocks ({format_size(ws.rest_bytes)}) plus two blocks' weights and one "
-                f"block's gradients (largest block {ws.largest_block} = {format_size(ws.block_bytes)} of weights): "
+                f"the parameters bound for the whole pass ({format_size(ws.rest_bytes)}) plus a streamed unit's weights "
+                f"and gradients and the next one's weights (largest: {ws.largest_block} = {format_size(ws.block_bytes)} "
+                f"of weights): "
                 f"{format_size(ws.forward_backward)}; the optimizer keeps one unit's weights and gradients and one "
                 f"{format_size(self.config.state_piece_numel * _FP32)} piece of each of its {len(self._state_kinds)} "
                 f"state(s): {format_size(ws.optimizer)}; plus {format_size(ws.slack)} of slack against fragmentation. "

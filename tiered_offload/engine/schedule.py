@@ -51,8 +51,11 @@ class UnitLayout:
     name: str
     """Unique, used in store keys (``block.3``, ``rest``)."""
     is_block: bool = False
-    """A member of the block sequence (streamed one at a time) or the rest of the model (bound
-    for the whole forward and backward)."""
+    """Streamed one at a time (a member of the block sequence, or a large module outside it), or
+    the rest of the model (bound for the whole forward and backward)."""
+    in_sequence: bool = True
+    """For a streamed unit: a member of the block sequence (False: an embedding or head streamed
+    like a block)."""
     numel: int = 0
     """Elements of the weight buffer (every parameter of the unit)."""
     grad_numel: int = 0
@@ -114,8 +117,8 @@ class WorkingSet:
     """Bytes one training step needs resident in the compute tier at once, and why."""
 
     forward_backward: int
-    """The rest's weights and gradients, plus two blocks' weights (one computing, the next
-    prefetched) and one block's gradients."""
+    """The rest's weights and gradients, plus a streamed unit's weights and gradients and its
+    neighbour's weights (prefetched): two blocks' weights and one block's gradients."""
     optimizer: int
     """The largest unit's weights and gradients plus one piece of each optimizer state."""
     slack: int
@@ -218,14 +221,20 @@ class Schedule:
         blocks = self.blocks or [self.rest]
         biggest = max(blocks, key=lambda u: b(u, "weight"))
         block_w = max(b(u, "weight") for u in blocks)
-        block_g = max(b(u, "grad") for u in blocks)
         rest = b(self.rest, "weight") + b(self.rest, "grad")
-        fwd_bwd = rest + 2 * block_w + block_g
+        # a streamed unit's weights and gradients, and its neighbour's weights (the next one in
+        # forward or backward order, prefetched)
+        streamed = max(b(u, "weight") + b(u, "grad") +
+                       max([b(n, "weight") for n in blocks[max(0, i - 1):i] + blocks[i + 1:i + 2]], default=0)
+                       for i, u in enumerate(blocks))
+        fwd_bwd = rest + streamed
         opt = max(b(u, "weight") + b(u, "grad") + b(u, "piece") for u in self.units)
-        # pinned tensors can split the free space into holes: a margin of the largest thing
-        # that moves while others are pinned, a block or a piece set (not the largest unit)
+        # pinned tensors can split the free space into holes: a fixed margin, the larger of a
+        # block of the sequence and one state piece (not the largest unit); a group that does not
+        # fit its holes is re-placed whole (TieredStore.get_group)
         one_state_piece = max(b(u, "piece") // max(1, len(self.state_kinds)) for u in self.units)
-        slack = max(block_w, one_state_piece)
+        sequence_w = max([b(u, "weight") for u in blocks if u.in_sequence], default=0)
+        slack = max(sequence_w, one_state_piece)
         return WorkingSet(fwd_bwd, opt, slack, biggest.name, rest, block_w)
 
     def overlap_fits(self, capacity: int) -> bool:
