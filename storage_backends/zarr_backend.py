@@ -23,7 +23,12 @@ import zarr
 import zarr.storage
 
 from offload_core.buffers import byte_view
-from offload_core.errors import BackendCapabilityError, ExtentNotFoundError, ShortReadError, StorageIOError
+from offload_core.errors import (
+    BackendCapabilityError,
+    ExtentNotFoundError,
+    ShortReadError,
+    StorageIOError,
+)
 from offload_core.futures import IOFuture
 from offload_core.sizes import parse_size
 

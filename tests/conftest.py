@@ -12,8 +12,8 @@ def tmpfs_dir():
     base = "/dev/shm"
     if not os.path.isdir(base) or not os.access(base, os.W_OK):
         pytest.skip("no writable /dev/shm tmpfs on this machine")
-    import tempfile
     import shutil
+    import tempfile
     d = tempfile.mkdtemp(dir=base, prefix="tiered-offload-test-")
     yield d
     shutil.rmtree(d, ignore_errors=True)

@@ -7,13 +7,6 @@ import pytest
 import torch
 
 import storage_backends
-from storage_backends import open_backend, parse_spec, register_backend
-from storage_backends.aiofiles_backend import AiofilesBackend
-from storage_backends.kvikio_backend import KvikioBackend, kvikio_status
-from storage_backends.memory import MemoryBackend
-from storage_backends.posix import PosixBackend
-from storage_backends.testing import BackendConformanceTests, FaultInjectingBackend
-from storage_backends.zarr_backend import ZarrBackend
 from offload_core.errors import (
     BackendUnavailableError,
     DirectIOUnsupportedError,
@@ -22,6 +15,13 @@ from offload_core.errors import (
     StorageDirectoryError,
     UnknownBackendError,
 )
+from storage_backends import open_backend, parse_spec, register_backend
+from storage_backends.aiofiles_backend import AiofilesBackend
+from storage_backends.kvikio_backend import KvikioBackend, kvikio_status
+from storage_backends.memory import MemoryBackend
+from storage_backends.posix import PosixBackend
+from storage_backends.testing import BackendConformanceTests, FaultInjectingBackend
+from storage_backends.zarr_backend import ZarrBackend
 
 
 class TestPosix(BackendConformanceTests):

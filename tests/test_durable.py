@@ -1,9 +1,9 @@
 """Durable training state: resume, crash safety, full disk, locking, integrity, safety, import/export."""
 
 import json
-import select
 import os
 import re
+import select
 import stat
 import subprocess
 import sys
@@ -14,11 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from storage_backends.posix import PosixBackend
-from storage_backends.testing import FaultInjectingBackend
-from tiered_offload import Engine, empty_init
-from tiered_offload.cli import main as cli_main
-from tiered_offload.checkpoint.durable import STATE_DIR, DirectoryLock, StateFiles
 from offload_core.errors import (
     CheckpointError,
     CorruptionError,
@@ -26,8 +21,13 @@ from offload_core.errors import (
     StorageLockedError,
     TieredOffloadError,
 )
-from tiered_offload_examples.models import GPT, GPTConfig
+from storage_backends.posix import PosixBackend
+from storage_backends.testing import FaultInjectingBackend
+from tiered_offload import Engine, empty_init
+from tiered_offload.checkpoint.durable import STATE_DIR, DirectoryLock, StateFiles
 from tiered_offload.checkpoint.state_dir import StateDirectory
+from tiered_offload.cli import main as cli_main
+from tiered_offload_examples.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -162,8 +162,9 @@ def test_disk_space_stays_within_a_quarter_of_the_state(tmp_path, monkeypatch):
     """Measured: before every write, what the directory will hold once it lands (every file now
     plus the new one) stays within the state plus a quarter."""
     import threading
-    from storage_backends.base import StorageBackend
+
     from offload_core.buffers import buffer_nbytes
+    from storage_backends.base import StorageBackend
     d = tmp_path / "s"
     peak, lock = [0], threading.Lock()
     original = StorageBackend.write_from

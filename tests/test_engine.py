@@ -8,9 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from storage_backends.memory import MemoryBackend
-from storage_backends.testing import FaultInjectingBackend
-from tiered_offload import Engine, EngineConfig, Tier, empty_init
 from offload_core.errors import (
     DiskFullError,
     ModelInputError,
@@ -18,8 +15,10 @@ from offload_core.errors import (
     NonFiniteError,
     TierCapacityError,
 )
+from storage_backends.memory import MemoryBackend
+from storage_backends.testing import FaultInjectingBackend
+from tiered_offload import Engine, EngineConfig, Tier, empty_init
 from tiered_offload_examples.models import GPT, GPTConfig
-
 
 
 def _transformers():

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiered_offload import Engine, EngineConfig, empty_init
 from offload_core.errors import CheckpointError, ConfigError, TierCapacityError
+from tiered_offload import Engine, EngineConfig, empty_init
 
 VOCAB = 64
 

@@ -7,11 +7,6 @@ import time
 import pytest
 import torch
 
-from storage_backends.memory import MemoryBackend
-from storage_backends.posix import PosixBackend
-from storage_backends.testing import FaultInjectingBackend
-from tiered_offload import CopyState, LookaheadPolicy, LRUPolicy, Tier, TieredStore
-from tiered_offload.store.arena import Arena
 from offload_core.errors import (
     DiskFullError,
     StorageIOError,
@@ -19,6 +14,11 @@ from offload_core.errors import (
     TierCapacityError,
     UnknownTensorError,
 )
+from storage_backends.memory import MemoryBackend
+from storage_backends.posix import PosixBackend
+from storage_backends.testing import FaultInjectingBackend
+from tiered_offload import CopyState, LookaheadPolicy, LRUPolicy, Tier, TieredStore
+from tiered_offload.store.arena import Arena
 
 KiB = 1024
 

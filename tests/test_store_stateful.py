@@ -7,12 +7,20 @@ must return exactly the bytes a dict of tensors would, whatever the tiers did un
 import hypothesis.strategies as st
 import torch
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
+from offload_core.errors import TensorStateError
 from storage_backends.memory import MemoryBackend
 from storage_backends.posix import PosixBackend
 from tiered_offload import TieredStore
-from offload_core.errors import TensorStateError
 
 KiB = 1024
 TIERS = st.sampled_from(["device", "host"])

@@ -11,7 +11,16 @@ from offload_core.sizes import format_size, parse_size
 
 from .config import EngineConfig, StoreConfig
 from .engine import Engine, empty_init
-from .store import CopyState, EvictionPolicy, LookaheadPolicy, LRUPolicy, StoreStats, TensorRecord, Tier, TieredStore
+from .store import (
+    CopyState,
+    EvictionPolicy,
+    LookaheadPolicy,
+    LRUPolicy,
+    StoreStats,
+    TensorRecord,
+    Tier,
+    TieredStore,
+)
 
 __version__ = "0.1.0"
 

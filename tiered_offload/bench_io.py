@@ -19,22 +19,21 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from offload_core.buffers import aligned_empty
+from offload_core.errors import StorageDirectoryError
+from offload_core.sizes import format_size, parse_size
 from storage_backends import get_backend_class
 from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.posix import probe_direct_io
-
-from offload_core.buffers import aligned_empty
-from offload_core.errors import StorageDirectoryError
 from tiered_offload.profile import filesystem_id, save_profile
-from offload_core.sizes import format_size, parse_size
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench_io", "drop_page_cache"]
 

@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 def _state_command(args) -> int:
     import json
 
-    from tiered_offload.checkpoint.state_dir import StateDirectory
     from offload_core.sizes import format_size
+    from tiered_offload.checkpoint.state_dir import StateDirectory
     with StateDirectory(args.directory) as sd:
         if args.command == "export":
             files = sd.export(args.out, args.max_shard_size)

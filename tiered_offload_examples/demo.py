@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from offload_core.sizes import format_size, parse_size
 from tiered_offload.engine.facade import Engine, empty_init
 from tiered_offload.memstat import peak_rss_bytes
-from tiered_offload_examples.models import GPT, GPTConfig
 from tiered_offload.store.tiers import Tier
-from offload_core.sizes import format_size, parse_size
+from tiered_offload_examples.models import GPT, GPTConfig
 
 __all__ = ["load_stdlib_bytes", "run_demo"]
 

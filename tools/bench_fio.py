@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from storage_backends.posix import PosixBackend
 from offload_core.buffers import aligned_empty
 from offload_core.sizes import parse_size
+from storage_backends.posix import PosixBackend
 
 
 def fio_run(path: str, rw: str, size: int, request: int, depth: int, engine: str) -> float:

@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from storage_backends.posix import PosixBackend
-from tiered_offload import TieredStore
 from offload_core.buffers import aligned_empty
 from offload_core.sizes import parse_size
+from storage_backends.posix import PosixBackend
+from tiered_offload import TieredStore
 
 
 def main() -> int:

@@ -38,11 +38,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from offload_core.buffers import aligned_empty
+from offload_core.sizes import format_size
 from storage_backends.posix import PosixBackend
 from tiered_offload import Engine, Tier
-from offload_core.buffers import aligned_empty
 from tiered_offload_examples.models import GPT, GPTConfig
-from offload_core.sizes import format_size
 
 
 def loss_of(model, x):

@@ -20,9 +20,9 @@ import time
 
 import torch
 
+from offload_core.sizes import format_size
 from tiered_offload import Engine, EngineConfig, TierCapacityError, empty_init
 from tiered_offload.memstat import peak_rss_bytes
-from offload_core.sizes import format_size
 
 
 def gpt2(layers: int, d_model: int, vocab: int, untied: bool = False):

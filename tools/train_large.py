@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from tiered_offload import Engine, Tier, empty_init, format_size
-from tiered_offload_examples.demo import load_stdlib_bytes
 from tiered_offload.memstat import peak_rss_bytes
+from tiered_offload_examples.demo import load_stdlib_bytes
 from tiered_offload_examples.models import GPT, GPTConfig
 
 

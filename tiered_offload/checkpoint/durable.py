@@ -43,14 +43,19 @@ import socket
 import sys
 import threading
 import zlib
-from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from offload_core.errors import CheckpointError, CorruptionError, DiskFullError, StorageLockedError
+from offload_core.errors import (
+    CheckpointError,
+    CorruptionError,
+    DiskFullError,
+    StorageLockedError,
+)
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,14 @@ from typing import Callable, Iterable
 
 from offload_core.errors import CheckpointError, ConfigError
 
-from .durable import Committer, CommittedState, DirectoryLock, StateFiles, read_committed, state_directory
+from .durable import (
+    CommittedState,
+    Committer,
+    DirectoryLock,
+    StateFiles,
+    read_committed,
+    state_directory,
+)
 
 __all__ = ["CheckpointSession"]
 

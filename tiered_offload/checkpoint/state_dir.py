@@ -16,13 +16,25 @@ from pathlib import Path
 
 import torch
 
+from offload_core.errors import (
+    CheckpointError,
+    CorruptionError,
+    ExtentNotFoundError,
+    InvalidKeyError,
+    ShortReadError,
+)
 from storage_backends.base import key_to_filename, validate_key
 from storage_backends.posix import PosixBackend
-
-from tiered_offload.store.checksum import crc32
-from tiered_offload.checkpoint.durable import LOCK, STATE_DIR, StateFiles, _read_holder, decode_tensor, read_committed
-from offload_core.errors import CheckpointError, CorruptionError, ExtentNotFoundError, InvalidKeyError, ShortReadError
+from tiered_offload.checkpoint.durable import (
+    LOCK,
+    STATE_DIR,
+    StateFiles,
+    _read_holder,
+    decode_tensor,
+    read_committed,
+)
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, write_private
+from tiered_offload.store.checksum import crc32
 
 __all__ = ["StateDirectory", "export_params"]
 

@@ -1,23 +1,23 @@
-"""The layer-streaming training engine.
+"""``Engine``: the training engine's facade.
 
-``Engine`` wraps a model whose fp32 training state (weights, gradients, optimizer states) does
-not fit in memory. It splits the model into units (each block of its block sequence, and the
-rest: see :mod:`.model_split`), keeps every unit's state as flat buffers in a
-:class:`~tiered_offload.store.tiered_store.TieredStore`, and replaces each block in the model by a proxy, so
-the model's own ``forward`` runs unchanged:
+It wraps a model whose fp32 training state (weights, gradients, optimizer states) does not fit in
+memory, and composes the parts that do the work, each owning its state:
 
-* forward: the rest's weights are bound into the model; each block proxy fetches its block's
-  weights from the store, runs the block without building a graph, keeps only the block's
-  inputs (the activation checkpoint) and releases the weights;
-* backward: autograd reaches the blocks in reverse order; each one fetches its weights again,
-  recomputes its forward with the RNG state of the first run, back-propagates, and adds its
-  weight gradient into the unit's gradient buffer in the store;
-* step: each unit's weights, gradients and optimizer states are fetched and updated by the very
-  ``torch.optim`` class the user named (on the flat buffers, elementwise: the same arithmetic as
-  in-memory training), then written back by the store as it needs room.
+* :class:`~tiered_offload.engine.binding.ModelBinding`: the model split into units (blocks,
+  large untied modules, the rest), parameters as slots in flat buffers, blocks replaced by proxies
+  so the model's own ``forward`` runs unchanged;
+* :class:`~tiered_offload.engine.schedule.Schedule`: keys, access sequence, working set (numbers);
+* :class:`~tiered_offload.store.TieredStore`: the bytes, in device memory, a host budget and disk;
+* :class:`~tiered_offload.engine.streaming.BlockStreamer`: forward and backward through the store;
+* :class:`~tiered_offload.engine.optimizer_step.UnitUpdater` and
+  :class:`~tiered_offload.engine.pipeline.UpdatePipeline`: the optimizer step, unit by unit,
+  inline or overlapped with the next forward;
+* :class:`~tiered_offload.checkpoint.session.CheckpointSession`: the storage directory as a
+  committed, resumable training state (durable mode).
 
-The store's lookahead policy is told each iteration's access sequence (recorded from the
-previous iteration), so it prefetches the next units while the current one computes.
+What stays here is the user's API and what ties the parts together: the budget checks, the step's
+bookkeeping (which parameters have a gradient, clipping, non-finite checks, step counts), and
+what the committed state records of the model and the optimizer.
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
-from tiered_offload.checkpoint.durable import FORMAT, CommittedState, decode_rng, decode_tensor, encode_rng, encode_tensor
-from tiered_offload.checkpoint.session import CheckpointSession
 from offload_core.errors import (
     CheckpointError,
     ConfigError,
@@ -46,18 +43,27 @@ from offload_core.errors import (
     TierCapacityError,
     TieredOffloadError,
 )
+from offload_core.sizes import format_size, format_size_up
 from storage_backends import resolve_storage
-
-from tiered_offload.memstat import tune_allocator
+from tiered_offload.checkpoint.durable import (
+    FORMAT,
+    CommittedState,
+    decode_rng,
+    decode_tensor,
+    encode_rng,
+    encode_tensor,
+)
+from tiered_offload.checkpoint.session import CheckpointSession
+from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
 from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
 from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
-from tiered_offload.engine.streaming import BlockStreamer
 from tiered_offload.engine.schedule import Phase, Schedule
+from tiered_offload.engine.streaming import BlockStreamer
+from tiered_offload.memstat import tune_allocator
 from tiered_offload.store.tiered_store import TieredStore
 from tiered_offload.store.tiers import Tier
-from offload_core.sizes import format_size, format_size_up
 
 __all__ = ["Engine", "empty_init"]
 
@@ -71,8 +77,10 @@ class Engine:
         model: an ``nn.Module`` (possibly built with :func:`empty_init` or on the meta device)
             whose bulk is a sequence of blocks.
         optimizer: a ``torch.optim`` class (Adam, AdamW, SGD, ...) whose per-parameter state is
-            elementwise.
-        optimizer_kwargs: its hyperparameters (``lr``, ``weight_decay``...).
+            elementwise, or an instance of one built over the model's parameters (parameter
+            groups included; on an :func:`empty_init` model too). The engine never steps the
+            instance: it reads its class, groups and hyperparameters.
+        optimizer_kwargs: the class's hyperparameters (``lr``, ``weight_decay``...); not with an instance.
         storage: a directory, a list of directories (striped), or a backend spec
             (``"posix:/mnt/a,/mnt/b"``, ``"memory"``). Default: a temporary directory.
         host_memory: host budget (pinned on CUDA); ``"auto"``: a quarter of available memory.
@@ -92,6 +100,7 @@ class Engine:
             if it holds one, else start fresh). False refuses a directory that holds a state.
         init_from: a safetensors file, or a directory of safetensors shards with its index, to
             load the weights from (Hugging Face parameter names), streamed one tensor at a time.
+        config: tuning knobs (:class:`~tiered_offload.config.EngineConfig`).
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer = torch.optim.AdamW,

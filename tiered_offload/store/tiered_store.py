@@ -35,12 +35,6 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from storage_backends.base import StorageBackend, validate_key
-
-from tiered_offload.store.arena import Arena
-from tiered_offload.config import StoreConfig
-from tiered_offload.store.copier import Copier
-from tiered_offload.store.checksum import crc32
 from offload_core.errors import (
     ConfigError,
     CorruptionError,
@@ -50,9 +44,14 @@ from offload_core.errors import (
     UnknownTensorError,
 )
 from offload_core.futures import IOFuture, chain, completed, gather
+from offload_core.sizes import format_size
+from storage_backends.base import StorageBackend, validate_key
+from tiered_offload.config import StoreConfig
+from tiered_offload.store.arena import Arena
+from tiered_offload.store.checksum import crc32
+from tiered_offload.store.copier import Copier
 from tiered_offload.store.policies import EvictionPolicy, make_policy
 from tiered_offload.store.tiers import CopyState, Tier
-from offload_core.sizes import format_size
 
 __all__ = ["TieredStore", "TensorRecord", "StoreStats"]
 
@@ -207,7 +206,10 @@ class TieredStore:
             return self
         self.config = self.config.resolved()
         cfg = self.config
-        from storage_backends import create_backend, resolve_storage  # the registry imports this package's errors
+        from storage_backends import (  # the registry imports this package's errors
+            create_backend,
+            resolve_storage,
+        )
         spec = resolve_storage(self._backend_arg)
         if spec.backend is not None:
             self.backend = spec.backend
