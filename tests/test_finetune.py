@@ -545,3 +545,17 @@ def test_minimum_budget_follows_the_largest_parameter_not_the_sum_of_the_non_blo
     mib = 1 << 20
     assert streamed <= 2 * big + 3 * block + 64 * 1024 + 2 * 16 * mib + 16 * mib, (streamed, big)
     assert streamed < bound
+
+
+def test_engine_config_is_validated_and_its_layout_choices_are_checked_by_resume(tmp_path):
+    with pytest.raises(ConfigError, match="state_piece_numel"):
+        EngineConfig(state_piece_numel=0)
+    model = make_lora()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), storage=tmp_path / "s", host_memory="1MiB",
+                    config=EngineConfig(state_piece_numel=500))
+    assert any(len(u.pieces()) > 1 for u in engine.units)
+    engine.close()
+    model = make_lora()
+    with pytest.raises(CheckpointError, match="units differ"):
+        Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), storage=tmp_path / "s", host_memory="1MiB",
+               resume=True)
