@@ -136,7 +136,8 @@ class BlockStreamer:
         finally:
             self.store.release(key)
 
-    def rng_state(self):
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The RNG states a block's recompute must start from (CPU, and CUDA on a GPU)."""
         state = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             state["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -200,6 +201,8 @@ class BlockStreamer:
             self.store.release(unit.weight_key)
 
     def block_forward(self, index: int, args, kwargs):
+        """What block ``index``'s proxy runs: plainly without grad, else as a recomputed autograd
+        node (or keeping its graph, with ``recompute=False``)."""
         if not torch.is_grad_enabled():
             return self.run_block(index, args, kwargs)
         if not self.recompute:
