@@ -59,16 +59,13 @@ from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
 from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
-from tiered_offload.engine.schedule import Phase, Schedule
+from tiered_offload.engine.schedule import FP32_BYTES, Phase, Schedule
 from tiered_offload.engine.streaming import BlockStreamer
 from tiered_offload.memstat import tune_allocator
 from tiered_offload.store.tiered_store import TieredStore
 from tiered_offload.store.tiers import Tier
 
 __all__ = ["Engine", "empty_init"]
-
-_FP32 = 4
-
 
 class Engine:
     """Train ``model`` with its state streamed through device memory, a host budget and disk.
@@ -241,13 +238,10 @@ class Engine:
             if missing:
                 raise CheckpointError(f"{storage} was trained with parameter groups naming {missing[:3]}, which this "
                                       f"model does not have; build the same model")
-            ctor = set(inspect.signature(optimizer).parameters) - {"params"}
-            optimizer = optimizer([{"params": [named[n] for n in names],
-                                    **{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k in ctor}}
+            optimizer = optimizer([{"params": [named[n] for n in names], **_saved_hyper(optimizer, g)}
                                    for names, g in zip(members, groups)])
         elif optimizer_kwargs is None and isinstance(optimizer, type):
-            ctor = set(inspect.signature(optimizer).parameters) - {"params"}
-            optimizer_kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in groups[0].items() if k in ctor}
+            optimizer_kwargs = _saved_hyper(optimizer, groups[0])
         return cls(model, optimizer, optimizer_kwargs, storage=storage, resume=True, **kwargs)
 
     # ---- set-up -------------------------------------------------------------------------
@@ -265,7 +259,7 @@ class Engine:
                 f"and gradients and the next one's weights (largest: {ws.largest_block} = {format_size(ws.block_bytes)} "
                 f"of weights): "
                 f"{format_size(ws.forward_backward)}; the optimizer keeps one unit's weights and gradients and one "
-                f"{format_size(self.config.state_piece_numel * _FP32)} piece of each of its {len(self._state_kinds)} "
+                f"{format_size(self.config.state_piece_numel * FP32_BYTES)} piece of each of its {len(self._state_kinds)} "
                 f"state(s): {format_size(ws.optimizer)}; plus {format_size(ws.slack)} of slack against fragmentation. "
                 f"Raise host_memory{' / device_memory' if compute == Tier.DEVICE else ''} to at least "
                 f"{format_size_up(need)}")
@@ -314,7 +308,7 @@ class Engine:
         for unit in self.units:
             for key, numel in unit.shapes(self._state_kinds).items():
                 self.store.register(key, (numel,))
-            flat = self.store.get(unit.key("weight"), Tier.HOST)
+            flat = self.store.get(unit.weight_key, Tier.HOST)
             try:
                 if reader is not None:
                     for slot in unit.params:
@@ -324,11 +318,11 @@ class Engine:
                 else:
                     for slot in unit.params:
                         flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-                self.store.mark_dirty(unit.key("weight"), Tier.HOST)
+                self.store.mark_dirty(unit.weight_key, Tier.HOST)
             finally:
-                self.store.release(unit.key("weight"), Tier.HOST)
-            self.store.write_back(unit.key("weight")).get()
-            self.store.evict(unit.key("weight"), Tier.HOST).get()
+                self.store.release(unit.weight_key, Tier.HOST)
+            self.store.write_back(unit.weight_key).get()
+            self.store.evict(unit.weight_key, Tier.HOST).get()
         if reader is not None:
             reader.close()
         self.binding.release_parameters()  # the model no longer holds the weights: the store does
@@ -488,7 +482,7 @@ class Engine:
             for key in self._durable_keys(unit):
                 ref = committed.get(key)
                 tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
-                                "shape": [shapes[key]], "nbytes": shapes[key] * _FP32, "offset": 0}
+                                "shape": [shapes[key]], "nbytes": shapes[key] * FP32_BYTES, "offset": 0}
         return {"format": FORMAT, "step": step, "tensors": tensors, "meta": meta, "model_config": self.binding.model_config,
                 "storage": {"backend": backend.name, "directories": [str(d) for d in backend.directories],
                             "stripe_bytes": backend.stripe_bytes},
@@ -552,9 +546,6 @@ class Engine:
     def _sequence(self, phases: list[Phase]) -> list[str]:
         """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
         return self.schedule.access_sequence(phases, overlap=self.overlap_step)
-
-    def _update_order(self) -> list[Unit]:
-        return self.schedule.update_order()
 
     # ---- forward ------------------------------------------------------------------------
     def _to_device(self, tree):
@@ -717,7 +708,7 @@ class Engine:
         self._streamer.unbind_rest()
         self._await()
         for unit, slot in self._param_order:
-            with self.store.hold(unit.key("weight"), Tier.HOST) as flat:
+            with self.store.hold(unit.weight_key, Tier.HOST) as flat:
                 value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
             yield slot.name, value
 
@@ -808,6 +799,12 @@ def _jsonable(value, what: str):
     except ValueError as e:
         raise ConfigError(f"{what} cannot be saved with the training state: {e}") from e
     return out
+
+
+def _saved_hyper(optimizer: type[torch.optim.Optimizer], saved: dict) -> dict:
+    """A saved group's hyperparameters as ``optimizer``'s constructor arguments (JSON lists back to tuples)."""
+    ctor = set(inspect.signature(optimizer).parameters) - {"params"}
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in ctor}
 
 
 def _hyper_from_json(saved: dict, like: dict) -> dict:

@@ -111,8 +111,3 @@ class UpdatePipeline:
                 self._after.setdefault(name, []).append(fn)
                 return
         fn()
-
-    @property
-    def in_background(self) -> bool:
-        """A background step is running (or finished but not yet waited for)."""
-        return self._thread is not None

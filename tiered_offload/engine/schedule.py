@@ -17,7 +17,6 @@ from their sizes alone, so a test can drive it with numbers:
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -254,18 +253,15 @@ class Schedule:
     def commit_window(self) -> int:
         """Units whose new weights and states may coexist on disk with the committed ones (durable
         mode): as many as keep the extra space within a quarter of the state, and at least one."""
-        per_unit = max((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
-        return max(1, int(0.25 * self.state_bytes()) // max(1, per_unit))
+        return max(1, int(0.25 * self.state_bytes()) // max(1, self._rewrite_bytes()))
 
     def extra_disk_bytes(self, durable: bool) -> int:
         """Most disk space beyond :meth:`state_bytes` a step can need (durable: the commit window)."""
         if not durable:
             return 0
-        per_unit = max((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
-        return self.commit_window() * per_unit
+        return self.commit_window() * self._rewrite_bytes()
 
+    def _rewrite_bytes(self) -> int:
+        """Disk bytes one unit's new weights and optimizer states take (the largest unit's)."""
+        return max((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
 
-def ceil_to(value: float, decimals: int = 2) -> float:
-    """``value`` rounded up at ``decimals`` (a minimum stated in an error must be enough when passed back)."""
-    scale = 10 ** decimals
-    return math.ceil(value * scale - 1e-9) / scale
