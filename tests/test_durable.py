@@ -31,6 +31,7 @@ from tiered_offload_examples.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "data"))
 
 
 def make_model(layers=4):
@@ -474,7 +475,91 @@ def test_manifest_checksum_format_is_crc32_of_the_payload(tmp_path):
     text = (tmp_path / "s" / STATE_DIR / "manifest.json").read_text()
     crc, payload = text.split(" ", 1)
     assert int(crc, 16) == zlib.crc32(payload.encode())
-    assert json.loads(payload)["format"] == "tiered-offload/1"
+    assert json.loads(payload)["format"] == "tiered-offload/2"
+
+
+# ---- storage formats: XXH3 now, format 1 (CRC-32) still read ----------------------------------
+FORMAT1 = ROOT / "tests" / "data" / "format1"
+"""A directory written by tiered-offload 0.1 (format 1), see tests/data/make_format1.py."""
+
+
+def format1_engine(storage, **kw):
+    from make_format1 import KW, model
+    return Engine(model(), torch.optim.AdamW, storage=storage, resume=True, **KW, **kw)
+
+
+def copy_format1(tmp_path):
+    import shutil
+    dst = tmp_path / "old"
+    shutil.copytree(FORMAT1 / "state", dst)
+    return dst
+
+
+def test_new_directories_record_xxh3_of_every_extent(tmp_path):
+    import xxhash
+    engine = make_engine(tmp_path / "s")
+    train(engine, 2)
+    engine.close()
+    manifest = StateFiles(tmp_path / "s" / STATE_DIR).read_manifest()
+    assert manifest["format"] == "tiered-offload/2" and manifest["checksum"] == "xxh3"
+    checked = 0
+    for key, info in manifest["tensors"].items():
+        if info["extent"] is None:
+            continue
+        data = PosixBackend(tmp_path / "s").open()
+        raw = torch.empty(info["nbytes"], dtype=torch.uint8)
+        data.read_into(info["extent"], raw).get()
+        data.close()
+        assert info["crc"] == xxhash.xxh3_64_intdigest(raw.numpy().tobytes()), key
+        checked += 1
+    assert checked == len(manifest["tensors"])
+
+
+def test_format1_directory_resumes_exactly_and_stays_verifiable(tmp_path):
+    from make_format1 import one
+    expected = torch.load(FORMAT1 / "expected.pt")
+    old = copy_format1(tmp_path)
+    assert StateDirectory(old).verify()["ok"]
+    engine = format1_engine(old)
+    assert engine.store.checksum == "crc32"
+    assert same(weights(engine), expected["after2"])
+    one(engine, 2)  # the third step, which tiered-offload 0.1 ran from the same directory
+    assert same(weights(engine), expected["after3"])
+    engine.close()
+    manifest = StateFiles(old / STATE_DIR).read_manifest()
+    assert manifest["format"] == "tiered-offload/2" and manifest["checksum"] == "crc32"
+    report = StateDirectory(old).verify()
+    assert report["ok"] and report["tensors_checked"] == len(manifest["tensors"])
+
+
+def test_format1_damage_is_still_found_with_its_crc32(tmp_path):
+    old = copy_format1(tmp_path)
+    manifest = StateFiles(old / STATE_DIR).read_manifest()
+    from storage_backends.base import key_to_filename
+    victim = manifest["tensors"]["block.0/weight"]["extent"]
+    path = old / key_to_filename(victim)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
+    report = StateDirectory(old).verify()
+    assert not report["ok"] and report["damaged"][0]["tensor"] == "block.0/weight", (victim, report)
+    assert "crc32 " in report["damaged"][0]["problem"]
+    engine = format1_engine(old)
+    with pytest.raises(CorruptionError, match="block.0/weight"):
+        weights(engine)
+    engine.close()
+
+
+def test_a_format_from_the_future_is_refused_with_what_to_do(tmp_path):
+    old = copy_format1(tmp_path)
+    files = StateFiles(old / STATE_DIR)
+    manifest = files.read_manifest()
+    manifest["format"] = "tiered-offload/9"
+    files.write_manifest(manifest)
+    with pytest.raises(CheckpointError, match=r"manifest.json has storage format 'tiered-offload/9'.*export"):
+        format1_engine(old)
+    with pytest.raises(CheckpointError, match="tiered-offload/9"):
+        StateDirectory(old)
 
 
 def test_journal_appends_never_follow_a_torn_record(tmp_path, monkeypatch):

@@ -376,10 +376,11 @@ def test_reloading_over_a_pinned_stale_copy_is_refused():
 
 
 # ---- checksums and versioned extents --------------------------------------------------------
-def test_a_byte_changed_on_disk_is_reported_with_the_tensor_and_the_file(tmp_path):
+@pytest.mark.parametrize("algorithm", ["xxh3", "crc32"])
+def test_a_byte_changed_on_disk_is_reported_with_the_tensor_and_the_file(tmp_path, algorithm):
     from offload_core.errors import CorruptionError
     backend = PosixBackend(tmp_path / "d")
-    store = make_store(backend, host=64 * KiB, device=0)
+    store = make_store(backend, host=64 * KiB, device=0, checksum=algorithm)
     store.register("w", (4 * KiB,), data=torch.arange(4 * KiB, dtype=torch.float32))
     store.evict("w", "host").get()
     path = tmp_path / "d" / "w"
@@ -388,9 +389,27 @@ def test_a_byte_changed_on_disk_is_reported_with_the_tensor_and_the_file(tmp_pat
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptionError) as info:
         store.get("w", "host")
-    assert "'w'" in str(info.value) and str(path) in str(info.value)
+    assert "'w'" in str(info.value) and str(path) in str(info.value) and f"({algorithm} " in str(info.value)
     assert store.residency("w")[Tier.HOST] == CopyState.ABSENT  # nothing torn was kept
     store.close(flush=False)
+
+
+def test_the_recorded_checksum_is_the_algorithms_value_of_the_bytes(tmp_path):
+    import zlib
+
+    import xxhash
+
+    from offload_core.errors import ConfigError
+    data = torch.randn(3000)
+    expect = {"xxh3": xxhash.xxh3_64_intdigest(data.numpy().tobytes()), "crc32": zlib.crc32(data.numpy().tobytes())}
+    for algorithm, value in expect.items():
+        store = make_store(PosixBackend(tmp_path / algorithm), host=64 * KiB, device=0, checksum=algorithm)
+        store.register("w", (3000,), data=data)
+        store.write_back("w").get()
+        assert store.checksum == algorithm and store.extent("w") == ("w", value)
+        store.close()
+    with pytest.raises(ConfigError, match="unknown checksum 'md5'"):
+        make_store(PosixBackend(tmp_path / "x"), host=64 * KiB, device=0, checksum="md5")
 
 
 def test_versioned_writes_never_overwrite_and_leave_one_extent(tmp_path):

@@ -59,7 +59,12 @@ class StoreConfig:
     """Reserve each tensor's disk space at registration, so a full disk fails up front."""
 
     verify_checksums: bool = True
-    """Record a CRC-32 of every tensor written to disk and check it on every read back."""
+    """Record a checksum of every tensor written to disk and check it on every read back."""
+
+    checksum: str = "xxh3"
+    """The checksum algorithm: ``"xxh3"`` (64-bit XXH3: fast, off the GIL) or ``"crc32"``
+    (zlib's, what storage format 1 recorded). A durable directory keeps the algorithm it was
+    created with (a resume switches to it)."""
 
     versioned_writes: bool = False
     """Write each new version of a tensor to a new extent (``key@N``) instead of over the old one,
@@ -83,6 +88,8 @@ class StoreConfig:
                 dev_budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 0
         if self.prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        from tiered_offload.store.checksum import checksum_function
+        checksum_function(self.checksum)  # an unknown name fails here, with the known ones
         pin = self.pin_host_memory if self.pin_host_memory is not None else device.type == "cuda"
         if pin and not torch.cuda.is_available():
             raise ConfigError("pin_host_memory=True needs CUDA; leave it None on CPU-only machines")

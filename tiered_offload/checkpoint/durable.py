@@ -59,11 +59,16 @@ from offload_core.errors import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STATE_DIR", "FORMAT", "DirectoryLock", "StateFiles", "Committer", "encode_rng", "decode_rng",
+__all__ = ["STATE_DIR", "FORMAT", "READABLE_FORMATS", "manifest_checksum", "DirectoryLock", "StateFiles", "Committer", "encode_rng", "decode_rng",
            "encode_tensor", "decode_tensor", "state_directory", "CommittedState", "read_committed"]
 
 STATE_DIR = ".tiered-offload"
-FORMAT = "tiered-offload/1"
+FORMAT = "tiered-offload/2"
+"""The storage format this version writes. Format 2 names its checksum algorithm in the manifest
+(``"checksum"``, XXH3 by default); format 1 (tiered-offload 0.1) recorded zlib CRC-32s and
+is read as such, and continued in format 2 with CRC-32 (its extents keep their checksums)."""
+READABLE_FORMATS = {"tiered-offload/1": "crc32", FORMAT: None}
+"""Formats this version reads -> the checksum they imply (None: named in the manifest)."""
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
 LOCK = "lock"
@@ -167,9 +172,13 @@ class StateFiles:
         except ValueError as e:
             raise CorruptionError(f"{self.manifest_path} is damaged ({e}); it was modified by something other than "
                                   f"tiered-offload. Restore the directory from a copy") from None
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{self.manifest_path} has format {manifest.get('format')!r}; this version of "
-                                  f"tiered-offload reads {FORMAT!r}")
+        fmt = manifest.get("format")
+        if fmt not in READABLE_FORMATS:
+            raise CheckpointError(
+                f"{self.manifest_path} has storage format {fmt!r}; this version of tiered-offload reads "
+                f"{sorted(READABLE_FORMATS)}. Use the tiered-offload version that wrote it (a newer one, if the "
+                f"format is newer), or export the weights with it (`tiered-offload export`) and start from "
+                f"them with init_from")
         return manifest
 
     def write_manifest(self, manifest: dict) -> None:
@@ -243,6 +252,11 @@ class StateFiles:
         finally:
             os.close(fd)
         _fsync_dir(self.dir)
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """The checksum algorithm of a manifest's extents."""
+    return READABLE_FORMATS.get(manifest.get("format")) or manifest["checksum"]
 
 
 def _write_all(fd: int, data: bytes, path: Path) -> None:

@@ -31,10 +31,11 @@ from tiered_offload.checkpoint.durable import (
     StateFiles,
     _read_holder,
     decode_tensor,
+    manifest_checksum,
     read_committed,
 )
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, write_private
-from tiered_offload.store.checksum import crc32
+from tiered_offload.store.checksum import Hasher
 
 __all__ = ["StateDirectory", "export_params"]
 
@@ -56,6 +57,8 @@ class StateDirectory:
         self.intent, self.recorded = state.intent, state.recorded
         current = state.tensors()
         self.tensors = {k: dict(v) for k, v in manifest["tensors"].items()}
+        self.checksum = manifest_checksum(manifest)
+        """The directory's checksum algorithm (its manifest names it)."""
         for k, ref in current.items():
             self.tensors[k].update(extent=ref and ref[0], crc=ref and ref[1])
         for k, ref in state.grads().items():
@@ -108,13 +111,14 @@ class StateDirectory:
                 actual_size = self.backend.size(extent)
                 if actual_size < size:
                     raise ShortReadError(f"holds {actual_size} bytes, {size} expected")
-                value = 0
+                hasher = Hasher(self.checksum)
                 for a in range(0, size, _CHUNK):
                     piece = buf[:min(_CHUNK, size - a)]
                     self.read_range(extent, a, piece)
-                    value = crc32(piece, value)
+                    hasher.update(piece)
+                value = hasher.value()
                 if expected is not None and value != expected:
-                    raise CorruptionError(f"crc32 {value:08x}, expected {expected:08x}")
+                    raise CorruptionError(f"{self.checksum} {value:08x}, expected {expected:08x}")
             except (CorruptionError, ShortReadError, ExtentNotFoundError, OSError) as e:
                 bad.append({"tensor": key, "file": where, "problem": str(e).splitlines()[0]})
             checked += 1
@@ -178,7 +182,7 @@ class StateDirectory:
         def fill(p: dict, write) -> None:
             extent, expected, size = self.extent_of(p["tensor"])
             if state["unit"] != p["tensor"]:
-                state.update(unit=p["tensor"], crc=0, pos=0)
+                state.update(unit=p["tensor"], crc=Hasher(self.checksum), pos=0)
             start = p["offset"] * 4
             if start != state["pos"]:
                 raise CheckpointError(f"{self.files.manifest_path}: parameters of {p['tensor']} are not contiguous")
@@ -192,10 +196,10 @@ class StateDirectory:
             for a in range(0, n, _CHUNK):
                 piece = buf[:min(_CHUNK, n - a)]
                 self.read_range(extent, start + a, piece)
-                state["crc"] = crc32(piece, state["crc"])
+                state["crc"].update(piece)
                 write(piece.numpy().data)
             state["pos"] += n
-            if state["pos"] == size and expected is not None and state["crc"] != expected:
+            if state["pos"] == size and expected is not None and state["crc"].value() != expected:
                 raise CorruptionError(f"{self.backend.describe(extent)} (tensor {p['tensor']!r}) does not match its "
                                       f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
 

@@ -52,6 +52,7 @@ from tiered_offload.checkpoint.durable import (
     decode_tensor,
     encode_rng,
     encode_tensor,
+    manifest_checksum,
 )
 from tiered_offload.checkpoint.session import CheckpointSession
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
@@ -167,6 +168,7 @@ class Engine:
                 recovered = self._checkpoint.open(resume)
                 if recovered is not None:
                     self._check_layout(recovered.manifest)
+                    self.store.use_checksum(manifest_checksum(recovered.manifest))  # the directory's own
                 # remains of writes a crash cut short (a first start that died before its first manifest too)
                 self._checkpoint.collect_garbage({k for u in self.units for k in u.all_keys(self._state_kinds)})
             self._check_budgets()
@@ -483,7 +485,7 @@ class Engine:
                 ref = committed.get(key)
                 tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
                                 "shape": [shapes[key]], "nbytes": shapes[key] * FP32_BYTES, "offset": 0}
-        return {"format": FORMAT, "step": step, "tensors": tensors, "meta": meta, "model_config": self.binding.model_config,
+        return {"format": FORMAT, "checksum": self.store.checksum, "step": step, "tensors": tensors, "meta": meta, "model_config": self.binding.model_config,
                 "storage": {"backend": backend.name, "directories": [str(d) for d in backend.directories],
                             "stripe_bytes": backend.stripe_bytes},
                 **self._layout()}

@@ -48,7 +48,7 @@ from offload_core.sizes import format_size
 from storage_backends.base import StorageBackend, validate_key
 from tiered_offload.config import StoreConfig
 from tiered_offload.store.arena import Arena
-from tiered_offload.store.checksum import crc32
+from tiered_offload.store.checksum import checksum_function
 from tiered_offload.store.copier import Copier
 from tiered_offload.store.policies import EvictionPolicy, make_policy
 from tiered_offload.store.tiers import CopyState, Tier
@@ -87,7 +87,8 @@ class TensorRecord:
     disk_key: str | None = None
     """The extent holding the disk copy (the key itself unless writes are versioned)."""
     disk_crc: int | None = None
-    """CRC-32 of the disk copy's bytes, checked when they are read back."""
+    """Checksum (the store's :attr:`~TieredStore.checksum` algorithm) of the disk copy's bytes,
+    checked when they are read back."""
     disk_gen: int = 0
     """Generation of the last versioned extent written (``key@gen``)."""
     slots: dict[Tier, _Slot] = field(default_factory=dict)
@@ -194,6 +195,7 @@ class TieredStore:
         self._stats = StoreStats()
         self._copier: Copier | None = None
         self._opened = False
+        self._checksum = checksum_function(config.checksum)
         self.on_disk_written = None
         """With versioned writes: called as ``fn(key, new_extent, crc, old_extent)`` after a new
         disk version has landed (outside the store's lock); it owns deleting ``old_extent``.
@@ -267,6 +269,20 @@ class TieredStore:
         self.close(flush=exc_type is None)
 
     # ---- introspection ------------------------------------------------------------------
+    @property
+    def checksum(self) -> str:
+        """The checksum algorithm of the disk copies (``"xxh3"`` or ``"crc32"``)."""
+        return self._checksum.__name__
+
+    def use_checksum(self, name: str) -> None:
+        """Record and check disk copies with ``name`` from now on (a reopened directory's algorithm).
+        Only before any disk copy is written or adopted."""
+        fn = checksum_function(name)
+        with self._lock:
+            if any(r.disk_crc is not None for r in self._records.values()):
+                raise TensorStateError("use_checksum() after disk copies were recorded; call it before adopting them")
+            self._checksum = fn
+
     @property
     def compute_tier(self) -> Tier:
         """Where compute should read tensors: DEVICE when the device tier has a budget, else HOST."""
@@ -806,8 +822,9 @@ class TieredStore:
 
     # ---- internals: copies --------------------------------------------------------------
     def _landed(self, rec: TensorRecord, tier: Tier, version: int, src: Tier, extent: str | None = None,
-                crc: int | None = None):
-        """Completion handler: bytes of ``version`` arrived in ``tier`` from ``src`` (or failed)."""
+                crc: int | list | None = None):
+        """Completion handler: bytes of ``version`` arrived in ``tier`` from ``src`` (or failed).
+        ``crc``: the disk copy's checksum, or a one-element list it lands in before this runs."""
         def handler(fut: IOFuture) -> None:
             error = fut.exception()
             old = None
@@ -817,7 +834,7 @@ class TieredStore:
                     self._stats.bytes_read[src] += rec.nbytes
                     self._stats.bytes_written[tier] += rec.nbytes
                     if tier == Tier.DISK and extent is not None:
-                        old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc
+                        old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc[0] if isinstance(crc, list) else crc
             if tier != Tier.DISK or extent is None or not self.config.versioned_writes:
                 return
             if error is not None:  # a half-written new extent is garbage; the old one is untouched
@@ -846,16 +863,37 @@ class TieredStore:
         elif dst == Tier.DISK:
             raw = rec.slots[src].raw
             extent = self._next_extent(rec)
-            # (computing it on a helper thread beside the write measured slower on 2 cores: it
-            # competes with the compute threads; see the README's step-time notes)
-            crc = crc32(raw) if self.config.verify_checksums else None
             fut = self.backend.write_from(extent, raw)
+            if self.config.verify_checksums:
+                # the checksum runs on the I/O thread that finished the write (off the GIL), so the
+                # caller goes on and the backend's other threads keep the disk busy meanwhile
+                fut, crc = self._checksummed(fut, raw)
         elif src == Tier.DISK:
             fut = self._verified_read(rec, rec.slots[dst].raw)
         else:
             fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
         fut.add_done_callback(self._landed(rec, dst, version, src, extent, crc))  # runs before any later callback
         return fut
+
+    def _checksummed(self, write: IOFuture, raw: torch.Tensor) -> tuple[IOFuture, list]:
+        """``write``, then the checksum of ``raw`` computed where the write completed; the checksum
+        lands in the returned one-element list before the returned future resolves."""
+        box: list = [None]
+        out: Future = Future()
+
+        def done(f: IOFuture) -> None:
+            error = f.exception()
+            if error is None:
+                try:
+                    box[0] = self._checksum(raw)
+                except BaseException as e:  # noqa: BLE001 - reported through the future
+                    error = e
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(f.get())
+        write.add_done_callback(done)
+        return IOFuture(out, write.description), box
 
     def _next_extent(self, rec: TensorRecord) -> str:
         if not self.config.versioned_writes:
@@ -876,11 +914,11 @@ class TieredStore:
         def check(f: IOFuture) -> None:
             error = f.exception()
             if error is None:
-                actual = crc32(raw)
+                actual = self._checksum(raw)
                 if actual != expected:
                     error = CorruptionError(
                         f"tensor {rec.key!r}: the bytes read from {self.backend.describe(extent)} do not match the "
-                        f"checksum recorded when they were written (crc32 {actual:08x}, expected {expected:08x}); the "
+                        f"checksum recorded when they were written ({self.checksum} {actual:08x}, expected {expected:08x}); the "
                         f"file was modified or the disk returned bad data. Restore the directory from a copy, or "
                         f"run `tiered-offload verify` on it to list every damaged tensor")
             if error is not None:
