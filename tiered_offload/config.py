@@ -129,6 +129,14 @@ class EngineConfig:
     many as the largest block; None: never (such modules stay with the rest of the model). Fixed
     for a storage directory (it decides the units)."""
 
+    activations: str | list[str] = "auto"
+    """What each streamed block does with the tensors its forward saves for backward, when the
+    state does not fit the compute tier: ``"keep"`` (into the store, in the compute tier unless it
+    needs the room), ``"offload"`` (into the store and out of the compute tier at once, to host or
+    disk), ``"recompute"`` (only the block's input is stored; backward runs the block again), a
+    list with one of those per streamed block, or ``"auto"``: the planner chooses per block from
+    the first step's measurements (see ``engine.plan``). Every choice computes the same numbers."""
+
     overlap_step: bool | None = None
     """Run the step in the background, overlapped with the next forward. None: when the state
     does not fit the compute tier and the budget holds a unit being updated beside the forward's
@@ -140,3 +148,8 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.prefetch_depth < 0:
             raise ConfigError(f"EngineConfig.prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        modes = ("keep", "offload", "recompute")
+        wanted = [self.activations] if isinstance(self.activations, str) else list(self.activations)
+        bad = [m for m in wanted if m not in modes and not (m == "auto" and isinstance(self.activations, str))]
+        if bad:
+            raise ConfigError(f"EngineConfig.activations: {bad[0]!r} is not one of 'auto', {', '.join(map(repr, modes))}")

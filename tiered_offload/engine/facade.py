@@ -87,9 +87,11 @@ class Engine:
         device: ``"auto"`` (CUDA when available), ``"cuda"``, ``"cpu"``.
         on_nonfinite: ``"raise"`` (default) or ``"skip"``: what to do when a loss or gradient
             is NaN or infinite. Either way no weight or optimizer state is touched.
-        recompute: checkpoint each block's input and recompute the block in backward (True), or
-            keep its activations and its weights resident until backward, as plain PyTorch does
-            (False). ``"auto"``: recompute unless the whole training state fits the compute tier.
+        recompute: recompute every block in backward from its input (True), or keep its
+            activations and its weights resident until backward, as plain PyTorch does (False).
+            ``"auto"``: False when the whole training state fits the compute tier, else each block
+            as :attr:`EngineConfig.activations` says (by default the planner chooses, per block,
+            between keeping its saved activations, offloading them and recomputing).
         store_config: extra :class:`StoreConfig` fields (policy, prefetch_depth...).
         durable: keep the storage directory a consistent, resumable training state after every
             step (see :mod:`.durable`). Default: on when ``storage`` is a directory (or several),
@@ -157,6 +159,7 @@ class Engine:
                           **{"versioned_writes": self.durable, **(store_config or {})})
         self.store = TieredStore(spec, cfg)
         self.store.open()
+        self._delete_stale_activations()
         self.schedule = Schedule(self.units, tuple(self._state_kinds),
                                  lambda n: self.store.footprint(n, self.store.compute_tier))
         """Unit order, access sequence and budget arithmetic (pure numbers)."""
@@ -195,15 +198,13 @@ class Engine:
             on_error=lambda e: self._checkpoint is not None and self._checkpoint.fail(e))
         """The optimizer step over units, inline or in the background."""
         self._optimizer_view: _OptimizerView | None = None
-        if recompute == "auto":
-            recompute = not self.schedule.fits(self.store.capacity(self.store.compute_tier))
-        self.recompute = bool(recompute)
-        """Whether blocks are recomputed in backward (activation checkpointing)."""
-        self._streamer = BlockStreamer(self.store, self.binding, self._pipeline, self.device, self.recompute)
+        self._streamer = BlockStreamer(self.store, self.binding, self._pipeline, self.device,
+                                       self._activation_modes(recompute))
         """Forward and backward through the store."""
         overlap = self.config.overlap_step
         self.overlap_step = (self.schedule.overlap_fits(self.store.capacity(self.store.compute_tier))
                              if overlap is None else bool(overlap))
+        self._streamer.activation_room = self._activation_room()
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
         self.store.declare_access_sequence(self._sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP]))
         self._streamer.unbind_rest()
@@ -247,6 +248,14 @@ class Engine:
         return cls(model, optimizer, optimizer_kwargs, storage=storage, resume=True, **kwargs)
 
     # ---- set-up -------------------------------------------------------------------------
+    def _delete_stale_activations(self) -> None:
+        """Saved activations a process that died left on disk (``block.3/activations[.N]``)."""
+        names = {u.key("activations") for u in self.units}
+        for extent in self.store.backend.keys():
+            base, dot, n = extent.partition("/activations")
+            if f"{base}/activations" in names and (not n or (n[0] == "." and n[1:].isdigit())):
+                self.store.backend.delete(extent)
+
     def _check_budgets(self) -> None:
         """Refuse, up front and with the numbers, budgets that cannot hold one step's working set."""
         compute = self.store.compute_tier
@@ -547,7 +556,48 @@ class Engine:
 
     def _sequence(self, phases: list[Phase]) -> list[str]:
         """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
-        return self.schedule.access_sequence(phases, overlap=self.overlap_step)
+        return self.schedule.access_sequence(phases, overlap=self.overlap_step,
+                                             activations=self._streamer.modes is not None)
+
+    # ---- activations ----------------------------------------------------------------------
+    def _activation_modes(self, recompute: bool | str) -> list[str] | None:
+        """Per streamed block, what its forward does with what it saves (None: plain PyTorch, the
+        graph and the block's weights kept until backward)."""
+        if recompute not in (True, False, "auto"):
+            raise ConfigError(f"recompute must be True, False or 'auto', got {recompute!r}")
+        n = len(self.binding.blocks)
+        if recompute is True:
+            return ["recompute"] * n
+        if recompute is False or (recompute == "auto" and self.schedule.fits(self.store.capacity(self.store.compute_tier))):
+            return None
+        want = self.config.activations
+        if isinstance(want, str):
+            return [("recompute" if want == "auto" else want)] * n  # "auto": the planner decides after the first step
+        if len(want) != n:
+            raise ConfigError(f"EngineConfig.activations has {len(want)} entries; the model streams {n} blocks "
+                              f"({', '.join(b.name for b in self.binding.blocks)})")
+        return list(want)
+
+    def _activation_room(self) -> dict[int, int]:
+        """Per block, how many bytes of saved activations its backward can pin beside its weights
+        and gradients and the rest's (half of what the budget leaves, so the state's cache is not
+        squeezed out; the other half is the store's to place them, and the prefetch of the next)."""
+        cap = self.store.capacity(self.store.compute_tier)
+        ws = self.schedule.working_set()
+        b = self.schedule.unit_bytes
+        return {i: max(0, (cap - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes) // 2)
+                for i, u in enumerate(self.binding.blocks)}
+
+    @property
+    def recompute(self) -> bool:
+        """Whether any block is recomputed in backward (activation checkpointing)."""
+        return self._streamer.modes is not None and "recompute" in self._streamer.modes
+
+    @property
+    def activation_modes(self) -> list[str] | None:
+        """Per streamed block: ``keep``, ``offload`` or ``recompute`` (None: everything is kept in
+        memory until backward, as plain PyTorch does, because the whole state fits)."""
+        return None if self._streamer.modes is None else list(self._streamer.modes)
 
     # ---- forward ------------------------------------------------------------------------
     def _to_device(self, tree):

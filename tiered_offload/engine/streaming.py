@@ -12,6 +12,9 @@ gradient, so autograd skips them; a hook marks each parameter that received one,
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,15 +22,20 @@ import torch
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload_core.sizes import format_size
+from tiered_offload.engine.activations import SavedActivations
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.pipeline import UpdatePipeline
 
-__all__ = ["BlockStreamer", "StreamedBlock", "UnitRun"]
+__all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock", "UnitRun"]
+
+log = logging.getLogger(__name__)
 
 
 class StreamedBlock(torch.autograd.Function):
     """A block as one autograd node: its graph dropped after the forward, rebuilt by
-    recomputation in backward."""
+    recomputation in backward. Its inputs (the checkpoint) go into the store, like saved
+    activations."""
 
     @staticmethod
     def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
@@ -54,17 +62,73 @@ class StreamedBlock(torch.autograd.Function):
                       for x in out_leaves]
         del out
         box["spec"], box["leaves"] = out_spec, out_leaves
-        ctx.save_for_backward(*tensors)
+        ctx.stash = engine.new_stash(None)
+        ctx.handles = [ctx.stash.pack(t) for t in tensors]
+        t0 = time.perf_counter()
+        engine.seal(index, ctx.stash)
+        box["seal_seconds"] = time.perf_counter() - t0
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[6:]
+        input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, ctx.stash, ctx.handles, needs,
+                                                grad_outputs, ctx.rng, ctx.buffers_before)
+        return (None,) * 6 + tuple(input_grads)
+
+
+class StashedBlock(torch.autograd.Function):
+    """A block as one autograd node that keeps its graph: what the graph saved for backward is
+    moved into the store (:class:`SavedActivations`), and the weights it saved are resolved
+    against the weight buffer fetched again for the backward. No recomputation."""
+
+    @staticmethod
+    def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
+        ctx.engine, ctx.index = engine, index
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
-        input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, inputs, needs, grad_outputs, ctx.rng,
-                                                 ctx.buffers_before)
+        args, kwargs = _rebuild(spec, leaves, inputs)
+        unit = engine.binding.blocks[index]
+        flat = engine.fetch_for_forward(unit)
+        try:
+            params = {s_.local_name: flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
+                      .requires_grad_(s_.requires_grad) for s_ in unit.params}
+            for s_ in unit.trainable():
+                params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
+            stash = engine.new_stash(flat)
+            with torch.enable_grad(), stash.hooks():
+                out = functional_call(unit.module, params, args, kwargs, strict=False)
+        finally:
+            engine.store.release(unit.weight_key)
+        out_leaves, out_spec = tree_flatten(out)
+        del out
+        ids = {id(t) for t in inputs}
+        returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
+                    for x in out_leaves]
+        box["spec"], box["leaves"] = out_spec, returned
+        t0 = time.perf_counter()
+        engine.seal(index, stash)
+        box["seal_seconds"] = time.perf_counter() - t0
+        # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
+        # (their values are in the store, or in the tensors returned)
+        ctx.outs = [x if x.requires_grad else None for x in out_leaves if isinstance(x, torch.Tensor)]
+        ctx.params, ctx.inputs, ctx.needs, ctx.stash = params, inputs, needs, stash
+        for t in [*params.values(), *inputs, *(o for o in ctx.outs if o is not None)]:
+            if not stash.holds(t):  # a tensor autograd saved by reference keeps its bytes
+                t.data = _placeholder(t)
+        return tuple(x for x in returned if isinstance(x, torch.Tensor))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
+        input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs)
+        ctx.outs = ctx.params = ctx.inputs = None
         return (None,) * 6 + tuple(input_grads)
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape, dtype and device that holds one element."""
+    return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 def _rebuild(spec, leaves, tensors):
@@ -84,22 +148,44 @@ class UnitRun:
     that last changed the gradient: clipping reuses them while the version matches."""
 
 
+ACTIVATION_MODES = ("keep", "offload", "recompute")
+"""What a streamed block does with what its forward saves for backward (see :class:`BlockStreamer`)."""
+
+
 class BlockStreamer:
     """Runs the model's forward and backward with its units' bytes in the store.
+
+    Each streamed block runs in one of the :data:`ACTIVATION_MODES`, set per block in
+    :attr:`modes`:
+
+    * ``keep``: the graph is kept, what it saves goes into the store (a scratch tensor per
+      block) and stays in the compute tier unless the store needs the room;
+    * ``offload``: the same, written out of the compute tier at once (to host or disk);
+    * ``recompute``: only the block's inputs go into the store; backward runs the block again.
 
     Args:
         store: the tiered store; binding: the model split into units; pipeline: the step in
         flight (a unit is used only once its update is done); device: where compute runs;
-        recompute: checkpoint each block's input and recompute it in backward (else keep its
-        activations, its weights and gradients pinned until backward, as plain PyTorch does).
+        modes: a mode per block; None: keep every block's graph *and* its weights and gradients
+        pinned until backward, as plain PyTorch does (when the whole state fits).
     """
 
-    def __init__(self, store, binding: ModelBinding, pipeline: UpdatePipeline, device: torch.device, recompute: bool):
+    def __init__(self, store, binding: ModelBinding, pipeline: UpdatePipeline, device: torch.device,
+                 modes: list[str] | None):
         self.store = store
         self.binding = binding
         self.pipeline = pipeline
         self.device = device
-        self.recompute = recompute
+        self.modes = modes
+        """Per block, its :data:`ACTIVATION_MODES` entry (None: everything kept pinned)."""
+        self.activation_bytes: dict[int, int] = {}
+        """Per block, the bytes its last forward put into the store (saved tensors or inputs)."""
+        self.forward_seconds: dict[int, float] = {}
+        """Per block, the compute time of its last forward."""
+        self.activation_room: dict[int, int] = {}
+        """Per block, the most bytes of saved activations the compute tier can pin in its backward
+        beside its weights and gradients (set by the engine from its budget)."""
+        self._orphans: list[str] = []
         self.rest = binding.rest
         self.runs: dict[str, UnitRun] = {u.name: UnitRun() for u in binding.units}
         """Per unit, what is tracked of its gradient between calls."""
@@ -185,12 +271,17 @@ class BlockStreamer:
             slot.has_grad = True
         return arrived
 
+    def fetch_for_forward(self, unit: Unit) -> torch.Tensor:
+        """The unit's weight buffer, pinned, once the step in flight has updated it."""
+        index = self.binding.blocks.index(unit)
+        self.pipeline.forward_reached(index + 1)
+        self.pipeline.wait(unit.name)
+        return self.store.get(unit.weight_key)
+
     def run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
         """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
         unit = self.binding.blocks[index]
-        self.pipeline.forward_reached(index + 1)
-        self.pipeline.wait(unit.name)
-        flat = self.store.get(unit.weight_key)
+        flat = self.fetch_for_forward(unit)
         try:
             params = unit.views(flat)
             if as_trained:
@@ -205,14 +296,111 @@ class BlockStreamer:
         node (or keeping its graph, with ``recompute=False``)."""
         if not torch.is_grad_enabled():
             return self.run_block(index, args, kwargs)
-        if not self.recompute:
+        if self.modes is None:
             return self.run_block_keeping_graph(index, args, kwargs)
+        self.drop_orphans()
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         box: dict[str, Any] = {}
-        outs = StreamedBlock.apply(self, index, spec, leaves, box, self._anchor, *tensors)
+        node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
+        t0 = time.perf_counter()
+        outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
+        self.forward_seconds[index] = time.perf_counter() - t0 - box.get("seal_seconds", 0.0)
         it = iter(outs)
         return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
+
+    # ---- saved activations in the store ---------------------------------------------------
+    def new_stash(self, weights: torch.Tensor | None) -> SavedActivations:
+        """A collector for what a block's forward saves (``weights``: its weight buffer, or None)."""
+        return SavedActivations(weights, self._orphans)
+
+    def seal(self, index: int, stash: SavedActivations) -> None:
+        """Move a block's saved tensors into a scratch tensor of the store (``offload``: out of the
+        compute tier at once). A block whose saved tensors cannot fit the compute tier beside
+        what is pinned keeps them in memory this time and is recomputed from the next forward."""
+        unit = self.binding.blocks[index]
+        need = stash.pending_bytes()
+        self.activation_bytes[index] = need
+        room = self.activation_room.get(index, 0)
+        if need > room:
+            # the backward could not pin them beside the block's weights and gradients: they stay
+            # in memory this once (as plain PyTorch keeps them), and the block is recomputed from
+            # the next forward on, storing only its input
+            if self.modes[index] != "recompute":
+                log.info("block %s: its saved activations (%s) exceed the room the %s budget leaves beside its "
+                         "weights and gradients (%s); it is recomputed from now on", unit.name, format_size(need),
+                         self.store.compute_tier.name.lower(), format_size(room))
+                self.modes[index] = "recompute"
+            return
+        key, n = unit.key("activations"), 1
+        while key in self.store:  # another forward's graph (accumulating over several) holds the first
+            key, n = f"{unit.key('activations')}.{n}", n + 1
+        stash.seal(self.store, key)
+        if stash.key is not None and self.modes[index] == "offload":
+            self.store.evict(stash.key, self.store.compute_tier)
+
+    @contextlib.contextmanager
+    def backward_buffers(self, unit: Unit, stash: SavedActivations):
+        """For a block's backward: its weight and gradient buffers and its saved activations,
+        pinned together (one group, so a fragmented tier re-places them), the activations
+        resolvable through ``stash``. Yields ``(weights, gradients or None)``; afterwards everything
+        is released and the activations forgotten."""
+        self.pipeline.wait(unit.name)
+        keys = [unit.weight_key, *([unit.grad_key] if unit.grad_key else []), *([stash.key] if stash.key else [])]
+        try:
+            got = self.store.get_group(keys)
+        except BaseException:
+            self.discard(stash)
+            raise
+        flat = got[0]
+        gflat = got[1] if unit.grad_key else None
+        try:
+            stash.attach(got[-1] if stash.key else None, flat)
+            yield flat, gflat
+        finally:
+            for key in keys:
+                self.store.release(key)
+            self.discard(stash)
+
+    def discard(self, stash: SavedActivations) -> None:
+        """Forget a block's saved activations (its backward ran, or needs none)."""
+        stash.release()
+        if stash.key is not None and stash.key in self.store:
+            self.store.unregister(stash.key)
+
+    def drop_orphans(self) -> None:
+        """Unregister the scratch tensors of graphs dropped without a backward."""
+        while self._orphans:
+            key = self._orphans.pop()
+            if key in self.store:
+                self.store.unregister(key)
+
+    def stashed_backward(self, index: int, stash: SavedActivations, params: dict[str, torch.Tensor],
+                         inputs: list[torch.Tensor], needs, pairs) -> list[torch.Tensor | None]:
+        """Backward of a :class:`StashedBlock`: fetch its weights and gradient buffer, point the
+        graph's leaves at them, and let autograd run the kept graph on the saved tensors."""
+        unit = self.binding.blocks[index]
+        diff_inputs = [x for x, n in zip(inputs, needs) if n]
+        if not unit.grad_key and not diff_inputs:
+            self.discard(stash)
+            return [None] * len(inputs)
+        with self.backward_buffers(unit, stash) as (flat, gflat):
+            try:
+                for s_ in unit.params:
+                    leaf = params[s_.local_name]
+                    leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+                    if s_.requires_grad:
+                        leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+                targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
+                if pairs and targets:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+                if gflat is not None:
+                    self.gradients_done(unit, gflat)
+            finally:
+                for leaf in params.values():
+                    leaf.grad = None
+                    leaf.data = _placeholder(leaf)
+        return [x.grad if n else None for x, n in zip(inputs, needs)]
 
     def param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Each parameter as a leaf over the weight buffer; a trainable one's .grad is a view of the
@@ -251,45 +439,39 @@ class BlockStreamer:
         self._held = []
 
     # ---- backward -----------------------------------------------------------------------
-    def block_backward(self, index, spec, leaves, inputs, needs, grad_outputs, rng, buffers_before=()):
+    def block_backward(self, index, spec, leaves, stash, handles, needs, grad_outputs, rng, buffers_before=()):
+        """Backward of a :class:`StreamedBlock`: run the block again from its stored inputs, with
+        the RNG state and buffers its forward saw, and back-propagate through that."""
         unit = self.binding.blocks[index]
-        diff_inputs = [x for x, n in zip(inputs, needs) if n]
-        if not unit.grad_key and not diff_inputs:
-            return [None] * len(inputs)  # a frozen block whose input needs no gradient: nothing to do
-        self.pipeline.wait(unit.name)
-        wkey, gkey = unit.weight_key, unit.grad_key
-        flat, *grad = self.store.get_group([wkey, *([gkey] if gkey else [])])
-        try:
-            gflat = grad[0] if grad else None
+        if not unit.grad_key and not any(needs):
+            self.discard(stash)  # a frozen block whose input needs no gradient: nothing to do
+            return [None] * len(needs)
+        with self.backward_buffers(unit, stash) as (flat, gflat):
+            inputs = [stash.unpack(h).detach().requires_grad_(n) for h, n in zip(handles, needs)]
+            diff_inputs = [x for x, n in zip(inputs, needs) if n]
+            params = self.param_leaves(unit, flat, gflat)
+            args, kwargs = _rebuild(spec, leaves, inputs)
+            devices = [self.device] if self.device.type == "cuda" else []
+            kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
+            for mod, name, old in buffers_before:
+                mod._buffers[name] = old.clone()
             try:
-                params = self.param_leaves(unit, flat, gflat)
-                args, kwargs = _rebuild(spec, leaves, inputs)
-                devices = [self.device] if self.device.type == "cuda" else []
-                kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
-                for mod, name, old in buffers_before:
-                    mod._buffers[name] = old.clone()
-                try:
-                    with torch.enable_grad(), torch.random.fork_rng(devices=devices):
-                        torch.set_rng_state(rng["cpu"])
-                        if "cuda" in rng:
-                            torch.cuda.set_rng_state(rng["cuda"], self.device)
-                        out = functional_call(unit.module, params, args, kwargs, strict=False)
-                finally:
-                    for mod, name, value in kept:
-                        mod._buffers[name] = value
-                outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-                pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-                targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
-                if pairs and targets:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
-                if gflat is not None:
-                    self.gradients_done(unit, gflat)
+                with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+                    torch.set_rng_state(rng["cpu"])
+                    if "cuda" in rng:
+                        torch.cuda.set_rng_state(rng["cuda"], self.device)
+                    out = functional_call(unit.module, params, args, kwargs, strict=False)
             finally:
-                if gkey:
-                    self.store.release(gkey)
-        finally:
-            self.store.release(wkey)
-        return [x.grad if n else None for x, n in zip(inputs, needs)]
+                for mod, name, value in kept:
+                    mod._buffers[name] = value
+            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+            targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
+            if pairs and targets:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+            if gflat is not None:
+                self.gradients_done(unit, gflat)
+            return [x.grad if n else None for x, n in zip(inputs, needs)]
 
     def gradients_done(self, unit: Unit, gflat: torch.Tensor) -> None:
         """A backward finished adding into the unit's (pinned) gradient buffer.

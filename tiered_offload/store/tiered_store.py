@@ -91,6 +91,10 @@ class TensorRecord:
     checked when they are read back."""
     disk_gen: int = 0
     """Generation of the last versioned extent written (``key@gen``)."""
+    scratch: bool = False
+    """Transient bytes (saved activations): never part of a durable state. Written to disk under
+    the key itself (no versioned extents, no :attr:`TieredStore.on_disk_written`), and not
+    flushed; :meth:`TieredStore.unregister` deletes the file."""
     slots: dict[Tier, _Slot] = field(default_factory=dict)
     busy: IOFuture | None = None
     """The one operation in flight on this tensor, if any."""
@@ -337,11 +341,12 @@ class TieredStore:
 
     # ---- registration -------------------------------------------------------------------
     def register(self, key: str, shape: Iterable[int], dtype: torch.dtype = torch.float32, *,
-                 data: torch.Tensor | None = None) -> TensorRecord:
+                 data: torch.Tensor | None = None, scratch: bool = False) -> TensorRecord:
         """Register a tensor. Without ``data`` it starts as zeros (no I/O until first written).
 
         Refuses, with the numbers, a tensor larger than a memory tier's whole budget, and (with
-        ``preallocate``) a tensor whose disk space cannot be reserved.
+        ``preallocate``) a tensor whose disk space cannot be reserved. ``scratch``: transient
+        bytes (see :attr:`TensorRecord.scratch`).
         """
         self._check_open()
         self._check_key(key)
@@ -357,7 +362,7 @@ class TieredStore:
         with self._lock:
             if key in self._records:
                 raise ValueError(f"tensor {key!r} is already registered")
-            rec = TensorRecord(key, shape, dtype, nbytes)
+            rec = TensorRecord(key, shape, dtype, nbytes, scratch=scratch)
             self._records[key] = rec
         try:
             self._reserve_disk(rec)
@@ -374,7 +379,7 @@ class TieredStore:
     def _reserve_disk(self, rec: TensorRecord) -> None:
         if rec.nbytes == 0:
             return
-        if self.config.preallocate and not self.config.versioned_writes:
+        if self.config.preallocate and not self.config.versioned_writes and not rec.scratch:
             self.backend.allocate(rec.key, rec.nbytes, dtype=str(rec.dtype).replace("torch.", ""), shape=rec.shape)
             return
         free = self.backend.free_bytes()
@@ -419,6 +424,37 @@ class TieredStore:
                 return None, None
             return rec.disk_key or rec.key, rec.disk_crc
 
+    def create(self, key: str, shape: Iterable[int], dtype: torch.dtype = torch.uint8,
+               tier: Tier | str | None = None) -> torch.Tensor:
+        """Register a scratch tensor and give it a copy in ``tier`` (default: the compute tier),
+        returned pinned, its bytes undefined: fill it, then :meth:`release` it. The copy is the
+        tensor's only version (dirty), so the store writes it to disk if it must make room.
+
+        No zero fill and no read: the way to put bytes computed in memory into the store.
+        """
+        tier = self._memory_tier(tier)
+        rec = self.register(key, shape, dtype, scratch=True)
+        try:
+            with self._lock:
+                busy = self._begin(rec, ("create", tier))
+            try:
+                slot = self._ensure_slot(rec, tier)
+                with self._lock:
+                    slot.loading = False
+                    rec.modified(tier)
+                    slot.pins += 1
+                    self._stats.bytes_written[tier] += rec.nbytes
+            except BaseException as e:
+                self._end(rec, busy, error=e)
+                raise
+            self._end(rec, busy, result=rec.nbytes)
+        except BaseException:
+            self.unregister(key)
+            raise
+        for p in self._policies.values():
+            p.on_access(key)
+        return slot.data
+
     def unregister(self, key: str) -> None:
         """Forget a tensor: wait for its operation in flight, free its copies, delete its extent."""
         with self._lock:
@@ -431,7 +467,8 @@ class TieredStore:
                 self._drop_slot(rec, tier)
             del self._records[key]
         try:
-            self.backend.delete(rec.disk_key or key)
+            if not (rec.scratch and rec.disk_version < 0):  # a scratch tensor never written has no file
+                self.backend.delete(rec.disk_key or key)
         finally:
             for p in self._policies.values():
                 p.on_unregister(key)
@@ -647,7 +684,7 @@ class TieredStore:
         """Write every dirty tensor back to storage and make it durable."""
         self._check_open()
         with self._lock:
-            keys = [k for k, r in self._records.items() if not (r.zero or r.valid(Tier.DISK))]
+            keys = [k for k, r in self._records.items() if not (r.zero or r.scratch or r.valid(Tier.DISK))]
         futures = [self.write_back(k, Tier.DISK) for k in keys]
         gather(futures, "flush").get()
         self._wait_idle()
@@ -835,7 +872,7 @@ class TieredStore:
                     self._stats.bytes_written[tier] += rec.nbytes
                     if tier == Tier.DISK and extent is not None:
                         old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc[0] if isinstance(crc, list) else crc
-            if tier != Tier.DISK or extent is None or not self.config.versioned_writes:
+            if tier != Tier.DISK or extent is None or not self.config.versioned_writes or rec.scratch:
                 return
             if error is not None:  # a half-written new extent is garbage; the old one is untouched
                 self._delete_quietly(extent)
@@ -896,7 +933,7 @@ class TieredStore:
         return IOFuture(out, write.description), box
 
     def _next_extent(self, rec: TensorRecord) -> str:
-        if not self.config.versioned_writes:
+        if not self.config.versioned_writes or rec.scratch:
             return rec.key
         with self._lock:
             rec.disk_gen += 1

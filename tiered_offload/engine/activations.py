@@ -1,0 +1,218 @@
+"""What a block's forward saves for its backward, moved into the store.
+
+Autograd saves tensors for backward: a linear layer's input, a softmax's output, a layer norm's
+statistics. :class:`SavedActivations` intercepts each one with
+:func:`torch.autograd.graph.saved_tensors_hooks` while a block runs, and after the block's forward
+copies them all into one scratch tensor of the store (``block.3/activations``). From then on the
+store owns the bytes: they stay in the compute tier, or go to host or disk when it is short (the
+lookahead policy knows backward's order, so it writes out the ones needed last and prefetches
+them back in time). The block's backward pins them again and autograd reads views of them.
+
+What is not copied:
+
+* views of the block's own weights (a linear layer saves its weight): they are saved as a
+  position in the weight buffer and resolved against the buffer fetched for the backward;
+* tensors whose layout has gaps or overlaps (a slice of a larger tensor, an expanded one): kept
+  by reference, as autograd would (rare; their bytes are counted in :attr:`kept_bytes`).
+
+The copy keeps each tensor's strides, and the same tensor saved twice is stored once, so the
+backward computes with exactly the tensors the forward saved: the result is PyTorch's, bitwise.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from offload_core.errors import TensorStateError
+
+__all__ = ["SavedActivations", "ALIGN"]
+
+ALIGN = 64
+"""Byte alignment of each tensor inside the scratch buffer."""
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill exactly ``numel`` consecutive slots (any dimension order)."""
+    if t.is_contiguous():
+        return True
+    expect = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+@dataclass
+class _Handle:
+    """Where a saved tensor went."""
+
+    kind: str
+    """``"weight"`` (a view of the weight buffer), ``"copy"`` (in the scratch buffer), ``"ref"`` (kept)."""
+    index: int = 0
+    """copy: the stored tensor's number; ref: the kept tensor's number; weight: element offset."""
+    shape: tuple = ()
+    stride: tuple = ()
+    dtype: torch.dtype | None = None
+
+
+@dataclass(eq=False)
+class _Life:
+    """What the finalizer of a :class:`SavedActivations` needs (not the object itself)."""
+
+    key: str | None = None
+    released: bool = False
+    orphans: list = field(default_factory=list)
+
+
+class SavedActivations:
+    """The tensors one block's forward saved for its backward.
+
+    Life cycle: :meth:`hooks` around the block's forward (with its weight buffer), :meth:`seal`
+    into the store, then in backward :meth:`attach` (with the weight buffer fetched again),
+    autograd unpacks, :meth:`release`. If the graph is dropped without a backward, the scratch
+    key is put on ``orphans`` for the streamer to unregister (never from the garbage collector's
+    thread).
+    """
+
+    def __init__(self, weights: torch.Tensor | None, orphans: list):
+        self._weights = weights
+        self._w_lo = weights.data_ptr() if weights is not None and weights.numel() else 0
+        self._w_hi = self._w_lo + (weights.numel() * weights.element_size() if weights is not None else 0)
+        self._w_itemsize = weights.element_size() if weights is not None else 1
+        self._copies: list[torch.Tensor] = []
+        self._versions: list[int] = []
+        self._layout: list[tuple[int, _Handle]] = []
+        self._seen: dict[tuple, _Handle] = {}
+        self._kept: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] | None = None
+        self._w_new: torch.Tensor | None = None
+        self.nbytes = 0
+        """Bytes of the scratch buffer."""
+        self.kept_bytes = 0
+        """Bytes kept by reference (not dense): outside the store's budget."""
+        self.life = _Life(orphans=orphans)
+        weakref.finalize(self, _orphaned, self.life)
+
+    @property
+    def key(self) -> str | None:
+        return self.life.key
+
+    # ---- forward ------------------------------------------------------------------------
+    def hooks(self):
+        """The context manager that routes what autograd saves through :meth:`pack` / :meth:`unpack`."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> _Handle:
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:  # no storage (a tensor subclass): autograd keeps it
+            return self._keep(t)
+        itemsize = t.element_size()
+        if self._w_lo <= ptr < self._w_hi and t.device == self._weights.device and itemsize == self._w_itemsize:
+            return _Handle("weight", (ptr - self._w_lo) // itemsize, tuple(t.shape), t.stride(), t.dtype)
+        sig = (ptr, t.dtype, tuple(t.shape), t.stride(), t.device)
+        seen = self._seen.get(sig)
+        if seen is not None:
+            return seen
+        if t.numel() == 0 or not _dense(t) or t.is_sparse or t.is_quantized:
+            handle = self._keep(t)
+        else:
+            handle = _Handle("copy", len(self._copies), tuple(t.shape), t.stride(), t.dtype)
+            self._copies.append(t)
+            self._versions.append(t._version)
+        self._seen[sig] = handle
+        return handle
+
+    def _keep(self, t: torch.Tensor) -> _Handle:
+        self._kept.append(t)
+        try:
+            self.kept_bytes += t.numel() * t.element_size()
+        except RuntimeError:
+            pass
+        return _Handle("ref", len(self._kept) - 1)
+
+    def unpack(self, h: _Handle) -> torch.Tensor:
+        if h.kind == "ref":
+            return self._kept[h.index]
+        if h.kind == "weight":
+            if self._w_new is None:
+                raise TensorStateError("a block's weights were unpacked outside its backward; this is a bug")
+            w = self._w_new
+            return w.as_strided(h.shape, h.stride, w.storage_offset() + h.index)
+        if self._views is None:
+            if self.life.released:
+                raise TensorStateError("this forward's saved activations were used by a backward already; run a "
+                                       "forward again before another backward (retain_graph is not supported)")
+            if self._copies:  # still in memory: the backward of a block that was never sealed
+                return self._copies[h.index]
+            raise TensorStateError("saved activations unpacked before attach(); this is a bug")
+        return self._views[h.index]
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` itself (not a copy) is what a backward will unpack."""
+        return any(x is t for x in self._copies) or any(x is t for x in self._kept)
+
+    def pending_bytes(self) -> int:
+        """Bytes the scratch tensor will take (before :meth:`seal`)."""
+        offset = 0
+        for t in self._copies:
+            offset = -(-offset // ALIGN) * ALIGN + t.numel() * t.element_size()
+        return offset
+
+    def seal(self, store, key: str) -> None:
+        """Copy the saved tensors into a new scratch tensor ``key`` of the store, and drop them."""
+        self._weights = None
+        if not self._copies:
+            return
+        for t, v in zip(self._copies, self._versions):
+            if t._version != v:
+                raise RuntimeError("a tensor saved for backward was modified in place later in the same block's "
+                                   "forward; PyTorch would fail in backward too. Use an out-of-place operation")
+        offset = 0
+        for i, t in enumerate(self._copies):
+            offset = -(-offset // ALIGN) * ALIGN
+            self._layout.append((offset, self._handles_by_index(i)))
+            offset += t.numel() * t.element_size()
+        self.nbytes = offset
+        raw = store.create(key, (offset,), torch.uint8)
+        self.life.key = key
+        try:
+            for (start, h), t in zip(self._layout, self._copies):
+                self._view(raw, start, h).copy_(t)
+        finally:
+            store.release(key)
+        self._copies, self._versions, self._seen = [], [], {}
+
+    def _handles_by_index(self, i: int) -> _Handle:
+        t = self._copies[i]
+        return _Handle("copy", i, tuple(t.shape), t.stride(), t.dtype)
+
+    @staticmethod
+    def _view(raw: torch.Tensor, start: int, h: _Handle) -> torch.Tensor:
+        n = 1
+        for s in h.shape:
+            n *= s
+        typed = raw[start:start + n * torch.empty((), dtype=h.dtype).element_size()].view(h.dtype)
+        return typed.as_strided(h.shape, h.stride)
+
+    # ---- backward -----------------------------------------------------------------------
+    def attach(self, raw: torch.Tensor | None, weights: torch.Tensor | None) -> None:
+        """For the backward: ``raw`` is the scratch tensor (pinned), ``weights`` the block's weight buffer."""
+        self._w_new = weights
+        if raw is not None:
+            self._views = [self._view(raw, start, h) for start, h in self._layout]
+
+    def release(self) -> None:
+        """The backward is done: forget the views and the kept tensors (the caller unregisters the key)."""
+        self._views, self._w_new, self._kept = None, None, []
+        self.life.released = True
+
+
+def _orphaned(life: _Life) -> None:
+    """Finalizer: the graph holding these activations was dropped without a backward."""
+    if life.key is not None and not life.released:
+        life.orphans.append(life.key)  # list.append is atomic; the streamer unregisters it later
