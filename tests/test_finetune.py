@@ -87,9 +87,9 @@ def lm_loss(model, ids, route=None):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def make_lora():
+def make_lora(d=16):
     torch.manual_seed(0)
-    return TinyLM(lambda d: MLP(d, LoRALinear))
+    return TinyLM(lambda d: MLP(d, LoRALinear), d=d)
 
 
 def make_moe():
@@ -187,7 +187,8 @@ def train_engine(engine, data, loss_fn, clip):
 
 
 def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, accumulate=1, clip=None,
-                 routes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir", **engine_kwargs):
+                 routes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir", inspect=None,
+                 **engine_kwargs):
     """Train ``make()`` in memory and through the engine (state on disk, host budget below it);
     with ``resume_at``, the engine is closed after that many steps and a new one resumes.
     Returns the engine's final weights, the reference model and the engine's state bytes."""
@@ -221,6 +222,8 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     different = [k for k, w in weights.items() if not torch.equal(w, reference[k].detach())]
     assert not different, f"not bitwise equal to PyTorch: {different[:5]}"
     state = engine.state_bytes()
+    if inspect is not None:
+        inspect(engine)
     engine.close()
     return weights, ref, start, state
 
@@ -559,3 +562,89 @@ def test_engine_config_is_validated_and_its_layout_choices_are_checked_by_resume
     with pytest.raises(CheckpointError, match="units differ"):
         Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), storage=tmp_path / "s", host_memory="1MiB",
                resume=True)
+
+
+# ---- saved activations through the tiers (no recompute) ----------------------------------------------
+def _normed():
+    torch.manual_seed(0)
+    return TinyLM(NormedMLP)
+
+
+ACTIVATION_CASES = {
+    # name: (make, optimizer, loss, streamed blocks, check_parity options)
+    "gpt2-frozen-dropout": (lambda: make_gpt2(frozen=True, dropout=0.1),
+                            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), hf_loss, 4,
+                            dict(host_fraction=0.7)),
+    "lora": (lambda: _adapters_only(make_lora(d=64)),  # wide enough that the weights outweigh the activations
+             lambda m: torch.optim.AdamW([p for n, p in m.named_parameters() if "lora_" in n], lr=1e-2), lm_loss, 4,
+             dict(host_fraction=0.3)),
+    "moe-idle-experts": (make_moe, lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9), lm_loss, 4,
+                         dict(routes=[[0, 1], [1, 2], [0, 3]], host_fraction=0.7)),  # SGD: 12 bytes per parameter
+    "llama-groups-streamed-head": (make_llama, lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3), hf_loss, 6,
+                                   dict(stream_modules_numel=1)),
+    "batchnorm-buffers": (_normed, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lm_loss, 4, {}),
+}
+
+
+def _adapters_only(model):
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload", "mixed"])
+@pytest.mark.parametrize("case", list(ACTIVATION_CASES))
+def test_saved_activations_through_the_store_are_bitwise(case, mode, tmp_path):
+    """Each block's saved tensors go into the store (kept in the host tier, or offloaded to disk at
+    once), and backward runs the graph the forward built: bitwise PyTorch, with accumulation,
+    clipping and a resume; dropout without any RNG replay; buffers updated once per forward."""
+    make, make_optimizer, loss_fn, n, options = ACTIVATION_CASES[case]
+    options = {"host_fraction": 0.9, **options}  # of 16 bytes per parameter: most of the state (frozen ones: 4)
+    stream = options.pop("stream_modules_numel", 0)
+    modes = [mode] * n if mode != "mixed" else [("keep", "offload", "recompute")[i % 3] for i in range(n)]
+    seen = {}
+
+    def inspect(engine):
+        seen["modes"] = engine.activation_modes
+        seen["bytes"] = dict(engine._streamer.activation_bytes)
+        seen["disk"] = engine.stats.bytes_written
+        seen["left"] = [k for k in engine.store.keys() if "activations" in k]
+    check_parity(make, make_optimizer, tmp_path, loss_fn=loss_fn, clip=1.0, accumulate=2, steps=3, resume_at=2,
+                 config=EngineConfig(activations=modes, stream_modules_numel=stream),
+                 inspect=inspect, **options)
+    assert seen["modes"] == modes  # no block fell back to recomputation
+    assert all(seen["bytes"][i] > 0 for i in range(n) if modes[i] != "recompute")
+    assert seen["left"] == []  # every backward let go of its block's activations
+
+
+def test_two_forwards_alive_at_once_and_a_forward_never_backpropagated(tmp_path):
+    """Accumulating by summing two forwards' losses keeps two graphs' activations in the store at
+    once; a forward whose graph is dropped without a backward leaves nothing behind."""
+    ref = make_lora(d=64)
+    start = copy.deepcopy(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(2, 2)
+    for step in data:
+        (lm_loss(ref, step[0][0]) + lm_loss(ref, step[1][0])).backward()
+        opt.step()
+        opt.zero_grad()
+    model = make_lora(d=64)
+    model.load_state_dict(start)
+    n = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                    host_memory=int(16 * n * 0.3), config=EngineConfig(activations="keep"))
+    assert engine.state_bytes() > engine.store.capacity("host")
+    lm_loss(engine, data[0][0][0])  # a forward with grad whose graph is dropped at once
+    import gc
+    gc.collect()
+    for step in data:
+        a, b = lm_loss(engine, step[0][0]), lm_loss(engine, step[1][0])
+        assert len([k for k in engine.store.keys() if "activations" in k]) == 8  # both graphs' (the orphans' gone)
+        engine.backward(a + b)
+        assert [k for k in engine.store.keys() if "activations" in k] == []
+        engine.step()
+        engine.zero_grad()
+    assert engine.activation_modes == ["keep"] * 4
+    assert all(torch.equal(w, dict(ref.named_parameters())[k]) for k, w in engine.named_parameters())
+    engine.close()

@@ -22,10 +22,12 @@ SCRIPT = textwrap.dedent("""
     cfg = GPTConfig(vocab_size=256, context=64, d_model=256, n_layers=10, n_heads=8)
     with tiered_offload.empty_init():
         model = GPT(cfg)
-    x = torch.randint(0, 256, (2, 65))
+    batch, host, activations = (int(sys.argv[2]), sys.argv[3], sys.argv[4]) if len(sys.argv) > 2 else (2, "20MiB", "auto")
+    x = torch.randint(0, 256, (batch, 65))
     gc.collect()
     base = psutil.Process().memory_info().rss
-    engine = tiered_offload.Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=sys.argv[1], host_memory="20MiB")
+    engine = tiered_offload.Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=sys.argv[1], host_memory=host,
+                                   config=tiered_offload.EngineConfig(activations=activations))
     for _ in range(3):
         logits = engine(x[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
@@ -36,7 +38,8 @@ SCRIPT = textwrap.dedent("""
     peak = peak_rss_bytes()
     largest = 4 * 256 * 4 * 256  # the MLP matrices, 1024 x 256 fp32: the largest parameter
     print(json.dumps(dict(base=base, peak=peak, host=engine.store.capacity("host"), state=engine.state_bytes(),
-                          disk_read=engine.stats.bytes_read[tiered_offload.Tier.DISK], largest_param=largest)))
+                          disk_read=engine.stats.bytes_read[tiered_offload.Tier.DISK], largest_param=largest,
+                          modes=engine.activation_modes, activations=engine._streamer.activation_bytes)))
     engine.close()
 """)
 
@@ -51,3 +54,26 @@ def test_peak_rss_growth_within_budget_plus_fixed_overhead(tmp_path):
     # README, "Memory": peak RSS growth <= host budget + device budget + 96 MiB + 8 x the largest parameter
     allowed = r["host"] + 96 * MiB + 8 * r["largest_param"]
     assert growth <= allowed, f"peak RSS grew {growth / MiB:.1f} MiB, allowed {allowed / MiB:.1f} MiB: {r}"
+
+
+def _run(tmp_path, name, *args):
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / name), *map(str, args)], capture_output=True,
+                         text=True, check=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_saved_activations_count_in_the_budget(tmp_path):
+    """Batch 16: the blocks' saved activations together are more than twice the host budget. Kept
+    or offloaded through the store, they cost the process no more than recomputing does (which
+    stores only each block's input), up to one block's activations while its forward runs."""
+    recompute = _run(tmp_path, "r", 16, "64MiB", "recompute")
+    for mode in ("keep", "offload"):
+        r = _run(tmp_path, mode, 16, "64MiB", mode)
+        assert r["modes"] == [mode] * 10, r  # no block fell back to recomputation
+        total = sum(r["activations"].values())
+        one_block = max(r["activations"].values())
+        assert total > 2 * r["host"], r
+        growth, baseline = r["peak"] - r["base"], recompute["peak"] - recompute["base"]
+        assert growth <= baseline + 2 * one_block + 8 * MiB, (
+            f"{mode}: peak RSS grew {growth / MiB:.1f} MiB, recompute {baseline / MiB:.1f} MiB; the activations "
+            f"({total / MiB:.1f} MiB, {one_block / MiB:.1f} MiB per block) escaped the budget")
