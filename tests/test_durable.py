@@ -161,33 +161,47 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path):
 
 def test_disk_space_stays_within_a_quarter_of_the_state(tmp_path, monkeypatch):
     """Measured: before every write, what the directory will hold once it lands (every file now
-    plus the new one) stays within the state plus a quarter."""
+    plus the new one) stays within the state plus a quarter, plus at most one forward's saved
+    activations (offloaded ones, deleted by their backward)."""
     import threading
 
     from offload_core.buffers import buffer_nbytes
     from storage_backends.base import StorageBackend
     d = tmp_path / "s"
-    peak, lock = [0], threading.Lock()
+    peak, scratch_peak, lock = [0], [0], threading.Lock()
     original = StorageBackend.write_from
 
     def write_from(self, key, buffer, offset=0):
         with lock:
-            total = buffer_nbytes(buffer)
+            total = scratch = 0
             for e in os.scandir(d):
                 try:
-                    total += e.stat().st_size if e.is_file() else 0
+                    size = e.stat().st_size if e.is_file() else 0
                 except FileNotFoundError:  # deleted meanwhile by the commit
-                    pass
+                    continue
+                if "activations" in e.name:  # a forward's saved activations, gone after its backward
+                    scratch += size
+                else:
+                    total += size
+            if "activations" in key:
+                scratch += buffer_nbytes(buffer)
+            else:
+                total += buffer_nbytes(buffer)
             peak[0] = max(peak[0], total)
+            scratch_peak[0] = max(scratch_peak[0], scratch)
         return original(self, key, buffer, offset)
     monkeypatch.setattr(StorageBackend, "write_from", write_from)
     engine = make_engine(d, layers=8)
     assert engine.state_bytes() > engine.store.capacity("host")
     train(engine, 4)
     state = engine.state_bytes()
+    one_forward = sum(engine._streamer.activation_bytes.values())
     engine.close()
     assert peak[0] > 0.9 * state, (peak[0], state)  # the whole state did go to disk
     assert peak[0] <= 1.25 * state, f"peak {peak[0]} bytes on disk for a {state}-byte state"
+    # offloaded activations: at most one forward's, beside the state
+    assert scratch_peak[0] <= one_forward, (scratch_peak[0], one_forward)
+    assert not any("activations" in p.name for p in d.iterdir())
 
 
 def test_resume_refuses_another_model_and_fresh_start_refuses_a_used_directory(tmp_path):

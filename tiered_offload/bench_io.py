@@ -305,3 +305,4 @@ def main(args) -> int:
         where = save_profile(report, args.save_profile or None)
         print(f"saved profile for {report['filesystem']['mount_point']} to {where} (the store uses it for this file system)")
     return 0
+

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from offload_core.errors import ProfileError
 
-__all__ = ["default_profile_path", "save_profile", "load_profile", "tuned_options", "filesystem_id"]
+__all__ = ["default_profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates", "filesystem_id"]
 
 log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
@@ -76,6 +76,21 @@ def load_profile(path: str | os.PathLike | None = None) -> dict:
         raise ProfileError(f"I/O profile {target} has an unknown format (expected version {PROFILE_VERSION}); "
                            f"run tiered-offload bench-io --save-profile again")
     return data
+
+
+def measured_rates(location: str | os.PathLike, path: str | os.PathLike | None = None) -> tuple[float, float, str] | None:
+    """``(read bytes/s, write bytes/s, profile path)`` that bench-io measured with its recommended
+    settings on the file system holding ``location``; None if no profile covers it."""
+    try:
+        data = load_profile(path)
+    except ProfileError:
+        return None
+    fs = filesystem_id(location)
+    for entry in data["filesystems"].values():
+        rec = entry.get("recommended", {})
+        if entry.get("filesystem", {}).get("st_dev") == fs["st_dev"] and rec.get("read_GBps") and rec.get("write_GBps"):
+            return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(Path(path).expanduser() if path else default_profile_path())
+    return None
 
 
 def tuned_options(location: str | os.PathLike, path: str | os.PathLike | None = None) -> dict:

@@ -78,7 +78,11 @@ class SavedActivations:
     thread).
     """
 
-    def __init__(self, weights: torch.Tensor | None, orphans: list):
+    def __init__(self, weights: torch.Tensor | None, orphans: list, *, count_only: bool = False):
+        self.inputs_only = weights is None
+        """A recompute's checkpoint (the block's inputs), not a graph's saved tensors."""
+        self.count_only = count_only
+        """Only measure: :meth:`pack` keeps every tensor as autograd would, counting what a seal would store."""
         self._weights = weights
         self._w_lo = weights.data_ptr() if weights is not None and weights.numel() else 0
         self._w_hi = self._w_lo + (weights.numel() * weights.element_size() if weights is not None else 0)
@@ -90,12 +94,14 @@ class SavedActivations:
         self._kept: list[torch.Tensor] = []
         self._views: list[torch.Tensor] | None = None
         self._w_new: torch.Tensor | None = None
+        self._counted = 0
         self.nbytes = 0
         """Bytes of the scratch buffer."""
         self.kept_bytes = 0
         """Bytes kept by reference (not dense): outside the store's budget."""
         self.life = _Life(orphans=orphans)
-        weakref.finalize(self, _orphaned, self.life)
+        if not count_only:
+            weakref.finalize(self, _orphaned, self.life)
 
     @property
     def key(self) -> str | None:
@@ -103,8 +109,37 @@ class SavedActivations:
 
     # ---- forward ------------------------------------------------------------------------
     def hooks(self):
-        """The context manager that routes what autograd saves through :meth:`pack` / :meth:`unpack`."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        """The context manager that routes what autograd saves through :meth:`pack` / :meth:`unpack`.
+
+        The graph holds the unpack hook, and until :meth:`seal` this object holds the saved
+        tensors, whose ``grad_fn`` is the graph: a cycle through autograd's C++ objects that
+        Python's garbage collector cannot see. So the hook holds this object weakly (the block's
+        autograd node holds it strongly)."""
+        if self.count_only:
+            return torch.autograd.graph.saved_tensors_hooks(self._count, _never_unpacked)
+        me = weakref.ref(self)
+
+        def unpack(h: _Handle) -> torch.Tensor:
+            owner = me()
+            if owner is None:
+                raise TensorStateError("a block's saved activations were released before its backward; run the "
+                                       "forward again")
+            return owner.unpack(h)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+
+    def _count(self, t: torch.Tensor) -> None:
+        """count_only: what :meth:`seal` would store of ``t``, without keeping ``t``."""
+        try:
+            ptr = t.data_ptr()
+        except RuntimeError:
+            return None
+        if self._w_lo <= ptr < self._w_hi:
+            return None
+        sig = (ptr, t.dtype, tuple(t.shape), t.stride(), t.device)
+        if sig not in self._seen and t.numel() and _dense(t):
+            self._seen[sig] = None
+            self._counted = -(-self._counted // ALIGN) * ALIGN + t.numel() * t.element_size()
+        return None
 
     def pack(self, t: torch.Tensor) -> _Handle:
         try:
@@ -126,6 +161,8 @@ class SavedActivations:
             self._versions.append(t._version)
         self._seen[sig] = handle
         return handle
+
+
 
     def _keep(self, t: torch.Tensor) -> _Handle:
         self._kept.append(t)
@@ -158,6 +195,8 @@ class SavedActivations:
 
     def pending_bytes(self) -> int:
         """Bytes the scratch tensor will take (before :meth:`seal`)."""
+        if self.count_only:
+            return self._counted
         offset = 0
         for t in self._copies:
             offset = -(-offset // ALIGN) * ALIGN + t.numel() * t.element_size()
@@ -207,9 +246,13 @@ class SavedActivations:
             self._views = [self._view(raw, start, h) for start, h in self._layout]
 
     def release(self) -> None:
-        """The backward is done: forget the views and the kept tensors (the caller unregisters the key)."""
-        self._views, self._w_new, self._kept = None, None, []
+        """The backward is done: forget the views and the tensors kept (the caller unregisters the key)."""
+        self._views, self._w_new, self._kept, self._copies = None, None, [], []
         self.life.released = True
+
+
+def _never_unpacked(_h) -> torch.Tensor:
+    raise TensorStateError("a measuring forward's graph was back-propagated; this is a bug")
 
 
 def _orphaned(life: _Life) -> None:

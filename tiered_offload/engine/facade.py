@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -60,6 +62,7 @@ from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
 from tiered_offload.engine.optim_spec import OptimizerSpec, read_optimizer
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
+from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan
 from tiered_offload.engine.schedule import FP32_BYTES, Phase, Schedule
 from tiered_offload.engine.streaming import BlockStreamer
 from tiered_offload.memstat import tune_allocator
@@ -67,6 +70,8 @@ from tiered_offload.store.tiered_store import TieredStore
 from tiered_offload.store.tiers import Tier
 
 __all__ = ["Engine", "empty_init"]
+
+log = logging.getLogger("tiered_offload")
 
 class Engine:
     """Train ``model`` with its state streamed through device memory, a host budget and disk.
@@ -205,6 +210,11 @@ class Engine:
         self.overlap_step = (self.schedule.overlap_fits(self.store.capacity(self.store.compute_tier))
                              if overlap is None else bool(overlap))
         self._streamer.activation_room = self._activation_room()
+        self._plan = self._initial_plan(recompute)
+        self._meter: tuple | None = None
+        self._measured: list[StepMeasurement] = []
+        if self._streamer.modes is not None:
+            log.info("tiered-offload plan (until measured):\n%s", self._plan.summary())
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
         self.store.declare_access_sequence(self._sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP]))
         self._streamer.unbind_rest()
@@ -566,6 +576,7 @@ class Engine:
         if recompute not in (True, False, "auto"):
             raise ConfigError(f"recompute must be True, False or 'auto', got {recompute!r}")
         n = len(self.binding.blocks)
+        self.recompute_auto = recompute == "auto"
         if recompute is True:
             return ["recompute"] * n
         if recompute is False or (recompute == "auto" and self.schedule.fits(self.store.capacity(self.store.compute_tier))):
@@ -580,13 +591,96 @@ class Engine:
 
     def _activation_room(self) -> dict[int, int]:
         """Per block, how many bytes of saved activations its backward can pin beside its weights
-        and gradients and the rest's (half of what the budget leaves, so the state's cache is not
-        squeezed out; the other half is the store's to place them, and the prefetch of the next)."""
+        and gradients, the rest's, the next block's weights (prefetched) and the slack."""
         cap = self.store.capacity(self.store.compute_tier)
         ws = self.schedule.working_set()
         b = self.schedule.unit_bytes
-        return {i: max(0, (cap - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes) // 2)
+        return {i: max(0, cap - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes)
                 for i, u in enumerate(self.binding.blocks)}
+
+    # ---- the plan -------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """What the engine does with each block's activations, the prefetch depth, whether the step
+        overlaps the next forward, how the compute tier's budget is used, and the predicted step
+        time and disk bytes per step (after the first measured iteration). ``print(engine.plan)``."""
+        return self._plan
+
+    def _initial_plan(self, recompute) -> Plan:
+        cap = self.store.capacity(self.store.compute_tier)
+        need = self.schedule.working_set().need
+        acts = max(self._streamer.activation_room.values(), default=0) if self._streamer.modes is not None else 0
+        overridden = []
+        if recompute is not True and recompute is not False and self.config.activations != "auto":
+            overridden.append(f"activations = {self.config.activations!r} (EngineConfig.activations)")
+        elif recompute in (True, False):
+            overridden.append(f"recompute={recompute}")
+        if self.config.overlap_step is not None:
+            overridden.append(f"overlap_step = {self.config.overlap_step} (EngineConfig.overlap_step)")
+        return Plan(modes=self.activation_modes, blocks=[b.name for b in self.binding.blocks],
+                    prefetch_depth=self.store.config.prefetch_depth, overlap_step=self.overlap_step,
+                    host_split={"working_set": min(need, cap), "activations_of_one_block": min(acts, max(0, cap - need)),
+                                "cache": max(0, cap - need - acts)},
+                    overridden=overridden)
+
+    def _iteration_boundary(self) -> None:
+        """A step begins: measure the iteration that ended (for the plan), start the next."""
+        now = time.perf_counter()
+        st = self.store.stats
+        snapshot = (now, st.bytes_read[Tier.DISK], st.bytes_written[Tier.DISK], st.io_wait_seconds, st.disk_busy_seconds)
+        streamer, n = self._streamer, len(self.binding.blocks)
+        if self._meter is not None and streamer.modes is not None:
+            t, read, written, wait, busy = self._meter
+            self._measured.append(StepMeasurement(
+                seconds=now - t, io_wait_seconds=st.io_wait_seconds - wait, disk_read=snapshot[1] - read,
+                disk_written=snapshot[2] - written, disk_busy_seconds=snapshot[4] - busy,
+                forward_seconds=[streamer.forward_seconds.get(i, 0.0) for i in range(n)],
+                graph_bytes=[streamer.graph_bytes.get(i, 0) for i in range(n)], modes=list(streamer.modes)))
+            self._after_iteration()
+        self._meter = snapshot
+        streamer.forward_seconds.clear()
+
+    _CHECK_AFTER = 3
+    """Iterations measured under a plan before its prediction is compared with them."""
+
+    def _after_iteration(self) -> None:
+        """After the first measured iteration: plan. After a few more: compare and say if it is off."""
+        measured = self._measured
+        if len(measured) == 1:
+            fixed = self.config.activations != "auto" or not self.recompute_auto
+            room = [self._streamer.activation_room.get(i, 0) for i in range(len(self.binding.blocks))]
+            self._plan = make_plan(self._plan, measured[0], self._disk_rates(measured[0]), room, max(room, default=0),
+                                   fixed)
+            self._streamer.modes = list(self._plan.modes)
+            self._streamer.measure_graphs = False
+            log.info("tiered-offload plan:\n%s", self._plan.summary())
+        elif len(measured) == 1 + self._CHECK_AFTER:
+            times = sorted(m.seconds for m in measured[1:])
+            self._plan.measured_step_s = times[len(times) // 2]
+            predicted = self._plan.predicted_step_s
+            off = abs(self._plan.measured_step_s - predicted) / max(predicted, 1e-9)
+            if off > 0.2:
+                note = (f"the plan predicted {predicted:.3f} s per step and {self._CHECK_AFTER} steps measured "
+                        f"{self._plan.measured_step_s:.3f} s ({off:.0%} off): the cost model misses something on "
+                        f"this machine (other load, page cache, compute that changes with the batch)")
+                self._plan.reasons.append(note)
+                log.warning("tiered-offload: %s", note)
+
+    def _disk_rates(self, m: StepMeasurement) -> DiskRates:
+        """The disk's rates for the plan: the bench-io profile of its file system, else what the
+        measured iteration's own transfers achieved (bytes over the time any was in flight)."""
+        backend = self.store.backend
+        if backend.directories:
+            from tiered_offload.profile import measured_rates
+            known = measured_rates(backend.directories[0])
+            if known is not None:
+                return DiskRates(known[0], known[1], f"bench-io profile {known[2]}")
+        moved = m.disk_read + m.disk_written
+        if moved == 0 or m.disk_busy_seconds <= 0:
+            return DiskRates(0.0, 0.0, "none: the measured step moved nothing to or from disk")
+        rate = moved / m.disk_busy_seconds
+        return DiskRates(rate, rate, "the first measured step's own transfers (`tiered-offload bench-io --save-profile` "
+                                     "records the disk's best)")
 
     @property
     def recompute(self) -> bool:
@@ -703,6 +797,7 @@ class Engine:
             raise NonFiniteError(f"non-finite gradients in {', '.join(bad)}; no weight or optimizer state was updated. "
                                  f"Call zero_grad() and lower the learning rate, or pass on_nonfinite='skip'")
         self._phase(Phase.STEP)
+        self._iteration_boundary()
         hypers = [self._spec.hyper(g) for g in self.param_groups]
         scale, self._grad_scale = self._grad_scale, None
         step_index = self.step_count

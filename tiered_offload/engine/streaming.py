@@ -64,9 +64,7 @@ class StreamedBlock(torch.autograd.Function):
         box["spec"], box["leaves"] = out_spec, out_leaves
         ctx.stash = engine.new_stash(None)
         ctx.handles = [ctx.stash.pack(t) for t in tensors]
-        t0 = time.perf_counter()
         engine.seal(index, ctx.stash)
-        box["seal_seconds"] = time.perf_counter() - t0
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
     @staticmethod
@@ -96,8 +94,10 @@ class StashedBlock(torch.autograd.Function):
             for s_ in unit.trainable():
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat)
+            t0 = time.perf_counter()
             with torch.enable_grad(), stash.hooks():
                 out = functional_call(unit.module, params, args, kwargs, strict=False)
+            engine.forward_seconds[index] = engine.forward_seconds.get(index, 0.0) + time.perf_counter() - t0
         finally:
             engine.store.release(unit.weight_key)
         out_leaves, out_spec = tree_flatten(out)
@@ -106,9 +106,7 @@ class StashedBlock(torch.autograd.Function):
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
         box["spec"], box["leaves"] = out_spec, returned
-        t0 = time.perf_counter()
         engine.seal(index, stash)
-        box["seal_seconds"] = time.perf_counter() - t0
         # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
         # (their values are in the store, or in the tensors returned)
         ctx.outs = [x if x.requires_grad else None for x in out_leaves if isinstance(x, torch.Tensor)]
@@ -180,8 +178,15 @@ class BlockStreamer:
         """Per block, its :data:`ACTIVATION_MODES` entry (None: everything kept pinned)."""
         self.activation_bytes: dict[int, int] = {}
         """Per block, the bytes its last forward put into the store (saved tensors or inputs)."""
+        self.measure_graphs = True
+        """Count what a recomputed block's graph would save (for the planner; a little Python per
+        saved tensor, so the engine turns it off once it has planned)."""
+        self.graph_bytes: dict[int, int] = {}
+        """Per block, the bytes its saved tensors take when its graph is kept (measured by every
+        forward: a recomputed block's too)."""
         self.forward_seconds: dict[int, float] = {}
-        """Per block, the compute time of its last forward."""
+        """Per block, the compute time of its forwards since the engine last cleared it (no waiting
+        for bytes included)."""
         self.activation_room: dict[int, int] = {}
         """Per block, the most bytes of saved activations the compute tier can pin in its backward
         beside its weights and gradients (set by the engine from its budget)."""
@@ -284,10 +289,19 @@ class BlockStreamer:
         flat = self.fetch_for_forward(unit)
         try:
             params = unit.views(flat)
-            if as_trained:
-                params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
-                          for s_ in unit.params}
-            return functional_call(unit.module, params, args, kwargs, strict=False)
+            if not as_trained:
+                return functional_call(unit.module, params, args, kwargs, strict=False)
+            params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
+                      for s_ in unit.params}
+            # what keeping this block's graph would store (the planner weighs it against recomputing)
+            counter = SavedActivations(flat, [], count_only=True) if self.measure_graphs else None
+            t0 = time.perf_counter()
+            with counter.hooks() if counter is not None else contextlib.nullcontext():
+                out = functional_call(unit.module, params, args, kwargs, strict=False)
+            self.forward_seconds[index] = self.forward_seconds.get(index, 0.0) + time.perf_counter() - t0
+            if counter is not None:
+                self.graph_bytes[index] = counter.pending_bytes()
+            return out
         finally:
             self.store.release(unit.weight_key)
 
@@ -303,15 +317,14 @@ class BlockStreamer:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         box: dict[str, Any] = {}
         node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
-        t0 = time.perf_counter()
         outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
-        self.forward_seconds[index] = time.perf_counter() - t0 - box.get("seal_seconds", 0.0)
         it = iter(outs)
         return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
 
     # ---- saved activations in the store ---------------------------------------------------
     def new_stash(self, weights: torch.Tensor | None) -> SavedActivations:
-        """A collector for what a block's forward saves (``weights``: its weight buffer, or None)."""
+        """A collector for what a block's forward saves (``weights``: its weight buffer; None: the
+        block's inputs, for a recompute)."""
         return SavedActivations(weights, self._orphans)
 
     def seal(self, index: int, stash: SavedActivations) -> None:
@@ -321,6 +334,8 @@ class BlockStreamer:
         unit = self.binding.blocks[index]
         need = stash.pending_bytes()
         self.activation_bytes[index] = need
+        if not stash.inputs_only:
+            self.graph_bytes[index] = need
         room = self.activation_room.get(index, 0)
         if need > room:
             # the backward could not pin them beside the block's weights and gradients: they stay

@@ -163,6 +163,9 @@ class StoreStats:
     """Copies dropped to make room."""
     io_wait_seconds: float = 0.0
     """Time callers spent blocked in ``get`` waiting for bytes."""
+    disk_busy_seconds: float = 0.0
+    """Time at least one disk read or write was in flight: disk bytes moved / this is the rate
+    the disk delivered to this store (no probe needed)."""
     peak_used: dict[Tier, int] = field(default_factory=dict)
     """Highest bytes in use of each memory tier's budget."""
 
@@ -200,6 +203,8 @@ class TieredStore:
         self._copier: Copier | None = None
         self._opened = False
         self._checksum = checksum_function(config.checksum)
+        self._disk_inflight = 0
+        self._disk_since = 0.0
         self.on_disk_written = None
         """With versioned writes: called as ``fn(key, new_extent, crc, old_extent)`` after a new
         disk version has landed (outside the store's lock); it owns deleting ``old_extent``.
@@ -900,7 +905,13 @@ class TieredStore:
         elif dst == Tier.DISK:
             raw = rec.slots[src].raw
             extent = self._next_extent(rec)
-            fut = self.backend.write_from(extent, raw)
+            self._disk_begin()
+            try:
+                fut = self.backend.write_from(extent, raw)
+            except BaseException:
+                self._disk_end()
+                raise
+            fut.add_done_callback(self._disk_end)
             if self.config.verify_checksums:
                 # the checksum runs on the I/O thread that finished the write (off the GIL), so the
                 # caller goes on and the backend's other threads keep the disk busy meanwhile
@@ -911,6 +922,18 @@ class TieredStore:
             fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
         fut.add_done_callback(self._landed(rec, dst, version, src, extent, crc))  # runs before any later callback
         return fut
+
+    def _disk_begin(self) -> None:
+        with self._lock:
+            if self._disk_inflight == 0:
+                self._disk_since = time.perf_counter()
+            self._disk_inflight += 1
+
+    def _disk_end(self, _f=None) -> None:
+        with self._lock:
+            self._disk_inflight -= 1
+            if self._disk_inflight == 0:
+                self._stats.disk_busy_seconds += time.perf_counter() - self._disk_since
 
     def _checksummed(self, write: IOFuture, raw: torch.Tensor) -> tuple[IOFuture, list]:
         """``write``, then the checksum of ``raw`` computed where the write completed; the checksum
@@ -943,7 +966,13 @@ class TieredStore:
         """Read the disk copy into ``raw``; fail with :class:`CorruptionError` if its checksum differs."""
         with self._lock:
             extent, expected = rec.disk_key or rec.key, rec.disk_crc
-        inner = self.backend.read_into(extent, raw)
+        self._disk_begin()
+        try:
+            inner = self.backend.read_into(extent, raw)
+        except BaseException:
+            self._disk_end()
+            raise
+        inner.add_done_callback(self._disk_end)
         if expected is None or not self.config.verify_checksums:
             return inner
         out: Future = Future()

@@ -1,0 +1,203 @@
+"""The plan: what each block does with its activations, and what a step is expected to cost.
+
+Pure numbers, no torch: :func:`make_plan` takes what the first iterations measured (each block's
+forward compute time and the bytes its graph saves, the step's compute time and disk traffic)
+and the disk's rates (the ``bench-io`` profile of the file system, or a probe at start), and
+returns a :class:`Plan` that a person can read (``print(engine.plan)``) and a test can check.
+
+The cost model. Compute and I/O overlap (the lookahead prefetches, write-backs run behind) as
+far as the budget leaves room to work ahead; the share of the I/O time the first measured
+iteration did not wait for is taken as the share hidden, so a step takes about ``compute +
+(1 - hidden) x I/O``:
+
+* recomputing block ``i`` costs its forward once more: ``F_i`` seconds of compute;
+* keeping its graph instead costs a copy of its saved tensors (``A_i`` bytes) into the store;
+  offloading them costs ``A_i`` written and ``A_i`` read as well. (Keeping them in the compute
+  tier costs no I/O only while they fit one block's room: when the state does not fit, any more
+  room they take is state written out and read back.)
+
+Starting from "recompute every block", the planner switches blocks to a kept graph, those that
+save the most compute per byte first, as long as the predicted step gets shorter (the disk has
+time to spare while compute dominates). The blocks whose backward comes first (the last ones)
+keep their activations in the compute tier when they fit one block's room; the others are
+offloaded at once, so their write-back never stalls a later allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DiskRates", "StepMeasurement", "Plan", "make_plan"]
+
+
+@dataclass
+class DiskRates:
+    """Sequential disk throughput the plan assumes, and where the numbers come from."""
+
+    read_Bps: float
+    write_Bps: float
+    source: str
+    """Where the figures come from: the ``bench-io`` profile of the file system, the first
+    iteration's own disk traffic, or none (no disk traffic, or memory storage)."""
+
+    def seconds(self, read: float, written: float) -> float:
+        if self.read_Bps <= 0 or self.write_Bps <= 0:
+            return 0.0
+        return read / self.read_Bps + written / self.write_Bps
+
+
+@dataclass
+class StepMeasurement:
+    """What one training iteration (forward, backward, step) measured."""
+
+    seconds: float
+    """Wall time from one forward's start to the next's."""
+    io_wait_seconds: float
+    """Of that, time compute spent waiting for bytes."""
+    disk_read: int
+    disk_written: int
+    disk_busy_seconds: float
+    """Time at least one disk transfer was in flight."""
+    forward_seconds: list[float]
+    """Per block, the forward's compute time."""
+    graph_bytes: list[int]
+    """Per block, what its graph saves for backward."""
+    modes: list[str]
+    """Per block, what this iteration did with its activations."""
+
+
+@dataclass
+class Plan:
+    """What the engine does, and what it expects a step to cost."""
+
+    modes: list[str]
+    """Per streamed block: ``keep``, ``offload`` or ``recompute`` (None: plain PyTorch, the state fits)."""
+    blocks: list[str]
+    prefetch_depth: int
+    overlap_step: bool
+    host_split: dict[str, int]
+    """How the compute tier's budget is used: ``working_set`` (what one step pins at once),
+    ``activations_of_one_block`` (the most saved activations one block's backward may pin beside
+    it), ``cache`` (the rest: state and activations kept across phases)."""
+    predicted_step_s: float | None = None
+    """Predicted seconds per iteration (None until measured)."""
+    predicted_compute_s: float | None = None
+    predicted_io_s: float | None = None
+    io_hidden: float | None = None
+    """Share of the I/O time hidden behind compute (as the first measured iteration hid it)."""
+    predicted_read: int | None = None
+    """Disk bytes read per iteration."""
+    predicted_written: int | None = None
+    rates: DiskRates | None = None
+    overridden: list[str] = field(default_factory=list)
+    """Decisions the configuration fixed instead of the planner."""
+    reasons: list[str] = field(default_factory=list)
+    measured_step_s: float | None = None
+    """The median step time measured after the plan took effect (None until measured)."""
+
+    @property
+    def bytes_per_step(self) -> int | None:
+        if self.predicted_read is None:
+            return None
+        return self.predicted_read + self.predicted_written
+
+    def summary(self) -> str:
+        """The plan in a few lines (what ``engine.plan`` prints and the engine logs at INFO)."""
+        mib = 1 << 20
+        if self.modes is None:
+            acts = "kept in memory as plain PyTorch (the state fits the compute tier)"
+        else:
+            counts = {m: self.modes.count(m) for m in ("keep", "offload", "recompute") if m in self.modes}
+            acts = ", ".join(f"{n} {m}" for m, n in counts.items())
+            if len(set(self.modes)) > 1:
+                acts += " (" + " ".join(f"{b}:{m[0]}" for b, m in zip(self.blocks, self.modes)) + ")"
+        lines = [f"activations: {acts}",
+                 f"prefetch depth {self.prefetch_depth}; step {'overlapped with the next forward' if self.overlap_step else 'inline'}",
+                 "compute tier: " + ", ".join(f"{k.replace('_', ' ')} {v / mib:.1f} MiB" for k, v in self.host_split.items())]
+        if self.predicted_step_s is None:
+            lines.append("predicted step: not yet (measured over the first iterations)")
+        else:
+            lines.append(f"predicted step {self.predicted_step_s:.3f} s = compute {self.predicted_compute_s:.3f} s + "
+                         f"{1 - self.io_hidden:.0%} of I/O {self.predicted_io_s:.3f} s (the rest hidden behind compute); "
+                         f"disk {self.predicted_read / mib:.1f} MiB read + {self.predicted_written / mib:.1f} MiB written "
+                         f"per step")
+        if self.rates is not None:
+            lines.append(f"disk: read {self.rates.read_Bps / 1e9:.2f} GB/s, write {self.rates.write_Bps / 1e9:.2f} GB/s "
+                         f"({self.rates.source})")
+        if self.measured_step_s is not None:
+            lines.append(f"measured step {self.measured_step_s:.3f} s")
+        lines += [f"overridden: {o}" for o in self.overridden]
+        lines += self.reasons
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int], keep_room: int,
+              fixed: bool, copy_Bps: float = 4e9) -> Plan:
+    """Choose each block's activation mode from measurement ``m`` (see the module's cost model).
+
+    Args:
+        base: the plan so far (its blocks, prefetch depth, overlap and budget split carry over).
+        room: per block, the most saved-activation bytes its backward can pin (0: must recompute).
+        keep_room: bytes of activations the compute tier keeps for the blocks backward reaches first.
+        fixed: the configuration chose the modes: only predict, with the modes as they are.
+        copy_Bps: memory copy rate (saved activations are copied into the store).
+    """
+    n = len(m.forward_seconds)
+    # the iteration's compute without any recomputation or copying of saved activations, and its
+    # disk traffic without offloaded activations
+    def extra_compute(modes: list[str]) -> float:
+        recompute = sum(f for f, mode in zip(m.forward_seconds, modes) if mode == "recompute")
+        copies = sum(a for a, mode in zip(m.graph_bytes, modes) if mode != "recompute") / max(copy_Bps, 1.0)
+        return recompute + copies
+    base_compute = max(0.0, m.seconds - m.io_wait_seconds - extra_compute(m.modes))
+    offloaded_now = sum(a for a, mode in zip(m.graph_bytes, m.modes) if mode == "offload")
+    base_read = max(0, m.disk_read - offloaded_now)
+    base_written = max(0, m.disk_written - offloaded_now)
+    # how much of the I/O the measured iteration hid behind compute (what it did not wait for)
+    io_measured = rates.seconds(m.disk_read, m.disk_written)
+    hidden = 1.0 if io_measured <= 0 else min(1.0, max(0.0, 1.0 - m.io_wait_seconds / io_measured))
+
+    def cost(modes: list[str]) -> tuple[float, float, float, int, int]:
+        compute = base_compute + extra_compute(modes)
+        extra = sum(a for a, mode in zip(m.graph_bytes, modes) if mode == "offload" and rates.read_Bps > 0)
+        read, written = base_read + extra, base_written + extra
+        io = rates.seconds(read, written)
+        return compute + (1.0 - hidden) * io, compute, io, read, written
+
+    reasons = []
+    too_big = []
+    if fixed:
+        modes = list(m.modes)  # as configured, less the blocks that fell back to recomputing
+    else:
+        modes = ["recompute"] * n
+        order = sorted(range(n), key=lambda i: -(m.forward_seconds[i] / max(1, m.graph_bytes[i])))
+        best = cost(modes)[0]
+        for i in order:
+            if m.graph_bytes[i] > room[i]:
+                too_big.append(i)
+                continue
+            trial = modes.copy()
+            trial[i] = "offload"
+            t = cost(trial)[0]
+            if t < best:
+                modes, best = trial, t
+        kept = 0
+        for i in reversed(range(n)):  # backward reaches the last blocks first
+            if modes[i] == "offload" and kept + m.graph_bytes[i] <= keep_room:
+                modes[i] = "keep"
+                kept += m.graph_bytes[i]
+            elif modes[i] == "offload":
+                break
+    if too_big:
+        worst = max(too_big, key=lambda i: m.graph_bytes[i] - room[i])
+        reasons.append(f"recomputed because their activations exceed the room their backward has in the budget: "
+                       f"{', '.join(base.blocks[i] for i in too_big)} (e.g. {m.graph_bytes[worst] / 2**20:.1f} MiB "
+                       f"against {room[worst] / 2**20:.1f} MiB); a larger host_memory lets them be kept or offloaded")
+    step, compute, io, read, written = cost(modes)
+    return Plan(modes=modes, blocks=base.blocks, prefetch_depth=base.prefetch_depth, overlap_step=base.overlap_step,
+                host_split=base.host_split, predicted_step_s=step, predicted_compute_s=compute, predicted_io_s=io,
+                io_hidden=hidden, predicted_read=read, predicted_written=written, rates=rates,
+                overridden=base.overridden, reasons=base.reasons + reasons)
