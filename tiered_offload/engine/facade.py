@@ -210,6 +210,9 @@ class Engine:
         self.overlap_step = (self.schedule.overlap_fits(self.store.capacity(self.store.compute_tier))
                              if overlap is None else bool(overlap))
         self._streamer.activation_room = self._activation_room()
+        if self.overlap_step:  # the update of a unit runs beside the forward: room for its working set
+            b, big = self.schedule.unit_bytes, max(self.units, key=lambda u: self.schedule.unit_bytes(u, "weight"))
+            self._streamer.step_pins = [b(big, "weight"), b(big, "grad"), b(big, "piece")]
         self._plan = self._initial_plan(recompute)
         self._meter: tuple | None = None
         self._measured: list[StepMeasurement] = []
@@ -595,7 +598,8 @@ class Engine:
         cap = self.store.capacity(self.store.compute_tier)
         ws = self.schedule.working_set()
         b = self.schedule.unit_bytes
-        return {i: max(0, cap - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes)
+        step = ws.optimizer if self.overlap_step else 0  # the update running beside the forward
+        return {i: max(0, cap - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes - step)
                 for i, u in enumerate(self.binding.blocks)}
 
     # ---- the plan -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload_core.errors import TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
@@ -187,6 +188,8 @@ class BlockStreamer:
         self.forward_seconds: dict[int, float] = {}
         """Per block, the compute time of its forwards since the engine last cleared it (no waiting
         for bytes included)."""
+        self.step_pins: list[int] = []
+        """Sizes the optimizer step pins while it overlaps the forward (set by the engine)."""
         self.activation_room: dict[int, int] = {}
         """Per block, the most bytes of saved activations the compute tier can pin in its backward
         beside its weights and gradients (set by the engine from its budget)."""
@@ -337,22 +340,37 @@ class BlockStreamer:
         if not stash.inputs_only:
             self.graph_bytes[index] = need
         room = self.activation_room.get(index, 0)
-        if need > room:
-            # the backward could not pin them beside the block's weights and gradients: they stay
-            # in memory this once (as plain PyTorch keeps them), and the block is recomputed from
-            # the next forward on, storing only its input
-            if self.modes[index] != "recompute":
-                log.info("block %s: its saved activations (%s) exceed the room the %s budget leaves beside its "
-                         "weights and gradients (%s); it is recomputed from now on", unit.name, format_size(need),
-                         self.store.compute_tier.name.lower(), format_size(room))
-                self.modes[index] = "recompute"
+        b = self.store.record
+        beside = [b(unit.weight_key).nbytes, *([b(unit.grad_key).nbytes] if unit.grad_key else []),
+                  *self.step_pins]
+        bound = [self.rest.weight_key, *([self.rest.grad_key] if self.rest.grad_key else [])]
+        if need > room or not self.store.fits_beside_pinned([need, *beside], bound):
+            self._keep_in_memory(unit, index, need, room)
             return
         key, n = unit.key("activations"), 1
         while key in self.store:  # another forward's graph (accumulating over several) holds the first
             key, n = f"{unit.key('activations')}.{n}", n + 1
-        stash.seal(self.store, key)
+        try:
+            stash.seal(self.store, key)
+        except TierCapacityError:
+            # the step in flight pins a unit's buffers beside the forward: let it finish, then retry
+            self.pipeline.wait(None)
+            try:
+                stash.seal(self.store, key)
+            except TierCapacityError:  # the tier is split into holes by what is pinned
+                self._keep_in_memory(unit, index, need, room)
         if stash.key is not None and self.modes[index] == "offload":
             self.store.evict(stash.key, self.store.compute_tier)
+
+    def _keep_in_memory(self, unit: Unit, index: int, need: int, room: int) -> None:
+        """A block's backward could not pin its saved tensors beside its weights and gradients:
+        they stay in memory this once (as plain PyTorch keeps them), and the block is recomputed
+        from the next forward on, storing only its input."""
+        if self.modes[index] != "recompute":
+            log.info("block %s: its saved activations (%s) do not fit the %s budget beside its weights and gradients "
+                     "(room %s, and the pinned rest of the model splits it); it is recomputed from now on", unit.name,
+                     format_size(need), self.store.compute_tier.name.lower(), format_size(room))
+            self.modes[index] = "recompute"
 
     @contextlib.contextmanager
     def backward_buffers(self, unit: Unit, stash: SavedActivations):

@@ -309,6 +309,31 @@ class TieredStore:
         """Bytes of a memory tier's budget currently allocated."""
         return self._arenas[Tier.parse(tier)].used
 
+    def fits_beside_pinned(self, sizes: Iterable[int], pinned: Iterable[str], tier: Tier | str | None = None) -> bool:
+        """Whether tensors of ``sizes`` bytes could all be placed in ``tier`` at once, beside the
+        copies of ``pinned`` keys where they are now, once everything else is evicted: best fit,
+        largest first, into the gaps those copies leave. The byte count alone is not enough:
+        pinned copies split the arena into holes."""
+        tier = self._memory_tier(tier)
+        arena = self._arenas[tier]
+        with self._lock:
+            recs = [self._records[k] for k in pinned if k in self._records]
+            taken = sorted((r.slots[tier].offset, arena.block_size(r.nbytes)) for r in recs if tier in r.slots)
+        gaps, at = [], 0
+        for off, size in taken:
+            if off > at:
+                gaps.append(off - at)
+            at = max(at, off + size)
+        if arena.capacity > at:
+            gaps.append(arena.capacity - at)
+        for need in sorted((arena.block_size(n) for n in sizes if n), reverse=True):
+            fits = [i for i, g in enumerate(gaps) if g >= need]
+            if not fits:
+                return False
+            best = min(fits, key=lambda i: gaps[i])
+            gaps[best] -= need
+        return True
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._records)

@@ -1,0 +1,133 @@
+"""The planner, driven with numbers alone; and the engine's plan: readable, logged, overridable,
+checked against the steps measured after it."""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan
+from tiered_offload.engine.schedule import Phase, Schedule, UnitLayout
+
+MiB = 1 << 20
+
+
+def base(n=4):
+    return Plan(modes=["recompute"] * n, blocks=[f"block.{i}" for i in range(n)], prefetch_depth=16, overlap_step=False,
+                host_split={"working_set": 60 * MiB, "activations_of_one_block": 30 * MiB, "cache": 10 * MiB})
+
+
+def measured(n=4, seconds=2.0, wait=0.2, fwd=0.1, act=20 * MiB, read=400 * MiB, written=400 * MiB, busy=0.8):
+    return StepMeasurement(seconds=seconds, io_wait_seconds=wait, disk_read=read, disk_written=written,
+                           disk_busy_seconds=busy, forward_seconds=[fwd] * n, graph_bytes=[act] * n,
+                           modes=["recompute"] * n)
+
+
+FAST = DiskRates(2e9, 2e9, "test")
+
+
+def test_a_disk_with_time_to_spare_takes_the_activations_instead_of_recomputing():
+    plan = make_plan(base(), measured(), FAST, room=[30 * MiB] * 4, keep_room=30 * MiB, fixed=False)
+    # recomputing costs 0.1 s a block; offloading 20 MiB costs 40 MiB of I/O (0.02 s), 90% of it hidden
+    assert plan.modes == ["offload", "offload", "offload", "keep"]  # the last block's backward comes first
+    assert plan.predicted_compute_s < 2.0 - 0.2 - 0.1  # less the recompute, plus the copies
+    assert plan.predicted_read == 400 * MiB + 3 * 20 * MiB and plan.predicted_written == plan.predicted_read
+    text = plan.summary()
+    assert "1 keep, 3 offload" in text and "predicted step" in text and "MiB read" in text
+
+
+def test_a_slow_disk_keeps_recomputing():
+    slow = DiskRates(20e6, 20e6, "test")  # 20 MB/s: 40 MiB of extra I/O per block costs 2 s
+    # an I/O-bound step: 42 s of disk transfers, 43 s waited for
+    plan = make_plan(base(), measured(seconds=45, wait=43, busy=42), slow, room=[30 * MiB] * 4, keep_room=0,
+                     fixed=False)
+    assert plan.modes == ["recompute"] * 4
+
+
+def test_activations_larger_than_the_room_are_recomputed_and_the_plan_says_why():
+    plan = make_plan(base(), measured(act=40 * MiB), FAST, room=[30 * MiB] * 4, keep_room=30 * MiB, fixed=False)
+    assert plan.modes == ["recompute"] * 4
+    assert any("exceed the room" in r and "host_memory" in r for r in plan.reasons)
+
+
+def test_a_fixed_plan_is_predicted_not_changed():
+    m = measured()
+    m.modes = ["offload", "recompute", "offload", "keep"]
+    plan = make_plan(base(), m, FAST, room=[30 * MiB] * 4, keep_room=30 * MiB, fixed=True)
+    assert plan.modes == m.modes and plan.predicted_step_s > 0
+
+
+def test_no_disk_no_io_cost():
+    plan = make_plan(base(), measured(read=0, written=0, wait=0.0), DiskRates(0, 0, "none"), room=[30 * MiB] * 4,
+                     keep_room=0, fixed=False)
+    assert plan.predicted_io_s == 0 and plan.modes == ["offload"] * 4  # nothing to lose: no recompute
+
+
+def test_the_access_sequence_reads_activations_in_backward_order():
+    blocks = [UnitLayout(name=f"block.{i}", is_block=True, numel=10, grad_numel=10, state_numel=10) for i in range(2)]
+    s = Schedule([*blocks, UnitLayout(name="rest", numel=5, grad_numel=5, state_numel=5)], ("m",))
+    seq = s.access_sequence([Phase.FORWARD, Phase.BACKWARD], overlap=False, activations=True)
+    assert seq.index("block.0/activations") < seq.index("block.1/activations")  # written in forward order
+    back = seq[seq.index("block.1/grad"):]
+    assert back.index("block.1/activations") < back.index("block.0/activations")  # read in backward order
+
+
+# ---- the engine's plan ------------------------------------------------------------------------------
+def _engine(tmp_path, **config):
+    from tiered_offload import Engine, EngineConfig
+    from tiered_offload_examples.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
+    n = sum(p.numel() for p in model.parameters())
+    return Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory=int(16 * n * 0.8),
+                  durable=False, config=EngineConfig(**config))
+
+
+def _train(engine, steps, batch=8):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 128, (batch, 33))
+        engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+        engine.step()
+        engine.zero_grad()
+
+
+def test_the_engine_plans_after_the_first_measured_step_and_logs_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tiered_offload")
+    engine = _engine(tmp_path)
+    assert engine.plan.predicted_step_s is None and engine.plan.modes == ["recompute"] * 4
+    _train(engine, 2)
+    plan = engine.plan
+    assert plan.predicted_step_s is not None and plan.bytes_per_step > 0
+    assert set(plan.modes) <= {"keep", "offload", "recompute"} and engine.activation_modes == plan.modes
+    assert any("tiered-offload plan:" in r.getMessage() and "predicted step" in r.getMessage() for r in caplog.records)
+    _train(engine, 4)
+    assert engine.plan.measured_step_s is not None
+    engine.close()
+
+
+def test_a_configured_choice_overrides_the_planner(tmp_path):
+    engine = _engine(tmp_path, activations=["keep", "recompute", "offload", "keep"])
+    _train(engine, 2)
+    assert engine.activation_modes == ["keep", "recompute", "offload", "keep"]
+    assert any("EngineConfig.activations" in o for o in engine.plan.overridden)
+    assert engine.plan.predicted_step_s is not None
+    engine.close()
+
+
+def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):
+    import time
+    caplog.set_level(logging.WARNING, logger="tiered_offload")
+    engine = _engine(tmp_path)
+    _train(engine, 2)
+    original = engine._streamer.block_forward
+
+    def slow(*args):  # something the model did not see: every block now takes 50 ms longer
+        time.sleep(0.05)
+        return original(*args)
+    engine._streamer.block_forward = slow
+    engine.binding.install_proxies(lambda i, a, k: engine._streamer.block_forward(i, a, k))
+    _train(engine, 4)
+    assert any("predicted" in r.getMessage() and "% off" in r.getMessage() for r in caplog.records)
+    assert any("% off" in r for r in engine.plan.reasons)
+    engine.close()
