@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from offload_core.errors import (
     CheckpointError,
+    ConfigError,
     CorruptionError,
     DiskFullError,
     StorageLockedError,
@@ -105,6 +106,53 @@ def test_stop_and_resume_is_bitwise_equal_to_never_stopping(tmp_path, uninterrup
     engine.close()
 
 
+@pytest.mark.parametrize("host", ["third", "fits"])
+def test_commit_every_n_steps_resumes_exactly_from_the_last_commit(tmp_path, uninterrupted, monkeypatch, host):
+    """commit_every=3: the directory holds step 3 until step 6 is committed; a process that dies at
+    step 5 resumes from step 3 and, trained on, ends bitwise where the uninterrupted run did; with
+    the state on disk and with the state in the host tier."""
+    from tiered_offload.checkpoint import durable
+    per_step, losses_ref = uninterrupted
+    kw = {} if host == "third" else {"host_memory": 1 << 20}
+    engine = make_engine(tmp_path / "s", commit_every=3, **kw)
+    assert engine._snapshot_commits
+    torch.manual_seed(123)
+    losses = train(engine, 5)
+    assert engine.wait_committed() == 3
+    manifest = StateFiles(tmp_path / "s" / STATE_DIR).read_manifest()
+    assert manifest["step"] == 3 and StateFiles(tmp_path / "s" / STATE_DIR).read_journal() == []
+    # the process dies: nothing more is committed (a clean close would commit step 5)
+    monkeypatch.setattr(durable.Committer, "snapshot", lambda *a: None)
+    engine._pending_commit = None
+    engine.close()
+    monkeypatch.undo()
+    resumed = make_engine(tmp_path / "s", commit_every=3, resume=True, **kw)
+    assert resumed.step_count == 3 and resumed.user_state == {"seen": 3}
+    assert same(weights(resumed), per_step[3])
+    losses = losses[:3] + train(resumed, 6)
+    assert losses == losses_ref and same(weights(resumed), per_step[6])
+    resumed.close()
+    assert StateFiles(tmp_path / "s" / STATE_DIR).read_manifest()["step"] == 6
+
+
+def test_a_clean_close_commits_the_steps_since_the_last_commit(tmp_path, uninterrupted):
+    per_step, _ = uninterrupted
+    engine = make_engine(tmp_path / "s", commit_every=4)
+    torch.manual_seed(123)
+    train(engine, 2)
+    assert engine.wait_committed() == 0
+    assert engine.commit() == 2  # between the scheduled commits, on request
+    train(engine, 3)
+    engine.close()
+    resumed = make_engine(tmp_path / "s", commit_every=4, resume=True)
+    assert resumed.step_count == 3 and same(weights(resumed), per_step[3])
+    resumed.close()
+    with pytest.raises(ConfigError, match="commit_every"):
+        make_engine(tmp_path / "x", commit_every=0)
+    with pytest.raises(ConfigError, match="durable"):
+        make_engine(tmp_path / "y", commit_every=2, durable=False)
+
+
 @pytest.mark.parametrize("recorded", [0, 2, 5])
 def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterrupted, monkeypatch, recorded):
     """The process dies after the step's intent, with ``recorded`` of its 5 units written: resume completes it."""
@@ -157,6 +205,19 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path):
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
     assert summary["runs_finished"] >= 1 and summary["runs_finished_identical"] == summary["runs_finished"], summary
     assert summary["disk_overhead"] <= 0.25, summary
+
+
+@pytest.mark.parametrize("commit_every, host_fraction", [(3, 1.0), (1, 1.5)], ids=["every-3-steps", "state-fits"])
+def test_kill_loop_with_snapshot_commits(tmp_path, commit_every, host_fraction):
+    """Snapshot commits (every 3rd step; every step with the state in the host tier): SIGKILLed at
+    random moments, every start resumes bitwise from a committed step, every run ends bitwise."""
+    from crash_loop import crash_loop
+    summary = crash_loop(tmp_path, kills=6, steps=6, layers=8, seed=3, log=lambda *_: None,
+                         commit_every=commit_every, host_fraction=host_fraction)
+    assert summary["identical"], summary
+    assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
+    assert all(step % commit_every == 0 or step == 6 for step in summary["resumed_at_steps"]), summary
+    assert summary["disk_overhead"] <= 1.0, summary  # both versions of what changed, at most
 
 
 def test_disk_space_stays_within_a_quarter_of_the_state(tmp_path, monkeypatch):

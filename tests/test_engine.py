@@ -91,7 +91,7 @@ def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=N
             sched_ref.step()
     weights_eng = dict(engine.named_parameters())
     weights_ref = dict(ref.named_parameters())
-    stats = engine.stats
+    stats = engine.stats()
     engine.close()
     return losses_eng, losses_ref, weights_eng, weights_ref, stats
 
@@ -214,7 +214,7 @@ def test_budgets_hold_at_every_allocation_and_disk_is_used(tmp_path):
         engine.step()
         engine.zero_grad()
     assert seen and all(seen)
-    s = engine.stats
+    s = engine.stats()
     assert s.peak_used[Tier.HOST] <= engine.store.capacity("host")
     assert s.bytes_read[Tier.DISK] > engine.store.capacity("host")
     engine.close()
@@ -231,12 +231,12 @@ def test_learned_sequence_makes_prefetch_hit(tmp_path):
     engine.backward(plain_loss(engine, x))
     engine.step()
     engine.zero_grad()
-    first = engine.stats
+    first = engine.stats()
     for _ in range(2):
         engine.backward(plain_loss(engine, x))
         engine.step()
         engine.zero_grad()
-    s = engine.stats
+    s = engine.stats()
     hits, misses = s.hits[Tier.HOST] - first.hits[Tier.HOST], s.misses[Tier.HOST] - first.misses[Tier.HOST]
     assert hits > 0 and misses == 0, (hits, misses)
     engine.close()

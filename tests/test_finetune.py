@@ -608,7 +608,7 @@ def test_saved_activations_through_the_store_are_bitwise(case, mode, tmp_path):
     def inspect(engine):
         seen["modes"] = engine.activation_modes
         seen["bytes"] = dict(engine._streamer.activation_bytes)
-        seen["disk"] = engine.stats.bytes_written
+        seen["disk"] = engine.stats().bytes_written
         seen["left"] = [k for k in engine.store.keys() if "activations" in k]
     check_parity(make, make_optimizer, tmp_path, loss_fn=loss_fn, clip=1.0, accumulate=2, steps=3, resume_at=2,
                  config=EngineConfig(activations=modes, stream_modules_numel=stream),

@@ -41,9 +41,9 @@ SCRIPT = textwrap.dedent("""
     peak = peak_rss_bytes()
     largest = 4 * 256 * 4 * 256  # the MLP matrices, 1024 x 256 fp32: the largest parameter
     print(json.dumps(dict(base=base, peak=peak, host=engine.store.capacity("host"), state=engine.state_bytes(),
-                          disk_read=engine.stats.bytes_read[tiered_offload.Tier.DISK], largest_param=largest,
+                          disk_read=engine.stats().bytes_read[tiered_offload.Tier.DISK], largest_param=largest,
                           modes=engine.activation_modes, activations=engine._streamer.activation_bytes, rss=rss,
-                          arena_peak=engine.stats.peak_used[tiered_offload.Tier.HOST])))
+                          arena_peak=engine.stats().peak_used[tiered_offload.Tier.HOST])))
     engine.close()
 """)
 

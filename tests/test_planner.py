@@ -131,3 +131,44 @@ def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):
     assert any("predicted" in r.getMessage() and "% off" in r.getMessage() for r in caplog.records)
     assert any("% off" in r for r in engine.plan.reasons)
     engine.close()
+
+
+# ---- the step timeline and the per-step figures -------------------------------------------------------
+def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):
+    import json
+
+    from tiered_offload import Engine
+    from tiered_offload_examples.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
+    n = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory=int(16 * n * 0.8),
+                    trace=tmp_path / "run.json")
+    _train(engine, 2)
+    with engine.tracing(tmp_path / "one.json"):  # a stretch of it, on its own
+        _train(engine, 1)
+    stats = engine.stats()
+    engine.close()
+    for name in ("run.json", "one.json"):
+        events = json.loads((tmp_path / name).read_text())["traceEvents"]
+        cats = {e.get("cat") for e in events}
+        assert {"phase", "compute", "io", "optimizer", "commit"} <= cats, (name, cats)
+        io = [e for e in events if e.get("cat") == "io"]
+        assert all(e["args"]["bytes"] > 0 and e["args"]["tensor"] for e in io)
+        assert any(e["name"].startswith("disk->host") for e in io) and any("->disk" in e["name"] for e in io)
+        assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
+    assert stats.steps_measured == 2 and stats.step_seconds > 0
+    assert stats.read_bytes_per_param_per_step > 0 and stats.written_bytes_per_param_per_step > 0
+    assert stats.io_bound_seconds > 0 and stats.bytes_read == stats.store.bytes_read  # the store's counters too
+
+
+def test_torch_profiler_sees_the_engine_ranges(tmp_path):
+    engine = _engine(tmp_path)
+    _train(engine, 1)
+    with engine.tracing(tmp_path / "t.json"), torch.profiler.profile() as prof:
+        _train(engine, 1)
+    engine.close()
+    names = {e.name for e in prof.events()}
+    # the calling thread's ranges (the background step's and the I/O threads' are in the engine's trace)
+    assert any(n.startswith("tiered_offload::forward block.") for n in names), sorted(names)[:20]
+    assert any(n.startswith(("tiered_offload::backward block.", "tiered_offload::recompute block.")) for n in names)

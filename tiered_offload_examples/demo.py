@@ -71,7 +71,7 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
     engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(1.0, (s + 1) / 5)))
     first_step = engine.step_count
     losses, t_start = [], time.perf_counter()
-    stats0 = engine.stats
+    stats0 = engine.stats()
     from tqdm import tqdm
     bar = tqdm(range(first_step, steps), desc="demo", unit="step", initial=first_step, total=steps,
                disable=not progress)
@@ -89,7 +89,7 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
             engine.zero_grad()
             dt = time.perf_counter() - t0
             losses.append(loss.item())
-            s = engine.stats
+            s = engine.stats()
             elapsed = time.perf_counter() - t_start
             bar.set_postfix_str(
                 f"loss {loss.item():.3f} | {batch * context / dt:,.0f} tok/s | disk read "
@@ -98,7 +98,7 @@ def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: in
                 f"peak host {format_size(peak_rss_bytes())}")
     finally:
         bar.close()
-        summary_stats = engine.stats
+        summary_stats = engine.stats()
         last_step = engine.step_count
         engine.close()
         if tmp is not None:

@@ -78,14 +78,14 @@ class Config:
         self.moved = {"read": [], "written": []}
 
     def run(self, batches):
-        s0 = self.engine.stats if self.engine else None
+        s0 = self.engine.stats() if self.engine else None
         t0 = time.perf_counter()
         for x in batches:
             self.step(x)
         self.finish()
         self.per_step.append((time.perf_counter() - t0) / len(batches))
         if self.engine:
-            s1 = self.engine.stats
+            s1 = self.engine.stats()
             self.moved["read"].append((s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK]) / len(batches))
             self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
 

@@ -42,7 +42,8 @@ def _digest(engine) -> str:
     return h.hexdigest()[:16]
 
 
-def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False) -> None:
+def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
+           host_fraction: float = 1.0) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -53,8 +54,10 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4))
     n = sum(p.numel() for p in model.parameters())
+    # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
+    # state does not quite fit, units stream through the disk and commits use the journal
     engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1), storage=directory,
-                    host_memory=16 * n, resume="auto")  # a quarter of the 16 bytes/parameter of state
+                    host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every)
     sched = torch.optim.lr_scheduler.LinearLR(engine.optimizer, start_factor=1.0, end_factor=0.1, total_iters=steps)
     engine.attach_scheduler(sched)
     if engine.step_count:
@@ -80,10 +83,12 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
 REFERENCE_TIMEOUT_S = 600.0
 """Longest an uninterrupted run may take before it is taken for hung and killed."""
 
-def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool = False) -> subprocess.Popen:
+def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
+            host_fraction: float = 1.0) -> subprocess.Popen:
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(HERE), "--worker", str(directory), "--steps", str(steps),
-                             "--layers", str(layers), "--out", str(out)] + (["--digests"] if digests else []),
+                             "--layers", str(layers), "--out", str(out), "--commit-every", str(commit_every),
+                             "--host-fraction", str(host_fraction)] + (["--digests"] if digests else []),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -100,7 +105,7 @@ def _du(directory: Path) -> int:
     return total
 
 
-def reference(work: Path, steps: int, layers: int) -> tuple[Path, float, float, int, int, dict]:
+def reference(work: Path, steps: int, layers: int, **options) -> tuple[Path, float, float, int, int, dict]:
     """An uninterrupted run: its weights file, its start-up time and duration, the peak disk usage
     seen, the state's size, and a digest of the weights after every step."""
     out = work / "reference.npz"
@@ -113,7 +118,7 @@ def reference(work: Path, steps: int, layers: int) -> tuple[Path, float, float, 
             peak[0] = max(peak[0], _du(d))
             time.sleep(0.002)
     t0 = time.perf_counter()
-    proc = _launch(d, steps, layers, out, digests=True)
+    proc = _launch(d, steps, layers, out, digests=True, **options)
     # a hung worker must not hang the loop (or CI): kill it after a generous deadline
     watchdog = threading.Timer(REFERENCE_TIMEOUT_S, proc.kill)
     watchdog.start()
@@ -147,7 +152,8 @@ def _same_file(a: Path, b: Path) -> bool:
     return sorted(x.files) == sorted(y.files) and all(x[k].tobytes() == y[k].tobytes() for k in x.files)
 
 
-def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print) -> dict:
+def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
+               host_fraction: float = 1.0) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -155,9 +161,12 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     killed after a random delay unless it finishes first, and relaunched (resuming) until it
     does. Every launch prints a digest of the weights it started from, compared with the
     uninterrupted run's at that step; every finished episode's weights are compared whole.
+    ``commit_every`` > 1 or ``host_fraction`` > 1 (the state fits the host tier) exercise the
+    snapshot commits; a resume then starts from a multiple of ``commit_every``.
     """
     rng = random.Random(seed)
-    ref_out, boot, duration, peak, state, ref_digests = reference(work, steps, layers)
+    options = dict(commit_every=commit_every, host_fraction=host_fraction)
+    ref_out, boot, duration, peak, state, ref_digests = reference(work, steps, layers, **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
         f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
     episode, done_kills, phases = 0, 0, {}
@@ -165,7 +174,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     finished, finished_identical = 0, 0
     d, out = work / "run0", work / "run0.npz"
     while True:
-        proc = _launch(d, steps, layers, out)
+        proc = _launch(d, steps, layers, out, **options)
         killing = done_kills < kills
         if killing:
             # mostly while training (forward, backward, write-back, commit), sometimes in start-up / recovery
@@ -220,16 +229,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit-every", type=int, default=1, help="commit every N steps (snapshot commits when N > 1)")
+    ap.add_argument("--host-fraction", type=float, default=1.0,
+                    help="host budget as a fraction of the state (> 1: it fits, and commits are snapshots)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.layers, args.out, args.digests)
+        worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction)
         return
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
         t0 = time.perf_counter()
-        summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed)
+        summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
+                             host_fraction=args.host_fraction)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

@@ -55,7 +55,7 @@ def main() -> int:
         print(f"initialised {format_size(engine.state_bytes())} of state in {storage} in {time.perf_counter() - t0:.0f} s "
               f"(recompute={engine.recompute}, overlapped step={engine.overlap_step})", flush=True)
         for step in range(args.steps):
-            s0 = engine.stats
+            s0 = engine.stats()
             t = time.perf_counter()
             starts = torch.randint(0, len(data) - args.context - 1, (args.batch,), generator=g)
             x = torch.stack([data[s:s + args.context + 1] for s in starts.tolist()]).long()
@@ -65,7 +65,7 @@ def main() -> int:
             engine.clip_grad_norm_(1.0)
             engine.step()
             engine.zero_grad()
-            s1 = engine.stats
+            s1 = engine.stats()
             print(f"step {step}: {time.perf_counter() - t:.1f} s, loss {loss.item():.3f}, disk read "
                   f"{format_size(s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK])}, written "
                   f"{format_size(s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK])}, "

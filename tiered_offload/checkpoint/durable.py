@@ -21,6 +21,13 @@ Protocol (redo log with copy-on-write extents). Nothing is ever overwritten in p
 3. When every unit is recorded the manifest is rewritten atomically (temporary file, fsync,
    rename, fsync of the directory) and the journal emptied.
 
+Snapshot commits (``commit_every=N`` with N > 1, and any run whose state fits the compute tier)
+skip the journal: every Nth step, once its update is done, every durable tensor that changed is
+written to a new extent in the background (beside the next forward and backward), made durable,
+and the manifest replaced. Until then the previous manifest's extents stay on disk untouched, so
+a crash resumes from the last commit; the price is disk space for both versions of what changed
+(up to twice the state) and at most N-1 steps redone.
+
 Recovery reads the manifest and the journal, deletes extents that nothing refers to (the
 remains of a write cut short), and re-runs the update for the units of a committed step that
 have no unit record, from their previous extents and the gradients the intent names: the same
@@ -42,6 +49,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -380,6 +388,7 @@ class Committer:
         self._in_window: set[str] = set()
         self._meta: dict = {}
         self._step = 0
+        self._snapshotting = False
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-offload-journal")
         store.on_disk_written = self._written
@@ -440,6 +449,7 @@ class Committer:
     def begin_step(self, intent: dict) -> None:
         """Make the gradients durable and commit the step's intent (before anything is updated)."""
         self.wait()
+        start = time.perf_counter()
         futures = [self.store.write_back(k) for k in self.grads.values()]
         for f in futures:
             f.get()
@@ -453,6 +463,8 @@ class Committer:
                 self._ref(_ref(r))
             self._waiting = set(self.units)
             self._in_window = set()
+        if self.store.tracer is not None:
+            self.store.tracer.complete(f"intent step {intent['step']}", "commit", start)
 
     def throttle(self, window: int) -> None:
         """Wait until fewer than ``window`` updated units are not yet recorded (bounds the extra disk)."""
@@ -509,6 +521,7 @@ class Committer:
 
     def _finish(self) -> None:
         """Every unit of the step is recorded: fold the journal into a new manifest."""
+        start = time.perf_counter()
         intent = self._intent
         with self._lock:
             committed = dict(self._committed)
@@ -523,6 +536,55 @@ class Committer:
             self._step, self._meta = intent["step"], intent["meta"]
             self._intent = None
             self._lock.notify_all()
+        if self.store.tracer is not None:
+            self.store.tracer.complete(f"commit step {intent['step']}", "commit", start, kind="manifest")
+
+    # ---- snapshot commits ------------------------------------------------------------------
+    def snapshot(self, step: int, meta: dict) -> None:
+        """Commit the state after ``step`` as the store holds it now, in the background: write
+        every durable tensor that changed since the last commit to a new extent, make them
+        durable, then replace the manifest. Until the manifest is replaced the previous committed
+        state stays whole on disk (its extents are never superseded in place), so a crash at any
+        moment resumes from one or the other. The caller must not change a durable tensor until
+        :meth:`wait` returns."""
+        with self._lock:
+            if self._snapshotting:
+                raise CheckpointError("a snapshot commit is already in flight; wait() for it first")
+            self._snapshotting = True
+        self._pool.submit(self._snapshot, step, meta)
+
+    def _snapshot(self, step: int, meta: dict) -> None:
+        tracer, start = self.store.tracer, time.perf_counter()
+        try:
+            keys = [k for ks in self.units.values() for k in ks]
+            for f in [self.store.write_back(k) for k in keys]:
+                f.get()
+            refs = {k: self.store.extent(k) for k in keys}
+            missing = [k for k, r in refs.items() if r[0] is None and not self.store.record(k).zero]
+            if missing:
+                raise CheckpointError(f"{missing[:3]} not on disk after their write-back; this is a bug")
+            self.store.backend.sync([r[0] for r in refs.values() if r[0] is not None])
+            new = {k: (r if r[0] is not None else None) for k, r in refs.items()}
+            with self._lock:
+                for r in new.values():
+                    self._ref(r)
+            self.files.write_manifest(self.describe(step, new, meta))
+            with self._lock:
+                garbage = []
+                for r in self._committed.values():
+                    garbage += self._unref(r)
+                self._committed = new
+                self._step, self._meta = step, meta
+            self._delete(garbage)
+            if tracer is not None:
+                tracer.complete(f"commit step {step}", "commit", start, kind="snapshot")
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            with self._lock:
+                self._error = e
+        finally:
+            with self._lock:
+                self._snapshotting = False
+                self._lock.notify_all()
 
     def finish_now(self) -> None:
         """Complete a step in which every unit was recorded before the engine stopped (resume)."""
@@ -550,7 +612,7 @@ class Committer:
     def wait(self) -> None:
         """Wait until the step in flight is fully recorded; raise what went wrong while recording it."""
         with self._lock:
-            while self._intent is not None and self._error is None:
+            while (self._intent is not None or self._snapshotting) and self._error is None:
                 self._lock.wait()
             if self._error is not None:
                 error = self._error

@@ -116,6 +116,10 @@ class CheckpointSession:
     def unit_updated(self, unit: str, futures: Iterable) -> None:
         self.committer.unit_updated(unit, list(futures))
 
+    def snapshot(self, step: int, meta: dict) -> None:
+        """Commit the state after ``step`` as the store holds it now (in the background)."""
+        self.committer.snapshot(step, meta)
+
     def fail(self, error: BaseException) -> None:
         if self.committer is not None:
             self.committer.fail(error)

@@ -22,6 +22,7 @@ what the committed state records of the model and the optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -64,10 +65,12 @@ from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan
 from tiered_offload.engine.schedule import FP32_BYTES, Phase, Schedule
+from tiered_offload.engine.stats import EngineStats
 from tiered_offload.engine.streaming import BlockStreamer
 from tiered_offload.memstat import tune_allocator
 from tiered_offload.store.tiered_store import TieredStore
 from tiered_offload.store.tiers import Tier
+from tiered_offload.trace import Tracer, span
 
 __all__ = ["Engine", "empty_init"]
 
@@ -101,19 +104,26 @@ class Engine:
         durable: keep the storage directory a consistent, resumable training state after every
             step (see :mod:`.durable`). Default: on when ``storage`` is a directory (or several),
             off for a temporary directory, ``"memory"`` or a backend object.
+        commit_every: with ``durable``, commit every Nth step (and at :meth:`close`): a crash loses
+            at most N-1 steps and resumes exactly from the last commit. N > 1 (and any state that
+            fits the compute tier) commits by snapshot, in the background beside the next forward
+            and backward, and may use up to twice the state's disk space while it does.
         resume: continue the training state in ``storage`` (True: it must hold one; ``"auto"``:
             if it holds one, else start fresh). False refuses a directory that holds a state.
         init_from: a safetensors file, or a directory of safetensors shards with its index, to
             load the weights from (Hugging Face parameter names), streamed one tensor at a time.
         config: tuning knobs (:class:`~tiered_offload.config.EngineConfig`).
+        trace: write a step timeline (Chrome / Perfetto trace JSON) of the whole run to this file
+            at :meth:`close`; :meth:`tracing` records a stretch of it instead.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer = torch.optim.AdamW,
                  optimizer_kwargs: dict | None = None, storage=None, host_memory: int | str = "auto",
                  device_memory: int | str = "auto", *, blocks: str | None = None, device: str = "auto",
                  on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None,
-                 durable: bool | None = None, resume: bool | str = False, init_from: str | os.PathLike | None = None,
-                 config: EngineConfig | None = None):
+                 durable: bool | None = None, commit_every: int = 1, resume: bool | str = False,
+                 init_from: str | os.PathLike | None = None, config: EngineConfig | None = None,
+                 trace: str | os.PathLike | None = None):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         if resume not in (True, False, "auto"):
@@ -134,6 +144,12 @@ class Engine:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="tiered-offload-")
             spec = resolve_storage(self._tmpdir.name)
         self.durable = bool(durable)
+        if not isinstance(commit_every, int) or commit_every < 1:
+            raise ConfigError(f"commit_every must be an integer >= 1, got {commit_every!r}")
+        if commit_every > 1 and not self.durable:
+            raise ConfigError("commit_every needs durable storage: give storage= a directory (and not durable=False)")
+        self.commit_every = commit_every
+        """Commit every this many steps (durable mode)."""
         """Whether the storage directory holds a committed, resumable state after every step."""
         self.user_state: dict = {}
         """JSON-serialisable values saved with every step (a data loader's position...) and
@@ -167,6 +183,11 @@ class Engine:
         self._delete_stale_activations()
         self.schedule = Schedule(self.units, tuple(self._state_kinds),
                                  lambda n: self.store.footprint(n, self.store.compute_tier))
+        self._snapshot_commits = self.durable and (
+            commit_every > 1 or self.schedule.fits(self.store.capacity(self.store.compute_tier)))
+        """Commit by snapshot (background, every ``commit_every`` steps) rather than by the journal's
+        per-unit records (which need every step's gradients on disk first)."""
+        self._pending_commit: tuple[int, dict] | None = None
         """Unit order, access sequence and budget arithmetic (pure numbers)."""
         self.step_count = 0
         recovered = None
@@ -199,7 +220,8 @@ class Engine:
         self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel)
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
-            before_each=lambda: self._checkpoint is not None and self._checkpoint.throttle(self.commit_window()),
+            before_each=lambda: (self._checkpoint is not None and not self._snapshot_commits
+                                 and self._checkpoint.throttle(self.commit_window())),
             on_error=lambda e: self._checkpoint is not None and self._checkpoint.fail(e))
         """The optimizer step over units, inline or in the background."""
         self._optimizer_view: _OptimizerView | None = None
@@ -209,16 +231,19 @@ class Engine:
         overlap = self.config.overlap_step
         self.overlap_step = (self.schedule.overlap_fits(self.store.capacity(self.store.compute_tier))
                              if overlap is None else bool(overlap))
+        """Whether step() returns at once and updates units in the background, ahead of the next forward."""
         self._streamer.activation_room = self._activation_room()
         if self.overlap_step:  # the update of a unit runs beside the forward: room for its working set
             b, big = self.schedule.unit_bytes, max(self.units, key=lambda u: self.schedule.unit_bytes(u, "weight"))
             self._streamer.step_pins = [b(big, "weight"), b(big, "grad"), b(big, "piece")]
         self._plan = self._initial_plan(recompute)
+        self._tracer: Tracer | None = None
+        if trace is not None:
+            self._attach_tracer(Tracer(trace))
         self._meter: tuple | None = None
         self._measured: list[StepMeasurement] = []
         if self._streamer.modes is not None:
             log.info("tiered-offload plan (until measured):\n%s", self._plan.summary())
-        """Whether step() returns at once and updates units in the background, ahead of the next forward."""
         self.store.declare_access_sequence(self._sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP]))
         self._streamer.unbind_rest()
         if self.durable:
@@ -555,7 +580,8 @@ class Engine:
         return files
 
     def wait_committed(self) -> int:
-        """Wait until the last step is fully written to the storage directory; returns its number."""
+        """Wait until the last commit is durable in the storage directory; returns its step (with
+        ``commit_every`` > 1 it may be behind :attr:`step_count`: :meth:`commit` commits now)."""
         self._await()
         if self._checkpoint is None:
             return self.step_count
@@ -602,6 +628,30 @@ class Engine:
         return {i: max(0, cap - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes - step)
                 for i, u in enumerate(self.binding.blocks)}
 
+    # ---- the timeline ---------------------------------------------------------------------
+    def _attach_tracer(self, tracer: Tracer | None) -> None:
+        self._tracer = self.store.tracer = self._streamer.tracer = tracer
+
+    @contextlib.contextmanager
+    def tracing(self, path: str | os.PathLike):
+        """Record a step timeline while the block runs and write it to ``path`` (Chrome / Perfetto
+        trace JSON): compute per block and phase, every read, write and prefetch with its tensor and
+        bytes, waits, optimizer updates, commits. Also ``torch.profiler`` ranges."""
+        previous = self._tracer
+        tracer = Tracer(path)
+        self._attach_tracer(tracer)
+        try:
+            yield tracer
+        finally:
+            self._await()
+            if self._checkpoint is not None:
+                try:
+                    self._checkpoint.wait()
+                except TieredOffloadError:
+                    pass
+            self._attach_tracer(previous)
+            tracer.write()
+
     # ---- the plan -------------------------------------------------------------------------
     @property
     def plan(self) -> Plan:
@@ -633,14 +683,17 @@ class Engine:
         st = self.store.stats
         snapshot = (now, st.bytes_read[Tier.DISK], st.bytes_written[Tier.DISK], st.io_wait_seconds, st.disk_busy_seconds)
         streamer, n = self._streamer, len(self.binding.blocks)
-        if self._meter is not None and streamer.modes is not None:
+        if self._meter is not None:
             t, read, written, wait, busy = self._meter
             self._measured.append(StepMeasurement(
                 seconds=now - t, io_wait_seconds=st.io_wait_seconds - wait, disk_read=snapshot[1] - read,
                 disk_written=snapshot[2] - written, disk_busy_seconds=snapshot[4] - busy,
                 forward_seconds=[streamer.forward_seconds.get(i, 0.0) for i in range(n)],
-                graph_bytes=[streamer.graph_bytes.get(i, 0) for i in range(n)], modes=list(streamer.modes)))
+                graph_bytes=[streamer.graph_bytes.get(i, 0) for i in range(n)],
+                modes=list(streamer.modes) if streamer.modes is not None else ["keep"] * n))
             self._after_iteration()
+            if len(self._measured) > 64:  # a window for stats(); the plan's entries come first
+                del self._measured[1 + self._CHECK_AFTER]
         self._meter = snapshot
         streamer.forward_seconds.clear()
 
@@ -650,6 +703,8 @@ class Engine:
     def _after_iteration(self) -> None:
         """After the first measured iteration: plan. After a few more: compare and say if it is off."""
         measured = self._measured
+        if self._streamer.modes is None:
+            return  # plain PyTorch: nothing to plan
         if len(measured) == 1:
             fixed = self.config.activations != "auto" or not self.recompute_auto
             room = [self._streamer.activation_room.get(i, 0) for i in range(len(self.binding.blocks))]
@@ -715,7 +770,8 @@ class Engine:
         self._phase(Phase.FORWARD)
         self._streamer.bind_rest()
         try:
-            return self.model(*args, **kwargs)
+            with span(self._tracer, "forward", "phase"):
+                return self.model(*args, **kwargs)
         except TieredOffloadError:
             raise
         except (TypeError, ValueError, RuntimeError, IndexError) as e:
@@ -735,14 +791,15 @@ class Engine:
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
         self._phase(Phase.BACKWARD)
-        if self._checkpoint is not None:
+        if self._checkpoint is not None and not self._snapshot_commits:
             # the last step's gradients stay on disk until every unit of it is recorded: wait, so
             # this backward's gradients never need a second copy alongside them (the forward has
             # waited for every unit it used; a unit it skipped is updated now)
             self._await()
             self._checkpoint.wait()
         try:
-            loss.backward()
+            with span(self._tracer, "backward", "phase"):
+                loss.backward()
         finally:
             self._streamer.backward_ran()
             self._streamer.unbind_rest()
@@ -816,7 +873,14 @@ class Engine:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
         if self._scheduler is not None:
             self._scheduler.step()
-        if self._checkpoint is not None:
+        then = None
+        if self._checkpoint is not None and self._snapshot_commits:
+            # the last commit must have written what it snapshots before this step changes it
+            self._checkpoint.wait()
+            self._pending_commit = (self.step_count, self._meta())
+            if self.step_count % self.commit_every == 0:
+                then = self._commit_pending
+        elif self._checkpoint is not None:
             # the step is committed once its gradients and this record are on disk: from here on a
             # crash resumes after it, by re-running the update of the units not yet recorded
             self._checkpoint.begin_step({
@@ -828,14 +892,34 @@ class Engine:
         by_name = {u.name: u for u in self.units}
         self._pipeline.run([u.name for u in self.schedule.update_order()],
                            lambda name: self._update_unit(by_name[name], hypers, scale, todo),
-                           background=self.overlap_step)
+                           background=self.overlap_step, then=then)
         return True
+
+    def _commit_pending(self) -> None:
+        """Start the snapshot commit of the last step (its update is done)."""
+        step, meta = self._pending_commit
+        self._pending_commit = None
+        self._checkpoint.snapshot(step, meta)
+
+    def commit(self) -> int:
+        """Commit the last step now (with ``commit_every`` > 1, between the scheduled commits) and
+        wait until it is durable; returns its number."""
+        self._streamer.unbind_rest()
+        self._await()
+        if self._checkpoint is None:
+            return self.step_count
+        if self._snapshot_commits and self._pending_commit is not None:
+            self._checkpoint.wait()
+            self._commit_pending()
+        return self._checkpoint.wait()
 
     def _update_unit(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int]) -> None:
         """One unit's optimizer step (see :class:`UnitUpdater`), recorded by the commit when durable."""
-        write_behind = self._checkpoint is not None or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
-        futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind)
-        if self._checkpoint is not None:
+        journal = self._checkpoint is not None and not self._snapshot_commits
+        write_behind = journal or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
+        with span(self._tracer, f"update {unit.name}", "optimizer"):
+            futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind)
+        if journal:
             self._checkpoint.unit_updated(unit.name, futures)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -870,10 +954,16 @@ class Engine:
             self._optimizer_view = _OptimizerView(self)
         return self._optimizer_view
 
-    @property
-    def stats(self):
-        """The store's counters (bytes per tier, hits, waits)."""
-        return self.store.stats
+    def stats(self) -> EngineStats:
+        """The store's counters (bytes per tier, hits, waits) and, per training step, the disk
+        bytes read and written (per parameter too), the step time and the I/O bound."""
+        m = self._measured
+        median = (lambda xs: sorted(xs)[len(xs) // 2]) if m else (lambda xs: None)
+        busy = sum(x.disk_busy_seconds for x in m)
+        moved = sum(x.disk_read + x.disk_written for x in m)
+        return EngineStats(self.store.stats, sum(s.numel for _, s in self._param_order), len(m),
+                           median([x.seconds for x in m]), median([x.disk_read for x in m]),
+                           median([x.disk_written for x in m]), moved / busy if busy > 0 else None)
 
     def close(self) -> None:
         """Finish writing the last step, release memory, files and the directory's lock
@@ -886,8 +976,13 @@ class Engine:
             self._await()
             if self._checkpoint is not None:
                 self._checkpoint.wait()
+                if self._pending_commit is not None:  # steps since the last scheduled commit
+                    self._commit_pending()
+                    self._checkpoint.wait()
                 self._checkpoint.close()  # no journal work left running when the backend closes
         finally:
+            if self._tracer is not None:
+                self._tracer.write()
             try:
                 # durable: the committed state is complete; what is dirty now (gradients) is not part of it
                 self.store.close(flush=not self.durable)

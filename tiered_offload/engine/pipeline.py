@@ -38,37 +38,30 @@ class UpdatePipeline:
         self._thread: threading.Thread | None = None
 
     # ---- running ----------------------------------------------------------------------------
-    def run(self, names: Sequence[str], update: Callable[[str], None], *, background: bool) -> None:
-        """Update every unit of ``names`` in order. In the background: returns at once, and the
-        forward paces it through :meth:`forward_reached`. Inline: returns when all are updated
-        (raising what failed)."""
+    def run(self, names: Sequence[str], update: Callable[[str], None], *, background: bool,
+            then: Callable[[], None] | None = None) -> None:
+        """Update every unit of ``names`` in order, then call ``then()`` (a commit). In the
+        background: returns at once, and the forward paces it through :meth:`forward_reached`.
+        Inline: returns when all are updated (raising what failed)."""
         self.wait()
         with self._lock:
             self._updated = {n: threading.Event() for n in names}
             self._after = {}
         if not background:
-            self._run(list(names), update)
+            self._run(list(names), update, then)
             self.wait()
             return
         with self._progress:
             self._forward_at, self._free_run = -1, False
-        self._thread = threading.Thread(target=self._run, args=(list(names), update), name="tiered-offload-step",
+        self._thread = threading.Thread(target=self._run, args=(list(names), update, then), name="tiered-offload-step",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, names: list[str], update: Callable[[str], None]) -> None:
+    def _run(self, names: list[str], update: Callable[[str], None], then: Callable[[], None] | None = None) -> None:
         try:
-            for index, name in enumerate(names):
-                with self._progress:
-                    while not self._free_run and index - self._forward_at > self.lead:
-                        self._progress.wait()
-                if self.before_each is not None:
-                    self.before_each()
-                update(name)
-                with self._lock:
-                    for fn in self._after.pop(name, ()):
-                        fn()
-                    self._updated[name].set()
+            self._update_all(names, update)
+            if then is not None:
+                then()
         except BaseException as e:  # surfaced by the next wait()
             self._error = e
             if self.on_error is not None:
@@ -76,6 +69,19 @@ class UpdatePipeline:
         finally:
             for ev in self._updated.values():
                 ev.set()
+
+    def _update_all(self, names: list[str], update: Callable[[str], None]) -> None:
+        for index, name in enumerate(names):
+            with self._progress:
+                while not self._free_run and index - self._forward_at > self.lead:
+                    self._progress.wait()
+            if self.before_each is not None:
+                self.before_each()
+            update(name)
+            with self._lock:
+                for fn in self._after.pop(name, ()):
+                    fn()
+                self._updated[name].set()
 
     # ---- the forward's side -------------------------------------------------------------------
     def forward_reached(self, index: int) -> None:

@@ -27,6 +27,7 @@ from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.pipeline import UpdatePipeline
+from tiered_offload.trace import span
 
 __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock", "UnitRun"]
 
@@ -96,7 +97,7 @@ class StashedBlock(torch.autograd.Function):
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat)
             t0 = time.perf_counter()
-            with torch.enable_grad(), stash.hooks():
+            with torch.enable_grad(), stash.hooks(), span(engine.tracer, f"forward {unit.name}", "compute"):
                 out = functional_call(unit.module, params, args, kwargs, strict=False)
             engine.forward_seconds[index] = engine.forward_seconds.get(index, 0.0) + time.perf_counter() - t0
         finally:
@@ -194,6 +195,8 @@ class BlockStreamer:
         """Per block, the most bytes of saved activations the compute tier can pin in its backward
         beside its weights and gradients (set by the engine from its budget)."""
         self._orphans: list[str] = []
+        self.tracer = None
+        """A :class:`~tiered_offload.trace.Tracer` for the compute spans, or None."""
         self.rest = binding.rest
         self.runs: dict[str, UnitRun] = {u.name: UnitRun() for u in binding.units}
         """Per unit, what is tracked of its gradient between calls."""
@@ -299,7 +302,8 @@ class BlockStreamer:
             # what keeping this block's graph would store (the planner weighs it against recomputing)
             counter = SavedActivations(flat, [], count_only=True) if self.measure_graphs else None
             t0 = time.perf_counter()
-            with counter.hooks() if counter is not None else contextlib.nullcontext():
+            with (counter.hooks() if counter is not None else contextlib.nullcontext(),
+                  span(self.tracer, f"forward {unit.name}", "compute")):
                 out = functional_call(unit.module, params, args, kwargs, strict=False)
             self.forward_seconds[index] = self.forward_seconds.get(index, 0.0) + time.perf_counter() - t0
             if counter is not None:
@@ -351,7 +355,8 @@ class BlockStreamer:
         while key in self.store:  # another forward's graph (accumulating over several) holds the first
             key, n = f"{unit.key('activations')}.{n}", n + 1
         try:
-            stash.seal(self.store, key)
+            with span(self.tracer, f"save activations {unit.name}", "activations", bytes=need):
+                stash.seal(self.store, key)
         except TierCapacityError:
             # the step in flight pins a unit's buffers beside the forward: let it finish, then retry
             self.pipeline.wait(None)
@@ -426,7 +431,8 @@ class BlockStreamer:
                         leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                 targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
                 if pairs and targets:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+                    with span(self.tracer, f"backward {unit.name}", "compute"):
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
                 if gflat is not None:
                     self.gradients_done(unit, gflat)
             finally:
@@ -489,7 +495,8 @@ class BlockStreamer:
             for mod, name, old in buffers_before:
                 mod._buffers[name] = old.clone()
             try:
-                with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+                with (torch.enable_grad(), torch.random.fork_rng(devices=devices),
+                      span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
@@ -501,7 +508,8 @@ class BlockStreamer:
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
             targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
             if pairs and targets:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+                with span(self.tracer, f"backward {unit.name}", "compute"):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
             if gflat is not None:
                 self.gradients_done(unit, gflat)
             return [x.grad if n else None for x, n in zip(inputs, needs)]

@@ -205,6 +205,8 @@ class TieredStore:
         self._checksum = checksum_function(config.checksum)
         self._disk_inflight = 0
         self._disk_since = 0.0
+        self.tracer = None
+        """A :class:`~tiered_offload.trace.Tracer` that records every copy and wait, or None."""
         self.on_disk_written = None
         """With versioned writes: called as ``fn(key, new_extent, crc, old_extent)`` after a new
         disk version has landed (outside the store's lock); it owns deleting ``old_extent``.
@@ -531,6 +533,8 @@ class TieredStore:
             finally:
                 with self._lock:
                     self._stats.io_wait_seconds += time.perf_counter() - t0
+                if self.tracer is not None:
+                    self.tracer.complete(f"wait {key}", "wait", t0, tensor=key, tier=tier.name.lower())
         for p in self._policies.values():
             p.on_access(key)
         self._prefetch_ahead()
@@ -946,6 +950,12 @@ class TieredStore:
         else:
             fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
         fut.add_done_callback(self._landed(rec, dst, version, src, extent, crc))  # runs before any later callback
+        tracer = self.tracer
+        if tracer is not None:
+            start, why = time.perf_counter(), (rec.busy_what or ("", None))[0]
+            fut.add_done_callback(lambda f: tracer.complete(
+                f"{src.name.lower()}->{dst.name.lower()} {rec.key}", "io", start, tensor=rec.key, bytes=rec.nbytes,
+                by="lookahead" if why == "lookahead" else why or "caller", ok=f.exception() is None))
         return fut
 
     def _disk_begin(self) -> None:
