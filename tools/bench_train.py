@@ -1,19 +1,21 @@
 #!/usr/bin/env python
 """Step time of the engine against plain in-memory PyTorch, and against the I/O lower bound.
 
-Four configurations of the same model, batch and optimizer (AdamW, clipping at 1.0), built once
-and then run in interleaved rounds (each round runs every configuration for a few steps, in
-turn), so the noise of a shared machine hits them alike; medians over rounds:
+Configurations of the same model, batch and optimizer (AdamW, clipping at 1.0), built once and
+then run in interleaved rounds (each round runs every configuration for a few steps, in turn),
+so the noise of a shared machine hits them alike; medians over rounds:
 
 1. plain PyTorch, everything in memory: the reference;
 2. the engine with a host budget that holds the whole training state;
-3. the engine with the same arithmetic as the disk run (blocks recomputed in backward) with
-   everything in memory: the compute time of the disk run;
-4. the engine with the state on disk and a host budget of a quarter of it (``--host-fraction``).
+3. the engine in memory with nothing recomputed: the compute of a disk run that recomputes nothing;
+4. the engine with the state on disk and a host budget of a quarter of it (``--host-fraction``),
+   its planner choosing per block between keeping, offloading and recomputing activations;
+5. the same with every block recomputed (``activations="recompute"``, what the engine did before
+   activations went through the tiers).
 
-Runs 2 and 4 are durable (the storage directory is a committed, resumable state after every
-step: every step's gradients and updated weights and optimizer states are written and fsynced);
-with ``--volatile`` each also runs with ``durable=False``, to show what durability costs.
+Runs 2 and 4 are durable (the storage directory is a committed, resumable state: committed every
+``--commit-every`` steps); with ``--volatile`` each also runs with ``durable=False``, to show what
+durability costs.
 
 A configuration's time per step is the wall time of its steps in the round, up to the point
 where all its work is done (a background optimizer step is waited for at the end of the round,
@@ -41,8 +43,14 @@ import torch.nn.functional as F
 from offload_core.buffers import aligned_empty
 from offload_core.sizes import format_size
 from storage_backends.posix import PosixBackend
-from tiered_offload import Engine, Tier
+from tiered_offload import Engine, EngineConfig, Tier
 from tiered_offload_examples.models import GPT, GPTConfig
+
+
+def _modes(modes) -> str:
+    if modes is None:
+        return "plain (state fits)"
+    return ", ".join(f"{modes.count(m)} {m}" for m in ("keep", "offload", "recompute") if m in modes)
 
 
 def loss_of(model, x):
@@ -90,7 +98,7 @@ class Config:
             self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
 
 
-def main() -> int:
+def main() -> int:  # noqa: C901 - a script
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -102,6 +110,8 @@ def main() -> int:
     ap.add_argument("--path", default=None, help="storage directory (default: a temp dir under cwd)")
     ap.add_argument("--host-fraction", type=float, default=0.25, help="host budget of the disk run, as a fraction of the state")
     ap.add_argument("--volatile", action="store_true", help="also run the host and disk configurations with durable=False")
+    ap.add_argument("--commit-every", type=int, default=1, help="commit the durable runs every N steps")
+    ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
@@ -120,9 +130,11 @@ def main() -> int:
             opt.step()
             opt.zero_grad()
 
-        def engine_config(name, host_budget, recompute="auto", durable=True):
+        def engine_config(name, host_budget, recompute="auto", durable=True, activations="auto", trace=None):
             engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs, storage=os.path.join(directory, name),
-                            host_memory=host_budget, recompute=recompute, durable=durable)
+                            host_memory=host_budget, recompute=recompute, durable=durable,
+                            commit_every=args.commit_every if durable else 1,
+                            config=EngineConfig(activations=activations), trace=trace)
             engines.append(engine)
 
             def step(x):
@@ -131,20 +143,22 @@ def main() -> int:
                 engine.step()
                 engine.zero_grad()
             c = Config(name, step, finish=engine.wait_committed, engine=engine)
-            c.flags = f"recompute={engine.recompute}, overlapped step={engine.overlap_step}, durable={engine.durable}"
+            c.flags = lambda: (f"activations={_modes(engine.activation_modes)}, overlapped step={engine.overlap_step}, "
+                               f"durable={engine.durable}" + (f", commit_every={engine.commit_every}" if engine.durable else ""))
             return c
 
         state = 16 * cfg.n_params()
         roomy = int(state * 1.6) + (64 << 20)
         plain = Config("plain", ref_step)
-        plain.flags = ""
         host = engine_config("host", roomy)
-        compute = engine_config("compute", roomy, recompute=True, durable=False)
-        disk = engine_config("disk", int(engines[0].state_bytes() * args.host_fraction))
-        configs = [plain, host, compute, disk]
+        compute = engine_config("compute", roomy, recompute=False, durable=False)
+        small = int(engines[0].state_bytes() * args.host_fraction)
+        disk = engine_config("disk", small, trace=args.trace)
+        recomputing = engine_config("disk-recompute", small, durable=False, activations="recompute")
+        configs = [plain, host, compute, disk, recomputing]
         if args.volatile:
             configs += [engine_config("host-volatile", roomy, durable=False),
-                        engine_config("disk-volatile", int(engines[0].state_bytes() * args.host_fraction), durable=False)]
+                        engine_config("disk-volatile", small, durable=False)]
         for r in range(args.rounds + 1):
             for c in configs if r % 2 == 0 else configs[::-1]:
                 c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
@@ -153,6 +167,8 @@ def main() -> int:
             c.per_step = c.per_step[1:]
             c.moved = {k: v[1:] for k, v in c.moved.items()}
         state_bytes = engines[0].state_bytes()
+        flags = {c.name: c.flags() for c in configs if c.engine}
+        plan = disk.engine.plan.summary()
         for e in engines:
             e.close()
         engines.clear()
@@ -169,15 +185,18 @@ def main() -> int:
           f"{args.context} tokens; AdamW + clipping; {args.rounds} interleaved rounds of {args.steps_per_round} steps, medians")
     print(f"plain PyTorch in memory                     {med['plain']:7.3f} s/step")
     print(f"engine, state fits host tier                {med['host']:7.3f} s/step   engine/in-memory = "
-          f"{med['host'] / med['plain']:.2f}   ({host.flags})")
-    print(f"engine, in memory, recomputing              {med['compute']:7.3f} s/step   (the disk run's compute; "
-          f"{med['compute'] / med['plain']:.2f} x plain)")
+          f"{med['host'] / med['plain']:.2f}   ({flags['host']})")
+    print(f"engine, in memory, nothing recomputed       {med['compute']:7.3f} s/step   "
+          f"({med['compute'] / med['plain']:.2f} x plain)")
     print(f"engine, state on disk (host={args.host_fraction:.2f} x state)  {med['disk']:7.3f} s/step   engine/in-memory = "
-          f"{med['disk'] / med['plain']:.2f}   ({disk.flags})")
+          f"{med['disk'] / med['plain']:.2f}   ({flags['disk']})")
+    print(f"  the same, every block recomputed, volatile {med['disk-recompute']:7.3f} s/step   engine/in-memory = "
+          f"{med['disk-recompute'] / med['plain']:.2f}")
     print(f"disk run, per step: read {format_size(rd)} from disk, wrote {format_size(wr)}")
     print(f"disk rates here: read {r_rate / 1e9:.2f} GB/s, write {w_rate / 1e9:.2f} GB/s -> I/O lower bound "
           f"{io_bound:.3f} s/step; compute {med['compute']:.3f} s/step")
     print(f"disk step / max(compute, I/O bound) = {med['disk'] / max(med['compute'], io_bound):.2f}")
+    print("the disk run's plan:\n  " + plan.replace("\n", "\n  "))
     if args.volatile:
         print(f"durability: host run durable/volatile = {med['host'] / med['host-volatile']:.2f}, "
               f"disk run durable/volatile = {med['disk'] / med['disk-volatile']:.2f} "

@@ -23,6 +23,7 @@ what the committed state records of the model and the optimizer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -75,6 +76,19 @@ from tiered_offload.trace import Tracer, span
 __all__ = ["Engine", "empty_init"]
 
 log = logging.getLogger("tiered_offload")
+
+
+def _engine_time(method):
+    """Count the time spent in ``method`` as the engine's (what a step costs, for the plan)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._engine_seconds += time.perf_counter() - t0
+    return timed
+
 
 class Engine:
     """Train ``model`` with its state streamed through device memory, a host budget and disk.
@@ -241,6 +255,7 @@ class Engine:
         if trace is not None:
             self._attach_tracer(Tracer(trace))
         self._meter: tuple | None = None
+        self._engine_seconds = 0.0
         self._measured: list[StepMeasurement] = []
         if self._streamer.modes is not None:
             log.info("tiered-offload plan (until measured):\n%s", self._plan.summary())
@@ -678,15 +693,17 @@ class Engine:
                     overridden=overridden)
 
     def _iteration_boundary(self) -> None:
-        """A step begins: measure the iteration that ended (for the plan), start the next."""
-        now = time.perf_counter()
+        """A step begins: measure the iteration that ended (for the plan), start the next. Its
+        time is the time spent in the engine's calls (forward, backward, clipping, step), so what
+        the caller does between them (loading data, logging, evaluating) is not counted."""
         st = self.store.stats
-        snapshot = (now, st.bytes_read[Tier.DISK], st.bytes_written[Tier.DISK], st.io_wait_seconds, st.disk_busy_seconds)
+        snapshot = (self._engine_seconds, st.bytes_read[Tier.DISK], st.bytes_written[Tier.DISK], st.io_wait_seconds,
+                    st.disk_busy_seconds)
         streamer, n = self._streamer, len(self.binding.blocks)
         if self._meter is not None:
             t, read, written, wait, busy = self._meter
             self._measured.append(StepMeasurement(
-                seconds=now - t, io_wait_seconds=st.io_wait_seconds - wait, disk_read=snapshot[1] - read,
+                seconds=snapshot[0] - t, io_wait_seconds=st.io_wait_seconds - wait, disk_read=snapshot[1] - read,
                 disk_written=snapshot[2] - written, disk_busy_seconds=snapshot[4] - busy,
                 forward_seconds=[streamer.forward_seconds.get(i, 0.0) for i in range(n)],
                 graph_bytes=[streamer.graph_bytes.get(i, 0) for i in range(n)],
@@ -764,6 +781,7 @@ class Engine:
         """The forward started on unit ``index`` of the update order: let the background step advance."""
         self._pipeline.forward_reached(index)
 
+    @_engine_time
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
         args, kwargs = self._to_device((args, kwargs))
@@ -778,6 +796,7 @@ class Engine:
             raise ModelInputError(f"{type(self.model).__name__}.forward rejected the batch: {e}. Check the inputs' "
                                   f"shapes, dtypes and keyword names against what the model expects") from e
 
+    @_engine_time
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -805,6 +824,7 @@ class Engine:
             self._streamer.unbind_rest()
 
     # ---- optimizer ----------------------------------------------------------------------
+    @_engine_time
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm over the parameters that have a gradient, as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``.
@@ -831,6 +851,7 @@ class Engine:
         self._grad_scale = coef if self._grad_scale is None else self._grad_scale * coef
         return total
 
+    @_engine_time
     def step(self) -> bool:
         """Apply one optimizer update to every parameter that has a gradient. Returns False if the
         step was skipped (non-finite).

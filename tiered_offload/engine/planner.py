@@ -51,7 +51,8 @@ class StepMeasurement:
     """What one training iteration (forward, backward, step) measured."""
 
     seconds: float
-    """Wall time from one forward's start to the next's."""
+    """Time spent in the engine's calls (forward, backward, clipping, step) from one ``step()``
+    to the next."""
     io_wait_seconds: float
     """Of that, time compute spent waiting for bytes."""
     disk_read: int

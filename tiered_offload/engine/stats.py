@@ -23,7 +23,7 @@ class EngineStats:
     steps_measured: int
     """Training iterations measured (from one ``step()`` to the next)."""
     step_seconds: float | None
-    """Median seconds per iteration (None before two ``step()`` calls)."""
+    """Median seconds per iteration spent in the engine's calls (None before two ``step()`` calls)."""
     disk_read_per_step: float | None
     """Median disk bytes read per iteration."""
     disk_written_per_step: float | None
