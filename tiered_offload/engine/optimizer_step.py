@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from offload_core.errors import TierCapacityError
 from tiered_offload.engine.binding import Unit
 from tiered_offload.engine.optim_spec import OptimizerSpec
 
@@ -60,6 +61,7 @@ class UnitUpdater:
         futures: list = []
         # prologue: the weights and gradients stay pinned for the whole unit
         w, g = store.get_group([unit.weight_key, unit.grad_key])
+        held = True
         try:
             # steady state: one piece of every state kind at a time; the store's lookahead (told this
             # order by the access sequence) brings piece i+1 in while piece i is computed, and piece
@@ -69,7 +71,19 @@ class UnitUpdater:
                 if not mine:
                     continue
                 keys = unit.piece_keys(kinds, i)
-                states = store.get_group(keys)
+                try:
+                    states = store.get_group(keys)
+                except TierCapacityError:
+                    # the pinned weights and gradients split the tier into holes too small for the
+                    # pieces: let go of them too (the weights updated so far marked as such) and
+                    # place the three together
+                    if i:
+                        store.mark_dirty(unit.weight_key)
+                    held = False
+                    store.release(unit.grad_key)
+                    store.release(unit.weight_key)
+                    w, g, *states = store.get_group([unit.weight_key, unit.grad_key, *keys])
+                    held = True
                 try:
                     for ra, rb, grp, n in mine:
                         self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n)
@@ -83,8 +97,9 @@ class UnitUpdater:
             # epilogue: the weights
             store.mark_dirty(unit.weight_key)
         finally:
-            store.release(unit.grad_key)
-            store.release(unit.weight_key)
+            if held:
+                store.release(unit.grad_key)
+                store.release(unit.weight_key)
         if write_behind:
             futures.append(store.write_back(unit.weight_key))
         return futures
