@@ -172,8 +172,8 @@ def main() -> int:
                           host_memory=host, **kw)
         budget = minimum_budget(make_engine)
 
-        def engine_config(name, **kw):
-            engine = make_engine(budget, name, **kw)
+        def engine_config(name, host=None, **kw):
+            engine = make_engine(host or budget, name, **kw)
             engines.append(engine)
 
             def step(x):
@@ -189,17 +189,7 @@ def main() -> int:
                    engine_config("engine"), engine_config("engine-volatile", durable=False),
                    engine_config("engine-commit-every-4", commit_every=4)]
         half = int(engines[0].state_bytes() * 0.5)
-        engines.append(make_engine(half, "engine-half-state", durable=False))
-        half_engine = engines[-1]
-
-        def half_step(x):
-            loss = loss_of(half_engine, x)
-            half_engine.backward(loss)
-            half_engine.clip_grad_norm_(1.0)
-            half_engine.step()
-            half_engine.zero_grad()
-            return loss.item()
-        configs.append(Config("engine-volatile-half-state", half_step, finish=half_engine.wait_committed))
+        configs.append(engine_config("engine-volatile-half-state", half, durable=False))
         state = engines[0].state_bytes()
         g = torch.Generator().manual_seed(1)
         for r in range(args.rounds + 1):

@@ -429,12 +429,7 @@ class BlockStreamer:
                     leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                     if s_.requires_grad:
                         leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
-                if pairs and targets:
-                    with span(self.tracer, f"backward {unit.name}", "compute"):
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
-                if gflat is not None:
-                    self.gradients_done(unit, gflat)
+                self._backpropagate(unit, params, diff_inputs, pairs, gflat)
             finally:
                 for leaf in params.values():
                     leaf.grad = None
@@ -506,13 +501,19 @@ class BlockStreamer:
                     mod._buffers[name] = value
             outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-            targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
-            if pairs and targets:
-                with span(self.tracer, f"backward {unit.name}", "compute"):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
-            if gflat is not None:
-                self.gradients_done(unit, gflat)
+            self._backpropagate(unit, params, diff_inputs, pairs, gflat)
             return [x.grad if n else None for x, n in zip(inputs, needs)]
+
+    def _backpropagate(self, unit: Unit, params: dict[str, torch.Tensor], diff_inputs: list[torch.Tensor],
+                       pairs: list, gflat: torch.Tensor | None) -> None:
+        """Back-propagate ``(output, gradient)`` pairs through a block's graph into its trainable
+        weights (their gradients accumulate into the store's buffer) and the inputs that need it."""
+        targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
+        if pairs and targets:
+            with span(self.tracer, f"backward {unit.name}", "compute"):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+        if gflat is not None:
+            self.gradients_done(unit, gflat)
 
     def gradients_done(self, unit: Unit, gflat: torch.Tensor) -> None:
         """A backward finished adding into the unit's (pinned) gradient buffer.

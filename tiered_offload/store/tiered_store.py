@@ -934,13 +934,7 @@ class TieredStore:
         elif dst == Tier.DISK:
             raw = rec.slots[src].raw
             extent = self._next_extent(rec)
-            self._disk_begin()
-            try:
-                fut = self.backend.write_from(extent, raw)
-            except BaseException:
-                self._disk_end()
-                raise
-            fut.add_done_callback(self._disk_end)
+            fut = self._timed_disk(lambda: self.backend.write_from(extent, raw))
             if self.config.verify_checksums:
                 # the checksum runs on the I/O thread that finished the write (off the GIL), so the
                 # caller goes on and the backend's other threads keep the disk busy meanwhile
@@ -958,17 +952,25 @@ class TieredStore:
                 by="lookahead" if why == "lookahead" else why or "caller", ok=f.exception() is None))
         return fut
 
-    def _disk_begin(self) -> None:
+    def _timed_disk(self, start) -> IOFuture:
+        """Start a backend transfer, counting the time any is in flight (``disk_busy_seconds``)."""
         with self._lock:
             if self._disk_inflight == 0:
                 self._disk_since = time.perf_counter()
             self._disk_inflight += 1
 
-    def _disk_end(self, _f=None) -> None:
-        with self._lock:
-            self._disk_inflight -= 1
-            if self._disk_inflight == 0:
-                self._stats.disk_busy_seconds += time.perf_counter() - self._disk_since
+        def end(_f=None) -> None:
+            with self._lock:
+                self._disk_inflight -= 1
+                if self._disk_inflight == 0:
+                    self._stats.disk_busy_seconds += time.perf_counter() - self._disk_since
+        try:
+            fut = start()
+        except BaseException:
+            end()
+            raise
+        fut.add_done_callback(end)
+        return fut
 
     def _checksummed(self, write: IOFuture, raw: torch.Tensor) -> tuple[IOFuture, list]:
         """``write``, then the checksum of ``raw`` computed where the write completed; the checksum
@@ -1001,13 +1003,7 @@ class TieredStore:
         """Read the disk copy into ``raw``; fail with :class:`CorruptionError` if its checksum differs."""
         with self._lock:
             extent, expected = rec.disk_key or rec.key, rec.disk_crc
-        self._disk_begin()
-        try:
-            inner = self.backend.read_into(extent, raw)
-        except BaseException:
-            self._disk_end()
-            raise
-        inner.add_done_callback(self._disk_end)
+        inner = self._timed_disk(lambda: self.backend.read_into(extent, raw))
         if expected is None or not self.config.verify_checksums:
             return inner
         out: Future = Future()
