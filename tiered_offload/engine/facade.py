@@ -673,6 +673,12 @@ class Engine:
         """What the engine does with each block's activations, the prefetch depth, whether the step
         overlaps the next forward, how the compute tier's budget is used, and the predicted step
         time and disk bytes per step (after the first measured iteration). ``print(engine.plan)``."""
+        now = self.activation_modes
+        if now is not None and self._plan.modes is not None and now != self._plan.modes:
+            fell = [b for b, was, is_ in zip(self._plan.blocks, self._plan.modes, now) if was != is_]
+            self._plan.reasons.append(f"recomputed since the plan, their activations not fitting the budget at the "
+                                      f"time: {', '.join(fell)}")
+            self._plan.modes = now
         return self._plan
 
     def _initial_plan(self, recompute) -> Plan:
