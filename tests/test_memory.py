@@ -87,6 +87,10 @@ def test_saved_activations_count_in_the_budget(tmp_path):
         outside = r["peak"] - r["base"] - r["arena_peak"]
         baseline = recompute["peak"] - recompute["base"] - recompute["arena_peak"]
         assert r["arena_peak"] <= r["host"]
-        assert outside <= baseline + 2 * one_block + 8 * MiB, (
+        # peak RSS of two processes differs by a few tens of MiB from run to run (heap layout,
+        # threads): allow 32 MiB of that; activations escaping the budget would add all 140 MiB
+        slack = 2 * one_block + 32 * MiB
+        assert total > 2 * slack, r
+        assert outside <= baseline + slack, (
             f"{mode}: {outside / MiB:.1f} MiB of peak RSS growth outside the arena, recompute {baseline / MiB:.1f} "
             f"MiB; the activations ({total / MiB:.1f} MiB, {one_block / MiB:.1f} MiB per block) escaped the budget")
