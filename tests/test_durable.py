@@ -32,7 +32,6 @@ from tiered_offload_examples.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tests" / "data"))
 
 
 def make_model(layers=4):
@@ -554,19 +553,56 @@ def test_manifest_checksum_format_is_crc32_of_the_payload(tmp_path):
 
 
 # ---- storage formats: XXH3 now, format 1 (CRC-32) still read ----------------------------------
-FORMAT1 = ROOT / "tests" / "data" / "format1"
-"""A directory written by tiered-offload 0.1 (format 1), see tests/data/make_format1.py."""
+FORMAT1_KW = dict(optimizer_kwargs=dict(lr=1e-2, weight_decay=0.1), host_memory=16 * 9000)
+
+
+def format1_model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, context=16, d_model=16, n_layers=2, n_heads=2))
+
+
+def format1_step(engine, step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 32, (2, 9), generator=g)
+    engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+    engine.clip_grad_norm_(1.0)
+    engine.step()
+    engine.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def format1(tmp_path_factory):
+    """A format 1 directory (tiered-offload 0.1's: the manifest says "tiered-offload/1", names no
+    checksum, and every extent's checksum is zlib's CRC-32; nothing else differs), two steps in;
+    and the weights after step 2 and step 3 of the same training run in memory."""
+    root = tmp_path_factory.mktemp("format1")
+    engine = Engine(format1_model(), torch.optim.AdamW, storage=root / "state", store_config={"checksum": "crc32"},
+                    **FORMAT1_KW)
+    for step in range(2):
+        format1_step(engine, step)
+    engine.close()
+    files = StateFiles(root / "state" / STATE_DIR)
+    manifest = files.read_manifest()
+    manifest["format"] = "tiered-offload/1"
+    del manifest["checksum"]
+    files.write_manifest(manifest)
+    ref = Engine(format1_model(), torch.optim.AdamW, **FORMAT1_KW)  # a temporary directory, not durable
+    expected = {}
+    for step in range(3):
+        format1_step(ref, step)
+        expected[step + 1] = weights(ref)
+    ref.close()
+    return root / "state", expected
 
 
 def format1_engine(storage, **kw):
-    from make_format1 import KW, model
-    return Engine(model(), torch.optim.AdamW, storage=storage, resume=True, **KW, **kw)
+    return Engine(format1_model(), torch.optim.AdamW, storage=storage, resume=True, **FORMAT1_KW, **kw)
 
 
-def copy_format1(tmp_path):
+def copy_format1(tmp_path, format1):
     import shutil
     dst = tmp_path / "old"
-    shutil.copytree(FORMAT1 / "state", dst)
+    shutil.copytree(format1[0], dst)
     return dst
 
 
@@ -590,16 +626,15 @@ def test_new_directories_record_xxh3_of_every_extent(tmp_path):
     assert checked == len(manifest["tensors"])
 
 
-def test_format1_directory_resumes_exactly_and_stays_verifiable(tmp_path):
-    from make_format1 import one
-    expected = torch.load(FORMAT1 / "expected.pt")
-    old = copy_format1(tmp_path)
+def test_format1_directory_resumes_exactly_and_stays_verifiable(tmp_path, format1):
+    expected = format1[1]
+    old = copy_format1(tmp_path, format1)
     assert StateDirectory(old).verify()["ok"]
     engine = format1_engine(old)
     assert engine.store.checksum == "crc32"
-    assert same(weights(engine), expected["after2"])
-    one(engine, 2)  # the third step, which tiered-offload 0.1 ran from the same directory
-    assert same(weights(engine), expected["after3"])
+    assert same(weights(engine), expected[2])
+    format1_step(engine, 2)
+    assert same(weights(engine), expected[3])
     engine.close()
     manifest = StateFiles(old / STATE_DIR).read_manifest()
     assert manifest["format"] == "tiered-offload/2" and manifest["checksum"] == "crc32"
@@ -607,8 +642,8 @@ def test_format1_directory_resumes_exactly_and_stays_verifiable(tmp_path):
     assert report["ok"] and report["tensors_checked"] == len(manifest["tensors"])
 
 
-def test_format1_damage_is_still_found_with_its_crc32(tmp_path):
-    old = copy_format1(tmp_path)
+def test_format1_damage_is_still_found_with_its_crc32(tmp_path, format1):
+    old = copy_format1(tmp_path, format1)
     manifest = StateFiles(old / STATE_DIR).read_manifest()
     from storage_backends.base import key_to_filename
     victim = manifest["tensors"]["block.0/weight"]["extent"]
@@ -625,8 +660,8 @@ def test_format1_damage_is_still_found_with_its_crc32(tmp_path):
     engine.close()
 
 
-def test_a_format_from_the_future_is_refused_with_what_to_do(tmp_path):
-    old = copy_format1(tmp_path)
+def test_a_format_from_the_future_is_refused_with_what_to_do(tmp_path, format1):
+    old = copy_format1(tmp_path, format1)
     files = StateFiles(old / STATE_DIR)
     manifest = files.read_manifest()
     manifest["format"] = "tiered-offload/9"

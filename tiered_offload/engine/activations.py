@@ -94,7 +94,8 @@ class SavedActivations:
         self._kept: list[torch.Tensor] = []
         self._views: list[torch.Tensor] | None = None
         self._w_new: torch.Tensor | None = None
-        self._counted = 0
+        self._counted: list[int] = []
+        self._handles: list[_Handle] = []
         self.nbytes = 0
         """Bytes of the scratch buffer."""
         self.kept_bytes = 0
@@ -127,42 +128,47 @@ class SavedActivations:
             return owner.unpack(h)
         return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
 
-    def _count(self, t: torch.Tensor) -> None:
-        """count_only: what :meth:`seal` would store of ``t``, without keeping ``t``."""
-        try:
-            ptr = t.data_ptr()
-        except RuntimeError:
-            return None
-        if self._w_lo <= ptr < self._w_hi:
-            return None
-        sig = (ptr, t.dtype, tuple(t.shape), t.stride(), t.device)
-        if sig not in self._seen and t.numel() and _dense(t):
-            self._seen[sig] = None
-            self._counted = -(-self._counted // ALIGN) * ALIGN + t.numel() * t.element_size()
-        return None
-
-    def pack(self, t: torch.Tensor) -> _Handle:
+    def _where(self, t: torch.Tensor) -> tuple[str, object]:
+        """How :meth:`pack` files ``t``: ``("weight", element offset in the weight buffer)``,
+        ``("seen", signature)`` (the same tensor saved before), ``("ref", signature or None)`` (kept
+        as it is) or ``("copy", signature)``."""
         try:
             ptr = t.data_ptr()
         except RuntimeError:  # no storage (a tensor subclass): autograd keeps it
-            return self._keep(t)
+            return "ref", None
         itemsize = t.element_size()
         if self._w_lo <= ptr < self._w_hi and t.device == self._weights.device and itemsize == self._w_itemsize:
-            return _Handle("weight", (ptr - self._w_lo) // itemsize, tuple(t.shape), t.stride(), t.dtype)
+            return "weight", (ptr - self._w_lo) // itemsize
         sig = (ptr, t.dtype, tuple(t.shape), t.stride(), t.device)
-        seen = self._seen.get(sig)
-        if seen is not None:
-            return seen
+        if sig in self._seen:
+            return "seen", sig
         if t.numel() == 0 or not _dense(t) or t.is_sparse or t.is_quantized:
+            return "ref", sig
+        return "copy", sig
+
+    def _count(self, t: torch.Tensor) -> None:
+        """count_only: what :meth:`seal` would store of ``t``, without keeping ``t``."""
+        kind, sig = self._where(t)
+        if kind == "copy":
+            self._seen[sig] = None
+            self._counted.append(t.numel() * t.element_size())
+
+    def pack(self, t: torch.Tensor) -> _Handle:
+        kind, where = self._where(t)
+        if kind == "weight":
+            return _Handle("weight", where, tuple(t.shape), t.stride(), t.dtype)
+        if kind == "seen":
+            return self._seen[where]
+        if kind == "ref":
             handle = self._keep(t)
         else:
             handle = _Handle("copy", len(self._copies), tuple(t.shape), t.stride(), t.dtype)
             self._copies.append(t)
+            self._handles.append(handle)
             self._versions.append(t._version)
-        self._seen[sig] = handle
+        if where is not None:
+            self._seen[where] = handle
         return handle
-
-
 
     def _keep(self, t: torch.Tensor) -> _Handle:
         self._kept.append(t)
@@ -193,14 +199,19 @@ class SavedActivations:
         """Whether ``t`` itself (not a copy) is what a backward will unpack."""
         return any(x is t for x in self._copies) or any(x is t for x in self._kept)
 
+    def _offsets(self) -> tuple[list[int], int]:
+        """Where each copied tensor starts in the scratch buffer, and the buffer's size."""
+        sizes = self._counted if self.count_only else [t.numel() * t.element_size() for t in self._copies]
+        starts, offset = [], 0
+        for n in sizes:
+            offset = -(-offset // ALIGN) * ALIGN
+            starts.append(offset)
+            offset += n
+        return starts, offset
+
     def pending_bytes(self) -> int:
         """Bytes the scratch tensor will take (before :meth:`seal`)."""
-        if self.count_only:
-            return self._counted
-        offset = 0
-        for t in self._copies:
-            offset = -(-offset // ALIGN) * ALIGN + t.numel() * t.element_size()
-        return offset
+        return self._offsets()[1]
 
     def seal(self, store, key: str) -> None:
         """Copy the saved tensors into a new scratch tensor ``key`` of the store, and drop them."""
@@ -211,13 +222,9 @@ class SavedActivations:
             if t._version != v:
                 raise RuntimeError("a tensor saved for backward was modified in place later in the same block's "
                                    "forward; PyTorch would fail in backward too. Use an out-of-place operation")
-        offset = 0
-        for i, t in enumerate(self._copies):
-            offset = -(-offset // ALIGN) * ALIGN
-            self._layout.append((offset, self._handles_by_index(i)))
-            offset += t.numel() * t.element_size()
-        self.nbytes = offset
-        raw = store.create(key, (offset,), torch.uint8)
+        starts, self.nbytes = self._offsets()
+        self._layout = list(zip(starts, self._handles))
+        raw = store.create(key, (self.nbytes,), torch.uint8)
         self.life.key = key
         try:
             for (start, h), t in zip(self._layout, self._copies):
@@ -225,10 +232,6 @@ class SavedActivations:
         finally:
             store.release(key)
         self._copies, self._versions, self._seen = [], [], {}
-
-    def _handles_by_index(self, i: int) -> _Handle:
-        t = self._copies[i]
-        return _Handle("copy", i, tuple(t.shape), t.stride(), t.dtype)
 
     @staticmethod
     def _view(raw: torch.Tensor, start: int, h: _Handle) -> torch.Tensor:
