@@ -8,10 +8,12 @@ multiple of the page size, which O_DIRECT and GPUDirect Storage need to avoid bo
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
-__all__ = ["PAGE", "byte_view", "buffer_nbytes", "is_device_buffer", "aligned_empty", "tensor_bytes"]
+__all__ = ["PAGE", "byte_view", "buffer_nbytes", "is_device_buffer", "aligned_empty", "tensor_bytes", "HostMemory"]
 
 PAGE = 4096
 """Alignment, in bytes, of direct-I/O offsets, lengths and buffer addresses."""
@@ -63,3 +65,50 @@ def aligned_empty(nbytes: int, *, device: str | torch.device = "cpu", pin_memory
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, device=device, pin_memory=pin_memory)
     skew = (-raw.data_ptr()) % alignment
     return raw[skew:skew + nbytes]
+
+
+class HostMemory:
+    """Exactly ``nbytes`` of page-aligned host memory, page-locked for CUDA if asked.
+
+    The memory is an anonymous mapping of ``nbytes`` (a multiple of the page size), so its backing
+    allocation is the request, not more: ``torch.empty(..., pin_memory=True)`` goes through
+    PyTorch's caching host allocator, which rounds a pinned block up to the next power of two
+    (a 4 GiB budget +4 KiB of alignment slack pins 8 GiB). ``pin=True`` page-locks the mapping
+    with ``cudaHostRegister``, so host<->device copies from it run by DMA and asynchronously, and
+    the pinned bytes are the budget. :meth:`release` unregisters it (before the mapping goes).
+
+    Pages are committed when first written (or all at once when pinned: the driver locks them).
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = False):
+        if nbytes <= 0 or nbytes % PAGE:
+            raise ValueError(f"host memory size must be a positive multiple of {PAGE}, got {nbytes}")
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+        """The whole mapping as one uint8 tensor (its storage is exactly ``nbytes``)."""
+        self.pinned = False
+        if pin:
+            code = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+            if code != 0:
+                self.release()
+                raise RuntimeError(
+                    f"page-locking {nbytes} bytes of host memory for CUDA failed (cudaError {code}); the system's "
+                    f"locked-memory limit may be too low (ulimit -l), or the host budget too large for this machine")
+            self.pinned = True
+
+    def release(self) -> None:
+        """Unpin (if pinned) and drop this object's reference to the memory.
+
+        Tensors still viewing it keep the mapping alive (unpinned) until they go."""
+        if self.pinned and self.tensor is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = None
+        self._map = None
+
+    def __del__(self):  # pragma: no cover - close() normally releases first
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -7,7 +7,7 @@ chosen by name or by a spec string::
     posix:/mnt/nvme0/run,/mnt/nvme1/run?threads=8&chunk_bytes=8MiB
     zarr:/data/state.zip
     memory
-    auto:/mnt/nvme0/run          # kvikio on a GPU machine where it can do I/O, else posix
+    auto:/mnt/nvme0/run          # kvikio where GPUDirect Storage is on, else posix
 
 A third-party package adds a backend by declaring an entry point in that group whose target is a
 :class:`StorageBackend` subclass taking ``(location, **options)``; or at run time with
@@ -37,6 +37,7 @@ __all__ = [
     "parse_spec",
     "StorageSpec",
     "resolve_storage",
+    "auto_choice",
     "FILE_BACKENDS",
     "create_backend",
     "open_backend",
@@ -126,14 +127,19 @@ def _coerce(value: str):
     return {"true": True, "false": False}.get(value.lower(), value)
 
 
+def auto_choice() -> tuple[str, str]:
+    """What ``auto`` picks here, and why: ``kvikio`` only where GPUDirect Storage is really on
+    (kvikio's compatibility mode is slower than the posix backend), else ``posix``."""
+    from .kvikio_backend import gds_status
+    active, reason = gds_status()
+    return ("kvikio", reason) if active else ("posix", reason)
+
+
 def resolve_auto() -> str:
-    """``kvikio`` where a GPU is present and kvikio can do I/O, else ``posix``."""
-    from .kvikio_backend import kvikio_status
-    reason = kvikio_status()
-    if reason is None:
-        return "kvikio"
-    log.info("auto storage backend: using posix (%s)", reason)
-    return "posix"
+    """The backend name ``auto`` stands for here (see :func:`auto_choice`); logged at INFO with the reason."""
+    name, reason = auto_choice()
+    log.info("auto storage backend: %s (%s)", name, reason)
+    return name
 
 
 FILE_BACKENDS = ("auto", "posix", "aiofiles", "kvikio")

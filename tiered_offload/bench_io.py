@@ -30,7 +30,7 @@ import torch
 from offload_core.buffers import aligned_empty
 from offload_core.errors import StorageDirectoryError
 from offload_core.sizes import format_size, parse_size
-from storage_backends import get_backend_class
+from storage_backends import auto_choice, get_backend_class
 from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.posix import probe_direct_io
 from tiered_offload.profile import filesystem_id, save_profile
@@ -160,7 +160,9 @@ def _measure(mode: str, directory: Path, request: int, threads: int, src: torch.
 
 def recommend(results: list[BenchResult]) -> BenchResult:
     """The best verified configuration; among those within 3% of the best, the fewest threads."""
-    ok = [r for r in results if r.verified and r.backend != "aiofiles"] or [r for r in results if r.verified]
+    # kvikio in compatibility mode is never recommended: auto would not pick it (see auto_choice)
+    usable = [r for r in results if r.verified and not r.cache_defeat.startswith("kvikio compat")]
+    ok = [r for r in usable if r.backend != "aiofiles"] or usable
     if not ok:
         raise RuntimeError("no configuration verified its data: the storage returned wrong bytes")
     best = max(r.score for r in ok)
@@ -257,6 +259,7 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
         "filesystem": filesystem_id(directory if directory.exists() else directory.parent),
         "size_bytes": cfg.size_bytes,
         "notes": notes,
+        "auto": dict(zip(("backend", "reason"), auto_choice())),
         "results": [dataclasses.asdict(r) | {"score_GBps": r.score} for r in results],
         "recommended": {
             "backend": "kvikio" if best.backend == "kvikio" else ("aiofiles" if best.backend == "aiofiles" else "posix"),
@@ -292,6 +295,7 @@ def main(args) -> int:
         print(f"note: {note}")
     caches = sorted({r.cache_defeat for r in results})
     print("page cache: " + "; ".join(caches))
+    print(f"auto storage backend here: {report['auto']['backend']} ({report['auto']['reason']})")
     rec = report["recommended"]
     print(f"recommended: {rec['backend']} {json.dumps(rec['options'])}  "
           f"(read {rec['read_GBps']:.2f} GB/s, write {rec['write_GBps']:.2f} GB/s)")

@@ -35,7 +35,7 @@ from tiered_offload.checkpoint.durable import (
     read_committed,
 )
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, write_private
-from tiered_offload.store.checksum import Hasher
+from tiered_offload.store.checksum import describe, hasher_for
 
 __all__ = ["StateDirectory", "export_params"]
 
@@ -111,14 +111,14 @@ class StateDirectory:
                 actual_size = self.backend.size(extent)
                 if actual_size < size:
                     raise ShortReadError(f"holds {actual_size} bytes, {size} expected")
-                hasher = Hasher(self.checksum)
+                hasher = hasher_for(expected, self.checksum)
                 for a in range(0, size, _CHUNK):
                     piece = buf[:min(_CHUNK, size - a)]
                     self.read_range(extent, a, piece)
                     hasher.update(piece)
-                value = hasher.value()
+                value = hasher.recorded(self.checksum)
                 if expected is not None and value != expected:
-                    raise CorruptionError(f"{self.checksum} {value:08x}, expected {expected:08x}")
+                    raise CorruptionError(f"{describe(value, self.checksum)}, expected {describe(expected, self.checksum)}")
             except (CorruptionError, ShortReadError, ExtentNotFoundError, OSError) as e:
                 bad.append({"tensor": key, "file": where, "problem": str(e).splitlines()[0]})
             checked += 1
@@ -182,7 +182,7 @@ class StateDirectory:
         def fill(p: dict, write) -> None:
             extent, expected, size = self.extent_of(p["tensor"])
             if state["unit"] != p["tensor"]:
-                state.update(unit=p["tensor"], crc=Hasher(self.checksum), pos=0)
+                state.update(unit=p["tensor"], crc=hasher_for(expected, self.checksum), pos=0)
             start = p["offset"] * 4
             if start != state["pos"]:
                 raise CheckpointError(f"{self.files.manifest_path}: parameters of {p['tensor']} are not contiguous")
@@ -199,7 +199,7 @@ class StateDirectory:
                 state["crc"].update(piece)
                 write(piece.numpy().data)
             state["pos"] += n
-            if state["pos"] == size and expected is not None and state["crc"].value() != expected:
+            if state["pos"] == size and expected is not None and state["crc"].recorded(self.checksum) != expected:
                 raise CorruptionError(f"{self.backend.describe(extent)} (tensor {p['tensor']!r}) does not match its "
                                       f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
 

@@ -3,7 +3,10 @@
 The whole budget is allocated once, in :meth:`Arena.open` (pinned on CUDA machines, so the engine
 never pins memory per tensor, which is what makes other offload engines run out of pinned
 memory), and handed out as page-aligned slices. Because every byte a tier uses comes out of its
-arena, the tier can never use more than its budget, whatever the threads do.
+arena, the tier can never use more than its budget, whatever the threads do. A host arena is one
+anonymous mapping of exactly its capacity, page-locked with ``cudaHostRegister`` when pinned
+(:class:`~offload_core.buffers.HostMemory`): PyTorch's pinned allocator would round it up to a
+power of two.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import threading
 
 import torch
 
-from offload_core.buffers import PAGE, aligned_empty
+from offload_core.buffers import PAGE, HostMemory, aligned_empty
 
 __all__ = ["Arena"]
 
@@ -41,6 +44,7 @@ class Arena:
         self.pin_memory = pin_memory
         self.alignment = alignment
         self._buffer: torch.Tensor | None = None
+        self._host: HostMemory | None = None
         self._free: list[tuple[int, int]] = []  # sorted (offset, size) holes
         self._lock = threading.Lock()
         self.used = 0
@@ -49,11 +53,30 @@ class Arena:
     def open(self) -> None:
         """Allocate the backing memory (once)."""
         if self._buffer is None and self.capacity > 0:
-            self._buffer = aligned_empty(self.capacity, device=self.device, pin_memory=self.pin_memory,
-                                         alignment=self.alignment)
+            if self.device.type == "cpu" and PAGE % self.alignment == 0:
+                self._host = HostMemory(self.capacity, pin=self.pin_memory)
+                self._buffer = self._host.tensor
+            else:
+                self._buffer = aligned_empty(self.capacity, device=self.device, pin_memory=self.pin_memory,
+                                             alignment=self.alignment)
             self._free = [(0, self.capacity)]
 
+    @property
+    def backing_bytes(self) -> int:
+        """Bytes of the memory allocation behind the arena (its capacity, for a host arena)."""
+        if self._buffer is None:
+            return 0
+        return self._buffer.untyped_storage().nbytes()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena's memory is page-locked for CUDA."""
+        return self._host is not None and self._host.pinned
+
     def close(self) -> None:
+        if self._host is not None:
+            self._host.release()
+            self._host = None
         self._buffer = None
         self._free = []
         self.used = 0

@@ -48,7 +48,12 @@ from offload_core.sizes import format_size
 from storage_backends.base import StorageBackend, validate_key
 from tiered_offload.config import StoreConfig
 from tiered_offload.store.arena import Arena
-from tiered_offload.store.checksum import checksum_function
+from tiered_offload.store.checksum import (
+    checksum_function,
+    describe,
+    device_checksum,
+    matches,
+)
 from tiered_offload.store.copier import Copier
 from tiered_offload.store.policies import EvictionPolicy, make_policy
 from tiered_offload.store.tiers import CopyState, Tier
@@ -819,6 +824,8 @@ class TieredStore:
 
     def _drop_slot(self, rec: TensorRecord, tier: Tier) -> None:
         slot = rec.slots.pop(tier)
+        if tier == Tier.DEVICE:
+            self._copier.freed()  # before the block can be handed out again
         self._arenas[tier].free(slot.offset, rec.nbytes)
         self._cond.notify_all()
 
@@ -934,12 +941,16 @@ class TieredStore:
         elif dst == Tier.DISK:
             raw = rec.slots[src].raw
             extent = self._next_extent(rec)
+            if raw.device.type != "cpu":
+                self._copier.before_device_write()
             fut = self._timed_disk(lambda: self.backend.write_from(extent, raw))
             if self.config.verify_checksums:
                 # the checksum runs on the I/O thread that finished the write (off the GIL), so the
                 # caller goes on and the backend's other threads keep the disk busy meanwhile
                 fut, crc = self._checksummed(fut, raw)
         elif src == Tier.DISK:
+            if dst == Tier.DEVICE:
+                self._copier.before_device_read()
             fut = self._verified_read(rec, rec.slots[dst].raw)
         else:
             fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
@@ -982,7 +993,7 @@ class TieredStore:
             error = f.exception()
             if error is None:
                 try:
-                    box[0] = self._checksum(raw)
+                    box[0] = device_checksum(raw, self.checksum)  # on a GPU buffer: computed there
                 except BaseException as e:  # noqa: BLE001 - reported through the future
                     error = e
             if error is not None:
@@ -1011,11 +1022,12 @@ class TieredStore:
         def check(f: IOFuture) -> None:
             error = f.exception()
             if error is None:
-                actual = self._checksum(raw)
-                if actual != expected:
+                ok, actual = matches(raw, expected, self.checksum)
+                if not ok:
                     error = CorruptionError(
                         f"tensor {rec.key!r}: the bytes read from {self.backend.describe(extent)} do not match the "
-                        f"checksum recorded when they were written ({self.checksum} {actual:08x}, expected {expected:08x}); the "
+                        f"checksum recorded when they were written ({describe(actual, self.checksum)}, expected "
+                        f"{describe(expected, self.checksum)}); the "
                         f"file was modified or the disk returned bad data. Restore the directory from a copy, or "
                         f"run `tiered-offload verify` on it to list every damaged tensor")
             if error is not None:
