@@ -52,6 +52,16 @@ class BackendConformanceTests:
 
     large_bytes = 256 << 20
     """Size of the large-tensor round trip (the contract says at least 256 MiB)."""
+    buffer_device = "cpu"
+    """Where the round trips' tensors live: ``"cuda"`` runs them with device buffers (for a backend
+    whose ``supports_device_buffers`` is true)."""
+
+    def on(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on :attr:`buffer_device`."""
+        return t.to(self.buffer_device)
+
+    def empty(self, n: int, dtype=torch.uint8) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, device=self.buffer_device)
 
     def make_backend(self, tmp_path) -> StorageBackend:
         raise NotImplementedError
@@ -66,16 +76,16 @@ class BackendConformanceTests:
     # ---- round trips --------------------------------------------------------------------
     @pytest.mark.parametrize("nbytes", ODD_SIZES)
     def test_round_trip_sizes(self, backend, nbytes):
-        data = _pattern(nbytes, nbytes)
+        data = self.on(_pattern(nbytes, nbytes))
         assert backend.write_from("k", data).get() == nbytes
         assert backend.exists("k")
         assert backend.size("k") == nbytes
-        out = torch.empty(nbytes, dtype=torch.uint8)
+        out = self.empty(nbytes)
         assert backend.read_into("k", out).get() == nbytes
         assert torch.equal(out, data)
 
     def test_typed_tensors_numpy_and_bytearray(self, backend):
-        t = torch.randn(123, 45)
+        t = self.on(torch.randn(123, 45))
         backend.write_from("float", t).get()
         out = torch.empty_like(t)
         backend.read_into("float", out).get()
@@ -92,33 +102,33 @@ class BackendConformanceTests:
         assert got == raw
 
     def test_offsets_inside_an_extent(self, backend):
-        whole = _pattern(3 * 4096 + 100, 1)
+        whole = self.on(_pattern(3 * 4096 + 100, 1))
         backend.write_from("k", whole).get()
         # overwrite a middle range that starts and ends off page boundaries
-        patch = _pattern(5000, 2)
+        patch = self.on(_pattern(5000, 2))
         backend.write_from("k", patch, offset=4000).get()
         expected = whole.clone()
         expected[4000:9000] = patch
-        out = torch.empty(len(whole), dtype=torch.uint8)
+        out = self.empty(len(whole))
         backend.read_into("k", out).get()
         assert torch.equal(out, expected)
-        part = torch.empty(777, dtype=torch.uint8)
+        part = self.empty(777)
         backend.read_into("k", part, offset=8191).get()
         assert torch.equal(part, expected[8191:8191 + 777])
 
     def test_write_at_offset_extends(self, backend):
-        backend.write_from("k", _pattern(10, 3)).get()
-        tail = _pattern(100, 4)
+        backend.write_from("k", self.on(_pattern(10, 3))).get()
+        tail = self.on(_pattern(100, 4))
         backend.write_from("k", tail, offset=8192).get()
         assert backend.size("k") == 8192 + 100
-        out = torch.empty(100, dtype=torch.uint8)
+        out = self.empty(100)
         backend.read_into("k", out, offset=8192).get()
         assert torch.equal(out, tail)
 
     def test_unaligned_caller_buffer(self, backend):
-        base = torch.empty(2 * 4096 * 3 + 1, dtype=torch.uint8)
+        base = self.empty(2 * 4096 * 3 + 1)
         view = base[1:1 + 4096 * 3]  # one byte past an aligned start: never page-aligned
-        view.copy_(_pattern(len(view), 5))
+        view.copy_(self.on(_pattern(len(view), 5)))
         backend.write_from("k", view).get()
         out_base = torch.empty_like(base)
         out = out_base[3:3 + len(view)]
@@ -142,18 +152,18 @@ class BackendConformanceTests:
     # ---- concurrency and size -----------------------------------------------------------
     def test_many_concurrent_requests(self, backend):
         n, size = 64, 100_000
-        datas = [_pattern(size, i) for i in range(n)]
+        datas = [self.on(_pattern(size, i)) for i in range(n)]
         writes = [backend.write_from(f"k{i}", d) for i, d in enumerate(datas)]
         assert [w.get() for w in writes] == [size] * n
-        outs = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+        outs = [self.empty(size) for _ in range(n)]
         reads = [backend.read_into(f"k{i}", o) for i, o in enumerate(outs)]
         assert [r.get() for r in reads] == [size] * n
         for d, o in zip(datas, outs):
             assert torch.equal(d, o)
 
     def test_large_tensor(self, backend):
-        data = torch.empty(self.large_bytes // 4, dtype=torch.float32)
-        data.view(torch.int32).copy_(torch.arange(len(data), dtype=torch.int32))
+        data = self.empty(self.large_bytes // 4, torch.float32)
+        data.view(torch.int32).copy_(torch.arange(len(data), dtype=torch.int32, device=data.device))
         backend.write_from("big", data).get()
         out = torch.empty_like(data)
         backend.read_into("big", out).get()
@@ -169,9 +179,9 @@ class BackendConformanceTests:
             backend.size("nope")
 
     def test_read_past_end_is_short(self, backend):
-        backend.write_from("k", _pattern(1000)).get()
+        backend.write_from("k", self.on(_pattern(1000))).get()
         with pytest.raises(ShortReadError) as info:
-            backend.read_into("k", torch.empty(5000, dtype=torch.uint8)).get()
+            backend.read_into("k", self.empty(5000)).get()
         assert "k" in str(info.value)
 
     def test_delete(self, backend):

@@ -2,8 +2,25 @@ import logging
 import os
 
 import pytest
+import torch
 
 logging.getLogger("storage_backends").setLevel(logging.ERROR)
+
+# Parity tests compare the engine with plain PyTorch on the same device. Most build their reference
+# on the CPU, so the engine's device="auto" means the CPU in the suite, on a GPU machine too; the
+# tests parametrized over DEVICES run both sides on each device there is (CUDA included).
+os.environ.setdefault("TIERED_OFFLOAD_DEVICE", "cpu")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the CUDA parity tests
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture
+def deterministic():
+    """Deterministic kernels (CUDA's atomics-based backward kernels are not), restored afterwards."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
 
 
 @pytest.fixture

@@ -98,12 +98,95 @@ class TestKvikio(BackendConformanceTests):
     def make_backend(self, tmp_path):
         return KvikioBackend(tmp_path / "store")
 
-    def test_device_round_trip(self, backend):
-        t = torch.randn(1 << 20, device="cuda")
-        backend.write_from("gpu", t).get()
-        out = torch.empty_like(t)
-        backend.read_into("gpu", out).get()
-        assert torch.equal(out, t)
+
+@pytest.mark.skipif(kvikio_status() is not None, reason=f"kvikio cannot do I/O here: {kvikio_status()}")
+class TestKvikioDeviceBuffers(BackendConformanceTests):
+    """The whole suite with CUDA tensors: GPUDirect (or kvikio's compatibility mode) end to end."""
+    buffer_device = "cuda"
+
+    def make_backend(self, tmp_path):
+        return KvikioBackend(tmp_path / "store", chunk_bytes="1MiB", threads=4)
+
+    def test_one_cufile_per_file_for_the_backends_life(self, backend):
+        t = torch.randn(3 << 20, device="cuda")
+        for _ in range(3):
+            backend.write_from("k", t).get()
+            backend.read_into("k", torch.empty_like(t)).get()
+        assert backend.open_files() == 1
+        backend.delete("k")
+        assert backend.open_files() == 0
+
+
+@pytest.mark.skipif(kvikio_status() is not None, reason=f"kvikio cannot do I/O here: {kvikio_status()}")
+class TestKvikioStripedDeviceBuffers(BackendConformanceTests):
+    buffer_device = "cuda"
+
+    def make_backend(self, tmp_path):
+        return KvikioBackend([tmp_path / "nvme0", tmp_path / "nvme1"], stripe_bytes="64KiB", chunk_bytes="256KiB",
+                             threads=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: there are no device buffers to refuse")
+def test_posix_refuses_device_buffers_clearly(tmp_path):
+    b = PosixBackend(tmp_path / "s").open()
+    with pytest.raises(ValueError, match="stage through host memory"):
+        b.write_from("k", torch.zeros(16, device="cuda"))
+    b.close()
+
+
+class TestKvikioBackendLogic(BackendConformanceTests):
+    """The kvikio backend's own code on a machine without kvikio or a GPU: a stand-in module serves
+    kvikio's calls with POSIX I/O, and every tensor takes the device path."""
+    large_bytes = 64 << 20
+
+    @pytest.fixture(autouse=True)
+    def fake(self, monkeypatch):
+        from fake_kvikio import FakeKvikio
+        return FakeKvikio().install(monkeypatch)
+
+    def make_backend(self, tmp_path):
+        return KvikioBackend([tmp_path / "a", tmp_path / "b"], stripe_bytes="64KiB", chunk_bytes="128KiB", threads=3)
+
+    def test_settings_reach_kvikio_and_each_file_is_opened_once(self, backend, fake):
+        assert fake.settings == {"num_threads": 3, "task_size": 128 << 10}
+        assert not backend.gds_active and "compatibility mode" in backend.gds_reason
+        data = _bytes(1 << 20)
+        for _ in range(3):
+            backend.write_from("k", data).get()
+            out = torch.empty_like(data)
+            backend.read_into("k", out).get()
+            assert torch.equal(out, data)
+        assert sorted(fake.opened) == sorted(backend._paths("k"))  # one CuFile per stripe file, kept
+        # a stripe run is one request (kvikio splits it by task size), not one per chunk
+        reads = [c for c in fake.calls if c[0] == "read"]
+        assert len(reads) == 3 * (1 << 20) // (64 << 10)
+        backend.delete("k")
+        assert sorted(fake.closed) == sorted(backend._paths("k")) and backend.open_files() == 0
+
+    def test_close_closes_every_file(self, tmp_path, fake):
+        b = self.make_backend(tmp_path).open()
+        b.write_from("x", _bytes(300_000)).get()
+        b.write_from("y", _bytes(10)).get()
+        assert b.open_files() == 3
+        b.close()
+        assert len(fake.closed) == 3
+
+    def test_auto_picks_posix_when_kvikio_would_run_in_compat_mode(self, fake, tmp_path):
+        name, reason = storage_backends.auto_choice()
+        assert name == "posix" and "compatibility mode" in reason
+        assert storage_backends.create_backend(f"auto:{tmp_path}").name == "posix"
+
+
+def test_auto_picks_kvikio_only_with_gpudirect_on(monkeypatch, tmp_path):
+    from fake_kvikio import FakeKvikio
+    FakeKvikio(compat=False).install(monkeypatch)
+    name, reason = storage_backends.auto_choice()
+    assert name == "kvikio" and "GPUDirect Storage is on" in reason
+    assert storage_backends.create_backend(f"auto:{tmp_path}").name == "kvikio"
+
+
+def _bytes(n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
 
 
 # ---- registry and specs ---------------------------------------------------------------------

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICES
 from torch import nn
 
 from offload_core.errors import (
@@ -53,16 +54,18 @@ def plain_loss(model, x):
 
 
 def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=None, steps=3, accumulate=1,
-               clip=None, scheduler=None, budget_fraction=0.25, storage=None):
-    """Train a model in memory and a copy through the engine; return both losses and weights."""
+               clip=None, scheduler=None, budget_fraction=0.25, storage=None, device="cpu"):
+    """Train a model in memory and a copy through the engine, both on ``device``; return both losses
+    and weights (on the CPU). On CUDA the device budget is below the state too."""
     kwargs = kwargs or dict(lr=1e-3, weight_decay=0.01)
     torch.manual_seed(0)
     ref = make()
     model = copy.deepcopy(ref)
+    ref.to(device)
     n = sum(p.numel() for p in ref.parameters())
     state = (2 + (2 if optimizer in (torch.optim.Adam, torch.optim.AdamW) else 1)) * 4 * n
-    engine = Engine(model, optimizer, kwargs, storage=storage or tmp_path / "state",
-                    host_memory=int(state * budget_fraction))
+    engine = Engine(model, optimizer, kwargs, storage=storage or tmp_path / "state", device=device,
+                    host_memory=int(state * budget_fraction), device_memory=int(state * budget_fraction))
     assert engine.store.capacity("host") <= engine.state_bytes() * budget_fraction + 4096
     opt = optimizer(ref.parameters(), **kwargs)
     sched_ref = scheduler(opt) if scheduler else None
@@ -74,7 +77,7 @@ def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=N
             x = torch.randint(0, 128, (2, 17), generator=g)
             le = loss_fn(engine, x) / accumulate
             engine.backward(le)
-            lr_ = loss_fn(ref, x) / accumulate
+            lr_ = loss_fn(ref, x.to(device)) / accumulate
             lr_.backward()
             losses_eng.append(le.item())
             losses_ref.append(lr_.item())
@@ -89,8 +92,8 @@ def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=N
         if scheduler:
             sched_eng.step()
             sched_ref.step()
-    weights_eng = dict(engine.named_parameters())
-    weights_ref = dict(ref.named_parameters())
+    weights_eng = {k: w.detach().cpu() for k, w in engine.named_parameters()}
+    weights_ref = {k: w.detach().cpu() for k, w in ref.named_parameters()}
     stats = engine.stats()
     engine.close()
     return losses_eng, losses_ref, weights_eng, weights_ref, stats
@@ -107,11 +110,16 @@ def assert_same(losses_eng, losses_ref, weights_eng, weights_ref):
     return bitwise
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
-def test_parity_adamw_hf(make, tmp_path):
-    le, lr_, we, wr, stats = train_pair(make, hf_loss, tmp_path)
+def test_parity_adamw_hf(make, device, tmp_path, deterministic):
+    """GPT-2 and Llama through the engine, state on disk, host (and device) budgets a quarter of the
+    state, against plain PyTorch on the same device: bitwise."""
+    le, lr_, we, wr, stats = train_pair(make, hf_loss, tmp_path, device=device)
     assert assert_same(le, lr_, we, wr), "not bitwise identical"
     assert stats.bytes_read[Tier.DISK] > 0 and stats.bytes_written[Tier.DISK] > 0  # the disk tier really worked
+    if device == "cuda":
+        assert stats.bytes_written[Tier.DEVICE] > 0  # and the device tier
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep-activations"])

@@ -18,7 +18,10 @@ __all__ = ["EngineConfig", "StoreConfig", "resolve_device"]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``"auto"``/None: the current CUDA device when torch sees one, else the CPU."""
+    """``"auto"``/None: ``TIERED_OFFLOAD_DEVICE`` if set, else the current CUDA device when torch sees
+    one, else the CPU."""
+    if device in (None, "auto") and os.environ.get("TIERED_OFFLOAD_DEVICE", "auto") != "auto":
+        device = os.environ["TIERED_OFFLOAD_DEVICE"]
     if device in (None, "auto"):
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dev = torch.device(device)
