@@ -4,6 +4,8 @@ Any sequence of register / write / prefetch / get (and modify) / evict / write-b
 must return exactly the bytes a dict of tensors would, whatever the tiers did underneath.
 """
 
+import os
+
 import hypothesis.strategies as st
 import torch
 from hypothesis import HealthCheck, settings
@@ -18,12 +20,16 @@ from hypothesis.stateful import (
 )
 
 from offload_core.errors import TensorStateError
+from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.memory import MemoryBackend
 from storage_backends.posix import PosixBackend
 from tiered_offload import TieredStore
 
 KiB = 1024
 TIERS = st.sampled_from(["device", "host"])
+DEVICE = os.environ.get("TIERED_OFFLOAD_TEST_STORE_DEVICE", "cpu")
+"""The device tier's device: ``cuda`` runs the machine with a GPU tier (the GPU check does)."""
+BACKENDS = ["memory", "posix"] + (["kvikio"] if DEVICE == "cuda" and kvikio_status() is None else [])
 
 
 class StoreMatchesDict(RuleBasedStateMachine):
@@ -36,12 +42,18 @@ class StoreMatchesDict(RuleBasedStateMachine):
         self.pinned: dict[tuple[str, str], int] = {}
         self.counter = 0
 
-    @initialize(backend=st.sampled_from(["memory", "posix"]), policy=st.sampled_from(["lru", "lookahead"]))
+    @initialize(backend=st.sampled_from(BACKENDS), policy=st.sampled_from(["lru", "lookahead"]))
     def open_store(self, backend, policy):
         import tempfile
         self.tmp = tempfile.TemporaryDirectory()
-        b = MemoryBackend() if backend == "memory" else PosixBackend(self.tmp.name, chunk_bytes="16KiB")
-        self.store = TieredStore(b, host_budget_bytes=64 * KiB, device="cpu", device_budget_bytes=32 * KiB,
+        if backend == "memory":
+            b = MemoryBackend()
+        elif backend == "kvikio":
+            from storage_backends.kvikio_backend import KvikioBackend
+            b = KvikioBackend(self.tmp.name, chunk_bytes="16KiB")
+        else:
+            b = PosixBackend(self.tmp.name, chunk_bytes="16KiB")
+        self.store = TieredStore(b, host_budget_bytes=64 * KiB, device=DEVICE, device_budget_bytes=32 * KiB,
                                  policy=policy, prefetch_depth=3).open()
 
     def teardown(self):
@@ -74,7 +86,7 @@ class StoreMatchesDict(RuleBasedStateMachine):
     @rule(key=keys, tier=TIERS)
     def get_and_check(self, key, tier):
         with self.store.hold(key, tier) as t:
-            assert torch.equal(t, self.model[key])
+            assert torch.equal(t.cpu(), self.model[key])
 
     @rule(key=keys, tier=TIERS, delta=st.floats(-4, 4, allow_nan=False))
     def modify(self, key, tier, delta):
@@ -119,10 +131,10 @@ class StoreMatchesDict(RuleBasedStateMachine):
     def reads_match(self):
         if hasattr(self, "store") and not self.pinned:
             for key, t in self.model.items():
-                assert torch.equal(self.store.read(key), t), key
+                assert torch.equal(self.store.read(key).cpu(), t), key
 
 
 StoreMatchesDict.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=50, deadline=None,
+    max_examples=int(os.environ.get("TIERED_OFFLOAD_TEST_EXAMPLES", 100)), stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestStoreMatchesDict = StoreMatchesDict.TestCase
