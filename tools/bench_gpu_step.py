@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""Step time of a large model on one GPU: the engine with device and host budgets far below the
+state, against the same model trained in plain PyTorch on that GPU (where it fits), same run.
+
+    python tools/bench_gpu_step.py --json step.json                 # 1.07B parameters, 17 GB of state
+    python tools/bench_gpu_step.py --layers 2 --d-model 256 --device cpu   # a smoke run anywhere
+
+Reports, per side: seconds per step (median of the timed steps), model TFLOP/s (6 x parameters x
+tokens per step over the step time; the engine's recomputation is not counted), and for the
+engine: disk bytes read and written per step, bytes into and out of the device tier (PCIe), the
+disk and PCIe rates over the step, and the share of the step the training thread waited for bytes,
+per phase (forward, backward, optimizer), from a trace of the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tiered_offload import Engine, Tier, empty_init, format_size
+from tiered_offload.memstat import peak_rss_bytes
+from tiered_offload_examples.models import GPT, GPTConfig
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(cfg: GPTConfig, batch: int, n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), generator=g) for _ in range(n)]
+
+
+def _loss(model, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def plain(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int) -> dict:
+    """Plain PyTorch on the device: AdamW (foreach), the whole state resident."""
+    need = 16 * cfg.n_params()
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if need * 1.5 > free:
+            return {"skipped": f"the state ({format_size(need)}) and activations do not fit the free device memory "
+                               f"({format_size(free)})"}
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    times, losses = [], []
+    for i, x in enumerate(batches):
+        _sync(device)
+        t = time.perf_counter()
+        loss = _loss(model, x.to(device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # synchronises
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    out = {"step_s": statistics.median(times), "steps_timed": len(times), "losses": losses}
+    if device.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _waits_by_phase(trace_path: Path) -> dict:
+    """Seconds the training thread waited for bytes inside each phase of the traced step."""
+    events = json.loads(trace_path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    spans = [e for e in events if e.get("ph") == "X"]
+    phases = [e for e in spans if e.get("cat") == "phase"]
+    waits = [e for e in spans if e.get("cat") == "wait"]
+    out: dict[str, float] = {}
+    for w in waits:
+        phase = next((p["name"] for p in phases if p["tid"] == w["tid"] and p["ts"] <= w["ts"] <= p["ts"] + p["dur"]),
+                     "optimizer and other")
+        out[phase] = out.get(phase, 0.0) + w["dur"] / 1e6
+    return out
+
+
+def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int, storage: str,
+               host_memory: str, device_memory: str, trace_dir: Path) -> dict:
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with empty_init():
+        model = GPT(cfg)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage, device=device,
+                    host_memory=host_memory, device_memory=device_memory, durable=False)
+    init_s = time.perf_counter() - t0
+    host_arena = engine.store._arenas[Tier.HOST]
+    out = {"init_s": init_s, "state_bytes": engine.state_bytes(), "host_budget": engine.store.capacity("host"),
+           "device_budget": engine.store.capacity("device"), "host_arena_backing_bytes": host_arena.backing_bytes,
+           "host_arena_pinned": host_arena.pinned, "backend": engine.store.backend.name,
+           "recompute": engine.recompute, "steps": []}
+    times = []
+    try:
+        for i, x in enumerate(batches):
+            last = i == len(batches) - 1
+            s0 = engine.stats()
+            trace = trace_dir / "engine_step.json"
+            ctx = engine.tracing(trace) if last else _null()
+            _sync(device)
+            t = time.perf_counter()
+            with ctx:
+                loss = _loss(engine, x)
+                engine.backward(loss)
+                engine.clip_grad_norm_(1.0)
+                engine.step()
+                engine.zero_grad()
+                value = loss.item()
+                _sync(device)
+            dt = time.perf_counter() - t
+            s1 = engine.stats()
+            d = lambda f, tier: getattr(s1, f)[tier] - getattr(s0, f)[tier]  # noqa: E731
+            step = {"s": dt, "loss": value, "disk_read": d("bytes_read", Tier.DISK), "disk_written": d("bytes_written", Tier.DISK),
+                    "into_device": d("bytes_written", Tier.DEVICE), "out_of_device": d("bytes_read", Tier.DEVICE),
+                    "io_wait_s": s1.io_wait_seconds - s0.io_wait_seconds,
+                    "disk_busy_s": s1.disk_busy_seconds - s0.disk_busy_seconds}
+            out["steps"].append(step)
+            print(f"  engine step {i}: {dt:.2f} s, loss {value:.4f}, disk read {format_size(step['disk_read'])} "
+                  f"written {format_size(step['disk_written'])}, PCIe in {format_size(step['into_device'])} "
+                  f"out {format_size(step['out_of_device'])}", flush=True)
+            if i >= warmup:
+                times.append(dt)
+        if trace.exists():
+            out["waits_by_phase_s"] = _waits_by_phase(trace)
+    finally:
+        engine.close()
+    timed = out["steps"][warmup:] or out["steps"]
+    med = statistics.median(s["s"] for s in timed)
+    mean = lambda k: sum(s[k] for s in timed) / len(timed)  # noqa: E731
+    out.update(step_s=med, disk_read_per_step=mean("disk_read"), disk_written_per_step=mean("disk_written"),
+               pcie_per_step=mean("into_device") + mean("out_of_device"),
+               disk_GBps_over_step=(mean("disk_read") + mean("disk_written")) / med / 1e9,
+               disk_GBps_while_busy=(mean("disk_read") + mean("disk_written")) / max(mean("disk_busy_s"), 1e-9) / 1e9,
+               pcie_GBps_over_step=(mean("into_device") + mean("out_of_device")) / med / 1e9,
+               io_wait_share=mean("io_wait_s") / med)
+    if "waits_by_phase_s" in out:
+        last = out["steps"][-1]["s"]
+        out["wait_share_by_phase"] = {k: v / last for k, v in out["waits_by_phase_s"].items()}
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="engine steps, the first a warm-up")
+    ap.add_argument("--plain-steps", type=int, default=4, help="plain PyTorch steps, the first a warm-up")
+    ap.add_argument("--host-memory", default="6GiB")
+    ap.add_argument("--device-memory", default="4GiB")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--storage", default=None, help="default: a temporary directory under the current one")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 training, as the product promises
+    cfg = GPTConfig(vocab_size=args.vocab, context=args.context, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads)
+    tokens = args.batch * args.context
+    flops = 6 * cfg.n_params() * tokens
+    print(f"model: {cfg.n_params() / 1e9:.3f}B parameters, fp32 AdamW state {format_size(16 * cfg.n_params())}; "
+          f"{tokens} tokens per step; device {device}", flush=True)
+    report = {"model": vars(args) | {"parameters": cfg.n_params(), "state_bytes": 16 * cfg.n_params()},
+              "tokens_per_step": tokens, "model_flops_per_step": flops}
+    storage = args.storage or tempfile.mkdtemp(prefix=".bench-gpu-", dir=os.getcwd())
+    trace_dir = Path(tempfile.mkdtemp(prefix="bench-gpu-trace-"))
+    try:
+        p = plain(cfg, _batches(cfg, args.batch, args.plain_steps), device, warmup=1)
+        if "step_s" in p:
+            p["TFLOPs"] = flops / p["step_s"] / 1e12
+            print(f"plain PyTorch: {p['step_s']:.3f} s/step, {p['TFLOPs']:.1f} TFLOP/s", flush=True)
+        else:
+            print(f"plain PyTorch: {p['skipped']}", flush=True)
+        report["plain"] = p
+        e = engine_run(cfg, _batches(cfg, args.batch, args.steps), device, 1 if args.steps > 1 else 0, storage,
+                       args.host_memory, args.device_memory, trace_dir)
+        e["TFLOPs"] = flops / e["step_s"] / 1e12
+        report["engine"] = e
+        if "step_s" in p:
+            report["engine_over_plain"] = e["step_s"] / p["step_s"]
+        print(f"engine: {e['step_s']:.2f} s/step, {e['TFLOPs']:.2f} TFLOP/s; disk {e['disk_GBps_over_step']:.2f} GB/s "
+              f"over the step ({e['disk_GBps_while_busy']:.2f} while busy), PCIe {e['pcie_GBps_over_step']:.2f} GB/s; "
+              f"waited {100 * e['io_wait_share']:.0f}% of the step", flush=True)
+        report["peak_rss_bytes"] = peak_rss_bytes()
+    finally:
+        if args.storage is None:
+            shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

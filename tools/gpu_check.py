@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""The prepared GPU check: everything the CUDA path needs a GPU to prove, in one command.
+
+    python tools/gpu_check.py OUTDIR [--budget-s 450] [--quick]
+
+Writes ``OUTDIR/gpu_check.json`` (the summary, rewritten after every section, so a run cut short
+still leaves what it finished) and ``OUTDIR/gpu_check.log`` (every section's output). Sections, in
+order of importance, each with its own time limit inside ``--budget-s``:
+
+1. ``env``: torch, CUDA, the GPU, kvikio and whether GPUDirect Storage is on, what ``auto`` picks.
+2. ``pinned``: a pinned host arena of a budget that is not a power of two: its backing bytes, that
+   torch sees it as pinned, host<->device copy rates from it; and PyTorch's caching pinned
+   allocator's reservation for the same request, for contrast.
+3. ``tests``: pytest on the GPU: the kvikio conformance suite with device buffers (and posix),
+   the device-path tests (wsum64 on the GPU equal to the CPU's), the engine parity tests on CUDA
+   (GPT-2 and Llama tiny, state on disk, host and device budgets a quarter of the state, against
+   PyTorch on the same GPU), and the store's Hypothesis state machine with a CUDA device tier.
+4. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio.
+5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
+   below its 17 GB state, against plain PyTorch on the same GPU.
+6. ``suite``: the whole test suite (pytest-xdist where installed), with what time is left.
+
+Missing packages (zarr, kvikio) are expected on ``PYTHONPATH`` already (see the README's GPU section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Check:
+    def __init__(self, out: Path, budget_s: float):
+        self.out = out
+        self.deadline = time.monotonic() + budget_s
+        self.summary: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sections": {}}
+        self.log = open(out / "gpu_check.log", "a", buffering=1)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+
+    def save(self) -> None:
+        (self.out / "gpu_check.json").write_text(json.dumps(self.summary, indent=2, default=str))
+
+    def section(self, name: str, fn, limit_s: float) -> None:
+        limit = min(limit_s, self.left())
+        if limit < 10:
+            self.summary["sections"][name] = {"status": "not run: out of time"}
+            self.say(f"== {name}: not run, out of time")
+            self.save()
+            return
+        self.say(f"== {name} (up to {limit:.0f} s)")
+        t = time.monotonic()
+        try:
+            result = fn(limit) or {}
+            result.setdefault("status", "ok")
+        except Exception as e:  # noqa: BLE001 - one section's failure must not stop the others
+            result = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            self.say(result["traceback"])
+        result["seconds"] = round(time.monotonic() - t, 1)
+        self.summary["sections"][name] = result
+        self.say(f"-- {name}: {result['status']} in {result['seconds']} s")
+        self.save()
+
+    def run(self, cmd: list[str], limit: float, env: dict | None = None) -> tuple[int, str]:
+        """Run a command with a time limit; its output goes to the log; returns (exit code, output tail)."""
+        self.say("$ " + " ".join(cmd))
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, timeout=limit)
+            code, text = p.returncode, p.stdout
+        except subprocess.TimeoutExpired as e:
+            code, text = 124, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            text += f"\n[killed after {limit:.0f} s]"
+        self.log.write(text + "\n")
+        return code, text[-3000:]
+
+
+def env_section(limit: float) -> dict:
+    import torch
+
+    from storage_backends import auto_choice
+    from storage_backends.kvikio_backend import gds_status, kvikio_status
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cuda_available": torch.cuda.is_available(), "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory=p.total_memory)
+    try:
+        import kvikio
+        out["kvikio"] = getattr(kvikio, "__version__", "?")
+    except ImportError as e:
+        out["kvikio"] = f"not importable: {e}"
+    out["kvikio_status"] = kvikio_status() or "usable"
+    out["gds"] = dict(zip(("active", "reason"), gds_status()))
+    out["auto_backend"] = dict(zip(("backend", "reason"), auto_choice()))
+    out["nvidia_fs"] = os.path.exists("/proc/driver/nvidia-fs")
+    try:
+        import zarr
+        out["zarr"] = zarr.__version__
+    except ImportError as e:
+        out["zarr"] = f"not importable: {e}"
+    return out
+
+
+def pinned_section(limit: float) -> dict:
+    import torch
+
+    from tiered_offload.store.arena import Arena
+    if not torch.cuda.is_available():
+        return {"status": "skipped: no CUDA"}
+    budget = (1 << 30) + 3 * 4096  # 1 GiB + 12 KiB: the caching allocator would reserve 2 GiB
+    out = {"budget": budget}
+    t = time.perf_counter()
+    arena = Arena("host", budget, torch.device("cpu"), pin_memory=True)
+    arena.open()
+    out["register_s"] = time.perf_counter() - t
+    buf = arena._buffer
+    out.update(backing_bytes=arena.backing_bytes, pinned=arena.pinned, torch_is_pinned=bool(buf.is_pinned()),
+               exact=arena.backing_bytes == budget)
+    dev = torch.empty(budget, dtype=torch.uint8, device="cuda")
+    buf.fill_(1)
+    for name, (dst, src) in {"h2d_GBps": (dev, buf), "d2h_GBps": (buf, dev)}.items():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out[name] = 3 * budget / (time.perf_counter() - t) / 1e9
+    pageable = torch.empty(budget, dtype=torch.uint8)
+    pageable.fill_(1)
+    t = time.perf_counter()
+    dev.copy_(pageable)
+    torch.cuda.synchronize()
+    out["h2d_pageable_GBps"] = budget / (time.perf_counter() - t) / 1e9
+    del pageable
+    arena.close()
+    # the old way, for contrast: torch's caching pinned allocator
+    try:
+        before = torch.cuda.host_memory_stats().get("reserved_bytes.current", None)
+        old = torch.empty(budget + 4096, dtype=torch.uint8, pin_memory=True)
+        after = torch.cuda.host_memory_stats().get("reserved_bytes.current", None)
+        out["caching_allocator_reserved_for_same_request"] = None if before is None else after - before
+        del old
+    except Exception as e:  # noqa: BLE001 - an older torch without host_memory_stats
+        out["caching_allocator_reserved_for_same_request"] = f"not measurable: {e}"
+    del dev
+    torch.cuda.empty_cache()
+    if not out["exact"] or not out["torch_is_pinned"]:
+        out["status"] = "FAILED"
+    return out
+
+
+def _pytest_counts(text: str) -> dict:
+    tail = text.strip().splitlines()[-1] if text.strip() else ""
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|deselected)", tail)}
+    counts["last_line"] = tail
+    counts["failures"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)[:30]
+    return counts
+
+
+def tests_section(check: Check, quick: bool):
+    def run(limit: float) -> dict:
+        out = {}
+        groups = [
+            ("kvikio_and_posix_conformance", ["tests/test_backends.py", "-k", "Kvikio or Posix or posix"], {}),
+            ("device_path", ["tests/test_device_path.py"], {}),
+            ("engine_parity_cuda", ["tests/test_engine.py", "-k", "parity_adamw_hf"], {}),
+            ("store_state_machine_cuda_tier", ["tests/test_store_stateful.py"],
+             {"TIERED_OFFLOAD_TEST_STORE_DEVICE": "cuda", "TIERED_OFFLOAD_TEST_EXAMPLES": "15" if quick else "40"}),
+        ]
+        ok = True
+        for name, args, env in groups:
+            code, text = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *args],
+                                   max(10.0, min(limit / 2, check.left() - 5)), env)
+            out[name] = _pytest_counts(text) | {"exit": code}
+            ok = ok and code == 0
+            check.say(f"   {name}: {out[name]['last_line']}")
+        out["status"] = "ok" if ok else "FAILED"
+        return out
+    return run
+
+
+def bench_io_section(check: Check, quick: bool):
+    def run(limit: float) -> dict:
+        path = ROOT / ".gpu-check-bench-io"
+        js = check.out / "bench_io.json"
+        code, text = check.run([sys.executable, "-m", "tiered_offload", "bench-io", "--path", str(path), "--size",
+                                "512MiB" if quick else "2GiB", "--request-sizes", "1MiB,8MiB", "--threads", "4,16",
+                                "--backends", "posix-direct,posix-buffered,kvikio", "--no-progress", "--json", str(js)],
+                               limit)
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
+        out = {"exit": code, "tail": text[-1500:]}
+        if js.exists():
+            rep = json.loads(js.read_text())
+            out.update(results=rep["results"], recommended=rep["recommended"], auto=rep.get("auto"), notes=rep["notes"])
+        out["status"] = "ok" if code == 0 else "FAILED"
+        return out
+    return run
+
+
+def step_time_section(check: Check, quick: bool):
+    def run(limit: float) -> dict:
+        js = check.out / "step_time.json"
+        args = ["--steps", "3", "--plain-steps", "4"]
+        if quick:
+            args = ["--layers", "4", "--d-model", "1024", "--heads", "8", "--steps", "2", "--plain-steps", "3",
+                    "--host-memory", "1GiB", "--device-memory", "1GiB"]
+        code, text = check.run([sys.executable, "tools/bench_gpu_step.py", "--json", str(js), *args], limit)
+        out = {"exit": code, "tail": text[-2000:]}
+        if js.exists():
+            out["report"] = json.loads(js.read_text())
+        out["status"] = "ok" if code == 0 else "FAILED"
+        return out
+    return run
+
+
+def suite_section(check: Check):
+    def run(limit: float) -> dict:
+        try:
+            import xdist  # noqa: F401
+            par = ["-n", str(min(12, os.cpu_count() or 2))]
+        except ImportError:
+            par = []
+        code, text = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *par, "tests"], limit)
+        out = _pytest_counts(text) | {"exit": code}
+        out["status"] = "ok" if code == 0 else ("cut short" if code == 124 else "FAILED")
+        return out
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="directory for gpu_check.json and gpu_check.log")
+    ap.add_argument("--budget-s", type=float, default=450, help="the whole check's time limit (default 450)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run of the check itself")
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, args.budget_s)
+    skip = set(filter(None, args.skip.split(",")))
+    sections = [
+        ("env", env_section, 30),
+        ("pinned", pinned_section, 40),
+        ("tests", tests_section(check, args.quick), 170),
+        ("bench_io", bench_io_section(check, args.quick), 60),
+        ("step_time", step_time_section(check, args.quick), 150),
+        ("suite", suite_section(check), 240),
+    ]
+    for name, fn, limit in sections:
+        if name not in skip:
+            check.section(name, fn, limit)
+    s = check.summary["sections"]
+    check.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    check.summary["ok"] = all(v.get("status") in ("ok",) or str(v.get("status", "")).startswith("skipped")
+                              for v in s.values())
+    check.save()
+    check.say("== summary: " + ", ".join(f"{k}: {v.get('status')}" for k, v in s.items()))
+    return 0 if check.summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
