@@ -186,6 +186,8 @@ class KvikioBackend(PosixBackend):
         issued = []
         try:
             for path, file_offset, start, length in self._ranges(key, offset, flat.numel()):
+                if read:
+                    self._check_length(key, path, file_offset, length)
                 f = self._cufile(path, create=not read)
                 chunk = flat[start:start + length]
                 io = f.pread(chunk, length, file_offset) if read else f.pwrite(chunk, length, file_offset)
@@ -198,6 +200,18 @@ class KvikioBackend(PosixBackend):
                     pass
             return IOFuture(self._pool.submit(self._raise, key, e, read), f"{'read' if read else 'write'} {key}")
         return IOFuture(self._pool.submit(self._wait, key, issued, read), f"{'read' if read else 'write'} {key}")
+
+    @staticmethod
+    def _check_length(key: str, path: str, file_offset: int, length: int) -> None:
+        """A read past the end of a file is a short read (kvikio would fail it with a bare EOF error)."""
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return  # reported as a missing extent by the read itself
+        if size < file_offset + length:
+            raise ShortReadError(errno.EIO, f"short read of {key!r}: {path} ends at byte {size} but {file_offset + length - size} "
+                                            f"more bytes were expected; the file was truncated or replaced behind the "
+                                            f"store's back. Restore it or re-create the storage directory.")
 
     def _wait(self, key: str, issued: list, read: bool) -> int:
         total, first = 0, None
@@ -224,6 +238,9 @@ class KvikioBackend(PosixBackend):
             if e.errno == errno.ENOSPC:
                 raise disk_full(key, where, 0) from e
             raise StorageIOError(e.errno, f"GPUDirect I/O on {where} for {key!r} failed: {e.strerror}") from e
+        if "EOF" in str(e):  # kvikio's compatibility mode reports a read past the end this way
+            raise ShortReadError(errno.EIO, f"short read of {key!r}: {where} ended before the bytes asked for; the "
+                                            f"file was truncated behind the store's back ({e})") from e
         raise StorageIOError(errno.EIO, f"GPUDirect I/O on {where} for {key!r} failed: {e}") from e  # cuFile errors
 
     def _delete(self, key: str) -> None:

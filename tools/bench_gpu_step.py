@@ -120,7 +120,7 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
             _sync(device)
             t = time.perf_counter()
             with ctx:
-                loss = _loss(engine, x)
+                loss = _loss(engine, x.to(device))
                 engine.backward(loss)
                 engine.clip_grad_norm_(1.0)
                 engine.step()

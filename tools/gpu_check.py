@@ -231,14 +231,14 @@ def step_time_section(check: Check, quick: bool):
     return run
 
 
-def suite_section(check: Check):
+def suite_section(check: Check, extra: list[str]):
     def run(limit: float) -> dict:
         try:
             import xdist  # noqa: F401
             par = ["-n", str(min(12, os.cpu_count() or 2))]
         except ImportError:
             par = []
-        code, text = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *par, "tests"], limit)
+        code, text = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *par, *extra, "tests"], limit)
         out = _pytest_counts(text) | {"exit": code}
         out["status"] = "ok" if code == 0 else ("cut short" if code == 124 else "FAILED")
         return out
@@ -251,6 +251,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=450, help="the whole check's time limit (default 450)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run of the check itself")
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    ap.add_argument("--suite-args", default="--durations=15", help="extra pytest arguments for the whole suite")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +263,7 @@ def main() -> int:
         ("tests", tests_section(check, args.quick), 170),
         ("bench_io", bench_io_section(check, args.quick), 60),
         ("step_time", step_time_section(check, args.quick), 150),
-        ("suite", suite_section(check), 240),
+        ("suite", suite_section(check, args.suite_args.split()), 240),
     ]
     for name, fn, limit in sections:
         if name not in skip:
