@@ -238,7 +238,10 @@ def suite_section(check: Check, extra: list[str]):
             par = ["-n", str(min(12, os.cpu_count() or 2))]
         except ImportError:
             par = []
-        code, text = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *par, *extra, "tests"], limit)
+        # -v: each test's outcome is in the log as it finishes, so a run cut short still says which
+        # tests failed and which were still running
+        code, text = check.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *par, *extra, "tests"],
+                               limit)
         out = _pytest_counts(text) | {"exit": code}
         out["status"] = "ok" if code == 0 else ("cut short" if code == 124 else "FAILED")
         return out
