@@ -152,10 +152,12 @@ def pinned_section(limit: float) -> dict:
     arena.close()
     # the old way, for contrast: torch's caching pinned allocator
     try:
-        before = torch.cuda.host_memory_stats().get("reserved_bytes.current", None)
+        before = torch.cuda.host_memory_stats()
         old = torch.empty(budget + 4096, dtype=torch.uint8, pin_memory=True)
-        after = torch.cuda.host_memory_stats().get("reserved_bytes.current", None)
-        out["caching_allocator_reserved_for_same_request"] = None if before is None else after - before
+        after = torch.cuda.host_memory_stats()
+        # the key names differ between torch versions: keep every counter that moved
+        out["caching_allocator_stats_delta"] = {k: after[k] - before.get(k, 0) for k in after
+                                                if isinstance(after[k], int) and after[k] != before.get(k, 0)}
         del old
     except Exception as e:  # noqa: BLE001 - an older torch without host_memory_stats
         out["caching_allocator_reserved_for_same_request"] = f"not measurable: {e}"
