@@ -36,6 +36,7 @@ __all__ = [
     "ModelStructureError",
     "ModelInputError",
     "NonFiniteError",
+    "DistributedError",
 ]
 
 
@@ -145,3 +146,7 @@ class StorageLockedError(TieredOffloadError, RuntimeError):
 
 class CheckpointError(TieredOffloadError, ValueError):
     """A storage directory's committed state cannot be used (missing, wrong model, unknown format)."""
+
+
+class DistributedError(TieredOffloadError, RuntimeError):
+    """A collective between ranks failed or timed out, or the ranks disagree (model, optimizer, layout)."""

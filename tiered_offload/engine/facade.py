@@ -23,6 +23,7 @@ what the committed state records of the model and the optimizer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -42,6 +43,7 @@ from offload_core.errors import (
     CheckpointError,
     ConfigError,
     DiskFullError,
+    DistributedError,
     ModelInputError,
     NonFiniteError,
     TierCapacityError,
@@ -66,6 +68,7 @@ from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan
 from tiered_offload.engine.schedule import FP32_BYTES, Phase, Schedule
+from tiered_offload.engine.sharding import Sharding, distributed_group
 from tiered_offload.engine.stats import EngineStats
 from tiered_offload.engine.streaming import BlockStreamer
 from tiered_offload.memstat import tune_allocator
@@ -129,6 +132,10 @@ class Engine:
         config: tuning knobs (:class:`~tiered_offload.config.EngineConfig`).
         trace: write a step timeline (Chrome / Perfetto trace JSON) of the whole run to this file
             at :meth:`close`; :meth:`tracing` records a stretch of it instead.
+        process_group: shard the training state over this ``torch.distributed`` group (default:
+            the default group, when it is initialised with more than one rank). Each rank stores
+            its slice of every unit in its own directory inside ``storage``
+            (``rank-R-of-W``); see :mod:`tiered_offload.engine.sharding`.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer = torch.optim.AdamW,
@@ -137,7 +144,7 @@ class Engine:
                  on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None,
                  durable: bool | None = None, commit_every: int = 1, resume: bool | str = False,
                  init_from: str | os.PathLike | None = None, config: EngineConfig | None = None,
-                 trace: str | os.PathLike | None = None):
+                 trace: str | os.PathLike | None = None, process_group=None):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         if resume not in (True, False, "auto"):
@@ -149,7 +156,10 @@ class Engine:
         self.config = config or EngineConfig()
         """Tuning knobs (see :class:`EngineConfig`)."""
         self._tmpdir = None
+        group = distributed_group(process_group)
         spec = resolve_storage(storage) if storage is not None else None
+        if group is not None:
+            spec, durable = self._rank_storage(group, spec, durable, resume, init_from)
         if durable is None:
             durable = spec is not None and spec.names_directories
         if resume and not durable:
@@ -187,6 +197,10 @@ class Engine:
         group_of = self._spec.group_of()
         self._spec.members = []  # no reference to the user's (possibly meta) parameters is kept
         self.binding.arrange(group_of, self.config.state_piece_numel)
+        self._sharding = Sharding(group, self.device) if group is not None else None
+        """The process group the state is sharded over (None: this process holds all of it)."""
+        if self._sharding is not None:
+            self._check_ranks_agree()
         cuda = self.device.type == "cuda"
         cfg = StoreConfig(host_budget_bytes=host_memory, device=self.device,
                           device_budget_bytes=device_memory if cuda else 0, policy="lookahead",
@@ -241,6 +255,7 @@ class Engine:
         self._optimizer_view: _OptimizerView | None = None
         self._streamer = BlockStreamer(self.store, self.binding, self._pipeline, self.device,
                                        self._activation_modes(recompute))
+        self._streamer.sharding = self._sharding
         """Forward and backward through the store."""
         overlap = self.config.overlap_step
         self.overlap_step = (self.schedule.overlap_fits(self.store.capacity(self.store.compute_tier))
@@ -342,6 +357,13 @@ class Engine:
         ones and optimizer states of those the optimizer updates."""
         return self.schedule.state_bytes()
 
+    def local_state_bytes(self) -> int:
+        """Bytes of training state this process stores: :meth:`state_bytes`, or its slice of it when
+        sharded over ranks (about ``state_bytes() / world size``)."""
+        if self._sharding is None:
+            return self.state_bytes()
+        return FP32_BYTES * sum(n for u in self.units for n in self._sharding.layout(u).shapes(self._state_kinds).values())
+
     def commit_window(self) -> int:
         """Units whose new weights and states may coexist on disk with the committed ones (durable mode):
         as many as keep the extra space within a quarter of the state, and at least one."""
@@ -370,18 +392,14 @@ class Engine:
             reader = PretrainedReader(init_from)
             reader.check_covers([(s.name, s.shape) for _, s in self._param_order])
         for unit in self.units:
+            if self._sharding is not None:
+                self._register_shard(unit, reader, init)
+                continue
             for key, numel in unit.shapes(self._state_kinds).items():
                 self.store.register(key, (numel,))
             flat = self.store.get(unit.weight_key, Tier.HOST)
             try:
-                if reader is not None:
-                    for slot in unit.params:
-                        reader.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
-                elif meta:
-                    self.binding.initialise_unit(unit, flat, init)
-                else:
-                    for slot in unit.params:
-                        flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+                self._fill_unit(unit, flat, reader, init)
                 self.store.mark_dirty(unit.weight_key, Tier.HOST)
             finally:
                 self.store.release(unit.weight_key, Tier.HOST)
@@ -390,6 +408,82 @@ class Engine:
         if reader is not None:
             reader.close()
         self.binding.release_parameters()  # the model no longer holds the weights: the store does
+
+    def _fill_unit(self, unit: Unit, flat: torch.Tensor, reader, init) -> None:
+        """The unit's initial weights into ``flat``: read, initialised (a meta model) or copied."""
+        if reader is not None:
+            for slot in unit.params:
+                reader.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+        elif self.binding.on_meta:
+            self.binding.initialise_unit(unit, flat, init)
+        else:
+            for slot in unit.params:
+                flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+
+    # ---- sharded over ranks -----------------------------------------------------------------
+    def _rank_storage(self, group, spec, durable, resume, init_from):
+        """Each rank's own directory inside ``storage`` (``rank-R-of-W``); what is not supported yet across ranks is refused."""
+        import torch.distributed as dist
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if durable or resume:
+            raise ConfigError(
+                f"rank {rank} of {world}: durable training state across ranks (commits every rank agrees on, resume "
+                f"after a rank dies) is not implemented yet; pass durable=False (and no resume) to train sharded "
+                f"over the ranks, or train on one process to keep a durable state")
+        if spec is not None and spec.names_directories:
+            dirs = [str(Path(d) / f"rank-{rank}-of-{world}") for d in spec.location.split(",")]
+            spec = dataclasses.replace(spec, location=",".join(dirs))
+        elif spec is not None and spec.backend is not None:
+            raise ConfigError("sharded training needs storage= a directory (each rank keeps its files in its own "
+                              "subdirectory) or None, not a backend object shared by the ranks")
+        return spec, False
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank must build the same model and optimizer: compare their layouts at start."""
+        sig = {"units": [(u.name, u.numel, u.grad_numel, u.state_numel) for u in self.units],
+               "params": [(s.name, list(s.shape), s.requires_grad, s.group) for _, s in self._param_order],
+               "optimizer": self.optimizer_class.__name__, "kinds": list(self._state_kinds),
+               "groups": [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in self.param_groups],
+               "device": self.device.type}
+        sigs = self._sharding.all_gather_object(sig)
+        differ = [r for r, other in enumerate(sigs) if other != sigs[0]]
+        if differ:
+            what = [k for k in sig if any(sigs[r][k] != sigs[0][k] for r in differ)]
+            raise DistributedError(
+                f"rank(s) {differ} built a different {' and '.join(what)} than rank 0; every rank must build the "
+                f"same model (same parameters, trainable and frozen alike) and the same optimizer and groups")
+
+    def _register_shard(self, unit: Unit, reader, init) -> None:
+        """Register this rank's slice of ``unit`` and fill its weights: the full unit is built (read,
+        initialised or copied) and rank 0's broadcast, as DistributedDataParallel starts every rank
+        from rank 0's weights; each rank keeps its slice."""
+        sh = self._sharding
+        lay = sh.layout(unit)
+        for key, numel in lay.shapes(self._state_kinds).items():
+            self.store.register(key, (numel,))
+        full = torch.zeros(lay.size * sh.world, dtype=torch.float32, device=self.device)
+        self._fill_unit(unit, full[:unit.numel], reader, init)
+        sh.broadcast(full, f"{unit.name}'s initial weights")
+        flat = self.store.get(unit.weight_key, Tier.HOST)
+        try:
+            flat.copy_(full[lay.lo:lay.lo + lay.size])
+            self.store.mark_dirty(unit.weight_key, Tier.HOST)
+        finally:
+            self.store.release(unit.weight_key, Tier.HOST)
+        del full
+        self.store.write_back(unit.weight_key).get()
+        self.store.evict(unit.weight_key, Tier.HOST).get()
+
+    def _full_weights(self, unit: Unit) -> torch.Tensor:
+        """The unit's whole weight buffer on the CPU (gathered from the ranks when sharded)."""
+        if self._sharding is None:
+            with self.store.hold(unit.weight_key, Tier.HOST) as flat:
+                return flat.clone()
+        sh, lay = self._sharding, self._sharding.layout(unit)
+        full = torch.empty(lay.size * sh.world, dtype=torch.float32, device=self.device)
+        with self.store.hold(unit.weight_key) as shard:
+            sh.gather(full, shard.to(self.device), f"{unit.name}'s weights")
+        return full[:unit.numel].cpu()
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of every module buffer (BatchNorm statistics, counters), as
@@ -575,6 +669,9 @@ class Engine:
         their ``model.named_parameters()`` names (a tied weight once, as ``save_pretrained``
         does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
         """
+        if self._sharding is not None:
+            raise ConfigError("export_safetensors is not implemented for sharded training yet; named_parameters() "
+                              "gives every rank the full weights (e.g. save them from rank 0 with safetensors)")
         from tiered_offload.checkpoint.safetensors_io import iter_chunks, write_private
         from tiered_offload.checkpoint.state_dir import export_params
         self._streamer.unbind_rest()
@@ -807,7 +904,12 @@ class Engine:
         """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward needs a scalar tensor computed from the engine's output")
-        if not bool(torch.isfinite(loss.detach()).all()):
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if self._sharding is not None:  # every rank backpropagates, or none does
+            self._sharding.where = f"step {self.step_count + 1}, backward"
+            flag = torch.tensor([int(finite)], dtype=torch.uint8, device=self.device)
+            finite = bool(self._sharding.all_reduce(flag, torch.distributed.ReduceOp.MIN, "the losses' finiteness"))
+        if not finite:
             if self.on_nonfinite == "skip":
                 self._skip_step = True
                 self._streamer.unbind_rest()
@@ -842,6 +944,8 @@ class Engine:
         self._streamer.unbind_rest()
         self._await()
         self._phase(Phase.CLIP)
+        if self._sharding is not None:
+            return self._clip_sharded(max_norm, norm_type)
         norms: dict[int, torch.Tensor] = {}
         for unit in self.schedule.clip_order():
             if unit.grad_key is None:
@@ -856,6 +960,26 @@ class Engine:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._grad_scale = coef if self._grad_scale is None else self._grad_scale * coef
         return total
+
+    def _clip_sharded(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The global L2 norm from every rank's gradient slices (sum of squares, reduced over ranks)."""
+        if norm_type != 2.0:
+            raise ConfigError(f"sharded training clips by the L2 norm only (norm_type=2.0), got {norm_type}")
+        sh = self._sharding
+        sh.where = f"step {self.step_count + 1}, clipping"
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for unit in self.units:
+            key = sh.layout(unit).grad_key
+            if key is not None:
+                with self.store.hold(key) as g:
+                    total += g.double().square().sum().to(total.device)
+        sh.all_reduce(total, torch.distributed.ReduceOp.SUM, "the gradient norm")
+        if not any(s.has_grad for _, s in self._param_order):
+            return torch.tensor(0.0)
+        norm = total.sqrt().float().reshape(())
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self._grad_scale = coef if self._grad_scale is None else self._grad_scale * coef
+        return norm
 
     @_engine_time
     def step(self) -> bool:
@@ -873,6 +997,13 @@ class Engine:
         """
         self._streamer.unbind_rest()
         self._await()
+        if self._sharding is not None:  # a non-finite gradient slice on any rank stops every rank's step
+            self._sharding.where = f"step {self.step_count + 1}, step"
+            runs = list(self._streamer.runs.values())
+            flags = torch.tensor([int(r.grads_finite) for r in runs], dtype=torch.uint8, device=self.device)
+            self._sharding.all_reduce(flags, torch.distributed.ReduceOp.MIN, "the gradients' finiteness")
+            for r, f in zip(runs, flags.tolist()):
+                r.grads_finite = bool(f)
         bad = [name for name, run in self._streamer.runs.items() if not run.grads_finite]
         if self._skip_step or bad:
             for run in self._streamer.runs.values():
@@ -945,7 +1076,8 @@ class Engine:
         journal = self._checkpoint is not None and not self._snapshot_commits
         write_behind = journal or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
         with span(self._tracer, f"update {unit.name}", "optimizer"):
-            futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind)
+            futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind,
+                                           shard=self._sharding and self._sharding.layout(unit))
         if journal:
             self._checkpoint.unit_updated(unit.name, futures)
 
@@ -957,8 +1089,9 @@ class Engine:
         """
         self._streamer.unbind_rest()
         for unit in self.units:
-            if unit.grad_key:
-                self._pipeline.after_update(unit.name, lambda key=unit.grad_key: self.store.zero(key))
+            key = self._sharding.layout(unit).grad_key if self._sharding is not None else unit.grad_key
+            if key:
+                self._pipeline.after_update(unit.name, lambda key=key: self.store.zero(key))
         for _, slot in self._param_order:
             slot.has_grad = False
         for run in self._streamer.runs.values():
@@ -969,6 +1102,15 @@ class Engine:
         """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
         self._streamer.unbind_rest()
         self._await()
+        if self._sharding is not None:  # every rank takes part in each unit's gather, in the same order
+            gathered = {}
+            for unit in self.units:
+                full = self._full_weights(unit)
+                for slot in unit.params:
+                    gathered[slot.name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            for _, slot in self._param_order:
+                yield slot.name, gathered[slot.name]
+            return
         for unit, slot in self._param_order:
             with self.store.hold(unit.weight_key, Tier.HOST) as flat:
                 value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()

@@ -50,11 +50,15 @@ class UnitUpdater:
         self.chunk_numel = chunk_numel
 
     def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int], *,
-               write_behind: bool) -> list:
+               write_behind: bool, shard=None) -> list:
         """Update ``unit``'s parameters in ``todo``; returns the futures of the write-backs started
         (``write_behind``: start writing each updated piece and the weights at once, so that when
-        their space is wanted they are clean and can be dropped without stalling a caller)."""
+        their space is wanted they are clean and can be dropped without stalling a caller).
+        ``shard``: this rank's :class:`~tiered_offload.engine.sharding.ShardLayout` of the unit
+        (sharded training): only its slice is stored here, and only its slice is updated."""
         runs = update_runs(unit, todo)
+        if shard is not None:
+            runs, unit = shard.runs(runs), shard
         if not runs:
             return []
         store, kinds = self.store, self.spec.kinds

@@ -101,7 +101,7 @@ class StashedBlock(torch.autograd.Function):
                 out = functional_call(unit.module, params, args, kwargs, strict=False)
             engine.forward_seconds[index] = engine.forward_seconds.get(index, 0.0) + time.perf_counter() - t0
         finally:
-            engine.store.release(unit.weight_key)
+            engine.release_weights(unit)
         out_leaves, out_spec = tree_flatten(out)
         del out
         ids = {id(t) for t in inputs}
@@ -195,6 +195,11 @@ class BlockStreamer:
         """Per block, the most bytes of saved activations the compute tier can pin in its backward
         beside its weights and gradients (set by the engine from its budget)."""
         self._orphans: list[str] = []
+        self.sharding = None
+        """A :class:`~tiered_offload.engine.sharding.Sharding` when the state is sharded over ranks
+        (the engine sets it): weights are all-gathered into full scratch buffers, gradients
+        reduce-scattered out of them."""
+        self._full: dict[str, list] = {}  # unit name -> [full weights, full gradients or None, users]
         self.tracer = None
         """A :class:`~tiered_offload.trace.Tracer` for the compute spans, or None."""
         self.rest = binding.rest
@@ -247,8 +252,7 @@ class BlockStreamer:
         self.pipeline.forward_reached(0)
         self.pipeline.wait(self.rest.name)
         rest = self.rest
-        flat, *grad = self.store.get_group([rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
-        gflat = grad[0] if grad else None
+        flat, gflat, _ = self.acquire(rest, grad=True)
         for slot in rest.params:
             slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
             if slot.requires_grad:
@@ -268,9 +272,7 @@ class BlockStreamer:
         for slot in self.rest.params:
             slot.param.grad = None
             slot.param.data = self.binding.placeholder()
-        if self.rest.grad_key:
-            self.store.release(self.rest.grad_key)
-        self.store.release(self.rest.weight_key)
+        self.release_acquired(self.rest, grad=True)
         self._rest_bound = False
         self._rest_grad = None
 
@@ -283,11 +285,71 @@ class BlockStreamer:
         return arrived
 
     def fetch_for_forward(self, unit: Unit) -> torch.Tensor:
-        """The unit's weight buffer, pinned, once the step in flight has updated it."""
+        """The unit's weight buffer, pinned, once the step in flight has updated it (release it
+        with :meth:`release_weights`)."""
         index = self.binding.blocks.index(unit)
         self.pipeline.forward_reached(index + 1)
         self.pipeline.wait(unit.name)
-        return self.store.get(unit.weight_key)
+        return self.acquire(unit, grad=False)[0]
+
+    def release_weights(self, unit: Unit) -> None:
+        self.release_acquired(unit, grad=False)
+
+    # ---- a unit's full buffers: the store's, or gathered from the ranks' slices ---------------
+    def acquire(self, unit: Unit, *, grad: bool, extra: list[str] = ()) -> tuple:
+        """``(weights, gradients or None, [extra tensors])``, pinned together: the unit's full
+        buffers. Sharded, the weights are all-gathered into a scratch buffer and the gradients
+        are a zeroed scratch buffer that :meth:`gradients_done` reduce-scatters; release with
+        :meth:`release_acquired` (same ``grad`` and ``extra``)."""
+        gk = unit.grad_key if grad else None
+        if self.sharding is None:
+            got = self.store.get_group([unit.weight_key, *([gk] if gk else []), *extra])
+            return got[0], (got[1] if gk else None), got[1 + bool(gk):]
+        sh, lay = self.sharding, self.sharding.layout(unit)
+        entry = self._full.get(unit.name)
+        extras = self.store.get_group(list(extra)) if extra else []
+        if entry is not None:  # a second user of the same unit (two graphs alive): share the buffers
+            entry[2] += 1
+            if gk and entry[1] is None:
+                entry[1] = self.store.create(unit.key("grad.full"), (lay.size * sh.world,), torch.float32).zero_()
+            self.store.get(unit.key("weight.full"))
+            if gk:
+                self.store.get(unit.key("grad.full"))
+            full, gfull = entry[0], entry[1]
+        else:
+            shard = self.store.get(unit.weight_key)
+            try:
+                full = self.store.create(unit.key("weight.full"), (lay.size * sh.world,), torch.float32)
+                try:
+                    sh.gather(full, shard, f"{unit.name}'s weights")
+                except BaseException:
+                    self.store.release(unit.key("weight.full"))
+                    self.store.unregister(unit.key("weight.full"))
+                    raise
+            finally:
+                self.store.release(unit.weight_key)
+            gfull = self.store.create(unit.key("grad.full"), (lay.size * sh.world,), torch.float32).zero_() if gk else None
+            self._full[unit.name] = [full, gfull, 1]
+        return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
+
+    def release_acquired(self, unit: Unit, *, grad: bool, extra: list[str] = ()) -> None:
+        gk = unit.grad_key if grad else None
+        if self.sharding is None:
+            for key in [*([gk] if gk else []), unit.weight_key, *extra]:
+                self.store.release(key)
+            return
+        for key in extra:
+            self.store.release(key)
+        entry = self._full[unit.name]
+        entry[2] -= 1
+        keys = [unit.key("weight.full"), *([unit.key("grad.full")] if entry[1] is not None and gk else [])]
+        for key in keys:
+            self.store.release(key)
+        if entry[2] == 0:
+            del self._full[unit.name]
+            for key in (unit.key("weight.full"), unit.key("grad.full")):
+                if key in self.store:
+                    self.store.unregister(key)
 
     def run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
         """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
@@ -310,7 +372,7 @@ class BlockStreamer:
                 self.graph_bytes[index] = counter.pending_bytes()
             return out
         finally:
-            self.store.release(unit.weight_key)
+            self.release_weights(unit)
 
     def block_forward(self, index: int, args, kwargs):
         """What block ``index``'s proxy runs: plainly without grad, else as a recomputed autograd
@@ -384,20 +446,17 @@ class BlockStreamer:
         resolvable through ``stash``. Yields ``(weights, gradients or None)``; afterwards everything
         is released and the activations forgotten."""
         self.pipeline.wait(unit.name)
-        keys = [unit.weight_key, *([unit.grad_key] if unit.grad_key else []), *([stash.key] if stash.key else [])]
+        extra = [stash.key] if stash.key else []
         try:
-            got = self.store.get_group(keys)
+            flat, gflat, got = self.acquire(unit, grad=True, extra=extra)
         except BaseException:
             self.discard(stash)
             raise
-        flat = got[0]
-        gflat = got[1] if unit.grad_key else None
         try:
-            stash.attach(got[-1] if stash.key else None, flat)
+            stash.attach(got[0] if stash.key else None, flat)
             yield flat, gflat
         finally:
-            for key in keys:
-                self.store.release(key)
+            self.release_acquired(unit, grad=True, extra=extra)
             self.discard(stash)
 
     def discard(self, stash: SavedActivations) -> None:
@@ -458,8 +517,7 @@ class BlockStreamer:
         unit = self.binding.blocks[index]
         self.pipeline.forward_reached(index + 1)
         self.pipeline.wait(unit.name)
-        flat, *grad = self.store.get_group([unit.weight_key, *([unit.grad_key] if unit.grad_key else [])])
-        gflat = grad[0] if grad else None
+        flat, gflat, _ = self.acquire(unit, grad=True)
         self._held.append((unit, gflat))
         return functional_call(unit.module, self.param_leaves(unit, flat, gflat), args, kwargs, strict=False)
 
@@ -467,9 +525,7 @@ class BlockStreamer:
         for unit, gflat in self._held:
             if backward_ran and gflat is not None:
                 self.gradients_done(unit, gflat)
-            if unit.grad_key:
-                self.store.release(unit.grad_key)
-            self.store.release(unit.weight_key)
+            self.release_acquired(unit, grad=True)
         self._held = []
 
     # ---- backward -----------------------------------------------------------------------
@@ -523,6 +579,9 @@ class BlockStreamer:
         :meth:`clip_grad_norm_` reuses them instead of reading every gradient back from disk, as
         long as the buffer has not changed since.
         """
+        if self.sharding is not None:
+            self._reduce_gradients(unit)
+            return
         key = unit.grad_key
         self.store.mark_dirty(key)
         norms = [n.clone() for n in torch._foreach_norm(unit.grad_views(gflat), 2.0)]
@@ -530,3 +589,31 @@ class BlockStreamer:
         run.norms = (self.store.record(key).version, norms)
         if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
             run.grads_finite = False
+
+    def _reduce_gradients(self, unit: Unit) -> None:
+        """Sharded :meth:`BlockStreamer.gradients_done`: the mean over ranks of the unit's full
+        gradient buffer, this rank's slice of it added into the stored slice; the full buffer zeroed
+        (a second call for the same buffers adds nothing); which parameters have a gradient or-ed
+        over ranks; the slice's finiteness noted (the step reduces it over ranks)."""
+        sh, lay = self.sharding, self.sharding.layout(unit)
+        gfull = self._full[unit.name][1]
+        out = torch.empty(lay.size, dtype=gfull.dtype, device=gfull.device)
+        sh.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
+        gfull.zero_()
+        trainable = unit.trainable()
+        flags = torch.tensor([s_.has_grad for s_ in trainable], dtype=torch.uint8, device=gfull.device)
+        sh.all_reduce(flags, torch.distributed.ReduceOp.MAX, f"which of {unit.name}'s parameters have a gradient")
+        for s_, f in zip(trainable, flags.tolist()):
+            s_.has_grad = bool(f)
+        run = self.runs[unit.name]
+        run.norms = None
+        if lay.grad_key:
+            g = self.store.get(lay.grad_key)
+            try:
+                g.add_(out[:lay.grad_numel])
+                if not bool(torch.isfinite(g).all()):
+                    run.grads_finite = False
+                self.store.mark_dirty(lay.grad_key)
+            finally:
+                self.store.release(lay.grad_key)
+

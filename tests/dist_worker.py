@@ -1,0 +1,104 @@
+"""One rank of a sharded training run, launched as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT in the environment): ``python tests/dist_worker.py OUT CONFIG_JSON``.
+
+Trains the model of :func:`build` on this rank's micro-batches (:func:`batch`) and saves, from
+every rank, its losses, its share of the stored state and (rank 0) the final weights to
+``OUT/rank-R.pt``. ``tests/test_distributed.py`` compares them with one process training on all
+the ranks' batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tiered_offload_examples.models import GPT, GPTConfig
+
+VOCAB, CONTEXT = 64, 16
+
+
+def build(cfg: dict) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, context=CONTEXT, d_model=32, n_layers=cfg["layers"], n_heads=4))
+    if cfg.get("frozen"):
+        for p in model.blocks[1].parameters():  # a frozen block
+            p.requires_grad_(False)
+    return model
+
+
+def optimizer(model, cfg: dict):
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trainable if p.dim() >= 2]
+    no_decay = [p for n, p in trainable if p.dim() < 2]
+    if cfg["optimizer"] == "adamw":
+        # lr/eps = 1, not 1e6: adding the ranks' gradients in another order than one process does
+        # (DistributedDataParallel does too) changes each gradient by rounding, ~1e-7 of the largest
+        # term summed. Where a gradient is small next to eps, Adam's step is lr * g / eps: the
+        # rounding difference is multiplied by lr/eps; and a gradient that is zero in exact
+        # arithmetic (the attention key's bias) but +-1e-9 of rounding gets a step of +-lr whose
+        # sign the rounding decides. With lr/eps = 1 the comparison tests the arithmetic, not that.
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4}], lr=1e-3, eps=1e-3)
+    return torch.optim.SGD([{"params": decay, "weight_decay": 0.01},
+                            {"params": no_decay, "lr": 0.05}], lr=0.1, momentum=0.9, dampening=0.1)
+
+
+def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, VOCAB, (2, CONTEXT + 1), generator=g)
+
+
+def loss_of(model, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def main() -> int:
+    out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from tiered_offload import Engine
+    model = build(cfg)
+    engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=False,
+                    host_memory=cfg["host_memory"], device="cpu")
+    losses = []
+    for step in range(cfg["steps"]):
+        for micro in range(cfg["accumulate"]):
+            loss = loss_of(engine, batch(step, micro, rank)) / cfg["accumulate"]
+            engine.backward(loss)
+            losses.append(loss.item())
+        if cfg.get("dump_grads") and step == 0:  # debugging aid: this rank's gradient slices
+            sh = engine._sharding
+            dump = {}
+            for unit in engine.units:
+                lay = sh.layout(unit)
+                if lay.grad_key:
+                    with engine.store.hold(lay.grad_key) as g:
+                        dump[unit.name] = (lay.lo, g.clone(), [(s.name, s.offset, s.numel, s.shape) for s in unit.params])
+            torch.save(dump, out / f"grads-{rank}.pt")
+        if cfg.get("clip"):
+            engine.clip_grad_norm_(cfg["clip"])
+        engine.step()
+        engine.zero_grad()
+    weights = dict(engine.named_parameters())
+    result = {"losses": losses, "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
+              "host_budget": engine.store.capacity("host"), "weights": weights if rank == 0 else None,
+              "directory": str(engine.store.backend.location)}
+    engine.close()
+    result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()
+                                if f.is_file() and not f.name.startswith("."))
+    torch.save(result, out / f"rank-{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TIERED_OFFLOAD_DEVICE", "cpu")
+    sys.exit(main())
