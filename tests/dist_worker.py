@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,7 +24,10 @@ from tiered_offload_examples.models import GPT, GPTConfig
 VOCAB, CONTEXT = 64, 16
 
 
-def build(cfg: dict) -> GPT:
+def build(cfg: dict):
+    if cfg.get("model") == "moe":  # top-1 mixture of experts (tests/test_finetune.py's), see batch()
+        from test_finetune import make_moe
+        return make_moe()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, context=CONTEXT, d_model=32, n_layers=cfg["layers"], n_heads=4))
     if cfg.get("frozen"):
@@ -49,28 +53,40 @@ def optimizer(model, cfg: dict):
                             {"params": no_decay, "lr": 0.05}], lr=0.1, momentum=0.9, dampening=0.1)
 
 
-def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+def batch(step: int, micro: int, rank: int):
+    """Rank ``rank``'s micro-batch: token ids (and, for the MoE, which expert each token goes to:
+    expert 0 always, expert 1 only on rank 0, expert 2 only on odd steps, expert 3 never)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randint(0, VOCAB, (2, CONTEXT + 1), generator=g)
+    ids = torch.randint(0, VOCAB, (2, CONTEXT + 1), generator=g)
+    experts = [0] + ([1] if rank == 0 else []) + ([2] if step % 2 else [])
+    route = torch.tensor(experts)[torch.randint(0, len(experts), (2, CONTEXT + 1), generator=g)]
+    return ids, route
 
 
-def loss_of(model, x: torch.Tensor) -> torch.Tensor:
-    logits = model(x[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+def loss_of(model, x, moe: bool = False) -> torch.Tensor:
+    ids, route = x
+    if moe:
+        logits = model(ids, route)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    from tiered_offload import Engine
-    model = build(cfg)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
+    rank = dist.get_rank()
+    from tiered_offload import Engine, EngineConfig
+    model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
     engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=False,
-                    host_memory=cfg["host_memory"], device="cpu")
+                    host_memory=cfg["host_memory"], device="cpu",
+                    config=EngineConfig(activations=cfg.get("activations", "auto")))
     losses = []
     for step in range(cfg["steps"]):
         for micro in range(cfg["accumulate"]):
-            loss = loss_of(engine, batch(step, micro, rank)) / cfg["accumulate"]
+            if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
+                os._exit(17)
+            loss = loss_of(engine, batch(step, micro, rank), cfg.get("model") == "moe") / cfg["accumulate"]
             engine.backward(loss)
             losses.append(loss.item())
         if cfg.get("dump_grads") and step == 0:  # debugging aid: this rank's gradient slices

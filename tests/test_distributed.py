@@ -24,8 +24,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, out: Path, cfg: dict, timeout: float = 240) -> list[dict]:
-    """Run ``world`` ranks of tests/dist_worker.py; return each rank's results."""
+def launch(world: int, out: Path, cfg: dict, timeout: float = 240, check: bool = True):
+    """Run ``world`` ranks of tests/dist_worker.py; return each rank's results (``check=False``:
+    each rank's exit code and output)."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -41,6 +42,8 @@ def launch(world: int, out: Path, cfg: dict, timeout: float = 240) -> list[dict]
     finally:
         for p in procs:
             p.kill()
+    if not check:
+        return [(p.returncode, log) for p, log in zip(procs, logs)]
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
     return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(world)]
@@ -52,7 +55,8 @@ def reference(world: int, cfg: dict):
     opt = optimizer(model, cfg)
     for step in range(cfg["steps"]):
         for micro in range(cfg["accumulate"]):
-            loss = sum(loss_of(model, batch(step, micro, r)) for r in range(world)) / world / cfg["accumulate"]
+            moe = cfg.get("model") == "moe"
+            loss = sum(loss_of(model, batch(step, micro, r), moe) for r in range(world)) / world / cfg["accumulate"]
             loss.backward()
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
@@ -66,7 +70,9 @@ def reference(world: int, cfg: dict):
 def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
     """Two parameter groups, a frozen block, clipping, accumulation over two micro-batches; the
     host budget of each rank below its share of the state (its slice streams through its disk)."""
-    cfg = {"layers": 8, "optimizer": optimizer_name, "steps": 3, "accumulate": 2, "clip": 0.5, "frozen": True}
+    cfg = {"layers": 8, "optimizer": optimizer_name, "steps": 3, "accumulate": 2, "clip": 0.5, "frozen": True,
+           # saved activations through the store (and recompute) as well as the planner's choice
+           "activations": {2: "auto", 3: ["offload", "keep", "recompute"] * 2 + ["keep", "offload"]}[world]}
     model = build(cfg)
     n = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -92,3 +98,66 @@ def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
     assert sum(r["local_state_bytes"] for r in results) >= state
     # the ranks' losses are their own batches' (they differ), all finite
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
+
+
+def test_experts_without_tokens_on_some_ranks(tmp_path):
+    """A mixture of experts: an expert that gets tokens on one rank only has a gradient (the
+    mean over ranks of its one rank's), one that gets tokens on no rank has none and is not
+    updated (no momentum, no decay), as in one process training on every rank's batch."""
+    cfg = {"model": "moe", "layers": 4, "optimizer": "sgd", "steps": 3, "accumulate": 1, "clip": None,
+           "host_memory": "64MiB"}
+    got = launch(2, tmp_path, cfg)[0]["weights"]
+    expected = reference(2, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+    idle = [k for k in expected if ".experts.3." in k]
+    start = build(cfg).state_dict()
+    assert idle and all(torch.equal(got[k], start[k]) for k in idle)
+    assert not torch.equal(got["blocks.0.ffn.experts.1.up.weight"], start["blocks.0.ffn.experts.1.up.weight"])
+
+
+def test_a_rank_that_dies_mid_step_stops_its_peers_with_a_clear_error(tmp_path):
+    cfg = {"layers": 4, "optimizer": "sgd", "steps": 3, "accumulate": 1, "clip": None, "host_memory": "64MiB",
+           "die": [1, 1], "timeout_s": 30}
+    (code0, log0), (code1, _) = launch(2, tmp_path, cfg, timeout=120, check=False)
+    assert code1 == 17
+    assert code0 != 0
+    assert "DistributedError" in log0 and "rank 0 of 2" in log0 and "during step 2" in log0, log0[-2000:]
+
+
+def test_ranks_that_build_different_models_are_refused_at_start(tmp_path):
+    cfg = {"layers": 4, "optimizer": "sgd", "steps": 1, "accumulate": 1, "clip": None, "host_memory": "64MiB",
+           "odd_rank": 1}
+    results = launch(2, tmp_path, cfg, timeout=120, check=False)
+    for code, log in results:
+        assert code != 0
+        assert "DistributedError" in log and "rank(s) [1] built a different units and params than rank 0" in log, log[-2000:]
+
+
+def test_two_machines_with_torchrun_on_localhost(tmp_path):
+    """``torchrun --nnodes 2``, one process per "machine", each machine with its own storage root:
+    the launch a two-box run uses, on localhost."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 2, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB"}
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    procs = []
+    for node in range(2):
+        out = tmp_path / f"machine{node}"
+        out.mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+             str(WORKER), str(out), json.dumps(cfg)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    got = torch.load(tmp_path / "machine0" / "rank-0.pt", weights_only=False)["weights"]
+    expected = reference(2, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+    # each machine's root holds only its rank's directory
+    assert [d.name for d in (tmp_path / "machine1" / "state").iterdir()] == ["rank-1-of-2"]

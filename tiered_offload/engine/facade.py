@@ -357,6 +357,21 @@ class Engine:
         ones and optimizer states of those the optimizer updates."""
         return self.schedule.state_bytes()
 
+    @property
+    def world_size(self) -> int:
+        """Ranks the training state is sharded over (1: this process holds all of it)."""
+        return 1 if self._sharding is None else self._sharding.world
+
+    @property
+    def rank(self) -> int:
+        return 0 if self._sharding is None else self._sharding.rank
+
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes of the collectives' buffers so far, per kind (all zero on one process)."""
+        if self._sharding is None:
+            return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+        return dict(self._sharding.bytes)
+
     def local_state_bytes(self) -> int:
         """Bytes of training state this process stores: :meth:`state_bytes`, or its slice of it when
         sharded over ranks (about ``state_bytes() / world size``)."""
@@ -888,6 +903,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
         args, kwargs = self._to_device((args, kwargs))
+        if self._sharding is not None:
+            self._sharding.where = f"step {self.step_count + 1}, forward"
         self._phase(Phase.FORWARD)
         self._streamer.bind_rest()
         try:
@@ -941,6 +958,8 @@ class Engine:
         that last changed its gradient (no pass over the gradients on disk), and the scaling is
         applied in :meth:`step`, on the way through.
         """
+        if self._sharding is not None:
+            self._sharding.where = f"step {self.step_count + 1}, clipping"
         self._streamer.unbind_rest()
         self._await()
         self._phase(Phase.CLIP)
@@ -1103,6 +1122,7 @@ class Engine:
         self._streamer.unbind_rest()
         self._await()
         if self._sharding is not None:  # every rank takes part in each unit's gather, in the same order
+            self._sharding.where = f"named_parameters() after step {self.step_count}"
             gathered = {}
             for unit in self.units:
                 full = self._full_weights(unit)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -123,6 +122,9 @@ class Sharding:
         self.layouts: dict[str, ShardLayout] = {}
         self.where = "start"
         """The step and phase, for a collective's error message (set by the engine)."""
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+        """Bytes of the collectives' full buffers so far, per kind (a ring algorithm moves
+        (W-1)/W of that in and out of each rank)."""
 
     def layout(self, unit: UnitLayout) -> ShardLayout:
         got = self.layouts.get(unit.name)
@@ -144,19 +146,23 @@ class Sharding:
     def gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> None:
         """All-gather every rank's ``shard`` (``C`` elements) into ``full`` (``W*C`` elements)."""
         self._call(f"all-gather of {what}", dist.all_gather_into_tensor, full, shard)
+        self.bytes["all_gather"] += full.numel() * full.element_size()
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``out`` (``C`` elements) = this rank's slice of the mean over ranks of ``full`` (``W*C``)."""
         self._call(f"reduce-scatter of {what}", dist.reduce_scatter_tensor, out, full, op=dist.ReduceOp.AVG)
+        self.bytes["reduce_scatter"] += full.numel() * full.element_size()
 
     def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
         self._call(what, dist.all_reduce, t, op=op)
+        self.bytes["all_reduce"] += t.numel() * t.element_size()
         return t
 
     def broadcast(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Rank 0's ``t`` on every rank (the weights a run starts from, as DistributedDataParallel does)."""
         self._call(f"broadcast of {what}", dist.broadcast, t, src=dist.get_global_rank(self.group, 0)
                    if self.group is not dist.group.WORLD else 0)
+        self.bytes["broadcast"] += t.numel() * t.element_size()
         return t
 
     def all_gather_object(self, obj) -> list:
@@ -167,6 +173,3 @@ class Sharding:
             raise DistributedError(f"rank {self.rank} of {self.world}: exchanging the configuration failed during "
                                    f"{self.where}: {e}") from e
         return out
-
-    def timeout_hint(self) -> str:
-        return str(timedelta(seconds=0))

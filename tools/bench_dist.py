@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Sharded training over torch.distributed on this machine: 1 rank, then 2 (gloo, localhost),
+the same global batch, each rank's state on its own directory and a host budget a quarter of its
+share of the state.
+
+    python tools/bench_dist.py                     # 1 and 2 ranks
+    python tools/bench_dist.py --ranks 1,2,3 --json dist.json
+
+Reports per configuration: seconds per step (median after a warm-up), per rank the disk bytes
+read and written per step, the stored state, and the collective bytes per step (all-gather,
+reduce-scatter, all-reduce buffers; a ring moves (W-1)/W of each in and out of a rank). Then what
+those volumes predict for N ranks on N drives: each rank's disk traffic shrinks as 1/N, its
+collective traffic stays about 2 x (W-1)/W of the weights + 1 x of the gradients per step.
+
+On a machine with few cores the ranks share them, so the step time does not shrink with more
+ranks here; the per-rank volumes are what carries over to N GPUs with N drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _model(args):
+    from tiered_offload_examples.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers,
+                         n_heads=args.heads))
+
+
+def rank_main(args) -> int:
+    """One rank (RANK / WORLD_SIZE in the environment when more than one)."""
+    import torch.distributed as dist
+
+    from tiered_offload import Engine, Tier
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = int(os.environ.get("RANK", "0"))
+    model = _model(args)
+    n = sum(p.numel() for p in model.parameters())
+    share = 16 * n / world
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4), storage=Path(args.out) / "state", durable=False,
+                    host_memory=max(int(share * args.budget_fraction), args.min_host), device="cpu")
+    g = torch.Generator().manual_seed(rank)
+    per_rank = args.batch // world
+    times, disk_r, disk_w, coll = [], [], [], []
+    for step in range(args.steps):
+        x = torch.randint(0, 256, (per_rank, args.context + 1), generator=g)
+        s0, c0 = engine.stats(), engine.collective_bytes()
+        t = time.perf_counter()
+        loss = F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+        if world > 1:
+            dist.barrier()
+        dt = time.perf_counter() - t
+        s1, c1 = engine.stats(), engine.collective_bytes()
+        if step >= 1:
+            times.append(dt)
+            disk_r.append(s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK])
+            disk_w.append(s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK])
+            coll.append({k: c1[k] - c0[k] for k in c1})
+    engine._await()
+    result = {"rank": rank, "world": world, "step_s": statistics.median(times),
+              "disk_read_per_step": statistics.median(disk_r), "disk_written_per_step": statistics.median(disk_w),
+              "collective_per_step": {k: statistics.median(c[k] for c in coll) for k in coll[0]},
+              "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
+              "host_budget": engine.store.capacity("host"), "parameters": n}
+    engine.close()
+    Path(args.out, f"rank-{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+def run(world: int, args) -> list[dict]:
+    out = Path(tempfile.mkdtemp(prefix=".bench-dist-", dir=os.getcwd()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, __file__, "--rank-main", "--out", str(out)] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k in ("layers", "d_model", "heads", "context", "batch", "steps", "budget_fraction", "min_host")]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+        procs.append(subprocess.Popen(cmd, env=env))
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"a rank of the {world}-rank run failed (exit {p.returncode})")
+    results = [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
+    import shutil
+    shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (split over the ranks)")
+    ap.add_argument("--steps", type=int, default=5, help="steps per run, the first a warm-up")
+    ap.add_argument("--budget-fraction", type=float, default=0.25, help="host budget / each rank's share of the state")
+    ap.add_argument("--min-host", type=int, default=0, help="raise the host budget to at least this (bytes)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_main:
+        return rank_main(args)
+    report = {"config": {k: v for k, v in vars(args).items() if k not in ("rank_main", "out", "json")},
+              "cpus": os.cpu_count(), "runs": {}}
+    mib = lambda b: f"{b / 2**20:8.1f} MiB"  # noqa: E731
+    print(f"{'ranks':>5} {'s/step':>8} {'disk read/rank':>15} {'written/rank':>13} {'state/rank':>12} "
+          f"{'all-gather':>12} {'reduce-scat.':>12}")
+    for world in [int(w) for w in args.ranks.split(",")]:
+        res = run(world, args)
+        report["runs"][world] = res
+        r0 = res[0]
+        step = max(r["step_s"] for r in res)
+        c = r0["collective_per_step"]
+        print(f"{world:>5} {step:8.3f} {mib(r0['disk_read_per_step']):>15} {mib(r0['disk_written_per_step']):>13} "
+              f"{mib(r0['local_state_bytes']):>12} {mib(c['all_gather']):>12} {mib(c['reduce_scatter']):>12}", flush=True)
+    runs = report["runs"]
+    if 1 in runs and len(runs) > 1:
+        base = runs[1][0]
+        print(f"\nstate {mib(base['state_bytes']).strip()}, {base['parameters'] / 1e6:.1f}M parameters, {report['cpus']} cores")
+        for world, res in runs.items():
+            if world == 1:
+                continue
+            r0 = res[0]
+            disk = (r0["disk_read_per_step"] + r0["disk_written_per_step"]) / (base["disk_read_per_step"] + base["disk_written_per_step"])
+            print(f"{world} ranks: step {max(r['step_s'] for r in res) / base['step_s']:.2f}x one rank's; disk bytes per rank "
+                  f"{disk:.2f}x; state per rank {r0['local_state_bytes'] / base['state_bytes']:.3f}x")
+            weights = 4 * base["parameters"]
+            coll = r0["collective_per_step"]
+            print(f"  collective buffers per step: all-gather {coll['all_gather'] / weights:.2f}x the weights, "
+                  f"reduce-scatter {coll['reduce_scatter'] / weights:.2f}x")
+        print("prediction for N ranks on N drives (each rank's own drive, same global batch): disk bytes per rank "
+              "= one rank's / N; collective bytes through each rank per step = (N-1)/N x (the all-gather and "
+              "reduce-scatter buffers above), about constant in N")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
