@@ -26,7 +26,20 @@ def _free_port() -> int:
 
 def launch(world: int, out: Path, cfg: dict, timeout: float = 240, check: bool = True):
     """Run ``world`` ranks of tests/dist_worker.py; return each rank's results (``check=False``:
-    each rank's exit code and output)."""
+    each rank's exit code and output). A port another process took between the probe and the
+    rendezvous is retried with another (nothing else is)."""
+    for attempt in range(3):
+        got = _launch(world, out, cfg, timeout)
+        if attempt == 2 or not any(code and "address already in use" in log.lower() for code, log in got):
+            break
+    if not check:
+        return got
+    failed = [(rank, log) for rank, (code, log) in enumerate(got) if code != 0]
+    assert not failed, "\n".join(f"rank {rank} failed:\n{log[-3000:]}" for rank, log in failed)
+    return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _launch(world: int, out: Path, cfg: dict, timeout: float) -> list[tuple[int, str]]:
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -42,11 +55,7 @@ def launch(world: int, out: Path, cfg: dict, timeout: float = 240, check: bool =
     finally:
         for p in procs:
             p.kill()
-    if not check:
-        return [(p.returncode, log) for p, log in zip(procs, logs)]
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+    return [(p.returncode, log) for p, log in zip(procs, logs)]
 
 
 def reference(world: int, cfg: dict):

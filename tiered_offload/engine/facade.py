@@ -82,12 +82,22 @@ log = logging.getLogger("tiered_offload")
 
 
 def _engine_time(method):
-    """Count the time spent in ``method`` as the engine's (what a step costs, for the plan)."""
+    """Count the time spent in ``method`` as the engine's (what a step costs, for the plan).
+
+    Sharded, an error out of it (other than a non-finite loss or gradient, which every rank sees
+    alike) may have left this rank between two collectives: no further collective is issued."""
     @functools.wraps(method)
     def timed(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
+        except NonFiniteError:
+            raise
+        except BaseException as e:
+            sharding = getattr(self, "_sharding", None)
+            if sharding is not None and sharding.broken is None:
+                sharding.broken = f"{type(e).__name__}: {str(e)[:300]}"
+            raise
         finally:
             self._engine_seconds += time.perf_counter() - t0
     return timed

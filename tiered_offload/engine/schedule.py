@@ -102,13 +102,19 @@ class UnitLayout:
 
     def shapes(self, kinds: Sequence[str]) -> dict[str, int]:
         """``{key: numel}`` of every buffer the unit registers."""
-        out = {self.weight_key: self.numel}
-        if self.grad_key:
-            out[self.grad_key] = self.grad_numel
-        for i, (a, b) in enumerate(self.pieces()):
-            for key in self.piece_keys(kinds, i):
-                out[key] = b - a
-        return out
+        return buffer_shapes(self, self.numel, kinds)
+
+
+def buffer_shapes(layout, weight_numel: int, kinds: Sequence[str]) -> dict[str, int]:
+    """``{key: numel}`` of a layout's buffers (a unit's, or one rank's slice of it: anything with
+    ``weight_key``, ``grad_key``, ``grad_numel``, ``pieces()`` and ``piece_keys()``)."""
+    out = {layout.weight_key: weight_numel}
+    if layout.grad_key:
+        out[layout.grad_key] = layout.grad_numel
+    for i, (a, b) in enumerate(layout.pieces()):
+        for key in layout.piece_keys(kinds, i):
+            out[key] = b - a
+    return out
 
 
 @dataclass

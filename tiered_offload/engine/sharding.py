@@ -24,6 +24,8 @@ the same on every rank. One that does not complete within the group's timeout ra
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -31,9 +33,12 @@ import torch
 import torch.distributed as dist
 
 from offload_core.errors import ConfigError, DistributedError
-from tiered_offload.engine.schedule import UnitLayout
+from tiered_offload.engine.schedule import UnitLayout, buffer_shapes
 
 __all__ = ["Sharding", "ShardLayout", "distributed_group"]
+
+_TRACE = bool(os.environ.get("TIERED_OFFLOAD_TRACE_COLLECTIVES"))
+"""Print every collective each rank issues, numbered, to stderr (to find ranks that diverge)."""
 
 
 def distributed_group(process_group) -> object | None:
@@ -97,13 +102,7 @@ class ShardLayout:
 
     def shapes(self, kinds: Sequence[str]) -> dict[str, int]:
         """``{key: numel}`` of the buffers this rank registers for the unit."""
-        out = {self.weight_key: self.size}
-        if self.grad_key:
-            out[self.grad_key] = self.grad_numel
-        for i, (a, b) in enumerate(self.pieces()):
-            for key in self.piece_keys(kinds, i):
-                out[key] = b - a
-        return out
+        return buffer_shapes(self, self.size, kinds)
 
     def runs(self, runs: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
         """Optimizer runs (unit coordinates) cut to the slice's optimized elements, in slice coordinates."""
@@ -120,6 +119,9 @@ class Sharding:
         self.world = dist.get_world_size(group)
         self.device = device
         self.layouts: dict[str, ShardLayout] = {}
+        self.broken: str | None = None
+        """Set when an error interrupted this rank between collectives: the ranks are out of step,
+        so no further collective is issued (it would pair with a different one on another rank)."""
         self.where = "start"
         """The step and phase, for a collective's error message (set by the engine)."""
         self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
@@ -133,11 +135,19 @@ class Sharding:
         return got
 
     def _call(self, what: str, fn, *args, **kwargs):
+        if self.broken:
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: {what} not attempted during {self.where}: an earlier error on this rank "
+                f"({self.broken}) left the ranks out of step. Restart every rank (from the last durable state)")
+        if _TRACE:
+            self._n = getattr(self, "_n", 0) + 1
+            print(f"[collective] rank {self.rank} #{self._n} {self.where}: {what}", file=sys.stderr, flush=True)
         try:
             work = fn(*args, group=self.group, **kwargs)
             if work is not None:
                 work.wait()
         except RuntimeError as e:
+            self.broken = f"{what} failed"
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {what} failed during {self.where}: {e}. Another rank probably "
                 f"stopped (crashed, was killed, or raised an error: see its log) or called the engine differently "

@@ -306,29 +306,39 @@ class BlockStreamer:
             got = self.store.get_group([unit.weight_key, *([gk] if gk else []), *extra])
             return got[0], (got[1] if gk else None), got[1 + bool(gk):]
         sh, lay = self.sharding, self.sharding.layout(unit)
+        wkey, gkey, n = unit.key("weight.full"), unit.key("grad.full"), lay.size * sh.world
         entry = self._full.get(unit.name)
-        extras = self.store.get_group(list(extra)) if extra else []
         if entry is not None:  # a second user of the same unit (two graphs alive): share the buffers
+            new_grad = gk and entry[1] is None
+            if new_grad:
+                self.store.register(gkey, (n,), scratch=True)  # zeros
+            got = self.store.get_group([wkey, *([gkey] if gk else []), *extra])
             entry[2] += 1
-            if gk and entry[1] is None:
-                entry[1] = self.store.create(unit.key("grad.full"), (lay.size * sh.world,), torch.float32).zero_()
-            self.store.get(unit.key("weight.full"))
-            if gk:
-                self.store.get(unit.key("grad.full"))
-            full, gfull = entry[0], entry[1]
+            if new_grad:
+                entry[1] = got[1]
+            full, gfull, extras = entry[0], entry[1], got[1 + bool(gk):]
         else:
-            shard = self.store.get(unit.weight_key)
+            # the slice, the full weights and (zeroed) gradients and the extras, placed as one group
+            self.store.register(wkey, (n,), scratch=True)
+            if gk:
+                self.store.register(gkey, (n,), scratch=True)
             try:
-                full = self.store.create(unit.key("weight.full"), (lay.size * sh.world,), torch.float32)
-                try:
-                    sh.gather(full, shard, f"{unit.name}'s weights")
-                except BaseException:
-                    self.store.release(unit.key("weight.full"))
-                    self.store.unregister(unit.key("weight.full"))
-                    raise
+                got = self.store.get_group([unit.weight_key, wkey, *([gkey] if gk else []), *extra])
+            except BaseException:
+                self._forget_full(unit)
+                raise
+            shard, full = got[0], got[1]
+            gfull, extras = (got[2] if gk else None), got[2 + bool(gk):]
+            try:
+                sh.gather(full, shard, f"{unit.name}'s weights")
+                self.store.mark_dirty(wkey)
+            except BaseException:
+                for key in [wkey, *([gkey] if gk else []), *extra]:
+                    self.store.release(key)
+                self._forget_full(unit)
+                raise
             finally:
                 self.store.release(unit.weight_key)
-            gfull = self.store.create(unit.key("grad.full"), (lay.size * sh.world,), torch.float32).zero_() if gk else None
             self._full[unit.name] = [full, gfull, 1]
         return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
 
@@ -347,9 +357,12 @@ class BlockStreamer:
             self.store.release(key)
         if entry[2] == 0:
             del self._full[unit.name]
-            for key in (unit.key("weight.full"), unit.key("grad.full")):
-                if key in self.store:
-                    self.store.unregister(key)
+            self._forget_full(unit)
+
+    def _forget_full(self, unit: Unit) -> None:
+        for key in (unit.key("weight.full"), unit.key("grad.full")):
+            if key in self.store:
+                self.store.unregister(key)
 
     def run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
         """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
@@ -406,10 +419,11 @@ class BlockStreamer:
         if not stash.inputs_only:
             self.graph_bytes[index] = need
         room = self.activation_room.get(index, 0)
-        b = self.store.record
-        beside = [b(unit.weight_key).nbytes, *([b(unit.grad_key).nbytes] if unit.grad_key else []),
-                  *self.step_pins]
-        bound = [self.rest.weight_key, *([self.rest.grad_key] if self.rest.grad_key else [])]
+        # the block's whole weight and gradient buffers (gathered ones when sharded), 4 bytes an element
+        beside = [4 * unit.numel, *([4 * unit.grad_numel] if unit.grad_key else []), *self.step_pins]
+        rest = self.rest
+        bound = ([rest.key("weight.full"), *([rest.key("grad.full")] if rest.grad_key else [])]
+                 if self.sharding is not None else [rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
         if need > room or not self.store.fits_beside_pinned([need, *beside], bound):
             self._keep_in_memory(unit, index, need, room)
             return
@@ -597,6 +611,9 @@ class BlockStreamer:
         over ranks; the slice's finiteness noted (the step reduces it over ranks)."""
         sh, lay = self.sharding, self.sharding.layout(unit)
         gfull = self._full[unit.name][1]
+        if sh.broken:  # an error left the ranks out of step: no more collectives (they would mismatch)
+            gfull.zero_()
+            return
         out = torch.empty(lay.size, dtype=gfull.dtype, device=gfull.device)
         sh.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
         gfull.zero_()
