@@ -72,17 +72,46 @@ def loss_of(model, x, moe: bool = False) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
+def _kill_during_update(engine, step: int, after_units: int) -> None:
+    """SIGKILL this process once ``after_units`` units of step ``step + 1`` are updated
+    (``after_units`` -1: just before the step's intent is written, so the other ranks have
+    written theirs and this one has not)."""
+    import signal
+    if after_units < 0:
+        begin = engine._checkpoint.begin_step
+
+        def killed(intent):
+            if intent["step"] == step + 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return begin(intent)
+        engine._checkpoint.begin_step = killed
+        return
+    update, done = engine._update_unit, [0]
+
+    def counted(unit, *args, **kwargs):
+        if engine.step_count == step + 1:
+            if done[0] == after_units:
+                os.kill(os.getpid(), signal.SIGKILL)
+            done[0] += 1
+        return update(unit, *args, **kwargs)
+    engine._update_unit = counted
+
+
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
     rank = dist.get_rank()
     from tiered_offload import Engine, EngineConfig
     model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
-    engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=False,
-                    host_memory=cfg["host_memory"], device="cpu",
+    durable = cfg.get("durable", False)
+    engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
+                    resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
                     config=EngineConfig(activations=cfg.get("activations", "auto")))
+    if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
+        _kill_during_update(engine, *cfg["kill"][1:])
     losses = []
-    for step in range(cfg["steps"]):
+    while engine.step_count < cfg["steps"]:
+        step = engine.step_count
         for micro in range(cfg["accumulate"]):
             if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
                 os._exit(17)

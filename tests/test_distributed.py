@@ -170,3 +170,30 @@ def test_two_machines_with_torchrun_on_localhost(tmp_path):
     assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
     # each machine's root holds only its rank's directory
     assert [d.name for d in (tmp_path / "machine1" / "state").iterdir()] == ["rank-1-of-2"]
+
+
+@pytest.mark.parametrize("after_units", [2, -1], ids=["mid-update", "before-its-intent"])
+def test_a_rank_killed_mid_step_resumes_exactly(after_units, tmp_path):
+    """Durable sharded training: rank 1 is SIGKILLed in step 3, while its update is half done
+    (rank 0 has committed the step: rank 1 finishes it at the restart), or just before its intent
+    (rank 0 has written its own: it drops it at the restart, since no rank updated anything); rank
+    0 fails on its next collective. The job is started again with the same command: the weights
+    after step 5 are bitwise those of a run that was never interrupted."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "durable": True, "timeout_s": 30}
+    (tmp_path / "once").mkdir()
+    (tmp_path / "killed").mkdir()
+    whole = launch(2, tmp_path / "once", cfg)[0]["weights"]
+    (code0, log0), (code1, _) = launch(2, tmp_path / "killed", dict(cfg, kill=[1, 2, after_units]), check=False)
+    assert code1 == -9 and code0 != 0, log0[-2000:]
+    assert "DistributedError" in log0
+    resumed = launch(2, tmp_path / "killed", cfg)[0]["weights"]
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_resuming_with_another_number_of_ranks_is_refused(tmp_path):
+    cfg = {"layers": 4, "optimizer": "sgd", "steps": 1, "accumulate": 1, "clip": None, "host_memory": "64MiB",
+           "durable": True}
+    launch(2, tmp_path, cfg)
+    for code, log in launch(3, tmp_path, dict(cfg, steps=2), check=False):
+        assert code != 0 and "re-sharding is not supported" in log, log[-2000:]

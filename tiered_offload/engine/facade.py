@@ -169,7 +169,7 @@ class Engine:
         group = distributed_group(process_group)
         spec = resolve_storage(storage) if storage is not None else None
         if group is not None:
-            spec, durable = self._rank_storage(group, spec, durable, resume, init_from)
+            spec, durable = self._rank_storage(group, spec, durable, resume, commit_every)
         if durable is None:
             durable = spec is not None and spec.names_directories
         if resume and not durable:
@@ -221,7 +221,7 @@ class Engine:
         self._delete_stale_activations()
         self.schedule = Schedule(self.units, tuple(self._state_kinds),
                                  lambda n: self.store.footprint(n, self.store.compute_tier))
-        self._snapshot_commits = self.durable and (
+        self._snapshot_commits = self.durable and self._sharding is None and (
             commit_every > 1 or self.schedule.fits(self.store.capacity(self.store.compute_tier)))
         """Commit by snapshot (background, every ``commit_every`` steps) rather than by the journal's
         per-unit records (which need every step's gradients on disk first)."""
@@ -233,11 +233,13 @@ class Engine:
             if self.durable:
                 self._checkpoint = CheckpointSession(self.store, self._describe)
                 recovered = self._checkpoint.open(resume)
+                if self._sharding is not None:
+                    recovered = self._agree_on_resume(recovered, resume)
                 if recovered is not None:
                     self._check_layout(recovered.manifest)
                     self.store.use_checksum(manifest_checksum(recovered.manifest))  # the directory's own
                 # remains of writes a crash cut short (a first start that died before its first manifest too)
-                self._checkpoint.collect_garbage({k for u in self.units for k in u.all_keys(self._state_kinds)})
+                self._checkpoint.collect_garbage({k for u in self.units for k in self._shapes(u)})
             self._check_budgets()
             if recovered is None:
                 self._check_disk()
@@ -446,22 +448,30 @@ class Engine:
                 flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
 
     # ---- sharded over ranks -----------------------------------------------------------------
-    def _rank_storage(self, group, spec, durable, resume, init_from):
-        """Each rank's own directory inside ``storage`` (``rank-R-of-W``); what is not supported yet across ranks is refused."""
+    def _rank_storage(self, group, spec, durable, resume, commit_every):
+        """Each rank's own directory inside ``storage`` (``rank-R-of-W``)."""
         import torch.distributed as dist
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if durable or resume:
-            raise ConfigError(
-                f"rank {rank} of {world}: durable training state across ranks (commits every rank agrees on, resume "
-                f"after a rank dies) is not implemented yet; pass durable=False (and no resume) to train sharded "
-                f"over the ranks, or train on one process to keep a durable state")
         if spec is not None and spec.names_directories:
+            root = Path(spec.location.split(",")[0])
+            others = sorted(p.name for p in root.glob("rank-*-of-*") if p.name.split("-of-")[-1] != str(world)) \
+                if root.is_dir() else []
+            if others and resume:
+                raise ConfigError(
+                    f"rank {rank}: {root} holds the state of a run with another number of ranks ({others[0]}, this run "
+                    f"has {world}); re-sharding is not supported. Resume with the same number of ranks, then save the "
+                    f"weights (named_parameters()) and start the new run from them with init_from")
             dirs = [str(Path(d) / f"rank-{rank}-of-{world}") for d in spec.location.split(",")]
             spec = dataclasses.replace(spec, location=",".join(dirs))
         elif spec is not None and spec.backend is not None:
             raise ConfigError("sharded training needs storage= a directory (each rank keeps its files in its own "
                               "subdirectory) or None, not a backend object shared by the ranks")
-        return spec, False
+        if durable is None:
+            durable = spec is not None and spec.names_directories
+        if durable and commit_every != 1:
+            raise ConfigError("sharded training commits every step (commit_every=1): snapshot commits across ranks "
+                              "are not implemented yet")
+        return spec, durable
 
     def _check_ranks_agree(self) -> None:
         """Every rank must build the same model and optimizer: compare their layouts at start."""
@@ -537,15 +547,26 @@ class Engine:
         members = [[s.name for _, s in self._param_order if s.group == i] for i in range(len(self.param_groups))]
         if len(members) != 1 or len(members[0]) != len(self._param_order):
             optimizer["groups"] = members
-        return {
+        layout = {
             "units": units,
             "params": [{"name": s.name, "tensor": u.weight_key, "offset": s.offset, "shape": list(s.shape)}
                        for u, s in self._param_order],
             "optimizer": optimizer,
         }
+        if self._sharding is not None:  # this directory holds one rank's slices
+            layout["sharding"] = {"rank": self._sharding.rank, "world_size": self._sharding.world}
+        return layout
 
     def _check_layout(self, manifest: dict) -> None:
         mine = self._layout()
+        if manifest.get("sharding") != mine.get("sharding"):
+            theirs = manifest.get("sharding") or {"rank": 0, "world_size": 1}
+            ours = mine.get("sharding") or {"rank": 0, "world_size": 1}
+            raise CheckpointError(
+                f"{self._checkpoint.files.manifest_path} holds rank {theirs['rank']} of {theirs['world_size']}'s slices, "
+                f"and this process is rank {ours['rank']} of {ours['world_size']}; re-sharding is not supported. Resume "
+                f"with the same number of ranks (then save the weights with named_parameters() and start a new run "
+                f"from them with init_from)")
         saved_groups = (manifest.get("optimizer") or {}).get("groups")
         if saved_groups != mine["optimizer"].get("groups"):
             everything = [[s.name for _, s in self._param_order]]
@@ -572,14 +593,62 @@ class Engine:
                     f"(saved vs. this run: {diff}). Build the same model and optimizer, or use another directory")
 
     def _durable_keys(self, unit: Unit) -> list[str]:
+        if self._sharding is not None:
+            lay = self._sharding.layout(unit)
+            return [lay.weight_key, *lay.state_keys(self._state_kinds)]
         return unit.durable_keys(self._state_kinds)
+
+    def _shapes(self, unit: Unit) -> dict[str, int]:
+        """``{key: numel}`` of what this process stores of ``unit`` (its slice, when sharded)."""
+        if self._sharding is not None:
+            return self._sharding.layout(unit).shapes(self._state_kinds)
+        return unit.shapes(self._state_kinds)
+
+    def _grad_key(self, unit: Unit) -> str | None:
+        """The key of the gradient this process stores for ``unit`` (its slice's, when sharded)."""
+        return self._sharding.layout(unit).grad_key if self._sharding is not None else unit.grad_key
+
+    def _agree_on_resume(self, recovered, resume):
+        """Sharded: every rank must resume the same step. A step is committed on a rank once its intent
+        is in the journal, and no rank updates anything before every rank's intent is (a barrier);
+        so if one rank lacks the newest intent, no rank updated for it, and the others drop it."""
+        def position(state):
+            if state is None:
+                return None
+            step = state.manifest["step"]
+            return [step, state.intent["step"] if state.intent is not None else None]
+        sh = self._sharding
+        sh.where = "resume"
+        positions = sh.all_gather_object(position(recovered))
+        if any(p is None for p in positions):
+            if all(p is None for p in positions):
+                return None
+            have = [r for r, p in enumerate(positions) if p is not None]
+            raise DistributedError(
+                f"rank(s) {have} of {sh.world} hold a training state and the others none: every rank's directory must "
+                f"come from the same run (storage= the same root on every rank, with resume=True)")
+        target = max(i if i is not None else m for m, i in positions)
+        reach = [m == target or i == target for m, i in positions]
+        if not all(reach):
+            target -= 1
+            if not all(m == target or i == target or (i == target + 1 and m == target) for m, i in positions):
+                raise DistributedError(f"the ranks' committed steps cannot be reconciled: {positions} "
+                                       f"([manifest step, step in flight] per rank)")
+        m, i = positions[sh.rank]
+        if i is not None and i > target:  # not every rank committed it: nothing of it was updated
+            log.warning("rank %d: dropping step %d's intent (not every rank had committed it); resuming at step %d",
+                        sh.rank, i, target)
+            recovered.intent, recovered.recorded = None, {}
+            self._checkpoint.files.reset_journal()
+        return recovered
 
     def _adopt(self, state: CommittedState) -> None:
         """Register every tensor of the committed state (and of the step in flight) without reading it."""
         tensors, grads = state.tensors(), state.grads()
         for unit in self.units:
-            for key, numel in unit.shapes(self._state_kinds).items():
-                ref = grads.get(key) if key == unit.grad_key else tensors.get(key)
+            grad_key = self._grad_key(unit)
+            for key, numel in self._shapes(unit).items():
+                ref = grads.get(key) if key == grad_key else tensors.get(key)
                 self.store.adopt(key, (numel,), extent=ref and ref[0], crc=ref and ref[1], generation=_generation(ref))
         self.binding.release_parameters()
 
@@ -587,13 +656,13 @@ class Engine:
         """Hand the committed state to the commit protocol (finishing a step a crash interrupted)
         and restore the step counter, learning rates, RNG, buffers and user state it records."""
         units = {u.name: self._durable_keys(u) for u in self.units}
-        grads = {u.name: u.grad_key for u in self.units if u.grad_key}
+        grads = {u.name: self._grad_key(u) for u in self.units if self._grad_key(u)}
         meta = self._checkpoint.start(units, grads, self._meta, self._redo_step)
         if self._checkpoint.recovered is None:
             return
         for unit in self.units:
-            if unit.grad_key:
-                self.store.zero(unit.grad_key)
+            if self._grad_key(unit):
+                self.store.zero(self._grad_key(unit))
         self._restore_meta(meta)
 
     def _redo_step(self, intent: dict, todo: list[str]) -> None:
@@ -661,7 +730,7 @@ class Engine:
         backend = self.store.backend
         tensors = {}
         for unit in self.units:
-            shapes = unit.shapes(self._state_kinds)
+            shapes = self._shapes(unit)
             for key in self._durable_keys(unit):
                 ref = committed.get(key)
                 tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
@@ -1074,6 +1143,8 @@ class Engine:
                 "step": self.step_count, "step_index": step_index,
                 "hyper": [_jsonable(h, "the optimizer's hyperparameters") for h in hypers], "no_grad": no_grad,
                 "scale": None if scale is None else float(scale.item()), "meta": self._meta()})
+            if self._sharding is not None:  # nothing is updated anywhere before every rank's intent is durable
+                self._sharding.barrier("every rank's intent")
         self.store.declare_access_sequence(self._sequence(self._phases))
         self._phases = []
         by_name = {u.name: u for u in self.units}
@@ -1118,7 +1189,7 @@ class Engine:
         """
         self._streamer.unbind_rest()
         for unit in self.units:
-            key = self._sharding.layout(unit).grad_key if self._sharding is not None else unit.grad_key
+            key = self._grad_key(unit)
             if key:
                 self._pipeline.after_update(unit.name, lambda key=key: self.store.zero(key))
         for _, slot in self._param_order:

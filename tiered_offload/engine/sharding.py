@@ -168,6 +168,10 @@ class Sharding:
         self.bytes["all_reduce"] += t.numel() * t.element_size()
         return t
 
+    def barrier(self, what: str) -> None:
+        """Wait until every rank got here (an all-reduce, so it fails like the other collectives)."""
+        self.all_reduce(torch.zeros(1, device=self.device), dist.ReduceOp.SUM, f"waiting for {what}")
+
     def broadcast(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Rank 0's ``t`` on every rank (the weights a run starts from, as DistributedDataParallel does)."""
         self._call(f"broadcast of {what}", dist.broadcast, t, src=dist.get_global_rank(self.group, 0)
