@@ -147,7 +147,8 @@ def test_ranks_that_build_different_models_are_refused_at_start(tmp_path):
 def test_two_machines_with_torchrun_on_localhost(tmp_path):
     """``torchrun --nnodes 2``, one process per "machine", each machine with its own storage root:
     the launch a two-box run uses, on localhost."""
-    cfg = {"layers": 4, "optimizer": "adamw", "steps": 2, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB"}
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 2, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "export": True}
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
@@ -163,7 +164,13 @@ def test_two_machines_with_torchrun_on_localhost(tmp_path):
     logs = [p.communicate(timeout=240)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    got = torch.load(tmp_path / "machine0" / "rank-0.pt", weights_only=False)["weights"]
+    result = torch.load(tmp_path / "machine0" / "rank-0.pt", weights_only=False)
+    got = result["weights"]
+    # export_safetensors: rank 0 wrote the one model, gathered from both machines' slices
+    from safetensors.torch import load_file
+    exported = load_file(tmp_path / "machine0" / "export" / "model.safetensors")
+    assert set(exported) >= set(got) and all(torch.equal(exported[k], got[k]) for k in got)
+    assert torch.load(tmp_path / "machine1" / "rank-1.pt", weights_only=False)["exported"] == []
     expected = reference(2, cfg)
     want = torch.cat([w.detach().flatten() for w in expected.values()])
     have = torch.cat([got[k].flatten() for k in expected])

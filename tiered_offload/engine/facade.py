@@ -762,22 +762,46 @@ class Engine:
         ``model.safetensors.index.json`` when larger than ``max_shard_size``), parameters under
         their ``model.named_parameters()`` names (a tied weight once, as ``save_pretrained``
         does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
+
+        Sharded over ranks, every rank must call it: rank 0 writes the one model (with its own
+        module buffers), the others send their slices and get ``[]``.
         """
-        if self._sharding is not None:
-            raise ConfigError("export_safetensors is not implemented for sharded training yet; named_parameters() "
-                              "gives every rank the full weights (e.g. save them from rank 0 with safetensors)")
         from tiered_offload.checkpoint.safetensors_io import iter_chunks, write_private
         from tiered_offload.checkpoint.state_dir import export_params
         self._streamer.unbind_rest()
         self._await()
+        params = self._layout()["params"]
 
-        def fill(p: dict, write) -> None:
-            with self.store.hold(p["tensor"], Tier.HOST) as flat:
+        if self._sharding is None:
+            def fill(p: dict, write) -> None:
+                with self.store.hold(p["tensor"], Tier.HOST) as flat:
+                    n = math.prod(p["shape"])
+                    for chunk in iter_chunks(flat[p["offset"]:p["offset"] + n]):
+                        write(chunk)
+        else:
+            # sharded: rank 0 writes; every rank takes part in gathering each unit, in the order the
+            # export reads them (each unit once, in the order of its first parameter)
+            self._sharding.where = f"export_safetensors after step {self.step_count}"
+            by_key = {u.weight_key: u for u in self.units}
+            sequence = list(dict.fromkeys(p["tensor"] for p in params))
+            if self._sharding.rank != 0:
+                for key in sequence:
+                    self._full_weights(by_key[key])
+                return []
+            gathered = {"key": None, "flat": None}
+            todo = iter(sequence)
+
+            def fill(p: dict, write) -> None:
+                if gathered["key"] != p["tensor"]:
+                    key = next(todo)
+                    if key != p["tensor"]:  # pragma: no cover - export_params reads units in this order
+                        raise DistributedError(f"export read {p['tensor']} where {key} was expected")
+                    gathered.update(key=key, flat=self._full_weights(by_key[key]))
                 n = math.prod(p["shape"])
-                for chunk in iter_chunks(flat[p["offset"]:p["offset"] + n]):
+                for chunk in iter_chunks(gathered["flat"][p["offset"]:p["offset"] + n]):
                     write(chunk)
         buffers = [(name, mod._buffers[attr].detach().cpu()) for name, mod, attr, persistent in self.binding.buffers if persistent]
-        files = export_params(out, self._layout()["params"], fill, max_shard_size,
+        files = export_params(out, params, fill, max_shard_size,
                               {"step": str(self.step_count), "source": "tiered-offload"}, buffers)
         if self.binding.model_config is not None:
             path = Path(out) / "config.json"
