@@ -135,7 +135,8 @@ def main() -> int:
     exported = [str(f) for f in engine.export_safetensors(out / "export")] if cfg.get("export") else []
     result = {"losses": losses, "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
               "host_budget": engine.store.capacity("host"), "weights": weights if rank == 0 else None,
-              "directory": str(engine.store.backend.location), "exported": exported}
+              "directory": str(engine.store.backend.location), "exported": exported,
+              "gathered_ahead": engine._streamer.gathered_ahead}
     engine.close()
     result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()
                                 if f.is_file() and not f.name.startswith("."))

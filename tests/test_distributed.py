@@ -171,6 +171,7 @@ def test_two_machines_with_torchrun_on_localhost(tmp_path):
     exported = load_file(tmp_path / "machine0" / "export" / "model.safetensors")
     assert set(exported) >= set(got) and all(torch.equal(exported[k], got[k]) for k in got)
     assert torch.load(tmp_path / "machine1" / "rank-1.pt", weights_only=False)["exported"] == []
+    assert result["gathered_ahead"] > 0  # the next block's weights were gathered while a block computed
     expected = reference(2, cfg)
     want = torch.cat([w.detach().flatten() for w in expected.values()])
     have = torch.cat([got[k].flatten() for k in expected])

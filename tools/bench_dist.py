@@ -82,7 +82,8 @@ def rank_main(args) -> int:
               "disk_read_per_step": statistics.median(disk_r), "disk_written_per_step": statistics.median(disk_w),
               "collective_per_step": {k: statistics.median(c[k] for c in coll) for k in coll[0]},
               "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
-              "host_budget": engine.store.capacity("host"), "parameters": n}
+              "host_budget": engine.store.capacity("host"), "parameters": n,
+              "gathered_ahead": engine._streamer.gathered_ahead}
     engine.close()
     Path(args.out, f"rank-{rank}.json").write_text(json.dumps(result))
     if world > 1:

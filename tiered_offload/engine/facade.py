@@ -274,6 +274,8 @@ class Engine:
                              if overlap is None else bool(overlap))
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
         self._streamer.activation_room = self._activation_room()
+        if self._sharding is not None:
+            self._streamer.gather_ahead = self._can_gather_ahead()
         if self.overlap_step:  # the update of a unit runs beside the forward: room for its working set
             b, big = self.schedule.unit_bytes, max(self.units, key=lambda u: self.schedule.unit_bytes(u, "weight"))
             self._streamer.step_pins = [b(big, "weight"), b(big, "grad"), b(big, "piece")]
@@ -472,6 +474,17 @@ class Engine:
             raise ConfigError("sharded training commits every step (commit_every=1): snapshot commits across ranks "
                               "are not implemented yet")
         return spec, durable
+
+    def _can_gather_ahead(self) -> bool:
+        """Whether every rank's compute tier has room for the next block's gathered weights beside
+        one step's working set: the same answer on every rank, so their collectives stay in step
+        (``TIERED_OFFLOAD_GATHER_AHEAD=0`` turns it off, to compare)."""
+        largest = max(self.schedule.unit_bytes(u, "weight") for u in self.blocks) if self.blocks else 0
+        room = self.store.capacity(self.store.compute_tier) - self.schedule.working_set().need
+        wanted = os.environ.get("TIERED_OFFLOAD_GATHER_AHEAD", "1") != "0"
+        ok = torch.tensor([int(wanted and bool(self.blocks) and room >= largest)], dtype=torch.uint8,
+                          device=self.device)
+        return bool(self._sharding.all_reduce(ok, torch.distributed.ReduceOp.MIN, "whether to gather ahead"))
 
     def _check_ranks_agree(self) -> None:
         """Every rank must build the same model and optimizer: compare their layouts at start."""

@@ -134,7 +134,17 @@ class Sharding:
             got = self.layouts[unit.name] = ShardLayout.of(unit, self.rank, self.world)
         return got
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    def wait(self, work, what: str) -> None:
+        """Wait for a collective started with ``wait=False``."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            self.broken = f"{what} failed"
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: {what} failed during {self.where}: {e}. Another rank probably "
+                f"stopped (crashed, was killed, or raised an error: see its log)") from e
+
+    def _call(self, what: str, fn, *args, wait: bool = True, **kwargs):
         if self.broken:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {what} not attempted during {self.where}: an earlier error on this rank "
@@ -143,9 +153,10 @@ class Sharding:
             self._n = getattr(self, "_n", 0) + 1
             print(f"[collective] rank {self.rank} #{self._n} {self.where}: {what}", file=sys.stderr, flush=True)
         try:
-            work = fn(*args, group=self.group, **kwargs)
-            if work is not None:
+            work = fn(*args, group=self.group, async_op=not wait, **kwargs)
+            if wait and work is not None:
                 work.wait()
+            return work
         except RuntimeError as e:
             self.broken = f"{what} failed"
             raise DistributedError(
@@ -153,10 +164,12 @@ class Sharding:
                 f"stopped (crashed, was killed, or raised an error: see its log) or called the engine differently "
                 f"(every rank must run the same forward, backward, clip and step calls)") from e
 
-    def gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> None:
-        """All-gather every rank's ``shard`` (``C`` elements) into ``full`` (``W*C`` elements)."""
-        self._call(f"all-gather of {what}", dist.all_gather_into_tensor, full, shard)
+    def gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, *, wait: bool = True):
+        """All-gather every rank's ``shard`` (``C`` elements) into ``full`` (``W*C`` elements);
+        ``wait=False``: return the collective in flight (finish it with :meth:`wait`)."""
+        work = self._call(f"all-gather of {what}", dist.all_gather_into_tensor, full, shard, wait=wait)
         self.bytes["all_gather"] += full.numel() * full.element_size()
+        return work
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``out`` (``C`` elements) = this rank's slice of the mean over ranks of ``full`` (``W*C``)."""

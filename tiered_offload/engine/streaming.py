@@ -200,6 +200,12 @@ class BlockStreamer:
         (the engine sets it): weights are all-gathered into full scratch buffers, gradients
         reduce-scattered out of them."""
         self._full: dict[str, list] = {}  # unit name -> [full weights, full gradients or None, users]
+        self.gather_ahead = False
+        """Sharded: start the all-gather of the next block's weights while a block computes (the
+        engine sets it, the same on every rank, where the budget has room for it)."""
+        self._ahead: dict[str, tuple] = {}  # unit name -> (collective in flight, its slice's key)
+        self.gathered_ahead = 0
+        """All-gathers started ahead of their block (counted for tests and benchmarks)."""
         self.tracer = None
         """A :class:`~tiered_offload.trace.Tracer` for the compute spans, or None."""
         self.rest = binding.rest
@@ -262,6 +268,8 @@ class BlockStreamer:
 
     def unbind_rest(self) -> None:
         """End of a forward/backward: release the rest (and any blocks kept for backward)."""
+        if self._ahead:
+            self.drain_ahead()
         self.release_held(self._backward_ran)
         if not self._rest_bound:
             self._backward_ran = False
@@ -290,7 +298,46 @@ class BlockStreamer:
         index = self.binding.blocks.index(unit)
         self.pipeline.forward_reached(index + 1)
         self.pipeline.wait(unit.name)
-        return self.acquire(unit, grad=False)[0]
+        flat = self.acquire(unit, grad=False)[0]
+        if self.gather_ahead and index + 1 < len(self.binding.blocks):
+            self._gather_ahead(self.binding.blocks[index + 1])
+        return flat
+
+    def _gather_ahead(self, unit: Unit) -> None:
+        """Start the all-gather of ``unit``'s weights now (asynchronously): its :meth:`acquire`
+        waits for it instead of gathering. Every rank does this at the same point of the forward,
+        so the collectives stay in step."""
+        if unit.name in self._full or unit.name in self._ahead:
+            return
+        self.pipeline.wait(unit.name)  # its slice as the step in flight left it
+        sh, lay = self.sharding, self.sharding.layout(unit)
+        wkey = unit.key("weight.full")
+        self.store.register(wkey, (lay.size * sh.world,), scratch=True)
+        try:
+            shard, full = self.store.get_group([unit.weight_key, wkey])
+        except BaseException:
+            self._forget_full(unit)
+            raise
+        work = sh.gather(full, shard, f"{unit.name}'s weights (ahead)", wait=False)
+        self._full[unit.name] = [full, None, 1]  # the gather ahead is a user until its acquire takes over
+        self._ahead[unit.name] = (work, unit.weight_key)
+        self.gathered_ahead += 1
+
+    def _finish_ahead(self, unit: Unit) -> None:
+        """Wait for the all-gather started ahead of ``unit`` and hand its buffer to the caller."""
+        work, shard_key = self._ahead.pop(unit.name)
+        try:
+            self.sharding.wait(work, f"all-gather of {unit.name}'s weights (ahead)")
+            self.store.mark_dirty(unit.key("weight.full"))
+        finally:
+            self.store.release(shard_key)
+
+    def drain_ahead(self) -> None:
+        """Finish and drop gathers started ahead that no block used (a forward that stopped early)."""
+        for name in list(self._ahead):
+            unit = next(u for u in self.binding.blocks if u.name == name)
+            self._finish_ahead(unit)
+            self.release_acquired(unit, grad=False)
 
     def release_weights(self, unit: Unit) -> None:
         self.release_acquired(unit, grad=False)
@@ -307,6 +354,9 @@ class BlockStreamer:
             return got[0], (got[1] if gk else None), got[1 + bool(gk):]
         sh, lay = self.sharding, self.sharding.layout(unit)
         wkey, gkey, n = unit.key("weight.full"), unit.key("grad.full"), lay.size * sh.world
+        ahead = unit.name in self._ahead
+        if ahead:
+            self._finish_ahead(unit)
         entry = self._full.get(unit.name)
         if entry is not None:  # a second user of the same unit (two graphs alive): share the buffers
             new_grad = gk and entry[1] is None
@@ -340,6 +390,8 @@ class BlockStreamer:
             finally:
                 self.store.release(unit.weight_key)
             self._full[unit.name] = [full, gfull, 1]
+        if ahead:  # the gather ahead hands its use over to this caller
+            self.release_acquired(unit, grad=False)
         return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
 
     def release_acquired(self, unit: Unit, *, grad: bool, extra: list[str] = ()) -> None:
@@ -533,6 +585,8 @@ class BlockStreamer:
         self.pipeline.wait(unit.name)
         flat, gflat, _ = self.acquire(unit, grad=True)
         self._held.append((unit, gflat))
+        if self.gather_ahead and index + 1 < len(self.binding.blocks):
+            self._gather_ahead(self.binding.blocks[index + 1])
         return functional_call(unit.module, self.param_leaves(unit, flat, gflat), args, kwargs, strict=False)
 
     def release_held(self, backward_ran: bool) -> None:
