@@ -53,6 +53,11 @@ def optimizer(model, cfg: dict):
                             {"params": no_decay, "lr": 0.05}], lr=0.1, momentum=0.9, dampening=0.1)
 
 
+def schedule(step: int) -> float:
+    """The learning-rate multiplier of the tests' LambdaLR."""
+    return 1.0 / (1.0 + 0.5 * step)
+
+
 def batch(step: int, micro: int, rank: int):
     """Rank ``rank``'s micro-batch: token ids (and, for the MoE, which expert each token goes to:
     expert 0 always, expert 1 only on rank 0, expert 2 only on odd steps, expert 3 never)."""
@@ -107,6 +112,8 @@ def main() -> int:
     engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
                     resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
                     config=EngineConfig(activations=cfg.get("activations", "auto")))
+    if cfg.get("scheduler"):  # stepped by the engine; its state is saved with every step
+        engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule))
     if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
         _kill_during_update(engine, *cfg["kill"][1:])
     losses = []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import batch, build, loss_of, optimizer  # noqa: E402
+from dist_worker import batch, build, loss_of, optimizer, schedule  # noqa: E402
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 ROOT = Path(__file__).parent.parent
@@ -62,6 +62,7 @@ def reference(world: int, cfg: dict):
     """Plain PyTorch on one process: each step's loss is the mean of the ranks' micro-batch losses."""
     model = build(cfg)
     opt = optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if cfg.get("scheduler") else None
     for step in range(cfg["steps"]):
         for micro in range(cfg["accumulate"]):
             moe = cfg.get("model") == "moe"
@@ -71,15 +72,19 @@ def reference(world: int, cfg: dict):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
     return dict(model.named_parameters())
 
 
 @pytest.mark.parametrize("optimizer_name", ["adamw", "sgd"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
-    """Two parameter groups, a frozen block, clipping, accumulation over two micro-batches; the
-    host budget of each rank below its share of the state (its slice streams through its disk)."""
+    """Two parameter groups, a frozen block, clipping, accumulation over two micro-batches, an LR
+    scheduler; the host budget of each rank below its share of the state (its slice streams
+    through its disk)."""
     cfg = {"layers": 8, "optimizer": optimizer_name, "steps": 3, "accumulate": 2, "clip": 0.5, "frozen": True,
+           "scheduler": True,
            # saved activations through the store (and recompute) as well as the planner's choice
            "activations": {2: "auto", 3: ["offload", "keep", "recompute"] * 2 + ["keep", "offload"]}[world]}
     model = build(cfg)
@@ -188,7 +193,7 @@ def test_a_rank_killed_mid_step_resumes_exactly(after_units, tmp_path):
     0 fails on its next collective. The job is started again with the same command: the weights
     after step 5 are bitwise those of a run that was never interrupted."""
     cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
-           "durable": True, "timeout_s": 30}
+           "durable": True, "timeout_s": 30, "scheduler": True}
     (tmp_path / "once").mkdir()
     (tmp_path / "killed").mkdir()
     whole = launch(2, tmp_path / "once", cfg)[0]["weights"]

@@ -461,8 +461,8 @@ class Engine:
             if others and resume:
                 raise ConfigError(
                     f"rank {rank}: {root} holds the state of a run with another number of ranks ({others[0]}, this run "
-                    f"has {world}); re-sharding is not supported. Resume with the same number of ranks, then save the "
-                    f"weights (named_parameters()) and start the new run from them with init_from")
+                    f"has {world}); re-sharding is not supported. Resume with the same number of ranks, write the "
+                    f"weights with export_safetensors(), and start the new run from them with init_from")
             dirs = [str(Path(d) / f"rank-{rank}-of-{world}") for d in spec.location.split(",")]
             spec = dataclasses.replace(spec, location=",".join(dirs))
         elif spec is not None and spec.backend is not None:
@@ -578,7 +578,7 @@ class Engine:
             raise CheckpointError(
                 f"{self._checkpoint.files.manifest_path} holds rank {theirs['rank']} of {theirs['world_size']}'s slices, "
                 f"and this process is rank {ours['rank']} of {ours['world_size']}; re-sharding is not supported. Resume "
-                f"with the same number of ranks (then save the weights with named_parameters() and start a new run "
+                f"with the same number of ranks (then write the weights with export_safetensors() and start a new run "
                 f"from them with init_from)")
         saved_groups = (manifest.get("optimizer") or {}).get("groups")
         if saved_groups != mine["optimizer"].get("groups"):
