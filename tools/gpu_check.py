@@ -256,7 +256,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=450, help="the whole check's time limit (default 450)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run of the check itself")
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
-    ap.add_argument("--suite-args", default="--durations=15", help="extra pytest arguments for the whole suite")
+    ap.add_argument("--suite-args", default="--durations=15 --timeout=150",
+                    help="extra pytest arguments for the whole suite (--timeout needs pytest-timeout, which the "
+                         "GPU image has)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

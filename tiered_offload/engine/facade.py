@@ -119,7 +119,8 @@ class Engine:
         host_memory: host budget (pinned on CUDA); ``"auto"``: a quarter of available memory.
         device_memory: device budget on CUDA (``"auto"``: half the free memory); unused on the CPU.
         blocks: dotted name of the block sequence when it cannot be found automatically.
-        device: ``"auto"`` (CUDA when available), ``"cuda"``, ``"cpu"``.
+        device: ``"auto"`` (CUDA when available; under torchrun with several ranks, the GPU
+            numbered ``LOCAL_RANK``), ``"cuda"``, ``"cuda:N"``, ``"cpu"``.
         on_nonfinite: ``"raise"`` (default) or ``"skip"``: what to do when a loss or gradient
             is NaN or infinite. Either way no weight or optimizer state is touched.
         recompute: recompute every block in backward from its input (True), or keep its
@@ -162,6 +163,11 @@ class Engine:
         tune_allocator()  # freed temporaries go back to the system: resident memory tracks the budget
         self.model = model
         self.device = resolve_device(device)
+        if (device in (None, "auto") and self.device.type == "cuda" and "LOCAL_RANK" in os.environ
+                and distributed_group(process_group) is not None):
+            # one GPU per rank, as torchrun numbers them on each machine (not every rank on GPU 0)
+            self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(self.device)
         self.on_nonfinite = on_nonfinite
         self.config = config or EngineConfig()
         """Tuning knobs (see :class:`EngineConfig`)."""
