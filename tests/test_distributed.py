@@ -55,6 +55,8 @@ def _launch(world: int, out: Path, cfg: dict, timeout: float) -> list[tuple[int,
     finally:
         for p in procs:
             p.kill()
+    for rank, log in enumerate(logs):  # whole logs beside the results, for a failure's post-mortem
+        (out / f"rank-{rank}.log").write_text(log)
     return [(p.returncode, log) for p, log in zip(procs, logs)]
 
 

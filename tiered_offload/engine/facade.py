@@ -1066,6 +1066,11 @@ class Engine:
         try:
             with span(self._tracer, "backward", "phase"):
                 loss.backward()
+        except BaseException as e:
+            if self._sharding is not None and self._sharding.broken is None:
+                # this rank left the backward between two collectives: the cleanup below must not issue more
+                self._sharding.broken = f"{type(e).__name__}: {str(e)[:300]}"
+            raise
         finally:
             self._streamer.backward_ran()
             self._streamer.unbind_rest()

@@ -201,8 +201,9 @@ class BlockStreamer:
         reduce-scattered out of them."""
         self._full: dict[str, list] = {}  # unit name -> [full weights, full gradients or None, users]
         self.gather_ahead = False
-        """Sharded: start the all-gather of the next block's weights while a block computes (the
-        engine sets it, the same on every rank, where the budget has room for it)."""
+        """Sharded: start the all-gather of the next block's weights (the one above in forward, the
+        one below in backward) while a block computes (the engine sets it, the same on every rank,
+        where the budget has room for it)."""
         self._ahead: dict[str, tuple] = {}  # unit name -> (collective in flight, its slice's key)
         self.gathered_ahead = 0
         """All-gathers started ahead of their block (counted for tests and benchmarks)."""
@@ -315,9 +316,28 @@ class BlockStreamer:
         self.store.register(wkey, (lay.size * sh.world,), scratch=True)
         try:
             shard, full = self.store.get_group([unit.weight_key, wkey])
+            placed = True
+        except TierCapacityError:  # no room beside what this block pins: gather it when it is needed
+            placed = False
         except BaseException:
             self._forget_full(unit)
             raise
+        # every rank gathers ahead, or none does (the room differs between ranks)
+        flag = torch.tensor([int(placed)], dtype=torch.uint8, device=self.device)
+        try:
+            sh.all_reduce(flag, torch.distributed.ReduceOp.MIN, f"room to gather {unit.name}'s weights ahead")
+        except BaseException:
+            if placed:
+                self.store.release(unit.weight_key)
+                self.store.release(wkey)
+            self._forget_full(unit)
+            raise
+        if not bool(flag):
+            if placed:
+                self.store.release(unit.weight_key)
+                self.store.release(wkey)
+            self._forget_full(unit)
+            return
         work = sh.gather(full, shard, f"{unit.name}'s weights (ahead)", wait=False)
         self._full[unit.name] = [full, None, 1]  # the gather ahead is a user until its acquire takes over
         self._ahead[unit.name] = (work, unit.weight_key)
@@ -518,6 +538,9 @@ class BlockStreamer:
         except BaseException:
             self.discard(stash)
             raise
+        index = self.binding.blocks.index(unit)
+        if self.gather_ahead and index > 0:  # backward goes down the blocks: gather the one below
+            self._gather_ahead(self.binding.blocks[index - 1])
         try:
             stash.attach(got[0] if stash.key else None, flat)
             yield flat, gflat
