@@ -125,15 +125,6 @@ def main() -> int:
             loss = loss_of(engine, batch(step, micro, rank), cfg.get("model") == "moe") / cfg["accumulate"]
             engine.backward(loss)
             losses.append(loss.item())
-        if cfg.get("dump_grads") and step == 0:  # debugging aid: this rank's gradient slices
-            sh = engine._sharding
-            dump = {}
-            for unit in engine.units:
-                lay = sh.layout(unit)
-                if lay.grad_key:
-                    with engine.store.hold(lay.grad_key) as g:
-                        dump[unit.name] = (lay.lo, g.clone(), [(s.name, s.offset, s.numel, s.shape) for s in unit.params])
-            torch.save(dump, out / f"grads-{rank}.pt")
         if cfg.get("clip"):
             engine.clip_grad_norm_(cfg["clip"])
         engine.step()

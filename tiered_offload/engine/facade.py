@@ -529,10 +529,7 @@ class Engine:
         self.store.evict(unit.weight_key, Tier.HOST).get()
 
     def _full_weights(self, unit: Unit) -> torch.Tensor:
-        """The unit's whole weight buffer on the CPU (gathered from the ranks when sharded)."""
-        if self._sharding is None:
-            with self.store.hold(unit.weight_key, Tier.HOST) as flat:
-                return flat.clone()
+        """Sharded: the unit's whole weight buffer on the CPU, gathered from the ranks' slices."""
         sh, lay = self._sharding, self._sharding.layout(unit)
         full = torch.empty(lay.size * sh.world, dtype=torch.float32, device=self.device)
         with self.store.hold(unit.weight_key) as shard:

@@ -119,6 +119,7 @@ class Sharding:
         self.world = dist.get_world_size(group)
         self.device = device
         self.layouts: dict[str, ShardLayout] = {}
+        self._issued = 0  # collectives issued, numbered in TIERED_OFFLOAD_TRACE_COLLECTIVES output
         self.broken: str | None = None
         """Set when an error interrupted this rank between collectives: the ranks are out of step,
         so no further collective is issued (it would pair with a different one on another rank)."""
@@ -150,8 +151,8 @@ class Sharding:
                 f"rank {self.rank} of {self.world}: {what} not attempted during {self.where}: an earlier error on this rank "
                 f"({self.broken}) left the ranks out of step. Restart every rank (from the last durable state)")
         if _TRACE:
-            self._n = getattr(self, "_n", 0) + 1
-            print(f"[collective] rank {self.rank} #{self._n} {self.where}: {what}", file=sys.stderr, flush=True)
+            self._issued += 1
+            print(f"[collective] rank {self.rank} #{self._issued} {self.where}: {what}", file=sys.stderr, flush=True)
         try:
             work = fn(*args, group=self.group, async_op=not wait, **kwargs)
             if wait and work is not None:
