@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload_core.errors import CheckpointError, ConfigError, TierCapacityError
-from tiered_offload import Engine, EngineConfig, empty_init
+from tiered_offload import Engine, EngineConfig, Tier, empty_init
 
 VOCAB = 64
 
@@ -616,6 +616,25 @@ def test_saved_activations_through_the_store_are_bitwise(case, mode, tmp_path):
     assert seen["modes"] == modes  # no block fell back to recomputation
     assert all(seen["bytes"][i] > 0 for i in range(n) if modes[i] != "recompute")
     assert seen["left"] == []  # every backward let go of its block's activations
+
+
+@pytest.mark.parametrize("mode", ["offload", "mixed"])
+def test_saved_activations_with_a_device_tier_are_bitwise(mode, tmp_path):
+    """The same with the GPU's three tiers on the CPU (a device tier of CPU memory with its own
+    budget): offloaded activations leave the device for the host tier, and the disk if it must."""
+    make, make_optimizer, loss_fn, n, options = ACTIVATION_CASES["gpt2-frozen-dropout"]
+    modes = [mode] * n if mode != "mixed" else [("keep", "offload", "recompute")[i % 3] for i in range(n)]
+    state = 16 * sum(p.numel() for p in make().parameters())
+    seen = {}
+
+    def inspect(engine):
+        seen["modes"] = engine.activation_modes
+        seen["device"] = engine.stats().bytes_read[Tier.DEVICE]
+    check_parity(make, make_optimizer, tmp_path, loss_fn=loss_fn, clip=1.0, accumulate=2, steps=3, resume_at=2,
+                 config=EngineConfig(activations=modes), inspect=inspect, host_fraction=0.5,
+                 store_config={"device_budget_bytes": state // 2})
+    assert seen["modes"] == modes
+    assert seen["device"] > 0  # copies left the device tier
 
 
 def test_two_forwards_alive_at_once_and_a_forward_never_backpropagated(tmp_path):

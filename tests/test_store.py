@@ -103,6 +103,66 @@ def test_residency_states(posix):
     store.close()
 
 
+def test_device_victims_move_down_to_the_host_not_the_disk():
+    """The device and host tiers cache different tensors: a dirty device copy pushed out goes to the
+    host tier (no disk write), a clean one to host room that nothing else needs (no disk read to
+    bring it back)."""
+    store = make_store(MemoryBackend(), host=64 * KiB, device=32 * KiB)  # the device holds two of them
+    for k in ("a", "b", "c", "d"):
+        store.register(k, (4 * KiB,), data=torch.full((4 * KiB,), float(ord(k))))
+    store.write_back("d").get()
+    with store.hold("d", "device"):  # d: clean on the device and the disk, not in the host tier
+        pass
+    store.evict("d", "host").get()
+    assert store.residency("d")[Tier.HOST] == CopyState.ABSENT
+    with store.hold("a", "device", dirty=True) as x:  # a: only the device holds its new bytes
+        x.add_(1)
+    written = store.stats.bytes_written[Tier.DISK]
+    with store.hold("b", "device"):
+        pass  # the device is full: d (least recently used) makes room, then a
+    with store.hold("c", "device"):
+        pass
+    r = {k: store.residency(k) for k in "ad"}
+    assert r["a"][Tier.DEVICE] == CopyState.ABSENT and r["a"][Tier.HOST] == CopyState.DIRTY, r
+    assert r["d"][Tier.DEVICE] == CopyState.ABSENT and r["d"][Tier.HOST] == CopyState.CLEAN, r
+    assert store.stats.bytes_written[Tier.DISK] == written  # nothing went to the disk
+    read = store.stats.bytes_read[Tier.DISK]
+    with store.hold("d", "device") as x:
+        assert torch.equal(x, torch.full((4 * KiB,), float(ord("d"))))
+    with store.hold("a", "device") as x:
+        assert torch.equal(x, torch.full((4 * KiB,), float(ord("a")) + 1))
+    assert store.stats.bytes_read[Tier.DISK] == read  # and nothing came back from it
+    store.close()
+
+
+def test_host_tier_gives_up_copies_the_device_also_holds_first():
+    store = make_store(MemoryBackend(), host=32 * KiB, device=32 * KiB)  # two tensors per tier
+    store.register("x", (4 * KiB,), data=torch.ones(4 * KiB))  # only the host tier holds x
+    store.register("y", (4 * KiB,), data=torch.ones(4 * KiB))
+    with store.hold("y", "device"):  # y: in both memory tiers, used more recently than x
+        pass
+    store.register("z", (4 * KiB,), data=torch.ones(4 * KiB))  # the host tier is full
+    assert store.residency("x")[Tier.HOST] == CopyState.DIRTY  # LRU alone would have written x out
+    assert store.residency("y")[Tier.HOST] == CopyState.ABSENT
+    assert store.residency("y")[Tier.DEVICE] == CopyState.DIRTY
+    assert store.stats.bytes_written[Tier.DISK] == 0
+    store.close()
+
+
+def test_evict_from_the_device_to_the_host():
+    store = make_store(MemoryBackend())
+    store.register("e", (100,), data=torch.zeros(100))
+    with store.hold("e", "device", dirty=True) as x:
+        x.add_(3)
+    store.evict("e", "device", to="host").get()
+    r = store.residency("e")
+    assert r[Tier.DEVICE] == CopyState.ABSENT and r[Tier.HOST] == CopyState.DIRTY and r[Tier.DISK] == CopyState.ABSENT
+    assert torch.equal(store.read("e"), torch.full((100,), 3.0))
+    with pytest.raises(ValueError, match="below"):
+        store.evict("e", "host", to="host")
+    store.close()
+
+
 def test_tensor_larger_than_a_tier_is_refused_with_numbers():
     store = make_store(MemoryBackend(), host=64 * KiB, device=0)
     with pytest.raises(TierCapacityError) as info:

@@ -58,6 +58,18 @@ class StoreConfig:
     prefetch_depth: int = 8
     """How many upcoming tensors the lookahead policy may prefetch into a tier at once."""
 
+    tier_caching: str = "exclusive"
+    """How the device and host tiers share tensors. ``"exclusive"``: they cache different tensors
+    (a device copy pushed out moves down to the host tier; the host tier gives up copies the
+    device also holds first), so together they hold their two budgets' worth. ``"inclusive"``:
+    the host tier keeps what it staged for the device and a device victim is written to the disk
+    (the behaviour before; kept to compare against, ``tools/bench_tiers.py``)."""
+
+    host_prefetch_share: float = 0.125
+    """Below a device tier, the host tier's lookahead prefetches upcoming tensors from the disk
+    only until they add up to this share of the host budget (the nearest one always). The
+    compute tier is bounded by ``prefetch_depth`` alone."""
+
     preallocate: bool = True
     """Reserve each tensor's disk space at registration, so a full disk fails up front."""
 
@@ -91,6 +103,10 @@ class StoreConfig:
                 dev_budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 0
         if self.prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.tier_caching not in ("exclusive", "inclusive"):
+            raise ConfigError(f"tier_caching must be 'exclusive' or 'inclusive', got {self.tier_caching!r}")
+        if not 0 <= self.host_prefetch_share <= 1:
+            raise ConfigError(f"host_prefetch_share must be between 0 and 1, got {self.host_prefetch_share}")
         from tiered_offload.store.checksum import checksum_function
         checksum_function(self.checksum)  # an unknown name fails here, with the known ones
         pin = self.pin_host_memory if self.pin_host_memory is not None else device.type == "cuda"

@@ -218,10 +218,10 @@ class Engine:
         if self._sharding is not None:
             self._check_ranks_agree()
         cuda = self.device.type == "cuda"
-        cfg = StoreConfig(host_budget_bytes=host_memory, device=self.device,
-                          device_budget_bytes=device_memory if cuda else 0, policy="lookahead",
-                          prefetch_depth=self.config.prefetch_depth,
-                          **{"versioned_writes": self.durable, **(store_config or {})})
+        cfg = StoreConfig(**{"host_budget_bytes": host_memory, "device": self.device,
+                             "device_budget_bytes": device_memory if cuda else 0, "policy": "lookahead",
+                             "prefetch_depth": self.config.prefetch_depth, "versioned_writes": self.durable,
+                             **(store_config or {})})
         self.store = TieredStore(spec, cfg)
         self.store.open()
         self._delete_stale_activations()
@@ -1219,7 +1219,9 @@ class Engine:
     def _update_unit(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int]) -> None:
         """One unit's optimizer step (see :class:`UnitUpdater`), recorded by the commit when durable."""
         journal = self._checkpoint is not None and not self._snapshot_commits
-        write_behind = journal or not self.schedule.fits(self.store.capacity(self.store.compute_tier))
+        # the state does not fit in memory (device and host tiers together): what the update
+        # changed goes to the disk at once, so that making room later costs no write
+        write_behind = journal or not self.schedule.fits(self.store.capacity(Tier.DEVICE) + self.store.capacity(Tier.HOST))
         with span(self._tracer, f"update {unit.name}", "optimizer"):
             futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind,
                                            shard=self._sharding and self._sharding.layout(unit))

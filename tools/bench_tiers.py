@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Disk traffic and step time with a device tier and a host tier below it: how the two memory
+tiers share the work, the engine's default against the caching it replaced, in one run.
+
+The GPU's arrangement: the compute runs on the device tier, the host tier sits between it and the
+disk. On a machine without a GPU, ``--device cpu`` gives the engine a device tier of CPU memory
+with its own budget (the same code path; its "PCIe" copies are memcpy). Configurations, each one
+engine built once, then run in interleaved rounds (every configuration a few steps per round, in
+turn) so a noisy machine hits them alike:
+
+* ``exclusive, short window`` (the default): the two tiers cache different tensors (a device
+  victim moves down to the host tier, the host gives up copies the device also holds first), and
+  the host tier prefetches from the disk only ``host_prefetch_share`` of its budget ahead;
+* ``inclusive, deep window`` (the caching before): the host keeps a copy of what the device holds,
+  a device victim is written to the disk, and the host prefetches ``prefetch_depth`` tensors ahead;
+* the two mixed, to attribute the difference.
+
+Reports per configuration, medians over rounds: seconds per step, disk bytes read and written per
+step (as multiples of the training state), bytes copied into and out of the device tier; and the
+ratios against the inclusive, deep-window configuration measured in the same run.
+
+    python tools/bench_tiers.py                    # CPU: 29M-parameter GPT, device 1/4, host 3/8 of the state
+    python tools/bench_tiers.py --device cuda --d-model 2048 --layers 20 --vocab 32768 --batch 4 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tiered_offload import Engine, Tier, empty_init, format_size
+from tiered_offload_examples.models import GPT, GPTConfig
+
+CONFIGS = {
+    # name: (tier_caching, host_prefetch_share)
+    "exclusive, short window": ("exclusive", None),
+    "inclusive, deep window": ("inclusive", 1.0),
+    "exclusive, deep window": ("exclusive", 1.0),
+    "inclusive, short window": ("inclusive", None),
+}
+BASELINE = "inclusive, deep window"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--device-fraction", type=float, default=0.25, help="device budget, of the training state")
+    ap.add_argument("--host-fraction", type=float, default=0.375, help="host budget, of the training state")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds, after a warm-up round")
+    ap.add_argument("--steps-per-round", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--storage", default=None, help="a directory on the disk to measure (default: under the current one)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    cfg = GPTConfig(vocab_size=args.vocab, context=args.context, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads)
+    state = 16 * cfg.n_params()
+    dev_budget, host_budget = int(state * args.device_fraction), int(state * args.host_fraction)
+    print(f"model: {cfg.n_params() / 1e6:.1f}M parameters, fp32 AdamW state {format_size(state)}; device tier "
+          f"{format_size(dev_budget)} ({device}), host tier {format_size(host_budget)}; batch {args.batch} x "
+          f"{args.context}", flush=True)
+    root = Path(tempfile.mkdtemp(prefix=".bench-tiers-", dir=args.storage or "."))
+    g = torch.Generator().manual_seed(0)
+    n_batches = (args.rounds + 1) * args.steps_per_round
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=g) for _ in range(n_batches)]
+    engines, results = {}, {name: [] for name in CONFIGS}
+    try:
+        for i, (name, (caching, share)) in enumerate(CONFIGS.items()):
+            torch.manual_seed(0)
+            with empty_init():
+                model = GPT(cfg)
+            store = {"tier_caching": caching, **({"host_prefetch_share": share} if share is not None else {})}
+            if device.type == "cpu":
+                store["device_budget_bytes"] = dev_budget  # a device tier of CPU memory
+            engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=root / str(i),
+                                   device=device, host_memory=host_budget, device_memory=dev_budget, durable=False,
+                                   store_config=store)
+        losses = {name: [] for name in CONFIGS}
+        for r in range(args.rounds + 1):
+            for name, engine in engines.items():
+                s0 = engine.stats()
+                _sync(device)
+                t = time.perf_counter()
+                for x in batches[r * args.steps_per_round:(r + 1) * args.steps_per_round]:
+                    logits = engine(x[:, :-1].to(device))
+                    loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].to(device).flatten())
+                    engine.backward(loss)
+                    engine.clip_grad_norm_(1.0)
+                    engine.step()
+                    engine.zero_grad()
+                    losses[name].append(loss.item())
+                engine._await()  # the step's background work belongs to this configuration's time
+                _sync(device)
+                dt = (time.perf_counter() - t) / args.steps_per_round
+                s1 = engine.stats()
+                per = lambda f, tier: (getattr(s1, f)[tier] - getattr(s0, f)[tier]) / args.steps_per_round  # noqa: E731
+                if r:  # round 0 warms up
+                    results[name].append({"s": dt, "disk_read": per("bytes_read", Tier.DISK),
+                                          "disk_written": per("bytes_written", Tier.DISK),
+                                          "into_device": per("bytes_written", Tier.DEVICE),
+                                          "out_of_device": per("bytes_read", Tier.DEVICE)})
+            print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        shutil.rmtree(root, ignore_errors=True)
+    same = all(v == losses[BASELINE] for v in losses.values())
+    report = {"model": vars(args) | {"parameters": cfg.n_params(), "state_bytes": state}, "losses_identical": same,
+              "configs": {}}
+    base = {k: statistics.median(x[k] for x in results[BASELINE]) for k in results[BASELINE][0]}
+    print(f"\n{'configuration':<26} {'s/step':>7} {'disk read':>10} {'written':>8} {'into dev':>9} {'out of dev':>10}"
+          f" {'step vs base':>12} {'disk bytes vs base':>18}")
+    for name, rows in results.items():
+        med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        disk = (med["disk_read"] + med["disk_written"]) / (base["disk_read"] + base["disk_written"])
+        report["configs"][name] = med | {"step_vs_base": med["s"] / base["s"], "disk_bytes_vs_base": disk}
+        print(f"{name:<26} {med['s']:>7.3f} {med['disk_read'] / state:>9.2f}x {med['disk_written'] / state:>7.2f}x "
+              f"{med['into_device'] / state:>8.2f}x {med['out_of_device'] / state:>9.2f}x {med['s'] / base['s']:>12.2f}"
+              f" {disk:>18.2f}")
+    print(f"(bytes per step as multiples of the state, {format_size(state)}; base: {BASELINE}; losses of every "
+          f"configuration {'identical' if same else 'DIFFERENT'})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
