@@ -20,6 +20,7 @@ step (as multiples of the training state), bytes copied into and out of the devi
 ratios against the inclusive, deep-window configuration measured in the same run.
 
     python tools/bench_tiers.py                    # CPU: 29M-parameter GPT, device 1/4, host 3/8 of the state
+    python tools/bench_tiers.py --shares 0.0625,0.125,0.25,1   # the host tier's prefetch window alone
     python tools/bench_tiers.py --device cuda --d-model 2048 --layers 20 --vocab 32768 --batch 4 --context 512
 """
 
@@ -69,8 +70,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--storage", default=None, help="a directory on the disk to measure (default: under the current one)")
+    ap.add_argument("--shares", default=None,
+                    help="instead: exclusive caching with each of these host_prefetch_share values (comma-separated; "
+                         "the last is the base)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    configs, base_name = CONFIGS, BASELINE
+    if args.shares:
+        shares = [float(x) for x in args.shares.split(",")]
+        configs = {f"exclusive, share {x:g}": ("exclusive", x) for x in shares}
+        base_name = f"exclusive, share {shares[-1]:g}"
     device = torch.device(args.device)
     cfg = GPTConfig(vocab_size=args.vocab, context=args.context, d_model=args.d_model, n_layers=args.layers,
                     n_heads=args.heads)
@@ -83,9 +92,9 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     n_batches = (args.rounds + 1) * args.steps_per_round
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=g) for _ in range(n_batches)]
-    engines, results = {}, {name: [] for name in CONFIGS}
+    engines, results = {}, {name: [] for name in configs}
     try:
-        for i, (name, (caching, share)) in enumerate(CONFIGS.items()):
+        for i, (name, (caching, share)) in enumerate(configs.items()):
             torch.manual_seed(0)
             with empty_init():
                 model = GPT(cfg)
@@ -95,7 +104,7 @@ def main(argv=None) -> int:
             engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=root / str(i),
                                    device=device, host_memory=host_budget, device_memory=dev_budget, durable=False,
                                    store_config=store)
-        losses = {name: [] for name in CONFIGS}
+        losses = {name: [] for name in configs}
         for r in range(args.rounds + 1):
             for name, engine in engines.items():
                 s0 = engine.stats()
@@ -124,10 +133,10 @@ def main(argv=None) -> int:
         for engine in engines.values():
             engine.close()
         shutil.rmtree(root, ignore_errors=True)
-    same = all(v == losses[BASELINE] for v in losses.values())
+    same = all(v == losses[base_name] for v in losses.values())
     report = {"model": vars(args) | {"parameters": cfg.n_params(), "state_bytes": state}, "losses_identical": same,
               "configs": {}}
-    base = {k: statistics.median(x[k] for x in results[BASELINE]) for k in results[BASELINE][0]}
+    base = {k: statistics.median(x[k] for x in results[base_name]) for k in results[base_name][0]}
     print(f"\n{'configuration':<26} {'s/step':>7} {'disk read':>10} {'written':>8} {'into dev':>9} {'out of dev':>10}"
           f" {'step vs base':>12} {'disk bytes vs base':>18}")
     for name, rows in results.items():
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
         print(f"{name:<26} {med['s']:>7.3f} {med['disk_read'] / state:>9.2f}x {med['disk_written'] / state:>7.2f}x "
               f"{med['into_device'] / state:>8.2f}x {med['out_of_device'] / state:>9.2f}x {med['s'] / base['s']:>12.2f}"
               f" {disk:>18.2f}")
-    print(f"(bytes per step as multiples of the state, {format_size(state)}; base: {BASELINE}; losses of every "
+    print(f"(bytes per step as multiples of the state, {format_size(state)}; base: {base_name}; losses of every "
           f"configuration {'identical' if same else 'DIFFERENT'})")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -43,7 +43,7 @@ def _digest(engine) -> str:
 
 
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
-           host_fraction: float = 1.0) -> None:
+           host_fraction: float = 1.0, device_fraction: float = 0.0) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -57,7 +57,9 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
     # state does not quite fit, units stream through the disk and commits use the journal
     engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1), storage=directory,
-                    host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every)
+                    host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every,
+                    # a device tier of CPU memory: the GPU's three tiers on the CPU
+                    store_config={"device_budget_bytes": int(16 * n * device_fraction)} if device_fraction else None)
     sched = torch.optim.lr_scheduler.LinearLR(engine.optimizer, start_factor=1.0, end_factor=0.1, total_iters=steps)
     engine.attach_scheduler(sched)
     if engine.step_count:
@@ -84,11 +86,12 @@ REFERENCE_TIMEOUT_S = 600.0
 """Longest an uninterrupted run may take before it is taken for hung and killed."""
 
 def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
-            host_fraction: float = 1.0) -> subprocess.Popen:
+            host_fraction: float = 1.0, device_fraction: float = 0.0) -> subprocess.Popen:
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(HERE), "--worker", str(directory), "--steps", str(steps),
                              "--layers", str(layers), "--out", str(out), "--commit-every", str(commit_every),
-                             "--host-fraction", str(host_fraction)] + (["--digests"] if digests else []),
+                             "--host-fraction", str(host_fraction), "--device-fraction", str(device_fraction)]
+                            + (["--digests"] if digests else []),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -153,7 +156,7 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
-               host_fraction: float = 1.0) -> dict:
+               host_fraction: float = 1.0, device_fraction: float = 0.0) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -162,10 +165,11 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     does. Every launch prints a digest of the weights it started from, compared with the
     uninterrupted run's at that step; every finished episode's weights are compared whole.
     ``commit_every`` > 1 or ``host_fraction`` > 1 (the state fits the host tier) exercise the
-    snapshot commits; a resume then starts from a multiple of ``commit_every``.
+    snapshot commits; a resume then starts from a multiple of ``commit_every``. ``device_fraction``
+    > 0 gives the engine a device tier of CPU memory of that share of the state (the GPU's path).
     """
     rng = random.Random(seed)
-    options = dict(commit_every=commit_every, host_fraction=host_fraction)
+    options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction)
     ref_out, boot, duration, peak, state, ref_digests = reference(work, steps, layers, **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
         f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
@@ -232,17 +236,20 @@ def main() -> None:
     ap.add_argument("--commit-every", type=int, default=1, help="commit every N steps (snapshot commits when N > 1)")
     ap.add_argument("--host-fraction", type=float, default=1.0,
                     help="host budget as a fraction of the state (> 1: it fits, and commits are snapshots)")
+    ap.add_argument("--device-fraction", type=float, default=0.0,
+                    help="a device tier of CPU memory of this fraction of the state (0: none, as on a CPU machine)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction)
+        worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
+               args.device_fraction)
         return
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
         t0 = time.perf_counter()
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
-                             host_fraction=args.host_fraction)
+                             host_fraction=args.host_fraction, device_fraction=args.device_fraction)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

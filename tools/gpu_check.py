@@ -18,7 +18,11 @@ order of importance, each with its own time limit inside ``--budget-s``:
 4. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio.
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
    below its 17 GB state, against plain PyTorch on the same GPU.
-6. ``suite``: the whole test suite (pytest-xdist where installed), with what time is left.
+6. ``tiers``: ``tools/bench_tiers.py`` on CUDA: disk and PCIe bytes per step and step time with the
+   device and host tiers caching different tensors (the default) against the caching before it
+   (the host a copy of the device, prefetching deep), in one run (``--skip tiers`` leaves the
+   suite more time).
+7. ``suite``: the whole test suite (pytest-xdist where installed), with what time is left.
 
 Missing packages (zarr, kvikio) are expected on ``PYTHONPATH`` already (see the README's GPU section).
 """
@@ -233,6 +237,21 @@ def step_time_section(check: Check, quick: bool):
     return run
 
 
+def tiers_section(check: Check, quick: bool):
+    def run(limit: float) -> dict:
+        js = check.out / "tiers.json"
+        size = ["--d-model", "512", "--layers", "8"] if quick else ["--d-model", "1024", "--layers", "12", "--vocab",
+                                                                    "32768", "--context", "512"]
+        code, text = check.run([sys.executable, "tools/bench_tiers.py", "--device", "cuda", "--rounds", "2",
+                                "--steps-per-round", "1", "--json", str(js), *size], limit)
+        out = {"exit": code, "tail": text[-2000:]}
+        if js.exists():
+            out["report"] = json.loads(js.read_text())
+        out["status"] = "ok" if code == 0 else "FAILED"
+        return out
+    return run
+
+
 def suite_section(check: Check, extra: list[str]):
     def run(limit: float) -> dict:
         try:
@@ -270,6 +289,7 @@ def main() -> int:
         ("tests", tests_section(check, args.quick), 170),
         ("bench_io", bench_io_section(check, args.quick), 60),
         ("step_time", step_time_section(check, args.quick), 150),
+        ("tiers", tiers_section(check, args.quick), 75),
         ("suite", suite_section(check, args.suite_args.split()), 240),
     ]
     for name, fn, limit in sections:
