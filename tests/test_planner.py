@@ -72,6 +72,20 @@ def test_the_access_sequence_reads_activations_in_backward_order():
     assert back.index("block.1/activations") < back.index("block.0/activations")  # read in backward order
 
 
+def test_the_plan_checks_time_and_disk_bytes_against_the_steps_measured_under_it():
+    plan = make_plan(base(), measured(), FAST, room=[0] * 4, keep_room=0, fixed=False)  # every block recomputed
+    assert plan.bytes_per_step == 800 * MiB
+    close = [measured(seconds=plan.predicted_step_s, read=410 * MiB, written=400 * MiB) for _ in range(3)]
+    assert plan.check(close) == []
+    assert plan.measured_read == 410 * MiB and "+1% against the prediction" in plan.summary()
+    more_bytes = [measured(seconds=plan.predicted_step_s, read=500 * MiB, written=420 * MiB) for _ in range(3)]
+    notes = plan.check(more_bytes)
+    assert len(notes) == 1 and "800.0 MiB of disk traffic" in notes[0] and "920.0 MiB (15% off)" in notes[0]
+    slower = [measured(seconds=1.3 * plan.predicted_step_s) for _ in range(3)]
+    notes = plan.check(slower)
+    assert len(notes) == 1 and "30% off" in notes[0]
+
+
 # ---- the engine's plan ------------------------------------------------------------------------------
 def _engine(tmp_path, **config):
     from tiered_offload import Engine, EngineConfig
@@ -92,23 +106,28 @@ def _train(engine, steps, batch=8):
         engine.zero_grad()
 
 
-def test_the_engine_plans_after_the_first_measured_step_and_logs_it(tmp_path, caplog):
+def test_the_engine_plans_after_the_second_measured_step_and_logs_it(tmp_path, caplog):
+    """Measured iterations run from one step() to the next; the first one's optimizer finds its states
+    still zero (it reads none), so the plan comes from the second: after three steps."""
     caplog.set_level(logging.INFO, logger="tiered_offload")
     engine = _engine(tmp_path)
     assert engine.plan.predicted_step_s is None and engine.plan.modes == ["recompute"] * 4
     _train(engine, 2)
+    assert engine.plan.predicted_step_s is None
+    _train(engine, 1)
     plan = engine.plan
     assert plan.predicted_step_s is not None and plan.bytes_per_step > 0
     assert set(plan.modes) <= {"keep", "offload", "recompute"} and engine.activation_modes == plan.modes
     assert any("tiered-offload plan:" in r.getMessage() and "predicted step" in r.getMessage() for r in caplog.records)
     _train(engine, 4)
-    assert engine.plan.measured_step_s is not None
+    assert engine.plan.measured_step_s is not None and engine.plan.measured_read is not None
+    assert "measured disk" in engine.plan.summary() and "against the prediction" in engine.plan.summary()
     engine.close()
 
 
 def test_a_configured_choice_overrides_the_planner(tmp_path):
     engine = _engine(tmp_path, activations=["keep", "recompute", "offload", "keep"])
-    _train(engine, 2)
+    _train(engine, 3)
     assert engine.activation_modes == ["keep", "recompute", "offload", "keep"]
     assert any("EngineConfig.activations" in o for o in engine.plan.overridden)
     assert engine.plan.predicted_step_s is not None
@@ -119,7 +138,7 @@ def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):
     import time
     caplog.set_level(logging.WARNING, logger="tiered_offload")
     engine = _engine(tmp_path)
-    _train(engine, 2)
+    _train(engine, 3)  # planned from normal steps
     original = engine._streamer.block_forward
 
     def slow(*args):  # something the model did not see: every block now takes 50 ms longer

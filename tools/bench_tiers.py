@@ -129,6 +129,8 @@ def main(argv=None) -> int:
                                           "into_device": per("bytes_written", Tier.DEVICE),
                                           "out_of_device": per("bytes_read", Tier.DEVICE)})
             print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
+        first = next(iter(engines))
+        plan = engines[first].plan.summary()
     finally:
         for engine in engines.values():
             engine.close()
@@ -148,6 +150,9 @@ def main(argv=None) -> int:
               f" {disk:>18.2f}")
     print(f"(bytes per step as multiples of the state, {format_size(state)}; base: {base_name}; losses of every "
           f"configuration {'identical' if same else 'DIFFERENT'})")
+    print(f"\nthe plan of '{first}' (its disk bytes per step predicted, and measured over three steps):\n  "
+          + plan.replace("\n", "\n  "))
+    report["plan"] = plan
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if same else 1

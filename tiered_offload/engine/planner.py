@@ -6,7 +6,7 @@ and the disk's rates (the ``bench-io`` profile of the file system, or a probe at
 returns a :class:`Plan` that a person can read (``print(engine.plan)``) and a test can check.
 
 The cost model. Compute and I/O overlap (the lookahead prefetches, write-backs run behind) as
-far as the budget leaves room to work ahead; the share of the I/O time the first measured
+far as the budget leaves room to work ahead; the share of the I/O time the measured
 iteration did not wait for is taken as the share hidden, so a step takes about ``compute +
 (1 - hidden) x I/O``:
 
@@ -85,7 +85,7 @@ class Plan:
     predicted_compute_s: float | None = None
     predicted_io_s: float | None = None
     io_hidden: float | None = None
-    """Share of the I/O time hidden behind compute (as the first measured iteration hid it)."""
+    """Share of the I/O time hidden behind compute (as the measured iteration hid it)."""
     predicted_read: int | None = None
     """Disk bytes read per iteration."""
     predicted_written: int | None = None
@@ -95,6 +95,9 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     measured_step_s: float | None = None
     """The median step time measured after the plan took effect (None until measured)."""
+    measured_read: int | None = None
+    """Median disk bytes read per step after the plan took effect (None until measured)."""
+    measured_written: int | None = None
 
     @property
     def bytes_per_step(self) -> int | None:
@@ -127,12 +130,51 @@ class Plan:
                          f"({self.rates.source})")
         if self.measured_step_s is not None:
             lines.append(f"measured step {self.measured_step_s:.3f} s")
+        if self.measured_read is not None:
+            lines.append(f"measured disk {self.measured_read / mib:.1f} MiB read + {self.measured_written / mib:.1f} MiB "
+                         f"written per step ({_off(self.measured_read + self.measured_written, self.bytes_per_step):+.0%} "
+                         f"against the prediction)")
         lines += [f"overridden: {o}" for o in self.overridden]
         lines += self.reasons
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.summary()
+
+    STEP_TOLERANCE = 0.2
+    """How far the measured step time may be from the prediction before the plan says so."""
+    BYTES_TOLERANCE = 0.1
+    """How far the measured disk bytes per step may be from the prediction before the plan says so."""
+
+    def check(self, steps: list[StepMeasurement]) -> list[str]:
+        """Record the medians of ``steps`` (measured under this plan) and return what is further
+        from the prediction than the tolerances, in words (empty: the prediction held)."""
+        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        self.measured_step_s = median([m.seconds for m in steps])
+        self.measured_read = median([m.disk_read for m in steps])
+        self.measured_written = median([m.disk_written for m in steps])
+        notes = []
+        off = _off(self.measured_step_s, self.predicted_step_s)
+        if abs(off) > self.STEP_TOLERANCE:
+            notes.append(f"the plan predicted {self.predicted_step_s:.3f} s per step and {len(steps)} steps measured "
+                         f"{self.measured_step_s:.3f} s ({abs(off):.0%} off): the cost model misses something on this "
+                         f"machine (other load, page cache, compute that changes with the batch)")
+        moved = self.measured_read + self.measured_written
+        off = _off(moved, self.bytes_per_step)
+        if abs(off) > self.BYTES_TOLERANCE:
+            mib = 1 << 20
+            notes.append(f"the plan predicted {self.bytes_per_step / mib:.1f} MiB of disk traffic per step and "
+                         f"{len(steps)} steps measured {moved / mib:.1f} MiB ({abs(off):.0%} off): the iteration it was "
+                         f"planned from did not move what later ones do (a cache still filling, a budget that "
+                         f"changed, other processes on the disk)")
+        return notes
+
+
+def _off(measured: float, predicted: float | None) -> float:
+    """Relative difference of ``measured`` from ``predicted`` (0 when there is nothing to compare)."""
+    if predicted is None or predicted <= 0:
+        return 0.0 if not measured else 1.0
+    return measured / predicted - 1.0
 
 
 def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int], keep_room: int,
