@@ -85,10 +85,10 @@ def _kill_during_update(engine, step: int, after_units: int) -> None:
     if after_units < 0:
         begin = engine._checkpoint.begin_step
 
-        def killed(intent):
+        def killed(intent, **kw):
             if intent["step"] == step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return begin(intent)
+            return begin(intent, **kw)
         engine._checkpoint.begin_step = killed
         return
     update, done = engine._update_unit, [0]

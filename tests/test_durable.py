@@ -7,6 +7,7 @@ import select
 import stat
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -190,6 +191,47 @@ def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterr
     resumed = make_engine(tmp_path / "s", resume=True)
     assert resumed.step_count == 3
     assert same(weights(resumed), per_step[3])
+    train(resumed, 6)
+    assert same(weights(resumed), per_step[6])
+    resumed.close()
+
+
+def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_only_that_step(
+        tmp_path, uninterrupted, monkeypatch):
+    """The step's intent (its gradients written and fsynced, then the record) is written beside the
+    update, not before it: here the process dies with units already updated and their new files
+    written, but no intent in the journal. The resume is at the step before, bitwise."""
+    from tiered_offload.checkpoint import durable
+    per_step, _ = uninterrupted
+    engine = make_engine(tmp_path / "s")
+    torch.manual_seed(123)
+    train(engine, 2)
+    engine.wait_committed()
+    updated, ran_ahead = threading.Event(), []
+    real_updated = durable.Committer.unit_updated
+
+    def noting(self, unit, futures):
+        real_updated(self, unit, futures)
+        updated.set()
+
+    def dying(self, futures, start):  # the intent's gradients are written, the record never is
+        ran_ahead.append(updated.wait(timeout=60))  # a unit was updated meanwhile
+        for f in futures:
+            f.get()
+        with self._lock:
+            self._error = SystemExit("simulated death")
+            self._lock.notify_all()
+    monkeypatch.setattr(durable.Committer, "unit_updated", noting)
+    monkeypatch.setattr(durable.Committer, "_write_intent", dying)
+    with pytest.raises(SystemExit):
+        train(engine, 3)
+        engine.wait_committed()
+    engine._checkpoint.lock.release()  # what the kernel does when the process dies
+    monkeypatch.undo()
+    assert ran_ahead == [True]
+    assert StateFiles(tmp_path / "s" / STATE_DIR).read_journal() == []
+    resumed = make_engine(tmp_path / "s", resume=True)
+    assert resumed.step_count == 2 and same(weights(resumed), per_step[2])
     train(resumed, 6)
     assert same(weights(resumed), per_step[6])
     resumed.close()

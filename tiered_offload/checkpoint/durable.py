@@ -384,6 +384,9 @@ class Committer:
         self._latest: dict[str, str] = {}
         self._refs: dict[str, int] = {}
         self._intent: dict | None = None
+        self._intent_grads: dict[str, tuple | None] = {}
+        """Gradient key -> ``(ref,)`` of the disk copy the intent in flight names (None: not yet known)."""
+        self._intent_durable = False
         self._waiting: set[str] = set()
         self._in_window: set[str] = set()
         self._meta: dict = {}
@@ -420,6 +423,8 @@ class Committer:
                 self._latest.pop(key, None)
             else:
                 self._latest[key] = extent
+                if self._intent_grads.get(key, 0) is None:  # the intent in flight names this gradient copy
+                    self._take_intent_grad(key, (extent, crc))
             garbage = [old] if old is not None and old != extent and old not in self._refs else []
         self._delete(garbage)
 
@@ -446,25 +451,68 @@ class Committer:
             return sorted(self._waiting)
 
     # ---- a step -------------------------------------------------------------------------
-    def begin_step(self, intent: dict) -> None:
-        """Make the gradients durable and commit the step's intent (before anything is updated)."""
+    def begin_step(self, intent: dict, *, wait: bool = False) -> None:
+        """Start committing the step's intent: its gradients written and made durable, then the
+        record appended, on the journal thread. The update may start at once (``wait``: only once
+        the intent is durable): a unit's record is appended after the intent (the journal thread
+        runs in order), and until then the unit's new extents are files no committed state refers
+        to, which a resume deletes.
+
+        Every gradient's write-back is claimed here, before the caller can zero one, and each
+        gradient extent is referenced as soon as it is known, so zeroing the gradient after its
+        unit's update cannot delete the copy the intent names.
+        """
         self.wait()
         start = time.perf_counter()
-        futures = [self.store.write_back(k) for k in self.grads.values()]
-        for f in futures:
-            f.get()
-        grads = {k: self.store.extent(k) for k in self.grads.values()}
-        self.store.backend.sync([r[0] for r in grads.values() if r[0] is not None])
-        intent = dict(intent, type="intent", grads={k: (list(r) if r[0] is not None else None) for k, r in grads.items()})
-        self.files.append(intent)
+        keys = list(self.grads.values())
         with self._lock:
-            self._intent = intent
-            for r in intent["grads"].values():
-                self._ref(_ref(r))
+            self._intent = dict(intent, type="intent", grads=None)  # the step in flight (grads: once durable)
+            self._intent_grads = dict.fromkeys(keys)
+            self._intent_durable = False
             self._waiting = set(self.units)
             self._in_window = set()
-        if self.store.tracer is not None:
-            self.store.tracer.complete(f"intent step {intent['step']}", "commit", start)
+        futures = [self.store.write_back(k) for k in keys]
+        for k, f in zip(keys, futures):
+            if f.done():  # already on disk (or all zeros): its extent now, before anything can supersede it
+                self._take_intent_grad(k, self.store.extent(k))
+        self._pool.submit(self._write_intent, futures, start)
+        if wait:
+            with self._lock:
+                while not self._intent_durable and self._error is None:
+                    self._lock.wait()
+                if self._error is not None:
+                    raise self._error
+
+    def _take_intent_grad(self, key: str, ref: tuple) -> None:
+        """The disk copy of gradient ``key`` the step's intent names (referenced once, at once)."""
+        with self._lock:
+            if self._intent_grads.get(key, 0) is None:  # a gradient of the intent in flight, not yet taken
+                self._intent_grads[key] = (list(ref) if ref[0] is not None else None,)
+                self._ref(_ref(self._intent_grads[key][0]))
+
+    def _write_intent(self, futures: list, start: float) -> None:
+        try:
+            for f in futures:
+                f.get()
+            with self._lock:
+                unseen = [k for k, r in self._intent_grads.items() if r is None]
+                grads = {k: r[0] for k, r in self._intent_grads.items() if r is not None}
+            if unseen:
+                raise CheckpointError(f"the step's gradients {unseen} were written but their disk copies were not "
+                                      f"reported; this is a bug")
+            self.store.backend.sync([r[0] for r in grads.values() if r is not None])
+            record = dict(self._intent, grads=grads)
+            self.files.append(record)
+            with self._lock:
+                self._intent = record
+                self._intent_durable = True
+                self._lock.notify_all()
+            if self.store.tracer is not None:
+                self.store.tracer.complete(f"intent step {record['step']}", "commit", start)
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait() / throttle()
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
 
     def throttle(self, window: int) -> None:
         """Wait until fewer than ``window`` updated units are not yet recorded (bounds the extra disk)."""

@@ -107,8 +107,8 @@ class CheckpointSession:
         self.committer.wait()
         return state.intent["meta"]
 
-    def begin_step(self, intent: dict) -> None:
-        self.committer.begin_step(intent)
+    def begin_step(self, intent: dict, *, wait: bool = False) -> None:
+        self.committer.begin_step(intent, wait=wait)
 
     def throttle(self, window: int) -> None:
         self.committer.throttle(window)

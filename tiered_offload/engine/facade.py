@@ -1180,11 +1180,14 @@ class Engine:
                 then = self._commit_pending
         elif self._checkpoint is not None:
             # the step is committed once its gradients and this record are on disk: from here on a
-            # crash resumes after it, by re-running the update of the units not yet recorded
+            # crash resumes after it, by re-running the update of the units not yet recorded. They
+            # go to disk beside the update (a unit's record follows the intent in the journal);
+            # sharded, every rank's intent must be durable before any rank updates anything
             self._checkpoint.begin_step({
                 "step": self.step_count, "step_index": step_index,
                 "hyper": [_jsonable(h, "the optimizer's hyperparameters") for h in hypers], "no_grad": no_grad,
-                "scale": None if scale is None else float(scale.item()), "meta": self._meta()})
+                "scale": None if scale is None else float(scale.item()), "meta": self._meta()},
+                wait=self._sharding is not None)
             if self._sharding is not None:  # nothing is updated anywhere before every rank's intent is durable
                 self._sharding.barrier("every rank's intent")
         self.store.declare_access_sequence(self._sequence(self._phases))
