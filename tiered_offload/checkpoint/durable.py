@@ -471,10 +471,16 @@ class Committer:
             self._intent_durable = False
             self._waiting = set(self.units)
             self._in_window = set()
-        futures = [self.store.write_back(k) for k in keys]
-        for k, f in zip(keys, futures):
-            if f.done():  # already on disk (or all zeros): its extent now, before anything can supersede it
-                self._take_intent_grad(k, self.store.extent(k))
+        try:
+            futures = [self.store.write_back(k) for k in keys]
+            for k, f in zip(keys, futures):
+                if f.done():  # already on disk (or all zeros): its extent now, before anything can supersede it
+                    self._take_intent_grad(k, self.store.extent(k))
+        except BaseException:
+            with self._lock:  # nothing of this step reaches the journal: no step is in flight
+                self._intent = None
+                self._lock.notify_all()
+            raise
         self._pool.submit(self._write_intent, futures, start)
         if wait:
             with self._lock:

@@ -1105,9 +1105,10 @@ class TieredStore:
         """Move ``rec``'s device copy down to the host tier, to make room on the device (``rec`` is
         claimed by the caller; its device copy is current and the host has none).
 
-        A dirty copy always goes down (the host tier is the way to the disk). A ``clean`` one (the
-        disk holds it too) only takes host room nothing needed sooner occupies; where there is none
-        its device copy is simply dropped, and the returned future is already done.
+        It takes host room that is free or that nothing needed sooner occupies. Where there is
+        none, a dirty copy is written to the disk instead (through the host tier, as before,
+        without GPUDirect), and a ``clean`` one (the disk holds it too) is simply dropped: the
+        returned future is then already done.
         """
         with self._lock:
             version = rec.version
