@@ -153,6 +153,13 @@ def test_a_clean_close_commits_the_steps_since_the_last_commit(tmp_path, uninter
         make_engine(tmp_path / "y", commit_every=2, durable=False)
 
 
+def _simulated_death(committer) -> None:
+    """The journal thread stops here, as if the process died: the engine fails at its next wait."""
+    with committer._lock:
+        committer._error = SystemExit("simulated death")
+        committer._lock.notify_all()
+
+
 @pytest.mark.parametrize("recorded", [0, 2, 5])
 def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterrupted, monkeypatch, recorded):
     """The process dies after the step's intent, with ``recorded`` of its 5 units written: resume completes it."""
@@ -168,15 +175,11 @@ def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterr
     def dying(self, unit, futures):
         count["n"] += 1
         if count["n"] > recorded:  # nothing more reaches the journal; the engine stops at its next wait
-            with self._lock:
-                self._error = SystemExit("simulated death")
-                self._lock.notify_all()
+            _simulated_death(self)
             return None
         return real(self, unit, futures)
     def dying_before_the_manifest(self):
-        with self._lock:
-            self._error = SystemExit("simulated death")
-            self._lock.notify_all()
+        _simulated_death(self)
     if recorded == 5:  # every unit recorded; the manifest not yet rewritten
         monkeypatch.setattr(durable.Committer, "_finish", dying_before_the_manifest)
     else:
@@ -218,9 +221,7 @@ def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_
         ran_ahead.append(updated.wait(timeout=60))  # a unit was updated meanwhile
         for f in futures:
             f.get()
-        with self._lock:
-            self._error = SystemExit("simulated death")
-            self._lock.notify_all()
+        _simulated_death(self)
     monkeypatch.setattr(durable.Committer, "unit_updated", noting)
     monkeypatch.setattr(durable.Committer, "_write_intent", dying)
     with pytest.raises(SystemExit):

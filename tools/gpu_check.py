@@ -220,34 +220,33 @@ def bench_io_section(check: Check, quick: bool):
     return run
 
 
+def _benchmark(check: Check, script: str, name: str, args: list[str], limit: float) -> dict:
+    """Run a benchmark of ``tools/`` that writes a JSON report; its exit, output tail and report."""
+    js = check.out / f"{name}.json"
+    code, text = check.run([sys.executable, f"tools/{script}", "--json", str(js), *args], limit)
+    out = {"exit": code, "tail": text[-2000:]}
+    if js.exists():
+        out["report"] = json.loads(js.read_text())
+    out["status"] = "ok" if code == 0 else "FAILED"
+    return out
+
+
 def step_time_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
-        js = check.out / "step_time.json"
         args = ["--steps", "3", "--plain-steps", "4"]
         if quick:
             args = ["--layers", "4", "--d-model", "1024", "--heads", "8", "--steps", "2", "--plain-steps", "3",
                     "--host-memory", "1GiB", "--device-memory", "1GiB"]
-        code, text = check.run([sys.executable, "tools/bench_gpu_step.py", "--json", str(js), *args], limit)
-        out = {"exit": code, "tail": text[-2000:]}
-        if js.exists():
-            out["report"] = json.loads(js.read_text())
-        out["status"] = "ok" if code == 0 else "FAILED"
-        return out
+        return _benchmark(check, "bench_gpu_step.py", "step_time", args, limit)
     return run
 
 
 def tiers_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
-        js = check.out / "tiers.json"
-        size = ["--d-model", "512", "--layers", "8"] if quick else ["--d-model", "1024", "--layers", "12", "--vocab",
+        size = ["--d-model", "512", "--layers", "8"] if quick else ["--d-model", "1024", "--layers", "8", "--vocab",
                                                                     "32768", "--context", "512"]
-        code, text = check.run([sys.executable, "tools/bench_tiers.py", "--device", "cuda", "--rounds", "2",
-                                "--steps-per-round", "1", "--json", str(js), *size], limit)
-        out = {"exit": code, "tail": text[-2000:]}
-        if js.exists():
-            out["report"] = json.loads(js.read_text())
-        out["status"] = "ok" if code == 0 else "FAILED"
-        return out
+        return _benchmark(check, "bench_tiers.py", "tiers",
+                          ["--device", "cuda", "--rounds", "2", "--steps-per-round", "1", *size], limit)
     return run
 
 
@@ -296,7 +295,7 @@ def main() -> int:
         ("bench_io", bench_io_section(check, args.quick), 60),
         ("step_time", step_time_section(check, args.quick), 150),
         ("suite", suite_section(check, args.suite_args.split()), 240),
-        ("tiers", tiers_section(check, args.quick), 75),
+        ("tiers", tiers_section(check, args.quick), 100),
     ]
     for name, fn, limit in sections:
         if name not in skip:
