@@ -50,10 +50,11 @@ class UnitUpdater:
         self.chunk_numel = chunk_numel
 
     def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int], *,
-               write_behind: bool, shard=None) -> list:
+               write_behind: bool, weights_behind: bool = True, shard=None) -> list:
         """Update ``unit``'s parameters in ``todo``; returns the futures of the write-backs started
-        (``write_behind``: start writing each updated piece and the weights at once, so that when
-        their space is wanted they are clean and can be dropped without stalling a caller).
+        (``write_behind``: start writing each updated piece at once, and the weights too with
+        ``weights_behind``, so that when their space is wanted they are clean and can be dropped
+        without stalling a caller).
         ``shard``: this rank's :class:`~tiered_offload.engine.sharding.ShardLayout` of the unit
         (sharded training): only its slice is stored here, and only its slice is updated."""
         runs = update_runs(unit, todo)
@@ -104,7 +105,7 @@ class UnitUpdater:
             if held:
                 store.release(unit.grad_key)
                 store.release(unit.weight_key)
-        if write_behind:
+        if write_behind and weights_behind:
             futures.append(store.write_back(unit.weight_key))
         return futures
 
