@@ -77,6 +77,12 @@ def test_commit_window_keeps_extra_disk_within_a_quarter():
     assert s.extra_disk_bytes(durable=False) == 0
     # a unit larger than a quarter of the state: still one at a time (the bound is then that unit)
     assert Schedule(units(n_blocks=1, rest=50_000), KINDS).commit_window() == 1
+    # one large unit among small ones: the window counts the largest units, not k times the largest.
+    # Rewrites (weights + 2 states, 4 bytes): the rest 24000, each block 12000; state 160000, a quarter
+    # 40000: the rest and one block (36000) fit, where k x 24000 allowed one unit
+    mixed = Schedule(units(n_blocks=8, block=1000, rest=2000), KINDS)
+    assert mixed.state_bytes() == 160000 and mixed.commit_window() == 2
+    assert mixed.extra_disk_bytes(durable=True) == 36000 <= 0.25 * mixed.state_bytes()
 
 
 def test_a_schedule_needs_one_rest_unit():

@@ -261,16 +261,24 @@ class Schedule:
 
     def commit_window(self) -> int:
         """Units whose new weights and states may coexist on disk with the committed ones (durable
-        mode): as many as keep the extra space within a quarter of the state, and at least one."""
-        return max(1, int(0.25 * self.state_bytes()) // max(1, self._rewrite_bytes()))
+        mode): as many as keep the extra space within a quarter of the state whichever units they
+        are (the largest ones counted), and at least one."""
+        budget, total, k = 0.25 * self.state_bytes(), 0, 0
+        for size in self._rewrite_sizes():
+            if total + size > budget:
+                break
+            total, k = total + size, k + 1
+        return max(1, k)
 
     def extra_disk_bytes(self, durable: bool) -> int:
-        """Most disk space beyond :meth:`state_bytes` a step can need (durable: the commit window)."""
+        """Most disk space beyond :meth:`state_bytes` a step can need (durable: the commit window's
+        units, the largest ones)."""
         if not durable:
             return 0
-        return self.commit_window() * self._rewrite_bytes()
+        return sum(self._rewrite_sizes()[:self.commit_window()])
 
-    def _rewrite_bytes(self) -> int:
-        """Disk bytes one unit's new weights and optimizer states take (the largest unit's)."""
-        return max((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
+    def _rewrite_sizes(self) -> list[int]:
+        """Disk bytes each unit's new weights and optimizer states take, largest first."""
+        return sorted(((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units),
+                      reverse=True)
 
