@@ -42,8 +42,9 @@ class StoreMatchesDict(RuleBasedStateMachine):
         self.pinned: dict[tuple[str, str], int] = {}
         self.counter = 0
 
-    @initialize(backend=st.sampled_from(BACKENDS), policy=st.sampled_from(["lru", "lookahead"]))
-    def open_store(self, backend, policy):
+    @initialize(backend=st.sampled_from(BACKENDS), policy=st.sampled_from(["lru", "lookahead"]),
+                caching=st.sampled_from(["exclusive", "inclusive"]), share=st.sampled_from([0.0, 0.125, 1.0]))
+    def open_store(self, backend, policy, caching, share):
         import tempfile
         self.tmp = tempfile.TemporaryDirectory()
         if backend == "memory":
@@ -54,7 +55,8 @@ class StoreMatchesDict(RuleBasedStateMachine):
         else:
             b = PosixBackend(self.tmp.name, chunk_bytes="16KiB")
         self.store = TieredStore(b, host_budget_bytes=64 * KiB, device=DEVICE, device_budget_bytes=32 * KiB,
-                                 policy=policy, prefetch_depth=3).open()
+                                 policy=policy, prefetch_depth=3, tier_caching=caching,
+                                 host_prefetch_share=share).open()
 
     def teardown(self):
         if hasattr(self, "store"):
