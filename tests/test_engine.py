@@ -155,6 +155,9 @@ def test_device_and_host_tiers_together_cut_disk_reads(tmp_path):
         engine.step()
         engine.zero_grad()
         reads.append((engine.stats().bytes_read[Tier.DISK] - before) / state)
+    host = engine.store.capacity("host")
+    assert engine.plan.lower_tier == {"budget": host, "prefetch_window": host // 8}
+    assert "host tier below it" in engine.plan.summary()
     engine.close()
     steady = reads[2:]
     assert max(steady) <= 1.4, reads  # 2.0-2.2 before

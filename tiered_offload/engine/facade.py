@@ -927,7 +927,14 @@ class Engine:
                     prefetch_depth=self.store.config.prefetch_depth, overlap_step=self.overlap_step,
                     host_split={"working_set": min(need, cap), "activations_of_one_block": min(acts, max(0, cap - need)),
                                 "cache": max(0, cap - need - acts)},
-                    overridden=overridden)
+                    lower_tier=self._lower_tier(), overridden=overridden)
+
+    def _lower_tier(self) -> dict[str, int] | None:
+        """The host tier below a device tier, as the plan shows it (None without a device tier)."""
+        if self.store.compute_tier != Tier.DEVICE or not self.store.capacity(Tier.HOST):
+            return None
+        host = self.store.capacity(Tier.HOST)
+        return {"budget": host, "prefetch_window": int(self.store.config.host_prefetch_share * host)}
 
     def _iteration_boundary(self) -> None:
         """A step begins: measure the iteration that ended (for the plan), start the next. Its

@@ -80,6 +80,9 @@ class Plan:
     """How the compute tier's budget is used: ``working_set`` (what one step pins at once),
     ``activations_of_one_block`` (the most saved activations one block's backward may pin beside
     it), ``cache`` (the rest: state and activations kept across phases)."""
+    lower_tier: dict[str, int] | None = None
+    """With a device tier: the host tier below it, ``budget`` and ``prefetch_window`` (the most
+    bytes its lookahead fetches from the disk ahead of need). None on a CPU machine."""
     predicted_step_s: float | None = None
     """Predicted seconds per iteration (None until measured)."""
     predicted_compute_s: float | None = None
@@ -118,6 +121,9 @@ class Plan:
         lines = [f"activations: {acts}",
                  f"prefetch depth {self.prefetch_depth}; step {'overlapped with the next forward' if self.overlap_step else 'inline'}",
                  "compute tier: " + ", ".join(f"{k.replace('_', ' ')} {v / mib:.1f} MiB" for k, v in self.host_split.items())]
+        if self.lower_tier:
+            lines.append("host tier below it (caching what the compute tier does not hold): " + ", ".join(
+                f"{k.replace('_', ' ')} {v / mib:.1f} MiB" for k, v in self.lower_tier.items()))
         if self.predicted_step_s is None:
             lines.append("predicted step: not yet (measured over the first iterations)")
         else:
@@ -241,6 +247,7 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
                        f"against {room[worst] / 2**20:.1f} MiB); a larger host_memory lets them be kept or offloaded")
     step, compute, io, read, written = cost(modes)
     return Plan(modes=modes, blocks=base.blocks, prefetch_depth=base.prefetch_depth, overlap_step=base.overlap_step,
-                host_split=base.host_split, predicted_step_s=step, predicted_compute_s=compute, predicted_io_s=io,
+                host_split=base.host_split, lower_tier=base.lower_tier, predicted_step_s=step,
+                predicted_compute_s=compute, predicted_io_s=io,
                 io_hidden=hidden, predicted_read=read, predicted_written=written, rates=rates,
                 overridden=base.overridden, reasons=base.reasons + reasons)
