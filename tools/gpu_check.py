@@ -233,7 +233,7 @@ def _benchmark(check: Check, script: str, name: str, args: list[str], limit: flo
 
 def step_time_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
-        args = ["--steps", "3", "--plain-steps", "4"]
+        args = ["--steps", "4", "--plain-steps", "4"]  # the first a warm-up: the median of three
         if quick:
             args = ["--layers", "4", "--d-model", "1024", "--heads", "8", "--steps", "2", "--plain-steps", "3",
                     "--host-memory", "1GiB", "--device-memory", "1GiB"]
