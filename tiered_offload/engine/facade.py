@@ -1232,10 +1232,11 @@ class Engine:
         # only when the journal needs them there: the next forward wants them soon, and where they
         # stay in memory until then a write now is wasted (with a CPU device tier of 1/4 and a
         # host tier of 3/8 of the state: 8% less disk traffic; docs/STEP_TIME.md)
-        write_behind = journal or not self.schedule.fits(self.store.capacity(Tier.DEVICE) + self.store.capacity(Tier.HOST))
+        memory = self.store.capacity(Tier.DEVICE) + self.store.capacity(Tier.HOST)
+        write_behind = journal or not self.schedule.fits(memory)
         with span(self._tracer, f"update {unit.name}", "optimizer"):
-            futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind, weights_behind=journal,
-                                           shard=self._sharding and self._sharding.layout(unit))
+            futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind,
+                                           weights_behind=journal, shard=self._sharding and self._sharding.layout(unit))
         if journal:
             self._checkpoint.unit_updated(unit.name, futures)
 
