@@ -153,6 +153,15 @@ def test_a_clean_close_commits_the_steps_since_the_last_commit(tmp_path, uninter
         make_engine(tmp_path / "y", commit_every=2, durable=False)
 
 
+def _die_in_step(engine, step: int) -> None:
+    """Train into ``step`` with a simulated death armed: the engine fails, and its lock goes as the
+    kernel would release it."""
+    with pytest.raises(SystemExit):
+        train(engine, step)
+        engine.wait_committed()
+    engine._checkpoint.lock.release()
+
+
 def _simulated_death(committer) -> None:
     """The journal thread stops here, as if the process died: the engine fails at its next wait."""
     with committer._lock:
@@ -184,10 +193,7 @@ def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterr
         monkeypatch.setattr(durable.Committer, "_finish", dying_before_the_manifest)
     else:
         monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
-    with pytest.raises(SystemExit):
-        train(engine, 3)
-        engine.wait_committed()
-    engine._checkpoint.lock.release()  # what the kernel does when the process dies
+    _die_in_step(engine, 3)
     monkeypatch.undo()
     journal = StateFiles(tmp_path / "s" / STATE_DIR).read_journal()
     assert [r["type"] for r in journal] == ["intent"] + ["unit"] * recorded
@@ -224,10 +230,7 @@ def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_
         _simulated_death(self)
     monkeypatch.setattr(durable.Committer, "unit_updated", noting)
     monkeypatch.setattr(durable.Committer, "_write_intent", dying)
-    with pytest.raises(SystemExit):
-        train(engine, 3)
-        engine.wait_committed()
-    engine._checkpoint.lock.release()  # what the kernel does when the process dies
+    _die_in_step(engine, 3)
     monkeypatch.undo()
     assert ran_ahead == [True]
     assert StateFiles(tmp_path / "s" / STATE_DIR).read_journal() == []

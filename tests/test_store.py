@@ -160,6 +160,10 @@ def test_evict_from_the_device_to_the_host():
     assert torch.equal(store.read("e"), torch.full((100,), 3.0))
     with pytest.raises(ValueError, match="below"):
         store.evict("e", "host", to="host")
+    with store.hold("e", "device", dirty=True) as x:  # "below": where the store's own device victims go
+        x.add_(1)
+    store.evict("e", "device", to="below").get()
+    assert store.residency("e")[Tier.HOST] == CopyState.DIRTY and store.residency("e")[Tier.DISK] == CopyState.ABSENT
     store.close()
 
 

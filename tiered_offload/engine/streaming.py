@@ -27,7 +27,6 @@ from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.pipeline import UpdatePipeline
-from tiered_offload.store.tiers import Tier
 from tiered_offload.trace import span
 
 __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock", "UnitRun"]
@@ -514,10 +513,7 @@ class BlockStreamer:
             except TierCapacityError:  # the tier is split into holes by what is pinned
                 self._keep_in_memory(unit, index, need, room)
         if stash.key is not None and self.modes[index] == "offload":
-            # from the device, to the host tier (which passes it on to the disk if it needs the room)
-            below = self.store.compute_tier == Tier.DEVICE and self.store.capacity(Tier.HOST)
-            to = Tier.HOST if below and self.store.config.tier_caching == "exclusive" else Tier.DISK
-            self.store.evict(stash.key, self.store.compute_tier, to=to)
+            self.store.evict(stash.key, self.store.compute_tier, to="below")
 
     def _keep_in_memory(self, unit: Unit, index: int, need: int, room: int) -> None:
         """A block's backward could not pin its saved tensors beside its weights and gradients:

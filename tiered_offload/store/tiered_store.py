@@ -701,8 +701,14 @@ class TieredStore:
 
     def evict(self, key: str, tier: Tier | str, *, to: Tier | str = Tier.DISK) -> IOFuture:
         """Drop ``tier``'s copy, writing it back first if it is the only current one: to the disk,
-        or (``to="host"``, from the device) to the host tier."""
-        tier, to = self._memory_tier(tier), Tier.parse(to)
+        or (``to="host"``, from the device) to the host tier; ``to="below"``: where the store puts
+        its own victims from ``tier`` (with ``tier_caching="exclusive"``, a device copy goes to
+        the host tier, which passes it on to the disk if it needs the room)."""
+        tier = self._memory_tier(tier)
+        if to == "below":
+            to = Tier.HOST if (tier == Tier.DEVICE and self._arenas[Tier.HOST].capacity > 0
+                               and self.config.tier_caching == "exclusive") else Tier.DISK
+        to = Tier.parse(to)
         if to.value <= tier.value:
             raise ValueError(f"evict({key!r}, {tier.name}, to={to.name}): write back to a tier below it")
         with self._lock:
