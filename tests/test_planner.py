@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 def base(n=4):
     return Plan(modes=["recompute"] * n, blocks=[f"block.{i}" for i in range(n)], prefetch_depth=16, overlap_step=False,
-                host_split={"working_set": 60 * MiB, "activations_of_one_block": 30 * MiB, "cache": 10 * MiB})
+                host_split={"working_set": 60 * MiB, "activation_room": 30 * MiB, "cache": 10 * MiB})
 
 
 def measured(n=4, seconds=2.0, wait=0.2, fwd=0.1, act=20 * MiB, read=400 * MiB, written=400 * MiB, busy=0.8):
@@ -151,6 +151,39 @@ def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):
     assert any("% off" in r for r in engine.plan.reasons)
     engine.close()
 
+
+
+def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
+    """At a budget too short for the update beside the forward, the plan says which budget would let
+    the step overlap the next forward with room for a block's activations; an engine given that
+    budget does overlap, with that room."""
+    import re
+
+    from tiered_offload import Engine
+    from tiered_offload_examples.models import GPT, GPTConfig
+
+    def engine(path, host):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
+        return Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=path, host_memory=host, durable=False)
+    probe = engine(tmp_path / "probe", 1 << 30)
+    smallest = probe.minimum_budget()
+    probe.close()
+    short = engine(tmp_path / "short", smallest)
+    assert not short.overlap_step
+    _train(short, 3)
+    advice = [r for r in short.plan.reasons if r.startswith("the step runs inline")]
+    short.close()
+    assert len(advice) == 1, short.plan.summary()
+    budget, acts, unit = re.search(r"host_memory >= .*? \((\d+) bytes\) .*activations \(([\d.]+) (KiB|MiB)\)",
+                                   advice[0]).groups()
+    acts = float(acts) * (1024 if unit == "KiB" else 1 << 20)
+    roomy = engine(tmp_path / "roomy", int(budget))
+    assert roomy.overlap_step
+    assert min(roomy._streamer.activation_room.values()) >= 0.99 * acts  # the size printed, rounded
+    _train(roomy, 3)
+    assert not any(r.startswith("the step runs inline") for r in roomy.plan.reasons)
+    roomy.close()
 
 # ---- the step timeline and the per-step figures -------------------------------------------------------
 def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):

@@ -24,6 +24,11 @@ bytes moved per step, the disk throughput measured here, the I/O lower bound (by
 rate + bytes written / write rate) and the ratio step / max(compute, I/O bound).
 
     python tools/bench_train.py --d-model 512 --layers 8 --batch 8 --context 128 --rounds 5
+
+``--sweep 0.25,0.33,0.5`` runs, instead, plain PyTorch and the engine (``durable=False``) at each
+of those host budgets (fractions of the state), to show what a budget buys: its step time, whether
+its step overlaps the next forward, its activation modes, its disk bytes per step, and what its
+plan advises.
 """
 
 from __future__ import annotations
@@ -112,7 +117,11 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--volatile", action="store_true", help="also run the host and disk configurations with durable=False")
     ap.add_argument("--commit-every", type=int, default=1, help="commit the durable runs every N steps")
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
+    ap.add_argument("--sweep", default=None, help="comma-separated host budgets (fractions of the state): run plain "
+                                                  "PyTorch and the engine (durable=False) at each, nothing else")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     base = GPT(cfg)
@@ -201,6 +210,72 @@ def main() -> int:  # noqa: C901 - a script
         print(f"durability: host run durable/volatile = {med['host'] / med['host-volatile']:.2f}, "
               f"disk run durable/volatile = {med['disk'] / med['disk-volatile']:.2f} "
               f"(volatile: {med['host-volatile']:.3f} / {med['disk-volatile']:.3f} s/step)")
+    return 0
+
+
+def sweep(args) -> int:
+    """Plain PyTorch and the engine at each host budget of ``--sweep``, interleaved."""
+    fractions = [float(f) for f in args.sweep.split(",")]
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    base = GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    directory = args.path or tempfile.mkdtemp(prefix=".bench-train-", dir=os.getcwd())
+    opt_kwargs = dict(lr=1e-4, weight_decay=0.01)
+    engines = []
+    try:
+        ref = copy.deepcopy(base)
+        opt = torch.optim.AdamW(ref.parameters(), **opt_kwargs)
+
+        def ref_step(x):
+            loss_of(ref, x).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        configs = [Config("plain", ref_step)]
+        state = 16 * cfg.n_params()  # AdamW, every parameter trained: weights, gradients, m and v
+        for f in fractions:
+            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs, storage=os.path.join(directory, f"{f:g}"),
+                            host_memory=int(state * f), durable=False)
+            engines.append(engine)
+
+            def step(x, engine=engine):
+                engine.backward(loss_of(engine, x))
+                engine.clip_grad_norm_(1.0)
+                engine.step()
+                engine.zero_grad()
+            configs.append(Config(f"{f:g}", step, finish=engine.wait_committed, engine=engine))
+        for r in range(args.rounds + 1):
+            for c in configs if r % 2 == 0 else configs[::-1]:
+                c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
+                       for _ in range(args.steps_per_round)])
+        rows = []
+        for c in configs[1:]:
+            e = c.engine
+            advice = [r for r in e.plan.reasons if r.startswith("the step runs inline")]
+            rows.append((c, e.overlap_step, _modes(e.activation_modes), advice))
+        for e in engines:
+            e.close()
+        engines.clear()
+    finally:
+        for e in engines:
+            e.close()
+        if args.path is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    med = {c.name: statistics.median(c.per_step[1:]) for c in configs}  # the first round warms up
+    print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
+          f"{args.context} tokens; AdamW + clipping; {args.rounds} interleaved rounds of {args.steps_per_round} steps, "
+          f"medians; plain PyTorch {med['plain']:.3f} s/step")
+    print("| host budget | s/step | vs plain | step overlapped | activations | disk read / step | disk written / step |")
+    print("| --- | ---: | ---: | --- | --- | ---: | ---: |")
+    for c, overlapped, modes, _ in rows:
+        rd, wr = statistics.median(c.moved["read"][1:]), statistics.median(c.moved["written"][1:])
+        print(f"| {c.name} x state ({format_size(int(state * float(c.name)))}) | {med[c.name]:.3f} | "
+              f"{med[c.name] / med['plain']:.2f} | {'yes' if overlapped else 'no'} | {modes} | {format_size(rd)} | "
+              f"{format_size(wr)} |")
+    for c, _, _, advice in rows:
+        for a in advice:
+            print(f"plan at {c.name} x state: {a}")
     return 0
 
 

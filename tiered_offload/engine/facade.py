@@ -925,7 +925,7 @@ class Engine:
             overridden.append(f"overlap_step = {self.config.overlap_step} (EngineConfig.overlap_step)")
         return Plan(modes=self.activation_modes, blocks=[b.name for b in self.binding.blocks],
                     prefetch_depth=self.store.config.prefetch_depth, overlap_step=self.overlap_step,
-                    host_split={"working_set": min(need, cap), "activations_of_one_block": min(acts, max(0, cap - need)),
+                    host_split={"working_set": min(need, cap), "activation_room": min(acts, max(0, cap - need)),
                                 "cache": max(0, cap - need - acts)},
                     lower_tier=self._lower_tier(), overridden=overridden)
 
@@ -975,6 +975,9 @@ class Engine:
             room = [self._streamer.activation_room.get(i, 0) for i in range(len(self.binding.blocks))]
             m = measured[self._PLAN_FROM]
             self._plan = make_plan(self._plan, m, self._disk_rates(m), room, max(room, default=0), fixed)
+            advice = self._overlap_advice(m)
+            if advice:
+                self._plan.reasons.append(advice)
             self._streamer.modes = list(self._plan.modes)
             self._streamer.measure_graphs = False
             log.info("tiered-offload plan:\n%s", self._plan.summary())
@@ -982,6 +985,21 @@ class Engine:
             for note in self._plan.check(measured[1 + self._PLAN_FROM:]):
                 self._plan.reasons.append(note)
                 log.warning("tiered-offload: %s", note)
+
+    def _overlap_advice(self, m: StepMeasurement) -> str | None:
+        """When the step runs inline only because the budget is short (the state does not fit,
+        nobody configured it): the budget at which it would overlap the next forward, with room
+        for the largest block's saved activations beside it."""
+        cap = self.store.capacity(self.store.compute_tier)
+        if self.overlap_step or self.config.overlap_step is not None or self.schedule.fits(cap):
+            return None
+        tier = self.store.compute_tier.name.lower()
+        acts = max(m.graph_bytes, default=0)
+        need = self.schedule.overlap_budget(acts)
+        return (f"the step runs inline: the {tier} budget ({format_size(cap)}) cannot hold a unit being updated "
+                f"beside the forward, so reads and compute alternate in the step; {tier}_memory >= "
+                f"{format_size(need)} ({need} bytes) lets it overlap the next forward with room for a block's saved "
+                f"activations ({format_size(acts)})")
 
     def _disk_rates(self, m: StepMeasurement) -> DiskRates:
         """The disk's rates for the plan: the bench-io profile of its file system, else what the

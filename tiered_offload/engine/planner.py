@@ -78,8 +78,8 @@ class Plan:
     overlap_step: bool
     host_split: dict[str, int]
     """How the compute tier's budget is used: ``working_set`` (what one step pins at once),
-    ``activations_of_one_block`` (the most saved activations one block's backward may pin beside
-    it), ``cache`` (the rest: state and activations kept across phases)."""
+    ``activation_room`` (the most saved activations one block's backward may pin
+    beside it), ``cache`` (the rest: state and activations kept across phases)."""
     lower_tier: dict[str, int] | None = None
     """With a device tier: the host tier below it, ``budget`` and ``prefetch_window`` (the most
     bytes its lookahead fetches from the disk ahead of need). None on a CPU machine."""

@@ -252,8 +252,14 @@ class Schedule:
         compete for cores."""
         if self.state_bytes() <= capacity:
             return False
+        return capacity >= self.overlap_budget(0)
+
+    def overlap_budget(self, activation_bytes: int) -> int:
+        """The smallest compute-tier budget at which the step overlaps the next forward and a
+        block's backward still has room for ``activation_bytes`` of saved activations beside the
+        unit being updated (what the plan advises when the step runs inline)."""
         ws = self.working_set()
-        return capacity >= ws.optimizer + ws.forward_backward + ws.slack
+        return ws.optimizer + ws.forward_backward + ws.slack + activation_bytes
 
     def fits(self, capacity: int) -> bool:
         """Whether the whole training state fits ``capacity`` (nothing needs to go to disk)."""
