@@ -205,6 +205,41 @@ def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterr
     resumed.close()
 
 
+def test_small_units_share_the_commit_window_after_a_large_one(tmp_path, monkeypatch):
+    """The commit window counts bytes: a unit larger than it (a large tied embedding in the rest)
+    is updated alone, and the blocks after it several at a time, never more bytes in flight than
+    extra_disk_bytes() promises. Records are slowed so that units wait for them."""
+    import time
+
+    from tiered_offload.checkpoint import durable
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=2048, context=32, d_model=32, n_layers=10, n_heads=4))
+    n = sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory=int(16 * n * 0.6))
+    sizes = {u.name: engine.schedule.rewrite_bytes(u) for u in engine.units}
+    assert sizes["rest"] > engine.commit_window() >= 3 * sizes["block.0"]
+    in_flight = []
+    real_updated, real_record = durable.Committer.unit_updated, durable.Committer._record_when_durable
+
+    def noting(self, unit, futures, size=0):
+        assert size == sizes[unit]
+        real_updated(self, unit, futures, size)
+        with self._lock:
+            in_flight.append(dict(self._in_window))
+
+    def slow_record(self, unit, futures):
+        time.sleep(0.1)
+        real_record(self, unit, futures)
+    monkeypatch.setattr(durable.Committer, "unit_updated", noting)
+    monkeypatch.setattr(durable.Committer, "_record_when_durable", slow_record)
+    torch.manual_seed(1)
+    train(engine, 3)
+    engine.close()
+    assert in_flight and all(sum(f.values()) <= engine.extra_disk_bytes() for f in in_flight)
+    assert all(f == {"rest": sizes["rest"]} for f in in_flight if "rest" in f)  # the large unit alone
+    assert max(len(f) for f in in_flight) >= 3  # blocks together (a count of units allowed one)
+
+
 def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_only_that_step(
         tmp_path, uninterrupted, monkeypatch):
     """The step's intent (its gradients written and fsynced, then the record) is written beside the
@@ -219,8 +254,8 @@ def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_
     updated, ran_ahead = threading.Event(), []
     real_updated = durable.Committer.unit_updated
 
-    def noting(self, unit, futures):
-        real_updated(self, unit, futures)
+    def noting(self, unit, futures, size=0):
+        real_updated(self, unit, futures, size)
         updated.set()
 
     def dying(self, futures, start):  # the intent's gradients are written, the record never is

@@ -209,6 +209,17 @@ def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):
         assert all(e["args"]["bytes"] > 0 and e["args"]["tensor"] for e in io)
         assert any(e["name"].startswith("disk->host") for e in io) and any("->disk" in e["name"] for e in io)
         assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X")
+    # tools/trace_summary.py: where each step's time went, the phases adding up to the iteration
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from trace_summary import summarize
+    steps, rows, moved = summarize(json.loads((tmp_path / "run.json").read_text())["traceEvents"], skip=0)
+    assert steps == 1 and rows["forward: forward compute"] > 0 and rows["backward: wall"] > 0
+    parts = sum(rows[f"{p}: wall"] for p in ("forward", "loss", "backward", "step", "outside the engine"))
+    assert abs(parts - rows["iteration: wall"]) < 1e-6 * steps
+    assert rows.get("step: optimizer updates", 0) + rows.get("background step: updates", 0) > 0
+    assert moved["disk->host"] > 0 and moved["host->disk"] > 0
     assert stats.steps_measured == 2 and stats.step_seconds > 0
     assert stats.read_bytes_per_param_per_step > 0 and stats.written_bytes_per_param_per_step > 0
     assert stats.io_bound_seconds > 0 and stats.bytes_read == stats.store.bytes_read  # the store's counters too

@@ -72,17 +72,42 @@ def test_overlap_needs_room_for_an_update_beside_the_forward():
 
 def test_commit_window_keeps_extra_disk_within_a_quarter():
     s = Schedule(units(n_blocks=8, rest=1000), KINDS)
-    assert s.commit_window() == 3  # units of 12000 bytes of weights and states; a quarter of 144000 is 36000
+    # units (the rest too) of 12000 bytes of weights and states; a quarter of 144000 is 36000
+    assert s.commit_window() == 36000 and s.rewrite_bytes(s.blocks[0]) == s.rewrite_bytes(s.rest) == 12000
+    assert s.commit_admits([12000, 12000], 12000) and not s.commit_admits([12000, 12000, 12000], 12000)
     assert s.extra_disk_bytes(durable=True) <= 0.25 * s.state_bytes()
     assert s.extra_disk_bytes(durable=False) == 0
-    # a unit larger than a quarter of the state: still one at a time (the bound is then that unit)
-    assert Schedule(units(n_blocks=1, rest=50_000), KINDS).commit_window() == 1
-    # one large unit among small ones: the window counts the largest units, not k times the largest.
-    # Rewrites (weights + 2 states, 4 bytes): the rest 24000, each block 12000; state 160000, a quarter
-    # 40000: the rest and one block (36000) fit, where k x 24000 allowed one unit
-    mixed = Schedule(units(n_blocks=8, block=1000, rest=2000), KINDS)
-    assert mixed.state_bytes() == 160000 and mixed.commit_window() == 2
-    assert mixed.extra_disk_bytes(durable=True) == 36000 <= 0.25 * mixed.state_bytes()
+    # a unit larger than a quarter of the state goes alone (the bound is then that unit)
+    big = Schedule(units(n_blocks=1, rest=50_000), KINDS)
+    assert big.commit_admits([], big.rewrite_bytes(big.rest))
+    assert not big.commit_admits([big.rewrite_bytes(big.blocks[0])], big.rewrite_bytes(big.rest))
+    assert big.extra_disk_bytes(durable=True) == big.rewrite_bytes(big.rest) > 0.25 * big.state_bytes()
+
+
+def test_the_commit_window_counts_bytes_so_small_units_share_it_after_a_large_one():
+    """One large unit among small ones (a GPT-2's tied embedding among its blocks): the large one goes
+    alone, the small ones several at a time, and whatever order they come in, the bytes in flight
+    never exceed extra_disk_bytes."""
+    import random
+    # rewrites (weights + 2 states, 4 bytes): the rest 360000, each block 12000; state 800000, a
+    # quarter 200000: the rest alone, then up to 16 blocks at once (a count of units allowed one)
+    s = Schedule(units(n_blocks=20, block=1000, rest=30_000), KINDS)
+    assert s.state_bytes() == 800_000 and s.rewrite_bytes(s.rest) == 360_000 > s.commit_window() == 200_000
+    assert s.commit_admits([12000] * 15, 12000) and not s.commit_admits([12000] * 16, 12000)
+    assert not s.commit_admits([12000], 360_000)
+    bound = s.extra_disk_bytes(durable=True)
+    assert bound == 360_000
+    rng = random.Random(0)
+    for _ in range(200):  # units start when admitted and finish (are recorded) in any order
+        todo = [s.rewrite_bytes(u) for u in s.units]
+        rng.shuffle(todo)
+        flight: list[int] = []
+        while todo or flight:
+            if todo and s.commit_admits(flight, todo[0]) and (not flight or rng.random() < 0.7):
+                flight.append(todo.pop(0))
+            else:
+                flight.pop(rng.randrange(len(flight)))
+            assert sum(flight) <= bound
 
 
 def test_a_schedule_needs_one_rest_unit():

@@ -388,7 +388,8 @@ class Committer:
         """Gradient key -> ``(ref,)`` of the disk copy the intent in flight names (None: not yet known)."""
         self._intent_durable = False
         self._waiting: set[str] = set()
-        self._in_window: set[str] = set()
+        self._in_window: dict[str, int] = {}
+        """Units updated but not yet recorded, and the bytes of their new extents."""
         self._meta: dict = {}
         self._step = 0
         self._snapshotting = False
@@ -470,7 +471,7 @@ class Committer:
             self._intent_grads = dict.fromkeys(keys)
             self._intent_durable = False
             self._waiting = set(self.units)
-            self._in_window = set()
+            self._in_window = {}
         try:
             futures = [self.store.write_back(k) for k in keys]
             for k, f in zip(keys, futures):
@@ -520,18 +521,24 @@ class Committer:
                 self._error = e
                 self._lock.notify_all()
 
-    def throttle(self, window: int) -> None:
-        """Wait until fewer than ``window`` updated units are not yet recorded (bounds the extra disk)."""
+    def throttle(self, size: int, admits: Callable[[list[int], int], bool]) -> None:
+        """Wait until ``admits(bytes of the units updated but not yet recorded, size)``: a unit
+        whose new extents take ``size`` bytes may be updated (bounds the extra disk)."""
         with self._lock:
-            while len(self._in_window) >= window and self._error is None:
-                self._lock.wait()
+            if not admits(list(self._in_window.values()), size) and self._error is None:
+                start = time.perf_counter()
+                while not admits(list(self._in_window.values()), size) and self._error is None:
+                    self._lock.wait()
+                if self.store.tracer is not None:
+                    self.store.tracer.complete("wait commit window", "wait", start, bytes=size)
             if self._error is not None:
                 raise self._error
 
-    def unit_updated(self, unit: str, futures: list) -> None:
-        """``unit``'s new weights and states are being written (``futures``): record them once durable."""
+    def unit_updated(self, unit: str, futures: list, size: int = 0) -> None:
+        """``unit``'s new weights and states (``size`` bytes) are being written (``futures``):
+        record them once durable."""
         with self._lock:
-            self._in_window.add(unit)
+            self._in_window[unit] = size
         self._pool.submit(self._record_when_durable, unit, futures)
 
     def _record_when_durable(self, unit: str, futures: list) -> None:
@@ -552,7 +559,7 @@ class Committer:
             with self._lock:
                 garbage = self._record_unit(unit, record["tensors"])
                 self._waiting.discard(unit)
-                self._in_window.discard(unit)
+                self._in_window.pop(unit, None)
                 finished = not self._waiting
                 self._lock.notify_all()
             self._delete(garbage)

@@ -110,11 +110,11 @@ class CheckpointSession:
     def begin_step(self, intent: dict, *, wait: bool = False) -> None:
         self.committer.begin_step(intent, wait=wait)
 
-    def throttle(self, window: int) -> None:
-        self.committer.throttle(window)
+    def throttle(self, size: int, admits) -> None:
+        self.committer.throttle(size, admits)
 
-    def unit_updated(self, unit: str, futures: Iterable) -> None:
-        self.committer.unit_updated(unit, list(futures))
+    def unit_updated(self, unit: str, futures: Iterable, size: int = 0) -> None:
+        self.committer.unit_updated(unit, list(futures), size)
 
     def snapshot(self, step: int, meta: dict) -> None:
         """Commit the state after ``step`` as the store holds it now (in the background)."""

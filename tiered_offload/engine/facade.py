@@ -227,6 +227,7 @@ class Engine:
         self._delete_stale_activations()
         self.schedule = Schedule(self.units, tuple(self._state_kinds),
                                  lambda n: self.store.footprint(n, self.store.compute_tier))
+        self._units_by_name = {u.name: u for u in self.units}
         self._snapshot_commits = self.durable and self._sharding is None and (
             commit_every > 1 or self.schedule.fits(self.store.capacity(self.store.compute_tier)))
         """Commit by snapshot (background, every ``commit_every`` steps) rather than by the journal's
@@ -266,8 +267,8 @@ class Engine:
         self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel)
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
-            before_each=lambda: (self._checkpoint is not None and not self._snapshot_commits
-                                 and self._checkpoint.throttle(self.commit_window())),
+            before_each=lambda name: (self._checkpoint is not None and not self._snapshot_commits
+                                      and self._throttle(self._units_by_name[name])),
             on_error=lambda e: self._checkpoint is not None and self._checkpoint.fail(e))
         """The optimizer step over units, inline or in the background."""
         self._optimizer_view: _OptimizerView | None = None
@@ -400,9 +401,14 @@ class Engine:
         return FP32_BYTES * sum(n for u in self.units for n in self._sharding.layout(u).shapes(self._state_kinds).values())
 
     def commit_window(self) -> int:
-        """Units whose new weights and states may coexist on disk with the committed ones (durable mode):
-        as many as keep the extra space within a quarter of the state, and at least one."""
+        """Bytes of new weights and states that may coexist on disk with the committed ones (durable
+        mode, journal commits): a quarter of the state. A unit waits before its update until the
+        units updated but not yet recorded and it fit; a unit larger than the window goes alone."""
         return self.schedule.commit_window()
+
+    def _throttle(self, unit: Unit) -> None:
+        """Wait until ``unit``'s update fits the commit window (journal commits)."""
+        self._checkpoint.throttle(self.schedule.rewrite_bytes(unit), self.schedule.commit_admits)
 
     def extra_disk_bytes(self) -> int:
         """Most disk space beyond :meth:`state_bytes` a step can need (durable mode: the commit window)."""
@@ -689,7 +695,7 @@ class Engine:
         updates = self._replayed_updates(intent)
         for unit in self.schedule.update_order():
             if unit.name in todo:
-                self._checkpoint.throttle(self.commit_window())
+                self._throttle(unit)
                 self._update_unit(unit, hypers, scale, updates)
 
     def _meta(self) -> dict:
@@ -1046,16 +1052,16 @@ class Engine:
         args, kwargs = self._to_device((args, kwargs))
         if self._sharding is not None:
             self._sharding.where = f"step {self.step_count + 1}, forward"
-        self._phase(Phase.FORWARD)
-        self._streamer.bind_rest()
-        try:
-            with span(self._tracer, "forward", "phase"):
+        with span(self._tracer, "forward", "phase"):  # binding the rest (its waits) included
+            self._phase(Phase.FORWARD)
+            self._streamer.bind_rest()
+            try:
                 return self.model(*args, **kwargs)
-        except TieredOffloadError:
-            raise
-        except (TypeError, ValueError, RuntimeError, IndexError) as e:
-            raise ModelInputError(f"{type(self.model).__name__}.forward rejected the batch: {e}. Check the inputs' "
-                                  f"shapes, dtypes and keyword names against what the model expects") from e
+            except TieredOffloadError:
+                raise
+            except (TypeError, ValueError, RuntimeError, IndexError) as e:
+                raise ModelInputError(f"{type(self.model).__name__}.forward rejected the batch: {e}. Check the "
+                                      f"inputs' shapes, dtypes and keyword names against what the model expects") from e
 
     @_engine_time
     def backward(self, loss: torch.Tensor) -> None:
@@ -1080,8 +1086,9 @@ class Engine:
             # the last step's gradients stay on disk until every unit of it is recorded: wait, so
             # this backward's gradients never need a second copy alongside them (the forward has
             # waited for every unit it used; a unit it skipped is updated now)
-            self._await()
-            self._checkpoint.wait()
+            with span(self._tracer, "wait last step's commit", "wait"):
+                self._await()
+                self._checkpoint.wait()
         try:
             with span(self._tracer, "backward", "phase"):
                 loss.backward()
@@ -1217,7 +1224,7 @@ class Engine:
                 self._sharding.barrier("every rank's intent")
         self.store.declare_access_sequence(self._sequence(self._phases))
         self._phases = []
-        by_name = {u.name: u for u in self.units}
+        by_name = self._units_by_name
         self._pipeline.run([u.name for u in self.schedule.update_order()],
                            lambda name: self._update_unit(by_name[name], hypers, scale, todo),
                            background=self.overlap_step, then=then)
@@ -1256,7 +1263,7 @@ class Engine:
             futures = self._updater.update(unit, hypers, scale, todo, write_behind=write_behind,
                                            weights_behind=journal, shard=self._sharding and self._sharding.layout(unit))
         if journal:
-            self._checkpoint.unit_updated(unit.name, futures)
+            self._checkpoint.unit_updated(unit.name, futures, self.schedule.rewrite_bytes(unit))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget every gradient, as ``optimizer.zero_grad()`` (set to None) does: no parameter has

@@ -19,11 +19,11 @@ class UpdatePipeline:
 
     Args:
         lead: how many units the background step may run ahead of the forward.
-        before_each: called before each unit's update (the commit protocol throttles there).
+        before_each: called with each unit's name before its update (the commit protocol throttles there).
         on_error: called with the exception that stopped a background step.
     """
 
-    def __init__(self, lead: int, *, before_each: Callable[[], None] | None = None,
+    def __init__(self, lead: int, *, before_each: Callable[[str], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None):
         self.lead = lead
         self.before_each = before_each
@@ -76,7 +76,7 @@ class UpdatePipeline:
                 while not self._free_run and index - self._forward_at > self.lead:
                     self._progress.wait()
             if self.before_each is not None:
-                self.before_each()
+                self.before_each(name)
             update(name)
             with self._lock:
                 for fn in self._after.pop(name, ()):

@@ -10,8 +10,8 @@ from their sizes alone, so a test can drive it with numbers:
   the keys, which the store's lookahead policy prefetches and evicts by;
 * :meth:`Schedule.working_set`: the bytes one step needs resident at once (the budget check and
   the error that names the minimum budget);
-* :meth:`Schedule.overlap_fits`, :meth:`Schedule.commit_window`: whether the optimizer step may
-  run in the background, and how many updated units may wait for their commit record.
+* :meth:`Schedule.overlap_fits`, :meth:`Schedule.commit_admits`: whether the optimizer step may
+  run in the background, and which updated units may wait for their commit record together.
 """
 
 from __future__ import annotations
@@ -266,25 +266,26 @@ class Schedule:
         return self.state_bytes() <= capacity
 
     def commit_window(self) -> int:
-        """Units whose new weights and states may coexist on disk with the committed ones (durable
-        mode): as many as keep the extra space within a quarter of the state whichever units they
-        are (the largest ones counted), and at least one."""
-        budget, total, k = 0.25 * self.state_bytes(), 0, 0
-        for size in self._rewrite_sizes():
-            if total + size > budget:
-                break
-            total, k = total + size, k + 1
-        return max(1, k)
+        """Bytes of new weights and optimizer states that may coexist on disk with the committed
+        ones (durable mode): a quarter of the state. See :meth:`commit_admits`."""
+        return self.state_bytes() // 4
+
+    def rewrite_bytes(self, unit: UnitLayout) -> int:
+        """Disk bytes a unit's new weights and optimizer states take."""
+        return (unit.numel + len(self.state_kinds) * unit.state_numel) * FP32_BYTES
+
+    def commit_admits(self, in_flight: Iterable[int], size: int) -> bool:
+        """Whether a unit whose rewrite takes ``size`` bytes may be updated while units of
+        ``in_flight`` bytes are updated but not yet recorded: when they all fit the commit window,
+        or when none is in flight (a unit larger than the window goes alone)."""
+        in_flight = list(in_flight)
+        return not in_flight or sum(in_flight) + size <= self.commit_window()
 
     def extra_disk_bytes(self, durable: bool) -> int:
-        """Most disk space beyond :meth:`state_bytes` a step can need (durable: the commit window's
-        units, the largest ones)."""
+        """Most disk space beyond :meth:`state_bytes` a step can need (durable: the units in the
+        commit window, or the largest unit alone when it is larger)."""
         if not durable:
             return 0
-        return sum(self._rewrite_sizes()[:self.commit_window()])
-
-    def _rewrite_sizes(self) -> list[int]:
-        """Disk bytes each unit's new weights and optimizer states take, largest first."""
-        return sorted(((u.numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units),
-                      reverse=True)
+        sizes = [self.rewrite_bytes(u) for u in self.units]
+        return max(max(sizes), min(self.commit_window(), sum(sizes)))
 

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Where a step's time went, from an engine trace (``Engine(..., trace="run.json")``).
+
+Per training step (from one forward to the next), averaged over the steps after ``--skip``:
+
+* the calling thread: each phase's wall time (forward; "loss", from the forward's end to the
+  backward's start: the loss, and in durable mode the wait for the last step's commit; backward;
+  and the step: from the end of
+  backward to the end of the engine's last work before the next forward, the optimizer inline
+  included), and inside it the block compute, the waits for bytes by kind of tensor, the saving
+  of activations, the waits for the commit window, and what no span covers (Python, the loss,
+  the model's modules that are not streamed); then the time outside the engine (the training
+  loop's own work, or in an interleaved benchmark the other configurations);
+* the other threads: the background step's updates and waits, the journal's intent and commits,
+  and the disk transfers (seconds any transfer of each direction was in flight, and bytes).
+
+    python tools/bench_train.py --volatile --trace run.json
+    python tools/trace_summary.py run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+
+def _kind(name: str) -> str:
+    """``wait block.3/state.exp_avg.1`` -> ``state``; ``wait block.3/activations.1`` -> ``activations``."""
+    if name == "wait commit window":
+        return "commit window"
+    tensor = name.split(" ", 1)[1] if " " in name else name
+    kind = tensor.split("/", 1)[1] if "/" in tensor else tensor
+    return kind.split(".", 1)[0]
+
+
+def _busy(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float], dict[str, float]]:
+    """``(steps, seconds per step by row, bytes per step by direction)`` of a trace's events."""
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
+    main_tid = next((t for t, n in names.items() if n == "MainThread"), None)
+    starts = [e["ts"] for e in spans if e["tid"] == main_tid and e["cat"] == "phase" and e["name"] == "forward"]
+    if len(starts) < skip + 2:
+        raise SystemExit(f"the trace holds {len(starts)} forwards; at least {skip + 2} are needed (--skip {skip})")
+    lo, hi = starts[skip], starts[-1]
+    steps = len(starts) - 1 - skip
+    rows: dict[str, float] = collections.defaultdict(float)
+    moved: dict[str, float] = collections.defaultdict(float)
+    io: dict[str, list] = collections.defaultdict(list)
+    phases = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans
+              if e["tid"] == main_tid and e["cat"] == "phase" and lo <= e["ts"] < hi]
+
+    def phase_of(ts: float) -> str:
+        before = None
+        for a, b, name in phases:
+            if a <= ts < b:
+                return name
+            if b <= ts:
+                before = name
+        return "loss" if before == "forward" else "step"
+    covered: dict[str, list] = collections.defaultdict(list)
+    for e in spans:
+        if not lo <= e["ts"] < hi:
+            continue
+        sec = e["dur"] / 1e6
+        thread = names.get(e["tid"], str(e["tid"]))
+        if e["tid"] == main_tid:
+            if e["cat"] == "phase":
+                rows[f"{e['name']}: wall"] += sec
+                continue
+            phase = phase_of(e["ts"])
+            what = {"compute": "compute", "optimizer": "optimizer updates", "activations": "saving activations"}.get(
+                e["cat"], f"wait for {_kind(e['name'])}" if e["cat"] == "wait" else e["cat"])
+            if e["cat"] == "compute":
+                what = f"{e['name'].split(' ')[0]} compute"
+            rows[f"{phase}: {what}"] += sec
+            if e["cat"] != "wait" or not any(a <= e["ts"] < b for a, b in covered[phase]):
+                covered[phase].append((e["ts"], e["ts"] + e["dur"]))
+        elif e["cat"] == "io":
+            direction = e["name"].split(" ", 1)[0]
+            io[direction].append((e["ts"], e["ts"] + e["dur"]))
+            moved[direction] += e.get("args", {}).get("bytes", 0)
+        elif thread.startswith("tiered-offload-step"):
+            rows[f"background step: {'updates' if e['cat'] == 'optimizer' else 'waits' if e['cat'] == 'wait' else e['cat']}"] += sec
+        elif e["cat"] == "commit":
+            rows[f"journal: {e['name'].split(' ')[0]}"] += sec
+    step_wall = (hi - lo) / 1e6
+    # the step phase: from each backward's end to the end of the last thing the calling thread did
+    # in the engine before the next forward; after that it was elsewhere (the training loop's own
+    # work, or another configuration of an interleaved benchmark)
+    bounds = starts[skip:]
+    for a, b in zip(bounds, bounds[1:]):
+        fwd_end = max((q for p_, q, n in phases if a <= p_ < b and n == "forward"), default=a)
+        bwd = [(p_, q) for p_, q, n in phases if a <= p_ < b and n == "backward"]
+        bwd_end = max((q for _, q in bwd), default=fwd_end)
+        rows["loss: wall"] += (min((p_ for p_, _ in bwd), default=fwd_end) - fwd_end) / 1e6
+        last = max([bwd_end] + [e["ts"] + e["dur"] for e in spans
+                                if e["tid"] == main_tid and e["cat"] != "phase" and bwd_end <= e["ts"] < b])
+        rows["step: wall"] += (min(last, b) - bwd_end) / 1e6
+        rows["outside the engine: wall"] += (b - min(last, b)) / 1e6
+    for phase in ("forward", "loss", "backward", "step"):
+        inside = _busy(covered[phase]) / 1e6
+        rows[f"{phase}: not in any span"] = max(0.0, rows.get(f"{phase}: wall", 0.0) - inside)
+    for direction, intervals in io.items():
+        rows[f"disk {direction}: in flight"] = _busy(intervals) / 1e6
+    rows["iteration: wall"] = step_wall
+    return steps, {k: v / steps for k, v in rows.items()}, {k: v / steps for k, v in moved.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="a trace the engine wrote")
+    ap.add_argument("--skip", type=int, default=2, help="steps to leave out at the start (warm-up, planning)")
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        events = json.load(f)["traceEvents"]
+    steps, rows, moved = summarize(events, args.skip)
+    print(f"{steps} steps after the first {args.skip}; seconds per step")
+    order = ["forward", "loss", "backward", "step", "outside the engine", "background step", "journal", "disk", "iteration"]
+    for group in order:
+        for k in sorted(k for k in rows if k.startswith(group + ":") or (group == "disk" and k.startswith("disk "))):
+            if rows[k] >= 0.0005 or k.endswith("wall"):
+                print(f"  {k:40s} {rows[k]:8.3f}")
+    for direction, n in sorted(moved.items()):
+        print(f"  {direction + ' bytes':40s} {n / 2**20:8.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
