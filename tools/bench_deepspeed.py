@@ -150,6 +150,8 @@ def main() -> int:
     ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--path", default=None, help="where the state goes (default: a temp dir under cwd)")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--trace", default=None, help="write the durable engine's step timeline (Chrome trace) here "
+                                                  "(tools/trace_summary.py reads it)")
     args = ap.parse_args()
     from tiered_offload import Engine
     cfg, ref = build(args.layers, args.d_model)
@@ -188,7 +190,7 @@ def main() -> int:
             return Config(name, step, finish=engine.wait_committed)
 
         configs = [Config("plain", plain_step), deepspeed_config(cfg, ref, directory, args.batch),
-                   engine_config("engine"), engine_config("engine-volatile", durable=False),
+                   engine_config("engine", trace=args.trace), engine_config("engine-volatile", durable=False),
                    engine_config("engine-commit-every-4", commit_every=4)]
         half = int(engines[0].state_bytes() * 0.5)
         configs.append(engine_config("engine-volatile-half-state", half, durable=False))
