@@ -103,6 +103,30 @@ class Config:
             self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
 
 
+OPT_KWARGS = dict(lr=1e-4, weight_decay=0.01)
+
+
+def _setup(args):
+    """The model (seeded), the batches' generator and the storage directory of a run."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    directory = args.path or tempfile.mkdtemp(prefix=".bench-train-", dir=os.getcwd())
+    return cfg, GPT(cfg), torch.Generator().manual_seed(1), directory
+
+
+def _plain(base) -> Config:
+    """Plain PyTorch on a copy of ``base``: AdamW, clipping at 1.0."""
+    ref = copy.deepcopy(base)
+    opt = torch.optim.AdamW(ref.parameters(), **OPT_KWARGS)
+
+    def ref_step(x):
+        loss_of(ref, x).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return Config("plain", ref_step)
+
+
 def main() -> int:  # noqa: C901 - a script
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=512)
@@ -122,25 +146,11 @@ def main() -> int:  # noqa: C901 - a script
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
-    base = GPT(cfg)
-    g = torch.Generator().manual_seed(1)
-    directory = args.path or tempfile.mkdtemp(prefix=".bench-train-", dir=os.getcwd())
-    opt_kwargs = dict(lr=1e-4, weight_decay=0.01)
+    cfg, base, g, directory = _setup(args)
     engines = []
     try:
-        ref = copy.deepcopy(base)
-        opt = torch.optim.AdamW(ref.parameters(), **opt_kwargs)
-
-        def ref_step(x):
-            loss_of(ref, x).backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-
         def engine_config(name, host_budget, recompute="auto", durable=True, activations="auto", trace=None):
-            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs, storage=os.path.join(directory, name),
+            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, name),
                             host_memory=host_budget, recompute=recompute, durable=durable,
                             commit_every=args.commit_every if durable else 1,
                             config=EngineConfig(activations=activations), trace=trace)
@@ -158,7 +168,7 @@ def main() -> int:  # noqa: C901 - a script
 
         state = 16 * cfg.n_params()
         roomy = int(state * 1.6) + (64 << 20)
-        plain = Config("plain", ref_step)
+        plain = _plain(base)
         host = engine_config("host", roomy)
         compute = engine_config("compute", roomy, recompute=False, durable=False)
         small = int(engines[0].state_bytes() * args.host_fraction)
@@ -216,26 +226,13 @@ def main() -> int:  # noqa: C901 - a script
 def sweep(args) -> int:
     """Plain PyTorch and the engine at each host budget of ``--sweep``, interleaved."""
     fractions = [float(f) for f in args.sweep.split(",")]
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
-    base = GPT(cfg)
-    g = torch.Generator().manual_seed(1)
-    directory = args.path or tempfile.mkdtemp(prefix=".bench-train-", dir=os.getcwd())
-    opt_kwargs = dict(lr=1e-4, weight_decay=0.01)
+    cfg, base, g, directory = _setup(args)
     engines = []
     try:
-        ref = copy.deepcopy(base)
-        opt = torch.optim.AdamW(ref.parameters(), **opt_kwargs)
-
-        def ref_step(x):
-            loss_of(ref, x).backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-        configs = [Config("plain", ref_step)]
+        configs = [_plain(base)]
         state = 16 * cfg.n_params()  # AdamW, every parameter trained: weights, gradients, m and v
         for f in fractions:
-            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, opt_kwargs, storage=os.path.join(directory, f"{f:g}"),
+            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, f"{f:g}"),
                             host_memory=int(state * f), durable=False)
             engines.append(engine)
 
