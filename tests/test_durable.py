@@ -221,7 +221,7 @@ def test_small_units_share_the_commit_window_after_a_large_one(tmp_path, monkeyp
     in_flight = []
     real_updated, real_record = durable.Committer.unit_updated, durable.Committer._record_when_durable
 
-    def noting(self, unit, futures, size=0):
+    def noting(self, unit, futures, size):
         assert size == sizes[unit]
         real_updated(self, unit, futures, size)
         with self._lock:
@@ -254,7 +254,7 @@ def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_
     updated, ran_ahead = threading.Event(), []
     real_updated = durable.Committer.unit_updated
 
-    def noting(self, unit, futures, size=0):
+    def noting(self, unit, futures, size):
         real_updated(self, unit, futures, size)
         updated.set()
 

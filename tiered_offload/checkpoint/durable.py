@@ -534,7 +534,7 @@ class Committer:
             if self._error is not None:
                 raise self._error
 
-    def unit_updated(self, unit: str, futures: list, size: int = 0) -> None:
+    def unit_updated(self, unit: str, futures: list, size: int) -> None:
         """``unit``'s new weights and states (``size`` bytes) are being written (``futures``):
         record them once durable."""
         with self._lock:

@@ -110,10 +110,10 @@ class CheckpointSession:
     def begin_step(self, intent: dict, *, wait: bool = False) -> None:
         self.committer.begin_step(intent, wait=wait)
 
-    def throttle(self, size: int, admits) -> None:
+    def throttle(self, size: int, admits: Callable[[list[int], int], bool]) -> None:
         self.committer.throttle(size, admits)
 
-    def unit_updated(self, unit: str, futures: Iterable, size: int = 0) -> None:
+    def unit_updated(self, unit: str, futures: Iterable, size: int) -> None:
         self.committer.unit_updated(unit, list(futures), size)
 
     def snapshot(self, step: int, meta: dict) -> None:
