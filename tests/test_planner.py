@@ -97,10 +97,10 @@ def _engine(tmp_path, **config):
                   durable=False, config=EngineConfig(**config))
 
 
-def _train(engine, steps, batch=8):
+def _train(engine, steps, batch=8, vocab=128):
     torch.manual_seed(1)
     for _ in range(steps):
-        x = torch.randint(0, 128, (batch, 33))
+        x = torch.randint(0, vocab, (batch, 33))
         engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
         engine.step()
         engine.zero_grad()
@@ -184,6 +184,26 @@ def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     _train(roomy, 3)
     assert not any(r.startswith("the step runs inline") for r in roomy.plan.reasons)
     roomy.close()
+
+
+def test_an_inline_step_whose_overlap_needs_the_whole_state_is_told_so(tmp_path):
+    """A large tied embedding (the rest unit) dominates: updating it beside the forward needs more
+    than the whole state, so the plan names the budget that holds the state instead."""
+    from tiered_offload import Engine
+    from tiered_offload_examples.models import GPT, GPTConfig
+
+    def engine(path, host):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=2048, context=32, d_model=32, n_layers=4, n_heads=4))
+        return Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=path, host_memory=host, durable=False)
+    probe = engine(tmp_path / "probe", 1 << 30)
+    smallest, state = probe.minimum_budget(), probe.state_bytes()
+    probe.close()
+    short = engine(tmp_path / "short", smallest)
+    _train(short, 3, vocab=2048)
+    advice = [r for r in short.plan.reasons if r.startswith("the step runs inline")]
+    short.close()
+    assert len(advice) == 1 and advice[0].endswith(f"({state} bytes) holds the whole training state"), advice
 
 # ---- the step timeline and the per-step figures -------------------------------------------------------
 def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):

@@ -1002,10 +1002,13 @@ class Engine:
         tier = self.store.compute_tier.name.lower()
         acts = max(m.graph_bytes, default=0)
         need = self.schedule.overlap_budget(acts)
-        return (f"the step runs inline: the {tier} budget ({format_size(cap)}) cannot hold a unit being updated "
-                f"beside the forward, so reads and compute alternate in the step; {tier}_memory >= "
-                f"{format_size(need)} ({need} bytes) lets it overlap the next forward with room for a block's saved "
-                f"activations ({format_size(acts)})")
+        why = (f"the step runs inline: the {tier} budget ({format_size(cap)}) cannot hold a unit being updated "
+               f"beside the forward, so reads and compute alternate in the step; ")
+        if self.schedule.fits(need):  # that much holds the whole state: nothing left to overlap
+            state = self.schedule.state_bytes()
+            return why + f"{tier}_memory >= {format_size(state)} ({state} bytes) holds the whole training state"
+        return why + (f"{tier}_memory >= {format_size(need)} ({need} bytes) lets it overlap the next forward with "
+                      f"room for a block's saved activations ({format_size(acts)})")
 
     def _disk_rates(self, m: StepMeasurement) -> DiskRates:
         """The disk's rates for the plan: the bench-io profile of its file system, else what the
