@@ -10,7 +10,9 @@ Per training step (from one forward to the next), averaged over the steps after 
   included), and inside it the block compute, the waits for bytes by kind of tensor, the saving
   of activations, the waits for the commit window, and what no span covers (Python, the loss,
   the model's modules that are not streamed); then the time outside the engine (the training
-  loop's own work, or in an interleaved benchmark the other configurations);
+  loop's own work, or in an interleaved benchmark the other configurations). A phase's rows can
+  overlap: the waits of an inline update are inside its update span; "not in any span" is the
+  time none of them covers;
 * the other threads: the background step's updates and waits, the journal's intent and commits,
   and the disk transfers (seconds any transfer of each direction was in flight, and bytes).
 
