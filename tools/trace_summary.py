@@ -5,14 +5,13 @@ Per training step (from one forward to the next), averaged over the steps after 
 
 * the calling thread: each phase's wall time (forward; "loss", from the forward's end to the
   backward's start: the loss, and in durable mode the wait for the last step's commit; backward;
-  and the step: from the end of
-  backward to the end of the engine's last work before the next forward, the optimizer inline
-  included), and inside it the block compute, the waits for bytes by kind of tensor, the saving
-  of activations, the waits for the commit window, and what no span covers (Python, the loss,
-  the model's modules that are not streamed); then the time outside the engine (the training
-  loop's own work, or in an interleaved benchmark the other configurations). A phase's rows can
-  overlap: the waits of an inline update are inside its update span; "not in any span" is the
-  time none of them covers;
+  and the step, from the end of backward to the end of the engine's last work before the next
+  forward, the optimizer inline included), and inside each the block compute, the waits for
+  bytes by kind of tensor, the saving of activations, the waits for the commit window, and what
+  no span covers (Python, the loss, the model's modules that are not streamed); then the time
+  outside the engine (the training loop's own work, or in an interleaved benchmark the other
+  configurations). A phase's rows can overlap: the waits of an inline update are inside its
+  update span; "not in any span" is the time none of them covers;
 * the other threads: the background step's updates and waits, the journal's intent and commits,
   and the disk transfers (seconds any transfer of each direction was in flight, and bytes).
 
