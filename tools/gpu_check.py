@@ -179,6 +179,11 @@ def _pytest_counts(text: str) -> dict:
     return counts
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def tests_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
         out = {}
@@ -191,6 +196,10 @@ def tests_section(check: Check, quick: bool):
         ]
         ok = True
         for name, args, env in groups:
+            if env.get("TIERED_OFFLOAD_TEST_STORE_DEVICE") == "cuda" and not _cuda():
+                out[name] = {"status": "skipped: no CUDA"}
+                check.say(f"   {name}: skipped: no CUDA")
+                continue
             code, text = check.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *args],
                                    max(10.0, min(limit / 2, check.left() - 5)), env)
             out[name] = _pytest_counts(text) | {"exit": code}
@@ -233,6 +242,8 @@ def _benchmark(check: Check, script: str, name: str, args: list[str], limit: flo
 
 def step_time_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
+        if not _cuda():  # a GPU benchmark: on the CPU the 1B model would only run out of time
+            return {"status": "skipped: no CUDA"}
         args = ["--steps", "4", "--plain-steps", "4"]  # the first a warm-up: the median of three
         if quick:
             args = ["--layers", "4", "--d-model", "1024", "--heads", "8", "--steps", "2", "--plain-steps", "3",
@@ -243,6 +254,8 @@ def step_time_section(check: Check, quick: bool):
 
 def tiers_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
+        if not _cuda():  # tools/bench_tiers.py itself runs the same comparison on the CPU
+            return {"status": "skipped: no CUDA"}
         size = ["--d-model", "512", "--layers", "8"] if quick else ["--d-model", "1024", "--layers", "8", "--vocab",
                                                                     "32768", "--context", "512"]
         return _benchmark(check, "bench_tiers.py", "tiers",
