@@ -424,8 +424,7 @@ class Committer:
                 self._latest.pop(key, None)
             else:
                 self._latest[key] = extent
-                if self._intent_grads.get(key, 0) is None:  # the intent in flight names this gradient copy
-                    self._take_intent_grad(key, (extent, crc))
+                self._take_intent_grad(key, (extent, crc))  # if the intent in flight names this gradient copy
             garbage = [old] if old is not None and old != extent and old not in self._refs else []
         self._delete(garbage)
 

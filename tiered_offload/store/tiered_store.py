@@ -706,8 +706,7 @@ class TieredStore:
         the host tier, which passes it on to the disk if it needs the room)."""
         tier = self._memory_tier(tier)
         if to == "below":
-            to = Tier.HOST if (tier == Tier.DEVICE and self._arenas[Tier.HOST].capacity > 0
-                               and self.config.tier_caching == "exclusive") else Tier.DISK
+            to = Tier.HOST if self._demotes(tier) else Tier.DISK
         to = Tier.parse(to)
         if to.value <= tier.value:
             raise ValueError(f"evict({key!r}, {tier.name}, to={to.name}): write back to a tier below it")
@@ -867,8 +866,7 @@ class TieredStore:
                 stale = victim.slots[tier].version != victim.version
                 # The device and host tiers cache different tensors: a current device copy the
                 # host lacks moves down to the host (a PCIe copy), not out to the disk
-                demote = (tier == Tier.DEVICE and not stale and not victim.zero and not victim.valid(Tier.HOST)
-                          and self._arenas[Tier.HOST].capacity > 0 and self.config.tier_caching == "exclusive")
+                demote = self._demotes(tier) and not stale and not victim.zero and not victim.valid(Tier.HOST)
                 if stale or (victim.held_elsewhere(tier) and not demote):
                     self._drop_slot(victim, tier)
                     self._stats.evictions[tier] += 1
@@ -888,6 +886,12 @@ class TieredStore:
             if not block:
                 return None
             fut.get()
+
+    def _demotes(self, tier: Tier) -> bool:
+        """Whether a copy leaving ``tier`` moves down to the host tier (the device and host tiers
+        caching different tensors) rather than out to the disk."""
+        return (tier == Tier.DEVICE and self._arenas[Tier.HOST].capacity > 0
+                and self.config.tier_caching == "exclusive")
 
     def _pick_victim(self, tier: Tier, exclude: TensorRecord, further_than: float | None) -> TensorRecord | None:
         candidates = {r.key: r for r in self._records.values()
