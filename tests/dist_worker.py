@@ -83,13 +83,13 @@ def _kill_during_update(engine, step: int, after_units: int) -> None:
     written theirs and this one has not)."""
     import signal
     if after_units < 0:
-        begin = engine._checkpoint.begin_step
+        begin = engine._commits.session.committer.begin_step
 
         def killed(intent, **kw):
             if intent["step"] == step + 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             return begin(intent, **kw)
-        engine._checkpoint.begin_step = killed
+        engine._commits.session.committer.begin_step = killed
         return
     update, done = engine._update_unit, [0]
 

@@ -61,11 +61,11 @@ def test_host_arena_allocation_is_exactly_its_budget(pin):
 
 def test_store_host_tier_backing_is_its_budget(tmp_path):
     from tiered_offload.config import StoreConfig
-    from tiered_offload.store import TieredStore
+    from tiered_offload.store import Tier, TieredStore
     store = TieredStore(str(tmp_path / "s"), StoreConfig(host_budget_bytes="3MiB", device="cpu")).open()
     try:
-        assert store._arenas[store.compute_tier].backing_bytes in (0, 3 << 20)
-        assert store._arenas[1].backing_bytes == 3 << 20
+        assert store.arena(store.compute_tier).backing_bytes in (0, 3 << 20)
+        assert store.arena(Tier.HOST).backing_bytes == 3 << 20
     finally:
         store.close()
 

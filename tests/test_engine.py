@@ -249,7 +249,7 @@ def test_budgets_hold_at_every_allocation_and_disk_is_used(tmp_path):
     engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="400KiB")
     assert engine.state_bytes() >= 4 * engine.store.capacity("host")
     seen = []
-    for tier, arena in engine.store._arenas.items():
+    for tier, arena in ((t, engine.store.arena(t)) for t in (Tier.DEVICE, Tier.HOST)):
         original = arena.alloc
 
         def checked(n, arena=arena, original=original):

@@ -348,7 +348,7 @@ def test_dropout_is_replayed_bitwise_by_the_recompute(tmp_path):
                  loss_fn=hf_loss, steps=3)
 
 
-def test_background_step_overlapped_with_the_forward(tmp_path):
+def test_background_step_overlapped_with_the_forward(tmp_path, monkeypatch):
     seen = {}
 
     def make_optimizer(model):
@@ -359,12 +359,9 @@ def test_background_step_overlapped_with_the_forward(tmp_path):
         import threading
         seen["thread"] = threading.current_thread().name
         return original(self, *args)
-    Engine._update_unit = spy
-    try:
-        check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, steps=3, clip=1.0,
-                     config=EngineConfig(overlap_step=True))
-    finally:
-        Engine._update_unit = original
+    monkeypatch.setattr(Engine, "_update_unit", spy)
+    check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, steps=3, clip=1.0,
+                 config=EngineConfig(overlap_step=True))
     assert seen["thread"] == "tiered-offload-step"
 
 

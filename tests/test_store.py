@@ -218,7 +218,7 @@ def test_budgets_hold_under_concurrency(tmp_path):
     backend = FaultInjectingBackend(PosixBackend(tmp_path / "d", chunk_bytes="64KiB"), latency_s=0.0005)
     store = make_store(backend, host=384 * KiB, device=160 * KiB)
     violations, peaks = [], {}
-    for tier, arena in store._arenas.items():
+    for tier, arena in ((t, store.arena(t)) for t in (Tier.DEVICE, Tier.HOST)):
         original = arena.alloc
 
         def checked(n, arena=arena, original=original, tier=tier):

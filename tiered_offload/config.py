@@ -14,6 +14,9 @@ from offload_core.sizes import parse_size
 
 from .memstat import available_memory_bytes
 
+PREFETCH_DEPTH = 16
+"""The lookahead's default prefetch depth, for a store alone and for the engine's store alike."""
+
 __all__ = ["EngineConfig", "StoreConfig", "resolve_device"]
 
 
@@ -55,7 +58,7 @@ class StoreConfig:
     """Eviction policy per tier: ``"lru"``, ``"lookahead"`` (Belady over the declared access
     sequence, with prefetching), or a factory returning an ``EvictionPolicy``."""
 
-    prefetch_depth: int = 8
+    prefetch_depth: int = PREFETCH_DEPTH
     """How many upcoming tensors the lookahead policy may prefetch into a tier at once."""
 
     tier_caching: str = "exclusive"
@@ -63,7 +66,7 @@ class StoreConfig:
     (a device copy pushed out moves down to the host tier; the host tier gives up copies the
     device also holds first), so together they hold their two budgets' worth. ``"inclusive"``:
     the host tier keeps what it staged for the device and a device victim is written to the disk
-    (the behaviour before; kept to compare against, ``tools/bench_tiers.py``)."""
+    (each tier caches on its own: kept to compare against, ``tools/bench_tiers.py``)."""
 
     host_prefetch_share: float = 0.125
     """Below a device tier, the host tier's lookahead prefetches upcoming tensors from the disk
@@ -138,8 +141,9 @@ class EngineConfig:
     """How many units the background (overlapped) step may run ahead of the next forward: further
     ahead, the units it updated would be evicted again before the forward reaches them."""
 
-    prefetch_depth: int = 16
-    """How many upcoming tensors the lookahead policy may prefetch into a tier at once."""
+    prefetch_depth: int = PREFETCH_DEPTH
+    """How many upcoming tensors the lookahead policy may prefetch into the engine's store at once
+    (:attr:`StoreConfig.prefetch_depth`)."""
 
     stream_modules_numel: int | None = 0
     """An ``nn.Embedding`` or ``nn.Linear`` outside the block sequence whose parameters are its own

@@ -85,7 +85,7 @@ def main() -> None:
             engine.zero_grad()
             engine.wait_committed()
             print(f"  step {step + 1} at the minimum budget: loss {loss.item():.4f}, {time.perf_counter() - t0:.1f} s, "
-                  f"host tier peak {format_size(engine.store._arenas[engine.store.compute_tier].peak_used)}")
+                  f"host tier peak {format_size(engine.store.arena(engine.store.compute_tier).peak_used)}")
         engine.close()
         try:
             Engine(gpt2(args.layers, args.d_model, args.vocab, args.untied), torch.optim.AdamW, dict(lr=1e-4),

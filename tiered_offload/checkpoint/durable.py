@@ -415,7 +415,7 @@ class Committer:
 
     def _delete(self, extents: Iterable[str]) -> None:
         for e in extents:
-            self.store._delete_quietly(e)
+            self.store.disk.delete_quietly(e)
 
     def _written(self, key: str, extent: str | None, crc: int | None, old: str | None) -> None:
         """The store wrote a new version of ``key`` to ``extent``; ``old`` is superseded."""

@@ -5,20 +5,27 @@ and how to redo one unit's update); everything about files, extents and records 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import torch
+
 from offload_core.errors import CheckpointError, ConfigError
+from tiered_offload.trace import span
 
 from .durable import (
     CommittedState,
+    manifest_checksum,
     Committer,
     DirectoryLock,
     StateFiles,
     read_committed,
     state_directory,
 )
+from .layout import parse_extent
 
-__all__ = ["CheckpointSession"]
+__all__ = ["CheckpointSession", "Intent", "Commits", "NoCommits", "DurableCommits", "JournalCommits", "SnapshotCommits",
+           "commits_for"]
 
 
 class CheckpointSession:
@@ -26,7 +33,8 @@ class CheckpointSession:
 
     Life cycle: :meth:`open` (lock; read the committed state), :meth:`collect_garbage`,
     :meth:`start` (hand the state to the commit protocol; finish a step a crash interrupted),
-    then per step :meth:`begin_step`, :meth:`throttle` and :meth:`unit_updated`; :meth:`close`.
+    then per step the commit strategy (:class:`JournalCommits`, :class:`SnapshotCommits`) drives
+    :attr:`committer`; :meth:`close`.
 
     Args:
         store: the engine's store (versioned writes), whose backend holds the directory.
@@ -69,8 +77,8 @@ class CheckpointSession:
         if self.recovered is not None:
             keep = {r[0] for r in [*self.recovered.tensors().values(), *self.recovered.grads().values()] if r}
         for extent in self.store.backend.keys():
-            key, _, gen = extent.rpartition("@")
-            if key in mine and gen.isdigit() and extent not in keep:
+            key, generation = parse_extent(extent)
+            if key in mine and generation is not None and extent not in keep:
                 self.store.backend.delete(extent)
 
     # ---- the commit protocol ------------------------------------------------------------------
@@ -101,24 +109,11 @@ class CheckpointSession:
         self.committer.start(manifest["step"], state.committed(), manifest["meta"], latest)
         if state.intent is None:
             return manifest["meta"]
-        todo = self.committer.resume_intent(state.intent, state.recorded)
-        redo(state.intent, todo)
+        unrecorded = self.committer.resume_intent(state.intent, state.recorded)
+        redo(state.intent, unrecorded)
         self.committer.finish_now()
         self.committer.wait()
         return state.intent["meta"]
-
-    def begin_step(self, intent: dict, *, wait: bool = False) -> None:
-        self.committer.begin_step(intent, wait=wait)
-
-    def throttle(self, size: int, admits: Callable[[list[int], int], bool]) -> None:
-        self.committer.throttle(size, admits)
-
-    def unit_updated(self, unit: str, futures: Iterable, size: int) -> None:
-        self.committer.unit_updated(unit, list(futures), size)
-
-    def snapshot(self, step: int, meta: dict) -> None:
-        """Commit the state after ``step`` as the store holds it now (in the background)."""
-        self.committer.snapshot(step, meta)
 
     def fail(self, error: BaseException) -> None:
         if self.committer is not None:
@@ -139,3 +134,235 @@ class CheckpointSession:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+# ---- commit strategies: what a step does to make itself durable ---------------------------------
+@dataclass
+class Intent:
+    """A step's intent record (journal commits): what the update of step :attr:`step` applies, so a
+    resume re-runs it bitwise from the previous state and the gradients the record names."""
+
+    step: int
+    """The step number after this step (the manifest's ``step`` once it is fully recorded)."""
+    step_index: int
+    """The step count before it."""
+    hyper: list[dict]
+    """Each parameter group's hyperparameters, as JSON."""
+    no_grad: list[str]
+    """Optimized parameters without a gradient this step (left as they are)."""
+    scale: float | None
+    """The gradient scale clipping applies (None: no clipping)."""
+    meta: dict
+    """The training state after the step (:meth:`TrainState.state_dict`)."""
+
+    def to_record(self) -> dict:
+        return {"step": self.step, "step_index": self.step_index, "hyper": self.hyper, "no_grad": self.no_grad,
+                "scale": self.scale, "meta": self.meta}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Intent":
+        hyper = record["hyper"]
+        return cls(step=record["step"], step_index=record.get("step_index", record["step"] - 1),
+                   hyper=hyper if isinstance(hyper, list) else [hyper], no_grad=list(record.get("no_grad", ())),
+                   scale=record["scale"], meta=record["meta"])
+
+
+class Commits:
+    """How the engine's steps become durable: the hooks a step calls, in order.
+
+    ``before_backward`` -> ``begin_step`` (returns what to run once the update is done) ->
+    per unit ``before_unit``, the update, ``unit_updated`` -> ``commit`` / ``wait`` -> ``close``.
+    This base class commits nothing (the storage is scratch space: ``durable=False``).
+    """
+
+    durable = False
+    weights_behind = False
+    """Whether a unit's new weights must go to disk right after its update (the journal records them)."""
+
+    def __init__(self, train_state):
+        self.train_state = train_state
+        self.tracer = None
+
+    def open(self, resume, placement, layout) -> CommittedState | None:
+        """Take the directory and read the committed state to resume from (None: start fresh)."""
+        return None
+
+    def start(self, layout, update_unit, update_order, rewrite_bytes, admits) -> None:
+        """Hand the state to the commit protocol (after the tensors are registered)."""
+
+    def before_backward(self, wait_for_update: Callable[[], None]) -> None:
+        """A backward is about to write gradients."""
+
+    def begin_step(self, hypers: list[dict], scale, updates, *, barrier: Callable[[str], None] | None = None
+                   ) -> Callable[[], None] | None:
+        """The optimizer step's bookkeeping is done (``train_state`` is after the step); its units
+        are about to be updated. Returns what to run once every unit is updated (or None)."""
+        return None
+
+    def before_unit(self, rewrite_bytes: int, admits) -> None:
+        """A unit is about to be updated (``rewrite_bytes`` of new extents)."""
+
+    def unit_updated(self, unit: str, futures: Iterable, rewrite_bytes: int) -> None:
+        """A unit's update was issued; ``futures`` finish its writes."""
+
+    def commit(self) -> int:
+        """Commit the last step now and wait until it is durable; its number."""
+        return self.wait()
+
+    def wait(self) -> int:
+        """Wait until the last commit is durable; its step."""
+        return self.train_state.step_count
+
+    def fail(self, error: BaseException) -> None:
+        """The update failed: no commit may follow."""
+
+    def close(self) -> None:
+        """Finish the last commit and release the directory."""
+
+    def release(self) -> None:
+        """Release the directory as it is (an error path: nothing more is committed)."""
+
+
+NoCommits = Commits
+
+
+def commits_for(train_state, store, layout, model_config, *, durable: bool, snapshot: bool, every: int) -> Commits:
+    """The commit strategy of an engine: none (scratch storage), snapshots (``snapshot``: the state
+    fits in memory, or ``every`` > 1) or the journal."""
+    if not durable:
+        return NoCommits(train_state)
+    session = CheckpointSession(store, layout.describer(store, model_config))
+    return SnapshotCommits(train_state, session, every) if snapshot else JournalCommits(train_state, session)
+
+
+class DurableCommits(Commits):
+    """Commits into a storage directory through a :class:`CheckpointSession`: the shared part of the
+    journal and snapshot strategies (starting from a committed state, waiting, closing)."""
+
+    durable = True
+
+    def __init__(self, train_state, session: CheckpointSession):
+        super().__init__(train_state)
+        self.session = session
+
+    def open(self, resume, placement, layout) -> CommittedState | None:
+        """Lock the directory, read its committed state (every rank's brought to one step), check it
+        was written for this model and optimizer, and delete the remains of writes a crash cut short
+        (a first start that died before its first manifest too)."""
+        session = self.session
+        recovered = placement.reconcile(session.open(resume), resume, session.files)
+        if recovered is not None:
+            layout.check(recovered.manifest, session.files.manifest_path)
+            session.store.use_checksum(manifest_checksum(recovered.manifest))  # the directory's own
+        session.collect_garbage(layout.keys())
+        return recovered
+
+    def start(self, layout, update_unit, update_order, rewrite_bytes, admits) -> None:
+        """Hand the committed state to the commit protocol, finishing a step a crash interrupted
+        (``update_unit(name, hypers, scale, updates)`` re-runs one unit's update from the bytes it
+        started from), and restore the training state it records; a fresh directory gets its first
+        manifest."""
+        def redo(record: dict, unrecorded: list[str]) -> None:
+            intent = Intent.from_record(record)
+            hypers = self.train_state.hypers_from_json(intent.hyper)
+            scale = None if intent.scale is None else torch.tensor(intent.scale, dtype=torch.float32)
+            updates = self.train_state.replayed_updates(intent.meta, intent.no_grad)
+            for name in update_order:
+                if name in unrecorded:
+                    self.session.committer.throttle(rewrite_bytes(name), admits)
+                    update_unit(name, hypers, scale, updates)
+        grads = layout.grad_keys()
+        meta = self.session.start(layout.durable_keys(), grads, self.train_state.state_dict, redo)
+        if self.session.recovered is None:
+            return
+        for key in grads.values():  # the step's gradients were applied (or never taken)
+            self.session.store.zero(key)
+        self.train_state.load_state_dict(meta)
+
+    def wait(self) -> int:
+        return self.session.wait()
+
+    def fail(self, error: BaseException) -> None:
+        self.session.fail(error)
+
+    def close(self) -> None:
+        try:
+            self.session.wait()
+        finally:
+            self.session.close()
+
+    def release(self) -> None:
+        self.session.close()
+
+
+class JournalCommits(DurableCommits):
+    """Every step is committed by its intent record, then each unit's record as its new extents
+    become durable (the state does not fit in memory: the gradients are on disk anyway)."""
+
+    weights_behind = True
+
+    def before_backward(self, wait_for_update: Callable[[], None]) -> None:
+        # the last step's gradients stay on disk until every unit of it is recorded: wait, so this
+        # backward's gradients never need a second copy alongside them (the forward has waited for
+        # every unit it used; a unit it skipped is updated now)
+        with span(self.tracer, "wait last step's commit", "wait"):
+            wait_for_update()
+            self.session.wait()
+
+    def begin_step(self, hypers, scale, updates, *, barrier=None):
+        # the step is committed once its gradients and this record are on disk: from here on a
+        # crash resumes after it, by re-running the update of the units not yet recorded. They go
+        # to disk beside the update (a unit's record follows the intent in the journal); sharded,
+        # every rank's intent must be durable before any rank updates anything
+        state = self.train_state
+        intent = Intent(step=state.step_count, step_index=state.step_count - 1, hyper=state.hypers_to_json(hypers),
+                        no_grad=updates.no_grad, scale=None if scale is None else float(scale.item()),
+                        meta=state.state_dict())
+        self.session.committer.begin_step(intent.to_record(), wait=barrier is not None)
+        if barrier is not None:  # nothing is updated anywhere before every rank's intent is durable
+            barrier("every rank's intent")
+        return None
+
+    def before_unit(self, rewrite_bytes: int, admits) -> None:
+        self.session.committer.throttle(rewrite_bytes, admits)
+
+    def unit_updated(self, unit: str, futures: Iterable, rewrite_bytes: int) -> None:
+        self.session.committer.unit_updated(unit, list(futures), rewrite_bytes)
+
+
+class SnapshotCommits(DurableCommits):
+    """Every ``every``-th step, once its update is done, what changed is written to new extents in
+    the background and the manifest replaced (the state fits in memory, or ``commit_every`` > 1)."""
+
+    def __init__(self, train_state, session: CheckpointSession, every: int):
+        super().__init__(train_state, session)
+        self.every = every
+        self.pending: tuple[int, dict] | None = None
+        """The last step not yet committed, and its meta."""
+
+    def begin_step(self, hypers, scale, updates, *, barrier=None):
+        # the last commit must have written what it snapshots before this step changes it
+        self.session.wait()
+        self.pending = (self.train_state.step_count, self.train_state.state_dict())
+        return self._commit_pending if self.train_state.step_count % self.every == 0 else None
+
+    def _commit_pending(self) -> None:
+        """Start the snapshot commit of the last step (its update is done)."""
+        step, meta = self.pending
+        self.pending = None
+        self.session.committer.snapshot(step, meta)
+
+    def commit(self) -> int:
+        if self.pending is not None:
+            self.session.wait()
+            self._commit_pending()
+        return self.session.wait()
+
+    def close(self) -> None:
+        try:
+            self.session.wait()
+            if self.pending is not None:  # steps since the last scheduled commit
+                self._commit_pending()
+                self.session.wait()
+        finally:
+            self.session.close()

@@ -10,6 +10,7 @@ manifest can point outside the directory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -186,7 +187,7 @@ class StateDirectory:
             start = p["offset"] * 4
             if start != state["pos"]:
                 raise CheckpointError(f"{self.files.manifest_path}: parameters of {p['tensor']} are not contiguous")
-            n = _numel(p["shape"]) * 4
+            n = math.prod(p["shape"]) * 4
             if extent is None:
                 zeros = bytes(min(n, _CHUNK))
                 for a in range(0, n, _CHUNK):
@@ -235,10 +236,3 @@ def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
             write(t.reshape(-1).view(torch.uint8).numpy().data)
     writer = SafetensorsWriter(out, tensors, max_shard_size, metadata)
     return writer.write(fill_one)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

@@ -257,6 +257,15 @@ class ModelBinding:
         self.buffers: list[tuple[str, nn.Module, str, bool]] = []
         """``(name, module, attribute, persistent)`` of every buffer, once the proxies are in place."""
 
+    def signature(self, spec, param_groups: list[dict]) -> dict:
+        """What every rank must build alike (compared across ranks at start): units, parameters,
+        the optimizer, its state kinds and groups, the device type."""
+        return {"units": [(u.name, u.numel, u.grad_numel, u.state_numel) for u in self.units],
+                "params": [(s.name, list(s.shape), s.requires_grad, s.group) for _, s in self.param_order],
+                "optimizer": spec.cls.__name__, "kinds": list(spec.kinds),
+                "groups": [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in param_groups],
+                "device": self.device.type}
+
     def arrange(self, group_of: dict[int, int], piece_numel: int) -> None:
         """Lay every unit's parameters out for the optimizer's groups (see :meth:`Unit.arrange`)."""
         for unit in self.units:

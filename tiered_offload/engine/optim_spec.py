@@ -15,9 +15,11 @@ from typing import Any, Iterable
 
 import torch
 
-from offload_core.errors import ConfigError
+from offload_core.errors import CheckpointError, ConfigError
+from tiered_offload.checkpoint.state_dir import StateDirectory
+from tiered_offload.engine.train_state import saved_hyper
 
-__all__ = ["OptimizerSpec", "read_optimizer"]
+__all__ = ["OptimizerSpec", "read_optimizer", "optimizer_for_resume"]
 
 
 @dataclass
@@ -121,3 +123,32 @@ def _probe_state(spec: OptimizerSpec) -> None:
         spec.has_step = "step" in state
     spec.kinds = seen or []
     spec.zero_init_states = issubclass(spec.cls, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def optimizer_for_resume(storage, model: torch.nn.Module, optimizer, optimizer_kwargs: dict | None):
+    """The optimizer (and keyword arguments) to continue the training state in ``storage`` with:
+    the given one, or the saved ``torch.optim`` class with its parameter groups rebuilt over
+    ``model``'s parameters by name and its saved hyperparameters."""
+    with StateDirectory(storage) as sd:
+        saved = sd.manifest["optimizer"]
+        groups = sd.manifest["meta"]["param_groups"]
+    if optimizer is None:
+        module, _, name = saved["class"].rpartition(".")
+        if not module.startswith("torch.optim"):
+            raise ConfigError(f"{storage} was trained with {saved['class']}; pass optimizer= that class to resume")
+        optimizer = getattr(torch.optim, name, None)
+        if optimizer is None:
+            raise ConfigError(f"{saved['class']} is not a torch.optim optimizer of this torch; pass optimizer=")
+    members = saved.get("groups")
+    if isinstance(optimizer, type) and optimizer_kwargs is None and members is not None:
+        # rebuild the saved parameter groups over this model's parameters, by name
+        named = dict(model.named_parameters())
+        missing = [n for names in members for n in names if n not in named]
+        if missing:
+            raise CheckpointError(f"{storage} was trained with parameter groups naming {missing[:3]}, which this "
+                                  f"model does not have; build the same model")
+        optimizer = optimizer([{"params": [named[n] for n in names], **saved_hyper(optimizer, g)}
+                               for names, g in zip(members, groups)])
+    elif optimizer_kwargs is None and isinstance(optimizer, type):
+        optimizer_kwargs = saved_hyper(optimizer, groups[0])
+    return optimizer, optimizer_kwargs

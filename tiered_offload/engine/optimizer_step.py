@@ -20,12 +20,12 @@ from tiered_offload.engine.optim_spec import OptimizerSpec
 __all__ = ["UnitUpdater", "update_runs"]
 
 
-def update_runs(unit: Unit, todo: dict[int, int]) -> list[tuple[int, int, int, int]]:
+def update_runs(unit: Unit, step_counts: dict[int, int]) -> list[tuple[int, int, int, int]]:
     """``(start, end, group, step count)`` of the unit's stretches a step updates: adjacent
-    parameters in ``todo`` (``{id(slot): step count before}``) with the same group and count, merged."""
+    parameters in ``step_counts`` (``{id(slot): step count before}``) with the same group and count, merged."""
     runs: list[list[int]] = []
     for s in unit.params:
-        updates = todo.get(id(s))
+        updates = step_counts.get(id(s))
         if updates is None:
             continue
         if runs and runs[-1][1] == s.offset and runs[-1][2] == s.group and runs[-1][3] == updates:
@@ -49,15 +49,15 @@ class UnitUpdater:
         self.spec = spec
         self.chunk_numel = chunk_numel
 
-    def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, todo: dict[int, int], *,
+    def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, step_counts: dict[int, int], *,
                write_behind: bool, weights_behind: bool = True, shard=None) -> list:
-        """Update ``unit``'s parameters in ``todo``; returns the futures of the write-backs started
+        """Update ``unit``'s parameters in ``step_counts`` (``{id(slot): step count before}``); returns the futures of the write-backs started
         (``write_behind``: start writing each updated piece at once, and the weights too with
         ``weights_behind``, so that when their space is wanted they are clean and can be dropped
         without stalling a caller).
         ``shard``: this rank's :class:`~tiered_offload.engine.sharding.ShardLayout` of the unit
         (sharded training): only its slice is stored here, and only its slice is updated."""
-        runs = update_runs(unit, todo)
+        runs = update_runs(unit, step_counts)
         if shard is not None:
             runs, unit = shard.runs(runs), shard
         if not runs:

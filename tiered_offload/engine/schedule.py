@@ -261,6 +261,24 @@ class Schedule:
         ws = self.working_set()
         return ws.optimizer + ws.forward_backward + ws.slack + activation_bytes
 
+    def activation_room(self, capacity: int, overlap: bool) -> dict[int, int]:
+        """Per block (by index), how many bytes of saved activations its backward can pin in a
+        compute tier of ``capacity`` beside its weights and gradients, the rest's, the next block's
+        weights (prefetched), the slack and (``overlap``) a unit's update running beside the forward."""
+        ws = self.working_set()
+        b = self.unit_bytes
+        step = ws.optimizer if overlap else 0
+        return {i: max(0, capacity - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes - step)
+                for i, u in enumerate(self.blocks)}
+
+    def gather_ahead_fits(self, capacity: int) -> bool:
+        """Whether a compute tier of ``capacity`` holds the next block's gathered weights beside one
+        step's working set (sharded: the forward may gather block i+1 while block i runs)."""
+        if not self.blocks:
+            return False
+        largest = max(self.unit_bytes(u, "weight") for u in self.blocks)
+        return capacity - self.working_set().need >= largest
+
     def fits(self, capacity: int) -> bool:
         """Whether the whole training state fits ``capacity`` (nothing needs to go to disk)."""
         return self.state_bytes() <= capacity

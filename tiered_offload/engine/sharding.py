@@ -23,19 +23,29 @@ the same on every rank. One that does not complete within the group's timeout ra
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import math
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from offload_core.errors import ConfigError, DistributedError
+from storage_backends import resolve_storage
 from tiered_offload.engine.schedule import UnitLayout, buffer_shapes
+from tiered_offload.store.tiers import Tier
 
-__all__ = ["Sharding", "ShardLayout", "distributed_group"]
+__all__ = ["Sharding", "ShardLayout", "distributed_group", "Placement", "Local", "Sharded", "reconcile_resume",
+           "rank_storage", "engine_storage"]
+
+log = logging.getLogger("tiered_offload")
 
 _TRACE = bool(os.environ.get("TIERED_OFFLOAD_TRACE_COLLECTIVES"))
 """Print every collective each rank issues, numbered, to stderr (to find ranks that diverge)."""
@@ -145,7 +155,10 @@ class Sharding:
                 f"rank {self.rank} of {self.world}: {what} failed during {self.where}: {e}. Another rank probably "
                 f"stopped (crashed, was killed, or raised an error: see its log)") from e
 
-    def _call(self, what: str, fn, *args, wait: bool = True, **kwargs):
+    def _call(self, what: str, fn, *args, wait: bool | None = True, **kwargs):
+        """Issue one collective (every collective goes through here): refused once this rank is out of
+        step, traced when asked, its failure a :class:`DistributedError` naming the step and phase.
+        ``wait=None``: a collective without an asynchronous form (it always completes here)."""
         if self.broken:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {what} not attempted during {self.where}: an earlier error on this rank "
@@ -154,7 +167,8 @@ class Sharding:
             self._issued += 1
             print(f"[collective] rank {self.rank} #{self._issued} {self.where}: {what}", file=sys.stderr, flush=True)
         try:
-            work = fn(*args, group=self.group, async_op=not wait, **kwargs)
+            mode = {} if wait is None else {"async_op": not wait}
+            work = fn(*args, group=self.group, **mode, **kwargs)
             if wait and work is not None:
                 work.wait()
             return work
@@ -193,11 +207,315 @@ class Sharding:
         self.bytes["broadcast"] += t.numel() * t.element_size()
         return t
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, what: str = "the configuration") -> list:
+        """Every rank's ``obj`` (a JSON-like value), through the same gate as the other collectives."""
         out = [None] * self.world
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as e:
-            raise DistributedError(f"rank {self.rank} of {self.world}: exchanging the configuration failed during "
-                                   f"{self.where}: {e}") from e
+        self._call(f"exchanging {what}", dist.all_gather_object, out, obj, wait=None)
         return out
+
+
+# ---- where the training state lives: one process, or sliced over ranks ----------------------------
+def reconcile_resume(positions: list, rank: int) -> tuple[int | None, bool]:
+    """The step every rank resumes at, from each rank's ``[manifest step, step in flight or None]``
+    (None: the rank holds no state). Returns ``(target, drop)``: ``target`` None when no rank holds a
+    state; ``drop``: this rank must forget its step in flight (not every rank committed it).
+
+    A step is committed on a rank once its intent is in the journal, and no rank updates anything
+    before every rank's intent is (a barrier); so if one rank lacks the newest intent, no rank
+    updated for it, and the others drop it. Pure: tested without ``torch.distributed``.
+    """
+    if any(p is None for p in positions):
+        if all(p is None for p in positions):
+            return None, False
+        have = [r for r, p in enumerate(positions) if p is not None]
+        raise DistributedError(
+            f"rank(s) {have} of {len(positions)} hold a training state and the others none: every rank's directory "
+            f"must come from the same run (storage= the same root on every rank, with resume=True)")
+    target = max(i if i is not None else m for m, i in positions)
+    if not all(m == target or i == target for m, i in positions):
+        target -= 1
+        if not all(m == target or i == target or (i == target + 1 and m == target) for m, i in positions):
+            raise DistributedError(f"the ranks' committed steps cannot be reconciled: {positions} "
+                                   f"([manifest step, step in flight] per rank)")
+    _, in_flight = positions[rank]
+    return target, in_flight is not None and in_flight > target
+
+
+def rank_storage(group, spec, durable, resume, commit_every):
+    """Sharded: each rank's own directory inside ``storage`` (``rank-R-of-W``), and the durable flag."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if spec is not None and spec.names_directories:
+        root = Path(spec.location.split(",")[0])
+        others = sorted(p.name for p in root.glob("rank-*-of-*") if p.name.split("-of-")[-1] != str(world)) \
+            if root.is_dir() else []
+        if others and resume:
+            raise ConfigError(
+                f"rank {rank}: {root} holds the state of a run with another number of ranks ({others[0]}, this run "
+                f"has {world}); re-sharding is not supported. Resume with the same number of ranks, write the "
+                f"weights with export_safetensors(), and start the new run from them with init_from")
+        dirs = [str(Path(d) / f"rank-{rank}-of-{world}") for d in spec.location.split(",")]
+        spec = dataclasses.replace(spec, location=",".join(dirs))
+    elif spec is not None and spec.backend is not None:
+        raise ConfigError("sharded training needs storage= a directory (each rank keeps its files in its own "
+                          "subdirectory) or None, not a backend object shared by the ranks")
+    if durable is None:
+        durable = spec is not None and spec.names_directories
+    if durable and commit_every != 1:
+        raise ConfigError("sharded training commits every step (commit_every=1): snapshot commits across ranks "
+                          "are not implemented yet")
+    return spec, durable
+
+
+def engine_storage(storage, group, durable: bool | None, resume, commit_every: int):
+    """``(spec, durable, temporary directory or None)`` of an engine's ``storage=``: each rank's own
+    directory when sharded, a temporary directory (not durable) when none is given."""
+    spec = resolve_storage(storage) if storage is not None else None
+    if group is not None:
+        spec, durable = rank_storage(group, spec, durable, resume, commit_every)
+    if durable is None:
+        durable = spec is not None and spec.names_directories
+    if resume and not durable:
+        raise ConfigError("resume needs durable storage: give storage= a directory (and not durable=False)")
+    if commit_every > 1 and not durable:
+        raise ConfigError("commit_every needs durable storage: give storage= a directory (and not durable=False)")
+    tmpdir = None
+    if storage is None:
+        tmpdir = tempfile.TemporaryDirectory(prefix="tiered-offload-")
+        spec = resolve_storage(tmpdir.name)
+    return spec, bool(durable), tmpdir
+
+
+class Placement:
+    """Where this process's share of the training state lives, and what crosses processes.
+
+    :class:`Local` (one process: every collective a no-op) and :class:`Sharded` (a slice of every
+    unit per rank, over ``torch.distributed``) answer the same questions, so the engine asks
+    without branching on which it has.
+    """
+
+    sharding: Sharding | None = None
+    """The collectives (None on one process): the streamer and the updater take it."""
+    rank = 0
+    world = 1
+
+    # ---- what this process stores of a unit ------------------------------------------------
+    def layout(self, unit):
+        """The unit (one process) or this rank's :class:`ShardLayout` of it."""
+        return unit
+
+    def shapes(self, unit, kinds) -> dict[str, int]:
+        """``{key: numel}`` of what this process stores of ``unit``."""
+        return self.layout(unit).shapes(kinds)
+
+    def durable_keys(self, unit, kinds) -> list[str]:
+        """The keys of ``unit``'s committed tensors (weights, optimizer states) this process stores."""
+        slice_layout = self.layout(unit)
+        return [slice_layout.weight_key, *slice_layout.state_keys(kinds)]
+
+    def grad_key(self, unit) -> str | None:
+        """The key of the gradient this process stores for ``unit`` (None: no trainable parameter)."""
+        return self.layout(unit).grad_key
+
+    def manifest_entry(self) -> dict | None:
+        """What the manifest records of the placement (None: the whole state, one process)."""
+        return None
+
+    # ---- agreement between processes -------------------------------------------------------
+    def set_phase(self, where: str) -> None:
+        """The step and phase, for a collective's error message."""
+
+    def mark_broken(self, error: BaseException) -> None:
+        """An error left this rank between two collectives: issue no further one."""
+
+    def all_agree(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` holds on every process (its own value on one process)."""
+        return flag
+
+    def all_agree_each(self, flags: list[bool], what: str) -> list[bool]:
+        """Elementwise :meth:`all_agree` of a list of flags, in one collective."""
+        return list(flags)
+
+    def barrier(self, what: str) -> None:
+        """Wait until every process got here."""
+
+    def check_same(self, signature: dict) -> None:
+        """Refuse processes that built a different model or optimizer (``signature``: what must agree)."""
+
+    def reconcile(self, recovered, resume, files):
+        """The committed state every process resumes from (each rank's own, brought to one step)."""
+        return recovered
+
+    def gather_ahead(self, wanted: bool) -> bool:
+        """Whether the forward may gather the next block's weights while this one runs."""
+        return False
+
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes of the collectives' buffers so far, per kind."""
+        return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+
+    # ---- moving the weights -------------------------------------------------------------------
+    def register(self, store, unit, kinds, fill) -> None:
+        """Register this process's tensors of ``unit`` and write its initial weights, which
+        ``fill(flat)`` puts into a zeroed buffer of the unit's full size."""
+        for key, numel in self.shapes(unit, kinds).items():
+            store.register(key, (numel,))
+        flat = store.get(unit.weight_key, Tier.HOST)
+        try:
+            fill(flat)
+            store.mark_dirty(unit.weight_key, Tier.HOST)
+        finally:
+            store.release(unit.weight_key, Tier.HOST)
+        store.write_back(unit.weight_key).get()
+        store.evict(unit.weight_key, Tier.HOST).get()
+
+    def full_weights(self, store, unit) -> torch.Tensor:
+        """The unit's whole weight buffer on the CPU (a copy)."""
+        with store.hold(unit.weight_key, Tier.HOST) as flat:
+            return flat[:unit.numel].clone()
+
+    @contextlib.contextmanager
+    def unit_weights(self, store, unit):
+        """The unit's weight buffer, readable on the CPU while the block runs (held in the host tier)."""
+        with store.hold(unit.weight_key, Tier.HOST) as flat:
+            yield flat
+
+    def parameters(self, store, units, param_order):
+        """``(name, tensor)`` of every parameter in ``param_order``, one at a time, copied to the CPU."""
+        for unit, slot in param_order:
+            with self.unit_weights(store, unit) as flat:
+                value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            yield slot.name, value
+
+    def writes_exports(self) -> bool:
+        """Whether this process writes the exported model (rank 0; the others send their slices)."""
+        return True
+
+    def grad_norm(self, store, schedule, param_order, unit_norms, norm_type: float) -> torch.Tensor | None:
+        """The global gradient norm over the parameters that have a gradient (None: none has).
+        ``unit_norms(unit, norm_type)``: the norms of a unit's trainable parameters, in order
+        (mostly computed by the backward: no pass over the gradients on disk)."""
+        norms: dict[int, torch.Tensor] = {}
+        for unit in schedule.clip_order():
+            if unit.grad_key is None:
+                continue
+            for slot, n in zip(unit.trainable(), unit_norms(unit, norm_type)):
+                norms[id(slot)] = n
+        ordered = [norms[id(s)] for _, s in param_order if s.has_grad]
+        if not ordered:
+            return None
+        return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+
+
+class Local(Placement):
+    """One process holds the whole training state; collectives are no-ops."""
+
+
+class Sharded(Placement):
+    """Each rank of ``group`` holds a slice of every unit (see the module's docstring)."""
+
+    def __init__(self, group, device: torch.device):
+        self.sharding = Sharding(group, device)
+        self.rank, self.world, self.device = self.sharding.rank, self.sharding.world, device
+
+    def layout(self, unit) -> ShardLayout:
+        return self.sharding.layout(unit)
+
+    def manifest_entry(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world}
+
+    def set_phase(self, where: str) -> None:
+        self.sharding.where = where
+
+    def mark_broken(self, error: BaseException) -> None:
+        if self.sharding.broken is None:
+            self.sharding.broken = f"{type(error).__name__}: {str(error)[:300]}"
+
+    def all_agree(self, flag: bool, what: str) -> bool:
+        return self.all_agree_each([flag], what)[0]
+
+    def all_agree_each(self, flags: list[bool], what: str) -> list[bool]:
+        t = torch.tensor([int(f) for f in flags], dtype=torch.uint8, device=self.device)
+        self.sharding.all_reduce(t, dist.ReduceOp.MIN, what)
+        return [bool(x) for x in t.tolist()]
+
+    def barrier(self, what: str) -> None:
+        self.sharding.barrier(what)
+
+    def check_same(self, signature: dict) -> None:
+        sigs = self.sharding.all_gather_object(signature, "the model and optimizer each rank built")
+        differ = [r for r, other in enumerate(sigs) if other != sigs[0]]
+        if differ:
+            what = [k for k in signature if any(sigs[r][k] != sigs[0][k] for r in differ)]
+            raise DistributedError(
+                f"rank(s) {differ} built a different {' and '.join(what)} than rank 0; every rank must build the "
+                f"same model (same parameters, trainable and frozen alike) and the same optimizer and groups")
+
+    def reconcile(self, recovered, resume, files):
+        def position(state):
+            if state is None:
+                return None
+            return [state.manifest["step"], state.intent["step"] if state.intent is not None else None]
+        self.set_phase("resume")
+        positions = self.sharding.all_gather_object(position(recovered), "each rank's committed step")
+        target, drop = reconcile_resume(positions, self.rank)
+        if drop:  # not every rank committed it: nothing of it was updated
+            log.warning("rank %d: dropping step %d's intent (not every rank had committed it); resuming at step %d",
+                        self.rank, recovered.intent["step"], target)
+            recovered.intent, recovered.recorded = None, {}
+            files.reset_journal()
+        return recovered
+
+    def gather_ahead(self, wanted: bool) -> bool:
+        return self.all_agree(wanted, "whether to gather ahead")
+
+    def collective_bytes(self) -> dict[str, int]:
+        return dict(self.sharding.bytes)
+
+    def register(self, store, unit, kinds, fill) -> None:
+        """The full unit is built (read, initialised or copied) and rank 0's broadcast, as
+        DistributedDataParallel starts every rank from rank 0's weights; each rank keeps its slice."""
+        slice_layout = self.layout(unit)
+        full = torch.zeros(slice_layout.size * self.world, dtype=torch.float32, device=self.device)
+        fill(full[:unit.numel])
+        self.sharding.broadcast(full, f"{unit.name}'s initial weights")
+        super().register(store, unit, kinds, lambda flat: flat.copy_(full[slice_layout.lo:slice_layout.lo + slice_layout.size]))
+
+    def full_weights(self, store, unit) -> torch.Tensor:
+        """Gathered from the ranks' slices (every rank must call it, in the same order)."""
+        slice_layout = self.layout(unit)
+        full = torch.empty(slice_layout.size * self.world, dtype=torch.float32, device=self.device)
+        with store.hold(unit.weight_key) as shard:
+            self.sharding.gather(full, shard.to(self.device), f"{unit.name}'s weights")
+        return full[:unit.numel].cpu()
+
+    @contextlib.contextmanager
+    def unit_weights(self, store, unit):
+        yield self.full_weights(store, unit)
+
+    def parameters(self, store, units, param_order):
+        """Every rank takes part in each unit's gather, in the same order, before the first is yielded."""
+        gathered = {}
+        for unit in units:
+            full = self.full_weights(store, unit)
+            for slot in unit.params:
+                gathered[slot.name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        for _, slot in param_order:
+            yield slot.name, gathered[slot.name]
+
+    def writes_exports(self) -> bool:
+        return self.rank == 0
+
+    def grad_norm(self, store, schedule, param_order, unit_norms, norm_type: float) -> torch.Tensor | None:
+        """The global L2 norm from every rank's gradient slices (sum of squares, reduced over ranks)."""
+        if norm_type != 2.0:
+            raise ConfigError(f"sharded training clips by the L2 norm only (norm_type=2.0), got {norm_type}")
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for unit in schedule.units:
+            key = self.layout(unit).grad_key
+            if key is not None:
+                with store.hold(key) as g:
+                    total += g.double().square().sum().to(total.device)
+        self.sharding.all_reduce(total, dist.ReduceOp.SUM, "the gradient norm")
+        if not any(s.has_grad for _, s in param_order):
+            return None
+        return total.sqrt().float().reshape(())

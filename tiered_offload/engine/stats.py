@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tiered_offload.store.tiered_store import StoreStats
+from tiered_offload.store.record import StoreStats
 
 __all__ = ["EngineStats"]
 

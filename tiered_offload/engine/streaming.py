@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,16 +23,41 @@ import torch
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload_core.errors import TierCapacityError
+from offload_core.errors import ConfigError, TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.trace import span
 
-__all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock", "UnitRun"]
+__all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock", "GradientStatus"]
 
 log = logging.getLogger(__name__)
+
+
+def choose_activation_modes(recompute, activations, block_names: list[str], state_fits: bool) -> list[str] | None:
+    """Per streamed block, what its forward does with what it saves (None: plain PyTorch, the
+    graph and the block's weights kept until backward).
+
+    Args:
+        recompute: the engine's ``recompute=`` (True, False or ``"auto"``).
+        activations: :attr:`EngineConfig.activations` (``"auto"``, one mode, or one per block).
+        block_names: the streamed blocks.
+        state_fits: whether the whole training state fits the compute tier.
+    """
+    if recompute not in (True, False, "auto"):
+        raise ConfigError(f"recompute must be True, False or 'auto', got {recompute!r}")
+    n = len(block_names)
+    if recompute is True:
+        return ["recompute"] * n
+    if recompute is False or state_fits:
+        return None
+    if isinstance(activations, str):
+        return [("recompute" if activations == "auto" else activations)] * n  # "auto": the planner decides later
+    if len(activations) != n:
+        raise ConfigError(f"EngineConfig.activations has {len(activations)} entries; the model streams {n} blocks "
+                          f"({', '.join(block_names)})")
+    return list(activations)
 
 
 class StreamedBlock(torch.autograd.Function):
@@ -138,7 +164,7 @@ def _rebuild(spec, leaves, tensors):
 
 
 @dataclass(eq=False)
-class UnitRun:
+class GradientStatus:
     """What the engine tracks of one unit between calls (the store tracks its bytes)."""
 
     grads_finite: bool = True
@@ -146,6 +172,18 @@ class UnitRun:
     norms: tuple[int, list[torch.Tensor]] | None = None
     """``(gradient version, L2 norm of each trainable parameter's gradient)`` from the backward
     that last changed the gradient: clipping reuses them while the version matches."""
+
+
+@dataclass
+class _Gathered:
+    """Sharded: a unit's full buffers while it is in use (scratch tensors of the store)."""
+
+    weights: torch.Tensor
+    """All-gathered from the ranks' slices."""
+    grads: torch.Tensor | None
+    """The full gradient buffer backward adds into (reduce-scattered when the unit is done)."""
+    users: int
+    """Forwards, backwards and a gather ahead holding them (freed at zero)."""
 
 
 ACTIVATION_MODES = ("keep", "offload", "recompute")
@@ -199,7 +237,8 @@ class BlockStreamer:
         """A :class:`~tiered_offload.engine.sharding.Sharding` when the state is sharded over ranks
         (the engine sets it): weights are all-gathered into full scratch buffers, gradients
         reduce-scattered out of them."""
-        self._full: dict[str, list] = {}  # unit name -> [full weights, full gradients or None, users]
+        self._full: dict[str, _Gathered] = {}
+        """Sharded: per unit in use, its gathered weights and full gradient buffer."""
         self.gather_ahead = False
         """Sharded: start the all-gather of the next block's weights (the one above in forward, the
         one below in backward) while a block computes (the engine sets it, the same on every rank,
@@ -209,8 +248,10 @@ class BlockStreamer:
         """All-gathers started ahead of their block (counted for tests and benchmarks)."""
         self.tracer = None
         """A :class:`~tiered_offload.trace.Tracer` for the compute spans, or None."""
+        self.overlap_step = False
+        """Whether the optimizer step runs beside the next forward (set by :meth:`for_budget`)."""
         self.rest = binding.rest
-        self.runs: dict[str, UnitRun] = {u.name: UnitRun() for u in binding.units}
+        self.gradients: dict[str, GradientStatus] = {u.name: GradientStatus() for u in binding.units}
         """Per unit, what is tracked of its gradient between calls."""
         self._rest_bound = False
         self._backward_ran = False
@@ -221,6 +262,27 @@ class BlockStreamer:
         self._anchor = torch.zeros((), requires_grad=True)
         self._grad_hooks = [slot.param.register_post_accumulate_grad_hook(self.grad_arrived_hook(slot))
                             for slot in self.rest.params if slot.requires_grad]
+
+    @classmethod
+    def for_budget(cls, store, binding: ModelBinding, pipeline: UpdatePipeline, device: torch.device, schedule,
+                   placement, config, recompute) -> "BlockStreamer":
+        """A streamer configured for the compute tier's budget: each block's activation mode,
+        whether the step overlaps the next forward (:attr:`overlap_step`), the room for saved
+        activations, gathering ahead (sharded) and what an overlapped step pins."""
+        capacity = store.capacity(store.compute_tier)
+        modes = choose_activation_modes(recompute, config.activations, [b.name for b in binding.blocks],
+                                        schedule.fits(capacity))
+        streamer = cls(store, binding, pipeline, device, modes)
+        streamer.sharding = placement.sharding
+        overlap = config.overlap_step
+        streamer.overlap_step = schedule.overlap_fits(capacity) if overlap is None else bool(overlap)
+        streamer.activation_room = schedule.activation_room(capacity, streamer.overlap_step)
+        wanted = os.environ.get("TIERED_OFFLOAD_GATHER_AHEAD", "1") != "0"  # =0: off, to compare
+        streamer.gather_ahead = placement.gather_ahead(wanted and schedule.gather_ahead_fits(capacity))
+        if streamer.overlap_step:  # the update of a unit runs beside the forward: room for its working set
+            b, big = schedule.unit_bytes, max(schedule.units, key=lambda u: schedule.unit_bytes(u, "weight"))
+            streamer.step_pins = [b(big, "weight"), b(big, "grad"), b(big, "piece")]
+        return streamer
 
     def close(self) -> None:
         """Remove the hooks put on the model's parameters."""
@@ -236,7 +298,7 @@ class BlockStreamer:
         """Norms of each trainable parameter's gradient in ``unit``: those the backward that last
         changed it computed (L2), else read back."""
         key = unit.grad_key
-        cached = self.runs[unit.name].norms
+        cached = self.gradients[unit.name].norms
         if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
             return cached[1]
         flat = self.store.get(key)
@@ -311,9 +373,9 @@ class BlockStreamer:
         if unit.name in self._full or unit.name in self._ahead:
             return
         self.pipeline.wait(unit.name)  # its slice as the step in flight left it
-        sh, lay = self.sharding, self.sharding.layout(unit)
+        sharding, slice_layout = self.sharding, self.sharding.layout(unit)
         wkey = unit.key("weight.full")
-        self.store.register(wkey, (lay.size * sh.world,), scratch=True)
+        self.store.register(wkey, (slice_layout.size * sharding.world,), scratch=True)
         try:
             shard, full = self.store.get_group([unit.weight_key, wkey])
             placed = True
@@ -325,7 +387,7 @@ class BlockStreamer:
         # every rank gathers ahead, or none does (the room differs between ranks)
         flag = torch.tensor([int(placed)], dtype=torch.uint8, device=self.device)
         try:
-            sh.all_reduce(flag, torch.distributed.ReduceOp.MIN, f"room to gather {unit.name}'s weights ahead")
+            sharding.all_reduce(flag, torch.distributed.ReduceOp.MIN, f"room to gather {unit.name}'s weights ahead")
         except BaseException:
             if placed:
                 self.store.release(unit.weight_key)
@@ -338,8 +400,8 @@ class BlockStreamer:
                 self.store.release(wkey)
             self._forget_full(unit)
             return
-        work = sh.gather(full, shard, f"{unit.name}'s weights (ahead)", wait=False)
-        self._full[unit.name] = [full, None, 1]  # the gather ahead is a user until its acquire takes over
+        work = sharding.gather(full, shard, f"{unit.name}'s weights (ahead)", wait=False)
+        self._full[unit.name] = _Gathered(full, None, 1)  # the gather ahead is a user until its acquire takes over
         self._ahead[unit.name] = (work, unit.weight_key)
         self.gathered_ahead += 1
 
@@ -372,21 +434,21 @@ class BlockStreamer:
         if self.sharding is None:
             got = self.store.get_group([unit.weight_key, *([gk] if gk else []), *extra])
             return got[0], (got[1] if gk else None), got[1 + bool(gk):]
-        sh, lay = self.sharding, self.sharding.layout(unit)
-        wkey, gkey, n = unit.key("weight.full"), unit.key("grad.full"), lay.size * sh.world
+        sharding, slice_layout = self.sharding, self.sharding.layout(unit)
+        wkey, gkey, n = unit.key("weight.full"), unit.key("grad.full"), slice_layout.size * sharding.world
         ahead = unit.name in self._ahead
         if ahead:
             self._finish_ahead(unit)
         entry = self._full.get(unit.name)
         if entry is not None:  # a second user of the same unit (two graphs alive): share the buffers
-            new_grad = gk and entry[1] is None
+            new_grad = gk and entry.grads is None
             if new_grad:
                 self.store.register(gkey, (n,), scratch=True)  # zeros
             got = self.store.get_group([wkey, *([gkey] if gk else []), *extra])
-            entry[2] += 1
+            entry.users += 1
             if new_grad:
-                entry[1] = got[1]
-            full, gfull, extras = entry[0], entry[1], got[1 + bool(gk):]
+                entry.grads = got[1]
+            full, gfull, extras = entry.weights, entry.grads, got[1 + bool(gk):]
         else:
             # the slice, the full weights and (zeroed) gradients and the extras, placed as one group
             self.store.register(wkey, (n,), scratch=True)
@@ -400,7 +462,7 @@ class BlockStreamer:
             shard, full = got[0], got[1]
             gfull, extras = (got[2] if gk else None), got[2 + bool(gk):]
             try:
-                sh.gather(full, shard, f"{unit.name}'s weights")
+                sharding.gather(full, shard, f"{unit.name}'s weights")
                 self.store.mark_dirty(wkey)
             except BaseException:
                 for key in [wkey, *([gkey] if gk else []), *extra]:
@@ -409,7 +471,7 @@ class BlockStreamer:
                 raise
             finally:
                 self.store.release(unit.weight_key)
-            self._full[unit.name] = [full, gfull, 1]
+            self._full[unit.name] = _Gathered(full, gfull, 1)
         if ahead:  # the gather ahead hands its use over to this caller
             self.release_acquired(unit, grad=False)
         return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
@@ -423,11 +485,11 @@ class BlockStreamer:
         for key in extra:
             self.store.release(key)
         entry = self._full[unit.name]
-        entry[2] -= 1
-        keys = [unit.key("weight.full"), *([unit.key("grad.full")] if entry[1] is not None and gk else [])]
+        entry.users -= 1
+        keys = [unit.key("weight.full"), *([unit.key("grad.full")] if entry.grads is not None and gk else [])]
         for key in keys:
             self.store.release(key)
-        if entry[2] == 0:
+        if entry.users == 0:
             del self._full[unit.name]
             self._forget_full(unit)
 
@@ -676,38 +738,38 @@ class BlockStreamer:
         key = unit.grad_key
         self.store.mark_dirty(key)
         norms = [n.clone() for n in torch._foreach_norm(unit.grad_views(gflat), 2.0)]
-        run = self.runs[unit.name]
-        run.norms = (self.store.record(key).version, norms)
+        status = self.gradients[unit.name]
+        status.norms = (self.store.record(key).version, norms)
         if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
-            run.grads_finite = False
+            status.grads_finite = False
 
     def _reduce_gradients(self, unit: Unit) -> None:
         """Sharded :meth:`BlockStreamer.gradients_done`: the mean over ranks of the unit's full
         gradient buffer, this rank's slice of it added into the stored slice; the full buffer zeroed
         (a second call for the same buffers adds nothing); which parameters have a gradient or-ed
         over ranks; the slice's finiteness noted (the step reduces it over ranks)."""
-        sh, lay = self.sharding, self.sharding.layout(unit)
-        gfull = self._full[unit.name][1]
-        if sh.broken:  # an error left the ranks out of step: no more collectives (they would mismatch)
+        sharding, slice_layout = self.sharding, self.sharding.layout(unit)
+        gfull = self._full[unit.name].grads
+        if sharding.broken:  # an error left the ranks out of step: no more collectives (they would mismatch)
             gfull.zero_()
             return
-        out = torch.empty(lay.size, dtype=gfull.dtype, device=gfull.device)
-        sh.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
+        out = torch.empty(slice_layout.size, dtype=gfull.dtype, device=gfull.device)
+        sharding.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
         gfull.zero_()
         trainable = unit.trainable()
         flags = torch.tensor([s_.has_grad for s_ in trainable], dtype=torch.uint8, device=gfull.device)
-        sh.all_reduce(flags, torch.distributed.ReduceOp.MAX, f"which of {unit.name}'s parameters have a gradient")
+        sharding.all_reduce(flags, torch.distributed.ReduceOp.MAX, f"which of {unit.name}'s parameters have a gradient")
         for s_, f in zip(trainable, flags.tolist()):
             s_.has_grad = bool(f)
-        run = self.runs[unit.name]
-        run.norms = None
-        if lay.grad_key:
-            g = self.store.get(lay.grad_key)
+        status = self.gradients[unit.name]
+        status.norms = None
+        if slice_layout.grad_key:
+            g = self.store.get(slice_layout.grad_key)
             try:
-                g.add_(out[:lay.grad_numel])
+                g.add_(out[:slice_layout.grad_numel])
                 if not bool(torch.isfinite(g).all()):
-                    run.grads_finite = False
-                self.store.mark_dirty(lay.grad_key)
+                    status.grads_finite = False
+                self.store.mark_dirty(slice_layout.grad_key)
             finally:
-                self.store.release(lay.grad_key)
+                self.store.release(slice_layout.grad_key)
 

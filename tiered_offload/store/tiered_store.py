@@ -31,154 +31,29 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from offload_core.errors import (
-    ConfigError,
-    CorruptionError,
-    DiskFullError,
-    TensorStateError,
-    TierCapacityError,
-    UnknownTensorError,
-)
+from offload_core.errors import TensorStateError, TierCapacityError, UnknownTensorError
 from offload_core.futures import IOFuture, chain, completed, gather
 from offload_core.sizes import format_size
 from storage_backends.base import StorageBackend, validate_key
 from tiered_offload.config import StoreConfig
 from tiered_offload.store.arena import Arena
-from tiered_offload.store.checksum import (
-    checksum_function,
-    describe,
-    device_checksum,
-    matches,
-)
+from tiered_offload.store.checksum import checksum_function
 from tiered_offload.store.copier import Copier
+from tiered_offload.store.disk import DiskTier, open_backend
 from tiered_offload.store.policies import EvictionPolicy, make_policy
+from tiered_offload.store.space import Fate, TierSpace
+from tiered_offload.store.prefetch import Lookahead
+from tiered_offload.store.record import Operation, OpKind, Slot, StoreStats, TensorRecord
 from tiered_offload.store.tiers import CopyState, Tier
 
-__all__ = ["TieredStore", "TensorRecord", "StoreStats"]
+__all__ = ["TieredStore"]
 
 _MEMORY_TIERS = (Tier.DEVICE, Tier.HOST)
-
-
-@dataclass(eq=False)
-class _Slot:
-    """A block of a memory tier's arena holding (or receiving) one tensor's bytes."""
-
-    offset: int
-    data: torch.Tensor
-    """Typed view with the tensor's shape and dtype."""
-    raw: torch.Tensor
-    """The same bytes as a flat uint8 tensor, for the backends."""
-    version: int = -1
-    loading: bool = True
-    pins: int = 0
-
-
-@dataclass(eq=False)
-class TensorRecord:
-    """Everything the store knows about one tensor. Mutated only under the store's lock."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-    version: int = 0
-    zero: bool = True
-    """The current version is the implicit all-zeros initial value (registered without data)."""
-    disk_version: int = -1
-    disk_key: str | None = None
-    """The extent holding the disk copy (the key itself unless writes are versioned)."""
-    disk_crc: int | None = None
-    """Checksum (the store's :attr:`~TieredStore.checksum` algorithm) of the disk copy's bytes,
-    checked when they are read back."""
-    disk_gen: int = 0
-    """Generation of the last versioned extent written (``key@gen``)."""
-    scratch: bool = False
-    """Transient bytes (saved activations): never part of a durable state. Written to disk under
-    the key itself (no versioned extents, no :attr:`TieredStore.on_disk_written`), and not
-    flushed; :meth:`TieredStore.unregister` deletes the file."""
-    slots: dict[Tier, _Slot] = field(default_factory=dict)
-    busy: IOFuture | None = None
-    """The one operation in flight on this tensor, if any."""
-    busy_what: tuple[str, Tier] | None = None
-
-    # ---- queries ------------------------------------------------------------------------
-    def valid(self, tier: Tier) -> bool:
-        """Whether ``tier`` holds the current version."""
-        if tier == Tier.DISK:
-            return self.disk_version == self.version
-        slot = self.slots.get(tier)
-        return slot is not None and not slot.loading and slot.version == self.version
-
-    def held_elsewhere(self, tier: Tier) -> bool:
-        """Whether dropping ``tier``'s copy loses nothing (another tier, or the zero value, has it)."""
-        return self.zero or any(self.valid(t) for t in Tier if t != tier)
-
-    def state(self, tier: Tier) -> CopyState:
-        """The :class:`CopyState` of this tensor's copy in ``tier``."""
-        if tier == Tier.DISK:
-            if self.disk_version < 0:
-                return CopyState.ABSENT
-            return CopyState.CLEAN if self.valid(Tier.DISK) else CopyState.STALE
-        slot = self.slots.get(tier)
-        if slot is None:
-            return CopyState.ABSENT
-        if slot.loading:
-            return CopyState.LOADING
-        if slot.version != self.version:
-            return CopyState.STALE
-        return CopyState.CLEAN if (self.zero or self.valid(Tier.DISK)) else CopyState.DIRTY
-
-    # ---- transitions --------------------------------------------------------------------
-    def modified(self, tier: Tier) -> None:
-        """``tier``'s copy now holds new bytes: it becomes the only current version."""
-        self.version += 1
-        self.zero = False
-        self.slots[tier].version = self.version
-
-    def loaded(self, tier: Tier, version: int) -> None:
-        """Bytes of ``version`` finished arriving in ``tier``."""
-        if tier == Tier.DISK:
-            self.disk_version = max(self.disk_version, version)
-            return
-        slot = self.slots[tier]
-        slot.loading = False
-        slot.version = version
-
-
-@dataclass
-class StoreStats:
-    """Counters since the store was opened (a snapshot: later activity does not change it)."""
-
-    bytes_read: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    """Bytes copied out of each tier (disk: read from storage)."""
-    bytes_written: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    """Bytes copied into each tier (disk: written to storage)."""
-    hits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    """``get`` calls that found a valid copy already in the tier."""
-    misses: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    """``get`` calls that had to wait for a copy to arrive."""
-    prefetch_waits: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    """Of the misses, those that found their load already under way (a prefetch not done yet);
-    the others had to start it themselves."""
-    evictions: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
-    """Copies dropped to make room."""
-    io_wait_seconds: float = 0.0
-    """Time callers spent blocked in ``get`` waiting for bytes."""
-    disk_busy_seconds: float = 0.0
-    """Time at least one disk read or write was in flight: disk bytes moved / this is the rate
-    the disk delivered to this store (no probe needed)."""
-    peak_used: dict[Tier, int] = field(default_factory=dict)
-    """Highest bytes in use of each memory tier's budget."""
-
-    def as_dict(self) -> dict:
-        """JSON-friendly form, tier names as keys."""
-        d = dataclasses.asdict(self)
-        return {k: ({t.name.lower(): n for t, n in v.items()} if isinstance(v, dict) else v) for k, v in d.items()}
 
 
 class TieredStore:
@@ -205,12 +80,13 @@ class TieredStore:
         self._cond = threading.Condition(self._lock)
         self._arenas: dict[Tier, Arena] = {}
         self._policies: dict[Tier, EvictionPolicy] = {}
+        self._spaces: dict[Tier, TierSpace] = {}
+        """Per memory tier: its arena, its policy and the victim rule."""
         self._stats = StoreStats()
         self._copier: Copier | None = None
         self._opened = False
-        self._checksum = checksum_function(config.checksum)
-        self._disk_inflight = 0
-        self._disk_since = 0.0
+        self.disk: DiskTier | None = None
+        """The backend with versioned extents, checksums and reservations (once open)."""
         self.tracer = None
         """A :class:`~tiered_offload.trace.Tracer` that records every copy and wait, or None."""
         self.on_disk_written = None
@@ -225,30 +101,8 @@ class TieredStore:
             return self
         self.config = self.config.resolved()
         cfg = self.config
-        from storage_backends import (  # the registry imports this package's errors
-            create_backend,
-            resolve_storage,
-        )
-        spec = resolve_storage(self._backend_arg)
-        if spec.backend is not None:
-            self.backend = spec.backend
-            self._owns_backend = not self.backend.is_open
-        else:
-            from tiered_offload.profile import tuned_options
-            # bench-io profiles tune the file backends (threads, request size, direct I/O)
-            tuned = spec.name in ("posix", "kvikio", "auto") and spec.location
-            defaults = tuned_options(spec.location.split(",")[0]) if tuned else {}
-            self.backend = create_backend(spec, defaults=defaults)
-            self._owns_backend = True
-        if self._owns_backend:
-            self.backend.open()
-        if not self.backend.supports_rewrite:
-            if self._owns_backend:
-                self.backend.close()
-            raise ConfigError(
-                f"storage {self.backend.location} cannot rewrite or delete a tensor in place (a zip archive only "
-                f"appends: it would grow with every write). Give a directory (zarr:/path/to/state, or a plain "
-                f"directory) instead")
+        self.backend, self._owns_backend = open_backend(self._backend_arg)
+        self.disk = DiskTier(self.backend, cfg, self._lock, self._stats)
         self.device: torch.device = cfg.device
         self._arenas = {
             Tier.DEVICE: Arena("device", cfg.device_budget_bytes, cfg.device),
@@ -257,6 +111,11 @@ class TieredStore:
         for a in self._arenas.values():
             a.open()
         self._policies = {t: make_policy(cfg.policy) for t in _MEMORY_TIERS}
+        exclusive = cfg.tier_caching == "exclusive"
+        self._spaces = {t: TierSpace(t, self._arenas[t], self._policies[t], exclusive=exclusive,
+                                     demotes=t == Tier.DEVICE and exclusive and self._arenas[Tier.HOST].capacity > 0)
+                        for t in _MEMORY_TIERS}
+        self._lookahead = Lookahead(cfg, self._spaces, self.backend.supports_device_buffers)
         self._copier = Copier(cfg.device)
         self._copier.open()
         self._opened = True
@@ -289,7 +148,7 @@ class TieredStore:
     @property
     def checksum(self) -> str:
         """The checksum algorithm of the disk copies (``"xxh3"`` or ``"crc32"``)."""
-        return self._checksum.__name__
+        return self.disk.checksum if self.disk is not None else checksum_function(self.config.checksum).__name__
 
     def use_checksum(self, name: str) -> None:
         """Record and check disk copies with ``name`` from now on (a reopened directory's algorithm).
@@ -298,7 +157,9 @@ class TieredStore:
         with self._lock:
             if any(r.disk_crc is not None for r in self._records.values()):
                 raise TensorStateError("use_checksum() after disk copies were recorded; call it before adopting them")
-            self._checksum = fn
+            if self.disk is None:
+                raise TensorStateError("use_checksum() before open(); open the store first")
+            self.disk.checksum_fn = fn
 
     @property
     def compute_tier(self) -> Tier:
@@ -319,28 +180,17 @@ class TieredStore:
 
     def fits_beside_pinned(self, sizes: Iterable[int], pinned: Iterable[str], tier: Tier | str | None = None) -> bool:
         """Whether tensors of ``sizes`` bytes could all be placed in ``tier`` at once, beside the
-        copies of ``pinned`` keys where they are now, once everything else is evicted: best fit,
-        largest first, into the gaps those copies leave. The byte count alone is not enough:
-        pinned copies split the arena into holes."""
-        tier = self._memory_tier(tier)
-        arena = self._arenas[tier]
+        copies of ``pinned`` keys where they are now, once everything else is evicted (see
+        :meth:`TierSpace.fits_beside`)."""
+        space = self._spaces[self._memory_tier(tier)]
         with self._lock:
             recs = [self._records[k] for k in pinned if k in self._records]
-            taken = sorted((r.slots[tier].offset, arena.block_size(r.nbytes)) for r in recs if tier in r.slots)
-        gaps, at = [], 0
-        for off, size in taken:
-            if off > at:
-                gaps.append(off - at)
-            at = max(at, off + size)
-        if arena.capacity > at:
-            gaps.append(arena.capacity - at)
-        for need in sorted((arena.block_size(n) for n in sizes if n), reverse=True):
-            fits = [i for i, g in enumerate(gaps) if g >= need]
-            if not fits:
-                return False
-            best = min(fits, key=lambda i: gaps[i])
-            gaps[best] -= need
-        return True
+            taken = [(r.slots[space.tier].offset, space.arena.block_size(r.nbytes)) for r in recs if space.tier in r.slots]
+        return space.fits_beside(sizes, taken)
+
+    def arena(self, tier: Tier | str) -> Arena:
+        """A memory tier's arena (its budget, use and peak; for tests and tools)."""
+        return self._arenas[Tier.parse(tier)]
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -389,7 +239,7 @@ class TieredStore:
         self._check_open()
         self._check_key(key)
         shape = tuple(int(s) for s in shape)
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         for tier in _MEMORY_TIERS:
             arena = self._arenas[tier]
             if (arena.capacity > 0 or tier == Tier.HOST) and arena.block_size(nbytes) > arena.capacity:
@@ -403,7 +253,7 @@ class TieredStore:
             rec = TensorRecord(key, shape, dtype, nbytes, scratch=scratch)
             self._records[key] = rec
         try:
-            self._reserve_disk(rec)
+            self.disk.reserve(rec)
         except BaseException:
             with self._lock:
                 del self._records[key]
@@ -413,19 +263,6 @@ class TieredStore:
         if data is not None:
             self.write(key, data)
         return rec
-
-    def _reserve_disk(self, rec: TensorRecord) -> None:
-        if rec.nbytes == 0:
-            return
-        if self.config.preallocate and not self.config.versioned_writes and not rec.scratch:
-            self.backend.allocate(rec.key, rec.nbytes, dtype=str(rec.dtype).replace("torch.", ""), shape=rec.shape)
-            return
-        free = self.backend.free_bytes()
-        if free is not None and rec.nbytes > free:
-            raise DiskFullError(
-                f"not enough free disk for tensor {rec.key!r} in {self.backend.location}: needed {rec.nbytes} bytes, "
-                f"{free} free; free space or add a storage directory",
-                path=self.backend.location, needed_bytes=rec.nbytes, free_bytes=free)
 
     def adopt(self, key: str, shape: Iterable[int], dtype: torch.dtype = torch.float32, *,
               extent: str | None, crc: int | None, generation: int = 0) -> TensorRecord:
@@ -439,7 +276,7 @@ class TieredStore:
         if extent is not None:
             validate_key(extent)
         shape = tuple(int(s) for s in shape)
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         with self._lock:
             if key in self._records:
                 raise ValueError(f"tensor {key!r} is already registered")
@@ -474,7 +311,7 @@ class TieredStore:
         rec = self.register(key, shape, dtype, scratch=True)
         try:
             with self._lock:
-                busy = self._begin(rec, ("create", tier))
+                busy = self._begin(rec, OpKind.CREATE, tier)
             try:
                 slot = self._ensure_slot(rec, tier)
                 with self._lock:
@@ -497,7 +334,7 @@ class TieredStore:
         """Forget a tensor: wait for its operation in flight, free its copies, delete its extent."""
         with self._lock:
             rec = self._rec(key)
-            busy = self._begin(rec, ("unregister", Tier.DISK))
+            busy = self._begin(rec, OpKind.UNREGISTER, Tier.DISK)
             if any(s.pins for s in rec.slots.values()):
                 self._end(rec, busy, error=TensorStateError(f"tensor {key!r} is pinned; release it before unregistering"))
                 raise TensorStateError(f"tensor {key!r} is pinned; release it before unregistering")
@@ -530,7 +367,7 @@ class TieredStore:
                     (self._stats.hits if first else self._stats.misses)[tier] += 1
                     data = slot.data
                     break
-                if first and rec.busy is not None and rec.busy_what == ("load", tier):
+                if first and rec.op is not None and rec.op.is_(OpKind.LOAD, tier):
                     self._stats.prefetch_waits[tier] += 1
             first = False
             t0 = time.perf_counter()
@@ -609,10 +446,10 @@ class TieredStore:
         tier = self._memory_tier(tier)
         with self._lock:
             rec = self._rec(key)
-        if tuple(data.shape) != rec.shape and data.numel() != _numel(rec.shape):
+        if tuple(data.shape) != rec.shape and data.numel() != math.prod(rec.shape):
             raise ValueError(f"write({key!r}): data has shape {tuple(data.shape)}, tensor is {rec.shape}")
         with self._lock:
-            busy = self._begin(rec, ("write", tier))
+            busy = self._begin(rec, OpKind.WRITE, tier)
         try:
             slot = self._ensure_slot(rec, tier)
             slot.data.copy_(data.reshape(rec.shape).to(rec.dtype))
@@ -634,7 +471,7 @@ class TieredStore:
         """Reset the tensor to all zeros without any I/O (its copies become stale and are dropped lazily)."""
         with self._lock:
             rec = self._rec(key)
-            busy = self._begin(rec, ("zero", Tier.HOST))
+            busy = self._begin(rec, OpKind.ZERO, Tier.HOST)
             if any(s.pins for s in rec.slots.values()):
                 error = TensorStateError(f"zero({key!r}): a copy is pinned; release() it first")
                 self._end(rec, busy, error=error)
@@ -649,7 +486,7 @@ class TieredStore:
             if self.on_disk_written is not None:
                 self.on_disk_written(key, None, None, old)
             else:
-                self._delete_quietly(old)
+                self.disk.delete_quietly(old)
 
     def read(self, key: str) -> torch.Tensor:
         """A CPU copy of the tensor's current bytes (for inspection and tests)."""
@@ -676,11 +513,11 @@ class TieredStore:
             rec = self._rec(key)
             if rec.valid(tier):
                 return completed(0, f"prefetch {key}")
-            if rec.busy is not None and rec.busy_what == ("load", tier):
-                return rec.busy
+            if rec.op is not None and rec.op.is_(OpKind.LOAD, tier):
+                return rec.op.future
             # A lookahead load in flight may still give up for lack of room: wait for it to end
             # (in _begin), then load for this caller if it did not land.
-            busy = self._begin(rec, ("load", tier))
+            busy = self._begin(rec, OpKind.LOAD, tier)
             if rec.valid(tier):
                 self._end(rec, busy, result=0)
                 return busy
@@ -693,7 +530,7 @@ class TieredStore:
             rec = self._rec(key)
             if rec.valid(to) or (to == Tier.DISK and rec.zero):
                 return completed(0, f"write back {key}")
-            busy = self._begin(rec, ("writeback", to))
+            busy = self._begin(rec, OpKind.WRITE_BACK, to)
             if rec.valid(to) or (to == Tier.DISK and rec.zero):
                 self._end(rec, busy, result=0)
                 return busy
@@ -706,7 +543,7 @@ class TieredStore:
         the host tier, which passes it on to the disk if it needs the room)."""
         tier = self._memory_tier(tier)
         if to == "below":
-            to = Tier.HOST if self._demotes(tier) else Tier.DISK
+            to = Tier.HOST if self._spaces[tier].demotes else Tier.DISK
         to = Tier.parse(to)
         if to.value <= tier.value:
             raise ValueError(f"evict({key!r}, {tier.name}, to={to.name}): write back to a tier below it")
@@ -722,7 +559,7 @@ class TieredStore:
         def drop() -> IOFuture:
             with self._lock:
                 s = rec.slots.get(tier)
-                if s is not None and not s.pins and rec.busy is None and rec.held_elsewhere(tier):
+                if s is not None and not s.pins and rec.op is None and rec.held_elsewhere(tier):
                     self._drop_slot(rec, tier)
                     self._stats.evictions[tier] += 1
             return completed(0)
@@ -764,18 +601,17 @@ class TieredStore:
                                     f"{self.compute_tier.name.lower()}")
         return tier
 
-    def _begin(self, rec: TensorRecord, what: tuple[str, Tier], *, block: bool = True) -> IOFuture | None:
+    def _begin(self, rec: TensorRecord, kind: OpKind, tier: Tier, *, block: bool = True) -> IOFuture | None:
         """Claim ``rec`` for one operation (call with the lock held). Waits for the one in flight."""
         deadline = time.monotonic() + self.config.wait_timeout_s
-        while rec.busy is not None:
+        while rec.op is not None:
             if not block:
                 return None
             if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                 raise TierCapacityError(f"timed out after {self.config.wait_timeout_s}s waiting for the operation "
-                                        f"in flight on {rec.key!r} ({rec.busy_what})")
-        rec.busy = IOFuture(Future(), f"{what[0]} {rec.key} -> {what[1].name}")
-        rec.busy_what = what
-        return rec.busy
+                                        f"in flight on {rec.key!r} ({rec.op})")
+        rec.op = Operation(kind, tier, IOFuture(Future(), f"{kind.value} {rec.key} -> {tier.name}"))
+        return rec.op.future
 
     def _end(self, rec: TensorRecord, busy: IOFuture, *, result: int = 0, error: BaseException | None = None) -> None:
         """Release ``rec`` from its operation and resolve the operation's future."""
@@ -783,9 +619,8 @@ class TieredStore:
             # An operation that ended (failed, or made no room) leaves no half-filled copy behind.
             for tier in [t for t, slot in rec.slots.items() if slot.loading]:
                 self._drop_slot(rec, tier)
-            if rec.busy is busy:
-                rec.busy = None
-                rec.busy_what = None
+            if rec.op is not None and rec.op.future is busy:
+                rec.op = None
             self._cond.notify_all()
         if error is not None:
             busy._future.set_exception(error)
@@ -805,12 +640,12 @@ class TieredStore:
 
     def _wait_idle(self) -> None:
         with self._lock:
-            while any(r.busy is not None for r in self._records.values()):
+            while any(r.op is not None for r in self._records.values()):
                 self._cond.wait(timeout=1.0)
 
     # ---- internals: space ---------------------------------------------------------------
     def _ensure_slot(self, rec: TensorRecord, tier: Tier, *, block: bool = True,
-                     further_than: float | None = None) -> _Slot | None:
+                     further_than: float | None = None) -> Slot | None:
         """Give ``rec`` a slot in ``tier`` (reusing a stale one), marked loading."""
         with self._lock:
             slot = rec.slots.get(tier)
@@ -826,7 +661,7 @@ class TieredStore:
         arena = self._arenas[tier]
         raw = arena.view(offset, rec.nbytes)
         data = raw.view(rec.dtype).view(rec.shape) if rec.nbytes else torch.empty(rec.shape, dtype=rec.dtype, device=arena.device)
-        slot = _Slot(offset, data, raw)
+        slot = Slot(offset, data, raw)
         with self._lock:
             rec.slots[tier] = slot
         return slot
@@ -846,34 +681,32 @@ class TieredStore:
         starts the write-back of a dirty victim without waiting for it, and returns None if no
         room was made. ``further_than`` restricts victims to tensors needed later than that.
         """
-        arena = self._arenas[tier]
+        space = self._spaces[tier]
         deadline = time.monotonic() + self.config.wait_timeout_s
         while True:
             with self._lock:
-                offset = arena.alloc(rec.nbytes)
+                offset = space.arena.alloc(rec.nbytes)
                 if offset is not None:
                     return offset
-                victim = self._pick_victim(tier, rec, further_than)
+                victim = space.pick_victim(self._records.values(), rec, further_than)
                 if victim is None:
                     if not block:
                         return None
-                    in_flight = [r for r in self._records.values() if r.busy is not None and r is not rec and tier in r.slots]
+                    in_flight = [r for r in self._records.values() if r.op is not None and r is not rec and tier in r.slots]
                     if not in_flight:
-                        raise self._capacity_error(tier, rec)
+                        raise space.capacity_error(self._records.values(), rec, "every resident tensor is pinned or in use")
                     if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                        raise self._capacity_error(tier, rec, waited=True)
+                        raise space.capacity_error(self._records.values(), rec,
+                                                   f"waited {self.config.wait_timeout_s}s for space")
                     continue
-                stale = victim.slots[tier].version != victim.version
-                # The device and host tiers cache different tensors: a current device copy the
-                # host lacks moves down to the host (a PCIe copy), not out to the disk
-                demote = self._demotes(tier) and not stale and not victim.zero and not victim.valid(Tier.HOST)
-                if stale or (victim.held_elsewhere(tier) and not demote):
+                fate = space.fate(victim)
+                if fate == Fate.DROP:
                     self._drop_slot(victim, tier)
                     self._stats.evictions[tier] += 1
                     continue
-                clean = victim.held_elsewhere(tier)
-                # Otherwise the victim holds the only current copy: write it down first.
-                vbusy = self._begin(victim, ("writeback", Tier.HOST if demote else Tier.DISK), block=False)
+                demote, clean = fate == Fate.DEMOTE, victim.held_elsewhere(tier)
+                # the victim's copy is current and only a lower tier can keep it: move it down first
+                vbusy = self._begin(victim, OpKind.WRITE_BACK, Tier.HOST if demote else Tier.DISK, block=False)
             if vbusy is None:
                 continue
             try:
@@ -886,44 +719,6 @@ class TieredStore:
             if not block:
                 return None
             fut.get()
-
-    def _demotes(self, tier: Tier) -> bool:
-        """Whether a copy leaving ``tier`` moves down to the host tier (the device and host tiers
-        caching different tensors) rather than out to the disk."""
-        return (tier == Tier.DEVICE and self._arenas[Tier.HOST].capacity > 0
-                and self.config.tier_caching == "exclusive")
-
-    def _pick_victim(self, tier: Tier, exclude: TensorRecord, further_than: float | None) -> TensorRecord | None:
-        candidates = {r.key: r for r in self._records.values()
-                      if r is not exclude and r.busy is None and tier in r.slots
-                      and not r.slots[tier].pins and not r.slots[tier].loading}
-        if not candidates:
-            return None
-        stale = [r for r in candidates.values() if r.slots[tier].version != r.version]
-        if stale:
-            return stale[0]
-        policy = self._policies[tier]
-        if tier == Tier.HOST and self.config.tier_caching == "exclusive":
-            # a host copy the device tier also holds costs nothing to drop (the device copy moves
-            # back down if the device evicts it first): those go before anything only the host has
-            twins = [k for k, r in candidates.items() if r.valid(Tier.DEVICE)]
-            if twins:
-                return candidates[policy.rank_victims(twins)[0]]
-        for key in policy.rank_victims(candidates):
-            if further_than is not None and policy.next_use(key) <= further_than:
-                return None
-            return candidates[key]
-        return None
-
-    def _capacity_error(self, tier: Tier, rec: TensorRecord, waited: bool = False) -> TierCapacityError:
-        arena = self._arenas[tier]
-        pinned = sum(r.nbytes for r in self._records.values() if tier in r.slots and r.slots[tier].pins)
-        why = f"waited {self.config.wait_timeout_s}s for space" if waited else "every resident tensor is pinned or in use"
-        return TierCapacityError(
-            f"cannot fit tensor {rec.key!r} ({format_size(rec.nbytes)}) in the {tier.name.lower()} tier: budget "
-            f"{format_size(arena.capacity)}, in use {format_size(arena.used)}, pinned {format_size(pinned)}, largest "
-            f"free block {format_size(arena.largest_hole)}; {why}. Release tensors you hold, or raise the "
-            f"{tier.name.lower()} budget")
 
     # ---- internals: copies --------------------------------------------------------------
     def _landed(self, rec: TensorRecord, tier: Tier, version: int, src: Tier, extent: str | None = None,
@@ -943,19 +738,12 @@ class TieredStore:
             if tier != Tier.DISK or extent is None or not self.config.versioned_writes or rec.scratch:
                 return
             if error is not None:  # a half-written new extent is garbage; the old one is untouched
-                self._delete_quietly(extent)
+                self.disk.delete_quietly(extent)
             elif self.on_disk_written is not None:
                 self.on_disk_written(rec.key, extent, rec.disk_crc, old)
             elif old is not None and old != extent:
-                self._delete_quietly(old)
+                self.disk.delete_quietly(old)
         return handler
-
-    def _delete_quietly(self, extent: str) -> None:
-        try:
-            self.backend.delete(extent)
-        except Exception as e:  # noqa: BLE001 - a leftover file is reported, not fatal
-            import logging
-            logging.getLogger(__name__).warning("could not delete superseded extent %r: %s", extent, e)
 
     def _copy_between(self, rec: TensorRecord, src: Tier, dst: Tier, version: int) -> IOFuture:
         """Start one copy of ``rec``'s bytes (of ``version``) from ``src`` to ``dst``; slots already exist."""
@@ -964,105 +752,27 @@ class TieredStore:
         if rec.nbytes == 0:
             fut = completed(0, desc)
             if dst == Tier.DISK:
-                extent, crc = self._next_extent(rec), 0
+                extent, crc = self.disk.next_extent(rec), 0
         elif dst == Tier.DISK:
             raw = rec.slots[src].raw
-            extent = self._next_extent(rec)
+            extent = self.disk.next_extent(rec)
             if raw.device.type != "cpu":
                 self._copier.before_device_write()
-            fut = self._timed_disk(lambda: self.backend.write_from(extent, raw))
-            if self.config.verify_checksums:
-                # the checksum runs on the I/O thread that finished the write (off the GIL), so the
-                # caller goes on and the backend's other threads keep the disk busy meanwhile
-                fut, crc = self._checksummed(fut, raw)
+            fut, crc = self.disk.write(extent, raw)
         elif src == Tier.DISK:
             if dst == Tier.DEVICE:
                 self._copier.before_device_read()
-            fut = self._verified_read(rec, rec.slots[dst].raw)
+            fut = self.disk.read(rec, rec.slots[dst].raw)
         else:
             fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
         fut.add_done_callback(self._landed(rec, dst, version, src, extent, crc))  # runs before any later callback
         tracer = self.tracer
         if tracer is not None:
-            start, why = time.perf_counter(), (rec.busy_what or ("", None))[0]
+            start, why = time.perf_counter(), rec.op.kind.value if rec.op is not None else ""
             fut.add_done_callback(lambda f: tracer.complete(
                 f"{src.name.lower()}->{dst.name.lower()} {rec.key}", "io", start, tensor=rec.key, bytes=rec.nbytes,
                 by="lookahead" if why == "lookahead" else why or "caller", ok=f.exception() is None))
         return fut
-
-    def _timed_disk(self, start) -> IOFuture:
-        """Start a backend transfer, counting the time any is in flight (``disk_busy_seconds``)."""
-        with self._lock:
-            if self._disk_inflight == 0:
-                self._disk_since = time.perf_counter()
-            self._disk_inflight += 1
-
-        def end(_f=None) -> None:
-            with self._lock:
-                self._disk_inflight -= 1
-                if self._disk_inflight == 0:
-                    self._stats.disk_busy_seconds += time.perf_counter() - self._disk_since
-        try:
-            fut = start()
-        except BaseException:
-            end()
-            raise
-        fut.add_done_callback(end)
-        return fut
-
-    def _checksummed(self, write: IOFuture, raw: torch.Tensor) -> tuple[IOFuture, list]:
-        """``write``, then the checksum of ``raw`` computed where the write completed; the checksum
-        lands in the returned one-element list before the returned future resolves."""
-        box: list = [None]
-        out: Future = Future()
-
-        def done(f: IOFuture) -> None:
-            error = f.exception()
-            if error is None:
-                try:
-                    box[0] = device_checksum(raw, self.checksum)  # on a GPU buffer: computed there
-                except BaseException as e:  # noqa: BLE001 - reported through the future
-                    error = e
-            if error is not None:
-                out.set_exception(error)
-            else:
-                out.set_result(f.get())
-        write.add_done_callback(done)
-        return IOFuture(out, write.description), box
-
-    def _next_extent(self, rec: TensorRecord) -> str:
-        if not self.config.versioned_writes or rec.scratch:
-            return rec.key
-        with self._lock:
-            rec.disk_gen += 1
-            return f"{rec.key}@{rec.disk_gen}"
-
-    def _verified_read(self, rec: TensorRecord, raw: torch.Tensor) -> IOFuture:
-        """Read the disk copy into ``raw``; fail with :class:`CorruptionError` if its checksum differs."""
-        with self._lock:
-            extent, expected = rec.disk_key or rec.key, rec.disk_crc
-        inner = self._timed_disk(lambda: self.backend.read_into(extent, raw))
-        if expected is None or not self.config.verify_checksums:
-            return inner
-        out: Future = Future()
-
-        def check(f: IOFuture) -> None:
-            error = f.exception()
-            if error is None:
-                ok, actual = matches(raw, expected, self.checksum)
-                if not ok:
-                    error = CorruptionError(
-                        f"tensor {rec.key!r}: the bytes read from {self.backend.describe(extent)} do not match the "
-                        f"checksum recorded when they were written ({describe(actual, self.checksum)}, expected "
-                        f"{describe(expected, self.checksum)}); the "
-                        f"file was modified or the disk returned bad data. Restore the directory from a copy, or "
-                        f"run `tiered-offload verify` on it to list every damaged tensor")
-            if error is not None:
-                out.set_exception(error)
-            else:
-                out.set_result(f.get())
-        inner.add_done_callback(check)
-        return IOFuture(out, f"read {rec.key}")
 
     def _start_load(self, rec: TensorRecord, tier: Tier, *, block: bool = True,
                     further_than: float | None = None) -> IOFuture:
@@ -1116,7 +826,7 @@ class TieredStore:
         claimed by the caller; its device copy is current and the host has none).
 
         It takes host room that is free or that nothing needed sooner occupies. Where there is
-        none, a dirty copy is written to the disk instead (through the host tier, as before,
+        none, a dirty copy is written to the disk instead (through the host tier, like any write-back
         without GPUDirect), and a ``clean`` one (the disk holds it too) is simply dropped: the
         returned future is then already done.
         """
@@ -1136,33 +846,21 @@ class TieredStore:
 
     # ---- internals: lookahead -----------------------------------------------------------
     def _prefetch_ahead(self) -> None:
-        """Start loading the tensors the policies expect next, as far as free or cheaply freed space allows."""
-        depth = self.config.prefetch_depth
-        for tier in (Tier.HOST, Tier.DEVICE):
-            policy = self._policies[tier]
-            if not policy.prefetches or self._arenas[tier].capacity == 0 or depth == 0:
-                continue
-            # Below a device tier, the host tier prefetches only a short window: reaching further
-            # ahead evicts what the step needs before that, which is then read again (measured:
-            # 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md)
-            lower = tier == Tier.HOST and self._arenas[Tier.DEVICE].capacity > 0
-            window = self.config.host_prefetch_share * self._arenas[tier].capacity if lower else math.inf
+        """Start loading the tensors the policies expect next (see :class:`Lookahead`), as far as free
+        or cheaply freed space allows."""
+        for tier, policy, window in self._lookahead.tiers():
             ahead = 0
-            for key in policy.upcoming(depth):
+            for key in policy.upcoming(self.config.prefetch_depth):
                 with self._lock:
                     rec = self._records.get(key)
-                    if rec is not None:
-                        ahead += rec.nbytes
-                        if ahead > window and ahead > rec.nbytes:
-                            break  # the nearest tensor always; further ones within the window
-                    if rec is None or rec.valid(tier) or rec.busy is not None:
+                    if rec is None:
                         continue
-                    if tier == Tier.HOST and rec.valid(Tier.DEVICE):
+                    ahead += rec.nbytes
+                    if not self._lookahead.within(ahead, rec.nbytes, window):
+                        break
+                    if not self._lookahead.wants(rec, tier):
                         continue
-                    if tier == Tier.DEVICE and not (rec.zero or rec.valid(Tier.HOST)
-                                                    or self.backend.supports_device_buffers):
-                        continue  # the host pass brings it up first
-                    busy = self._begin(rec, ("lookahead", tier), block=False)
+                    busy = self._begin(rec, OpKind.LOOKAHEAD, tier, block=False)
                     if busy is None:
                         continue
                 distance = policy.next_use(key)
@@ -1170,10 +868,3 @@ class TieredStore:
                     self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
                 except TierCapacityError:
                     break  # the tier is full of tensors needed sooner
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

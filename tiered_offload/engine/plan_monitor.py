@@ -1,0 +1,203 @@
+"""``PlanMonitor``: the engine's plan while it runs.
+
+It owns the plan (what each block does with its activations, the prefetch depth, whether the step
+overlaps the next forward, how the budget is split), the per-iteration measurements it is made
+from, the check of its prediction against later iterations, and ``engine.stats()``. The
+arithmetic itself stays in :mod:`.planner` (pure numbers); this part measures and asks it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from offload_core.sizes import format_size
+from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan
+from tiered_offload.engine.stats import EngineStats
+from tiered_offload.profile import measured_rates
+from tiered_offload.store.tiers import Tier
+
+__all__ = ["PlanMonitor"]
+
+log = logging.getLogger("tiered_offload")
+
+
+@dataclass(frozen=True)
+class _Counters:
+    """The running totals an iteration's measurement is the difference of."""
+
+    engine_seconds: float
+    disk_read: int
+    disk_written: int
+    io_wait_seconds: float
+    disk_busy_seconds: float
+
+
+class PlanMonitor:
+    """Makes the plan, measures iterations, re-plans once, checks the prediction.
+
+    Args:
+        store: the engine's store (its counters and budgets).
+        schedule: the engine's schedule (working set, overlap arithmetic).
+        streamer: the block streamer (its modes, per-block forward times and graph sizes).
+        block_names: the streamed blocks, in order.
+        config: the engine's :class:`EngineConfig`.
+        recompute: the engine's ``recompute=`` argument.
+        overlap_step: whether the step overlaps the next forward.
+        parameter_count: the model's parameters (for bytes per parameter).
+    """
+
+    PLAN_FROM = 1
+    """The measured iteration the plan is made from (0-based). Not the first: its optimizer step
+    finds the optimizer states still implicitly zero (nothing to read) and its lookahead has not
+    learned the access order yet, so its disk traffic is not what later steps move."""
+    CHECK_AFTER = 3
+    """Iterations measured under a plan before its prediction is compared with them."""
+    KEEP = 64
+    """Measurements kept for stats() (the plan's entries first)."""
+
+    def __init__(self, store, schedule, streamer, block_names: list[str], config, recompute, overlap_step: bool,
+                 parameter_count: int):
+        self.store, self.schedule, self.streamer = store, schedule, streamer
+        self.block_names = block_names
+        self.config = config
+        self.planner_chooses = recompute == "auto" and config.activations == "auto"
+        """Whether the planner picks each block's activation mode after measuring (else it is fixed)."""
+        self.overlap_step = overlap_step
+        self.parameter_count = parameter_count
+        self.engine_seconds = 0.0
+        """Time spent in the engine's calls (forward, backward, clipping, step)."""
+        self.measured: list[StepMeasurement] = []
+        self._last: _Counters | None = None
+        self._plan = self._initial_plan(recompute)
+        if streamer.modes is not None:
+            log.info("tiered-offload plan (until measured):\n%s", self._plan.summary())
+
+    # ---- the plan ----------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan, with the blocks recomputed since (their activations outgrew the budget) noted."""
+        now = self.streamer.modes
+        if now is not None and self._plan.modes is not None and list(now) != self._plan.modes:
+            fell = [b for b, was, is_ in zip(self._plan.blocks, self._plan.modes, now) if was != is_]
+            self._plan.reasons.append(f"recomputed since the plan, their activations not fitting the budget at the "
+                                      f"time: {', '.join(fell)}")
+            self._plan.modes = list(now)
+        return self._plan
+
+    def _initial_plan(self, recompute) -> Plan:
+        cap = self.store.capacity(self.store.compute_tier)
+        need = self.schedule.working_set().need
+        streamer = self.streamer
+        acts = max(streamer.activation_room.values(), default=0) if streamer.modes is not None else 0
+        overridden = []
+        if recompute is not True and recompute is not False and self.config.activations != "auto":
+            overridden.append(f"activations = {self.config.activations!r} (EngineConfig.activations)")
+        elif recompute in (True, False):
+            overridden.append(f"recompute={recompute}")
+        if self.config.overlap_step is not None:
+            overridden.append(f"overlap_step = {self.config.overlap_step} (EngineConfig.overlap_step)")
+        return Plan(modes=None if streamer.modes is None else list(streamer.modes), blocks=list(self.block_names),
+                    prefetch_depth=self.store.config.prefetch_depth, overlap_step=self.overlap_step,
+                    host_split={"working_set": min(need, cap), "activation_room": min(acts, max(0, cap - need)),
+                                "cache": max(0, cap - need - acts)},
+                    lower_tier=self._lower_tier(), overridden=overridden)
+
+    def _lower_tier(self) -> dict[str, int] | None:
+        """The host tier below a device tier, as the plan shows it (None without a device tier)."""
+        if self.store.compute_tier != Tier.DEVICE or not self.store.capacity(Tier.HOST):
+            return None
+        host = self.store.capacity(Tier.HOST)
+        return {"budget": host, "prefetch_window": int(self.store.config.host_prefetch_share * host)}
+
+    # ---- measuring ----------------------------------------------------------------------------
+    def _counters(self) -> _Counters:
+        st = self.store.stats
+        return _Counters(self.engine_seconds, st.bytes_read[Tier.DISK], st.bytes_written[Tier.DISK],
+                         st.io_wait_seconds, st.disk_busy_seconds)
+
+    def iteration_boundary(self) -> None:
+        """A step begins: measure the iteration that ended (for the plan), start the next. Its
+        time is the time spent in the engine's calls, so what the caller does between them
+        (loading data, logging, evaluating) is not counted."""
+        now, streamer, n = self._counters(), self.streamer, len(self.block_names)
+        if self._last is not None:
+            last = self._last
+            self.measured.append(StepMeasurement(
+                seconds=now.engine_seconds - last.engine_seconds,
+                io_wait_seconds=now.io_wait_seconds - last.io_wait_seconds,
+                disk_read=now.disk_read - last.disk_read, disk_written=now.disk_written - last.disk_written,
+                disk_busy_seconds=now.disk_busy_seconds - last.disk_busy_seconds,
+                forward_seconds=[streamer.forward_seconds.get(i, 0.0) for i in range(n)],
+                graph_bytes=[streamer.graph_bytes.get(i, 0) for i in range(n)],
+                modes=list(streamer.modes) if streamer.modes is not None else ["keep"] * n))
+            self._after_iteration()
+            if len(self.measured) > self.KEEP:
+                del self.measured[self.PLAN_FROM + 1 + self.CHECK_AFTER]
+        self._last = now
+        streamer.forward_seconds.clear()
+
+    def _after_iteration(self) -> None:
+        """After the planning iteration: plan. After a few more: compare and say if it is off."""
+        measured = self.measured
+        if self.streamer.modes is None:
+            return  # plain PyTorch: nothing to plan
+        if len(measured) == 1 + self.PLAN_FROM:
+            room = [self.streamer.activation_room.get(i, 0) for i in range(len(self.block_names))]
+            m = measured[self.PLAN_FROM]
+            self._plan = make_plan(self._plan, m, self._disk_rates(m), room, max(room, default=0),
+                                   not self.planner_chooses)
+            advice = self._overlap_advice(m)
+            if advice:
+                self._plan.reasons.append(advice)
+            self.streamer.modes = list(self._plan.modes)
+            self.streamer.measure_graphs = False
+            log.info("tiered-offload plan:\n%s", self._plan.summary())
+        elif len(measured) == 1 + self.PLAN_FROM + self.CHECK_AFTER:
+            for note in self._plan.check(measured[1 + self.PLAN_FROM:]):
+                self._plan.reasons.append(note)
+                log.warning("tiered-offload: %s", note)
+
+    def _overlap_advice(self, m: StepMeasurement) -> str | None:
+        """When the step runs inline only because the budget is short (the state does not fit,
+        nobody configured it): the budget at which it would overlap the next forward, with room
+        for the largest block's saved activations beside it."""
+        cap = self.store.capacity(self.store.compute_tier)
+        if self.overlap_step or self.config.overlap_step is not None or self.schedule.fits(cap):
+            return None
+        tier = self.store.compute_tier.name.lower()
+        acts = max(m.graph_bytes, default=0)
+        need = self.schedule.overlap_budget(acts)
+        why = (f"the step runs inline: the {tier} budget ({format_size(cap)}) cannot hold a unit being updated "
+               f"beside the forward, so reads and compute alternate in the step; ")
+        if self.schedule.fits(need):  # that much holds the whole state: nothing left to overlap
+            state = self.schedule.state_bytes()
+            return why + f"{tier}_memory >= {format_size(state)} ({state} bytes) holds the whole training state"
+        return why + (f"{tier}_memory >= {format_size(need)} ({need} bytes) lets it overlap the next forward with "
+                      f"room for a block's saved activations ({format_size(acts)})")
+
+    def _disk_rates(self, m: StepMeasurement) -> DiskRates:
+        """The disk's rates for the plan: the bench-io profile of its file system, else what the
+        measured iteration's own transfers achieved (bytes over the time any was in flight)."""
+        backend = self.store.backend
+        if backend.directories:
+            known = measured_rates(backend.directories[0])
+            if known is not None:
+                return DiskRates(known[0], known[1], f"bench-io profile {known[2]}")
+        moved = m.disk_read + m.disk_written
+        if moved == 0 or m.disk_busy_seconds <= 0:
+            return DiskRates(0.0, 0.0, "none: the measured step moved nothing to or from disk")
+        rate = moved / m.disk_busy_seconds
+        return DiskRates(rate, rate, "the measured step's own transfers (`tiered-offload bench-io --save-profile` "
+                                     "records the disk's best)")
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """The store's counters and, per measured training step, the medians of time and disk bytes."""
+        m = self.measured
+        median = (lambda xs: sorted(xs)[len(xs) // 2]) if m else (lambda xs: None)
+        busy = sum(x.disk_busy_seconds for x in m)
+        moved = sum(x.disk_read + x.disk_written for x in m)
+        return EngineStats(self.store.stats, self.parameter_count, len(m),
+                           median([x.seconds for x in m]), median([x.disk_read for x in m]),
+                           median([x.disk_written for x in m]), moved / busy if busy > 0 else None)

@@ -1,0 +1,177 @@
+"""``TrainState``: what the training state is besides its tensors.
+
+The step count, the optimizer's parameter groups (hyperparameters), the user's JSON state, the
+learning-rate scheduler, each parameter's own step count, the RNG and the module buffers, as one
+object with ``state_dict()`` / ``load_state_dict()`` (the dict a commit saves with every step as
+the manifest's ``meta``, and a resume restores). torchtitan's ``TrainState`` is the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from offload_core.errors import CheckpointError, ConfigError
+from tiered_offload.checkpoint.durable import decode_rng, decode_tensor, encode_rng, encode_tensor
+
+__all__ = ["TrainState", "StepUpdates", "jsonable", "saved_hyper", "hyper_from_json"]
+
+
+@dataclass
+class StepUpdates:
+    """Which parameters one optimizer step updates."""
+
+    before: dict[int, int] = field(default_factory=dict)
+    """``{id(slot): step count before the step}`` of every parameter the step updates."""
+    no_grad: list[str] = field(default_factory=list)
+    """Names of the optimized parameters without a gradient this step (left as they are)."""
+
+
+class TrainState:
+    """The non-tensor training state of one engine.
+
+    Args:
+        param_groups: the optimizer's parameter groups (hyperparameters only), in its order.
+        param_order: ``(unit, slot)`` of every parameter; a slot's ``updates`` is its step count.
+        buffers: the model's buffers as :meth:`ModelBinding.buffer_slots` lists them (set later:
+            they are known once the blocks are bound).
+        device: the compute device (its RNG is saved with the CPU's).
+    """
+
+    def __init__(self, param_groups: list[dict], param_order: list, device: torch.device):
+        self.step_count = 0
+        """Optimizer steps taken."""
+        self.param_groups = param_groups
+        """The optimizer's parameter groups (hyperparameters only): change ``lr`` here, or through a scheduler."""
+        self.user_state: dict = {}
+        """JSON-serialisable values saved with every step (a data loader's position...)."""
+        self.scheduler = None
+        """The learning-rate scheduler the engine steps after each optimizer step (attach_scheduler)."""
+        self.param_order = param_order
+        self.buffers: list = []
+        self.device = device
+        self._resumed_scheduler_state = None
+        self._resumed_param_groups = None
+
+    # ---- a step ------------------------------------------------------------------------------
+    def advance(self) -> StepUpdates:
+        """Count one optimizer step: every optimized parameter with a gradient gets one more update."""
+        updates = StepUpdates()
+        for _, slot in self.param_order:
+            if not slot.optimized:
+                continue
+            if slot.has_grad:
+                updates.before[id(slot)] = slot.updates
+                slot.updates += 1
+            else:
+                updates.no_grad.append(slot.name)
+        self.step_count += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return updates
+
+    def replayed_updates(self, meta: dict, no_grad) -> dict[int, int]:
+        """For a step a resume finishes (its state after is ``meta``): ``{id(slot): step count before}``
+        of the parameters it updated."""
+        after = meta.get("param_updates", {})
+        steps = meta["step_count"]
+        skipped = set(no_grad)
+        return {id(s): after.get(s.name, steps) - 1 for _, s in self.param_order if s.optimized and s.name not in skipped}
+
+    def hypers_to_json(self, hypers: list[dict]) -> list:
+        """A step's hyperparameters (one dict per group) as the journal records them."""
+        return [jsonable(h, "the optimizer's hyperparameters") for h in hypers]
+
+    def hypers_from_json(self, saved: list[dict]) -> list[dict]:
+        """A recorded step's hyperparameters back, with tuples where the groups have tuples."""
+        return [hyper_from_json(h, g) for h, g in zip(saved, self.param_groups)]
+
+    # ---- saving and restoring ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What, besides the tensors, the state after the last step is (JSON: the manifest's ``meta``)."""
+        rng = {"cpu": encode_rng(torch.get_rng_state())}
+        if self.device.type == "cuda":
+            rng["cuda"] = encode_rng(torch.cuda.get_rng_state(self.device))
+        try:
+            user = json.loads(json.dumps(self.user_state, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"engine.user_state must be JSON-serialisable (it is saved with every step): {e}") from e
+        scheduler = None
+        if self.scheduler is not None:
+            scheduler = jsonable(self.scheduler.state_dict(), "the scheduler's state_dict()")
+        # per-parameter step counts, where a parameter missed steps (it had no gradient)
+        updates = {s.name: s.updates for _, s in self.param_order if s.optimized and s.updates != self.step_count}
+        buffers = {name: encode_tensor(mod._buffers[attr]) for name, mod, attr, persistent in self.buffers if persistent}
+        return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
+                "param_updates": updates, "buffers": buffers,
+                "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
+                                 for g in self.param_groups]}
+
+    def load_state_dict(self, meta: dict) -> None:
+        """Restore what :meth:`state_dict` saved (the scheduler's part waits for :meth:`attach_scheduler`)."""
+        self.step_count = meta["step_count"]
+        for group, saved in zip(self.param_groups, meta["param_groups"]):
+            group.update(hyper_from_json(saved, group))
+        saved = meta.get("buffers", {})
+        for name, mod, attr, persistent in self.buffers:
+            if persistent and name in saved:
+                value = decode_tensor(saved[name])
+                if value.shape != mod._buffers[attr].shape:
+                    raise CheckpointError(f"buffer {name} was saved with shape {list(value.shape)}, the model has "
+                                          f"{list(mod._buffers[attr].shape)}; build the same model")
+                mod._buffers[attr] = value.to(device=mod._buffers[attr].device, dtype=mod._buffers[attr].dtype)
+        updates = meta.get("param_updates", {})
+        for _, slot in self.param_order:
+            slot.updates = updates.get(slot.name, self.step_count) if slot.optimized else 0
+        torch.set_rng_state(decode_rng(meta["rng"]["cpu"]))
+        if "cuda" in meta["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(decode_rng(meta["rng"]["cuda"]), self.device)
+        self.user_state = meta["user_state"]
+        self._resumed_scheduler_state = meta["scheduler"]
+        self._resumed_param_groups = meta["param_groups"]
+
+    def attach_scheduler(self, scheduler) -> None:
+        """Step ``scheduler`` after each optimizer step and save its state; a resumed one is restored."""
+        self.scheduler = scheduler
+        if self._resumed_scheduler_state is not None:
+            scheduler.load_state_dict(self._resumed_scheduler_state)
+            self._resumed_scheduler_state = None
+            # building the scheduler re-ran its first step, which set the learning rates from its
+            # start (LambdaLR, warm-ups); loading its state does not undo that: the saved ones do
+            for group, saved in zip(self.param_groups, self._resumed_param_groups):
+                group.update(hyper_from_json(saved, group))
+
+
+def jsonable(value, what: str):
+    """``value`` with tensors as numbers and tuples as lists, checked to survive JSON exactly."""
+    def conv(v):
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.numel() == 1 else v.tolist()
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): conv(x) for k, x in v.items()}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        raise ConfigError(f"{what} holds a {type(v).__name__} ({v!r}), which cannot be saved with the training "
+                          f"state; use numbers, strings, lists and dicts")
+    out = conv(value)
+    try:
+        json.dumps(out, allow_nan=False)
+    except ValueError as e:
+        raise ConfigError(f"{what} cannot be saved with the training state: {e}") from e
+    return out
+
+
+def saved_hyper(optimizer: type[torch.optim.Optimizer], saved: dict) -> dict:
+    """A saved group's hyperparameters as ``optimizer``'s constructor arguments (JSON lists back to tuples)."""
+    ctor = set(inspect.signature(optimizer).parameters) - {"params"}
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in ctor}
+
+
+def hyper_from_json(saved: dict, like: dict) -> dict:
+    """Hyperparameters read back from JSON, with tuples where the optimizer had tuples."""
+    return {k: (tuple(v) if isinstance(like.get(k), tuple) and isinstance(v, list) else v) for k, v in saved.items()}

@@ -1,0 +1,124 @@
+"""A memory tier's space: its arena (exactly the budget), its eviction policy, and the whole rule for
+which copy gives up its room and where that copy goes. The store asks; this decides.
+
+The victim rule, in order:
+
+1. Only an idle copy can go: unpinned, not loading, no operation in flight on its tensor.
+2. A stale copy (an older version than the tensor's) goes first: it holds nothing anyone needs.
+3. In the host tier below a device tier that caches other tensors (``tier_caching="exclusive"``),
+   a copy the device tier also holds goes before anything only the host has.
+4. Otherwise the policy ranks them (LRU, or the lookahead's furthest next use); a prefetch may
+   only take the room of a copy needed later than what it fetches (``further_than``).
+
+What happens to the victim (:meth:`TierSpace.fate`): a stale copy, or one another tier (or the
+implicit zero) also holds, is dropped; a current device copy the host tier lacks moves down to the
+host (a PCIe copy, not a disk write) when the tiers cache different tensors; the only current
+copy of anything else is written to the disk first.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterable
+
+from offload_core.errors import TierCapacityError
+from offload_core.sizes import format_size
+from tiered_offload.store.arena import Arena
+from tiered_offload.store.policies import EvictionPolicy
+from tiered_offload.store.record import TensorRecord
+from tiered_offload.store.tiers import Tier
+
+__all__ = ["Fate", "TierSpace"]
+
+
+class Fate(enum.Enum):
+    """What becomes of a victim's copy."""
+
+    DROP = "drop"
+    """Nothing is lost: it is stale, or another tier (or the implicit zero) holds the current bytes."""
+    DEMOTE = "demote"
+    """A device copy moves down to the host tier (or, where the host has no room, is written out)."""
+    WRITE_BACK = "write back"
+    """The only current copy: written to the disk before its room is reused."""
+
+
+class TierSpace:
+    """One memory tier's arena, policy and victim rule.
+
+    Args:
+        tier: the tier (DEVICE or HOST).
+        arena: its pool of exactly the budget.
+        policy: its eviction policy.
+        demotes: whether a copy leaving this tier moves down to the host tier (the device tier above
+            a host tier with a budget, the tiers caching different tensors).
+        exclusive: whether the device and host tiers cache different tensors.
+    """
+
+    def __init__(self, tier: Tier, arena: Arena, policy: EvictionPolicy, *, demotes: bool, exclusive: bool):
+        self.tier = tier
+        self.arena = arena
+        self.policy = policy
+        self.demotes = demotes
+        self.exclusive = exclusive
+
+    def pick_victim(self, records: Iterable[TensorRecord], exclude: TensorRecord,
+                    further_than: float | None) -> TensorRecord | None:
+        """The copy in this tier to give up its room for ``exclude``, or None (call with the store's lock)."""
+        tier = self.tier
+        candidates = {r.key: r for r in records
+                      if r is not exclude and r.op is None and tier in r.slots
+                      and not r.slots[tier].pins and not r.slots[tier].loading}
+        if not candidates:
+            return None
+        stale = [r for r in candidates.values() if r.slots[tier].version != r.version]
+        if stale:
+            return stale[0]
+        if tier == Tier.HOST and self.exclusive:
+            # a host copy the device tier also holds costs nothing to drop (the device copy moves
+            # back down if the device evicts it first): those go before anything only the host has
+            twins = [k for k, r in candidates.items() if r.valid(Tier.DEVICE)]
+            if twins:
+                return candidates[self.policy.rank_victims(twins)[0]]
+        for key in self.policy.rank_victims(candidates):
+            if further_than is not None and self.policy.next_use(key) <= further_than:
+                return None
+            return candidates[key]
+        return None
+
+    def fate(self, victim: TensorRecord) -> Fate:
+        """What becomes of ``victim``'s copy in this tier (see the module docstring)."""
+        stale = victim.slots[self.tier].version != victim.version
+        demote = self.demotes and not stale and not victim.zero and not victim.valid(Tier.HOST)
+        if stale or (victim.held_elsewhere(self.tier) and not demote):
+            return Fate.DROP
+        return Fate.DEMOTE if demote else Fate.WRITE_BACK
+
+    def fits_beside(self, sizes: Iterable[int], taken: list[tuple[int, int]]) -> bool:
+        """Whether tensors of ``sizes`` bytes could all be placed at once in the gaps that copies at
+        ``taken`` (``(offset, bytes)``) leave: best fit, largest first. The byte count alone is not
+        enough: pinned copies split the arena into holes."""
+        arena = self.arena
+        gaps, at = [], 0
+        for off, size in sorted(taken):
+            if off > at:
+                gaps.append(off - at)
+            at = max(at, off + size)
+        if arena.capacity > at:
+            gaps.append(arena.capacity - at)
+        for need in sorted((arena.block_size(n) for n in sizes if n), reverse=True):
+            fits = [i for i, g in enumerate(gaps) if g >= need]
+            if not fits:
+                return False
+            best = min(fits, key=lambda i: gaps[i])
+            gaps[best] -= need
+        return True
+
+    def capacity_error(self, records: Iterable[TensorRecord], rec: TensorRecord, why: str) -> TierCapacityError:
+        """The error for ``rec`` not fitting, with the numbers (budget, in use, pinned, largest hole)."""
+        arena, tier = self.arena, self.tier
+        pinned = sum(r.nbytes for r in records if tier in r.slots and r.slots[tier].pins)
+        name = tier.name.lower()
+        return TierCapacityError(
+            f"cannot fit tensor {rec.key!r} ({format_size(rec.nbytes)}) in the {name} tier: budget "
+            f"{format_size(arena.capacity)}, in use {format_size(arena.used)}, pinned {format_size(pinned)}, largest "
+            f"free block {format_size(arena.largest_hole)}; {why}. Release tensors you hold, or raise the {name} budget")
