@@ -156,10 +156,12 @@ def test_a_clean_close_commits_the_steps_since_the_last_commit(tmp_path, uninter
 def _die_in_step(engine, step: int) -> None:
     """Train into ``step`` with a simulated death armed: the engine fails, and its lock goes as the
     kernel would release it."""
+    from tiered_offload.engine.facade import _open_engines
     with pytest.raises(SystemExit):
         train(engine, step)
         engine.wait_committed()
     engine._commits.session.lock.release()
+    _open_engines.discard(engine)  # a dead process runs no exit hook
 
 
 def _simulated_death(committer) -> None:
@@ -758,13 +760,15 @@ def test_a_format_from_the_future_is_refused_with_what_to_do(tmp_path, format1):
 
 
 def test_journal_appends_never_follow_a_torn_record(tmp_path, monkeypatch):
+    def unit(name):  # a record of the journal's format
+        return {"type": "unit", "step": 1, "unit": name, "tensors": {}}
     files = StateFiles(tmp_path)
-    files.append({"type": "a"})
+    files.append(unit("a"))
     with open(files.journal_path, "ab") as f:
         f.write(b"deadbeef {\"type\":")  # a crash in the middle of an append
     files.trim()
-    files.append({"type": "b"})
-    assert files.read_journal() == [{"type": "a"}, {"type": "b"}]
+    files.append(unit("b"))
+    assert files.read_journal() == [unit("a"), unit("b")]
     size = files.journal_path.stat().st_size
     real_write = os.write
 
@@ -773,12 +777,12 @@ def test_journal_appends_never_follow_a_torn_record(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(os, "write", full)
     with pytest.raises(DiskFullError) as info:
-        files.append({"type": "c"})
+        files.append(unit("c"))
     monkeypatch.setattr(os, "write", real_write)
     assert "journal.jsonl" in str(info.value) and info.value.needed_bytes > 0
     assert files.journal_path.stat().st_size == size  # the partial record was cut off again
-    files.append({"type": "d"})
-    assert [r["type"] for r in files.read_journal()] == ["a", "b", "d"]
+    files.append(unit("d"))
+    assert [r["unit"] for r in files.read_journal()] == ["a", "b", "d"]
 
 
 def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
@@ -794,7 +798,10 @@ def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
     train(engine, 4)
     assert same(weights(engine), per_step[4])
     engine.close()
-    assert StateDirectory(dirs[0]).verify()["ok"]
+    with pytest.raises(CheckpointError, match="striped over 2 directories"):  # the caller names the stripes
+        StateDirectory(dirs[0])
+    assert StateDirectory(dirs[0], stripes=[dirs[1]]).verify()["ok"]
+    assert cli_main(["verify", str(dirs[0]), "--stripe", str(dirs[1])]) == 0
 
 
 def test_import_converts_a_bf16_checkpoint_one_bounded_chunk_at_a_time(tmp_path):

@@ -75,13 +75,13 @@ def test_commit_window_keeps_extra_disk_within_a_quarter():
     # units (the rest too) of 12000 bytes of weights and states; a quarter of 144000 is 36000
     assert s.commit_window() == 36000 and s.rewrite_bytes(s.blocks[0]) == s.rewrite_bytes(s.rest) == 12000
     assert s.commit_admits([12000, 12000], 12000) and not s.commit_admits([12000, 12000, 12000], 12000)
-    assert s.extra_disk_bytes(durable=True) <= 0.25 * s.state_bytes()
-    assert s.extra_disk_bytes(durable=False) == 0
+    assert s.extra_disk_bytes("journal") <= 0.25 * s.state_bytes()
+    assert s.extra_disk_bytes("none") == 0
     # a unit larger than a quarter of the state goes alone (the bound is then that unit)
     big = Schedule(units(n_blocks=1, rest=50_000), KINDS)
     assert big.commit_admits([], big.rewrite_bytes(big.rest))
     assert not big.commit_admits([big.rewrite_bytes(big.blocks[0])], big.rewrite_bytes(big.rest))
-    assert big.extra_disk_bytes(durable=True) == big.rewrite_bytes(big.rest) > 0.25 * big.state_bytes()
+    assert big.extra_disk_bytes("journal") == big.rewrite_bytes(big.rest) > 0.25 * big.state_bytes()
 
 
 def test_the_commit_window_counts_bytes_so_small_units_share_it_after_a_large_one():
@@ -95,7 +95,7 @@ def test_the_commit_window_counts_bytes_so_small_units_share_it_after_a_large_on
     assert s.state_bytes() == 800_000 and s.rewrite_bytes(s.rest) == 360_000 > s.commit_window() == 200_000
     assert s.commit_admits([12000] * 15, 12000) and not s.commit_admits([12000] * 16, 12000)
     assert not s.commit_admits([12000], 360_000)
-    bound = s.extra_disk_bytes(durable=True)
+    bound = s.extra_disk_bytes("journal")
     assert bound == 360_000
     rng = random.Random(0)
     for _ in range(200):  # units start when admitted and finish (are recorded) in any order

@@ -33,7 +33,7 @@ from offload_core.sizes import format_size, parse_size
 from storage_backends import auto_choice, get_backend_class
 from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.posix import probe_direct_io
-from tiered_offload.profile import filesystem_id, save_profile
+from tiered_offload.profile import default_profile_path, filesystem_id, save_profile
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench_io", "drop_page_cache"]
 
@@ -307,6 +307,10 @@ def main(args) -> int:
         print(f"wrote {args.plot}")
     if args.save_profile is not None:
         where = save_profile(report, args.save_profile or None)
-        print(f"saved profile for {report['filesystem']['mount_point']} to {where} (the store uses it for this file system)")
+        default = args.save_profile in ("", None) or str(where) == str(default_profile_path())
+        how = ("stores on this file system use it" if default else
+               f"stores on this file system use it with TIERED_OFFLOAD_PROFILE={where} or "
+               f"store_config={{'io_profile': '{where}'}}")
+        print(f"saved profile for {report['filesystem']['mount_point']} to {where} ({how})")
     return 0
 

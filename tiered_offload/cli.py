@@ -53,18 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Show a storage directory's committed training state: step, tensors, sizes, "
                                    "where the bytes are, free space, a step in flight, the process holding it.")
     i.add_argument("directory")
+    i.add_argument("--stripe", action="append", default=[], metavar="DIR",
+                       help="another directory of a state striped over several (in order; repeat)")
     i.add_argument("--json", action="store_true", help="print JSON")
 
     v = sub.add_parser("verify", help="check every tensor of a storage directory against its checksum",
                        description="Read every tensor of the committed state and compare it with the checksum "
                                    "recorded when it was written. Exit status 1 if anything is damaged.")
     v.add_argument("directory")
+    v.add_argument("--stripe", action="append", default=[], metavar="DIR",
+                       help="another directory of a state striped over several (in order; repeat)")
     v.add_argument("--json", action="store_true", help="print JSON")
 
     e = sub.add_parser("export", help="write a storage directory's weights as Hugging Face safetensors",
                        description="Write the committed weights of a storage directory as sharded safetensors with "
                                    "an index (Hugging Face layout), streaming, checking every checksum.")
     e.add_argument("directory")
+    e.add_argument("--stripe", action="append", default=[], metavar="DIR",
+                       help="another directory of a state striped over several (in order; repeat)")
     e.add_argument("out")
     e.add_argument("--max-shard-size", default="2GB", help="largest shard (default 2GB)")
     return parser
@@ -97,7 +103,7 @@ def _state_command(args) -> int:
 
     from offload_core.sizes import format_size
     from tiered_offload.checkpoint.state_dir import StateDirectory
-    with StateDirectory(args.directory) as sd:
+    with StateDirectory(args.directory, stripes=args.stripe) as sd:
         if args.command == "export":
             files = sd.export(args.out, args.max_shard_size)
             for f in files:

@@ -79,6 +79,12 @@ class StoreConfig:
     verify_checksums: bool = True
     """Record a checksum of every tensor written to disk and check it on every read back."""
 
+    io_profile: str | None = None
+    """The ``tiered-offload bench-io --save-profile`` file whose measurements tune the file backend
+    and give the plan the disk's rates (None: ``TIERED_OFFLOAD_PROFILE``, else the per-user
+    default ``~/.config/tiered-offload/io-profile.json``; a profile applies only to the file
+    system it was measured on)."""
+
     checksum: str = "xxh3"
     """The checksum algorithm: ``"xxh3"`` (64-bit XXH3: fast, off the GIL) or ``"crc32"``
     (zlib's, what storage format 1 recorded). A durable directory keeps the algorithm it was

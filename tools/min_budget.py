@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 import tempfile
+from pathlib import Path
 import time
 
 import torch
@@ -50,6 +51,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = gpt2(args.layers, args.d_model, args.vocab, args.untied)
     n = sum(p.numel() for p in model.parameters())
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         try:
             Engine(model, torch.optim.AdamW, dict(lr=1e-4), storage=f"{tmp}/probe", host_memory="1MiB")

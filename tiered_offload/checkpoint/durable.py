@@ -33,8 +33,11 @@ remains of a write cut short), and re-runs the update for the units of a committ
 have no unit record, from their previous extents and the gradients the intent names: the same
 code on the same bytes, so the result is bitwise what the uninterrupted run computed.
 
-Every record and the manifest carry a CRC; a torn last journal line (a crash mid-append) is
-ignored, a damaged manifest is an error naming the file.
+Every record and the manifest carry a CRC and are checked against the format
+(:mod:`.schema`); a torn last journal line (a crash mid-append) is ignored, any other damage (a
+bad line with records after it, a damaged manifest, a field of the wrong type) is a
+:class:`CorruptionError` naming the file and the line or field, and nothing is deleted or
+truncated to "repair" it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ from offload_core.errors import (
     DiskFullError,
     StorageLockedError,
 )
+
+from .schema import check_manifest, check_record, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,10 @@ class DirectoryLock:
             os.close(fd)
             who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('since')}: "
                    f"{holder.get('command')})") if holder else "another process"
+            if holder and holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+                who = (f"a process started by process {holder.get('pid')}, which has exited (its record: started "
+                       f"{holder.get('since')}: {holder.get('command')}); a child it forked (a data loader worker, a "
+                       f"subprocess) inherited the lock and still runs: stop it (`fuser -v {self.path}` names it)")
             raise StorageLockedError(
                 f"storage directory {self.path.parent.parent} is in use by {who}; the lock is {self.path}. Stop that "
                 f"process, or give this run another directory") from None
@@ -150,6 +159,19 @@ class DirectoryLock:
             self._fd = None
 
 
+def _alive(pid) -> bool:
+    """Whether process ``pid`` exists on this machine (True when that cannot be told)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _read_holder(fd: int) -> dict:
     try:
         text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
@@ -168,18 +190,22 @@ class StateFiles:
         self.journal_path = state_dir / JOURNAL
 
     def read_manifest(self) -> dict | None:
+        """The manifest, checked (:func:`~.schema.check_manifest`); None when there is none."""
         try:
-            text = self.manifest_path.read_text()
+            data = self.manifest_path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise CorruptionError(f"{self.manifest_path} cannot be read ({e})") from e
+        crc, _, payload = data.partition(b" ")
         try:
-            crc, _, payload = text.partition(" ")
-            if int(crc, 16) != zlib.crc32(payload.encode()):
-                raise ValueError("checksum mismatch")
-            manifest = json.loads(payload)
-        except ValueError as e:
-            raise CorruptionError(f"{self.manifest_path} is damaged ({e}); it was modified by something other than "
-                                  f"tiered-offload. Restore the directory from a copy") from None
+            ok = int(crc, 16) == zlib.crc32(payload)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise CorruptionError(f"{self.manifest_path} is damaged (its checksum does not match); it was modified by "
+                                  f"something other than tiered-offload. Restore the directory from a copy")
+        manifest = check_manifest(parse_json(payload, self.manifest_path), self.manifest_path)
         fmt = manifest.get("format")
         if fmt not in READABLE_FORMATS:
             raise CheckpointError(
@@ -202,29 +228,46 @@ class StateFiles:
         _fsync_dir(self.dir)
 
     def read_journal(self) -> list[dict]:
-        """The journal's records, up to the first damaged line (the tail of an append cut short)."""
+        """The journal's records, without the tail of an append a crash cut short."""
         return self._parse()[0]
 
     def _parse(self) -> tuple[list[dict], int]:
-        """The valid records and the length of the valid prefix, in bytes."""
+        """The valid records and the length of the valid prefix, in bytes.
+
+        A crash during an append leaves a *torn tail*: a last piece without its newline, or a last
+        line whose checksum fails with nothing after it. That is ignored (the step it began was not
+        committed). A damaged line with anything after it is *damage*, not a crash: it is reported
+        as a :class:`CorruptionError` naming the line, and nothing is "repaired" (a resume that
+        dropped it would lose the committed records after it, and delete the files they name)."""
         try:
             data = self.journal_path.read_bytes()
         except FileNotFoundError:
             return [], 0
+        except OSError as e:
+            raise CorruptionError(f"{self.journal_path} cannot be read ({e})") from e
+        *lines, tail = data.split(b"\n")  # a last piece without its newline is incomplete
         records, valid = [], 0
-        for line in data.split(b"\n")[:-1]:  # a last piece without its newline is incomplete
+        for i, line in enumerate(lines):
             crc, _, payload = line.partition(b" ")
             try:
-                if int(crc, 16) != zlib.crc32(payload):
-                    break
-                records.append(json.loads(payload))
+                ok = len(crc) == 8 and int(crc, 16) == zlib.crc32(payload)
             except ValueError:
-                break
+                ok = False
+            if not ok:
+                if i == len(lines) - 1 and not tail:
+                    break  # the last line, nothing after it: an append cut short
+                raise CorruptionError(
+                    f"{self.journal_path} line {i + 1} is damaged (its checksum does not match) and "
+                    f"{len(lines) - 1 - i + bool(tail)} more record(s) follow it: the file was modified or the disk "
+                    f"returned bad data, not a crash. Nothing was changed; restore the directory from a copy")
+            where = f"{self.journal_path} line {i + 1}"
+            records.append(check_record(parse_json(payload, self.journal_path, f" line {i + 1}"), where))
             valid += len(line) + 1
         return records, valid
 
     def trim(self) -> None:
-        """Cut a damaged tail off the journal, so later appends follow the last valid record."""
+        """Cut a torn tail off the journal, so later appends follow the last valid record (damage
+        elsewhere raises, see :meth:`_parse`)."""
         _records, valid = self._parse()
         if self.journal_path.exists() and self.journal_path.stat().st_size != valid:
             fd = os.open(self.journal_path, os.O_WRONLY)
@@ -357,6 +400,13 @@ def read_committed(files: "StateFiles") -> CommittedState | None:
     if intent is not None:
         recorded = {r["unit"]: {k: _ref(v) for k, v in r["tensors"].items()}
                     for r in records if r.get("type") == "unit" and r.get("step") == nxt}
+        units = {u["name"] for u in manifest["units"]}
+        unknown = ([f"unit {u!r}" for u in recorded if u not in units]
+                   + [f"tensor {k!r}" for refs in recorded.values() for k in refs if k not in manifest["tensors"]]
+                   + [f"gradient {k!r}" for k in intent["grads"] if k.split("/", 1)[0] not in units])
+        if unknown:
+            raise CorruptionError(f"{files.journal_path} names {unknown[0]}, which {files.manifest_path} does not have: "
+                                  f"the two files are not from the same run. Restore the directory from a copy")
     return CommittedState(manifest, intent, recorded)
 
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from offload_core.errors import DistributedError
-from tiered_offload.checkpoint.safetensors_io import iter_chunks, write_private
+from tiered_offload.checkpoint.safetensors_io import exported_config, iter_chunks, write_private
 from tiered_offload.checkpoint.state_dir import export_params
 
 __all__ = ["export_weights"]
@@ -48,6 +48,6 @@ def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, 
                               buffers)
     if model_config is not None:
         path = Path(out) / "config.json"
-        write_private(path, json.dumps(model_config, indent=2, sort_keys=True))
+        write_private(path, json.dumps(exported_config(model_config), indent=2, sort_keys=True))
         files.append(path)
     return files

@@ -10,9 +10,11 @@ plus ``model.safetensors.index.json``) is read and written.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -20,7 +22,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from offload_core.errors import CheckpointError, CorruptionError
+from offload_core.errors import CheckpointError, CorruptionError, DiskFullError
+from tiered_offload.checkpoint.schema import check_index, parse_json
 from offload_core.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,10 @@ def read_header(path: Path) -> tuple[dict, int]:
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
-            header = json.loads(f.read(n))
+            raw = f.read(n)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    header = parse_json(raw, path, " (its safetensors header)")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
     header.pop("__metadata__", None)
@@ -70,6 +74,11 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise CheckpointError(f"{path}: tensor {name!r} ({info['dtype']}, shape {shape}) claims bytes {a}..{b}, "
                                   f"which do not match its size or lie outside the file ({size} bytes)")
         info["torch_dtype"] = dtype
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
+    for (a0, b0, first), (a1, b1, second) in zip(spans, spans[1:]):
+        if a1 < b0 and b1 > a1 and b0 > a0:  # both non-empty, and the second starts inside the first
+            raise CheckpointError(f"{path}: tensors {first!r} (bytes {a0}..{b0}) and {second!r} (bytes {a1}..{b1}) "
+                                  f"overlap; the file is damaged or was not written by a safetensors writer")
     return header, start
 
 
@@ -87,9 +96,10 @@ class PretrainedReader:
             indexes = sorted(path.glob("*.safetensors.index.json"))
             if indexes:
                 try:
-                    weight_map = json.loads(indexes[0].read_text())["weight_map"]
-                except (OSError, ValueError, KeyError) as e:
-                    raise CheckpointError(f"{indexes[0]} is not a safetensors index (needs a 'weight_map'): {e}") from None
+                    data = indexes[0].read_bytes()
+                except OSError as e:
+                    raise CheckpointError(f"{indexes[0]} cannot be read: {e}") from None
+                weight_map = check_index(parse_json(data, indexes[0]), indexes[0])["weight_map"]
                 files = {}
                 for name, shard in weight_map.items():
                     if Path(shard).name != shard or shard.startswith("."):
@@ -211,8 +221,23 @@ class SafetensorsWriter:
         n = len(self.shards)
         return SINGLE_NAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
 
+    def nbytes(self) -> int:
+        """Bytes the export writes (tensor data; the headers add a few KiB)."""
+        return sum((int(np.prod(shape)) if shape else 1) * torch.empty((), dtype=dtype).element_size()
+                   for _, dtype, shape in self.tensors)
+
     def write(self, fill: Callable[[int, Callable[[bytes], None]], None]) -> list[Path]:
+        """Write every shard under a temporary name, then publish them: an export over an older
+        one is complete and of one step, or recognisably incomplete (no index, so nothing loads it).
+
+        Publishing removes the old index (and a single-file export's file) first, renames the new
+        shards into place, writes the new index last (atomically, naming the step), then removes
+        shards of the old export the new index does not name."""
         self.out.mkdir(parents=True, exist_ok=True, mode=0o700)
+        need, free = self.nbytes(), shutil.disk_usage(self.out).free
+        if need > free:
+            raise DiskFullError(f"the export needs {need} bytes in {self.out} and {free} are free; free space or "
+                                f"export elsewhere", path=str(self.out), needed_bytes=need, free_bytes=free)
         written: list[Path] = []
         weight_map, total = {}, 0
         try:
@@ -231,37 +256,82 @@ class SafetensorsWriter:
                 tmp = path.with_name(f".{path.name}.partial")
                 with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                     written.append(tmp)
-                    f.write(struct.pack("<Q", len(raw)))
-                    f.write(raw)
-                    for i in members:
-                        start = f.tell()
-                        fill(i, f.write)
-                        expect = int(header[self.tensors[i][0]]["data_offsets"][1] - header[self.tensors[i][0]]["data_offsets"][0])
-                        if f.tell() - start != expect:
-                            raise CorruptionError(f"export: tensor {self.tensors[i][0]!r} produced {f.tell() - start} "
-                                                  f"bytes, expected {expect}")
-                    f.flush()
-                    os.fsync(f.fileno())
-            finals = []
-            for k, tmp in enumerate(written):
-                final = self.out / self.file_name(k)
-                os.replace(tmp, final)
-                finals.append(final)
-            if len(self.shards) > 1:
-                index = self.out / INDEX_NAME
-                write_private(index, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-                finals.append(index)
-            return finals
+                    try:
+                        f.write(struct.pack("<Q", len(raw)))
+                        f.write(raw)
+                        for i in members:
+                            start = f.tell()
+                            fill(i, f.write)
+                            expect = int(header[self.tensors[i][0]]["data_offsets"][1] - header[self.tensors[i][0]]["data_offsets"][0])
+                            if f.tell() - start != expect:
+                                raise CorruptionError(f"export: tensor {self.tensors[i][0]!r} produced {f.tell() - start} "
+                                                      f"bytes, expected {expect}")
+                        f.flush()
+                        os.fsync(f.fileno())
+                    except OSError as e:
+                        if e.errno == errno.ENOSPC:
+                            free = shutil.disk_usage(self.out).free
+                            raise DiskFullError(f"disk full writing {tmp}; the export was not written (an earlier "
+                                                f"export there is unchanged). Free space or export elsewhere",
+                                                path=str(tmp), needed_bytes=need, free_bytes=free) from e
+                        raise
+            return self._publish(written, weight_map, total)
         except BaseException:
             for tmp in written:
                 tmp.unlink(missing_ok=True)
             raise
 
+    def _publish(self, written: list[Path], weight_map: dict, total: int) -> list[Path]:
+        index = self.out / INDEX_NAME
+        index.unlink(missing_ok=True)  # from here until the new index lands, nothing loads a mixed export
+        if len(self.shards) > 1:
+            (self.out / SINGLE_NAME).unlink(missing_ok=True)
+        _fsync_directory(self.out)
+        finals = []
+        for k, tmp in enumerate(written):
+            final = self.out / self.file_name(k)
+            os.replace(tmp, final)
+            finals.append(final)
+        if len(self.shards) > 1:
+            meta = {"total_size": total, **{k: v for k, v in self.metadata.items() if k != "format"}}
+            tmp = index.with_name(f".{INDEX_NAME}.partial")
+            write_private(tmp, json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2), sync=True)
+            os.replace(tmp, index)
+            finals.append(index)
+        _fsync_directory(self.out)
+        names = {f.name for f in finals}
+        for stale in self.out.glob("model-*-of-*.safetensors"):  # an older export's other shards
+            if stale.name not in names:
+                stale.unlink(missing_ok=True)
+        return finals
 
-def write_private(path: Path, text: str) -> None:
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def exported_config(config: dict) -> dict:
+    """A model's Hugging Face ``config.json`` as an export writes it: the weights are fp32, so its
+    dtype says so (a bf16 source's ``"torch_dtype": "bfloat16"`` would make ``from_pretrained``
+    load the fp32 weights as bf16 without a word)."""
+    out = dict(config)
+    for key in ("torch_dtype", "dtype"):
+        if key in out:
+            out[key] = "float32"
+    return out
+
+
+def write_private(path: Path, text: str, *, sync: bool = False) -> None:
     """Write a text file readable by its owner only (like everything else tiered-offload creates)."""
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(text)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

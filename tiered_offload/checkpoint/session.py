@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError
+from offload_core.errors import CheckpointError, ConfigError, CorruptionError
 from tiered_offload.trace import span
 
 from .durable import (
@@ -72,11 +72,27 @@ class CheckpointSession:
 
     def collect_garbage(self, mine: set[str]) -> None:
         """Delete the extents of keys in ``mine`` that the committed state does not name: remains of
-        writes a crash cut short. Other files in the directory are never touched."""
+        writes a crash cut short. Other files in the directory are never touched.
+
+        First every extent the committed state needs must be there: if one is missing, the state
+        on disk is not what its files say (a damaged record read as a torn one, a file deleted by
+        hand), and nothing is deleted: a :class:`CorruptionError` names what is missing."""
+        present = set(self.store.backend.keys())
         keep = set()
         if self.recovered is not None:
-            keep = {r[0] for r in [*self.recovered.tensors().values(), *self.recovered.grads().values()] if r}
-        for extent in self.store.backend.keys():
+            refs = {**self.recovered.tensors(), **self.recovered.grads()}
+            keep = {r[0] for r in refs.values() if r}
+            sizes = self.recovered.manifest["tensors"]
+            empty = {k for k, t in sizes.items() if t["nbytes"] == 0}  # a 0-byte tensor has no file
+            missing = sorted(k for k, r in refs.items() if r and r[0] not in present and k not in empty)
+            if missing:
+                where = self.files.journal_path if self.recovered.intent is not None else self.files.manifest_path
+                raise CorruptionError(
+                    f"{self.store.backend.location}: the committed state needs {len(missing)} file(s) that are not there "
+                    f"(tensor {missing[0]!r}: {self.store.backend.describe(refs[missing[0]][0])}), as {where} and "
+                    f"{self.files.manifest_path} describe it. A record may be damaged or a file was removed; nothing "
+                    f"was deleted. Restore the directory from a copy")
+        for extent in present:
             key, generation = parse_extent(extent)
             if key in mine and generation is not None and extent not in keep:
                 self.store.backend.delete(extent)
@@ -179,12 +195,18 @@ class Commits:
     weights_behind = False
     """Whether a unit's new weights must go to disk right after its update (the journal records them)."""
 
-    def __init__(self, train_state):
+    def __init__(self, train_state, store=None):
         self.train_state = train_state
+        self.store = store
         self.tracer = None
+        self.lock: DirectoryLock | None = None
+        """Scratch storage in a directory is locked too: no second process may train in it."""
 
     def open(self, resume, placement, layout) -> CommittedState | None:
         """Take the directory and read the committed state to resume from (None: start fresh)."""
+        backend = self.store.backend if self.store is not None else None
+        if backend is not None and backend.supports_durable_state:
+            self.lock = DirectoryLock(state_directory(str(backend.directories[0]))).acquire()
         return None
 
     def start(self, layout, update_unit, update_order, rewrite_bytes, admits) -> None:
@@ -218,9 +240,13 @@ class Commits:
 
     def close(self) -> None:
         """Finish the last commit and release the directory."""
+        self.release()
 
     def release(self) -> None:
         """Release the directory as it is (an error path: nothing more is committed)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 NoCommits = Commits
@@ -230,7 +256,7 @@ def commits_for(train_state, store, layout, model_config, *, durable: bool, snap
     """The commit strategy of an engine: none (scratch storage), snapshots (``snapshot``: the state
     fits in memory, or ``every`` > 1) or the journal."""
     if not durable:
-        return NoCommits(train_state)
+        return NoCommits(train_state, store)
     session = CheckpointSession(store, layout.describer(store, model_config))
     return SnapshotCommits(train_state, session, every) if snapshot else JournalCommits(train_state, session)
 

@@ -35,7 +35,7 @@ from tiered_offload.checkpoint.durable import (
     manifest_checksum,
     read_committed,
 )
-from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, write_private
+from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, exported_config, write_private
 from tiered_offload.store.checksum import describe, hasher_for
 
 __all__ = ["StateDirectory", "export_params"]
@@ -46,7 +46,9 @@ _CHUNK = 16 << 20
 class StateDirectory:
     """A storage directory opened read-only."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, stripes: list | None = None):
+        """``stripes``: the other directories of a state striped over several (the manifest lists
+        them, but a manifest never decides which directories are read: the caller names them)."""
         self.path = Path(path).expanduser().absolute()
         self.files = StateFiles(self.path / STATE_DIR)
         state = read_committed(self.files) if self.path.is_dir() else None
@@ -69,8 +71,13 @@ class StateDirectory:
             self.tensors[k] = {"extent": ref and ref[0], "crc": ref and ref[1], "nbytes": n, "dtype": "float32",
                                "shape": [n // 4], "offset": 0}
         storage = manifest.get("storage") or {}
-        dirs = [Path(d) for d in storage.get("directories") or [self.path]]
-        dirs[0] = self.path  # the directory may have been moved since
+        listed = storage.get("directories") or [str(self.path)]
+        others = [Path(d).expanduser().absolute() for d in stripes or []]
+        if len(others) != len(listed) - 1:
+            raise CheckpointError(
+                f"{self.files.manifest_path} says the state is striped over {len(listed)} directories ({', '.join(listed)}); "
+                f"{len(others) + 1} given. Name the others (`--stripe DIR` for each, in that order) to read it")
+        dirs = [self.path, *others]  # the first may have been moved since; the others are the caller's
         self.backend = PosixBackend(dirs, direct=False, create=False,
                                     **({"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}))
         self.backend.open()
@@ -177,6 +184,19 @@ class StateDirectory:
                 f"{len(self.manifest['units'])} units rewritten when the engine stopped), so the weights on disk are "
                 f"not one step's. Open the directory with the engine (resume=True) to finish the step, then export")
         params = self.manifest["params"]
+        for key in dict.fromkeys(p["tensor"] for p in params):  # every file holds what the manifest says
+            extent, _, size = self.extent_of(key)
+            if extent is not None:
+                try:
+                    held = self.backend.size(extent)
+                except (ExtentNotFoundError, OSError) as e:
+                    raise CorruptionError(f"{self.files.manifest_path}: tensor {key!r} is in "
+                                          f"{self.backend.describe(extent)}, which cannot be read ({e}); the export was "
+                                          f"not written. Run `tiered-offload verify {self.path}`") from None
+                if held < size:
+                    raise CorruptionError(f"{self.backend.describe(extent)} holds {held} bytes of tensor {key!r}, "
+                                          f"{size} expected; the export was not written. Run `tiered-offload verify "
+                                          f"{self.path}`")
         buf = torch.empty(_CHUNK, dtype=torch.uint8)
         state = {"unit": None, "crc": 0, "pos": 0}
 
@@ -210,7 +230,7 @@ class StateDirectory:
         config = self.manifest.get("model_config")
         if config is not None:
             path = Path(out) / "config.json"
-            write_private(path, json.dumps(config, indent=2, sort_keys=True))
+            write_private(path, json.dumps(exported_config(config), indent=2, sort_keys=True))
             files.append(path)
         return files
 

@@ -9,10 +9,14 @@ order of the parts' hooks.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import logging
 import os
+import threading
 import time
+import weakref
 from typing import Iterator
 
 import torch
@@ -48,6 +52,8 @@ from tiered_offload.store.tiers import Tier
 from tiered_offload.trace import Tracer, span
 
 __all__ = ["Engine", "empty_init"]
+
+log = logging.getLogger("tiered_offload")
 
 
 def _engine_time(method):
@@ -227,6 +233,7 @@ class Engine:
             self._commits.release()
             self.store.close(flush=False)
             raise
+        _close_at_exit(self)
 
     @classmethod
     def resume(cls, storage, model: nn.Module, optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer | None = None,
@@ -279,8 +286,9 @@ class Engine:
         return self.schedule.commit_window()
 
     def extra_disk_bytes(self) -> int:
-        """Most disk space beyond :meth:`state_bytes` a step can need (durable mode: the commit window)."""
-        return self.schedule.extra_disk_bytes(self.durable)
+        """Most disk space beyond :meth:`state_bytes` a step can need: the commit window (journal
+        commits), a second copy of the committed tensors (snapshot commits), or nothing."""
+        return self.schedule.extra_disk_bytes(self.commit_mode)
 
     @property
     def world_size(self) -> int:
@@ -613,6 +621,7 @@ class Engine:
         (a temporary storage directory is removed)."""
         if self.store is None:
             return
+        _open_engines.discard(self)
         try:
             self._streamer.close()
             self._streamer.unbind_rest()
@@ -635,6 +644,32 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_exit_hook: list = []
+
+
+def _close_at_exit(engine: Engine) -> None:
+    """Close ``engine`` when the interpreter exits normally (an exception leaving the training loop
+    included), so the steps ``step()`` returned are committed without an explicit ``close()``.
+
+    The hook runs among threading's exit hooks, before ``concurrent.futures`` shuts its thread pools
+    down (the commit needs them); a SIGKILL runs no hook: what is committed then is what
+    :meth:`Engine.wait_committed` last returned, or the step after it."""
+    if not _exit_hook:
+        register = getattr(threading, "_register_atexit", None) or atexit.register
+        register(_close_open_engines)
+        _exit_hook.append(register)
+    _open_engines.add(engine)
+
+
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        try:
+            engine.close()
+        except BaseException as e:  # noqa: BLE001 - at exit: report, and close the others
+            log.error("tiered-offload: closing an engine at exit failed: %s: %s", type(e).__name__, e)
 
 
 class _OptimizerView(torch.optim.Optimizer):

@@ -16,7 +16,8 @@ from typing import Any, Iterable
 import torch
 
 from offload_core.errors import CheckpointError, ConfigError
-from tiered_offload.checkpoint.state_dir import StateDirectory
+from storage_backends import resolve_storage
+from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.engine.train_state import saved_hyper
 
 __all__ = ["OptimizerSpec", "read_optimizer", "optimizer_for_resume"]
@@ -129,9 +130,14 @@ def optimizer_for_resume(storage, model: torch.nn.Module, optimizer, optimizer_k
     """The optimizer (and keyword arguments) to continue the training state in ``storage`` with:
     the given one, or the saved ``torch.optim`` class with its parameter groups rebuilt over
     ``model``'s parameters by name and its saved hyperparameters."""
-    with StateDirectory(storage) as sd:
-        saved = sd.manifest["optimizer"]
-        groups = sd.manifest["meta"]["param_groups"]
+    location = resolve_storage(storage).location
+    files = StateFiles(state_directory(location))
+    manifest = files.read_manifest()
+    if manifest is None:
+        raise CheckpointError(f"{location} holds no training state (no {files.manifest_path}); give the storage "
+                              f"directory an engine trained in")
+    saved = manifest["optimizer"]
+    groups = manifest["meta"]["param_groups"]
     if optimizer is None:
         module, _, name = saved["class"].rpartition(".")
         if not module.startswith("torch.optim"):

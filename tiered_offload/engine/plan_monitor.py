@@ -181,7 +181,7 @@ class PlanMonitor:
         measured iteration's own transfers achieved (bytes over the time any was in flight)."""
         backend = self.store.backend
         if backend.directories:
-            known = measured_rates(backend.directories[0])
+            known = measured_rates(backend.directories[0], self.store.config.io_profile)
             if known is not None:
                 return DiskRates(known[0], known[1], f"bench-io profile {known[2]}")
         moved = m.disk_read + m.disk_written

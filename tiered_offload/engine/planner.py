@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DiskRates", "StepMeasurement", "Plan", "make_plan"]
+from offload_core.errors import ConfigError
+
+__all__ = ["DiskRates", "StepMeasurement", "Plan", "make_plan", "choose_activation_modes"]
 
 
 @dataclass
@@ -251,3 +253,28 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
                 predicted_compute_s=compute, predicted_io_s=io,
                 io_hidden=hidden, predicted_read=read, predicted_written=written, rates=rates,
                 overridden=base.overridden, reasons=base.reasons + reasons)
+
+
+def choose_activation_modes(recompute, activations, block_names: list[str], state_fits: bool) -> list[str] | None:
+    """Per streamed block, what its forward does with what it saves (None: plain PyTorch, the
+    graph and the block's weights kept until backward).
+
+    Args:
+        recompute: the engine's ``recompute=`` (True, False or ``"auto"``).
+        activations: :attr:`EngineConfig.activations` (``"auto"``, one mode, or one per block).
+        block_names: the streamed blocks.
+        state_fits: whether the whole training state fits the compute tier.
+    """
+    if recompute not in (True, False, "auto"):
+        raise ConfigError(f"recompute must be True, False or 'auto', got {recompute!r}")
+    n = len(block_names)
+    if recompute is True:
+        return ["recompute"] * n
+    if recompute is False or state_fits:
+        return None
+    if isinstance(activations, str):
+        return [("recompute" if activations == "auto" else activations)] * n  # "auto": the planner decides later
+    if len(activations) != n:
+        raise ConfigError(f"EngineConfig.activations has {len(activations)} entries; the model streams {n} blocks "
+                          f"({', '.join(block_names)})")
+    return list(activations)

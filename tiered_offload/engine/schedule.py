@@ -299,11 +299,14 @@ class Schedule:
         in_flight = list(in_flight)
         return not in_flight or sum(in_flight) + size <= self.commit_window()
 
-    def extra_disk_bytes(self, durable: bool) -> int:
-        """Most disk space beyond :meth:`state_bytes` a step can need (durable: the units in the
-        commit window, or the largest unit alone when it is larger)."""
-        if not durable:
-            return 0
+    def extra_disk_bytes(self, commits: str) -> int:
+        """Most disk space beyond :meth:`state_bytes` a step can need, by commit mode: ``"journal"``
+        the units in the commit window (or the largest unit alone when it is larger); ``"snapshot"``
+        a second version of every committed tensor (weights and optimizer states) while a commit
+        runs; ``"none"`` nothing."""
         sizes = [self.rewrite_bytes(u) for u in self.units]
-        return max(max(sizes), min(self.commit_window(), sum(sizes)))
-
+        if commits == "snapshot":
+            return sum(sizes)
+        if commits == "journal":
+            return max(max(sizes), min(self.commit_window(), sum(sizes)))
+        return 0

@@ -23,41 +23,17 @@ import torch
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload_core.errors import ConfigError, TierCapacityError
+from offload_core.errors import TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.pipeline import UpdatePipeline
+from tiered_offload.engine.planner import choose_activation_modes
 from tiered_offload.trace import span
 
 __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock", "GradientStatus"]
 
 log = logging.getLogger(__name__)
-
-
-def choose_activation_modes(recompute, activations, block_names: list[str], state_fits: bool) -> list[str] | None:
-    """Per streamed block, what its forward does with what it saves (None: plain PyTorch, the
-    graph and the block's weights kept until backward).
-
-    Args:
-        recompute: the engine's ``recompute=`` (True, False or ``"auto"``).
-        activations: :attr:`EngineConfig.activations` (``"auto"``, one mode, or one per block).
-        block_names: the streamed blocks.
-        state_fits: whether the whole training state fits the compute tier.
-    """
-    if recompute not in (True, False, "auto"):
-        raise ConfigError(f"recompute must be True, False or 'auto', got {recompute!r}")
-    n = len(block_names)
-    if recompute is True:
-        return ["recompute"] * n
-    if recompute is False or state_fits:
-        return None
-    if isinstance(activations, str):
-        return [("recompute" if activations == "auto" else activations)] * n  # "auto": the planner decides later
-    if len(activations) != n:
-        raise ConfigError(f"EngineConfig.activations has {len(activations)} entries; the model streams {n} blocks "
-                          f"({', '.join(block_names)})")
-    return list(activations)
 
 
 class StreamedBlock(torch.autograd.Function):

@@ -101,7 +101,7 @@ class TieredStore:
             return self
         self.config = self.config.resolved()
         cfg = self.config
-        self.backend, self._owns_backend = open_backend(self._backend_arg)
+        self.backend, self._owns_backend = open_backend(self._backend_arg, cfg.io_profile)
         self.disk = DiskTier(self.backend, cfg, self._lock, self._stats)
         self.device: torch.device = cfg.device
         self._arenas = {

@@ -1,0 +1,436 @@
+"""Hostile and damaged state, a second process, interrupted exports: nothing lost, nothing read from
+outside the directory, no hang, every error typed and naming the file.
+
+Each test reproduces a failure found by trying (the issue "Nothing lost, nothing read from outside,
+no hang"), then checks the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_core.errors import (
+    CheckpointError,
+    CorruptionError,
+    DiskFullError,
+    StorageLockedError,
+    TieredOffloadError,
+)
+from storage_backends.base import key_to_filename
+from storage_backends.posix import PosixBackend
+from storage_backends.testing import FaultInjectingBackend
+from tiered_offload.checkpoint.durable import STATE_DIR, StateFiles
+from tiered_offload.checkpoint.state_dir import StateDirectory
+from tiered_offload.cli import main as cli_main
+
+from test_durable import _die_in_step, _simulated_death, make_engine, same, train, uninterrupted, weights  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def extents(directory: Path) -> set[str]:
+    return {f.name for f in directory.iterdir() if f.is_file()}
+
+
+def rewrite_manifest(directory: Path, change) -> None:
+    """Edit the manifest as a hostile user would: change it, then recompute its checksum."""
+    path = directory / STATE_DIR / "manifest.json"
+    crc, _, payload = path.read_text().partition(" ")
+    manifest = json.loads(payload)
+    out = change(manifest)
+    text = out if isinstance(out, str) else json.dumps(manifest if out is None else out)
+    path.write_text(f"{zlib.crc32(text.encode()):08x} {text}")
+
+
+def within(seconds: float, fn):
+    """Run ``fn`` on a thread; fail if it has not returned after ``seconds`` (a hang)."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"no answer after {seconds}s: a hang"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# ---- 1. a second process -----------------------------------------------------------------------------
+def test_a_second_engine_on_a_live_directory_is_refused_before_it_touches_a_file(tmp_path):
+    live = make_engine(tmp_path / "s")
+    torch.manual_seed(1)
+    train(live, 1)
+    live.wait_committed()  # the live run's own commit is done: any change now is the second engine's
+    # what an offloading forward leaves on disk in the middle of a step
+    planted = tmp_path / "s" / key_to_filename("block.1/activations")
+    planted.write_bytes(b"\0" * 64)
+    before = extents(tmp_path / "s")
+    with pytest.raises(StorageLockedError, match=f"process {os.getpid()}"):
+        make_engine(tmp_path / "s", resume=True)
+    assert extents(tmp_path / "s") == before  # not one file of the live run deleted
+    planted.unlink()
+    train(live, 2)
+    live.close()
+
+
+def test_a_volatile_engine_locks_its_directory_too(tmp_path):
+    first = make_engine(tmp_path / "v", durable=False)
+    with pytest.raises(StorageLockedError):
+        make_engine(tmp_path / "v", durable=False)
+    with pytest.raises(StorageLockedError):
+        make_engine(tmp_path / "v")
+    train(first, 1)
+    first.close()
+    make_engine(tmp_path / "v", durable=False).close()  # free again once it is closed
+
+
+# ---- 2. a damaged journal ---------------------------------------------------------------------------
+def _cut_short_in_step_3(path: Path, monkeypatch) -> None:
+    """A journal holding step 3's intent and two unit records (the process died in the update)."""
+    from tiered_offload.checkpoint import durable
+    engine = make_engine(path)
+    torch.manual_seed(123)
+    train(engine, 2)
+    engine.wait_committed()
+    real, count = durable.Committer._record_when_durable, {"n": 0}
+
+    def dying(self, unit, futures):
+        count["n"] += 1
+        if count["n"] > 2:
+            _simulated_death(self)
+            return None
+        return real(self, unit, futures)
+    monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
+    _die_in_step(engine, 3)
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("line", [0, 1])
+def test_damage_in_the_middle_of_the_journal_is_reported_and_nothing_is_deleted(tmp_path, monkeypatch, line):
+    _cut_short_in_step_3(tmp_path / "s", monkeypatch)
+    journal = tmp_path / "s" / STATE_DIR / "journal.jsonl"
+    lines = journal.read_bytes().split(b"\n")
+    assert len(lines) == 4  # intent, two units, the empty piece after the last newline
+    damaged = bytearray(lines[line])
+    damaged[len(damaged) // 2] ^= 0x04  # one flipped bit in a record that has records after it
+    lines[line] = bytes(damaged)
+    journal.write_bytes(b"\n".join(lines))
+    before, text = extents(tmp_path / "s"), journal.read_bytes()
+    with pytest.raises(CorruptionError, match=rf"journal.jsonl line {line + 1} is damaged"):
+        make_engine(tmp_path / "s", resume=True)
+    assert extents(tmp_path / "s") == before and journal.read_bytes() == text  # nothing "repaired"
+    assert cli_main(["inspect", str(tmp_path / "s")]) == 2
+
+
+def test_a_torn_last_line_is_still_a_crash_mid_append_and_resumes(tmp_path, monkeypatch, uninterrupted):
+    per_step, _ = uninterrupted
+    _cut_short_in_step_3(tmp_path / "s", monkeypatch)
+    journal = tmp_path / "s" / STATE_DIR / "journal.jsonl"
+    journal.write_bytes(journal.read_bytes() + b'0badc0de {"type": "unit", "st')  # an append cut short
+    resumed = make_engine(tmp_path / "s", resume=True)
+    assert resumed.step_count == 3 and same(weights(resumed), per_step[3])
+    resumed.close()
+
+
+# ---- 3. nothing read from outside ----------------------------------------------------------------------
+def test_the_manifest_cannot_point_reads_at_another_directory(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"do not read" * 100)
+    rewrite_manifest(tmp_path / "s", lambda m: m["storage"].update(directories=[str(tmp_path / "s"), str(outside)]))
+    with pytest.raises(CheckpointError, match="striped over 2 directories"):
+        StateDirectory(tmp_path / "s")
+    for command in (["inspect"], ["verify"], ["export"]):
+        args = [*command, str(tmp_path / "s")] + ([str(tmp_path / "out")] if command == ["export"] else [])
+        assert cli_main(args) == 2
+    assert not (tmp_path / "out").exists()
+
+
+# ---- 4. no hang ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("crc", ["abc", 1.5, [1], -1, 2 ** 70])
+def test_a_checksum_of_the_wrong_type_is_refused_not_a_hang(tmp_path, crc):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    rewrite_manifest(tmp_path / "s", lambda m: m["tensors"]["block.0/weight"].update(crc=crc))
+    with pytest.raises(CorruptionError, match=r"manifest.json: tensors\['block.0/weight'\].crc"):
+        within(60, lambda: make_engine(tmp_path / "s", resume=True))
+    assert cli_main(["verify", str(tmp_path / "s")]) == 2
+
+
+def test_an_error_in_a_read_completion_reaches_the_waiter(tmp_path, monkeypatch):
+    """Whatever goes wrong in the checksum check of a read (on an I/O thread) fails the read."""
+    from tiered_offload.store import disk
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.wait_committed()
+
+    def broken(*a, **k):
+        raise TypeError("a checksum that is not a number")
+    monkeypatch.setattr(disk, "matches", broken)
+    with pytest.raises(TypeError, match="not a number"):
+        within(60, lambda: dict(engine.named_parameters()))
+    monkeypatch.undo()
+    engine.close()
+
+
+# ---- 5. a lying file, unbounded work -------------------------------------------------------------------
+def test_an_export_of_a_lying_shape_is_refused_before_writing(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+
+    def lie(m):
+        m["params"][0]["shape"] = [10 ** 6, 10 ** 6]
+    rewrite_manifest(tmp_path / "s", lie)
+    with pytest.raises(CorruptionError, match=r"params\[0\]"):
+        StateDirectory(tmp_path / "s")
+
+    def consistent_lie(m):  # the tensor lies too: the free space is checked before a byte is written
+        t = m["tensors"]["block.0/weight"]
+        t.update(extent=None, crc=None, shape=[10 ** 12], nbytes=4 * 10 ** 12)
+        m["params"] = [dict(m["params"][0], tensor="block.0/weight", offset=0, shape=[10 ** 6, 10 ** 6])]
+    rewrite_manifest(tmp_path / "s", consistent_lie)
+    with pytest.raises(DiskFullError):
+        StateDirectory(tmp_path / "s").export(tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+
+
+# ---- 6. and 7. every malformed file gives a typed error naming it -----------------------------------------
+MANIFEST_MUTATIONS = {
+    "a list": lambda m: [m],
+    "missing tensors": lambda m: m.pop("tensors") and None,
+    "step a string": lambda m: m.update(step="2"),
+    "step huge": lambda m: m.update(step=10 ** 18),
+    "step negative": lambda m: m.update(step=-7),
+    "a tensor entry a string": lambda m: m["tensors"].update({"block.0/weight": "x"}),
+    "tensors a list": lambda m: m.update(tensors=[]),
+    "missing meta": lambda m: m.pop("meta") and None,
+    "an integer extent": lambda m: m["tensors"]["block.0/weight"].update(extent=7),
+    "a bad dtype": lambda m: m["tensors"]["block.0/weight"].update(dtype="complex512"),
+    "deep nesting": lambda m: json.dumps(m)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "duplicate keys": lambda m: json.dumps(m)[:-1] + ', "step": 1}',
+}
+
+
+@pytest.mark.parametrize("name", list(MANIFEST_MUTATIONS))
+def test_a_malformed_manifest_is_a_typed_error_everywhere(tmp_path, name):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    rewrite_manifest(tmp_path / "s", MANIFEST_MUTATIONS[name])
+    with pytest.raises(CorruptionError, match="manifest.json"):
+        within(60, lambda: make_engine(tmp_path / "s", resume=True))
+    for command in ("inspect", "verify"):
+        assert cli_main([command, str(tmp_path / "s")]) == 2
+    assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "out")]) == 2
+
+
+def test_a_manifest_that_is_not_utf8_is_a_typed_error(tmp_path):
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    path = tmp_path / "s" / STATE_DIR / "manifest.json"
+    crc, _, payload = path.read_bytes().partition(b" ")
+    payload = payload.replace(b'"step"', b'"st\xffep"', 1)
+    path.write_bytes(b"%08x %s" % (zlib.crc32(payload), payload))
+    with pytest.raises(CorruptionError, match="not UTF-8"):
+        make_engine(tmp_path / "s", resume=True)
+
+
+@pytest.mark.parametrize("change", ["scale", "unknown unit", "unknown type", "deep"])
+def test_a_malformed_journal_record_is_a_typed_error(tmp_path, monkeypatch, change):
+    _cut_short_in_step_3(tmp_path / "s", monkeypatch)
+    journal = tmp_path / "s" / STATE_DIR / "journal.jsonl"
+    lines = journal.read_bytes().split(b"\n")
+    records = [json.loads(line.partition(b" ")[2]) for line in lines[:-1]]
+    if change == "scale":
+        records[0]["scale"] = "abc"
+    elif change == "unknown unit":
+        records[1]["unit"] = "block.99"
+    elif change == "unknown type":
+        records[1]["type"] = "surprise"
+    texts = [json.dumps(r) for r in records]
+    if change == "deep":
+        texts[1] = texts[1][:-1] + ', "x": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    journal.write_bytes(b"".join(b"%08x %s\n" % (zlib.crc32(t.encode()), t.encode()) for t in texts))
+    before = extents(tmp_path / "s")
+    with pytest.raises(CorruptionError, match="journal.jsonl"):
+        make_engine(tmp_path / "s", resume=True)
+    assert extents(tmp_path / "s") == before
+
+
+def test_safetensors_whose_tensors_overlap_are_refused(tmp_path):
+    from tiered_offload.checkpoint.safetensors_io import PretrainedReader
+    header = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+              "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (tmp_path / "m.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(24))
+    with pytest.raises(CheckpointError, match="overlap"):
+        PretrainedReader(tmp_path / "m.safetensors")
+
+
+def test_a_deeply_nested_safetensors_header_or_index_is_a_typed_error(tmp_path):
+    from tiered_offload.checkpoint.safetensors_io import PretrainedReader
+    raw = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    raw += b" " * (-len(raw) % 8)
+    (tmp_path / "m.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    with pytest.raises(TieredOffloadError):
+        PretrainedReader(tmp_path / "m.safetensors")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
+    with pytest.raises(CorruptionError, match="weight_map"):
+        PretrainedReader(tmp_path / "d")
+
+
+# ---- 8. snapshot commits need room for two versions ---------------------------------------------------------
+def test_the_disk_preflight_counts_what_snapshot_commits_need(tmp_path):
+    probe = make_engine(tmp_path / "probe", host_memory=1 << 22)  # the state fits in memory: snapshots
+    assert probe.commit_mode == "snapshot"
+    state, need = probe.state_bytes(), probe.state_bytes() + probe.extra_disk_bytes()
+    assert need >= state + state // 2  # a second version of the weights and optimizer states
+    probe.close()
+    backend = FaultInjectingBackend(PosixBackend(tmp_path / "s"), write_quota_bytes=int(state * 1.25))
+    with pytest.raises(DiskFullError, match="needs"):
+        make_engine(backend, durable=True, host_memory=1 << 22)
+
+
+# ---- 9. an interrupted export ---------------------------------------------------------------------------------
+def test_an_export_killed_between_renames_is_recognisably_incomplete(tmp_path, monkeypatch):
+    from tiered_offload.checkpoint import safetensors_io
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.export_safetensors(tmp_path / "out", max_shard_size="20KB")  # step 1: several shards
+    old_index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert old_index["metadata"]["step"] == "1" and len(set(old_index["weight_map"].values())) > 2
+    train(engine, 2)
+    real, calls = os.replace, {"n": 0}
+
+    def dies_after_two(src, dst):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt("killed between renames")
+        return real(src, dst)
+    monkeypatch.setattr(safetensors_io.os, "replace", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        engine.export_safetensors(tmp_path / "out", max_shard_size="20KB")
+    monkeypatch.undo()
+    # half the shards are step 2's: no index names a mix, so nothing loads it as a model
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+    files = engine.export_safetensors(tmp_path / "out", max_shard_size="20KB")  # again: complete, one step
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["step"] == "2" and {f.name for f in files} >= set(index["weight_map"].values())
+    engine.close()
+
+
+# ---- 11. the end of a run -----------------------------------------------------------------------------------------
+def test_a_normal_exit_commits_the_last_step_without_close(tmp_path):
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from test_durable import make_engine, train
+engine = make_engine({str(tmp_path / 's')!r})
+torch.manual_seed(0)
+train(engine, 4)
+if sys.argv[1] == "raise":
+    raise SystemExit(3)
+"""
+    for how, code in (("return", 0), ("raise", 3)):
+        if (tmp_path / "s").exists():
+            import shutil
+            shutil.rmtree(tmp_path / "s")
+        run = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert run.returncode == code, run.stderr[-2000:]
+        assert StateFiles(tmp_path / "s" / STATE_DIR).read_manifest()["step"] == 4, how
+
+
+# ---- 12. the smaller findings ----------------------------------------------------------------------------------
+def test_a_profile_saved_to_a_file_tunes_a_store_that_names_it(tmp_path, monkeypatch):
+    from tiered_offload.profile import filesystem_id, save_profile
+    from tiered_offload.store import TieredStore
+    monkeypatch.setenv("TIERED_OFFLOAD_PROFILE", "none")  # not through the environment: through the config
+    (tmp_path / "s").mkdir()
+    fs = filesystem_id(tmp_path / "s")
+    where = save_profile({"filesystem": fs, "recommended": {"options": {"threads": 3}, "read_GBps": 1.5,
+                                                            "write_GBps": 2.5}}, tmp_path / "profile.json")
+    with TieredStore(str(tmp_path / "s"), host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+        assert store.backend.threads == 3
+    with TieredStore(str(tmp_path / "s"), host_budget_bytes=1 << 20) as store:
+        assert store.backend.threads != 3
+
+
+def test_an_export_of_a_bf16_model_says_its_weights_are_fp32(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tiered_offload import Engine
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4)
+    model = transformers.LlamaForCausalLM(config)
+    model.config.torch_dtype = "bfloat16"  # what a bf16 checkpoint's config says
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory=1 << 22) as engine:
+        engine.export_safetensors(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {saved.get(k) for k in ("torch_dtype", "dtype")} - {None} == {"float32"}
+    assert transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").dtype == torch.float32
+    assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "out2")]) == 0
+    saved = json.loads((tmp_path / "out2" / "config.json").read_text())
+    assert {saved.get(k) for k in ("torch_dtype", "dtype")} - {None} == {"float32"}
+
+
+def test_a_lock_a_dead_parent_left_to_its_child_says_so(tmp_path):
+    from tiered_offload.checkpoint.durable import DirectoryLock
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from pathlib import Path
+from tiered_offload.checkpoint.durable import DirectoryLock
+DirectoryLock(Path({str(tmp_path / STATE_DIR)!r})).acquire()
+if os.fork() == 0:   # the child inherits the locked descriptor and outlives its parent
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep(0.5)
+"""
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(run.stdout.readline())
+    run.wait(timeout=60)
+    try:
+        with pytest.raises(StorageLockedError, match="which has exited"):
+            DirectoryLock(tmp_path / STATE_DIR).acquire()
+    finally:
+        os.kill(child, 9)
+
+
+def test_a_damaged_last_record_whose_unit_was_rewritten_is_refused_and_nothing_deleted(tmp_path, monkeypatch):
+    """A flipped bit in the last journal line looks like an append cut short. But when that line was
+    a unit record, the unit's old files are already gone: the resume must refuse (naming what is
+    missing), not delete the unit's new files and fail later."""
+    _cut_short_in_step_3(tmp_path / "s", monkeypatch)
+    journal = tmp_path / "s" / STATE_DIR / "journal.jsonl"
+    lines = journal.read_bytes().split(b"\n")
+    damaged = bytearray(lines[2])  # the second unit record, the last line
+    damaged[len(damaged) // 2] ^= 0x10
+    lines[2] = bytes(damaged)
+    journal.write_bytes(b"\n".join(lines))
+    before = extents(tmp_path / "s")
+    with pytest.raises(CorruptionError, match="needs .* file"):
+        make_engine(tmp_path / "s", resume=True)
+    assert extents(tmp_path / "s") == before
