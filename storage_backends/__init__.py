@@ -24,7 +24,7 @@ from importlib.metadata import entry_points
 from typing import Callable
 from urllib.parse import parse_qsl
 
-from offload_core.errors import BackendUnavailableError, UnknownBackendError
+from offload_core.errors import BackendUnavailableError, ConfigError, UnknownBackendError
 
 from .base import StorageBackend, filename_to_key, key_to_filename, validate_key
 
@@ -212,6 +212,15 @@ def create_backend(spec: str | StorageSpec, *, defaults: dict | None = None, **o
         merged.update({k: v for k, v in defaults.items() if k in accepted})
     merged.update({k: _coerce(v) for k, v in spec_options.items()})
     merged.update(options)
+    import inspect
+    accepted = inspect.signature(cls).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in accepted.values())
+    unknown = sorted(k for k in merged if k not in accepted and not takes_any)
+    if unknown:
+        known = sorted(k for k, p in accepted.items() if k != "location" and p.kind == p.KEYWORD_ONLY
+                       or (k != "location" and p.default is not p.empty))
+        raise ConfigError(f"storage backend {name!r} has no option {unknown[0]!r}; its options are "
+                          f"{', '.join(known) or 'none'}")
     if location is None:
         return cls(**merged)
     return cls(location, **merged)

@@ -212,3 +212,34 @@ def test_resuming_with_another_number_of_ranks_is_refused(tmp_path):
     launch(2, tmp_path, cfg)
     for code, log in launch(3, tmp_path, dict(cfg, steps=2), check=False):
         assert code != 0 and "re-sharding is not supported" in log, log[-2000:]
+
+
+def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command(tmp_path, capsys):
+    """inspect lists the ranks, verify checks every slice, export gathers the slices into the model
+    the ranks trained; one rank's directory is not exported as if it were a model; one process
+    restarted on the root is refused, not started fresh beside it."""
+    from tiered_offload import Engine
+    from tiered_offload.checkpoint.safetensors_io import PretrainedReader
+    from tiered_offload.cli import main as cli_main
+    from offload_core.errors import CheckpointError, ConfigError
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 2, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "durable": True}
+    results = launch(2, tmp_path, cfg)
+    root = tmp_path / "state"
+    assert cli_main(["inspect", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0 of 2   step 2" in text and "rank 1 of 2   step 2" in text
+    assert cli_main(["verify", str(root)]) == 0
+    assert cli_main(["export", str(root), str(tmp_path / "out")]) == 0
+    reader = PretrainedReader(tmp_path / "out")
+    for name, expected in results[0]["weights"].items():
+        got = torch.empty(expected.shape)
+        reader.read_into(name, got)
+        assert torch.equal(got, expected), name
+    assert cli_main(["export", str(root / "rank-0-of-2"), str(tmp_path / "out2")]) == 2
+    assert "export the run's root" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="sharded run"):
+        Engine(build(cfg), optimizer(build(cfg), cfg), storage=root, resume="auto", device="cpu")
+    with pytest.raises(CheckpointError, match="export the run's root"):
+        from tiered_offload.checkpoint.state_dir import StateDirectory
+        StateDirectory(root / "rank-1-of-2").export(tmp_path / "out3")

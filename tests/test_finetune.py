@@ -664,3 +664,95 @@ def test_two_forwards_alive_at_once_and_a_forward_never_backpropagated(tmp_path)
     assert engine.activation_modes == ["keep"] * 4
     assert all(torch.equal(w, dict(ref.named_parameters())[k]) for k, w in engine.named_parameters())
     engine.close()
+
+
+# ---- evaluation -------------------------------------------------------------------------------------
+def test_eval_mode_is_honoured_and_leaves_the_training_untouched(tmp_path):
+    """``model.eval()`` turns dropout off in the streamed blocks as in PyTorch: a no-grad evaluation
+    forward gives PyTorch's outputs bitwise (the same three times), and the next training step
+    (its dropout RNG included) is the one PyTorch takes."""
+    ref = make_gpt2(dropout=0.1)
+    start = copy.deepcopy(ref.state_dict())
+    model = make_gpt2(dropout=0.1)
+    model.load_state_dict(start)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), storage=tmp_path / "s",
+                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4))
+    assert engine.state_bytes() > engine.store.capacity("host")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+
+    def train_step(forward, backward, step, zero):
+        loss = forward(input_ids=ids, labels=ids).loss
+        backward(loss)
+        step()
+        zero()
+        return loss.item()
+
+    def evaluate(forward):
+        with torch.no_grad():
+            return [forward(input_ids=ids).logits for _ in range(3)]
+    torch.manual_seed(11)
+    ref_losses = [train_step(ref, lambda l: l.backward(), opt.step, opt.zero_grad)]
+    ref.eval()
+    ref_eval = evaluate(ref)
+    ref.train()
+    ref_losses.append(train_step(ref, lambda l: l.backward(), opt.step, opt.zero_grad))
+
+    torch.manual_seed(11)
+    losses = [train_step(engine, engine.backward, engine.step, engine.zero_grad)]
+    model.eval()
+    outs = evaluate(engine)
+    model.train()
+    losses.append(train_step(engine, engine.backward, engine.step, engine.zero_grad))
+    assert all(torch.equal(o, ref_eval[0]) for o in outs + ref_eval), "evaluation differs (dropout left on?)"
+    assert losses == ref_losses and engine.step_count == 2
+    weights, reference = dict(engine.named_parameters()), dict(ref.named_parameters())
+    assert all(torch.equal(weights[k], reference[k].detach()) for k in reference)
+    engine.close()
+
+
+@pytest.mark.parametrize("loop", ["optimizer.zero_grad", "model.zero_grad"])
+def test_zero_grad_clears_what_pytorch_clears(tmp_path, loop):
+    """``optimizer.zero_grad()`` clears the optimizer's parameters only: a trainable parameter left
+    out of every group keeps accumulating, and counts in the next clipping norm; ``zero_grad()`` on
+    the engine (as ``model.zero_grad()``) clears every one. Both bitwise as PyTorch."""
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: MLP(d), d=32)
+
+    def grouped(model):  # every parameter but block 1's up-projection (inside a streamed unit)
+        return torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("blocks.1.ffn.up")],
+                                 lr=1e-2)
+    ref = make()
+    start = copy.deepcopy(ref.state_dict())
+    data = batches(4, 1)
+    opt = grouped(ref)
+    zero_ref = opt.zero_grad if loop == "optimizer.zero_grad" else ref.zero_grad
+    ref_losses = []
+    for step in data:
+        for ids, _ in step:
+            loss = lm_loss(ref, ids)
+            loss.backward()
+            ref_losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        zero_ref()
+    model = make()
+    model.load_state_dict(start)
+    engine = Engine(model, grouped(model), storage=tmp_path / "s",
+                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4))
+    assert engine.state_bytes() > engine.store.capacity("host")
+    zero = engine.optimizer.zero_grad if loop == "optimizer.zero_grad" else engine.zero_grad
+    losses = []
+    for step in data:
+        for ids, _ in step:
+            loss = lm_loss(engine, ids)
+            engine.backward(loss)
+            losses.append(loss.item())
+        engine.clip_grad_norm_(0.5)
+        engine.step()
+        zero()
+    assert losses == ref_losses
+    weights, reference = dict(engine.named_parameters()), dict(ref.named_parameters())
+    assert all(torch.equal(weights[k], reference[k].detach()) for k in reference)
+    engine.close()

@@ -434,3 +434,21 @@ def test_a_damaged_last_record_whose_unit_was_rewritten_is_refused_and_nothing_d
     with pytest.raises(CorruptionError, match="needs .* file"):
         make_engine(tmp_path / "s", resume=True)
     assert extents(tmp_path / "s") == before
+
+
+# ---- the crash loop with flipped bits ----------------------------------------------------------------------------
+def test_kill_loop_with_flipped_bits_resumes_bitwise_or_refuses_typed(tmp_path):
+    """SIGKILL, then one flipped bit in the journal or a committed extent: the next start resumes
+    bitwise or refuses with a typed error naming the file, and deletes no committed file."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from crash_loop import crash_loop
+    summary = crash_loop(tmp_path, kills=5, steps=6, layers=4, seed=11, log=lambda *_: None, flip_bits=1.0)
+    flips = summary["bit_flips"]
+    assert summary["identical"] and not flips["bad"], summary
+    assert flips["flipped"] >= 1 and flips["refused_typed"] + flips["resumed_bitwise"] == flips["flipped"], summary
+
+
+def test_an_unknown_storage_option_is_a_typed_error_naming_it(tmp_path):
+    from offload_core.errors import ConfigError
+    with pytest.raises(ConfigError, match="no option 'bogus'.*threads"):
+        make_engine(f"posix:{tmp_path / 's'}?bogus=1")

@@ -102,8 +102,8 @@ def _state_command(args) -> int:
     import json
 
     from offload_core.sizes import format_size
-    from tiered_offload.checkpoint.state_dir import StateDirectory
-    with StateDirectory(args.directory, stripes=args.stripe) as sd:
+    from tiered_offload.checkpoint.state_dir import open_state
+    with open_state(args.directory, stripes=args.stripe) as sd:
         if args.command == "export":
             files = sd.export(args.out, args.max_shard_size)
             for f in files:
@@ -126,6 +126,10 @@ def _state_command(args) -> int:
             print(json.dumps(info, indent=1))
             return 0
         print(f"{info['directory']}")
+        for r in info.get("ranks", []):  # the shared root of a sharded run
+            print(f"  rank {r['rank']} of {len(info['ranks'])}   step {r['step']}"
+                  + (f" (step {r['step_in_flight']['step']} in flight)" if r["step_in_flight"] else "")
+                  + f"  {r['directory']}")
         print(f"  step            {info['step']}" + (f"  (step {info['step_in_flight']['step']} in flight: "
                                                       f"{info['step_in_flight']['units_recorded']}/"
                                                       f"{info['step_in_flight']['units']} units written; a resume finishes it)"

@@ -155,8 +155,52 @@ def _same_file(a: Path, b: Path) -> bool:
     return sorted(x.files) == sorted(y.files) and all(x[k].tobytes() == y[k].tobytes() for k in x.files)
 
 
+def _committed_files(directory: Path) -> set[Path]:
+    """The files the committed state names: the manifest's extents and the journal's (any record)."""
+    import re
+    names = set()
+    state = directory / ".tiered-offload"
+    for f in (state / "manifest.json", state / "journal.jsonl"):
+        if f.exists():
+            names |= set(re.findall(r'"([^"]+@[0-9]+)"', f.read_text(errors="replace")))
+    from storage_backends.base import key_to_filename
+    return {directory / key_to_filename(n) for n in names if (directory / key_to_filename(n)).exists()}
+
+
+def _flip_a_bit(directory: Path, rng: random.Random) -> tuple[Path, int, int] | None:
+    """Flip one bit of the journal (when it holds records) or of a committed extent; returns what to
+    undo: ``(file, offset, original byte)``."""
+    journal = directory / ".tiered-offload" / "journal.jsonl"
+    extents = sorted(_committed_files(directory))
+    choices = ([journal] if journal.exists() and journal.stat().st_size else []) + ([rng.choice(extents)] if extents else [])
+    if not choices:
+        return None
+    path = rng.choice(choices)
+    data = bytearray(path.read_bytes())
+    if not data:
+        return None
+    at = rng.randrange(len(data))
+    original = data[at]
+    data[at] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(data))
+    return path, at, original
+
+
+def _unflip(flipped: tuple[Path, int, int]) -> None:
+    path, at, original = flipped
+    if path.exists():
+        data = bytearray(path.read_bytes())
+        if at < len(data):
+            data[at] = original
+            path.write_bytes(bytes(data))
+
+
+_TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortReadError")
+"""What a start that finds a flipped bit may raise: a typed error that names the damaged file."""
+
+
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
-               host_fraction: float = 1.0, device_fraction: float = 0.0) -> dict:
+               host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -167,6 +211,11 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     ``commit_every`` > 1 or ``host_fraction`` > 1 (the state fits the host tier) exercise the
     snapshot commits; a resume then starts from a multiple of ``commit_every``. ``device_fraction``
     > 0 gives the engine a device tier of CPU memory of that share of the state (the GPU's path).
+
+    ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
+    extent is flipped, and a start without a kill must either resume bitwise or refuse with a
+    typed error naming the damaged file, deleting none of the committed files; then the bit is
+    put back and the loop goes on (the next start must resume bitwise).
     """
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction)
@@ -176,6 +225,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     episode, done_kills, phases = 0, 0, {}
     resumes, identical_resumes, mismatches, resumed_at = 0, 0, [], set()
     finished, finished_identical = 0, 0
+    flips = {"flipped": 0, "refused_typed": 0, "resumed_bitwise": 0, "bad": []}
     d, out = work / "run0", work / "run0.npz"
     while True:
         proc = _launch(d, steps, layers, out, **options)
@@ -208,6 +258,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
         if proc.returncode != 0:
             last = lines[-1].split()[0] if lines else "START-UP"
             phases[last] = phases.get(last, 0) + 1
+            if flip_bits and rng.random() < flip_bits:
+                _flip_check(d, steps, layers, out, options, rng, flips, ref_digests, duration)
             continue
         finished += 1
         finished_identical += _same_file(ref_out, out)
@@ -218,11 +270,52 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
         d, out = work / f"run{episode}", work / f"run{episode}.npz"
         if (episode % 10) == 0:
             log(f"{done_kills} kills, {episode} runs finished, {identical_resumes}/{resumes} resumes identical")
+    summary_flips = {k: v for k, v in flips.items() if k != "bad"} | {"bad": flips["bad"][:10]}
     return {"kills": done_kills, "runs_finished": finished, "runs_finished_identical": finished_identical,
+            **({"bit_flips": summary_flips} if flip_bits else {}),
             "resumes": resumes, "resumes_bitwise_identical": identical_resumes, "mismatched_resumes": mismatches,
-            "identical": finished_identical == finished and not mismatches,
+            "identical": finished_identical == finished and not mismatches and not flips["bad"],
             "resumed_at_steps": sorted(resumed_at), "killed_after": phases, "state_bytes": state,
             "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "uninterrupted_s": duration}
+
+
+def _flip_check(d: Path, steps: int, layers: int, out: Path, options: dict, rng: random.Random, flips: dict,
+                ref_digests: dict, duration: float) -> None:
+    """Flip a bit, start once without a kill: a bitwise resume or a typed refusal naming the file,
+    no committed file deleted; then put the bit back (the state it protects is still there)."""
+    flipped = _flip_a_bit(d, rng)
+    if flipped is None:
+        return
+    flips["flipped"] += 1
+    committed = _committed_files(d)
+    proc = _launch(d, steps, layers, out, **options)
+    try:
+        stdout, stderr = proc.communicate(timeout=max(60.0, 10 * duration))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=30)
+        flips["bad"].append(f"hung after a flip in {flipped[0].name}")
+        return
+    starts = [x.split() for x in stdout.splitlines() if x.startswith("START")]
+    trained = any(x.startswith("STEP") for x in stdout.splitlines())
+    # a start that trained on before it met the flipped bit committed steps, superseding files legitimately
+    gone = [] if trained else sorted(p.name for p in committed if not p.exists())
+    wrong_start = [s for s in starts if s[2] != ref_digests.get(int(s[1]))]
+    error = (stderr.strip().splitlines() or [""])[-1]
+    if gone and proc.returncode != 0:
+        flips["bad"].append(f"a flip in {flipped[0].name} and a refused start deleted committed files {gone[:3]}")
+    elif wrong_start:
+        flips["bad"].append(f"a flip in {flipped[0].name}: resumed with other weights at step {wrong_start[0][1]}")
+    elif proc.returncode == 0:
+        flips["resumed_bitwise"] += 1  # trained to the end: its weights are compared by the next launch's START
+    elif error.split(":")[0].rsplit(".", 1)[-1] in _TYPED and (flipped[0].name in error or "journal.jsonl" in error
+                                                                  or str(d) in error):
+        flips["refused_typed"] += 1
+    elif starts and proc.returncode != 0 and error.split(":")[0].rsplit(".", 1)[-1] in _TYPED:
+        flips["refused_typed"] += 1  # resumed bitwise, then the damaged extent was read and refused
+    else:
+        flips["bad"].append(f"a flip in {flipped[0].name}: exit {proc.returncode}, {error[:200]}")
+    _unflip(flipped)
 
 
 def main() -> None:
@@ -238,6 +331,9 @@ def main() -> None:
                     help="host budget as a fraction of the state (> 1: it fits, and commits are snapshots)")
     ap.add_argument("--device-fraction", type=float, default=0.0,
                     help="a device tier of CPU memory of this fraction of the state (0: none, as on a CPU machine)")
+    ap.add_argument("--flip-bits", type=float, default=0.0, metavar="P",
+                    help="after a kill, with probability P flip a bit of the journal or a committed extent and check "
+                         "the next start resumes bitwise or refuses with a typed error, deleting nothing")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -249,7 +345,8 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
-                             host_fraction=args.host_fraction, device_fraction=args.device_fraction)
+                             host_fraction=args.host_fraction, device_fraction=args.device_fraction,
+                             flip_bits=args.flip_bits)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "
@@ -257,6 +354,10 @@ def main() -> None:
               f"identical to the uninterrupted run's at that step; {summary['runs_finished_identical']} of "
               f"{summary['runs_finished']} runs ended bitwise identical to it; peak extra disk "
               f"{100 * summary['disk_overhead']:.1f}% of the state")
+        if "bit_flips" in summary:
+            f = summary["bit_flips"]
+            print(f"{f['flipped']} bits flipped after a kill: {f['refused_typed']} starts refused with a typed error "
+                  f"naming the file, {f['resumed_bitwise']} resumed bitwise, {len(f['bad'])} otherwise")
         sys.exit(0 if summary["identical"] else 1)
     finally:
         if not args.keep:

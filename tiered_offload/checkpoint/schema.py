@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,19 @@ def _ref(v, where: str) -> None:
     if len(pair) != 2:
         raise _Fail(where, f"expected [extent, checksum], found {len(pair)} items")
     _str(pair[0], f"{where}[0]")
-    _opt(_int, pair[1], f"{where}[1]", 0, 2 ** 64 - 1)
+    _opt(_crc, pair[1], f"{where}[1]")
+
+
+_TAGGED = re.compile(r"wsum64:[0-9a-f]{16}")
+
+
+def _crc(v, where: str) -> None:
+    """A recorded checksum: an integer, or a tagged one computed on an accelerator (``wsum64:<hex>``)."""
+    if isinstance(v, str):
+        if not _TAGGED.fullmatch(v):
+            raise _Fail(where, f"{v[:40]!r} is not a checksum (an integer, or 'wsum64:' and 16 hex digits)")
+        return
+    _int(v, where, 0, 2 ** 64 - 1)
 
 
 def _shape(v, where: str) -> int:
@@ -166,7 +179,7 @@ def _check_manifest(m: Any) -> None:
         w = f"tensors[{key!r}]"
         _obj(t, w)
         _opt(_str, _field(t, "extent", w), f"{w}.extent")
-        _opt(_int, _field(t, "crc", w), f"{w}.crc", 0, 2 ** 64 - 1)
+        _opt(_crc, _field(t, "crc", w), f"{w}.crc")
         dtype = _str(_field(t, "dtype", w), f"{w}.dtype")
         if dtype not in DTYPE_BYTES:
             raise _Fail(f"{w}.dtype", f"{dtype!r} is not a dtype a state holds")
@@ -195,7 +208,11 @@ def _check_manifest(m: Any) -> None:
         numel = _shape(_field(p, "shape", w), f"{w}.shape")
         if tensor not in m["tensors"]:
             raise _Fail(f"{w}.tensor", f"{tensor!r} is not one of the manifest's tensors")
-        held = math.prod(m["tensors"][tensor]["shape"])
+        unit = tensor.split("/", 1)[0]
+        if unit not in units:
+            raise _Fail(f"{w}.tensor", f"{tensor!r} belongs to no unit of the manifest")
+        # offsets are in the unit's coordinates (a rank's tensor holds its slice of them)
+        held = units[unit] if m.get("sharding") else math.prod(m["tensors"][tensor]["shape"])
         if offset + numel > held:
             raise _Fail(w, f"elements [{offset}, {offset + numel}) lie outside {tensor!r}, which holds {held}")
     opt = _obj(_field(m, "optimizer", ""), "optimizer")

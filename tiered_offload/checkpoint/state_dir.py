@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from tiered_offload.checkpoint.durable import (
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, exported_config, write_private
 from tiered_offload.store.checksum import describe, hasher_for
 
-__all__ = ["StateDirectory", "export_params"]
+__all__ = ["StateDirectory", "ShardedStateDirectory", "open_state", "rank_directories", "export_params"]
 
 _CHUNK = 16 << 20
 
@@ -178,6 +179,11 @@ class StateDirectory:
 
     def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
         """Write the committed weights as Hugging Face sharded safetensors (plus config.json if recorded)."""
+        sharding = self.manifest.get("sharding")
+        if sharding:
+            raise CheckpointError(
+                f"{self.path} holds rank {sharding['rank']} of {sharding['world_size']}'s slices of a sharded run, not "
+                f"a model; export the run's root ({self.path.parent}), which gathers every rank's slices")
         if self.intent is not None:
             raise CheckpointError(
                 f"{self.path}: step {self.intent['step']} is in flight ({len(self.recorded)} of "
@@ -256,3 +262,141 @@ def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
             write(t.reshape(-1).view(torch.uint8).numpy().data)
     writer = SafetensorsWriter(out, tensors, max_shard_size, metadata)
     return writer.write(fill_one)
+
+
+RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
+
+
+def rank_directories(root: Path) -> list[tuple[int, int, Path]]:
+    """``(rank, world size, directory)`` of the ``rank-R-of-W`` directories a sharded run left in ``root``."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in sorted(root.iterdir()):
+        m = RANK_DIR.fullmatch(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), int(m.group(2)), p))
+    return found
+
+
+def open_state(path: str | os.PathLike, stripes: list | None = None):
+    """The right reader for ``path``: a :class:`StateDirectory`, or a :class:`ShardedStateDirectory`
+    for the shared root of a sharded run (which holds ``rank-R-of-W`` directories)."""
+    root = Path(path).expanduser().absolute()
+    if not (root / STATE_DIR / "manifest.json").exists() and rank_directories(root):
+        return ShardedStateDirectory(root, stripes)
+    return StateDirectory(root, stripes)
+
+
+class ShardedStateDirectory:
+    """The shared root of a sharded run, read offline: every rank's directory, their slices
+    gathered into one model on export."""
+
+    def __init__(self, root: str | os.PathLike, stripes: list | None = None):
+        self.path = Path(root).expanduser().absolute()
+        found = rank_directories(self.path)
+        worlds = {w for _, w, _ in found}
+        if len(worlds) != 1:
+            raise CheckpointError(f"{self.path} holds the directories of runs with {sorted(worlds)} ranks; keep one "
+                                  f"run's rank-R-of-W directories per root")
+        world = worlds.pop()
+        ranks = {r: d for r, _, d in found}
+        if sorted(ranks) != list(range(world)):
+            raise CheckpointError(f"{self.path}: a run of {world} ranks, but only the directories of ranks "
+                                  f"{sorted(ranks)} are there; every rank's directory is needed")
+        if stripes:
+            raise CheckpointError("--stripe with a sharded root: give each rank's directory its stripes instead")
+        self.world = world
+        self.ranks: list[StateDirectory] = []
+        try:
+            for r in range(world):
+                sd = StateDirectory(ranks[r])
+                self.ranks.append(sd)
+                sharding = sd.manifest.get("sharding") or {}
+                if sharding != {"rank": r, "world_size": world}:
+                    raise CheckpointError(f"{sd.files.manifest_path} describes {sharding or 'an unsharded state'}, not "
+                                          f"rank {r} of {world}; the directory was moved or mixed with another run's")
+        except BaseException:
+            self.close()
+            raise
+        self.manifest = self.ranks[0].manifest
+
+    def close(self) -> None:
+        for sd in self.ranks:
+            sd.close()
+
+    def __enter__(self) -> "ShardedStateDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def steps(self) -> list[int]:
+        return [sd.manifest["step"] for sd in self.ranks]
+
+    def inspect(self) -> dict:
+        """The run as a whole (rank 0's description) with every rank's step, step in flight and files."""
+        per_rank = [sd.inspect() for sd in self.ranks]
+        info = dict(per_rank[0], directory=str(self.path))
+        info["state_bytes"] = sum(r["state_bytes"] for r in per_rank)
+        info["tensors"] = sum(r["tensors"] for r in per_rank)
+        info["tensors_all_zero"] = sum(r["tensors_all_zero"] for r in per_rank)
+        info["storage"] = [d for r in per_rank for d in r["storage"]]
+        info["ranks"] = [{"rank": i, "directory": r["directory"], "step": r["step"],
+                          "step_in_flight": r["step_in_flight"], "lock_holder": r["lock_holder"]}
+                         for i, r in enumerate(per_rank)]
+        return info
+
+    def verify(self, progress=None) -> dict:
+        reports = [sd.verify(progress) for sd in self.ranks]
+        return {"directory": str(self.path), "step": min(self.steps()),
+                "tensors_checked": sum(r["tensors_checked"] for r in reports),
+                "bytes_checked": sum(r["bytes_checked"] for r in reports),
+                "damaged": [d for r in reports for d in r["damaged"]], "ok": all(r["ok"] for r in reports)}
+
+    def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
+        """Gather every rank's slices into one model (Hugging Face safetensors, config.json),
+        after checking every slice against its checksum."""
+        steps = self.steps()
+        in_flight = [r for r, sd in enumerate(self.ranks) if sd.intent is not None]
+        if len(set(steps)) != 1 or in_flight:
+            raise CheckpointError(f"{self.path}: the ranks are at steps {steps}" + (
+                f" with a step in flight on rank(s) {in_flight}" if in_flight else "") + "; a resume of every rank "
+                "brings them to one step (run the job again with resume), then export")
+        report = self.verify()
+        if not report["ok"]:
+            first = report["damaged"][0]
+            raise CorruptionError(f"{first['file']} (tensor {first['tensor']!r}): {first['problem']}; the export was "
+                                  f"not written. Run `tiered-offload verify {self.path}` for the whole list")
+        units = {u["name"]: u["numel"] for u in self.manifest["units"]}
+        buf = torch.empty(_CHUNK, dtype=torch.uint8)
+
+        def fill(p: dict, write) -> None:
+            numel = units[p["tensor"].split("/", 1)[0]]
+            size = max(1, math.ceil(numel / self.world))  # each rank's slice (ShardLayout)
+            lo, hi = p["offset"], p["offset"] + math.prod(p["shape"])
+            while lo < hi:
+                r = lo // size
+                end = min(hi, (r + 1) * size)
+                extent, _, _ = self.ranks[r].extent_of(p["tensor"])
+                n = (end - lo) * 4
+                if extent is None:
+                    zeros = bytes(min(n, _CHUNK))
+                    for a in range(0, n, _CHUNK):
+                        write(zeros[:min(_CHUNK, n - a)])
+                else:
+                    start = (lo - r * size) * 4
+                    for a in range(0, n, _CHUNK):
+                        piece = buf[:min(_CHUNK, n - a)]
+                        self.ranks[r].read_range(extent, start + a, piece)
+                        write(piece.numpy().data)
+                lo = end
+        buffers = [(name, decode_tensor(v)) for name, v in (self.manifest["meta"].get("buffers") or {}).items()]
+        files = export_params(out, self.manifest["params"], fill, max_shard_size,
+                              {"step": str(steps[0]), "source": "tiered-offload"}, buffers)
+        config = self.manifest.get("model_config")
+        if config is not None:
+            path = Path(out) / "config.json"
+            write_private(path, json.dumps(exported_config(config), indent=2, sort_keys=True))
+            files.append(path)
+        return files

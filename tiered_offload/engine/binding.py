@@ -224,10 +224,18 @@ def empty_init():
 class _BlockProxy(nn.Module):
     """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
 
-    def __init__(self, forward: Callable[[int, tuple, dict], Any], index: int):
+    def __init__(self, forward: Callable[[int, tuple, dict], Any], index: int, real: nn.Module):
         super().__init__()
         self._streamed_forward = forward
         self.index = index
+        self._set_real_mode = real.train  # a bound method: the real block stays out of the module tree
+        self.training = real.training
+
+    def train(self, mode: bool = True) -> "_BlockProxy":
+        """``model.train()`` / ``model.eval()`` reach the real block (dropout, batch norm), as in PyTorch."""
+        super().train(mode)
+        self._set_real_mode(mode)
+        return self
 
     def forward(self, *args, **kwargs):
         return self._streamed_forward(self.index, args, kwargs)
@@ -387,7 +395,7 @@ class ModelBinding:
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            parent._modules[attr] = _BlockProxy(forward, unit.index)
+            parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
         cfg = getattr(self.model, "config", None)
         if cfg is not None and getattr(cfg, "use_cache", False):
             cfg.use_cache = False  # key/value caches are for generation; training does not need them

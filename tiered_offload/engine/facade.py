@@ -467,18 +467,37 @@ class Engine:
         self._monitor.iteration_boundary()
         hypers = [self._spec.hyper(g) for g in self.param_groups]
         scale, self._grad_scale = self._grad_scale, None
+        self._scale_kept_gradients(scale)
         if self._optimizer_view is not None:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
         updates = self.train_state.advance()
-        then = self._commits.begin_step(hypers, scale, updates,
-                                        barrier=self._placement.barrier if self._placement.world > 1 else None)
-        self.store.declare_access_sequence(self._sequence(self._phases))
-        self._phases = []
-        by_name = self._units_by_name
-        self._pipeline.run([u.name for u in self.schedule.update_order()],
-                           lambda name: self._update_unit(by_name[name], hypers, scale, updates.before),
-                           background=self.overlap_step, then=then)
+        try:
+            then = self._commits.begin_step(hypers, scale, updates,
+                                            barrier=self._placement.barrier if self._placement.world > 1 else None)
+            self.store.declare_access_sequence(self._sequence(self._phases))
+            self._phases = []
+            by_name = self._units_by_name
+            self._pipeline.run([u.name for u in self.schedule.update_order()],
+                               lambda name: self._update_unit(by_name[name], hypers, scale, updates.before),
+                               background=self.overlap_step, then=then)
+        except BaseException as e:  # the step is neither done nor going on: no commit may wait for it
+            self._commits.fail(e)
+            raise
         return True
+
+    def _scale_kept_gradients(self, scale: torch.Tensor | None) -> None:
+        """Clipping scales every gradient in PyTorch, in place; the engine applies the scale to the
+        optimizer's parameters on their way through the step. A trainable parameter in no group
+        keeps its gradient past the step (``optimizer.zero_grad()``): it is scaled here, as
+        PyTorch leaves it (the suffix of its unit's gradient buffer after the optimized prefix)."""
+        if scale is None:
+            return
+        for unit in self.units:
+            layout = self._placement.layout(unit)
+            if layout.grad_key and layout.grad_numel > layout.state_numel and any(
+                    s.has_grad and s.requires_grad and not s.optimized for s in unit.params):
+                with self.store.hold(layout.grad_key, dirty=True) as grad:
+                    grad[layout.state_numel:layout.grad_numel].mul_(scale.to(grad.device))
 
     def _gradients_usable(self) -> bool:
         """Whether this step may update: False (skipped, gradients forgotten) or NonFiniteError when a
@@ -515,20 +534,37 @@ class Engine:
         self._commits.unit_updated(unit.name, futures, self.schedule.rewrite_bytes(unit))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget every gradient, as ``model.zero_grad()`` (set to None) does: no parameter has
-        a gradient until the next backward gives it one. No I/O: the store just forgets the bytes.
+        """Forget every gradient, as ``model.zero_grad()`` (set to None) does: no parameter has a
+        gradient until the next backward gives it one. No I/O: the store just forgets the bytes.
+        (``engine.optimizer.zero_grad()`` forgets the optimizer's parameters' only, as PyTorch's.)
 
         A unit the step in flight has not reached yet is zeroed right after its update.
         """
+        self._forget_gradients(optimized_only=False)
+
+    def _forget_gradients(self, *, optimized_only: bool) -> None:
+        """Zero the gradients of every trainable parameter, or (``optimized_only``) of those in an
+        optimizer group: a unit lays those out first, so that is a prefix of its gradient buffer
+        (zeroed in place; the whole buffer is forgotten without I/O)."""
         self._streamer.unbind_rest()
         for unit in self.units:
             key = self._placement.grad_key(unit)
-            if key:
+            if not key:
+                continue
+            layout = self._placement.layout(unit)
+            upto = layout.state_numel if optimized_only else layout.grad_numel
+            if upto >= layout.grad_numel:
                 self._pipeline.after_update(unit.name, lambda key=key: self.store.zero(key))
+                self._streamer.gradients[unit.name].grads_finite = True
+            elif upto > 0:
+                self._pipeline.after_update(unit.name, lambda key=key, upto=upto: self._zero_prefix(key, upto))
         for _, slot in self.binding.param_order:
-            slot.has_grad = False
-        for status in self._streamer.gradients.values():
-            status.grads_finite = True
+            if slot.optimized or not optimized_only:
+                slot.has_grad = False
+
+    def _zero_prefix(self, key: str, upto: int) -> None:
+        with self.store.hold(key, dirty=True) as grad:
+            grad[:upto].zero_()
 
     # ---- committing -----------------------------------------------------------------------
     @property
@@ -688,5 +724,7 @@ class _OptimizerView(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: D102 - forwards to the engine
         return self._engine.step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
-        self._engine.zero_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's parameters' gradients only, as ``torch.optim.Optimizer.zero_grad()``: a
+        trainable parameter in no group keeps accumulating (``engine.zero_grad()`` forgets all)."""
+        self._engine._forget_gradients(optimized_only=True)

@@ -61,8 +61,48 @@ class OptimizerSpec:
         return {pid: i for i, ids in enumerate(self.members) for pid in ids}
 
 
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "Adadelta", "RAdam", "RMSprop",
+                                                       "Rprop", "SGD"))
+"""The optimizers whose step treats every element of every parameter alike and whose state is one
+tensor of the parameter's shape per kind (plus a step count): the engine runs them on pieces of
+flat buffers, bitwise as PyTorch runs them on whole parameters (PyTorch's own ``optim_db``
+configurations, tests/test_conformance.py)."""
+
+_NOT_YET = {
+    "LBFGS": "needs a closure that re-evaluates the loss, several times per step",
+    "SparseAdam": "needs sparse gradients, which the engine's dense gradient buffers are not",
+    "NAdam": "keeps per-parameter scalar state (mu_product) that the engine does not stream yet",
+    "ASGD": "keeps per-parameter scalar state (eta, mu) and an average (ax) that the engine does not stream yet",
+    "Adagrad": "creates its state at construction (initial_accumulator_value), which the engine's zero-initialised "
+               "state does not reproduce yet",
+    "Adafactor": "keeps factored row and column moments of each 2-D parameter: it works on whole parameters, which "
+                 "the engine's flat pieces are not",
+    "Muon": "orthogonalises each 2-D parameter's update: it works on whole parameters, which the engine's flat "
+            "pieces are not",
+}
+"""Why an optimizer outside :data:`ELEMENTWISE` is refused (an unlisted one: not known to be elementwise)."""
+
+
+def check_supported(cls: type) -> None:
+    """Refuse, at construction, an optimizer the engine would run wrong: it must be one of
+    :data:`ELEMENTWISE` (or a subclass that keeps its ``step``)."""
+    if cls in ELEMENTWISE:
+        return
+    base = next((b for b in cls.__mro__ if b in ELEMENTWISE), None)  # the nearest one it derives from
+    if base is not None and cls.step is base.step:
+        return
+    if base is not None:
+        why = f"is a subclass of {base.__name__} with its own step(), which the engine cannot tell is elementwise"
+    else:
+        why = _NOT_YET.get(cls.__name__, "is not one the engine knows to be elementwise")
+    raise ConfigError(f"{cls.__module__}.{cls.__qualname__} {why}; the engine "
+                      f"runs exactly {', '.join(b.__name__ for b in ELEMENTWISE)}. Use one of those (AdamW is the "
+                      f"usual choice for fine-tuning)")
+
+
 def read_optimizer(optimizer, optimizer_kwargs: dict | None, parameters: Iterable[torch.nn.Parameter]) -> OptimizerSpec:
     """Read ``optimizer`` (a class with ``optimizer_kwargs``, or an instance over ``parameters``)."""
+    check_supported(optimizer if isinstance(optimizer, type) else type(optimizer))
     params = list(parameters)
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer_kwargs:

@@ -272,6 +272,14 @@ def engine_storage(storage, group, durable: bool | None, resume, commit_every: i
     spec = resolve_storage(storage) if storage is not None else None
     if group is not None:
         spec, durable = rank_storage(group, spec, durable, resume, commit_every)
+    elif spec is not None and spec.names_directories:
+        root = Path(spec.location.split(",")[0])
+        ranks = sorted(p.name for p in root.glob("rank-*-of-*")) if root.is_dir() else []
+        if ranks:
+            raise ConfigError(
+                f"{root} holds the state of a sharded run ({', '.join(ranks[:4])}); this process is not one of its "
+                f"ranks. Resume it with the same number of ranks (torchrun --nproc_per_node N), or write its weights "
+                f"with `tiered-offload export {root} OUT` and start from them with init_from")
     if durable is None:
         durable = spec is not None and spec.names_directories
     if resume and not durable:
