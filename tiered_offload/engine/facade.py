@@ -34,6 +34,7 @@ from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
 from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
+from tiered_offload.engine.gradients import Gradients
 from tiered_offload.engine.initial_weights import load_initial_weights
 from tiered_offload.engine.optim_spec import OptimizerSpec, optimizer_for_resume, read_optimizer
 from tiered_offload.engine.optimizer_step import UnitUpdater
@@ -199,8 +200,6 @@ class Engine:
             self.store.close(flush=False)
             raise
 
-        self._grad_scale: torch.Tensor | None = None
-        self._skip_step = False
         self._phases: list[Phase] = []
         self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel)
         self._pipeline = UpdatePipeline(
@@ -215,6 +214,9 @@ class Engine:
         """Forward and backward through the store."""
         self.overlap_step = self._streamer.overlap_step
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
+        self._gradients = Gradients(self.store, self.binding, self._streamer, self._placement, self._pipeline,
+                                    self.schedule)
+        """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""
         self._monitor = PlanMonitor(self.store, self.schedule, self._streamer, [b.name for b in self.blocks],
                                     self.config, recompute, self.overlap_step,
                                     sum(s.numel for _, s in self.binding.param_order))
@@ -403,7 +405,7 @@ class Engine:
         if not self._placement.all_agree(bool(torch.isfinite(loss.detach()).all()), "the losses' finiteness"):
             self._streamer.unbind_rest()
             if self.on_nonfinite == "skip":
-                self._skip_step = True
+                self._gradients.skip_step = True
                 return
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
@@ -435,13 +437,7 @@ class Engine:
         self._streamer.unbind_rest()
         self._await()
         self._phase(Phase.CLIP)
-        total = self._placement.grad_norm(self.store, self.schedule, self.binding.param_order,
-                                          self._streamer.grad_norms, norm_type)
-        if total is None:
-            return torch.tensor(0.0)  # as torch: nothing to clip
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._grad_scale = coef if self._grad_scale is None else self._grad_scale * coef
-        return total
+        return self._gradients.clip(max_norm, norm_type)
 
     @_engine_time
     @_between_collectives
@@ -461,13 +457,12 @@ class Engine:
         self._streamer.unbind_rest()
         self._await()
         self._placement.set_phase(f"step {self.step_count + 1}, step")
-        if not self._gradients_usable():
+        if not self._gradients.usable(self.on_nonfinite):
             return False
         self._phase(Phase.STEP)
         self._monitor.iteration_boundary()
         hypers = [self._spec.hyper(g) for g in self.param_groups]
-        scale, self._grad_scale = self._grad_scale, None
-        self._scale_kept_gradients(scale)
+        scale = self._gradients.take_scale()
         if self._optimizer_view is not None:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
         updates = self.train_state.advance()
@@ -484,38 +479,6 @@ class Engine:
             self._commits.fail(e)
             raise
         return True
-
-    def _scale_kept_gradients(self, scale: torch.Tensor | None) -> None:
-        """Clipping scales every gradient in PyTorch, in place; the engine applies the scale to the
-        optimizer's parameters on their way through the step. A trainable parameter in no group
-        keeps its gradient past the step (``optimizer.zero_grad()``): it is scaled here, as
-        PyTorch leaves it (the suffix of its unit's gradient buffer after the optimized prefix)."""
-        if scale is None:
-            return
-        for unit in self.units:
-            layout = self._placement.layout(unit)
-            if layout.grad_key and layout.grad_numel > layout.state_numel and any(
-                    s.has_grad and s.requires_grad and not s.optimized for s in unit.params):
-                with self.store.hold(layout.grad_key, dirty=True) as grad:
-                    grad[layout.state_numel:layout.grad_numel].mul_(scale.to(grad.device))
-
-    def _gradients_usable(self) -> bool:
-        """Whether this step may update: False (skipped, gradients forgotten) or NonFiniteError when a
-        loss or a gradient was not finite (on any rank: a bad slice anywhere stops every rank)."""
-        statuses = self._streamer.gradients
-        finite = self._placement.all_agree_each([g.grads_finite for g in statuses.values()], "the gradients' finiteness")
-        bad = [name for name, ok in zip(statuses, finite) if not ok]
-        if not self._skip_step and not bad:
-            return True
-        for status in statuses.values():
-            status.grads_finite = True
-        self._grad_scale = None
-        if self.on_nonfinite == "skip" or self._skip_step:
-            self._skip_step = False
-            self.zero_grad()
-            return False
-        raise NonFiniteError(f"non-finite gradients in {', '.join(bad)}; no weight or optimizer state was updated. "
-                             f"Call zero_grad() and lower the learning rate, or pass on_nonfinite='skip'")
 
     def _update_unit(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, updates: dict[int, int]) -> None:
         """One unit's optimizer step (see :class:`UnitUpdater`), recorded by the commit when durable."""
@@ -540,31 +503,7 @@ class Engine:
 
         A unit the step in flight has not reached yet is zeroed right after its update.
         """
-        self._forget_gradients(optimized_only=False)
-
-    def _forget_gradients(self, *, optimized_only: bool) -> None:
-        """Zero the gradients of every trainable parameter, or (``optimized_only``) of those in an
-        optimizer group: a unit lays those out first, so that is a prefix of its gradient buffer
-        (zeroed in place; the whole buffer is forgotten without I/O)."""
-        self._streamer.unbind_rest()
-        for unit in self.units:
-            key = self._placement.grad_key(unit)
-            if not key:
-                continue
-            layout = self._placement.layout(unit)
-            upto = layout.state_numel if optimized_only else layout.grad_numel
-            if upto >= layout.grad_numel:
-                self._pipeline.after_update(unit.name, lambda key=key: self.store.zero(key))
-                self._streamer.gradients[unit.name].grads_finite = True
-            elif upto > 0:
-                self._pipeline.after_update(unit.name, lambda key=key, upto=upto: self._zero_prefix(key, upto))
-        for _, slot in self.binding.param_order:
-            if slot.optimized or not optimized_only:
-                slot.has_grad = False
-
-    def _zero_prefix(self, key: str, upto: int) -> None:
-        with self.store.hold(key, dirty=True) as grad:
-            grad[:upto].zero_()
+        self._gradients.forget(optimized_only=False)
 
     # ---- committing -----------------------------------------------------------------------
     @property
@@ -727,4 +666,4 @@ class _OptimizerView(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's parameters' gradients only, as ``torch.optim.Optimizer.zero_grad()``: a
         trainable parameter in no group keeps accumulating (``engine.zero_grad()`` forgets all)."""
-        self._engine._forget_gradients(optimized_only=True)
+        self._engine._gradients.forget(optimized_only=True)

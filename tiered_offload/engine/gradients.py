@@ -1,0 +1,115 @@
+"""``Gradients``: the gradients between backward and the optimizer step, as PyTorch keeps them.
+
+Which parameters have a gradient (``.grad is not None`` in PyTorch: a slot's ``has_grad``),
+whether each unit's gradient is finite, the clipping norm and the scale it implies (applied by the
+step on the way through), and forgetting gradients: all of them (``model.zero_grad()``), or the
+optimizer's parameters' only (``optimizer.zero_grad()``: a trainable parameter in no group keeps
+accumulating, and clipping scales its kept gradient in place, as PyTorch's does).
+
+The bytes are the store's; the streamer fills them in backward and caches each unit's norms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload_core.errors import NonFiniteError
+
+__all__ = ["Gradients"]
+
+
+class Gradients:
+    """One engine's gradient bookkeeping.
+
+    Args:
+        store: the engine's store (the gradient buffers).
+        binding: the model's units and parameter slots.
+        streamer: the block streamer (per-unit finiteness and cached norms).
+        placement: where this process's share of each buffer lives (its slice when sharded).
+        pipeline: the step in flight (a unit is zeroed only after its update).
+        schedule: the unit order clipping reads gradients in.
+    """
+
+    def __init__(self, store, binding, streamer, placement, pipeline, schedule):
+        self.store, self.binding, self.streamer = store, binding, streamer
+        self.placement, self.pipeline, self.schedule = placement, pipeline, schedule
+        self.scale: torch.Tensor | None = None
+        """The clipping scale of the step to come (None: no clipping)."""
+        self.skip_step = False
+        """A non-finite loss was seen with ``on_nonfinite="skip"``: the step is skipped."""
+
+    # ---- clipping ----------------------------------------------------------------------------------
+    def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The global norm over the parameters that have a gradient; the scale it implies is kept
+        for the step (several calls multiply, as repeated in-place clipping would)."""
+        total = self.placement.grad_norm(self.store, self.schedule, self.binding.param_order,
+                                         self.streamer.grad_norms, norm_type)
+        if total is None:
+            return torch.tensor(0.0)  # as torch: nothing to clip
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self.scale = coef if self.scale is None else self.scale * coef
+        return total
+
+    def take_scale(self) -> torch.Tensor | None:
+        """The step's scale (and it is used up); kept gradients are scaled now, as PyTorch leaves them."""
+        scale, self.scale = self.scale, None
+        if scale is not None:
+            self._scale_kept(scale)
+        return scale
+
+    def _scale_kept(self, scale: torch.Tensor) -> None:
+        """A trainable parameter in no group keeps its gradient past the step: the suffix of its
+        unit's gradient buffer after the optimized prefix is scaled in place."""
+        for unit in self.binding.units:
+            layout = self.placement.layout(unit)
+            if layout.grad_key and layout.grad_numel > layout.state_numel and any(
+                    s.has_grad and s.requires_grad and not s.optimized for s in unit.params):
+                with self.store.hold(layout.grad_key, dirty=True) as grad:
+                    grad[layout.state_numel:layout.grad_numel].mul_(scale.to(grad.device))
+
+    # ---- finiteness ------------------------------------------------------------------------------------
+    def usable(self, on_nonfinite: str) -> bool:
+        """Whether this step may update: False (skipped, gradients forgotten), or
+        :class:`NonFiniteError`, when a loss or a gradient was not finite (on any rank: a bad slice
+        anywhere stops every rank)."""
+        statuses = self.streamer.gradients
+        finite = self.placement.all_agree_each([g.grads_finite for g in statuses.values()],
+                                               "the gradients' finiteness")
+        bad = [name for name, ok in zip(statuses, finite) if not ok]
+        if not self.skip_step and not bad:
+            return True
+        for status in statuses.values():
+            status.grads_finite = True
+        self.scale = None
+        if on_nonfinite == "skip" or self.skip_step:
+            self.skip_step = False
+            self.forget(optimized_only=False)
+            return False
+        raise NonFiniteError(f"non-finite gradients in {', '.join(bad)}; no weight or optimizer state was updated. "
+                             f"Call zero_grad() and lower the learning rate, or pass on_nonfinite='skip'")
+
+    # ---- forgetting ------------------------------------------------------------------------------------------
+    def forget(self, *, optimized_only: bool) -> None:
+        """Zero the gradients of every trainable parameter, or (``optimized_only``) of those in an
+        optimizer group: a unit lays those out first, so that is a prefix of its gradient buffer
+        (zeroed in place; a whole buffer is forgotten without I/O). A unit the step in flight has
+        not reached yet is zeroed right after its update."""
+        self.streamer.unbind_rest()
+        for unit in self.binding.units:
+            key = self.placement.grad_key(unit)
+            if not key:
+                continue
+            layout = self.placement.layout(unit)
+            upto = layout.state_numel if optimized_only else layout.grad_numel
+            if upto >= layout.grad_numel:
+                self.pipeline.after_update(unit.name, lambda key=key: self.store.zero(key))
+                self.streamer.gradients[unit.name].grads_finite = True
+            elif upto > 0:
+                self.pipeline.after_update(unit.name, lambda key=key, upto=upto: self._zero_prefix(key, upto))
+        for _, slot in self.binding.param_order:
+            if slot.optimized or not optimized_only:
+                slot.has_grad = False
+
+    def _zero_prefix(self, key: str, upto: int) -> None:
+        with self.store.hold(key, dirty=True) as grad:
+            grad[:upto].zero_()
