@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="auto", help="auto, cpu or cuda")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    t = sub.add_parser("train", help="fine-tune a local Hugging Face model directory (resumes by default)",
+                       description="Fine-tune a Hugging Face model directory with its training state streamed through "
+                                   "the tiers; the same command again continues from the last committed step.")
+    t.add_argument("--config", help="the run's YAML file (sections model, data, train, offload, output)")
+    t.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a key of the YAML file")
+    t.add_argument("--dry-run", action="store_true", help="print the model, the data, the budgets, the first batch; "
+                                                         "train nothing")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     i = sub.add_parser("inspect", help="show what a storage directory holds",
                        description="Show a storage directory's committed training state: step, tensors, sizes, "
                                    "where the bytes are, free space, a step in flight, the process holding it.")
@@ -89,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             return demo_main(args)
         if args.command in ("inspect", "verify", "export"):
             return _state_command(args)
+        if args.command == "train":
+            from tiered_offload.train import train
+            summary = train(args.config, args.overrides, dry_run=args.dry_run, progress=not args.no_progress)
+            if summary.get("stopped"):
+                print(f"stopped at step {summary['step']} (committed); run the same command to continue")
+            elif not args.dry_run:
+                print(f"trained to step {summary['step']}; the model is in {summary['final']}")
+            return 0
     except TieredOffloadError as e:
         print(f"tiered-offload {args.command}: error: {e}", file=sys.stderr)
         return 2

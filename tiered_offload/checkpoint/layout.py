@@ -107,15 +107,9 @@ class StateLayout:
                 f"rank {ours['rank']} of {ours['world_size']}; re-sharding is not supported. Resume with the same number "
                 f"of ranks (then write the weights with export_safetensors() and start a new run from them with "
                 f"init_from)")
-        saved_groups = (manifest.get("optimizer") or {}).get("groups")
-        if saved_groups != mine["optimizer"].get("groups"):
-            everything = [[s.name for _, s in self.param_order]]
-            theirs, ours = saved_groups or everything, mine["optimizer"].get("groups") or everything
-            raise CheckpointError(
-                f"{manifest_path} was trained with other optimizer parameter groups: {_group_difference(theirs, ours)}. "
-                f"Build the optimizer's groups as before (or resume with Engine.resume(...) and no optimizer=, which "
-                f"rebuilds them)")
         for what in ("units", "params", "optimizer"):
+            if what == "optimizer":  # the same model: then the grouping, then the rest of the optimizer
+                self._check_groups(manifest, mine, manifest_path)
             if manifest.get(what) != mine[what]:
                 theirs = manifest.get(what) or []
                 if isinstance(theirs, list):
@@ -126,6 +120,16 @@ class StateLayout:
                 raise CheckpointError(
                     f"{manifest_path} was written for another model or optimizer: its {what} differ (saved vs. this "
                     f"run: {diff}). Build the same model and optimizer, or use another directory")
+
+    def _check_groups(self, manifest: dict, mine: dict, manifest_path) -> None:
+        saved_groups = (manifest.get("optimizer") or {}).get("groups")
+        if saved_groups != mine["optimizer"].get("groups"):
+            everything = [[s.name for _, s in self.param_order]]
+            theirs, ours = saved_groups or everything, mine["optimizer"].get("groups") or everything
+            raise CheckpointError(
+                f"{manifest_path} was trained with other optimizer parameter groups: {_group_difference(theirs, ours)}. "
+                f"Build the optimizer's groups as before (or resume with Engine.resume(...) and no optimizer=, which "
+                f"rebuilds them)")
 
     # ---- the whole manifest ------------------------------------------------------------------------
     def manifest(self, step: int, committed: dict, meta: dict, *, checksum: str, backend, model_config) -> dict:

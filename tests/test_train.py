@@ -1,0 +1,209 @@
+"""``tiered-offload train``, offline: a tiny Llama saved with ``save_pretrained`` and a byte-level
+BPE tokenizer trained here, data files written by the test. The loss falls; a SIGKILL in the
+middle and the same command again give the uninterrupted run's weights bitwise; SIGINT stops
+cleanly and the next run continues; the export loads with ``from_pretrained``; the loss is on the
+responses only for ``alpaca``; each error a user will hit is one line naming what to change."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from offload_core.errors import CheckpointError, ConfigError, TierCapacityError  # noqa: E402
+from tiered_offload.cli import main as cli_main  # noqa: E402
+from tiered_offload.train import load_config, train  # noqa: E402
+from tiered_offload.train.data import IGNORE, prepare_data  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat while dogs ran around big red houses near green trees every day".split()
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (8,), generator=g)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sentences(200), trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>", pad_token="<pad>")
+    fast.save_pretrained(d)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, max_position_embeddings=64, bos_token_id=fast.bos_token_id,
+                                   eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def state_budget(model_dir: Path) -> int:
+    """Six tenths of the training state: it streams through the disk."""
+    n = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(model_dir)).num_parameters()
+    return 16 * n * 6 // 10
+
+
+def write_config(tmp_path: Path, model_dir: Path, data: Path, **over) -> Path:
+    cfg = {"model": {"path": str(model_dir)},
+           "data": {"path": str(data), "format": "completion", "field": "text", "max_seq_len": 32, "packing": True,
+                    "eval_fraction": 0.1},
+           "train": {"micro_batch": 4, "grad_accum": 2, "max_steps": 8, "lr": 1.0e-2, "schedule": "cosine",
+                     "warmup_steps": 2, "weight_decay": 0.01, "clip": 1.0, "seed": 0, "eval_every": 4},
+           "offload": {"storage": str(tmp_path / "run"), "host_memory": state_budget(model_dir), "commit_every": 1},
+           "output": {"dir": str(tmp_path / "out"), "export_every": 4, "keep": 1}}
+    for key, value in over.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    import yaml
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(300, seed=1)))
+    return path
+
+
+def exported(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, model_dir, data):
+    config = write_config(tmp_path, model_dir, data, train__max_steps=30, data__eval_fraction=0.1,
+                          output__export_every=0)
+    records = []
+    summary = train(config, progress=False, on_step=lambda s, r: records.append(r))
+    assert summary["step"] == 30 and not summary["stopped"]
+    first, last = sum(r["loss"] for r in records[:5]) / 5, sum(r["loss"] for r in records[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert all(r["grad_norm"] is not None and r["tokens"] > 0 for r in records)
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == list(range(1, 31)) and any("eval_loss" in x for x in lines)
+    final = Path(summary["final"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(final)
+    assert (final / "tokenizer.json").is_file()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in exported(final).items())
+    # its logits are the engine's on the same weights
+    from tiered_offload import Engine, empty_init
+    with empty_init():
+        again = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    with Engine.resume(tmp_path / "run", again, host_memory=state_budget(model_dir)) as engine:
+        again.eval()
+        model.eval()
+        with torch.no_grad():
+            assert torch.equal(engine(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data):
+    reference = train(write_config(tmp_path / "a", model_dir, data), progress=False)
+    config = write_config(tmp_path / "b", model_dir, data)
+    script = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT)!r})\n"
+              f"from tiered_offload.train import train\n"
+              f"train({str(config)!r}, progress=False, on_step=lambda s, r: s == 5 and os.kill(os.getpid(), signal.SIGKILL))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    summary = train(config, progress=False)  # the same command again
+    assert summary["step"] == 8
+    a, b = exported(Path(reference["final"])), exported(Path(summary["final"]))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigint_finishes_the_step_commits_and_the_next_run_continues(tmp_path, model_dir, data):
+    config = write_config(tmp_path, model_dir, data, train__max_steps=40, output__export_every=0)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "tiered_offload", "train", "--config", str(config), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "run the same command to continue" in stdout
+    stopped = int(stdout.split("stopped at step ")[1].split()[0])
+    assert 3 <= stopped < 40
+    summary = train(config, progress=False)
+    assert summary["step"] == 40 and Path(summary["final"]).is_dir()
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "loss" in json.loads(x)]
+    assert steps == list(range(1, 41))  # continued where it stopped, nothing repeated or skipped
+
+
+def test_alpaca_puts_the_loss_on_the_responses_only(tmp_path, model_dir):
+    path = tmp_path / "alpaca.jsonl"
+    rows = [{"instruction": "say the word", "input": "cat", "output": "dogs ran"},
+            {"instruction": "repeat", "output": "red houses"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", "data.format=alpaca",
+                             "data.packing=false", "data.max_seq_len=400", f"offload.storage={tmp_path / 's'}",
+                             "train.max_steps=1"])  # the template alone is ~170 of this tiny tokenizer's tokens
+    train_data, _ = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+    for i, row in enumerate(rows):
+        labels = [int(x) for x in train_data.labels[i] if x != IGNORE]
+        assert tokenizer.decode(labels).strip() == row["output"] + "</s>"
+        ids = [int(x) for x in train_data.ids[i]]
+        assert "### Response:" in tokenizer.decode(ids)
+
+
+def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match="no safetensors weights"):
+        train(write_config(tmp_path, bare, data), progress=False)
+    missing = tmp_path / "bad.jsonl"
+    missing.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl line 2: no text field 'text'"):
+        train(write_config(tmp_path, model_dir, missing), progress=False)
+    with pytest.raises(ConfigError, match="longer than the model's 64 positions"):
+        train(write_config(tmp_path, model_dir, data, data__max_seq_len=128), progress=False)
+    with pytest.raises(TierCapacityError, match="Raise host_memory to at least"):
+        train(write_config(tmp_path, model_dir, data, offload__host_memory=4096), progress=False)
+    with pytest.raises(ConfigError, match="unknown key train.learning_rate"):
+        train(write_config(tmp_path, model_dir, data), ["train.learning_rate=1"], progress=False)
+    # a storage directory of another model
+    other = transformers.LlamaConfig(vocab_size=320, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    other_dir = tmp_path / "other-model"
+    transformers.LlamaForCausalLM(other).save_pretrained(other_dir)
+    for f in model_dir.glob("*token*"):
+        (other_dir / f.name).write_bytes(f.read_bytes())
+    train(write_config(tmp_path / "x", other_dir, data, train__max_steps=1, output__export_every=0), progress=False)
+    with pytest.raises(CheckpointError, match="another model"):
+        train(write_config(tmp_path / "x", model_dir, data, train__max_steps=1), progress=False)
+    assert cli_main(["train", "--config", str(write_config(tmp_path, bare, data)), "--no-progress"]) == 2
+    assert "no safetensors weights" in capsys.readouterr().err
+
+
+def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
+    assert cli_main(["train", "--config", str(write_config(tmp_path, model_dir, data)), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters" in out and "first batch" in out and "a fresh run" in out
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,215 @@
+"""The run configuration of ``tiered-offload train``: flat sections (model, data, train, offload,
+output), each a keyword-only dataclass with a docstring under every field, read from YAML and
+``section.key=value`` overrides; an unknown key or a bad value is a :class:`ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload_core.errors import ConfigError
+
+__all__ = ["ModelSection", "DataSection", "TrainSection", "OffloadSection", "OutputSection", "RunConfig",
+           "load_config"]
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    path: str = ""
+    """A local Hugging Face directory: config.json, safetensors weights (one file or shards with an
+    index), tokenizer files."""
+    blocks: str | None = None
+    """Dotted name of the block sequence, where the engine cannot find it (``model.layers``)."""
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    path: str = ""
+    """The training data: a ``.txt`` file (``format: text``) or a ``.jsonl`` file, one JSON object a line."""
+    format: str = "completion"
+    """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s
+    tokens), ``alpaca`` (.jsonl with instruction / input / output: the loss on the output only)."""
+    field: str = "text"
+    """The JSON field holding the text (``completion``)."""
+    max_seq_len: int = 512
+    """Tokens per training sequence (at most the model's positions)."""
+    packing: bool = True
+    """Concatenate examples (each ended by the tokenizer's EOS) into full sequences; off: one example a
+    sequence, truncated or padded."""
+    eval_fraction: float = 0.0
+    """The share of examples held out for evaluation (0: none), the last ones of the file."""
+    eval_path: str | None = None
+    """A separate file for evaluation (instead of ``eval_fraction``), in the same format."""
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    micro_batch: int = 4
+    """Sequences per forward and backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    max_steps: int | None = None
+    """Optimizer steps to train (or ``epochs``)."""
+    epochs: float | None = None
+    """Passes over the training data (when ``max_steps`` is not given)."""
+    lr: float = 2e-5
+    """Peak learning rate (AdamW)."""
+    schedule: str = "cosine"
+    """``constant``, ``linear`` (to 0) or ``cosine`` (to 0), after ``warmup_steps`` of linear warm-up."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to ``lr``."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, on matrices only (biases and norms are not decayed)."""
+    clip: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping)."""
+    seed: int = 0
+    """Seeds the data order and everything random in training."""
+    precision: str = "fp32"
+    """``fp32``: the state and the compute in fp32 (``bf16-autocast`` is not implemented yet)."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0: only at the end, when there is evaluation data)."""
+
+
+@dataclass(kw_only=True)
+class OffloadSection:
+    storage: str | list[str] = ""
+    """The storage directory (or several, striped): it is the checkpoint; the same command again
+    resumes from it."""
+    host_memory: str | int = "auto"
+    """Host budget (``4GiB``); ``auto``: a quarter of the available memory (cgroup-aware)."""
+    device_memory: str | int = "auto"
+    """Device budget on a GPU (``auto``: half the free memory)."""
+    durable: bool = True
+    """Keep the storage directory a committed, resumable state (required for resuming)."""
+    commit_every: int = 1
+    """Commit every this many steps (a crash loses at most this many - 1)."""
+    backend: str | None = None
+    """A storage backend name (``posix``, ``kvikio``, ``aiofiles``...; None: the default)."""
+
+
+@dataclass(kw_only=True)
+class OutputSection:
+    dir: str = "./out"
+    """Where exports (``step-N/``, ``final/``) and ``metrics.jsonl`` go."""
+    export_every: int = 0
+    """Export every this many steps (0: only the final export)."""
+    keep: int = 2
+    """How many ``step-N`` exports to keep (the oldest go)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole run: what each section holds is documented on its fields."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
+    output: OutputSection = field(default_factory=OutputSection)
+
+    def validate(self) -> "RunConfig":
+        """Check every value; a :class:`ConfigError` names the key and what to change."""
+        need = [("model.path", self.model.path), ("data.path", self.data.path), ("offload.storage", self.offload.storage)]
+        for key, value in need:
+            if not value:
+                raise ConfigError(f"{key} is required")
+        _choice("data.format", self.data.format, ("text", "completion", "alpaca"))
+        _choice("train.schedule", self.train.schedule, ("constant", "linear", "cosine"))
+        if self.train.precision != "fp32":
+            raise ConfigError(f"train.precision: {self.train.precision!r} is not implemented yet; use fp32")
+        for key, value, lo in (("data.max_seq_len", self.data.max_seq_len, 2), ("train.micro_batch", self.train.micro_batch, 1),
+                               ("train.grad_accum", self.train.grad_accum, 1), ("train.warmup_steps", self.train.warmup_steps, 0),
+                               ("train.eval_every", self.train.eval_every, 0), ("offload.commit_every", self.offload.commit_every, 1),
+                               ("output.export_every", self.output.export_every, 0), ("output.keep", self.output.keep, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+                raise ConfigError(f"{key} must be an integer >= {lo}, got {value!r}")
+        if self.train.max_steps is None and self.train.epochs is None:
+            raise ConfigError("train.max_steps or train.epochs is required")
+        if self.train.max_steps is not None and (not isinstance(self.train.max_steps, int) or self.train.max_steps < 1):
+            raise ConfigError(f"train.max_steps must be an integer >= 1, got {self.train.max_steps!r}")
+        for key, value in (("train.lr", self.train.lr), ("train.weight_decay", self.train.weight_decay),
+                           ("data.eval_fraction", self.data.eval_fraction)):
+            if isinstance(value, str):
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise ConfigError(f"{key} must be a number, got {value!r}") from None
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"{key} must be a number, got {value!r}")
+        self.train.lr, self.train.weight_decay = float(self.train.lr), float(self.train.weight_decay)
+        self.data.eval_fraction = float(self.data.eval_fraction)
+        if not self.train.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.train.lr!r}")
+        if not 0 <= self.data.eval_fraction < 1:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction!r}")
+        if self.train.clip is not None and not (isinstance(self.train.clip, (int, float)) and self.train.clip > 0):
+            raise ConfigError(f"train.clip must be a number > 0 or null, got {self.train.clip!r}")
+        if not self.offload.durable:
+            raise ConfigError("offload.durable: false leaves nothing to resume from; the train command keeps it true")
+        return self
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(RunConfig)}
+
+
+def _coerce(key: str, value: str, annotation: str):
+    """A ``key=value`` override's text as the field's type: kept as text for a text field (a list
+    for a field that takes one), else read as YAML (``8``, ``2.0e-5``, ``true``, ``null``)."""
+    import yaml
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}={value}: not a value ({e})") from None
+    if annotation.startswith("str") and not isinstance(parsed, list):
+        return value
+    if "float" in annotation and isinstance(parsed, str):
+        try:
+            return float(parsed)  # YAML 1.1 reads 2e-5 (no dot) as text
+        except ValueError:
+            pass
+    return parsed
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+    """The run configuration of a YAML file (may be None: overrides only) and ``section.key=value`` overrides."""
+    import yaml
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: cannot read the run configuration: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the run configuration must be a mapping of sections (model, data, train, ...)")
+    sections = _section_types()
+    values: dict[str, dict] = {name: {} for name in sections}
+    for name, body in raw.items():
+        if name not in sections:
+            raise ConfigError(f"{path}: unknown section {name!r}; the sections are {', '.join(sections)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: section {name!r} must be a mapping of keys")
+        values[name].update(body)
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not eq or not dot or section not in sections:
+            raise ConfigError(f"override {item!r}: write section.key=value (sections: {', '.join(sections)})")
+        annotation = {f.name: str(f.type) for f in dataclasses.fields(sections[section])}.get(name, "")
+        values[section][name] = _coerce(key, value, annotation)
+    built = {}
+    for name, cls in sections.items():
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values[name]) - known)
+        if unknown:
+            raise ConfigError(f"unknown key {name}.{unknown[0]}; {name} has {', '.join(sorted(known))}")
+        built[name] = cls(**values[name])
+    return RunConfig(**built).validate()

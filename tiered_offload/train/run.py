@@ -1,0 +1,220 @@
+"""``tiered-offload train``: fine-tune a local Hugging Face model directory through the engine.
+
+One function, :func:`train`, does the whole job: build the model without materialising it
+(``empty_init``), stream its weights in (``init_from``) or resume the storage directory's
+committed state (the default: the same command again continues), train with AdamW, a schedule,
+clipping and gradient accumulation, evaluate, write metrics, and export Hugging Face directories
+that ``from_pretrained`` loads as they are. SIGINT / SIGTERM finish the current step, commit it,
+and return; the data position is the step count (a fixed, seeded order), saved with every step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from offload_core.errors import ConfigError
+from offload_core.sizes import format_size
+from tiered_offload.checkpoint.durable import StateFiles, state_directory
+from tiered_offload.store.tiers import Tier
+from tiered_offload.train.config import RunConfig, load_config
+from tiered_offload.train.data import micro_batch_rows, prepare_data
+
+__all__ = ["train", "lr_factor"]
+
+log = logging.getLogger("tiered_offload")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+"""Copied from the model directory into every export, so the export is a complete model directory."""
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    """The learning rate of step ``step`` (0-based) as a share of the peak."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _model_dir(path: str) -> Path:
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"model.path {directory} is not a Hugging Face model directory (no config.json)")
+    if not ((directory / "model.safetensors").is_file() or list(directory.glob("*.safetensors.index.json"))):
+        raise ConfigError(f"model.path {directory} holds no safetensors weights (model.safetensors, or shards with "
+                          f"model.safetensors.index.json); save the model with save_pretrained(safe_serialization=True)")
+    return directory
+
+
+def _storage_location(storage) -> str:
+    return ",".join(str(s) for s in storage) if isinstance(storage, (list, tuple)) else str(storage)
+
+
+def _export(engine, model_dir: Path, out: Path) -> None:
+    engine.export_safetensors(out)
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out / name)
+
+
+def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run: bool = False,
+          progress: bool = True, on_step=None) -> dict:
+    """Run (or continue) the fine-tuning ``config`` describes; returns a summary (``step``,
+    ``stopped``: a signal ended it early, ``final``: the final export's directory).
+    ``on_step(step, record)`` is called after every step (tests, dashboards)."""
+    import transformers
+
+    from tiered_offload import Engine, empty_init
+    cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
+    model_dir = _model_dir(cfg.model.path)
+    out = Path(cfg.output.dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = transformers.AutoConfig.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    train_data, eval_data = prepare_data(cfg.data, tokenizer, model_dir, out / ".cache",
+                                         getattr(hf_config, "max_position_embeddings", None))
+    t = cfg.train
+    per_step = t.micro_batch * t.grad_accum
+    total = t.max_steps or max(1, math.ceil(t.epochs * len(train_data) / per_step))
+    directories = _storage_location(cfg.offload.storage)
+    location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
+    resuming = StateFiles(state_directory(directories)).manifest_path.exists()  # the same command continues
+    if dry_run:
+        return _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, location)
+
+    torch.manual_seed(t.seed)
+    with empty_init():
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=t.lr)
+    engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
+                    device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
+                    commit_every=cfg.offload.commit_every, resume=resuming,
+                    init_from=None if resuming else model_dir)
+    stop = {"signal": None}
+    previous = {s: signal.signal(s, lambda n, _f: stop.update(signal=n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    metrics = open(out / "metrics.jsonl", "a")
+    bar = None
+    try:
+        engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(
+            engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule)))
+        start = engine.step_count
+        if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
+            raise ConfigError(f"{location} was trained with another grad_accum or data position "
+                              f"({engine.user_state}); resume with the same train.grad_accum")
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        moved = _disk_bytes(engine)
+        while engine.step_count < total and stop["signal"] is None:
+            t0 = time.perf_counter()
+            step = engine.step_count
+            losses, tokens = [], 0
+            for micro in range(t.grad_accum):
+                rows = micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro, t.micro_batch)
+                batch = train_data.batch(rows)
+                tokens += train_data.tokens(rows)
+                loss = engine(**batch).loss / t.grad_accum
+                engine.backward(loss)
+                losses.append(loss.item() * t.grad_accum)
+            norm = engine.clip_grad_norm_(t.clip) if t.clip else None
+            engine.user_state = {"micro_batches": (step + 1) * t.grad_accum}
+            lr = engine.param_groups[0]["lr"]
+            engine.step()
+            engine.zero_grad()
+            seconds = time.perf_counter() - t0
+            record = {"step": step + 1, "loss": sum(losses) / len(losses), "lr": lr,
+                      "grad_norm": None if norm is None else float(norm), "tokens": tokens,
+                      "tokens_per_s": tokens / seconds if seconds > 0 else None, "seconds": seconds}
+            if eval_data is not None and t.eval_every and (step + 1) % t.eval_every == 0:
+                record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch)
+            now = _disk_bytes(engine)
+            record["disk_read_bytes"], record["disk_written_bytes"] = now[0] - moved[0], now[1] - moved[1]
+            moved = now
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if on_step is not None:
+                on_step(step + 1, record)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
+                                tok_s=f"{record['tokens_per_s'] or 0:.0f}")
+            if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
+                _export(engine, model_dir, out / f"step-{step + 1}")
+                for old in sorted(out.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-cfg.output.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        committed = engine.commit()
+        summary = {"step": engine.step_count, "committed": committed, "stopped": stop["signal"] is not None,
+                   "final": None, "state_bytes": engine.state_bytes()}
+        if stop["signal"] is None:
+            if eval_data is not None:
+                summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch)
+                metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
+            _export(engine, model_dir, out / "final")
+            summary["final"] = str(out / "final")
+        return summary
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+        engine.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _disk_bytes(engine) -> tuple[int, int]:
+    stats = engine.stats().store
+    return stats.bytes_read[Tier.DISK], stats.bytes_written[Tier.DISK]
+
+
+def _evaluate(engine, model, data, micro_batch: int) -> float:
+    """The mean loss over the evaluation sequences (dropout off, no gradient, training untouched)."""
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad():
+            for a in range(0, len(data), micro_batch):
+                rows = list(range(a, min(len(data), a + micro_batch)))
+                total += float(engine(**data.batch(rows)).loss) * len(rows)
+                count += len(rows)
+    finally:
+        model.train()
+    return total / max(1, count)
+
+
+def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, location) -> dict:
+    """What the run would do, without building or training anything."""
+    import transformers
+
+    from tiered_offload import empty_init
+    with empty_init():
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    params = sum(p.numel() for p in model.parameters())
+    first = train_data.batch([0])
+    info = {"model": type(model).__name__, "parameters": params, "state_bytes": 16 * params,
+            "train_sequences": len(train_data), "eval_sequences": 0 if eval_data is None else len(eval_data),
+            "steps": total, "resumes": resuming, "storage": location, "host_memory": cfg.offload.host_memory,
+            "device_memory": cfg.offload.device_memory,
+            "first_sequence": tokenizer.decode(first["input_ids"][0][:64])}
+    print(f"model          {info['model']}, {params:,} parameters; training state {format_size(16 * params)}")
+    print(f"data           {info['train_sequences']} sequences of {cfg.data.max_seq_len} tokens"
+          f" ({info['eval_sequences']} held out); {total} steps of {cfg.train.micro_batch} x {cfg.train.grad_accum}")
+    print(f"storage        {location} ({'resumes its committed state' if resuming else 'a fresh run'}); host "
+          f"budget {cfg.offload.host_memory}, device budget {cfg.offload.device_memory}")
+    print(f"first batch    {info['first_sequence']!r}")
+    return info
