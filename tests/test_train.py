@@ -207,3 +207,31 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     out = capsys.readouterr().out
     assert "parameters" in out and "first batch" in out and "a fresh run" in out
     assert not (tmp_path / "run").exists()
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def test_chat_puts_the_loss_on_the_assistant_turns_only(tmp_path, model_dir):
+    chat_dir = tmp_path / "chat-model"
+    chat_dir.mkdir()
+    for f in model_dir.iterdir():
+        (chat_dir / f.name).write_bytes(f.read_bytes())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    path = tmp_path / "chat.jsonl"
+    conversation = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on a mat"},
+                    {"role": "user", "content": "and dogs"}, {"role": "assistant", "content": "ran around"}]
+    path.write_text(json.dumps({"messages": conversation}) + "\n")
+    cfg = load_config(None, [f"model.path={chat_dir}", f"data.path={path}", "data.format=chat", "data.packing=false",
+                             "data.max_seq_len=400", f"offload.storage={tmp_path / 's'}", "train.max_steps=1"])
+    with pytest.raises(ConfigError, match="chat template"):
+        prepare_data(cfg.data, tokenizer, chat_dir, tmp_path / "cache", None)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(chat_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    train_data, _ = prepare_data(cfg.data, tokenizer, chat_dir, tmp_path / "cache", None)
+    labels = [int(x) for x in train_data.labels[0] if x != IGNORE]
+    text = tokenizer.decode(labels)
+    assert "sat on a mat" in text and "ran around" in text
+    assert "the cat" not in text and "and dogs" not in text and "user" not in text

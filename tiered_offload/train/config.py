@@ -31,7 +31,9 @@ class DataSection:
     """The training data: a ``.txt`` file (``format: text``) or a ``.jsonl`` file, one JSON object a line."""
     format: str = "completion"
     """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s
-    tokens), ``alpaca`` (.jsonl with instruction / input / output: the loss on the output only)."""
+    tokens), ``alpaca`` (.jsonl with instruction / input / output: the loss on the output only),
+    ``chat`` (.jsonl with ``messages``: role / content, rendered with the tokenizer's chat template;
+    the loss on the assistant's turns only)."""
     field: str = "text"
     """The JSON field holding the text (``completion``)."""
     max_seq_len: int = 512
@@ -116,7 +118,7 @@ class RunConfig:
         for key, value in need:
             if not value:
                 raise ConfigError(f"{key} is required")
-        _choice("data.format", self.data.format, ("text", "completion", "alpaca"))
+        _choice("data.format", self.data.format, ("text", "completion", "alpaca", "chat"))
         _choice("train.schedule", self.train.schedule, ("constant", "linear", "cosine"))
         if self.train.precision != "fp32":
             raise ConfigError(f"train.precision: {self.train.precision!r} is not implemented yet; use fp32")

@@ -3,7 +3,8 @@ arrays beside the run (a large corpus does not sit in RAM), served in a fixed, s
 that a step number alone says which sequences it trains on (a resume continues at the same one).
 
 Each example becomes token ids and a loss mask: every token for ``text`` and ``completion``, the
-response only for ``alpaca``. With packing, examples (each ended by EOS) are concatenated and cut
+response only for ``alpaca``, the assistant's turns only for ``chat`` (rendered with the
+tokenizer's chat template). With packing, examples (each ended by EOS) are concatenated and cut
 into sequences of ``max_seq_len``; without, each example is one sequence, truncated or padded
 (padding is masked out of the loss and of attention).
 """
@@ -78,7 +79,15 @@ def _examples(path: Path, fmt: str, field: str):
             raise ConfigError(f"{path} line {n}: not JSON ({e})") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{path} line {n}: expected a JSON object, found {type(row).__name__}")
-        if fmt == "completion":
+        if fmt == "chat":
+            messages = row.get("messages")
+            if not (isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+                raise ConfigError(f"{path} line {n}: a chat example needs 'messages': a list of "
+                                  f"{{\"role\": ..., \"content\": ...}} objects")
+            yield messages, n
+        elif fmt == "completion":
             if not isinstance(row.get(field), str):
                 raise ConfigError(f"{path} line {n}: no text field {field!r} (data.field); its keys are "
                                   f"{', '.join(sorted(row)) or 'none'}")
@@ -98,6 +107,16 @@ def _examples(path: Path, fmt: str, field: str):
 def _encode(tokenizer, example) -> tuple[list[int], list[int]]:
     """Token ids and a loss mask (1: the token carries loss) of one example, EOS-terminated."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if isinstance(example, list):  # a conversation: the loss on the assistant's turns only
+        def render(messages, prompt=False):
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        text = render(example)
+        spans = [(len(render(example[:i], prompt=True)), len(render(example[:i + 1])))
+                 for i, m in enumerate(example) if m["role"] == "assistant"]
+        # by characters: a token that straddles the prompt's end ("Ġsat") belongs to the reply
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(a < e and b > s for s, e in spans)) for a, b in encoded["offset_mapping"]]
+        return list(encoded["input_ids"]), mask
     if isinstance(example, tuple):
         prompt, response = example
         p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -149,7 +168,12 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     if max_positions is not None and data.max_seq_len > max_positions:
         raise ConfigError(f"data.max_seq_len {data.max_seq_len} is longer than the model's {max_positions} positions; "
                           f"lower data.max_seq_len to at most {max_positions}")
+    if data.format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.format chat needs a tokenizer with a chat template, and the one in {tokenizer_dir} "
+                          f"has none; add one (tokenizer.chat_template, saved with save_pretrained) or use "
+                          f"data.format completion")
     tokenizer_files = sorted(p for p in tokenizer_dir.glob("*token*") if p.is_file())
+    tokenizer_files += sorted(tokenizer_dir.glob("*.jinja"))
     key = _fingerprint(path, data.format, data.field, data.max_seq_len, data.packing, data.eval_fraction,
                        Path(data.eval_path) if data.eval_path else None, *tokenizer_files)
     cache = cache_root / f"data-{key}"

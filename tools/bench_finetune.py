@@ -1,0 +1,115 @@
+"""Step time of ``tiered-offload train`` against the same training written by hand on the engine.
+
+Both train the same local model (a small Llama and tokenizer built here, saved with
+``save_pretrained``) on the same sequences with the same engine settings (state on disk, a host
+budget below the state); rounds alternate the two so the machine's noise hits them alike. Each
+step is timed from the end of the one before (for the command: everything it does per step,
+metrics and progress included), the hand-written loop's the same way. Prints the medians of
+steady-state steps and their ratio (target <= 1.05).
+
+    python tools/bench_finetune.py --rounds 3 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build(directory: Path, layers: int, width: int) -> Path:
+    import tokenizers
+    import transformers
+    words = "the cat sat on a mat while dogs ran around big red houses near green trees every day".split()
+    g = torch.Generator().manual_seed(0)
+    corpus = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (12,), generator=g)) for _ in range(2000)]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>", pad_token="<pad>")
+    model_dir = directory / "model"
+    fast.save_pretrained(model_dir)
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=width, intermediate_size=4 * width,
+                                   num_hidden_layers=layers, num_attention_heads=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    (directory / "train.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in corpus))
+    return model_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help="steps per round and per way (the first is warm-up)")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--host-fraction", type=float, default=0.5)
+    args = ap.parse_args()
+    import transformers
+
+    from tiered_offload import Engine, empty_init
+    from tiered_offload.train import load_config, train
+    from tiered_offload.train.data import micro_batch_rows, prepare_data
+    from tiered_offload.train.run import lr_factor
+    work = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
+    model_dir = build(work, args.layers, args.width)
+    hf = transformers.AutoConfig.from_pretrained(model_dir)
+    n = transformers.LlamaForCausalLM(hf).num_parameters()
+    host = int(16 * n * args.host_fraction)
+    command, by_hand = [], []
+    for r in range(args.rounds):
+        total = args.steps
+        overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
+                     "train.micro_batch=4", "train.grad_accum=2", f"train.max_steps={total}", "train.lr=1.0e-3",
+                     "train.warmup_steps=1", f"offload.storage={work / f'cmd{r}'}", f"offload.host_memory={host}",
+                     f"output.dir={work / f'out{r}'}", "output.export_every=0"]
+        marks = []  # the time between two steps' ends: everything the command does per step
+        train(load_config(None, overrides), progress=False, on_step=lambda s, rec: marks.append(time.perf_counter()))
+        command += [b - a for a, b in zip(marks, marks[1:])]
+        # the same training, written by hand against the engine
+        cfg = load_config(None, overrides)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        data, _ = prepare_data(cfg.data, tokenizer, model_dir, work / f"out{r}" / ".cache", 256)
+        torch.manual_seed(0)
+        with empty_init():
+            model = transformers.AutoModelForCausalLM.from_config(hf)
+        groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.0},
+                  {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+        with Engine(model, torch.optim.AdamW(groups, lr=1e-3), storage=work / f"hand{r}", host_memory=host,
+                    init_from=model_dir) as engine:
+            engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(
+                engine.optimizer, lambda s: lr_factor(s, total, 1, "cosine")))
+            last = None
+            for step in range(total):
+                for micro in range(2):
+                    batch = data.batch(micro_batch_rows(len(data), 0, step * 2 + micro, 4))
+                    engine.backward(engine(**batch).loss / 2)
+                engine.clip_grad_norm_(1.0)
+                engine.step()
+                engine.zero_grad()
+                now = time.perf_counter()
+                if last is not None:
+                    by_hand.append(now - last)
+                last = now
+    a, b = statistics.median(command), statistics.median(by_hand)
+    print(json.dumps({"parameters": n, "state_bytes": 16 * n, "host_budget": host, "steps_each": len(command),
+                      "command_s_per_step": round(a, 4), "by_hand_s_per_step": round(b, 4),
+                      "ratio": round(a / b, 3)}, indent=1))
+    print(f"tiered-offload train: {a:.3f} s/step; the same loop by hand: {b:.3f} s/step; ratio {a / b:.3f} "
+          f"(target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()
