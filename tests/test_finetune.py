@@ -756,3 +756,42 @@ def test_zero_grad_clears_what_pytorch_clears(tmp_path, loop):
     weights, reference = dict(engine.named_parameters()), dict(ref.named_parameters())
     assert all(torch.equal(weights[k], reference[k].detach()) for k in reference)
     engine.close()
+
+
+def test_generate_between_training_steps_gives_pytorchs_tokens(tmp_path):
+    """``model.generate()`` (greedy and sampled, with the key/value cache) on the engine's model gives
+    the tokens PyTorch's gives on the same weights, and the training after it is PyTorch's."""
+    ref, model = make_llama(), make_llama()
+    model.load_state_dict(ref.state_dict())
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4))
+    assert engine.state_bytes() > engine.store.capacity("host")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids[:, :4])
+
+    def step_both():
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mine = engine(input_ids=ids, labels=ids).loss
+        engine.backward(mine)
+        engine.step()
+        engine.zero_grad()
+        assert mine.item() == loss.item()
+    step_both()
+    for m in (ref, model):
+        m.eval()
+    kw = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(ref.generate(ids[:, :4], do_sample=False, **kw), model.generate(ids[:, :4], do_sample=False, **kw))
+    torch.manual_seed(5)
+    sampled = ref.generate(ids[:, :4], do_sample=True, top_k=10, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(sampled, model.generate(ids[:, :4], do_sample=True, top_k=10, **kw))
+    for m in (ref, model):
+        m.train()
+    step_both()
+    weights, reference = dict(engine.named_parameters()), dict(ref.named_parameters())
+    assert all(torch.equal(weights[k], reference[k].detach()) for k in reference)
+    engine.close()

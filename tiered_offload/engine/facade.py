@@ -214,6 +214,11 @@ class Engine:
         """Forward and backward through the store."""
         self.overlap_step = self._streamer.overlap_step
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
+        # calls of the model itself (model.generate(), an evaluation loop) find its rest bound too; a
+        # forward without grad has no backward to wait for, so it lets go of the rest after
+        self._model_hooks = [
+            model.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
+            model.register_forward_hook(lambda _m, _a, _o: None if torch.is_grad_enabled() else self._streamer.unbind_rest())]
         self._gradients = Gradients(self.store, self.binding, self._streamer, self._placement, self._pipeline,
                                     self.schedule)
         """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""
@@ -598,6 +603,8 @@ class Engine:
             return
         _open_engines.discard(self)
         try:
+            for hook in self._model_hooks:
+                hook.remove()
             self._streamer.close()
             self._streamer.unbind_rest()
             self._await()
