@@ -795,3 +795,24 @@ def test_generate_between_training_steps_gives_pytorchs_tokens(tmp_path):
     weights, reference = dict(engine.named_parameters()), dict(ref.named_parameters())
     assert all(torch.equal(weights[k], reference[k].detach()) for k in reference)
     engine.close()
+
+
+def test_a_requires_grad_change_after_building_is_refused_not_ignored(tmp_path):
+    """Gradual unfreezing changes requires_grad between steps; the engine cannot honour that in
+    place yet, so it refuses at the next forward (or at once, on a streamed block), naming the
+    parameter and the way to do it, instead of training something other than PyTorch would."""
+    model = make_llama()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory=1 << 22)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.zero_grad()
+    model.model.norm.weight.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"model\.norm\.weight\.requires_grad changed to False.*init_from"):
+        engine(input_ids=ids, labels=ids)
+    model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match="streamed block 0"):
+        model.model.layers[0].requires_grad_(False)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)  # as it was: trains on
+    engine.step()
+    engine.close()

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from offload_core.errors import ModelStructureError
+from offload_core.errors import ConfigError, ModelStructureError
 from tiered_offload.engine.schedule import UnitLayout
 
 __all__ = ["ParamSlot", "Unit", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
@@ -231,6 +231,14 @@ class _BlockProxy(nn.Module):
         self._set_real_mode = real.train  # a bound method: the real block stays out of the module tree
         self.training = real.training
 
+    def requires_grad_(self, requires_grad: bool = True) -> "_BlockProxy":
+        """Changing which parameters train after the engine was built is refused (see
+        :meth:`ModelBinding.check_requires_grad`): the block's parameters live in the store."""
+        raise ConfigError(f"requires_grad_({requires_grad}) on streamed block {self.index} after the engine was built; "
+                          f"the engine lays out gradients and optimizer states by it, so it cannot change mid-run. "
+                          f"Export (engine.export_safetensors), set requires_grad on a new model, and build a new "
+                          f"engine with init_from")
+
     def train(self, mode: bool = True) -> "_BlockProxy":
         """``model.train()`` / ``model.eval()`` reach the real block (dropout, batch norm), as in PyTorch."""
         super().train(mode)
@@ -292,6 +300,18 @@ class ModelBinding:
             for slot in unit.params:
                 slot.param.data = self.placeholder()
         self.move_buffers()
+
+    def check_requires_grad(self) -> None:
+        """Refuse a parameter whose ``requires_grad`` changed since the engine was built: the units'
+        layouts (which parameters have gradient and optimizer state) follow it, so a change cannot
+        be honoured in place, and ignoring it would train something else than PyTorch would."""
+        for _, slot in self.param_order:
+            if slot.param.requires_grad != slot.requires_grad:
+                raise ConfigError(
+                    f"{slot.name}.requires_grad changed to {slot.param.requires_grad} after the engine was built; the "
+                    f"engine lays out gradients and optimizer states by it, so it cannot change mid-run. To unfreeze "
+                    f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
+                    f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
 
     def placeholder(self) -> torch.Tensor:
         """What an unbound parameter holds: no memory (its real value lives in the store)."""

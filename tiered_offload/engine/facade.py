@@ -387,6 +387,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
         args, kwargs = self._to_device((args, kwargs))
+        self.binding.check_requires_grad()
         self._placement.set_phase(f"step {self.step_count + 1}, forward")
         with span(self._tracer, "forward", "phase"):  # binding the rest (its waits) included
             self._phase(Phase.FORWARD)
