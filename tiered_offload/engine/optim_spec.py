@@ -61,8 +61,8 @@ class OptimizerSpec:
         return {pid: i for i, ids in enumerate(self.members) for pid in ids}
 
 
-ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "Adadelta", "RAdam", "RMSprop",
-                                                       "Rprop", "SGD"))
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "Adadelta", "Adagrad", "RAdam",
+                                                       "RMSprop", "Rprop", "SGD"))
 """The optimizers whose step treats every element of every parameter alike and whose state is one
 tensor of the parameter's shape per kind (plus a step count): the engine runs them on pieces of
 flat buffers, bitwise as PyTorch runs them on whole parameters (PyTorch's own ``optim_db``
@@ -73,14 +73,19 @@ _NOT_YET = {
     "SparseAdam": "needs sparse gradients, which the engine's dense gradient buffers are not",
     "NAdam": "keeps per-parameter scalar state (mu_product) that the engine does not stream yet",
     "ASGD": "keeps per-parameter scalar state (eta, mu) and an average (ax) that the engine does not stream yet",
-    "Adagrad": "creates its state at construction (initial_accumulator_value), which the engine's zero-initialised "
-               "state does not reproduce yet",
     "Adafactor": "keeps factored row and column moments of each 2-D parameter: it works on whole parameters, which "
                  "the engine's flat pieces are not",
     "Muon": "orthogonalises each 2-D parameter's update: it works on whole parameters, which the engine's flat "
             "pieces are not",
 }
 """Why an optimizer outside :data:`ELEMENTWISE` is refused (an unlisted one: not known to be elementwise)."""
+
+
+def _has_stepped(state: dict) -> bool:
+    """Whether a parameter's optimizer state comes from a step (Adagrad makes its state at
+    construction, with a step count of 0: that is a fresh optimizer's)."""
+    step = state.get("step")
+    return step is None or float(step) != 0
 
 
 def check_supported(cls: type) -> None:
@@ -108,7 +113,7 @@ def read_optimizer(optimizer, optimizer_kwargs: dict | None, parameters: Iterabl
         if optimizer_kwargs:
             raise ConfigError("optimizer_kwargs is for an optimizer class; an optimizer instance already holds its "
                               "hyperparameters (pass them when building it)")
-        if len(optimizer.state):
+        if any(_has_stepped(state) for state in optimizer.state.values()):
             raise ConfigError(f"the {type(optimizer).__name__} passed as optimizer= has already stepped (it holds "
                               f"state for {len(optimizer.state)} parameter(s)); build a fresh one over the model's "
                               f"parameters, or resume the engine's own state with resume=True")
