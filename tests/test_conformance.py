@@ -51,3 +51,64 @@ def test_optim_db_covers_every_torch_optim_optimizer():
     every = {c for c in vars(torch.optim).values()
              if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
     assert every <= {p.values[0] for p in CASES}, every - {p.values[0] for p in CASES}
+
+
+@pytest.mark.parametrize("cls, kwargs", [(torch.optim.NAdam, {"lr": 1e-2, "momentum_decay": 6e-3}),
+                                         (torch.optim.ASGD, {"lr": 2e-2, "t0": 1})], ids=["NAdam", "ASGD"])
+def test_per_parameter_scalar_state_survives_a_resume(tmp_path, cls, kwargs):
+    """NAdam's mu_product, ASGD's eta and mu: kept per parameter, saved with every step, bitwise
+    after a resume in the middle."""
+    def build(model):
+        return cls(model.parameters(), **kwargs)
+    check_parity(make, build, tmp_path, clip=1.0, host=budget(tmp_path, build), steps=4, resume_at=2)
+
+
+def test_a_step_cut_short_is_redone_bitwise_with_scalar_state(tmp_path, monkeypatch):
+    """NAdam, journal commits, the process dies after two of step 3's units are recorded: the
+    resume redoes the rest from the scalars before the step, bitwise as an uninterrupted run."""
+    import torch.nn.functional as F
+
+    from test_durable import _die_in_step, _simulated_death
+    from tiered_offload.checkpoint import durable
+    from tiered_offload_examples.models import GPT, GPTConfig
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=128, context=32, d_model=32, n_layers=4, n_heads=4))
+    host = 16 * sum(p.numel() for p in gpt().parameters()) // 3  # a third of the state: journal commits
+
+    def engine_at(path):
+        return Engine(gpt(), torch.optim.NAdam, dict(lr=3e-3, momentum_decay=4e-3), storage=path, host_memory=host)
+
+    def train_to(engine, until):
+        while engine.step_count < until:
+            x = torch.randint(0, 128, (2, 17))
+            engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+    torch.manual_seed(7)
+    with engine_at(tmp_path / "ref") as ref:
+        train_to(ref, 4)
+        expected = dict(ref.named_parameters())
+    torch.manual_seed(7)
+    engine = engine_at(tmp_path / "s")
+    train_to(engine, 2)
+    engine.wait_committed()
+    real, count = durable.Committer._record_when_durable, {"n": 0}
+
+    def dying(self, unit, futures):
+        count["n"] += 1
+        if count["n"] > 2:
+            _simulated_death(self)
+            return None
+        return real(self, unit, futures)
+    monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
+    monkeypatch.setattr("test_durable.train", train_to)
+    _die_in_step(engine, 3)
+    monkeypatch.undo()
+    with Engine.resume(tmp_path / "s", gpt(), host_memory=host) as resumed:  # NAdam and its settings from the state
+        assert resumed.step_count == 3
+        train_to(resumed, 4)
+        got = dict(resumed.named_parameters())
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -243,6 +243,10 @@ def _check_meta(meta: dict, where: str) -> None:
     _opt(_obj, _field(meta, "scheduler", where), f"{where}.scheduler")
     for k, v in _obj(meta.get("param_updates", {}), f"{where}.param_updates").items():
         _int(v, f"{where}.param_updates[{k!r}]")
+    for k, v in _obj(meta.get("param_scalars", {}), f"{where}.param_scalars").items():
+        for name, x in _obj(v, f"{where}.param_scalars[{k!r}]").items():
+            if not isinstance(x, (int, float)) or isinstance(x, bool):
+                raise _Fail(f"{where}.param_scalars[{k!r}].{name}", f"expected a number, found {type(x).__name__}")
     for k, v in _obj(meta.get("buffers", {}), f"{where}.buffers").items():
         b = _obj(v, f"{where}.buffers[{k!r}]")
         dtype = _str(_field(b, "dtype", f"{where}.buffers[{k!r}]"), f"{where}.buffers[{k!r}].dtype")

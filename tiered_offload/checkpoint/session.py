@@ -298,6 +298,8 @@ class DurableCommits(Commits):
                     self.session.committer.throttle(rewrite_bytes(name), admits)
                     update_unit(name, hypers, scale, updates)
         grads = layout.grad_keys()
+        if self.session.recovered is not None:  # a step in flight is redone from the state before it
+            self.train_state.load_scalars(self.session.recovered.manifest["meta"])
         meta = self.session.start(layout.durable_keys(), grads, self.train_state.state_dict, redo)
         if self.session.recovered is None:
             return

@@ -46,6 +46,8 @@ class ParamSlot:
     """A backward since the last ``zero_grad()`` gave it a gradient (PyTorch: ``.grad is not None``)."""
     updates: int = 0
     """Optimizer steps applied to it so far (its ``step`` count in Adam's state)."""
+    scalars: dict[str, float] = field(default_factory=dict)
+    """Its optimizer's scalar state (NAdam's ``mu_product``...) after its last step ({}: none yet)."""
 
     @property
     def optimized(self) -> bool:

@@ -46,7 +46,7 @@ from tiered_offload.engine.schedule import FP32_BYTES, Phase, Schedule
 from tiered_offload.engine.sharding import Local, Placement, Sharded, distributed_group, engine_storage
 from tiered_offload.engine.stats import EngineStats
 from tiered_offload.engine.streaming import BlockStreamer
-from tiered_offload.engine.train_state import TrainState
+from tiered_offload.engine.train_state import StepUpdates, TrainState
 from tiered_offload.memstat import tune_allocator
 from tiered_offload.store.tiered_store import TieredStore
 from tiered_offload.store.tiers import Tier
@@ -471,7 +471,9 @@ class Engine:
         scale = self._gradients.take_scale()
         if self._optimizer_view is not None:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
-        updates = self.train_state.advance()
+        updates = self.train_state.advance(
+            (lambda group, count, scalars: self._spec.next_scalars(hypers[group], count, scalars))
+            if self._spec.scalars else None)
         try:
             then = self._commits.begin_step(hypers, scale, updates,
                                             barrier=self._placement.barrier if self._placement.world > 1 else None)
@@ -479,14 +481,14 @@ class Engine:
             self._phases = []
             by_name = self._units_by_name
             self._pipeline.run([u.name for u in self.schedule.update_order()],
-                               lambda name: self._update_unit(by_name[name], hypers, scale, updates.before),
+                               lambda name: self._update_unit(by_name[name], hypers, scale, updates),
                                background=self.overlap_step, then=then)
         except BaseException as e:  # the step is neither done nor going on: no commit may wait for it
             self._commits.fail(e)
             raise
         return True
 
-    def _update_unit(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, updates: dict[int, int]) -> None:
+    def _update_unit(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, updates: StepUpdates) -> None:
         """One unit's optimizer step (see :class:`UnitUpdater`), recorded by the commit when durable."""
         journal = self._commits.weights_behind
         # the state does not fit in memory (device and host tiers together): the optimizer states
@@ -498,8 +500,9 @@ class Engine:
         memory = self.store.capacity(Tier.DEVICE) + self.store.capacity(Tier.HOST)
         write_behind = journal or not self.schedule.fits(memory)
         with span(self._tracer, f"update {unit.name}", "optimizer"):
-            futures = self._updater.update(unit, hypers, scale, updates, write_behind=write_behind,
-                                           weights_behind=journal, shard=self._placement.sharding and self._placement.layout(unit))
+            futures = self._updater.update(unit, hypers, scale, updates.before, write_behind=write_behind,
+                                           weights_behind=journal, scalars=updates.scalars,
+                                           shard=self._placement.sharding and self._placement.layout(unit))
         self._commits.unit_updated(unit.name, futures, self.schedule.rewrite_bytes(unit))
 
     def zero_grad(self, set_to_none: bool = True) -> None:

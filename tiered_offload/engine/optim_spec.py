@@ -36,6 +36,9 @@ class OptimizerSpec:
     """``id()`` of each group's parameters, in the group's order."""
     kinds: list[str] = field(default_factory=list)
     """Per-parameter state tensors (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``)."""
+    scalars: dict[str, torch.dtype] = field(default_factory=dict)
+    """Per-parameter scalar state besides ``step`` (NAdam's ``mu_product``, ASGD's ``eta`` and
+    ``mu``) and its dtype: kept per parameter by the engine, saved with every step."""
     has_step: bool = False
     """Whether the state holds a per-parameter ``step`` count."""
     zero_init_states: bool = False
@@ -56,23 +59,43 @@ class OptimizerSpec:
         keys = self.ctor_keys
         return {k: v for k, v in group.items() if k in keys}
 
+    def next_scalars(self, hyper: dict[str, Any], count: int, scalars: dict[str, float]) -> dict[str, float]:
+        """A parameter's scalar state after its step ``count + 1`` (its scalars before it given):
+        they depend on the step count and the hyperparameters alone, so a one-element probe step
+        computes them exactly, before the update does (a commit records the state after a step
+        when the step begins)."""
+        if not self.scalars:
+            return {}
+        p = torch.zeros(1, requires_grad=True)
+        opt = self.cls([p], **hyper)
+        if count:
+            state: dict[str, Any] = {k: torch.zeros(1) for k in self.kinds}
+            if self.has_step:
+                state["step"] = torch.tensor(float(count))
+            for k, dtype in self.scalars.items():
+                state[k] = torch.tensor(scalars[k], dtype=dtype)
+            opt.state[p] = state
+        p.grad = torch.zeros(1)
+        with torch.no_grad():
+            opt.step()
+        return {k: float(opt.state[p][k]) for k in self.scalars}
+
     def group_of(self) -> dict[int, int]:
         """``{id(param): group index}``."""
         return {pid: i for i, ids in enumerate(self.members) for pid in ids}
 
 
-ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "Adadelta", "Adagrad", "RAdam",
-                                                       "RMSprop", "Rprop", "SGD"))
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("Adam", "AdamW", "Adamax", "Adadelta", "Adagrad", "ASGD",
+                                                       "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"))
 """The optimizers whose step treats every element of every parameter alike and whose state is one
-tensor of the parameter's shape per kind (plus a step count): the engine runs them on pieces of
+tensor of the parameter's shape per kind (plus a step count and scalars a parameter's steps alone
+decide, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``): the engine runs them on pieces of
 flat buffers, bitwise as PyTorch runs them on whole parameters (PyTorch's own ``optim_db``
 configurations, tests/test_conformance.py)."""
 
 _NOT_YET = {
     "LBFGS": "needs a closure that re-evaluates the loss, several times per step",
     "SparseAdam": "needs sparse gradients, which the engine's dense gradient buffers are not",
-    "NAdam": "keeps per-parameter scalar state (mu_product) that the engine does not stream yet",
-    "ASGD": "keeps per-parameter scalar state (eta, mu) and an average (ax) that the engine does not stream yet",
     "Adafactor": "keeps factored row and column moments of each 2-D parameter: it works on whole parameters, which "
                  "the engine's flat pieces are not",
     "Muon": "orthogonalises each 2-D parameter's update: it works on whole parameters, which the engine's flat "
@@ -167,6 +190,8 @@ def _probe_state(spec: OptimizerSpec) -> None:
                               f"amsgrad / momentum setting being on or off)")
         seen = kinds
         spec.has_step = "step" in state
+        spec.scalars = {k: v.dtype for k, v in state.items()
+                        if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 0}
     spec.kinds = seen or []
     spec.zero_init_states = issubclass(spec.cls, (torch.optim.Adam, torch.optim.AdamW))
 

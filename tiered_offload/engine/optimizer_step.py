@@ -20,18 +20,21 @@ from tiered_offload.engine.optim_spec import OptimizerSpec
 __all__ = ["UnitUpdater", "update_runs"]
 
 
-def update_runs(unit: Unit, step_counts: dict[int, int]) -> list[tuple[int, int, int, int]]:
-    """``(start, end, group, step count)`` of the unit's stretches a step updates: adjacent
-    parameters in ``step_counts`` (``{id(slot): step count before}``) with the same group and count, merged."""
-    runs: list[list[int]] = []
+def update_runs(unit: Unit, step_counts: dict[int, int], scalars: dict[int, dict] | None = None) -> list[tuple]:
+    """``(start, end, group, step count, scalars)`` of the unit's stretches a step updates:
+    adjacent parameters in ``step_counts`` (``{id(slot): step count before}``) with the same group,
+    count and scalar state before the step (``scalars``: ``{id(slot): {name: value}}``; in a run,
+    sorted ``(name, value)`` pairs), merged."""
+    runs: list[list] = []
     for s in unit.params:
         updates = step_counts.get(id(s))
         if updates is None:
             continue
-        if runs and runs[-1][1] == s.offset and runs[-1][2] == s.group and runs[-1][3] == updates:
+        before = tuple(sorted((scalars or {}).get(id(s), {}).items()))
+        if runs and runs[-1][1] == s.offset and runs[-1][2:] == [s.group, updates, before]:
             runs[-1][1] += s.numel
         else:
-            runs.append([s.offset, s.offset + s.numel, s.group, updates])
+            runs.append([s.offset, s.offset + s.numel, s.group, updates, before])
     return [tuple(r) for r in runs]
 
 
@@ -50,14 +53,14 @@ class UnitUpdater:
         self.chunk_numel = chunk_numel
 
     def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, step_counts: dict[int, int], *,
-               write_behind: bool, weights_behind: bool = True, shard=None) -> list:
+               write_behind: bool, weights_behind: bool = True, shard=None, scalars: dict | None = None) -> list:
         """Update ``unit``'s parameters in ``step_counts`` (``{id(slot): step count before}``); returns the futures of the write-backs started
         (``write_behind``: start writing each updated piece at once, and the weights too with
         ``weights_behind``, so that when their space is wanted they are clean and can be dropped
         without stalling a caller).
         ``shard``: this rank's :class:`~tiered_offload.engine.sharding.ShardLayout` of the unit
         (sharded training): only its slice is stored here, and only its slice is updated."""
-        runs = update_runs(unit, step_counts)
+        runs = update_runs(unit, step_counts, scalars)
         if shard is not None:
             runs, unit = shard.runs(runs), shard
         if not runs:
@@ -72,7 +75,7 @@ class UnitUpdater:
             # order by the access sequence) brings piece i+1 in while piece i is computed, and piece
             # i-1 is being written behind
             for i, (a, b) in enumerate(unit.pieces()):
-                mine = [(max(a, ra), min(b, rb), grp, n) for ra, rb, grp, n in runs if ra < b and rb > a]
+                mine = [(max(a, ra), min(b, rb), grp, n, sc) for ra, rb, grp, n, sc in runs if ra < b and rb > a]
                 if not mine:
                     continue
                 keys = unit.piece_keys(kinds, i)
@@ -90,8 +93,8 @@ class UnitUpdater:
                     w, g, *states = store.get_group([unit.weight_key, unit.grad_key, *keys])
                     held = True
                 try:
-                    for ra, rb, grp, n in mine:
-                        self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n)
+                    for ra, rb, grp, n, sc in mine:  # (the slots already hold the scalars after: the step predicted them)
+                        self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n, dict(sc))
                     for k in keys:
                         store.mark_dirty(k)
                 finally:
@@ -110,11 +113,13 @@ class UnitUpdater:
         return futures
 
     def apply(self, w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], a: int, b: int,
-              hyper: dict, scale: torch.Tensor | None, updates: int) -> None:
+              hyper: dict, scale: torch.Tensor | None, updates: int, scalars: dict | None = None) -> dict:
         """One optimizer step over elements ``a:b`` of a unit (``states`` already cut to them), a
-        chunk at a time; ``updates``: the step count of these parameters before this step."""
+        chunk at a time; ``updates``: the step count of these parameters before this step,
+        ``scalars``: their scalar state before it. Returns the scalar state after it."""
         spec = self.spec
         first = updates == 0 and not spec.zero_init_states
+        after = dict(scalars or {})
         for c in range(a, b, self.chunk_numel):
             d = min(b, c + self.chunk_numel)
             wc = w[c:d]
@@ -126,10 +131,14 @@ class UnitUpdater:
                 state: dict[str, Any] = {k: s_[c - a:d - a] for k, s_ in zip(spec.kinds, states)}
                 if spec.has_step:
                     state["step"] = torch.tensor(float(updates))
+                for k, dtype in spec.scalars.items():
+                    state[k] = torch.tensor(scalars[k], dtype=dtype)
                 opt.state[wc] = state
             with torch.no_grad():
                 opt.step()
             if first:  # the optimizer created its state: keep it in the store
                 for k, s_ in zip(spec.kinds, states):
                     s_[c - a:d - a].copy_(opt.state[wc][k])
+            after = {k: float(opt.state[wc][k]) for k in spec.scalars}
             wc.grad = None
+        return after

@@ -114,10 +114,11 @@ class ShardLayout:
         """``{key: numel}`` of the buffers this rank registers for the unit."""
         return buffer_shapes(self, self.size, kinds)
 
-    def runs(self, runs: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    def runs(self, runs: list[tuple]) -> list[tuple]:
         """Optimizer runs (unit coordinates) cut to the slice's optimized elements, in slice coordinates."""
         hi = self.lo + self.state_numel
-        return [(max(a, self.lo) - self.lo, min(b, hi) - self.lo, g, n) for a, b, g, n in runs if a < hi and b > self.lo]
+        return [(max(a, self.lo) - self.lo, min(b, hi) - self.lo, *rest) for a, b, *rest in runs
+                if a < hi and b > self.lo]
 
 
 class Sharding:

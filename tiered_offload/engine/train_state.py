@@ -28,6 +28,9 @@ class StepUpdates:
     """``{id(slot): step count before the step}`` of every parameter the step updates."""
     no_grad: list[str] = field(default_factory=list)
     """Names of the optimized parameters without a gradient this step (left as they are)."""
+    scalars: dict[int, dict[str, float]] = field(default_factory=dict)
+    """``{id(slot): optimizer scalar state before the step}`` (NAdam's ``mu_product``...), where the
+    optimizer keeps any."""
 
 
 class TrainState:
@@ -57,14 +60,19 @@ class TrainState:
         self._resumed_param_groups = None
 
     # ---- a step ------------------------------------------------------------------------------
-    def advance(self) -> StepUpdates:
-        """Count one optimizer step: every optimized parameter with a gradient gets one more update."""
+    def advance(self, next_scalars=None) -> StepUpdates:
+        """Count one optimizer step: every optimized parameter with a gradient gets one more update.
+        ``next_scalars(group, count, scalars)``: its optimizer scalar state after the step (the slot
+        holds that from now on, as the step count; the update starts from the one recorded here)."""
         updates = StepUpdates()
         for _, slot in self.param_order:
             if not slot.optimized:
                 continue
             if slot.has_grad:
                 updates.before[id(slot)] = slot.updates
+                if next_scalars is not None:
+                    updates.scalars[id(slot)] = slot.scalars
+                    slot.scalars = next_scalars(slot.group, slot.updates, slot.scalars)
                 slot.updates += 1
             else:
                 updates.no_grad.append(slot.name)
@@ -73,13 +81,15 @@ class TrainState:
             self.scheduler.step()
         return updates
 
-    def replayed_updates(self, meta: dict, no_grad) -> dict[int, int]:
-        """For a step a resume finishes (its state after is ``meta``): ``{id(slot): step count before}``
-        of the parameters it updated."""
+    def replayed_updates(self, meta: dict, no_grad) -> StepUpdates:
+        """For a step a resume finishes (its state after is ``meta``; the slots hold the state before
+        it): the step counts and scalar state before it of the parameters it updated."""
         after = meta.get("param_updates", {})
         steps = meta["step_count"]
         skipped = set(no_grad)
-        return {id(s): after.get(s.name, steps) - 1 for _, s in self.param_order if s.optimized and s.name not in skipped}
+        updated = [s for _, s in self.param_order if s.optimized and s.name not in skipped]
+        return StepUpdates(before={id(s): after.get(s.name, steps) - 1 for s in updated},
+                           scalars={id(s): s.scalars for s in updated})
 
     def hypers_to_json(self, hypers: list[dict]) -> list:
         """A step's hyperparameters (one dict per group) as the journal records them."""
@@ -105,8 +115,9 @@ class TrainState:
         # per-parameter step counts, where a parameter missed steps (it had no gradient)
         updates = {s.name: s.updates for _, s in self.param_order if s.optimized and s.updates != self.step_count}
         buffers = {name: encode_tensor(mod._buffers[attr]) for name, mod, attr, persistent in self.buffers if persistent}
+        scalars = {s.name: s.scalars for _, s in self.param_order if s.scalars}
         return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
-                "param_updates": updates, "buffers": buffers,
+                "param_updates": updates, "buffers": buffers, **({"param_scalars": scalars} if scalars else {}),
                 "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
                                  for g in self.param_groups]}
 
@@ -126,12 +137,20 @@ class TrainState:
         updates = meta.get("param_updates", {})
         for _, slot in self.param_order:
             slot.updates = updates.get(slot.name, self.step_count) if slot.optimized else 0
+        self.load_scalars(meta)
         torch.set_rng_state(decode_rng(meta["rng"]["cpu"]))
         if "cuda" in meta["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(decode_rng(meta["rng"]["cuda"]), self.device)
         self.user_state = meta["user_state"]
         self._resumed_scheduler_state = meta["scheduler"]
         self._resumed_param_groups = meta["param_groups"]
+
+    def load_scalars(self, meta: dict) -> None:
+        """Each parameter's optimizer scalar state as ``meta`` records it (a resume redoing a step
+        starts from the state before it: the manifest's)."""
+        saved = meta.get("param_scalars", {})
+        for _, slot in self.param_order:
+            slot.scalars = dict(saved.get(slot.name, {}))
 
     def attach_scheduler(self, scheduler) -> None:
         """Step ``scheduler`` after each optimizer step and save its state; a resumed one is restored."""
