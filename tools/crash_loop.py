@@ -195,6 +195,12 @@ def _unflip(flipped: tuple[Path, int, int]) -> None:
             path.write_bytes(bytes(data))
 
 
+def _version(filename: str) -> tuple[str, int]:
+    """``(key, generation)`` of a versioned extent's file name (``block.1%2Fweight%407``)."""
+    key, _, gen = filename.rpartition("%40")
+    return key, int(gen) if gen.isdigit() else -1
+
+
 _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortReadError")
 """What a start that finds a flipped bit may raise: a typed error that names the damaged file."""
 
@@ -298,21 +304,24 @@ def _flip_check(d: Path, steps: int, layers: int, out: Path, options: dict, rng:
         return
     starts = [x.split() for x in stdout.splitlines() if x.startswith("START")]
     trained = any(x.startswith("STEP") for x in stdout.splitlines())
-    # a start that trained on before it met the flipped bit committed steps, superseding files legitimately
-    gone = [] if trained else sorted(p.name for p in committed if not p.exists())
+    # a start that trained on (or finished a step in flight) before it met the flipped bit recorded newer
+    # versions first and then let the old files go, as the protocol does: only a file whose tensor the
+    # committed state no longer has in any newer version counts as lost
+    now = {_version(p.name) for p in _committed_files(d)}
+    gone = [] if trained else sorted(p.name for p in committed if not p.exists() and not any(
+        key == _version(p.name)[0] and gen > _version(p.name)[1] for key, gen in now))
     wrong_start = [s for s in starts if s[2] != ref_digests.get(int(s[1]))]
-    error = (stderr.strip().splitlines() or [""])[-1]
+    # the last typed error in the output (an exit hook may log after the traceback)
+    typed = [line for line in stderr.splitlines() if any(f"{name}: " in line for name in _TYPED)]
+    error = typed[-1] if typed else (stderr.strip().splitlines() or [""])[-1]
     if gone and proc.returncode != 0:
         flips["bad"].append(f"a flip in {flipped[0].name} and a refused start deleted committed files {gone[:3]}")
     elif wrong_start:
         flips["bad"].append(f"a flip in {flipped[0].name}: resumed with other weights at step {wrong_start[0][1]}")
     elif proc.returncode == 0:
         flips["resumed_bitwise"] += 1  # trained to the end: its weights are compared by the next launch's START
-    elif error.split(":")[0].rsplit(".", 1)[-1] in _TYPED and (flipped[0].name in error or "journal.jsonl" in error
-                                                                  or str(d) in error):
-        flips["refused_typed"] += 1
-    elif starts and proc.returncode != 0 and error.split(":")[0].rsplit(".", 1)[-1] in _TYPED:
-        flips["refused_typed"] += 1  # resumed bitwise, then the damaged extent was read and refused
+    elif typed and (flipped[0].name in error or "journal.jsonl" in error or str(d) in error):
+        flips["refused_typed"] += 1  # at start, or resumed bitwise and refused when it read the damaged file
     else:
         flips["bad"].append(f"a flip in {flipped[0].name}: exit {proc.returncode}, {error[:200]}")
     _unflip(flipped)
