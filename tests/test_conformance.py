@@ -68,8 +68,7 @@ def test_a_step_cut_short_is_redone_bitwise_with_scalar_state(tmp_path, monkeypa
     resume redoes the rest from the scalars before the step, bitwise as an uninterrupted run."""
     import torch.nn.functional as F
 
-    from test_durable import _die_in_step, _simulated_death
-    from tiered_offload.checkpoint import durable
+    from test_durable import die_after_records
     from tiered_offload_examples.models import GPT, GPTConfig
 
     def gpt():
@@ -95,18 +94,7 @@ def test_a_step_cut_short_is_redone_bitwise_with_scalar_state(tmp_path, monkeypa
     engine = engine_at(tmp_path / "s")
     train_to(engine, 2)
     engine.wait_committed()
-    real, count = durable.Committer._record_when_durable, {"n": 0}
-
-    def dying(self, unit, futures):
-        count["n"] += 1
-        if count["n"] > 2:
-            _simulated_death(self)
-            return None
-        return real(self, unit, futures)
-    monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
-    monkeypatch.setattr("test_durable.train", train_to)
-    _die_in_step(engine, 3)
-    monkeypatch.undo()
+    die_after_records(engine, 3, 2, train_fn=train_to)
     with Engine.resume(tmp_path / "s", gpt(), host_memory=host) as resumed:  # NAdam and its settings from the state
         assert resumed.step_count == 3
         train_to(resumed, 4)

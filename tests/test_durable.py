@@ -164,6 +164,31 @@ def _die_in_step(engine, step: int) -> None:
     _open_engines.discard(engine)  # a dead process runs no exit hook
 
 
+def die_after_records(engine, step: int, recorded: int, train_fn=None) -> None:
+    """Train ``engine`` into ``step`` and die once ``recorded`` of its unit records are written (the
+    journal then holds the step's intent and those records); the dead engine's writes in flight
+    end before this returns."""
+    import contextlib
+
+    from tiered_offload.checkpoint import durable
+    real, count = durable.Committer._record_when_durable, {"n": 0}
+
+    def dying(self, unit, futures):
+        count["n"] += 1
+        if count["n"] > recorded:
+            _simulated_death(self)
+            return None
+        return real(self, unit, futures)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(durable.Committer, "_record_when_durable", dying)
+        if train_fn is not None:
+            patch.setattr(sys.modules[__name__], "train", train_fn)
+        _die_in_step(engine, step)
+    with contextlib.suppress(BaseException):
+        engine._pipeline.wait()
+    engine.store.close(flush=False)
+
+
 def _simulated_death(committer) -> None:
     """The journal thread stops here, as if the process died: the engine fails at its next wait."""
     with committer._lock:

@@ -9,7 +9,6 @@ or a cut that leaves checksums as they were), a result must be the right one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import shutil
@@ -24,7 +23,7 @@ from tiered_offload.checkpoint.durable import STATE_DIR
 from tiered_offload.checkpoint.safetensors_io import PretrainedReader
 from tiered_offload.checkpoint.state_dir import StateDirectory
 
-from test_durable import _die_in_step, _simulated_death, make_engine, train, weights
+from test_durable import die_after_records, make_engine, train, weights
 from test_hostile import within
 
 CASES = 300
@@ -35,7 +34,6 @@ CASES = 300
 def base(tmp_path_factory):
     """Two states: ``clean`` after 2 steps, ``in_flight`` with step 3's intent and two unit records;
     an export of ``clean``, its weights."""
-    from tiered_offload.checkpoint import durable
     root = tmp_path_factory.mktemp("fuzz-base")
     engine = make_engine(root / "clean")
     torch.manual_seed(5)
@@ -47,22 +45,7 @@ def base(tmp_path_factory):
     torch.manual_seed(5)
     train(engine, 2)
     engine.wait_committed()
-    real, count = durable.Committer._record_when_durable, {"n": 0}
-
-    def dying(self, unit, futures):
-        count["n"] += 1
-        if count["n"] > 2:
-            _simulated_death(self)
-            return None
-        return real(self, unit, futures)
-    durable.Committer._record_when_durable = dying
-    try:
-        _die_in_step(engine, 3)
-    finally:
-        durable.Committer._record_when_durable = real
-    with contextlib.suppress(BaseException):  # the dead engine's writes in flight end before any copy
-        engine._pipeline.wait()
-    engine.store.close(flush=False)
+    die_after_records(engine, 3, 2)
     return root, reference
 
 

@@ -7,7 +7,6 @@ no hang"), then checks the fix.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ from tiered_offload.checkpoint.durable import STATE_DIR, StateFiles
 from tiered_offload.checkpoint.state_dir import StateDirectory
 from tiered_offload.cli import main as cli_main
 
-from test_durable import _die_in_step, _simulated_death, make_engine, same, train, uninterrupted, weights  # noqa: F401
+from test_durable import die_after_records, make_engine, same, train, uninterrupted, weights  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,26 +101,11 @@ def test_a_volatile_engine_locks_its_directory_too(tmp_path):
 # ---- 2. a damaged journal ---------------------------------------------------------------------------
 def _cut_short_in_step_3(path: Path, monkeypatch) -> None:
     """A journal holding step 3's intent and two unit records (the process died in the update)."""
-    from tiered_offload.checkpoint import durable
     engine = make_engine(path)
     torch.manual_seed(123)
     train(engine, 2)
     engine.wait_committed()
-    real, count = durable.Committer._record_when_durable, {"n": 0}
-
-    def dying(self, unit, futures):
-        count["n"] += 1
-        if count["n"] > 2:
-            _simulated_death(self)
-            return None
-        return real(self, unit, futures)
-    monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
-    _die_in_step(engine, 3)
-    monkeypatch.undo()
-    # the dead engine's update thread and writes in flight end before the files are looked at
-    with contextlib.suppress(BaseException):
-        engine._pipeline.wait()
-    engine.store.close(flush=False)
+    die_after_records(engine, 3, 2)
 
 
 @pytest.mark.parametrize("line", [0, 1])

@@ -92,7 +92,8 @@ def state_directory(location: str) -> Path:
     return Path(str(location).split(",")[0]).expanduser().absolute() / STATE_DIR
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_directory(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -225,7 +226,7 @@ class StateFiles:
         finally:
             os.close(fd)
         os.replace(tmp, self.manifest_path)
-        _fsync_dir(self.dir)
+        fsync_directory(self.dir)
 
     def read_journal(self) -> list[dict]:
         """The journal's records, without the tail of an append a crash cut short."""
@@ -302,7 +303,7 @@ class StateFiles:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(self.dir)
+        fsync_directory(self.dir)
 
 
 def manifest_checksum(manifest: dict) -> str:

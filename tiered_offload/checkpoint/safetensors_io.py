@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from offload_core.errors import CheckpointError, CorruptionError, DiskFullError
+from tiered_offload.checkpoint.durable import fsync_directory
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from offload_core.sizes import parse_size
 
@@ -286,7 +287,7 @@ class SafetensorsWriter:
         index.unlink(missing_ok=True)  # from here until the new index lands, nothing loads a mixed export
         if len(self.shards) > 1:
             (self.out / SINGLE_NAME).unlink(missing_ok=True)
-        _fsync_directory(self.out)
+        fsync_directory(self.out)
         finals = []
         for k, tmp in enumerate(written):
             final = self.out / self.file_name(k)
@@ -298,20 +299,12 @@ class SafetensorsWriter:
             write_private(tmp, json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2), sync=True)
             os.replace(tmp, index)
             finals.append(index)
-        _fsync_directory(self.out)
+        fsync_directory(self.out)
         names = {f.name for f in finals}
         for stale in self.out.glob("model-*-of-*.safetensors"):  # an older export's other shards
             if stale.name not in names:
                 stale.unlink(missing_ok=True)
         return finals
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def exported_config(config: dict) -> dict:

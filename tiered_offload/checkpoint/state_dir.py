@@ -233,12 +233,16 @@ class StateDirectory:
         buffers = [(name, decode_tensor(v)) for name, v in (self.manifest["meta"].get("buffers") or {}).items()]
         files = export_params(out, params, fill, max_shard_size,
                               {"step": str(self.manifest["step"]), "source": "tiered-offload"}, buffers)
-        config = self.manifest.get("model_config")
-        if config is not None:
-            path = Path(out) / "config.json"
-            write_private(path, json.dumps(exported_config(config), indent=2, sort_keys=True))
-            files.append(path)
-        return files
+        return files + _write_config(out, self.manifest.get("model_config"))
+
+
+def _write_config(out, config: dict | None) -> list[Path]:
+    """The model's Hugging Face ``config.json`` beside an export (as exported: fp32), if it has one."""
+    if config is None:
+        return []
+    path = Path(out) / "config.json"
+    write_private(path, json.dumps(exported_config(config), indent=2, sort_keys=True))
+    return [path]
 
 
 def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
@@ -394,9 +398,4 @@ class ShardedStateDirectory:
         buffers = [(name, decode_tensor(v)) for name, v in (self.manifest["meta"].get("buffers") or {}).items()]
         files = export_params(out, self.manifest["params"], fill, max_shard_size,
                               {"step": str(steps[0]), "source": "tiered-offload"}, buffers)
-        config = self.manifest.get("model_config")
-        if config is not None:
-            path = Path(out) / "config.json"
-            write_private(path, json.dumps(exported_config(config), indent=2, sort_keys=True))
-            files.append(path)
-        return files
+        return files + _write_config(out, self.manifest.get("model_config"))

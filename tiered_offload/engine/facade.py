@@ -214,11 +214,6 @@ class Engine:
         """Forward and backward through the store."""
         self.overlap_step = self._streamer.overlap_step
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
-        # calls of the model itself (model.generate(), an evaluation loop) find its rest bound too; a
-        # forward without grad has no backward to wait for, so it lets go of the rest after
-        self._model_hooks = [
-            model.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
-            model.register_forward_hook(lambda _m, _a, _o: None if torch.is_grad_enabled() else self._streamer.unbind_rest())]
         self._gradients = Gradients(self.store, self.binding, self._streamer, self._placement, self._pipeline,
                                     self.schedule)
         """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""
@@ -240,6 +235,11 @@ class Engine:
             self._commits.release()
             self.store.close(flush=False)
             raise
+        # calls of the model itself (model.generate(), an evaluation loop) find its rest bound too; a
+        # forward without grad has no backward to wait for, so it lets go of the rest after
+        self._model_hooks = [
+            model.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
+            model.register_forward_hook(lambda _m, _a, _o: None if torch.is_grad_enabled() else self._streamer.unbind_rest())]
         _close_at_exit(self)
 
     @classmethod
