@@ -237,8 +237,10 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
         proc = _launch(d, steps, layers, out, **options)
         killing = done_kills < kills
         if killing:
-            # mostly while training (forward, backward, write-back, commit), sometimes in start-up / recovery
-            time.sleep(rng.uniform(0.0, boot) if rng.random() < 0.2 else rng.uniform(boot, duration))
+            # mostly while training (forward, backward, write-back, commit), sometimes in start-up / recovery;
+            # with flipped bits only once there is a committed state to damage
+            early = rng.random() < 0.2 and not flip_bits
+            time.sleep(rng.uniform(0.0, boot) if early else rng.uniform(boot, duration))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 done_kills += 1
