@@ -11,11 +11,24 @@ The bytes are the store's; the streamer fills them in backward and caches each u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from offload_core.errors import NonFiniteError
 
-__all__ = ["Gradients"]
+__all__ = ["Gradients", "GradientStatus"]
+
+
+@dataclass(eq=False)
+class GradientStatus:
+    """What the engine tracks of one unit between calls (the store tracks its bytes)."""
+
+    grads_finite: bool = True
+    """False once a backward left a NaN or infinity in its gradient (checked before any update)."""
+    norms: tuple[int, list[torch.Tensor]] | None = None
+    """``(gradient version, L2 norm of each trainable parameter's gradient)`` from the backward
+    that last changed the gradient: clipping reuses them while the version matches."""
 
 
 class Gradients:

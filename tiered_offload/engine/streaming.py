@@ -27,11 +27,12 @@ from offload_core.errors import TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
+from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import choose_activation_modes
 from tiered_offload.trace import span
 
-__all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock", "GradientStatus"]
+__all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock"]
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +138,6 @@ def _rebuild(spec, leaves, tensors):
     it = iter(tensors)
     filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
     return tree_unflatten(filled, spec)
-
-
-@dataclass(eq=False)
-class GradientStatus:
-    """What the engine tracks of one unit between calls (the store tracks its bytes)."""
-
-    grads_finite: bool = True
-    """False once a backward left a NaN or infinity in its gradient (checked before any update)."""
-    norms: tuple[int, list[torch.Tensor]] | None = None
-    """``(gradient version, L2 norm of each trainable parameter's gradient)`` from the backward
-    that last changed the gradient: clipping reuses them while the version matches."""
 
 
 @dataclass

@@ -1,0 +1,139 @@
+"""What an :class:`~tiered_offload.engine.facade.Engine` tells about itself: its sizes (the state,
+the minimum budget, the commit window, the ranks), the training state besides tensors, the plan,
+``stats()``, and the step timeline. Read-only views over the parts the facade wires (a base
+class of the engine: the split is by concern, the state stays the parts')."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from offload_core.errors import TieredOffloadError
+from tiered_offload.engine.planner import Plan
+from tiered_offload.engine.schedule import FP32_BYTES
+from tiered_offload.engine.stats import EngineStats
+from tiered_offload.trace import Tracer
+
+__all__ = ["EngineViews"]
+
+
+class EngineViews:
+    """Sizes, state, plan, stats and tracing of an engine (a part of :class:`Engine`)."""
+
+    # ---- sizes ----------------------------------------------------------------------------
+    def minimum_budget(self) -> int:
+        """The smallest compute-tier budget (bytes) this engine's model and optimizer train in: see
+        :meth:`Schedule.working_set`."""
+        return self.schedule.working_set().need
+
+    def state_bytes(self) -> int:
+        """Bytes of training state on disk: weights of every parameter, gradients of the trainable
+        ones and optimizer states of those the optimizer updates."""
+        return self.schedule.state_bytes()
+
+    def local_state_bytes(self) -> int:
+        """Bytes of training state this process stores: :meth:`state_bytes`, or its slice of it when
+        sharded over ranks (about ``state_bytes() / world size``)."""
+        kinds = self.schedule.state_kinds
+        return FP32_BYTES * sum(n for u in self.units for n in self._placement.shapes(u, kinds).values())
+
+    def commit_window(self) -> int:
+        """Bytes of new weights and states that may coexist on disk with the committed ones (durable
+        mode, journal commits): a quarter of the state. A unit waits before its update until the
+        units updated but not yet recorded and it fit; a unit larger than the window goes alone."""
+        return self.schedule.commit_window()
+
+    def extra_disk_bytes(self) -> int:
+        """Most disk space beyond :meth:`state_bytes` a step can need: the commit window (journal
+        commits), a second copy of the committed tensors (snapshot commits), or nothing."""
+        return self.schedule.extra_disk_bytes(self.commit_mode)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the training state is sharded over (1: this process holds all of it)."""
+        return self._placement.world
+
+    @property
+    def rank(self) -> int:
+        return self._placement.rank
+
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes of the collectives' buffers so far, per kind (all zero on one process)."""
+        return self._placement.collective_bytes()
+
+    # ---- the training state besides tensors --------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (restored by a resume)."""
+        return self.train_state.step_count
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups (hyperparameters only), in the optimizer's order: change
+        ``lr`` here, or through a scheduler on :attr:`optimizer`."""
+        return self.train_state.param_groups
+
+    @property
+    def user_state(self) -> dict:
+        """JSON-serialisable values saved with every step (a data loader's position...) and
+        restored by a resume."""
+        return self.train_state.user_state
+
+    @user_state.setter
+    def user_state(self, value: dict) -> None:
+        self.train_state.user_state = value
+
+    def attach_scheduler(self, scheduler) -> None:
+        """Let the engine step ``scheduler`` after each optimizer step and save its state with the step.
+
+        Call ``engine.step()`` only (not ``scheduler.step()``). On a resumed engine the scheduler's
+        saved state is loaded into it.
+        """
+        self.train_state.attach_scheduler(scheduler)
+
+    # ---- the plan -------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """What the engine does with each block's activations, the prefetch depth, whether the step
+        overlaps the next forward, how the compute tier's budget is used, and the predicted step
+        time and disk bytes per step (after the second measured iteration). ``print(engine.plan)``."""
+        return self._monitor.plan
+
+    @property
+    def recompute(self) -> bool:
+        """Whether any block is recomputed in backward (activation checkpointing)."""
+        return self._streamer.modes is not None and "recompute" in self._streamer.modes
+
+    @property
+    def activation_modes(self) -> list[str] | None:
+        """Per streamed block: ``keep``, ``offload`` or ``recompute`` (None: everything is kept in
+        memory until backward, as plain PyTorch does, because the whole state fits)."""
+        return None if self._streamer.modes is None else list(self._streamer.modes)
+
+    def stats(self) -> EngineStats:
+        """The store's counters (bytes per tier, hits, waits) and, per training step, the disk
+        bytes read and written (per parameter too), the step time and the I/O bound."""
+        return self._monitor.stats()
+
+    # ---- the timeline ---------------------------------------------------------------------
+    def _attach_tracer(self, tracer: Tracer | None) -> None:
+        self._tracer = self.store.tracer = self._streamer.tracer = self._commits.tracer = tracer
+
+    @contextlib.contextmanager
+    def tracing(self, path: str | os.PathLike):
+        """Record a step timeline while the block runs and write it to ``path`` (Chrome / Perfetto
+        trace JSON): compute per block and phase, every read, write and prefetch with its tensor and
+        bytes, waits, optimizer updates, commits. Also ``torch.profiler`` ranges."""
+        previous = self._tracer
+        tracer = Tracer(path)
+        self._attach_tracer(tracer)
+        try:
+            yield tracer
+        finally:
+            self._await()
+            try:
+                self._commits.wait()
+            except TieredOffloadError:
+                pass
+            self._attach_tracer(previous)
+            tracer.write()

@@ -1,0 +1,146 @@
+"""The copy chains of :class:`~tiered_offload.store.tiered_store.TieredStore`: how one tensor's
+bytes move between tiers once an operation has claimed it (disk -> host -> device loads, write-backs
+through the host, a device copy demoted to the host), and what a landed copy changes in its record.
+
+``TieredStore`` decides *when* bytes move (operations, space, lookahead); this part is *how*. It is
+a base class of the store and works on the store's own state (records, spaces, disk, copier),
+under the store's lock: the split is by concern, not an interface.
+"""
+
+from __future__ import annotations
+
+import time
+
+from offload_core.errors import TensorStateError, TierCapacityError
+from offload_core.futures import IOFuture, chain, completed
+from tiered_offload.store.record import TensorRecord
+from tiered_offload.store.tiers import Tier
+
+__all__ = ["CopyChains"]
+
+
+class CopyChains:
+    """Moving one claimed tensor's bytes between tiers (a part of :class:`TieredStore`)."""
+
+    def _landed(self, rec: TensorRecord, tier: Tier, version: int, src: Tier, extent: str | None = None,
+                crc: int | list | None = None):
+        """Completion handler: bytes of ``version`` arrived in ``tier`` from ``src`` (or failed).
+        ``crc``: the disk copy's checksum, or a one-element list it lands in before this runs."""
+        def handler(fut: IOFuture) -> None:
+            error = fut.exception()
+            old = None
+            with self._lock:
+                if error is None:
+                    rec.loaded(tier, version)
+                    self._stats.bytes_read[src] += rec.nbytes
+                    self._stats.bytes_written[tier] += rec.nbytes
+                    if tier == Tier.DISK and extent is not None:
+                        old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc[0] if isinstance(crc, list) else crc
+            if tier != Tier.DISK or extent is None or not self.config.versioned_writes or rec.scratch:
+                return
+            if error is not None:  # a half-written new extent is garbage; the old one is untouched
+                self.disk.delete_quietly(extent)
+            elif self.on_disk_written is not None:
+                self.on_disk_written(rec.key, extent, rec.disk_crc, old)
+            elif old is not None and old != extent:
+                self.disk.delete_quietly(old)
+        return handler
+
+    def _copy_between(self, rec: TensorRecord, src: Tier, dst: Tier, version: int) -> IOFuture:
+        """Start one copy of ``rec``'s bytes (of ``version``) from ``src`` to ``dst``; slots already exist."""
+        desc = f"{rec.key} {src.name}->{dst.name}"
+        extent = crc = None
+        if rec.nbytes == 0:
+            fut = completed(0, desc)
+            if dst == Tier.DISK:
+                extent, crc = self.disk.next_extent(rec), 0
+        elif dst == Tier.DISK:
+            raw = rec.slots[src].raw
+            extent = self.disk.next_extent(rec)
+            if raw.device.type != "cpu":
+                self._copier.before_device_write()
+            fut, crc = self.disk.write(extent, raw)
+        elif src == Tier.DISK:
+            if dst == Tier.DEVICE:
+                self._copier.before_device_read()
+            fut = self.disk.read(rec, rec.slots[dst].raw)
+        else:
+            fut = self._copier.copy(rec.slots[dst].raw, rec.slots[src].raw, desc)
+        fut.add_done_callback(self._landed(rec, dst, version, src, extent, crc))  # runs before any later callback
+        tracer = self.tracer
+        if tracer is not None:
+            start, why = time.perf_counter(), rec.op.kind.value if rec.op is not None else ""
+            fut.add_done_callback(lambda f: tracer.complete(
+                f"{src.name.lower()}->{dst.name.lower()} {rec.key}", "io", start, tensor=rec.key, bytes=rec.nbytes,
+                by="lookahead" if why == "lookahead" else why or "caller", ok=f.exception() is None))
+        return fut
+
+    def _start_load(self, rec: TensorRecord, tier: Tier, *, block: bool = True,
+                    further_than: float | None = None) -> IOFuture:
+        """Bring the current version into ``tier`` (``rec`` is claimed by the caller)."""
+        with self._lock:
+            version = rec.version
+            zero = rec.zero
+        if self._ensure_slot(rec, tier, block=block, further_than=further_than) is None:
+            raise TierCapacityError(f"no room to prefetch {rec.key!r} into {tier.name.lower()}")
+        if zero:
+            self._copier.fill_zero(rec.slots[tier].raw)
+            with self._lock:
+                rec.loaded(tier, version)
+            return completed(0, f"zero {rec.key}")
+        other = Tier.HOST if tier == Tier.DEVICE else Tier.DEVICE
+        with self._lock:
+            other_valid = rec.valid(other)
+            disk_valid = rec.valid(Tier.DISK)
+        if other_valid:
+            return self._copy_between(rec, other, tier, version)
+        if not disk_valid:
+            raise TensorStateError(f"{rec.key!r} has no valid copy anywhere (version {version}); this is a bug")
+        if tier == Tier.HOST or (self.backend.supports_device_buffers and self.device.type == "cuda"):
+            return self._copy_between(rec, Tier.DISK, tier, version)
+        # disk -> host -> device
+        if self._ensure_slot(rec, Tier.HOST, block=block, further_than=further_than) is None:
+            raise TierCapacityError(f"no room to stage {rec.key!r} in the host tier")
+        first = self._copy_between(rec, Tier.DISK, Tier.HOST, version)
+        return chain(first, lambda: self._copy_between(rec, Tier.HOST, tier, version), f"load {rec.key}")
+
+    def _start_write_back(self, rec: TensorRecord, to: Tier) -> IOFuture:
+        """Copy the current version down to ``to`` (``rec`` is claimed by the caller)."""
+        with self._lock:
+            version = rec.version
+            if rec.valid(Tier.HOST) and to == Tier.DISK:
+                src = Tier.HOST
+            elif rec.valid(Tier.DEVICE):
+                src = Tier.DEVICE
+            else:
+                raise TensorStateError(f"write_back({rec.key!r}): no memory tier holds the current version")
+        if to == Tier.DISK and src == Tier.DEVICE and not (self.backend.supports_device_buffers and self.device.type == "cuda"):
+            self._ensure_slot(rec, Tier.HOST)
+            first = self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
+            return chain(first, lambda: self._copy_between(rec, Tier.HOST, Tier.DISK, version), f"write back {rec.key}")
+        if to == Tier.HOST:
+            self._ensure_slot(rec, Tier.HOST)
+        return self._copy_between(rec, src, to, version)
+
+    def _start_demote(self, rec: TensorRecord, *, clean: bool) -> IOFuture:
+        """Move ``rec``'s device copy down to the host tier, to make room on the device (``rec`` is
+        claimed by the caller; its device copy is current and the host has none).
+
+        It takes host room that is free or that nothing needed sooner occupies. Where there is
+        none, a dirty copy is written to the disk instead (through the host tier, like any write-back
+        without GPUDirect), and a ``clean`` one (the disk holds it too) is simply dropped: the
+        returned future is then already done.
+        """
+        with self._lock:
+            version = rec.version
+        further = self._policies[Tier.HOST].next_use(rec.key)
+        if self._ensure_slot(rec, Tier.HOST, block=False, further_than=further) is None:
+            if not clean:
+                return self._start_write_back(rec, Tier.DISK)
+            with self._lock:
+                slot = rec.slots.get(Tier.DEVICE)
+                if slot is not None and not slot.pins and rec.held_elsewhere(Tier.DEVICE):
+                    self._drop_slot(rec, Tier.DEVICE)
+                    self._stats.evictions[Tier.DEVICE] += 1
+            return completed(0, f"drop {rec.key} from the device")
+        return self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
