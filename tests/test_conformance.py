@@ -1,6 +1,8 @@
 """Every ``torch.optim`` optimizer, with every configuration PyTorch's own tests use (``optim_db``):
 through the engine it is exact (bitwise as plain PyTorch: state on disk, a host budget below the
-state, 3 steps with clipping) or refused at construction with a ``ConfigError`` naming it.
+state, 3 steps with clipping; elementwise ones on pieces of flat buffers, Adafactor and Muon on
+whole parameters) or refused at construction with a ``ConfigError`` naming it (LBFGS: a closure;
+SparseAdam: sparse gradients).
 
 The list comes from PyTorch, so an optimizer or configuration a new PyTorch adds is covered
 without a change here.
@@ -13,7 +15,7 @@ import torch
 
 from offload_core.errors import ConfigError
 from tiered_offload import Engine
-from tiered_offload.engine.optim_spec import ELEMENTWISE
+from tiered_offload.engine.optim_spec import ELEMENTWISE, optimizer_mode
 
 from test_finetune import MLP, TinyLM, check_parity
 
@@ -35,16 +37,116 @@ def budget(tmp_path, build) -> int:
         return max(probe.state_bytes() // 3, probe.minimum_budget())
 
 
+REFUSED = {torch.optim.LBFGS, torch.optim.SparseAdam}
+"""The only torch.optim optimizers the engine refuses: LBFGS needs a closure, SparseAdam sparse gradients."""
+
+
+def builder(cls, kwargs):
+    if cls is torch.optim.Muon:  # Muon takes 2-D parameters only (the usual recipe leaves the rest to another)
+        return lambda model: cls([p for p in model.parameters() if p.dim() == 2], **kwargs)
+    return lambda model: cls(model.parameters(), **kwargs)
+
+
 @pytest.mark.parametrize("cls, kwargs", CASES)
 def test_optim_db_configuration_is_exact_or_refused(tmp_path, cls, kwargs):
-    def build(model):
-        return cls(model.parameters(), **kwargs)
-    if cls in ELEMENTWISE:
-        check_parity(make, build, tmp_path, clip=1.0, host=budget(tmp_path, build))
-    else:
-        with pytest.raises(ConfigError, match=cls.__name__):  # the class: Muon refuses 1-D parameters itself
+    if cls in REFUSED:
+        with pytest.raises(ConfigError, match=cls.__name__):
             Engine(make(), cls, dict(kwargs), storage=tmp_path / "s", host_memory=1 << 22)
         assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+        return
+    build = builder(cls, kwargs)
+    check_parity(make, build, tmp_path, clip=1.0, host=budget(tmp_path, build))
+
+
+FIRST = {}
+for _p in CASES:
+    FIRST.setdefault(_p.values[0], _p)
+
+
+@pytest.mark.parametrize("cls, kwargs", [p for p in FIRST.values() if p.values[0] not in REFUSED])
+def test_every_optimizer_trains_at_exactly_the_minimum_budget_it_states(tmp_path, cls, kwargs):
+    """The engine's stated minimum is right for every optimizer (a stateless one too): 2 steps at it,
+    bitwise."""
+    build = builder(cls, kwargs)
+    model = make()
+    with Engine(model, build(model), storage=tmp_path / "probe", host_memory=1 << 24) as probe:
+        smallest = probe.minimum_budget()
+    check_parity(make, build, tmp_path, clip=1.0, host=smallest, steps=2)
+
+
+def test_modes_follow_the_optimizer_not_a_list_of_failures():
+    assert {optimizer_mode(c) for c in ELEMENTWISE} == {"elementwise"}
+    assert optimizer_mode(torch.optim.Adafactor) == optimizer_mode(torch.optim.Muon) == "per_parameter"
+
+    class Declared(torch.optim.SGD):  # its own step, declared elementwise
+        tiered_offload_mode = "elementwise"
+
+        def step(self, closure=None):
+            return super().step(closure)
+    assert optimizer_mode(Declared) == "elementwise"
+    for cls in REFUSED:
+        with pytest.raises(ConfigError, match=cls.__name__):
+            optimizer_mode(cls)
+
+
+class SignNorm(torch.optim.Optimizer):
+    """A user's optimizer that works on whole parameters: each update is the gradient divided by
+    that parameter's norm (not elementwise), with a momentum buffer and a factored row scale."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros_like(p)
+                    state["rows"] = torch.zeros(p.shape[:1] + (1,) * (p.dim() - 1))
+                state["buf"].mul_(0.9).add_(p.grad)
+                state["rows"].lerp_(p.grad.square().mean(dim=tuple(range(1, p.dim())), keepdim=True) if p.dim() > 1
+                                    else p.grad.square(), 0.1)
+                p.add_(state["buf"] / (state["buf"].norm() + 1e-8) / (state["rows"].sqrt() + 1.0), alpha=-group["lr"])
+
+
+class GlobalNorm(torch.optim.Optimizer):
+    """Couples parameters: every update is scaled by the norm over all of them."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        ps = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ps]))
+        for p in ps:
+            p.add_(p.grad / total, alpha=-self.param_groups[0]["lr"])
+
+
+def test_a_users_whole_parameter_optimizer_is_exact_and_survives_a_resume(tmp_path):
+    build = lambda model: SignNorm(model.parameters(), lr=3e-2)  # noqa: E731
+    check_parity(make, build, tmp_path, clip=1.0, host=budget(tmp_path, build), steps=4, resume_at=2)
+
+
+def test_an_optimizer_that_couples_parameters_is_refused_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="GlobalNorm couples parameters"):
+        Engine(make(), GlobalNorm, dict(lr=1e-2), storage=tmp_path / "s", host_memory=1 << 22)
+
+
+def test_muon_over_every_parameter_is_refused_saying_which_it_cannot_step(tmp_path):
+    with pytest.raises(ConfigError, match=r"Muon cannot step the model's 1-D parameters.*Build it over"):
+        Engine(make(), torch.optim.Muon, {}, storage=tmp_path / "s", host_memory=1 << 22)
+
+
+def test_adafactor_state_is_its_factored_moments_packed_one_buffer_per_parameter(tmp_path):
+    """Adafactor keeps a row and a column vector per matrix: one packed buffer of the parameter's
+    size holds them (12 bytes per parameter of state, not Adam's 16), and a resume is bitwise."""
+    build = lambda model: torch.optim.Adafactor(model.parameters(), lr=1e-2)  # noqa: E731
+    _, ref, _, state = check_parity(make, build, tmp_path, clip=1.0, host=budget(tmp_path, build), steps=4, resume_at=2)
+    assert state == 12 * sum(p.numel() for p in ref.parameters())
 
 
 def test_optim_db_covers_every_torch_optim_optimizer():
@@ -100,3 +202,101 @@ def test_a_step_cut_short_is_redone_bitwise_with_scalar_state(tmp_path, monkeypa
         train_to(resumed, 4)
         got = dict(resumed.named_parameters())
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+# ---- model families: encoder-decoder -------------------------------------------------------------
+def t5():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3, num_heads=4,
+        dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0))
+
+
+def bart():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.1,
+        attention_dropout=0.0, activation_dropout=0.0))
+
+
+def seq2seq_loss(model, ids, route=None):
+    ids = ids % 64
+    return model(input_ids=ids, labels=ids.flip(1)).loss
+
+
+@pytest.mark.parametrize("make_model", [t5, bart], ids=["T5", "BART"])
+@pytest.mark.parametrize("activations", ["auto", "recompute", "offload"])
+def test_encoder_decoder_trains_bitwise_at_a_third_of_its_state(tmp_path, make_model, activations):
+    """Both stacks stream (the decoder's blocks take the encoder's output, T5's blocks pass their
+    position bias on), with dropout, at a third of the state: bitwise as PyTorch."""
+    from tiered_offload import EngineConfig
+
+    def inspect(engine):
+        names = [u.qualname for u in engine.units if u.module is not None]
+        assert any(".encoder." in f".{n}." for n in names) and any(".decoder." in f".{n}." for n in names), names
+    check_parity(make_model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=seq2seq_loss,
+                 clip=1.0, host_fraction=1 / 3, config=EngineConfig(activations=activations), inspect=inspect)
+
+
+class Memory(torch.nn.Module):
+    """A block that reads a tensor every block shares (as a decoder reads the encoder's output),
+    twice, and returns a mask-like tensor that requires no gradient."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.k, self.v, self.q = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, h, memory):
+        att = torch.softmax(self.q(h) @ self.k(memory).transpose(1, 2), -1)
+        return h + att @ self.v(memory), (memory.detach() > 0)
+
+
+class SharedMemoryLM(torch.nn.Module):
+    def __init__(self, d=16, layers=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, d)
+        self.encoder = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(Memory(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, 64)
+        self.ignore_last = False
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        memory = torch.tanh(self.encoder(h))
+        for i, block in enumerate(self.blocks):
+            out, mask = block(h, memory)
+            assert not mask.requires_grad  # as in PyTorch: kernels choose their path by it
+            if not (self.ignore_last and i == len(self.blocks) - 1):
+                h = out
+        return self.head(h)
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_tensor_every_block_reads_gets_its_gradient_in_pytorchs_order(tmp_path, activations):
+    """The gradient of a tensor several streamed blocks read (each twice) is PyTorch's sum, added
+    use by use in backward's order, not block by block: bitwise."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return SharedMemoryLM()
+    check_parity(make, lambda m: torch.optim.SGD(m.parameters(), lr=0.5), tmp_path, clip=1.0, host_fraction=0.5,
+                 config=EngineConfig(activations=activations, stream_modules_numel=None))
+
+
+def test_a_block_that_reads_a_shared_tensor_but_misses_the_loss_is_an_error(tmp_path):
+    """Then the shared tensor's gradient could not be returned in PyTorch's order: a typed error,
+    not a silently different gradient."""
+    from offload_core.errors import TensorStateError
+    from tiered_offload import EngineConfig
+
+    torch.manual_seed(0)
+    model = SharedMemoryLM()
+    with Engine(model, torch.optim.SGD, dict(lr=0.1), storage=tmp_path / "s", host_memory=16 * 4 * 8000,
+                recompute=True, config=EngineConfig(stream_modules_numel=None)) as engine:
+        model.ignore_last = True  # the last block reads memory, its output is thrown away
+        with pytest.raises(TensorStateError, match="several streamed blocks"):
+            engine.backward(engine(torch.randint(0, 64, (2, 8))).sum())

@@ -206,7 +206,13 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert cli_main(["train", "--config", str(write_config(tmp_path, model_dir, data)), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "parameters" in out and "first batch" in out and "a fresh run" in out
+    assert "units streamed" in out and "minimum" in out and "step time" in out  # the plan
     assert not (tmp_path / "run").exists()
+    info = train(write_config(tmp_path / "again", model_dir, data, offload__host_memory="64KiB"), dry_run=True)
+    plan = info["plan"]
+    assert plan["state_bytes"] == info["state_bytes"] and plan["host_bytes"] == 64 << 10
+    assert plan["disk_floor_bytes_per_step"] == plan["state_bytes"] - (64 << 10)
+    assert plan["minimum_host_bytes"] > 64 << 10 and any("too small" in line for line in plan["lines"])
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -235,3 +241,18 @@ def test_chat_puts_the_loss_on_the_assistant_turns_only(tmp_path, model_dir):
     text = tokenizer.decode(labels)
     assert "sat on a mat" in text and "ran around" in text
     assert "the cat" not in text and "and dogs" not in text and "user" not in text
+
+
+def test_a_disk_that_cannot_hold_the_exports_is_refused_before_training(tmp_path, model_dir, data, monkeypatch, capsys):
+    """The exports kept plus the final one (and the state, on the same disk) must fit: refused up
+    front with the figures, nothing trained."""
+    import collections
+
+    import tiered_offload.train.run as run
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 4096))
+    config = write_config(tmp_path, model_dir, data)
+    assert cli_main(["train", "--config", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "for the exports (1 kept and the final one)" in err and "lower output.keep" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -42,8 +42,13 @@ def _digest(engine) -> str:
     return h.hexdigest()[:16]
 
 
+OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
+              "adafactor": ("Adafactor", dict(lr=1e-2, weight_decay=0.1))}
+"""The optimizers a worker can train with: ``torch.optim`` class name and keyword arguments."""
+
+
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
-           host_fraction: float = 1.0, device_fraction: float = 0.0) -> None:
+           host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw") -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -56,7 +61,8 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     n = sum(p.numel() for p in model.parameters())
     # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
     # state does not quite fit, units stream through the disk and commits use the journal
-    engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1), storage=directory,
+    opt_cls, opt_kwargs = OPTIMIZERS[optimizer]
+    engine = Engine(model, getattr(torch.optim, opt_cls), opt_kwargs, storage=directory,
                     host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every,
                     # a device tier of CPU memory: the GPU's three tiers on the CPU
                     store_config={"device_budget_bytes": int(16 * n * device_fraction)} if device_fraction else None)
@@ -86,11 +92,12 @@ REFERENCE_TIMEOUT_S = 600.0
 """Longest an uninterrupted run may take before it is taken for hung and killed."""
 
 def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
-            host_fraction: float = 1.0, device_fraction: float = 0.0) -> subprocess.Popen:
+            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw") -> subprocess.Popen:
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(HERE), "--worker", str(directory), "--steps", str(steps),
                              "--layers", str(layers), "--out", str(out), "--commit-every", str(commit_every),
-                             "--host-fraction", str(host_fraction), "--device-fraction", str(device_fraction)]
+                             "--host-fraction", str(host_fraction), "--device-fraction", str(device_fraction),
+                             "--optimizer", optimizer]
                             + (["--digests"] if digests else []),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -206,7 +213,8 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 
 
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
-               host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0) -> dict:
+               host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
+               optimizer: str = "adamw") -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -217,6 +225,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     ``commit_every`` > 1 or ``host_fraction`` > 1 (the state fits the host tier) exercise the
     snapshot commits; a resume then starts from a multiple of ``commit_every``. ``device_fraction``
     > 0 gives the engine a device tier of CPU memory of that share of the state (the GPU's path).
+    ``optimizer``: a key of :data:`OPTIMIZERS` (``adafactor``: one that works on whole parameters).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
     extent is flipped, and a start without a kill must either resume bitwise or refuse with a
@@ -224,7 +233,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     put back and the loop goes on (the next start must resume bitwise).
     """
     rng = random.Random(seed)
-    options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction)
+    options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
+                   optimizer=optimizer)
     ref_out, boot, duration, peak, state, ref_digests = reference(work, steps, layers, **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
         f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
@@ -345,19 +355,21 @@ def main() -> None:
     ap.add_argument("--flip-bits", type=float, default=0.0, metavar="P",
                     help="after a kill, with probability P flip a bit of the journal or a committed extent and check "
                          "the next start resumes bitwise or refuses with a typed error, deleting nothing")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                    help="adafactor: an optimizer the engine runs on whole parameters (its state packed)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
-               args.device_fraction)
+               args.device_fraction, args.optimizer)
         return
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
         t0 = time.perf_counter()
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
-                             flip_bits=args.flip_bits)
+                             flip_bits=args.flip_bits, optimizer=args.optimizer)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

@@ -76,6 +76,8 @@ class StateLayout:
                 entry.update(grad_numel=u.grad_numel, state_numel=u.state_numel)
             if len(u.pieces()) > 1:
                 entry["piece_numel"] = u.piece_numel
+                if u.whole_pieces:  # pieces of whole parameters (a per-parameter optimizer)
+                    entry["pieces"] = [b for _, b in u.whole_pieces]
             units.append(entry)
         optimizer = {"class": self.optimizer, "states": list(self.state_kinds)}
         members = self.group_members()

@@ -199,6 +199,8 @@ def _check_manifest(m: Any) -> None:
         for k in ("grad_numel", "state_numel", "piece_numel"):
             if k in u:
                 _int(u[k], f"{w}.{k}", 0, 2 ** 62)
+        for j, end in enumerate(_list(u.get("pieces", []), f"{w}.pieces")):
+            _int(end, f"{w}.pieces[{j}]", 0, 2 ** 62)
     for i, p in enumerate(_list(_field(m, "params", ""), "params")):
         w = f"params[{i}]"
         _obj(p, w)

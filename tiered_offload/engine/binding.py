@@ -70,8 +70,9 @@ class Unit(UnitLayout):
         self.params.append(ParamSlot(name, local_name, param, param.numel(), tuple(param.shape),
                                      requires_grad=param.requires_grad))
 
-    def arrange(self, group_of: dict[int, int]) -> None:
-        """Assign groups and lay the parameters out: optimized (by group), trainable, then frozen."""
+    def arrange(self, group_of: dict[int, int], whole_params: bool = False) -> None:
+        """Assign groups and lay the parameters out: optimized (by group), trainable, then frozen;
+        with ``whole_params`` (a per-parameter optimizer), state pieces that hold whole parameters."""
         for s in self.params:
             s.group = group_of.get(id(s.param))
         rank = {id(s): i for i, s in enumerate(self.params)}
@@ -88,6 +89,13 @@ class Unit(UnitLayout):
         self.numel = offset
         self.grad_numel = sum(s.numel for s in self.params if s.requires_grad)
         self.state_numel = sum(s.numel for s in self.params if s.optimized)
+        pieces: list[list[int]] = []
+        for s in (s for s in self.params if s.optimized and whole_params):
+            if pieces and pieces[-1][1] - pieces[-1][0] + s.numel <= self.piece_numel:
+                pieces[-1][1] += s.numel
+            else:
+                pieces.append([s.offset, s.offset + s.numel])
+        self.whole_pieces = tuple((a, b) for a, b in pieces)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{local_name: view}`` of each parameter inside the weight buffer ``flat``."""
@@ -136,11 +144,12 @@ def plan_units(model: nn.Module, hint: str | None = None, stream_modules_numel: 
     ``model.parameters()`` order.
 
     The streamed units are the blocks of the block sequence and, with ``stream_modules_numel``
-    not None, each ``nn.Embedding`` or ``nn.Linear`` outside it whose parameters are its own (not
-    tied to another module) and number at least ``stream_modules_numel`` (0: as many as the largest
-    block): a large untied embedding or head then streams like a block instead of staying bound for
-    the whole forward and backward. Modules registered before the block sequence are taken to run
-    before it, the others after it.
+    not None, each block of another sequence (an encoder-decoder's other stack) and each
+    ``nn.Embedding`` or ``nn.Linear`` outside them, whose parameters are their own (not tied to
+    another module) and number at least ``stream_modules_numel`` (0: as many as the largest block;
+    for a sequence, all its blocks together): a large untied embedding, head or other stack then
+    streams like a block instead of staying bound for the whole forward and backward. Modules
+    registered before the block sequence are taken to run before it, the others after it.
 
     Raises :class:`ModelStructureError` if a parameter is shared between a block and anything else.
     """
@@ -160,23 +169,39 @@ def plan_units(model: nn.Module, hint: str | None = None, stream_modules_numel: 
     if stream_modules_numel is not None:
         threshold = stream_modules_numel or max((sum(s.numel for s in u.params) for u in blocks), default=0)
         uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-        in_seq = {id(m) for m in seq.modules()}
+        claimed = {id(m) for m in seq.modules()}  # streamed already, or inside what is
         seen_seq = False
-        for qual, mod in model.named_modules():
-            if mod is seq:
-                seen_seq = True
-            if id(mod) in in_seq or not isinstance(mod, (nn.Embedding, nn.Linear)):
-                continue
+
+        def own_params(mod: nn.Module) -> list | None:
+            """``mod``'s parameters if it can stream as a unit (none tied to another module)."""
             own = list(mod.named_parameters())
-            if not own or any(uses[id(p)] > 1 or id(p) in owner for _, p in own):
-                continue  # tied to another module: stays in the rest, bound for the whole pass
-            if sum(p.numel() for _, p in own) < max(1, threshold):
-                continue
+            return own if own and not any(uses[id(p)] > 1 or id(p) in owner for _, p in own) else None
+
+        def stream(qual: str, mod: nn.Module, own: list) -> None:
             unit = Unit(name=f"module.{qual}", is_block=True, in_sequence=False, module=mod, qualname=qual)
             for local, p in own:
                 owner[id(p)] = unit
                 unit.add(f"{qual}.{local}", local, p)
+            claimed.update(id(m) for m in mod.modules())
             (after if seen_seq else before).append(unit)
+        for qual, mod in model.named_modules():
+            if mod is seq:
+                seen_seq = True
+            if id(mod) in claimed or id(seq) in {id(m) for m in mod.modules()}:
+                continue
+            if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+                # another block sequence (an encoder-decoder's other stack): each block streams
+                children = [(f"{qual}.{i}", child, own_params(child)) for i, child in enumerate(mod)]
+                if all(own for _, _, own in children) and \
+                        sum(p.numel() for _, _, own in children for _, p in own) >= max(1, threshold):
+                    for child_qual, child, own in children:
+                        stream(child_qual, child, own)
+                    continue
+            if not isinstance(mod, (nn.Embedding, nn.Linear)):
+                continue
+            own = own_params(mod)
+            if own is not None and sum(p.numel() for _, p in own) >= max(1, threshold):
+                stream(qual, mod, own)
     blocks = [*before, *blocks, *after]
     for i, unit in enumerate(blocks):
         unit.index = i
@@ -284,11 +309,11 @@ class ModelBinding:
                 "groups": [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in param_groups],
                 "device": self.device.type}
 
-    def arrange(self, group_of: dict[int, int], piece_numel: int) -> None:
+    def arrange(self, group_of: dict[int, int], piece_numel: int, whole_params: bool = False) -> None:
         """Lay every unit's parameters out for the optimizer's groups (see :meth:`Unit.arrange`)."""
         for unit in self.units:
             unit.piece_numel = piece_numel
-            unit.arrange(group_of)
+            unit.arrange(group_of, whole_params)
 
     @property
     def on_meta(self) -> bool:
@@ -418,9 +443,10 @@ class ModelBinding:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
-        cfg = getattr(self.model, "config", None)
-        if cfg is not None and getattr(cfg, "use_cache", False):
-            cfg.use_cache = False  # key/value caches are for generation; training does not need them
+        for module in self.model.modules():  # an encoder-decoder's stacks have configs of their own
+            cfg = getattr(module, "config", None)
+            if cfg is not None and getattr(cfg, "use_cache", False):
+                cfg.use_cache = False  # key/value caches are for generation; training does not need them
 
 
 def model_config(model: nn.Module) -> dict | None:

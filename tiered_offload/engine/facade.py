@@ -168,8 +168,11 @@ class Engine(EngineViews):
         """Step count, parameter groups, user state, scheduler, per-parameter step counts."""
         group_of = self._spec.group_of()
         self._spec.members = []  # no reference to the user's (possibly meta) parameters is kept
-        self.binding.arrange(group_of, self.config.state_piece_numel)
+        self.binding.arrange(group_of, self.config.state_piece_numel, whole_params=self._spec.per_parameter is not None)
         self._placement: Placement = Sharded(group, self.device) if group is not None else Local()
+        if self._placement.world > 1 and self._spec.per_parameter is not None:
+            raise ConfigError(f"{self._spec.cls.__name__} works on whole parameters, which sharding splits between "
+                              f"ranks; train it on one process, or use an elementwise optimizer (AdamW) sharded")
         """Where this process's share of the state lives (all of it, or its rank's slice)."""
         self._placement.check_same(self.binding.signature(self._spec, self.param_groups))
         kinds = tuple(self._spec.kinds)
@@ -323,6 +326,7 @@ class Engine(EngineViews):
         try:
             with span(self._tracer, "backward", "phase"):
                 loss.backward()
+            self._streamer.shared.backward_done()
         except BaseException as e:
             # this rank left the backward between two collectives: the cleanup below must not issue more
             self._placement.mark_broken(e)

@@ -2,14 +2,24 @@
 per-parameter state it keeps, read from a ``torch.optim`` class plus keyword arguments or from an
 optimizer instance built over the model's parameters the usual way (parameter groups included).
 
-The engine never runs the user's instance: it runs a fresh instance of the same class over each
-chunk of a unit's flat buffers with the chunk's group's hyperparameters, which for elementwise
-optimizers (Adam, AdamW, SGD, ...) is the same arithmetic as a step over whole parameters.
+The engine never runs the user's instance: it runs fresh instances of the same class with each
+group's hyperparameters, in one of two modes:
+
+- **elementwise** (:data:`ELEMENTWISE`: Adam, AdamW, SGD, ...): over chunks of a unit's flat
+  buffers, the same arithmetic as a step over whole parameters; its state is one tensor of the
+  parameter's size per kind.
+- **per parameter** (Adafactor, Muon, and any optimizer whose step is probed to treat each
+  parameter on its own): over each whole parameter, with its real shape and the state tensors the
+  optimizer makes for it (of any shape), packed into ``packed0``, ``packed1``... buffers of the
+  parameter's size (as many as the largest state needs: one for Adafactor and Muon).
+
+An optimizer that needs a closure, sparse gradients, or couples parameters is refused.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -20,7 +30,7 @@ from storage_backends import resolve_storage
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.engine.train_state import saved_hyper
 
-__all__ = ["OptimizerSpec", "read_optimizer", "optimizer_for_resume"]
+__all__ = ["OptimizerSpec", "PackedState", "read_optimizer", "optimizer_for_resume", "optimizer_mode"]
 
 
 @dataclass
@@ -41,6 +51,8 @@ class OptimizerSpec:
     ``mu``) and its dtype: kept per parameter by the engine, saved with every step."""
     has_step: bool = False
     """Whether the state holds a per-parameter ``step`` count."""
+    per_parameter: PackedState | None = None
+    """Per-parameter mode: how each parameter's state tensors are packed (None: elementwise)."""
     zero_init_states: bool = False
     """Whether every state starts at zero (Adam, AdamW): the store's implicit zeros are exact and
     the first step allocates nothing; other optimizers create their state on a parameter's first
@@ -66,6 +78,7 @@ class OptimizerSpec:
         when the step begins)."""
         if not self.scalars:
             return {}
+        assert self.per_parameter is None, "per-parameter optimizers with scalar state are refused"
         p = torch.zeros(1, requires_grad=True)
         opt = self.cls([p], **hyper)
         if count:
@@ -93,15 +106,44 @@ decide, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``): the engine runs them
 flat buffers, bitwise as PyTorch runs them on whole parameters (PyTorch's own ``optim_db``
 configurations, tests/test_conformance.py)."""
 
-_NOT_YET = {
-    "LBFGS": "needs a closure that re-evaluates the loss, several times per step",
+_REFUSED = {
     "SparseAdam": "needs sparse gradients, which the engine's dense gradient buffers are not",
-    "Adafactor": "keeps factored row and column moments of each 2-D parameter: it works on whole parameters, which "
-                 "the engine's flat pieces are not",
-    "Muon": "orthogonalises each 2-D parameter's update: it works on whole parameters, which the engine's flat "
-            "pieces are not",
 }
-"""Why an optimizer outside :data:`ELEMENTWISE` is refused (an unlisted one: not known to be elementwise)."""
+"""Why a known optimizer is refused (besides the generic reasons: a closure, coupled parameters)."""
+
+MODE_ATTRIBUTE = "tiered_offload_mode"
+"""A class attribute an optimizer may declare: ``"elementwise"`` (its step treats every element
+alike and keeps one state tensor of the parameter's shape per kind) or ``"per_parameter"``
+(its step treats each parameter on its own); without it, the engine probes."""
+
+_PROBE_SHAPES = ((3, 5, 7, 11), (13, 2, 17, 19))
+"""Two parameter shapes per rank (their first ``ndim`` sizes) a per-parameter probe steps: sizes
+that differ, so that each dimension of a state tensor names the parameter dimension it follows."""
+
+
+@dataclass
+class PackedState:
+    """Where a per-parameter optimizer keeps a parameter's state: each state tensor it makes (whose
+    shape follows the parameter's, Adafactor's ``row_var`` of ``(rows, 1)``) one after another in
+    the concatenation of ``slots`` buffers of the parameter's size (``packed0``, ``packed1``...)."""
+
+    rules: dict[int, list[tuple[str, tuple[int | None, ...]]]]
+    """For each parameter rank: each state tensor's name and shape, a dimension being the
+    parameter's dimension ``i`` or ``None`` for a 1."""
+    slots: int = 1
+
+    def entries(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], int]]:
+        """``(name, shape, start)`` of each state tensor of a parameter of ``shape``."""
+        out, start = [], 0
+        for name, rule in self.rules[len(shape)]:
+            dims = tuple(1 if i is None else shape[i] for i in rule)
+            out.append((name, dims, start))
+            start += math.prod(dims)
+        return out
+
+    def slots_for(self, shape: tuple[int, ...]) -> int:
+        total = sum(math.prod(dims) for _, dims, _ in self.entries(shape))
+        return max(1, -(-total // max(1, math.prod(shape))))
 
 
 def _has_stepped(state: dict) -> bool:
@@ -111,26 +153,38 @@ def _has_stepped(state: dict) -> bool:
     return step is None or float(step) != 0
 
 
-def check_supported(cls: type) -> None:
-    """Refuse, at construction, an optimizer the engine would run wrong: it must be one of
-    :data:`ELEMENTWISE` (or a subclass that keeps its ``step``)."""
+def optimizer_mode(cls: type) -> str:
+    """``"elementwise"``, ``"per_parameter"`` (then :func:`read_optimizer` probes that its step
+    treats each parameter on its own) or a ``ConfigError`` saying why the engine cannot run it."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__name__ in _REFUSED:
+        raise ConfigError(f"{name} {_REFUSED[cls.__name__]}; use a dense optimizer (AdamW is the usual choice)")
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(f"{name} needs a closure that re-evaluates the loss (several forwards per step), which "
+                          f"the engine's one forward and backward per step cannot give; use an optimizer that steps "
+                          f"from the gradients (AdamW is the usual choice)")
+    declared = getattr(cls, MODE_ATTRIBUTE, None)
+    if declared is not None:
+        if declared not in ("elementwise", "per_parameter"):
+            raise ConfigError(f"{name}.{MODE_ATTRIBUTE} is {declared!r}; it must be 'elementwise' or 'per_parameter'")
+        return declared
     if cls in ELEMENTWISE:
-        return
+        return "elementwise"
     base = next((b for b in cls.__mro__ if b in ELEMENTWISE), None)  # the nearest one it derives from
     if base is not None and cls.step is base.step:
-        return
-    if base is not None:
-        why = f"is a subclass of {base.__name__} with its own step(), which the engine cannot tell is elementwise"
-    else:
-        why = _NOT_YET.get(cls.__name__, "is not one the engine knows to be elementwise")
-    raise ConfigError(f"{cls.__module__}.{cls.__qualname__} {why}; the engine "
-                      f"runs exactly {', '.join(b.__name__ for b in ELEMENTWISE)}. Use one of those (AdamW is the "
-                      f"usual choice for fine-tuning)")
+        return "elementwise"
+    return "per_parameter"
+
+
+def check_supported(cls: type) -> None:
+    """Refuse, at construction, an optimizer the engine cannot run (see :func:`optimizer_mode`)."""
+    optimizer_mode(cls)
 
 
 def read_optimizer(optimizer, optimizer_kwargs: dict | None, parameters: Iterable[torch.nn.Parameter]) -> OptimizerSpec:
     """Read ``optimizer`` (a class with ``optimizer_kwargs``, or an instance over ``parameters``)."""
-    check_supported(optimizer if isinstance(optimizer, type) else type(optimizer))
+    mode = optimizer_mode(optimizer if isinstance(optimizer, type) else type(optimizer))
     params = list(parameters)
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer_kwargs:
@@ -158,16 +212,21 @@ def read_optimizer(optimizer, optimizer_kwargs: dict | None, parameters: Iterabl
             raise ConfigError(f"optimizer= must be a torch.optim.Optimizer class (torch.optim.AdamW) or an instance "
                               f"built over the model's parameters, got {optimizer!r}")
         kwargs = dict(optimizer_kwargs or {})
-        probe = torch.zeros(1, requires_grad=True)
+        probe = torch.zeros(1, 1, requires_grad=True)  # 2-D: Muon takes nothing else
         try:
             opt = optimizer([probe], **kwargs)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ConfigError(f"{optimizer.__name__} rejected optimizer_kwargs {kwargs}: {e}") from e
         group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         # like torch.optim.X(model.parameters()): one group over every parameter; the frozen
         # ones never get a gradient, so the optimizer never touches them
         spec = OptimizerSpec(optimizer, dict(opt.defaults), [group], [[id(p) for p in params]])
-    _probe_state(spec)
+    if mode == "elementwise":
+        _probe_state(spec)
+    else:
+        by_id = {id(p): p for p in params}
+        optimized = [[by_id[i] for i in ids if by_id[i].requires_grad] for ids in spec.members]
+        _probe_per_parameter(spec, optimized)
     return spec
 
 
@@ -194,6 +253,79 @@ def _probe_state(spec: OptimizerSpec) -> None:
                         if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 0}
     spec.kinds = seen or []
     spec.zero_init_states = issubclass(spec.cls, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _probe_per_parameter(spec: OptimizerSpec, optimized: list[list[torch.nn.Parameter]]) -> None:
+    """For each group and each rank of its parameters, step two parameters together and each on
+    its own twice: the step must treat them independently (bitwise the same), and its state
+    tensors' shapes must follow the parameter's; read how (the packing) from the state."""
+    name = spec.cls.__name__
+    rules: dict[int, list] = {}
+    has_step = False
+    for i, group in enumerate(spec.groups):
+        for ndim in sorted({p.dim() for p in optimized[i]}):
+            example = next(tuple(p.shape) for p in optimized[i] if p.dim() == ndim)
+            shapes = [s[:ndim] for s in _PROBE_SHAPES]
+            try:
+                together, alone = _step_twice(spec, group, shapes, True), _step_twice(spec, group, shapes, False)
+            except (ValueError, RuntimeError, TypeError) as e:
+                raise ConfigError(f"{name} cannot step the model's {ndim}-D parameters (e.g. one of shape "
+                                  f"{list(example)}) in parameter group {i}: {e}. Build it over the parameters it "
+                                  f"supports") from e
+            if not all(_same(a, b) for a, b in zip(together, alone)):
+                raise ConfigError(f"{name} couples parameters (its step of two parameters together differs from "
+                                  f"their steps alone), which the engine, streaming a parameter at a time, cannot "
+                                  f"run; use an optimizer whose step treats each parameter on its own")
+            rule = [_shape_rule(name, k, v, shapes) for k, v in together[0][1].items() if k != "step"]
+            second = {k: tuple(v.shape) for k, v in together[1][1].items() if k != "step"}
+            if second != {k: tuple(1 if d is None else shapes[1][d] for d in r) for k, r in rule}:
+                raise ConfigError(f"{name} keeps state {second} for a parameter of shape {list(shapes[1])}: the engine "
+                                  f"cannot tell how its sizes follow the parameter's")
+            if ndim in rules and rules[ndim] != rule:
+                raise ConfigError(f"parameter group {i} makes {name} keep state {[k for k, _ in rule]} for a "
+                                  f"{ndim}-D parameter, another group {[k for k, _ in rules[ndim]]}; the engine needs "
+                                  f"the same per-parameter state in every group")
+            rules[ndim] = rule
+            has_step = has_step or "step" in together[0][1]
+    packed = PackedState(rules)
+    packed.slots = max([packed.slots_for(tuple(p.shape)) for ps in optimized for p in ps] or [1])
+    spec.per_parameter = packed
+    spec.kinds = [f"packed{k}" for k in range(packed.slots)]
+    spec.has_step = has_step
+
+
+def _step_twice(spec: OptimizerSpec, group: dict, shapes: list[tuple], together: bool) -> list[tuple]:
+    """``(weights, state)`` of one parameter of each shape after two steps of seeded gradients."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+    opts = [spec.cls(params, **spec.hyper(group))] if together else [spec.cls([p], **spec.hyper(group)) for p in params]
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g
+        for opt in opts:
+            opt.step()
+    return [(p.detach(), dict(opts[0 if together else k].state.get(p, {}))) for k, p in enumerate(params)]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    (wa, sa), (wb, sb) = a, b
+    return torch.equal(wa, wb) and sa.keys() == sb.keys() and all(
+        torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa)
+
+
+def _shape_rule(name: str, key: str, value, shapes: list[tuple]) -> tuple[str, tuple[int | None, ...]]:
+    """How state ``key``'s shape follows the parameter's, read from the first probe and checked
+    on the second."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        raise ConfigError(f"{name} keeps {key!r} as {type(value).__name__ if not isinstance(value, torch.Tensor) else value.dtype}"
+                          f" per parameter; the engine keeps per-parameter state as float32 tensors (and a step count)")
+    first = shapes[0]
+    rule = tuple(None if d == 1 else (first.index(d) if d in first else -1) for d in value.shape)
+    if -1 in rule:
+        raise ConfigError(f"{name} keeps {key!r} of shape {list(value.shape)} for a parameter of shape {list(first)}: "
+                          f"the engine cannot tell how its size follows the parameter's")
+    return key, rule
 
 
 def optimizer_for_resume(storage, model: torch.nn.Module, optimizer, optimizer_kwargs: dict | None):

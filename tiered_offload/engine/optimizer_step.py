@@ -2,13 +2,16 @@
 one parameter group and one step count, run through a fresh instance of the user's optimizer
 class a chunk at a time, with the optimizer states streamed through memory one piece at a time.
 
-The update is elementwise (Adam, AdamW, SGD...), so running it on slices of the flat buffers gives
-exactly the numbers a step over whole parameters gives, while the working set stays the unit's
-weights and gradients plus one piece of each state.
+An elementwise update (Adam, AdamW, SGD...) runs on slices of the flat buffers: exactly the numbers
+a step over whole parameters gives, while the working set stays the unit's weights and gradients
+plus one piece of each state. A per-parameter update (Adafactor, Muon) runs on each whole
+parameter, with its real shape and its state tensors unpacked from the pieces (which hold whole
+parameters for such an optimizer).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -75,7 +78,10 @@ class UnitUpdater:
             # order by the access sequence) brings piece i+1 in while piece i is computed, and piece
             # i-1 is being written behind
             for i, (a, b) in enumerate(unit.pieces()):
-                mine = [(max(a, ra), min(b, rb), grp, n, sc) for ra, rb, grp, n, sc in runs if ra < b and rb > a]
+                if self.spec.per_parameter is not None:  # whole parameters, one at a time
+                    mine = [s for s in unit.params if id(s) in step_counts and a <= s.offset < b]
+                else:
+                    mine = [(max(a, ra), min(b, rb), grp, n, sc) for ra, rb, grp, n, sc in runs if ra < b and rb > a]
                 if not mine:
                     continue
                 keys = unit.piece_keys(kinds, i)
@@ -93,7 +99,12 @@ class UnitUpdater:
                     w, g, *states = store.get_group([unit.weight_key, unit.grad_key, *keys])
                     held = True
                 try:
-                    for ra, rb, grp, n, sc in mine:  # (the slots already hold the scalars after: the step predicted them)
+                    for m in mine:
+                        if self.spec.per_parameter is not None:
+                            self.apply_whole(w, g, [s_[m.offset - a:m.offset - a + m.numel] for s_ in states], m,
+                                             hypers[m.group], scale, step_counts[id(m)])
+                            continue
+                        ra, rb, grp, n, sc = m  # (the slots already hold the scalars after: the step predicted them)
                         self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n, dict(sc))
                     for k in keys:
                         store.mark_dirty(k)
@@ -142,3 +153,33 @@ class UnitUpdater:
             after = {k: float(opt.state[wc][k]) for k in spec.scalars}
             wc.grad = None
         return after
+
+    def apply_whole(self, w: torch.Tensor, g: torch.Tensor, slots: list[torch.Tensor], param, hyper: dict,
+                    scale: torch.Tensor | None, updates: int) -> None:
+        """One optimizer step of the whole parameter ``param`` (a :class:`ParamSlot`) with its real
+        shape; ``slots``: its stretch of each packed state buffer, holding its state tensors one
+        after another (see :class:`~tiered_offload.engine.optim_spec.PackedState`)."""
+        spec, a, b = self.spec, param.offset, param.offset + param.numel
+        entries = spec.per_parameter.entries(param.shape)
+        packed = slots[0] if len(slots) == 1 else torch.cat(slots)
+        wv = w[a:b].view(param.shape)
+        opt = spec.cls([wv], **hyper)
+        wv.grad = (g[a:b] if scale is None else g[a:b] * scale.to(g.device)).view(param.shape)
+        if updates:
+            state: dict[str, Any] = {k: packed[i:i + math.prod(shape)].view(shape) for k, shape, i in entries}
+            if spec.has_step:
+                state["step"] = torch.tensor(float(updates))
+            opt.state[wv] = state
+        with torch.no_grad():
+            opt.step()
+        if not updates:  # the optimizer made the state: keep it in the store
+            made = {k: v for k, v in opt.state[wv].items() if k != "step"}
+            if {k: tuple(v.shape) for k, v in made.items()} != {k: shape for k, shape, _ in entries}:
+                raise RuntimeError(f"{spec.cls.__name__} made state {[(k, list(v.shape)) for k, v in made.items()]} for "
+                                   f"{param.name}, not the {entries} its probe at construction predicted")
+            for k, shape, i in entries:
+                packed[i:i + math.prod(shape)].copy_(made[k].reshape(-1))
+        if len(slots) > 1:
+            for k, s_ in enumerate(slots):
+                s_.copy_(packed[k * param.numel:(k + 1) * param.numel])
+        wv.grad = None

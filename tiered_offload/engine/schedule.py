@@ -63,6 +63,9 @@ class UnitLayout:
     """Elements each optimizer-state buffer covers (the parameters in an optimizer group)."""
     piece_numel: int = DEFAULT_PIECE_NUMEL
     """Elements per optimizer-state piece."""
+    whole_pieces: tuple[tuple[int, int], ...] = ()
+    """For a per-parameter optimizer: pieces that hold whole parameters (up to ``piece_numel`` of
+    them, or one larger parameter); empty: pieces of ``piece_numel`` elements."""
 
     def key(self, kind: str) -> str:
         """Store key of this unit's buffer of ``kind`` (``weight``, ``grad``, ``state.exp_avg``...)."""
@@ -79,12 +82,21 @@ class UnitLayout:
 
     def pieces(self) -> list[tuple[int, int]]:
         """``(start, end)`` element ranges of the optimizer-state pieces."""
+        if self.whole_pieces:
+            return list(self.whole_pieces)
         step = max(1, self.piece_numel)
         return [(a, min(self.state_numel, a + step)) for a in range(0, self.state_numel, step)]
 
+    def largest_piece(self) -> int:
+        """Elements of the largest optimizer-state piece (what one piece of a kind costs in memory)."""
+        if self.whole_pieces:
+            return max(b - a for a, b in self.whole_pieces)
+        return min(self.state_numel, self.piece_numel)
+
     def state_key(self, kind: str, piece: int) -> str:
         """Key of piece ``piece`` of optimizer state ``kind`` (a unit of one piece keeps the plain key)."""
-        return self.key(f"state.{kind}") if self.state_numel <= self.piece_numel else self.key(f"state.{kind}.{piece}")
+        single = len(self.whole_pieces) <= 1 if self.whole_pieces else self.state_numel <= self.piece_numel
+        return self.key(f"state.{kind}") if single else self.key(f"state.{kind}.{piece}")
 
     def piece_keys(self, kinds: Sequence[str], piece: int) -> list[str]:
         return [self.state_key(k, piece) for k in kinds]
@@ -216,7 +228,7 @@ class Schedule:
         if kind == "grad":
             return self._bytes(unit.grad_numel)
         if kind == "piece":
-            return len(self.state_kinds) * self._bytes(min(unit.state_numel, unit.piece_numel))
+            return len(self.state_kinds) * self._bytes(unit.largest_piece())
         raise ValueError(kind)
 
     def state_bytes(self) -> int:

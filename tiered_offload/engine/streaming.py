@@ -30,6 +30,7 @@ from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import choose_activation_modes
+from tiered_offload.engine.shared_inputs import SharedInputs
 from tiered_offload.trace import span
 
 __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock"]
@@ -45,6 +46,7 @@ class StreamedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
         ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
+        ctx.shared = box.pop("shared")
         ctx.rng = engine.rng_state()
         # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
         # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
@@ -63,20 +65,21 @@ class StreamedBlock(torch.autograd.Function):
         out_leaves, out_spec = tree_flatten(out)
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
         ids = {id(t) for t in inputs}
-        out_leaves = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
-                      for x in out_leaves]
-        del out
-        box["spec"], box["leaves"] = out_spec, out_leaves
+        returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
+                    for x in out_leaves]
+        _as_differentiable(ctx, out_leaves, returned)
+        del out, out_leaves
+        box["spec"], box["leaves"] = out_spec, returned
         ctx.stash = engine.new_stash(None)
         ctx.handles = [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
-        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        return tuple(x for x in returned if isinstance(x, torch.Tensor))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         needs = ctx.needs_input_grad[6:]
         input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, ctx.stash, ctx.handles, needs,
-                                                grad_outputs, ctx.rng, ctx.buffers_before)
+                                                grad_outputs, ctx.rng, ctx.buffers_before, ctx.shared)
         return (None,) * 6 + tuple(input_grads)
 
 
@@ -87,7 +90,7 @@ class StashedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
-        ctx.engine, ctx.index = engine, index
+        ctx.engine, ctx.index, ctx.shared = engine, index, box.pop("shared")
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
         args, kwargs = _rebuild(spec, leaves, inputs)
@@ -110,6 +113,7 @@ class StashedBlock(torch.autograd.Function):
         ids = {id(t) for t in inputs}
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
+        _as_differentiable(ctx, out_leaves, returned)
         box["spec"], box["leaves"] = out_spec, returned
         engine.seal(index, stash)
         # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
@@ -124,9 +128,18 @@ class StashedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
-        input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs)
+        input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs,
+                                                  ctx.shared)
         ctx.outs = ctx.params = ctx.inputs = None
         return (None,) * 6 + tuple(input_grads)
+
+
+def _as_differentiable(ctx, out_leaves: list, returned: list) -> None:
+    """Outputs that did not require a gradient in the block (a mask, T5's cross-attention position
+    bias of zeros) do not from the node either, as in PyTorch: kernels choose their algorithm by it
+    (scaled-dot-product attention with a mask that requires grad takes another path)."""
+    ctx.mark_non_differentiable(*(r for x, r in zip(out_leaves, returned)
+                                  if isinstance(x, torch.Tensor) and not x.requires_grad))
 
 
 def _placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -223,6 +236,8 @@ class BlockStreamer:
         self._backward_ran = False
         self._rest_grad: torch.Tensor | None = None
         self._held: list[tuple[Unit, torch.Tensor | None]] = []
+        self.shared = SharedInputs()
+        """The block inputs whose gradients the blocks' backwards add up in PyTorch's order."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
@@ -497,7 +512,7 @@ class BlockStreamer:
         self.drop_orphans()
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        box: dict[str, Any] = {}
+        box: dict[str, Any] = {"shared": self.shared.take(tensors)}
         node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
         outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
         it = iter(outs)
@@ -590,7 +605,7 @@ class BlockStreamer:
                 self.store.unregister(key)
 
     def stashed_backward(self, index: int, stash: SavedActivations, params: dict[str, torch.Tensor],
-                         inputs: list[torch.Tensor], needs, pairs) -> list[torch.Tensor | None]:
+                         inputs: list[torch.Tensor], needs, pairs, shared) -> list[torch.Tensor | None]:
         """Backward of a :class:`StashedBlock`: fetch its weights and gradient buffer, point the
         graph's leaves at them, and let autograd run the kept graph on the saved tensors."""
         unit = self.binding.blocks[index]
@@ -605,12 +620,12 @@ class BlockStreamer:
                     leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                     if s_.requires_grad:
                         leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                self._backpropagate(unit, params, diff_inputs, pairs, gflat)
+                self._backpropagate(unit, params, diff_inputs, pairs + SharedInputs.seeds(inputs, shared), gflat)
             finally:
                 for leaf in params.values():
                     leaf.grad = None
                     leaf.data = _placeholder(leaf)
-        return [x.grad if n else None for x, n in zip(inputs, needs)]
+        return SharedInputs.settle(inputs, needs, shared)
 
     def param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Each parameter as a leaf over the weight buffer; a trainable one's .grad is a view of the
@@ -648,7 +663,7 @@ class BlockStreamer:
         self._held = []
 
     # ---- backward -----------------------------------------------------------------------
-    def block_backward(self, index, spec, leaves, stash, handles, needs, grad_outputs, rng, buffers_before=()):
+    def block_backward(self, index, spec, leaves, stash, handles, needs, grad_outputs, rng, buffers_before, shared):
         """Backward of a :class:`StreamedBlock`: run the block again from its stored inputs, with
         the RNG state and buffers its forward saw, and back-propagate through that."""
         unit = self.binding.blocks[index]
@@ -676,13 +691,15 @@ class BlockStreamer:
                     mod._buffers[name] = value
             outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-            self._backpropagate(unit, params, diff_inputs, pairs, gflat)
-            return [x.grad if n else None for x, n in zip(inputs, needs)]
+            self._backpropagate(unit, params, diff_inputs, pairs + SharedInputs.seeds(inputs, shared), gflat)
+            return SharedInputs.settle(inputs, needs, shared)
 
     def _backpropagate(self, unit: Unit, params: dict[str, torch.Tensor], diff_inputs: list[torch.Tensor],
                        pairs: list, gflat: torch.Tensor | None) -> None:
         """Back-propagate ``(output, gradient)`` pairs through a block's graph into its trainable
-        weights (their gradients accumulate into the store's buffer) and the inputs that need it."""
+        weights (their gradients accumulate into the store's buffer) and the inputs that need it
+        (a pair may be an input and the gradient its other blocks gave it: see
+        :mod:`~tiered_offload.engine.shared_inputs`)."""
         targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
         if pairs and targets:
             with span(self.tracer, f"backward {unit.name}", "compute"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from offload_core.errors import ConfigError
+from offload_core.errors import ConfigError, DiskFullError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.store.tiers import Tier
@@ -98,6 +98,7 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     torch.manual_seed(t.seed)
     with empty_init():
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    _check_export_space(cfg, out, sum(p.numel() for p in model.parameters()), directories, resuming)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
@@ -177,6 +178,25 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
             signal.signal(s, handler)
 
 
+def _check_export_space(cfg, out: Path, params: int, directories: str, resuming: bool) -> None:
+    """Refuse a run whose exports (the ones kept and the final one, fp32) do not fit the output
+    directory's disk, counting the training state too where it shares that disk and is new."""
+    import os
+
+    exports = 4 * params * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
+    free = shutil.disk_usage(out).free
+    storage = Path(directories.split(",")[0]).expanduser()
+    while not storage.exists():
+        storage = storage.parent
+    state = 16 * params if not resuming and os.stat(storage).st_dev == os.stat(out).st_dev else 0
+    if exports + state > free:
+        raise DiskFullError(
+            f"output.dir {out} needs {format_size(exports)} for the exports ({cfg.output.keep if cfg.output.export_every else 0}"
+            f" kept and the final one)" + (f" and the training state {format_size(state)} on the same disk" if state else "")
+            + f", but {format_size(free)} is free; free space, lower output.keep, or put the output elsewhere",
+            path=str(out), needed_bytes=exports + state, free_bytes=free)
+
+
 def _disk_bytes(engine) -> tuple[int, int]:
     stats = engine.stats().store
     return stats.bytes_read[Tier.DISK], stats.bytes_written[Tier.DISK]
@@ -216,5 +236,36 @@ def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, 
           f" ({info['eval_sequences']} held out); {total} steps of {cfg.train.micro_batch} x {cfg.train.grad_accum}")
     print(f"storage        {location} ({'resumes its committed state' if resuming else 'a fresh run'}); host "
           f"budget {cfg.offload.host_memory}, device budget {cfg.offload.device_memory}")
+    info["plan"] = _plan_preview(model, cfg)
+    for line in info["plan"]["lines"]:
+        print(f"plan           {line}")
     print(f"first batch    {info['first_sequence']!r}")
     return info
+
+
+def _plan_preview(model, cfg) -> dict:
+    """The engine's plan for this model and budget, from sizes alone (nothing allocated): the
+    streamed units, the minimum budget, the commit mode and the least disk bytes a step moves."""
+    from tiered_offload.config import StoreConfig
+    from tiered_offload.engine.binding import ModelBinding
+    from tiered_offload.engine.optim_spec import read_optimizer
+    from tiered_offload.engine.schedule import Schedule
+
+    binding = ModelBinding(model, cfg.model.blocks, torch.device("cpu"))
+    spec = read_optimizer(torch.optim.AdamW, {"lr": cfg.train.lr}, model.parameters())
+    binding.arrange(spec.group_of(), 4 << 20)
+    schedule = Schedule(binding.units, tuple(spec.kinds), lambda n: n)
+    host = StoreConfig(host_budget_bytes=cfg.offload.host_memory, device="cpu").resolved().host_budget_bytes
+    state, need = schedule.state_bytes(), schedule.working_set().need
+    beyond = max(0, state - host)
+    lines = [f"{len(binding.blocks)} units streamed ({sum(u.in_sequence for u in binding.blocks)} of {binding.seq_name}, "
+             f"{sum(not u.in_sequence for u in binding.blocks)} other stacks' blocks, embeddings and heads)",
+             f"host budget {format_size(host)}: minimum {format_size(need)}"
+             + ("" if host >= need else " -- too small: raise offload.host_memory"),
+             f"state {format_size(state)} " + ("fits the host budget: commits are snapshots, the disk only "
+                                               "receives them" if beyond == 0 else
+                                               f"exceeds it by {format_size(beyond)}: at least that much is read "
+                                               f"and written per step (journal commits)"),
+             "step time: measured and planned after the second step (engine.plan, logged)"]
+    return {"units": len(binding.blocks), "minimum_host_bytes": need, "host_bytes": host, "state_bytes": state,
+            "disk_floor_bytes_per_step": beyond, "lines": lines}

@@ -1,0 +1,88 @@
+"""Gradients of a tensor that several streamed blocks take as input, added in PyTorch's order.
+
+An encoder-decoder passes the encoder's output to every decoder block, and T5 passes its position
+bias from block 0 to the others. In plain PyTorch each *use* inside each block adds its gradient
+into one running sum, in the order backward reaches the uses: block 2's two uses, then block 1's,
+and so on. A streamed block is one autograd node, so autograd would first add the uses inside each
+block together and then add the blocks' sums: the same numbers, associated differently, not the
+same bits.
+
+So the blocks' backwards chain one running sum instead: each block's backward starts its input's
+gradient from the sum so far (a root of the block's own backward, so it is added first, as
+PyTorch's sum holds it when the block's uses arrive), and hands the new sum on; the last block to
+run its backward returns it to autograd, the others return nothing for that input. A tensor used
+by only one block (a hidden state passed from one block to the next) is returned as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from offload_core.errors import TensorStateError
+
+__all__ = ["SharedInputs", "SharedInput"]
+
+
+@dataclass(eq=False)
+class SharedInput:
+    """One tensor given to streamed blocks: how many of their backwards are still to run, and the
+    sum of the gradients the others gave it so far."""
+
+    tensor: weakref.ref
+    users: int = 0
+    grad: torch.Tensor | None = None
+
+
+class SharedInputs:
+    """The block inputs of the forwards whose backward has not run (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, SharedInput] = {}
+
+    def take(self, tensors: list[torch.Tensor]) -> list[SharedInput | None]:
+        """A block's forward takes ``tensors``: one entry per tensor that requires a gradient."""
+        out: list[SharedInput | None] = []
+        for t in tensors:
+            if not t.requires_grad:
+                out.append(None)
+                continue
+            entry = self._by_id.get(id(t))
+            if entry is None or entry.tensor() is not t:
+                entry = self._by_id[id(t)] = SharedInput(weakref.ref(t))
+            entry.users += 1
+            out.append(entry)
+        return out
+
+    @staticmethod
+    def seeds(inputs: list[torch.Tensor], shared: list[SharedInput | None]) -> list[tuple]:
+        """``(input leaf, sum so far)`` for a block's backward to start its inputs' gradients from."""
+        return [(x, e.grad) for x, e in zip(inputs, shared) if e is not None and e.grad is not None]
+
+    @staticmethod
+    def settle(inputs: list[torch.Tensor], needs, shared: list[SharedInput | None]) -> list[torch.Tensor | None]:
+        """What a block's backward returns for its inputs: the running sum from the last user of
+        a shared input, nothing from the others."""
+        grads = []
+        for x, n, e in zip(inputs, needs, shared):
+            g = x.grad if n else None
+            if e is not None and n:
+                e.users -= 1
+                e.grad, g = (g, None) if e.users > 0 else (None, g)
+            grads.append(g)
+        return grads
+
+    def backward_done(self) -> None:
+        """A backward finished: a sum still held means a block that took the tensor had no
+        backward (its output did not reach the loss), so its gradient could not be returned."""
+        lost = [e for e in self._by_id.values() if e.grad is not None]
+        self._by_id = {k: e for k, e in self._by_id.items() if e.tensor() is not None and e.users > 0}
+        if lost:
+            for e in lost:
+                e.grad, e.users = None, 0
+            raise TensorStateError(
+                "a tensor was given to several streamed blocks and the output of at least one of them did not reach "
+                "the loss, so the engine could not return that tensor's gradient in PyTorch's order; make every block "
+                "that takes it contribute to the loss, or pass blocks= so that the tensor stays inside one block")
