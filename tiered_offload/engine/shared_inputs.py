@@ -1,4 +1,6 @@
-"""Gradients of a tensor that several streamed blocks take as input, added in PyTorch's order.
+"""Gradients across a streamed block's boundary, as PyTorch computes them: a tensor that several
+streamed blocks take as input gets its gradient added in PyTorch's order, and an output that
+needs no gradient inside the block needs none outside it.
 
 An encoder-decoder passes the encoder's output to every decoder block, and T5 passes its position
 bias from block 0 to the others. In plain PyTorch each *use* inside each block adds its gradient
@@ -23,7 +25,7 @@ import torch
 
 from offload_core.errors import TensorStateError
 
-__all__ = ["SharedInputs", "SharedInput"]
+__all__ = ["SharedInputs", "SharedInput", "keep_non_differentiable"]
 
 
 @dataclass(eq=False)
@@ -86,3 +88,11 @@ class SharedInputs:
                 "a tensor was given to several streamed blocks and the output of at least one of them did not reach "
                 "the loss, so the engine could not return that tensor's gradient in PyTorch's order; make every block "
                 "that takes it contribute to the loss, or pass blocks= so that the tensor stays inside one block")
+
+
+def keep_non_differentiable(ctx, out_leaves: list, returned: list) -> None:
+    """Outputs that did not require a gradient in the block (a mask, T5's cross-attention position
+    bias of zeros) do not from the node either, as in PyTorch: kernels choose their algorithm by it
+    (scaled-dot-product attention with a mask that requires grad takes another path)."""
+    ctx.mark_non_differentiable(*(r for x, r in zip(out_leaves, returned)
+                                  if isinstance(x, torch.Tensor) and not x.requires_grad))

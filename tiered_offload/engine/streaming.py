@@ -30,7 +30,7 @@ from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import choose_activation_modes
-from tiered_offload.engine.shared_inputs import SharedInputs
+from tiered_offload.engine.shared_inputs import SharedInputs, keep_non_differentiable
 from tiered_offload.trace import span
 
 __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock"]
@@ -67,7 +67,7 @@ class StreamedBlock(torch.autograd.Function):
         ids = {id(t) for t in inputs}
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
-        _as_differentiable(ctx, out_leaves, returned)
+        keep_non_differentiable(ctx, out_leaves, returned)
         del out, out_leaves
         box["spec"], box["leaves"] = out_spec, returned
         ctx.stash = engine.new_stash(None)
@@ -113,7 +113,7 @@ class StashedBlock(torch.autograd.Function):
         ids = {id(t) for t in inputs}
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
-        _as_differentiable(ctx, out_leaves, returned)
+        keep_non_differentiable(ctx, out_leaves, returned)
         box["spec"], box["leaves"] = out_spec, returned
         engine.seal(index, stash)
         # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
@@ -132,14 +132,6 @@ class StashedBlock(torch.autograd.Function):
                                                   ctx.shared)
         ctx.outs = ctx.params = ctx.inputs = None
         return (None,) * 6 + tuple(input_grads)
-
-
-def _as_differentiable(ctx, out_leaves: list, returned: list) -> None:
-    """Outputs that did not require a gradient in the block (a mask, T5's cross-attention position
-    bias of zeros) do not from the node either, as in PyTorch: kernels choose their algorithm by it
-    (scaled-dot-product attention with a mask that requires grad takes another path)."""
-    ctx.mark_non_differentiable(*(r for x, r in zip(out_leaves, returned)
-                                  if isinstance(x, torch.Tensor) and not x.requires_grad))
 
 
 def _placeholder(t: torch.Tensor) -> torch.Tensor:
