@@ -300,3 +300,53 @@ def test_a_block_that_reads_a_shared_tensor_but_misses_the_loss_is_an_error(tmp_
         model.ignore_last = True  # the last block reads memory, its output is thrown away
         with pytest.raises(TensorStateError, match="several streamed blocks"):
             engine.backward(engine(torch.randint(0, 64, (2, 8))).sum())
+
+
+# ---- mixed precision ------------------------------------------------------------------------------
+@pytest.mark.parametrize("activations", ["recompute", "offload", "auto"])
+def test_autocast_bf16_trains_bitwise_as_pytorch_under_autocast(tmp_path, activations):
+    """``torch.autocast("cpu", torch.bfloat16)`` around the forward: the state stays fp32, a
+    recomputed block runs in the autocast its forward ran in; bitwise as PyTorch under autocast."""
+    import copy
+
+    from test_finetune import VOCAB, lm_loss
+    from tiered_offload import EngineConfig
+
+    def small():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: MLP(d), d=32, layers=4)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, VOCAB, (2, 9), generator=g) for _ in range(3)]
+
+    def run(model, finish):
+        losses = []
+        for ids in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(model, ids)
+            assert loss.dtype == torch.float32
+            losses.append(loss.item())
+            finish(loss)
+        return losses
+    ref = small()
+    start = copy.deepcopy(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def ref_step(loss):
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    expected = run(ref, ref_step)
+    model = small()
+    model.load_state_dict(start)
+    n = sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(16 * n * 0.4),
+                config=EngineConfig(activations=activations)) as engine:
+        def step(loss):
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+        assert run(engine, step) == expected
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())

@@ -10,6 +10,7 @@ from conftest import DEVICES
 from torch import nn
 
 from offload_core.errors import (
+    ConfigError,
     DiskFullError,
     ModelInputError,
     ModelStructureError,
@@ -54,7 +55,8 @@ def plain_loss(model, x):
 
 
 def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=None, steps=3, accumulate=1,
-               clip=None, scheduler=None, budget_fraction=0.25, storage=None, device="cpu", store_config=None):
+               clip=None, scheduler=None, budget_fraction=0.25, storage=None, device="cpu", store_config=None,
+               config=None):
     """Train a model in memory and a copy through the engine, both on ``device``; return both losses
     and weights (on the CPU). On CUDA the device budget is below the state too."""
     kwargs = kwargs or dict(lr=1e-3, weight_decay=0.01)
@@ -66,7 +68,7 @@ def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=N
     state = (2 + (2 if optimizer in (torch.optim.Adam, torch.optim.AdamW) else 1)) * 4 * n
     engine = Engine(model, optimizer, kwargs, storage=storage or tmp_path / "state", device=device,
                     host_memory=int(state * budget_fraction), device_memory=int(state * budget_fraction),
-                    store_config=store_config)
+                    store_config=store_config, config=config)
     assert engine.store.capacity("host") <= engine.state_bytes() * budget_fraction + 4096
     opt = optimizer(ref.parameters(), **kwargs)
     sched_ref = scheduler(opt) if scheduler else None
@@ -133,6 +135,66 @@ def test_parity_with_a_device_tier_on_the_cpu(tmp_path):
     assert assert_same(le, lr_, we, wr), "not bitwise identical"
     assert stats.bytes_written[Tier.DEVICE] > 0 and stats.bytes_read[Tier.DEVICE] > 0
     assert stats.bytes_read[Tier.DISK] > 0 and stats.bytes_written[Tier.DISK] > 0
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_the_optimizer_runs_where_told_bitwise_and_on_the_host_its_states_never_cross(tmp_path, where):
+    """``optimizer_device``: on the device stand-in (a device tier of CPU memory), the update in
+    the host tier or in the device tier gives PyTorch's numbers; on the host, no optimizer state is
+    ever copied into the device tier."""
+    from tiered_offload import EngineConfig
+    state = 16 * sum(p.numel() for p in plain_gpt().parameters())
+    le, lr_, we, wr, stats = train_pair(plain_gpt, plain_loss, tmp_path, clip=1.0, steps=4, budget_fraction=0.4,
+                                        store_config={"device_budget_bytes": state // 4},
+                                        config=EngineConfig(optimizer_device=where))
+    assert assert_same(le, lr_, we, wr), "not bitwise identical"
+    assert stats.bytes_written[Tier.DEVICE] > 0 and stats.bytes_read[Tier.DISK] > 0
+
+
+def test_the_update_on_the_host_moves_fewer_bytes_over_the_link(tmp_path):
+    """Measured in one run: the bytes copied into and out of the device tier per step, the update
+    on the host against on the device (the states stay below; gradients go down, weights up)."""
+    from tiered_offload import EngineConfig
+    state = 16 * sum(p.numel() for p in plain_gpt(layers=6).parameters())
+    link, tiers = {}, {}
+    for where in ("device", "host"):
+        torch.manual_seed(0)
+        engine = Engine(plain_gpt(layers=6), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / where,
+                        host_memory=int(state * 0.375), durable=False, store_config={"device_budget_bytes": state // 4},
+                        config=EngineConfig(optimizer_device=where))
+        tiers[where] = engine._updater.tier
+        g = torch.Generator().manual_seed(1)
+        for step in range(5):
+            if step == 2:
+                engine._await()
+                before = engine.stats()
+            x = torch.randint(0, 128, (2, 17), generator=g)
+            engine.backward(plain_loss(engine, x))
+            engine.step()
+            engine.zero_grad()
+        engine._await()
+        after = engine.stats()
+        link[where] = sum(getattr(after, f)[Tier.DEVICE] - getattr(before, f)[Tier.DEVICE]
+                          for f in ("bytes_read", "bytes_written")) / 3 / state
+        states = [k for k in engine.store.keys() if "/state." in k]
+        assert states and all(Tier.DEVICE not in engine.store.residency(k) for k in states) or where == "device"
+        engine.close()
+    assert tiers == {"device": Tier.DEVICE, "host": Tier.HOST}
+    assert link["host"] < 0.75 * link["device"], link
+
+
+def test_optimizer_device_is_validated_and_host_needs_its_working_set(tmp_path):
+    from tiered_offload import EngineConfig
+    state = 16 * sum(p.numel() for p in plain_gpt().parameters())
+    with pytest.raises(ConfigError, match="optimizer_device must be"):
+        Engine(plain_gpt(), torch.optim.AdamW, {}, storage=tmp_path / "a", host_memory=state,
+               store_config={"device_budget_bytes": state // 4}, config=EngineConfig(optimizer_device="gpu"))
+    with Engine(plain_gpt(), torch.optim.AdamW, {}, storage="memory", host_memory=state) as probe:
+        largest = max(probe.schedule.unit_bytes(u, "weight") for u in probe.units)  # what staging needs
+        assert probe._updater.tier == Tier.HOST  # one memory tier: nothing to choose
+    with pytest.raises(TierCapacityError, match="optimizer_device='host'"):
+        Engine(plain_gpt(), torch.optim.AdamW, {}, storage=tmp_path / "b", host_memory=largest + 8192,
+               store_config={"device_budget_bytes": state}, config=EngineConfig(optimizer_device="host"))
 
 
 def test_device_and_host_tiers_together_cut_disk_reads(tmp_path):

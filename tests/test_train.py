@@ -256,3 +256,38 @@ def test_a_disk_that_cannot_hold_the_exports_is_refused_before_training(tmp_path
     err = capsys.readouterr().err
     assert "for the exports (1 kept and the final one)" in err and "lower output.keep" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_bf16_autocast_computes_in_bf16_and_keeps_the_state_fp32(tmp_path, model_dir, data):
+    """``train.precision: bf16-autocast``: the losses are those of bfloat16 matrix products (not
+    fp32's, but close), the exported weights are fp32; another value is refused by name."""
+    runs = {}
+    for precision in ("fp32", "bf16-autocast"):
+        records = []
+        summary = train(write_config(tmp_path / precision, model_dir, data, train__max_steps=4, train__precision=precision,
+                                     output__export_every=0), progress=False, on_step=lambda s, r: records.append(r["loss"]))
+        runs[precision] = (records, exported(Path(summary["final"])))
+    (fp32, _), (bf16, weights) = runs["fp32"], runs["bf16-autocast"]
+    assert fp32 != bf16 and all(abs(a - b) < 0.05 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    with pytest.raises(ConfigError, match="train.precision must be one of fp32, bf16-autocast"):
+        train(write_config(tmp_path / "bad", model_dir, data, train__precision="fp16"), progress=False)
+
+
+def test_the_long_steps_show_progress_bars_where_a_command_asks(tmp_path, model_dir, data, capsys):
+    """Tokenising, reading init_from and exporting under `train`; verifying and exporting under
+    the CLI; nothing from the library on its own, nothing with --json."""
+    train(write_config(tmp_path, model_dir, data, train__max_steps=1, output__export_every=0), progress=True)
+    err = capsys.readouterr().err
+    assert "tokenising" in err and "reading init_from" in err and "exporting to" in err, err[-2000:]
+    assert cli_main(["verify", str(tmp_path / "run")]) == 0
+    assert "verifying" in capsys.readouterr().err
+    assert cli_main(["verify", "--json", str(tmp_path / "run")]) == 0
+    assert "verifying" not in capsys.readouterr().err
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "again")]) == 0
+    assert "exporting to" in capsys.readouterr().err
+    from tiered_offload.progress import counter, track
+    assert list(track([1, 2, 3], desc="quiet")) == [1, 2, 3]
+    with counter(3, desc="quiet") as advance:
+        advance(1)
+    assert capsys.readouterr().err == ""

@@ -120,14 +120,16 @@ def _state_command(args) -> int:
 
     from offload_core.sizes import format_size
     from tiered_offload.checkpoint.state_dir import open_state
-    with open_state(args.directory, stripes=args.stripe) as sd:
+    from tiered_offload import progress
+    with open_state(args.directory, stripes=args.stripe) as sd, progress.shown(not getattr(args, "json", False)):
         if args.command == "export":
             files = sd.export(args.out, args.max_shard_size)
             for f in files:
                 print(f)
             return 0
         if args.command == "verify":
-            report = sd.verify()
+            with progress.counter(None, desc="verifying") as advance:
+                report = sd.verify(advance)
             if args.json:
                 print(json.dumps(report, indent=1))
             else:

@@ -166,6 +166,14 @@ class EngineConfig:
     list with one of those per streamed block, or ``"auto"``: the planner chooses per block from
     the first step's measurements (see ``engine.plan``). Every choice computes the same numbers."""
 
+    optimizer_device: str = "auto"
+    """Where the optimizer step runs on a GPU (with a device tier): ``"host"`` (PyTorch's CPU
+    optimizer on the host tier, where the states live: the link carries gradients down and weights
+    up), ``"device"`` (the states go to the GPU for the update and back), or ``"auto"``: the host
+    when the state does not fit the device budget and the host budget holds the step's working
+    set. Either computes PyTorch's numbers: the host one those of the optimizer run on CPU copies
+    of the parameters, the device one those of the optimizer on the GPU."""
+
     overlap_step: bool | None = None
     """Run the step in the background, overlapped with the next forward. None: when the state
     does not fit the compute tier and the budget holds a unit being updated beside the forward's

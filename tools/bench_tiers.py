@@ -22,6 +22,7 @@ ratios against the inclusive, deep-window configuration measured in the same run
     python tools/bench_tiers.py                    # CPU: 29M-parameter GPT, device 1/4, host 3/8 of the state
     python tools/bench_tiers.py --shares 0.0625,0.125,0.25,1   # the host tier's prefetch window alone
     python tools/bench_tiers.py --device cuda --d-model 2048 --layers 20 --vocab 32768 --batch 4 --context 512
+    python tools/bench_tiers.py --placements       # the optimizer step on the device against on the host
 """
 
 from __future__ import annotations
@@ -38,17 +39,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tiered_offload import Engine, Tier, empty_init, format_size
+from tiered_offload import Engine, EngineConfig, Tier, empty_init, format_size
 from tiered_offload_examples.models import GPT, GPTConfig
 
 CONFIGS = {
-    # name: (tier_caching, host_prefetch_share)
-    "exclusive, short window": ("exclusive", None),
-    "inclusive, deep window": ("inclusive", 1.0),
-    "exclusive, deep window": ("exclusive", 1.0),
-    "inclusive, short window": ("inclusive", None),
+    # name: (tier_caching, host_prefetch_share, optimizer_device)
+    "exclusive, short window": ("exclusive", None, "device"),
+    "inclusive, deep window": ("inclusive", 1.0, "device"),
+    "exclusive, deep window": ("exclusive", 1.0, "device"),
+    "inclusive, short window": ("inclusive", None, "device"),
 }
 BASELINE = "inclusive, deep window"
+PLACEMENTS = {
+    "update on the device": ("exclusive", None, "device"),
+    "update on the host": ("exclusive", None, "host"),
+    "update on the host, inclusive": ("inclusive", None, "host"),
+}
+"""``--placements``: where the optimizer step runs (``EngineConfig.optimizer_device``)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -73,12 +80,17 @@ def main(argv=None) -> int:
     ap.add_argument("--shares", default=None,
                     help="instead: exclusive caching with each of these host_prefetch_share values (comma-separated; "
                          "the last is the base)")
+    ap.add_argument("--placements", action="store_true",
+                    help="instead: the optimizer step on the device against on the host (the update where its state "
+                         "lives), link bytes per parameter per step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs, base_name = CONFIGS, BASELINE
+    if args.placements:
+        configs, base_name = PLACEMENTS, "update on the device"
     if args.shares:
         shares = [float(x) for x in args.shares.split(",")]
-        configs = {f"exclusive, share {x:g}": ("exclusive", x) for x in shares}
+        configs = {f"exclusive, share {x:g}": ("exclusive", x, "device") for x in shares}
         base_name = f"exclusive, share {shares[-1]:g}"
     device = torch.device(args.device)
     cfg = GPTConfig(vocab_size=args.vocab, context=args.context, d_model=args.d_model, n_layers=args.layers,
@@ -94,7 +106,7 @@ def main(argv=None) -> int:
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=g) for _ in range(n_batches)]
     engines, results = {}, {name: [] for name in configs}
     try:
-        for i, (name, (caching, share)) in enumerate(configs.items()):
+        for i, (name, (caching, share, placement)) in enumerate(configs.items()):
             torch.manual_seed(0)
             with empty_init():
                 model = GPT(cfg)
@@ -103,7 +115,7 @@ def main(argv=None) -> int:
                 store["device_budget_bytes"] = dev_budget  # a device tier of CPU memory
             engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=root / str(i),
                                    device=device, host_memory=host_budget, device_memory=dev_budget, durable=False,
-                                   store_config=store)
+                                   store_config=store, config=EngineConfig(optimizer_device=placement))
         losses = {name: [] for name in configs}
         for r in range(args.rounds + 1):
             for name, engine in engines.items():
@@ -150,6 +162,11 @@ def main(argv=None) -> int:
               f" {disk:>18.2f}")
     print(f"(bytes per step as multiples of the state, {format_size(state)}; base: {base_name}; losses of every "
           f"configuration {'identical' if same else 'DIFFERENT'})")
+    for name, med in report["configs"].items():
+        link = (med["into_device"] + med["out_of_device"]) / cfg.n_params()
+        med["link_bytes_per_parameter"] = link
+        print(f"{name:<32} device link: {link:5.1f} bytes per parameter per step "
+              f"({(med['into_device'] + med['out_of_device']) / state:.2f}x the state)")
     print(f"\nthe plan of '{first}' (its disk bytes per step predicted, and measured over three steps):\n  "
           + plan.replace("\n", "\n  "))
     report["plan"] = plan

@@ -37,6 +37,7 @@ from tiered_offload.checkpoint.durable import (
     read_committed,
 )
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, exported_config, write_private
+from tiered_offload.progress import counter
 from tiered_offload.store.checksum import describe, hasher_for
 
 __all__ = ["StateDirectory", "ShardedStateDirectory", "open_state", "rank_directories", "export_params"]
@@ -264,8 +265,10 @@ def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
         else:
             t = buffers[k - len(order)][1].contiguous()
             write(t.reshape(-1).view(torch.uint8).numpy().data)
+        advance(1)
     writer = SafetensorsWriter(out, tensors, max_shard_size, metadata)
-    return writer.write(fill_one)
+    with counter(len(tensors), desc=f"exporting to {out}", unit="tensor") as advance:
+        return writer.write(fill_one)
 
 
 RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")

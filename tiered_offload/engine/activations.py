@@ -21,6 +21,7 @@ backward computes with exactly the tensors the forward saved: the result is PyTo
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ import torch
 
 from offload_core.errors import TensorStateError
 
-__all__ = ["SavedActivations", "ALIGN"]
+__all__ = ["SavedActivations", "ALIGN", "autocast_state", "replay_autocast"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside the scratch buffer."""
@@ -262,3 +263,20 @@ def _orphaned(life: _Life) -> None:
     """Finalizer: the graph holding these activations was dropped without a backward."""
     if life.key is not None and not life.released:
         life.orphans.append(life.key)  # list.append is atomic; the streamer unregisters it later
+
+
+def autocast_state(device: torch.device) -> list[tuple[str, torch.dtype, bool]]:
+    """``(device type, dtype, cache enabled)`` of each autocast region a block's forward runs in
+    (the CPU's, and the compute device's): its recompute must run in the same ones, or it would
+    compute in other dtypes than the forward did (``torch.autocast(..., torch.bfloat16)``)."""
+    return [(kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+            for kind in dict.fromkeys(("cpu", device.type)) if torch.is_autocast_enabled(kind)]
+
+
+@contextlib.contextmanager
+def replay_autocast(state: list[tuple[str, torch.dtype, bool]]):
+    """Enter the autocast regions :func:`autocast_state` recorded."""
+    with contextlib.ExitStack() as stack:
+        for kind, dtype, cache in state:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
+        yield

@@ -39,7 +39,7 @@ from tiered_offload.engine.optim_spec import OptimizerSpec, optimizer_for_resume
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.plan_monitor import PlanMonitor
-from tiered_offload.engine.preflight import check_budgets, check_disk
+from tiered_offload.engine.preflight import check_budgets, check_disk, optimizer_tier
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.engine.sharding import Local, Placement, Sharded, distributed_group, engine_storage
 from tiered_offload.engine.streaming import BlockStreamer
@@ -202,7 +202,8 @@ class Engine(EngineViews):
             raise
 
         self._phases: list[Phase] = []
-        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel)
+        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel,
+                                    optimizer_tier(self.config.optimizer_device, self.store, self.schedule))
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
             before_each=lambda name: self._commits.before_unit(
@@ -225,7 +226,7 @@ class Engine(EngineViews):
         self._tracer: Tracer | None = None
         if trace is not None:
             self._attach_tracer(Tracer(trace))
-        self.store.declare_access_sequence(self._sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP]))
+        self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP])
         self._streamer.unbind_rest()
         by_name = self._units_by_name
         try:
@@ -287,6 +288,13 @@ class Engine(EngineViews):
         """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
         return self.schedule.access_sequence(phases, overlap=self.overlap_step,
                                              activations=self._streamer.modes is not None)
+
+    def _declare(self, phases: list[Phase]) -> None:
+        """Tell the store's lookahead the order; a device tier the step does not run in sees no step."""
+        self.store.declare_access_sequence(self._sequence(phases))
+        if self._updater.tier != self.store.compute_tier:
+            self.store.declare_access_sequence(self._sequence([p for p in phases if p != Phase.STEP]),
+                                               tier=self.store.compute_tier)
 
     @_engine_time
     @_between_collectives
@@ -384,7 +392,7 @@ class Engine(EngineViews):
         try:
             then = self._commits.begin_step(hypers, scale, updates,
                                             barrier=self._placement.barrier if self._placement.world > 1 else None)
-            self.store.declare_access_sequence(self._sequence(self._phases))
+            self._declare(self._phases)
             self._phases = []
             by_name = self._units_by_name
             self._pipeline.run([u.name for u in self.schedule.update_order()],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tiered_offload.checkpoint.safetensors_io import PretrainedReader
 from tiered_offload.engine.binding import ModelBinding
+from tiered_offload.progress import track
 
 __all__ = ["load_initial_weights"]
 
@@ -18,7 +19,8 @@ def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, i
         reader = PretrainedReader(init_from)
         reader.check_covers([(s.name, s.shape) for _, s in binding.param_order])
     try:
-        for unit in binding.units:
+        what = "reading init_from" if reader is not None else "placing the initial weights"
+        for unit in track(binding.units, desc=what, unit="unit"):
             placement.register(store, unit, state_kinds, lambda flat, unit=unit: _fill(binding, unit, flat, reader, init))
     finally:
         if reader is not None:

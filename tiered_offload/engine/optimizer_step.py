@@ -48,12 +48,15 @@ class UnitUpdater:
         store: the tiered store holding the unit's buffers.
         spec: the optimizer (class, per-parameter state kinds, zero-initialised or not).
         chunk_numel: elements per optimizer call (bounds its temporaries).
+        tier: the memory tier the update runs in (None: the compute tier; the host tier below a
+            device tier: the update where its state lives, see ``EngineConfig.optimizer_device``).
     """
 
-    def __init__(self, store, spec: OptimizerSpec, chunk_numel: int):
+    def __init__(self, store, spec: OptimizerSpec, chunk_numel: int, tier=None):
         self.store = store
         self.spec = spec
         self.chunk_numel = chunk_numel
+        self.tier = tier
 
     def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, step_counts: dict[int, int], *,
                write_behind: bool, weights_behind: bool = True, shard=None, scalars: dict | None = None) -> list:
@@ -68,10 +71,10 @@ class UnitUpdater:
             runs, unit = shard.runs(runs), shard
         if not runs:
             return []
-        store, kinds = self.store, self.spec.kinds
+        store, kinds, tier = self.store, self.spec.kinds, self.tier
         futures: list = []
         # prologue: the weights and gradients stay pinned for the whole unit
-        w, g = store.get_group([unit.weight_key, unit.grad_key])
+        w, g = store.get_group([unit.weight_key, unit.grad_key], tier)
         held = True
         try:
             # steady state: one piece of every state kind at a time; the store's lookahead (told this
@@ -86,17 +89,17 @@ class UnitUpdater:
                     continue
                 keys = unit.piece_keys(kinds, i)
                 try:
-                    states = store.get_group(keys)
+                    states = store.get_group(keys, tier)
                 except TierCapacityError:
                     # the pinned weights and gradients split the tier into holes too small for the
                     # pieces: let go of them too (the weights updated so far marked as such) and
                     # place the three together
                     if i:
-                        store.mark_dirty(unit.weight_key)
+                        store.mark_dirty(unit.weight_key, tier)
                     held = False
-                    store.release(unit.grad_key)
-                    store.release(unit.weight_key)
-                    w, g, *states = store.get_group([unit.weight_key, unit.grad_key, *keys])
+                    store.release(unit.grad_key, tier)
+                    store.release(unit.weight_key, tier)
+                    w, g, *states = store.get_group([unit.weight_key, unit.grad_key, *keys], tier)
                     held = True
                 try:
                     for m in mine:
@@ -107,18 +110,18 @@ class UnitUpdater:
                         ra, rb, grp, n, sc = m  # (the slots already hold the scalars after: the step predicted them)
                         self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n, dict(sc))
                     for k in keys:
-                        store.mark_dirty(k)
+                        store.mark_dirty(k, tier)
                 finally:
                     for k in keys:
-                        store.release(k)
+                        store.release(k, tier)
                 if write_behind:
                     futures += [store.write_back(k) for k in keys]
             # epilogue: the weights
-            store.mark_dirty(unit.weight_key)
+            store.mark_dirty(unit.weight_key, tier)
         finally:
             if held:
-                store.release(unit.grad_key)
-                store.release(unit.weight_key)
+                store.release(unit.grad_key, tier)
+                store.release(unit.weight_key, tier)
         if write_behind and weights_behind:
             futures.append(store.write_back(unit.weight_key))
         return futures

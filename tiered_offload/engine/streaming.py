@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import SavedActivations
+from tiered_offload.engine.activations import SavedActivations, autocast_state, replay_autocast
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -280,9 +280,9 @@ class BlockStreamer:
         finally:
             self.store.release(key)
 
-    def rng_state(self) -> dict[str, torch.Tensor]:
-        """The RNG states a block's recompute must start from (CPU, and CUDA on a GPU)."""
-        state = {"cpu": torch.get_rng_state()}
+    def rng_state(self) -> dict:
+        """What a block's recompute replays: the RNG states (CPU, and CUDA on a GPU) and autocast's."""
+        state = {"cpu": torch.get_rng_state(), "autocast": autocast_state(self.device)}
         if self.device.type == "cuda":
             state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
@@ -672,7 +672,7 @@ class BlockStreamer:
             for mod, name, old in buffers_before:
                 mod._buffers[name] = old.clone()
             try:
-                with (torch.enable_grad(), torch.random.fork_rng(devices=devices),
+                with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
                       span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:

@@ -223,10 +223,12 @@ class TieredStore(CopyChains):
     def policy(self, tier: Tier | str) -> EvictionPolicy:
         return self._policies[Tier.parse(tier)]
 
-    def declare_access_sequence(self, keys: Sequence[str], *, cyclic: bool = True) -> None:
-        """Tell the lookahead policies the order in which tensors will be accessed (e.g. one step)."""
-        for p in self._policies.values():
-            p.set_sequence(list(keys), cyclic=cyclic)
+    def declare_access_sequence(self, keys: Sequence[str], *, cyclic: bool = True, tier: Tier | str | None = None) -> None:
+        """Tell the lookahead policies (of every tier, or of ``tier``) the order in which tensors
+        will be accessed (e.g. one step)."""
+        for t, p in self._policies.items():
+            if tier is None or t == Tier.parse(tier):
+                p.set_sequence(list(keys), cyclic=cyclic)
 
     # ---- registration -------------------------------------------------------------------
     def register(self, key: str, shape: Iterable[int], dtype: torch.dtype = torch.float32, *,

@@ -70,7 +70,11 @@ class TrainSection:
     seed: int = 0
     """Seeds the data order and everything random in training."""
     precision: str = "fp32"
-    """``fp32``: the state and the compute in fp32 (``bf16-autocast`` is not implemented yet)."""
+    """``fp32``: the state and the compute in fp32. ``bf16-autocast``: the forward (and so the
+    backward) computes under ``torch.autocast`` in bfloat16 where PyTorch's autocast does
+    (matrix products), the state (weights, gradients, Adam moments) stays fp32; the engine
+    recomputes a block in the autocast its forward ran in, so the run equals PyTorch's own
+    autocast training bitwise."""
     eval_every: int = 0
     """Evaluate every this many steps (0: only at the end, when there is evaluation data)."""
 
@@ -120,8 +124,7 @@ class RunConfig:
                 raise ConfigError(f"{key} is required")
         _choice("data.format", self.data.format, ("text", "completion", "alpaca", "chat"))
         _choice("train.schedule", self.train.schedule, ("constant", "linear", "cosine"))
-        if self.train.precision != "fp32":
-            raise ConfigError(f"train.precision: {self.train.precision!r} is not implemented yet; use fp32")
+        _choice("train.precision", self.train.precision, ("fp32", "bf16-autocast"))
         for key, value, lo in (("data.max_seq_len", self.data.max_seq_len, 2), ("train.micro_batch", self.train.micro_batch, 1),
                                ("train.grad_accum", self.train.grad_accum, 1), ("train.warmup_steps", self.train.warmup_steps, 0),
                                ("train.eval_every", self.train.eval_every, 0), ("offload.commit_every", self.offload.commit_every, 1),

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from offload_core.errors import ConfigError
+from tiered_offload.progress import track
 
 __all__ = ["Dataset", "prepare_data", "ALPACA_PROMPT"]
 
@@ -180,7 +181,8 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     if not (cache / "done").exists():
         cache.mkdir(parents=True, exist_ok=True)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        encoded = [_encode(tokenizer, ex) for ex, _ in _examples(path, data.format, data.field)]
+        encoded = [_encode(tokenizer, ex) for ex, _ in track(_examples(path, data.format, data.field),
+                                                              desc=f"tokenising {path.name}", unit="example")]
         if data.eval_path:
             held = [_encode(tokenizer, ex) for ex, _ in _examples(Path(data.eval_path).expanduser(), data.format,
                                                                  data.field)]

@@ -74,7 +74,15 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
           progress: bool = True, on_step=None) -> dict:
     """Run (or continue) the fine-tuning ``config`` describes; returns a summary (``step``,
     ``stopped``: a signal ended it early, ``final``: the final export's directory).
-    ``on_step(step, record)`` is called after every step (tests, dashboards)."""
+    ``on_step(step, record)`` is called after every step (tests, dashboards). ``progress``: a bar
+    for the training and for the long steps before it (tokenising, placing the weights) and the
+    exports."""
+    from tiered_offload import progress as bars
+    with bars.shown(progress and not dry_run):
+        return _train(config, overrides, dry_run, progress, on_step)
+
+
+def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     import transformers
 
     from tiered_offload import Engine, empty_init
@@ -130,7 +138,8 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
                 rows = micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro, t.micro_batch)
                 batch = train_data.batch(rows)
                 tokens += train_data.tokens(rows)
-                loss = engine(**batch).loss / t.grad_accum
+                with _precision(t.precision, engine):
+                    loss = engine(**batch).loss / t.grad_accum
                 engine.backward(loss)
                 losses.append(loss.item() * t.grad_accum)
             norm = engine.clip_grad_norm_(t.clip) if t.clip else None
@@ -143,7 +152,7 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
                       "grad_norm": None if norm is None else float(norm), "tokens": tokens,
                       "tokens_per_s": tokens / seconds if seconds > 0 else None, "seconds": seconds}
             if eval_data is not None and t.eval_every and (step + 1) % t.eval_every == 0:
-                record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch)
+                record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision)
             now = _disk_bytes(engine)
             record["disk_read_bytes"], record["disk_written_bytes"] = now[0] - moved[0], now[1] - moved[1]
             moved = now
@@ -164,7 +173,7 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
                    "final": None, "state_bytes": engine.state_bytes()}
         if stop["signal"] is None:
             if eval_data is not None:
-                summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch)
+                summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision)
                 metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
             _export(engine, model_dir, out / "final")
             summary["final"] = str(out / "final")
@@ -202,12 +211,21 @@ def _disk_bytes(engine) -> tuple[int, int]:
     return stats.bytes_read[Tier.DISK], stats.bytes_written[Tier.DISK]
 
 
-def _evaluate(engine, model, data, micro_batch: int) -> float:
+def _precision(precision: str, engine):
+    """The context the forward runs in: nothing for fp32, bfloat16 autocast for ``bf16-autocast``."""
+    import contextlib
+
+    if precision == "bf16-autocast":
+        return torch.autocast(engine.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _evaluate(engine, model, data, micro_batch: int, precision: str = "fp32") -> float:
     """The mean loss over the evaluation sequences (dropout off, no gradient, training untouched)."""
     model.eval()
     total, count = 0.0, 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _precision(precision, engine):
             for a in range(0, len(data), micro_batch):
                 rows = list(range(a, min(len(data), a + micro_batch)))
                 total += float(engine(**data.batch(rows)).loss) * len(rows)
