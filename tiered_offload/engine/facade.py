@@ -221,7 +221,7 @@ class Engine(EngineViews):
         """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""
         self._monitor = PlanMonitor(self.store, self.schedule, self._streamer, [b.name for b in self.blocks],
                                     self.config, recompute, self.overlap_step,
-                                    sum(s.numel for _, s in self.binding.param_order))
+                                    sum(s.numel for _, s in self.binding.param_order), self._floors())
         """The plan, the measurements, the prediction check, stats()."""
         self._tracer: Tracer | None = None
         if trace is not None:
@@ -288,6 +288,17 @@ class Engine(EngineViews):
         """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
         return self.schedule.access_sequence(phases, overlap=self.overlap_step,
                                              activations=self._streamer.modes is not None)
+
+    def _floors(self) -> dict:
+        """What a step cannot avoid moving (:meth:`Schedule.floors`), where the update runs, and
+        where the gradients wait for it."""
+        host, device = self.store.capacity(Tier.HOST), self.store.capacity(Tier.DEVICE)
+        journal = isinstance(self._commits, JournalCommits)
+        return {**self.schedule.floors(host + device, device, update_on_host=self._updater.tier == Tier.HOST,
+                                       journal=journal),
+                "update": self._updater.tier.name.lower(),
+                "gradients": "to the disk before each step's record (a crash redoes the update from them)" if journal
+                else "in memory until the update (to the disk only when memory is short)"}
 
     def _declare(self, phases: list[Phase]) -> None:
         """Tell the store's lookahead the order; a device tier the step does not run in sees no step."""

@@ -31,6 +31,7 @@ class _Counters:
     disk_written: int
     io_wait_seconds: float
     disk_busy_seconds: float
+    link: int
 
 
 class PlanMonitor:
@@ -45,6 +46,7 @@ class PlanMonitor:
         recompute: the engine's ``recompute=`` argument.
         overlap_step: whether the step overlaps the next forward.
         parameter_count: the model's parameters (for bytes per parameter).
+        floors: the bytes a step cannot avoid (see :meth:`Schedule.floors`), shown in the plan.
     """
 
     PLAN_FROM = 1
@@ -57,7 +59,8 @@ class PlanMonitor:
     """Measurements kept for stats() (the plan's entries first)."""
 
     def __init__(self, store, schedule, streamer, block_names: list[str], config, recompute, overlap_step: bool,
-                 parameter_count: int):
+                 parameter_count: int, floors: dict | None = None):
+        self.floors = floors
         self.store, self.schedule, self.streamer = store, schedule, streamer
         self.block_names = block_names
         self.config = config
@@ -101,7 +104,7 @@ class PlanMonitor:
                     prefetch_depth=self.store.config.prefetch_depth, overlap_step=self.overlap_step,
                     host_split={"working_set": min(need, cap), "activation_room": min(acts, max(0, cap - need)),
                                 "cache": max(0, cap - need - acts)},
-                    lower_tier=self._lower_tier(), overridden=overridden)
+                    lower_tier=self._lower_tier(), overridden=overridden, floors=self.floors)
 
     def _lower_tier(self) -> dict[str, int] | None:
         """The host tier below a device tier, as the plan shows it (None without a device tier)."""
@@ -114,7 +117,7 @@ class PlanMonitor:
     def _counters(self) -> _Counters:
         st = self.store.stats
         return _Counters(self.engine_seconds, st.bytes_read[Tier.DISK], st.bytes_written[Tier.DISK],
-                         st.io_wait_seconds, st.disk_busy_seconds)
+                         st.io_wait_seconds, st.disk_busy_seconds, st.bytes_read[Tier.DEVICE] + st.bytes_written[Tier.DEVICE])
 
     def iteration_boundary(self) -> None:
         """A step begins: measure the iteration that ended (for the plan), start the next. Its
@@ -130,7 +133,7 @@ class PlanMonitor:
                 disk_busy_seconds=now.disk_busy_seconds - last.disk_busy_seconds,
                 forward_seconds=[streamer.forward_seconds.get(i, 0.0) for i in range(n)],
                 graph_bytes=[streamer.graph_bytes.get(i, 0) for i in range(n)],
-                modes=list(streamer.modes) if streamer.modes is not None else ["keep"] * n))
+                modes=list(streamer.modes) if streamer.modes is not None else ["keep"] * n, link=now.link - last.link))
             self._after_iteration()
             if len(self.measured) > self.KEEP:
                 del self.measured[self.PLAN_FROM + 1 + self.CHECK_AFTER]
@@ -200,4 +203,5 @@ class PlanMonitor:
         moved = sum(x.disk_read + x.disk_written for x in m)
         return EngineStats(self.store.stats, self.parameter_count, len(m),
                            median([x.seconds for x in m]), median([x.disk_read for x in m]),
-                           median([x.disk_written for x in m]), moved / busy if busy > 0 else None)
+                           median([x.disk_written for x in m]), moved / busy if busy > 0 else None,
+                           median([x.link for x in m]), self.floors)

@@ -67,6 +67,8 @@ class StepMeasurement:
     """Per block, what its graph saves for backward."""
     modes: list[str]
     """Per block, what this iteration did with its activations."""
+    link: int = 0
+    """Bytes copied into and out of the device tier (0 without one)."""
 
 
 @dataclass
@@ -103,6 +105,10 @@ class Plan:
     measured_read: int | None = None
     """Median disk bytes read per step after the plan took effect (None until measured)."""
     measured_written: int | None = None
+    floors: dict | None = None
+    """The bytes a step cannot avoid (:meth:`Schedule.floors`) and where the update runs:
+    ``disk_read``, ``disk_written``, ``link`` (None without a device tier), ``update`` (the tier),
+    ``gradients`` (where they wait for the update)."""
 
     @property
     def bytes_per_step(self) -> int | None:
@@ -126,6 +132,11 @@ class Plan:
         if self.lower_tier:
             lines.append("host tier below it (caching what the compute tier does not hold): " + ", ".join(
                 f"{k.replace('_', ' ')} {v / mib:.1f} MiB" for k, v in self.lower_tier.items()))
+        if self.floors:
+            f = self.floors
+            link = "" if f["link"] is None else f"; device link >= {f['link'] / mib:.1f} MiB"
+            lines.append(f"floors per step: disk >= {f['disk_read'] / mib:.1f} MiB read + {f['disk_written'] / mib:.1f} "
+                         f"MiB written{link}; the update runs in the {f['update']} tier, gradients {f['gradients']}")
         if self.predicted_step_s is None:
             lines.append("predicted step: not yet (measured over the first iterations)")
         else:
@@ -252,7 +263,7 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
                 host_split=base.host_split, lower_tier=base.lower_tier, predicted_step_s=step,
                 predicted_compute_s=compute, predicted_io_s=io,
                 io_hidden=hidden, predicted_read=read, predicted_written=written, rates=rates,
-                overridden=base.overridden, reasons=base.reasons + reasons)
+                overridden=base.overridden, reasons=base.reasons + reasons, floors=base.floors)
 
 
 def choose_activation_modes(recompute, activations, block_names: list[str], state_fits: bool) -> list[str] | None:

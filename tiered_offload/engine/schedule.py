@@ -291,6 +291,27 @@ class Schedule:
         largest = max(self.unit_bytes(u, "weight") for u in self.blocks)
         return capacity - self.working_set().need >= largest
 
+    def floors(self, memory: int, device: int, *, update_on_host: bool, journal: bool) -> dict[str, int | None]:
+        """The bytes a step cannot avoid moving, for memory tiers of ``memory`` bytes together
+        (``device`` of them in a device tier; 0: none): ``disk_read``, what of the weights and
+        optimizer states memory cannot hold (it must come back every step); ``disk_written``, the
+        same going out, or with ``journal`` every weight and state the step rewrites plus the
+        gradients (a step is durable once they are on disk); ``link`` (None without a device
+        tier), the weights up, once if the device holds them all beside a unit's gradients, else
+        for forward and again for backward, and the gradients down to an update on the host, or
+        the optimizer states up and down to an update on the device."""
+        weights = sum(u.numel for u in self.units) * FP32_BYTES
+        grads = sum(u.grad_numel for u in self.units) * FP32_BYTES
+        states = sum(len(self.state_kinds) * u.state_numel for u in self.units) * FP32_BYTES
+        beyond = max(0, weights + states - memory)
+        written = sum(self.rewrite_bytes(u) for u in self.units) + grads if journal else beyond
+        link = None
+        if device:
+            largest_grad = max(self._bytes(u.grad_numel) for u in self.units)
+            link = weights * (1 if weights + largest_grad <= device else 2)
+            link += grads if update_on_host else 2 * states
+        return {"disk_read": beyond, "disk_written": written, "link": link}
+
     def fits(self, capacity: int) -> bool:
         """Whether the whole training state fits ``capacity`` (nothing needs to go to disk)."""
         return self.state_bytes() <= capacity

@@ -29,6 +29,11 @@ class EngineStats:
     disk_written_per_step: float | None
     disk_rate_Bps: float | None
     """Disk bytes moved per second while any transfer was in flight (what the disk delivered)."""
+    link_per_step: float | None = None
+    """Median bytes copied into and out of the device tier per iteration (0 without one)."""
+    floors: dict | None = None
+    """What a step cannot avoid moving, beside the measured figures: ``disk_read``,
+    ``disk_written``, ``link`` bytes per step (see ``engine.plan``)."""
 
     @property
     def read_bytes_per_param_per_step(self) -> float | None:
