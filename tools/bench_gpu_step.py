@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tiered_offload import Engine, Tier, empty_init, format_size
+from tiered_offload import Engine, EngineConfig, Tier, empty_init, format_size
 from tiered_offload.memstat import peak_rss_bytes
 from tiered_offload_examples.models import GPT, GPTConfig
 
@@ -97,19 +97,21 @@ def _waits_by_phase(trace_path: Path) -> dict:
 
 
 def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int, storage: str,
-               host_memory: str, device_memory: str, trace_dir: Path) -> dict:
+               host_memory: str, device_memory: str, trace_dir: Path, optimizer_device: str = "auto") -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with empty_init():
         model = GPT(cfg)
     engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage, device=device,
-                    host_memory=host_memory, device_memory=device_memory, durable=False)
+                    host_memory=host_memory, device_memory=device_memory, durable=False,
+                    config=EngineConfig(optimizer_device=optimizer_device))
     init_s = time.perf_counter() - t0
     host_arena = engine.store._arenas[Tier.HOST]
     out = {"init_s": init_s, "state_bytes": engine.state_bytes(), "host_budget": engine.store.capacity("host"),
            "device_budget": engine.store.capacity("device"), "host_arena_backing_bytes": host_arena.backing_bytes,
            "host_arena_pinned": host_arena.pinned, "backend": engine.store.backend.name,
-           "recompute": engine.recompute, "steps": []}
+           "recompute": engine.recompute, "optimizer_device": optimizer_device,
+           "update_tier": engine._updater.tier.name.lower(), "steps": []}
     times = []
     try:
         for i, x in enumerate(batches):
@@ -142,6 +144,7 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                 times.append(dt)
         if trace.exists():
             out["waits_by_phase_s"] = _waits_by_phase(trace)
+        out["floors"] = engine.stats().floors  # what a step cannot avoid moving, beside the measured
     finally:
         engine.close()
     timed = out["steps"][warmup:] or out["steps"]
@@ -181,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device-memory", default="4GiB")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--storage", default=None, help="default: a temporary directory under the current one")
+    ap.add_argument("--optimizer-device", default="auto", choices=("auto", "host", "device"),
+                    help="where the optimizer step runs (EngineConfig.optimizer_device)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -205,14 +210,18 @@ def main(argv=None) -> int:
             print(f"plain PyTorch: {p['skipped']}", flush=True)
         report["plain"] = p
         e = engine_run(cfg, _batches(cfg, args.batch, args.steps), device, 1 if args.steps > 1 else 0, storage,
-                       args.host_memory, args.device_memory, trace_dir)
+                       args.host_memory, args.device_memory, trace_dir, args.optimizer_device)
         e["TFLOPs"] = flops / e["step_s"] / 1e12
         report["engine"] = e
         if "step_s" in p:
             report["engine_over_plain"] = e["step_s"] / p["step_s"]
         print(f"engine: {e['step_s']:.2f} s/step, {e['TFLOPs']:.2f} TFLOP/s; disk {e['disk_GBps_over_step']:.2f} GB/s "
               f"over the step ({e['disk_GBps_while_busy']:.2f} while busy), PCIe {e['pcie_GBps_over_step']:.2f} GB/s; "
-              f"waited {100 * e['io_wait_share']:.0f}% of the step", flush=True)
+              f"waited {100 * e['io_wait_share']:.0f}% of the step; update in the {e['update_tier']} tier", flush=True)
+        f = e.get("floors") or {}
+        if f.get("link") is not None:
+            print(f"against the plan's floors: disk {(e['disk_read_per_step'] + e['disk_written_per_step']) / max(1, f['disk_read'] + f['disk_written']):.2f}x, "
+                  f"link {e['pcie_per_step'] / max(1, f['link']):.2f}x", flush=True)
         report["peak_rss_bytes"] = peak_rss_bytes()
     finally:
         if args.storage is None:

@@ -17,11 +17,11 @@ order of importance, each with its own time limit inside ``--budget-s``:
    PyTorch on the same GPU), and the store's Hypothesis state machine with a CUDA device tier.
 4. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio.
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
-   below its 17 GB state, against plain PyTorch on the same GPU.
+   below its 17 GB state, 10 steps (steady state 4-10) against plain PyTorch on the same GPU, with
+   the optimizer step on the host and on the device, each against the plan's floors.
 6. ``suite``: the whole test suite (pytest-xdist where installed), with what time is left.
-7. ``tiers``: ``tools/bench_tiers.py`` on CUDA: disk and PCIe bytes per step and step time with the
-   device and host tiers caching different tensors (the default) against the caching before it
-   (the host a copy of the device, prefetching deep), in one run, if time is left.
+7. ``tiers``: ``tools/bench_tiers.py --placements`` on CUDA: PCIe bytes per parameter per step with
+   the optimizer step on the device and on the host, in one run, if time is left.
 
 Missing packages (zarr, kvikio) are expected on ``PYTHONPATH`` already (see the README's GPU section).
 """
@@ -244,11 +244,19 @@ def step_time_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
         if not _cuda():  # a GPU benchmark: on the CPU the 1B model would only run out of time
             return {"status": "skipped: no CUDA"}
-        args = ["--steps", "4", "--plain-steps", "4"]  # the first a warm-up: the median of three
+        args = ["--steps", "10", "--plain-steps", "4"]  # steady state: steps 4-10
         if quick:
             args = ["--layers", "4", "--d-model", "1024", "--heads", "8", "--steps", "2", "--plain-steps", "3",
                     "--host-memory", "1GiB", "--device-memory", "1GiB"]
-        return _benchmark(check, "bench_gpu_step.py", "step_time", args, limit)
+        out = {}
+        for i, where in enumerate(("host", "device")):  # the optimizer step where its state lives, and on the GPU
+            left = limit - sum(v.get("seconds", 0) for v in out.values())
+            t = time.monotonic()
+            out[where] = _benchmark(check, "bench_gpu_step.py", f"step_time_{where}",
+                                    [*args, "--optimizer-device", where], left / (2 - i))
+            out[where]["seconds"] = time.monotonic() - t
+        out["status"] = "ok" if all(v["status"] == "ok" for v in out.values()) else "FAILED"
+        return out
     return run
 
 
@@ -259,7 +267,7 @@ def tiers_section(check: Check, quick: bool):
         size = ["--d-model", "512", "--layers", "8"] if quick else ["--d-model", "1024", "--layers", "8", "--vocab",
                                                                     "32768", "--context", "512"]
         return _benchmark(check, "bench_tiers.py", "tiers",
-                          ["--device", "cuda", "--rounds", "2", "--steps-per-round", "1", *size], limit)
+                          ["--device", "cuda", "--rounds", "2", "--steps-per-round", "1", "--placements", *size], limit)
     return run
 
 
