@@ -289,17 +289,6 @@ class Engine(EngineViews):
         return self.schedule.access_sequence(phases, overlap=self.overlap_step,
                                              activations=self._streamer.modes is not None)
 
-    def _floors(self) -> dict:
-        """What a step cannot avoid moving (:meth:`Schedule.floors`), where the update runs, and
-        where the gradients wait for it."""
-        host, device = self.store.capacity(Tier.HOST), self.store.capacity(Tier.DEVICE)
-        journal = isinstance(self._commits, JournalCommits)
-        return {**self.schedule.floors(host + device, device, update_on_host=self._updater.tier == Tier.HOST,
-                                       journal=journal),
-                "update": self._updater.tier.name.lower(),
-                "gradients": "to the disk before each step's record (a crash redoes the update from them)" if journal
-                else "in memory until the update (to the disk only when memory is short)"}
-
     def _declare(self, phases: list[Phase]) -> None:
         """Tell the store's lookahead the order; a device tier the step does not run in sees no step."""
         self.store.declare_access_sequence(self._sequence(phases))

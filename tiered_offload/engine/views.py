@@ -9,9 +9,11 @@ import contextlib
 import os
 
 from offload_core.errors import TieredOffloadError
+from tiered_offload.checkpoint.session import JournalCommits
 from tiered_offload.engine.planner import Plan
 from tiered_offload.engine.schedule import FP32_BYTES
 from tiered_offload.engine.stats import EngineStats
+from tiered_offload.store.tiers import Tier
 from tiered_offload.trace import Tracer
 
 __all__ = ["EngineViews"]
@@ -92,6 +94,17 @@ class EngineViews:
         self.train_state.attach_scheduler(scheduler)
 
     # ---- the plan -------------------------------------------------------------------------
+    def _floors(self) -> dict:
+        """What a step cannot avoid moving (:meth:`Schedule.floors`), where the update runs, and
+        where the gradients wait for it."""
+        host, device = self.store.capacity(Tier.HOST), self.store.capacity(Tier.DEVICE)
+        journal = isinstance(self._commits, JournalCommits)
+        return {**self.schedule.floors(host + device, device, update_on_host=self._updater.tier == Tier.HOST,
+                                       journal=journal),
+                "update": self._updater.tier.name.lower(),
+                "gradients": "to the disk before each step's record (a crash redoes the update from them)" if journal
+                else "in memory until the update (to the disk only when memory is short)"}
+
     @property
     def plan(self) -> Plan:
         """What the engine does with each block's activations, the prefetch depth, whether the step
