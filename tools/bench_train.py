@@ -188,6 +188,7 @@ def main() -> int:  # noqa: C901 - a script
         state_bytes = engines[0].state_bytes()
         flags = {c.name: c.flags() for c in configs if c.engine}
         plan = disk.engine.plan.summary()
+        floors = disk.engine.stats().floors
         for e in engines:
             e.close()
         engines.clear()
@@ -215,6 +216,11 @@ def main() -> int:  # noqa: C901 - a script
     print(f"disk rates here: read {r_rate / 1e9:.2f} GB/s, write {w_rate / 1e9:.2f} GB/s -> I/O lower bound "
           f"{io_bound:.3f} s/step; compute {med['compute']:.3f} s/step")
     print(f"disk step / max(compute, I/O bound) = {med['disk'] / max(med['compute'], io_bound):.2f}")
+    floor_s = floors["disk_read"] / r_rate + floors["disk_written"] / w_rate
+    print(f"the plan's disk floor: {format_size(floors['disk_read'])} read + {format_size(floors['disk_written'])} written "
+          f"per step = {floor_s:.3f} s at these rates; measured disk bytes / floor = "
+          f"{(rd + wr) / max(1, floors['disk_read'] + floors['disk_written']):.2f}; disk step / max(the engine's step in "
+          f"memory, the floor's time) = {med['disk'] / max(med['host'], floor_s):.2f}")
     print("the disk run's plan:\n  " + plan.replace("\n", "\n  "))
     if args.volatile:
         print(f"durability: host run durable/volatile = {med['host'] / med['host-volatile']:.2f}, "
