@@ -193,7 +193,9 @@ def test_the_update_on_the_host_moves_fewer_bytes_over_the_link(tmp_path, monkey
         assert any("/state." in k for k in engine.store.keys())
         engine.close()
     assert tiers == {"device": Tier.DEVICE, "host": Tier.HOST}
-    assert link["host"] < 0.75 * link["device"], link
+    # the optimizer states (Adam's m and v: half the state) no longer go up and down: at least half
+    # the state's size less over the link per step (the rest moves with the timing of evictions)
+    assert link["host"] <= link["device"] - 0.5, link
     assert floors["host"]["link"] < floors["device"]["link"]
     # on the host the optimizer states never cross the link; on the device they do every step
     assert not any("/state." in k for k in into_device["host"]), sorted(into_device["host"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import time
@@ -190,8 +191,6 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
 def _check_export_space(cfg, out: Path, params: int, directories: str, resuming: bool) -> None:
     """Refuse a run whose exports (the ones kept and the final one, fp32) do not fit the output
     directory's disk, counting the training state too where it shares that disk and is new."""
-    import os
-
     exports = 4 * params * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
     free = shutil.disk_usage(out).free
     storage = Path(directories.split(",")[0]).expanduser()
@@ -264,14 +263,15 @@ def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, 
 def _plan_preview(model, cfg) -> dict:
     """The engine's plan for this model and budget, from sizes alone (nothing allocated): the
     streamed units, the minimum budget, the commit mode and the least disk bytes a step moves."""
-    from tiered_offload.config import StoreConfig
+    from tiered_offload.config import EngineConfig, StoreConfig
     from tiered_offload.engine.binding import ModelBinding
     from tiered_offload.engine.optim_spec import read_optimizer
     from tiered_offload.engine.schedule import Schedule
 
-    binding = ModelBinding(model, cfg.model.blocks, torch.device("cpu"))
+    defaults = EngineConfig()  # what the engine the run builds uses
+    binding = ModelBinding(model, cfg.model.blocks, torch.device("cpu"), defaults.stream_modules_numel)
     spec = read_optimizer(torch.optim.AdamW, {"lr": cfg.train.lr}, model.parameters())
-    binding.arrange(spec.group_of(), 4 << 20)
+    binding.arrange(spec.group_of(), defaults.state_piece_numel)
     schedule = Schedule(binding.units, tuple(spec.kinds), lambda n: n)
     host = StoreConfig(host_budget_bytes=cfg.offload.host_memory, device="cpu").resolved().host_budget_bytes
     state, need = schedule.state_bytes(), schedule.working_set().need
