@@ -202,6 +202,15 @@ def _unflip(flipped: tuple[Path, int, int]) -> None:
             path.write_bytes(bytes(data))
 
 
+def _manifest_step(directory: Path) -> int | None:
+    """The step the manifest commits (None where it is missing or unreadable: a flipped bit)."""
+    try:
+        text = (directory / ".tiered-offload" / "manifest.json").read_text()
+        return int(json.loads(text.split(" ", 1)[1])["step"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def _version(filename: str) -> tuple[str, int]:
     """``(key, generation)`` of a versioned extent's file name (``block.1%2Fweight%407``)."""
     key, _, gen = filename.rpartition("%40")
@@ -305,7 +314,7 @@ def _flip_check(d: Path, steps: int, layers: int, out: Path, options: dict, rng:
     if flipped is None:
         return
     flips["flipped"] += 1
-    committed = _committed_files(d)
+    committed, step_before = _committed_files(d), _manifest_step(d)
     proc = _launch(d, steps, layers, out, **options)
     try:
         stdout, stderr = proc.communicate(timeout=max(60.0, 10 * duration))
@@ -319,9 +328,13 @@ def _flip_check(d: Path, steps: int, layers: int, out: Path, options: dict, rng:
     # a start that trained on (or finished a step in flight) before it met the flipped bit recorded newer
     # versions first and then let the old files go, as the protocol does: only a file whose tensor the
     # committed state no longer has in any newer version counts as lost
+    # committed files only; and a start that finished the step in flight (the manifest moved on)
+    # let that step's gradients go with it, as the protocol does
     now = {_version(p.name) for p in _committed_files(d)}
+    finished = (_manifest_step(d) or -1) > (step_before if step_before is not None else 1 << 62)
     gone = [] if trained else sorted(p.name for p in committed if not p.exists() and not any(
-        key == _version(p.name)[0] and gen > _version(p.name)[1] for key, gen in now))
+        key == _version(p.name)[0] and gen > _version(p.name)[1] for key, gen in now)
+        and not (finished and _version(p.name)[0].endswith("%2Fgrad")))
     wrong_start = [s for s in starts if s[2] != ref_digests.get(int(s[1]))]
     # the last typed error in the output (an exit hook may log after the traceback)
     typed = [line for line in stderr.splitlines() if any(f"{name}: " in line for name in _TYPED)]
