@@ -187,7 +187,7 @@ def plan_units(model: nn.Module, hint: str | None = None, stream_modules_numel: 
         for qual, mod in model.named_modules():
             if mod is seq:
                 seen_seq = True
-            if id(mod) in claimed or id(seq) in {id(m) for m in mod.modules()}:
+            if id(mod) in claimed or qual == "" or seq_name.startswith(f"{qual}."):  # the sequence or above it
                 continue
             if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
                 # another block sequence (an encoder-decoder's other stack): each block streams

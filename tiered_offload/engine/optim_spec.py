@@ -76,9 +76,8 @@ class OptimizerSpec:
         they depend on the step count and the hyperparameters alone, so a one-element probe step
         computes them exactly, before the update does (a commit records the state after a step
         when the step begins)."""
-        if not self.scalars:
+        if not self.scalars:  # (a per-parameter optimizer packs its 0-d state with the rest: none here)
             return {}
-        assert self.per_parameter is None, "per-parameter optimizers with scalar state are refused"
         p = torch.zeros(1, requires_grad=True)
         opt = self.cls([p], **hyper)
         if count:
@@ -175,11 +174,6 @@ def optimizer_mode(cls: type) -> str:
     if base is not None and cls.step is base.step:
         return "elementwise"
     return "per_parameter"
-
-
-def check_supported(cls: type) -> None:
-    """Refuse, at construction, an optimizer the engine cannot run (see :func:`optimizer_mode`)."""
-    optimizer_mode(cls)
 
 
 def read_optimizer(optimizer, optimizer_kwargs: dict | None, parameters: Iterable[torch.nn.Parameter]) -> OptimizerSpec:
@@ -315,8 +309,8 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _shape_rule(name: str, key: str, value, shapes: list[tuple]) -> tuple[str, tuple[int | None, ...]]:
-    """How state ``key``'s shape follows the parameter's, read from the first probe and checked
-    on the second."""
+    """How state ``key``'s shape follows the parameter's, read from the first probe's shape (the
+    caller checks the rule on the second)."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
         raise ConfigError(f"{name} keeps {key!r} as {type(value).__name__ if not isinstance(value, torch.Tensor) else value.dtype}"
                           f" per parameter; the engine keeps per-parameter state as float32 tensors (and a step count)")

@@ -106,9 +106,10 @@ class UnitUpdater:
                         if self.spec.per_parameter is not None:
                             self.apply_whole(w, g, [s_[m.offset - a:m.offset - a + m.numel] for s_ in states], m,
                                              hypers[m.group], scale, step_counts[id(m)])
-                            continue
-                        ra, rb, grp, n, sc = m  # (the slots already hold the scalars after: the step predicted them)
-                        self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n, dict(sc))
+                        else:  # (the slots already hold the scalars after: the step predicted them)
+                            ra, rb, grp, n, sc = m
+                            self.apply(w, g, [s_[ra - a:rb - a] for s_ in states], ra, rb, hypers[grp], scale, n,
+                                       dict(sc))
                     for k in keys:
                         store.mark_dirty(k, tier)
                 finally:
