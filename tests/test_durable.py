@@ -26,7 +26,7 @@ from offload_core.errors import (
 from storage_backends.posix import PosixBackend
 from storage_backends.testing import FaultInjectingBackend
 from tiered_offload import Engine, empty_init
-from tiered_offload.checkpoint.durable import STATE_DIR, DirectoryLock, StateFiles
+from tiered_offload.checkpoint.durable import FORMAT, STATE_DIR, DirectoryLock, StateFiles
 from tiered_offload.checkpoint.state_dir import StateDirectory
 from tiered_offload.cli import main as cli_main
 from tiered_offload_examples.models import GPT, GPTConfig
@@ -304,9 +304,10 @@ def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_
 
 
 def test_kill_loop_resumes_bitwise_every_time(tmp_path):
-    """SIGKILL at random moments (start-up, forward, backward, write-back, commit), resume each time."""
+    """SIGKILL at random moments (start-up, forward, backward, write-back, commit), resume each time;
+    every block counts its calls in a persistent buffer its output depends on (committed with each step)."""
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None)
+    summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None, buffers=True)
     assert summary["kills"] == 8
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
@@ -661,7 +662,7 @@ def test_manifest_checksum_format_is_crc32_of_the_payload(tmp_path):
     text = (tmp_path / "s" / STATE_DIR / "manifest.json").read_text()
     crc, payload = text.split(" ", 1)
     assert int(crc, 16) == zlib.crc32(payload.encode())
-    assert json.loads(payload)["format"] == "tiered-offload/2"
+    assert json.loads(payload)["format"] == FORMAT
 
 
 # ---- storage formats: XXH3 now, format 1 (CRC-32) still read ----------------------------------
@@ -724,7 +725,7 @@ def test_new_directories_record_xxh3_of_every_extent(tmp_path):
     train(engine, 2)
     engine.close()
     manifest = StateFiles(tmp_path / "s" / STATE_DIR).read_manifest()
-    assert manifest["format"] == "tiered-offload/2" and manifest["checksum"] == "xxh3"
+    assert manifest["format"] == FORMAT and manifest["checksum"] == "xxh3"
     checked = 0
     for key, info in manifest["tensors"].items():
         if info["extent"] is None:
@@ -749,7 +750,7 @@ def test_format1_directory_resumes_exactly_and_stays_verifiable(tmp_path, format
     assert same(weights(engine), expected[3])
     engine.close()
     manifest = StateFiles(old / STATE_DIR).read_manifest()
-    assert manifest["format"] == "tiered-offload/2" and manifest["checksum"] == "crc32"
+    assert manifest["format"] == FORMAT and manifest["checksum"] == "crc32"
     report = StateDirectory(old).verify()
     assert report["ok"] and report["tensors_checked"] == len(manifest["tensors"])
 

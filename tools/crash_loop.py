@@ -48,7 +48,8 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 
 
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
-           host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw") -> None:
+           host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
+           buffers: bool = False) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -58,6 +59,8 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4))
+    if buffers:  # every block counts its calls in a persistent buffer its output depends on
+        model.blocks = torch.nn.ModuleList(_counted(b) for b in model.blocks)
     n = sum(p.numel() for p in model.parameters())
     # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
     # state does not quite fit, units stream through the disk and commits use the journal
@@ -87,18 +90,37 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     print("DONE", flush=True)
 
 
+def _counted(block):
+    """``block`` counting its calls in a persistent buffer its output depends on."""
+    import torch
+
+    class Counted(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x, *args, **kwargs):
+            out = self.inner(x * (1.0 + 0.01 * self.calls), *args, **kwargs)
+            if self.training:
+                self.calls += 1
+            return out
+    return Counted(block)
+
+
 # ---- the driver ---------------------------------------------------------------------------
 REFERENCE_TIMEOUT_S = 600.0
 """Longest an uninterrupted run may take before it is taken for hung and killed."""
 
 def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
-            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw") -> subprocess.Popen:
+            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
+            buffers: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(HERE), "--worker", str(directory), "--steps", str(steps),
                              "--layers", str(layers), "--out", str(out), "--commit-every", str(commit_every),
                              "--host-fraction", str(host_fraction), "--device-fraction", str(device_fraction),
                              "--optimizer", optimizer]
-                            + (["--digests"] if digests else []),
+                            + (["--digests"] if digests else []) + (["--buffers"] if buffers else []),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -223,7 +245,7 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
-               optimizer: str = "adamw") -> dict:
+               optimizer: str = "adamw", buffers: bool = False) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -235,6 +257,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     snapshot commits; a resume then starts from a multiple of ``commit_every``. ``device_fraction``
     > 0 gives the engine a device tier of CPU memory of that share of the state (the GPU's path).
     ``optimizer``: a key of :data:`OPTIMIZERS` (``adafactor``: one that works on whole parameters).
+    ``buffers``: every block counts its calls in a persistent buffer its output depends on (the
+    buffers' extent committed with each step, restored with it).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
     extent is flipped, and a start without a kill must either resume bitwise or refuse with a
@@ -243,7 +267,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     """
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
-                   optimizer=optimizer)
+                   optimizer=optimizer, buffers=buffers)
     ref_out, boot, duration, peak, state, ref_digests = reference(work, steps, layers, **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
         f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
@@ -370,19 +394,21 @@ def main() -> None:
                          "the next start resumes bitwise or refuses with a typed error, deleting nothing")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                     help="adafactor: an optimizer the engine runs on whole parameters (its state packed)")
+    ap.add_argument("--buffers", action="store_true",
+                    help="every block counts its calls in a persistent buffer its output depends on")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
-               args.device_fraction, args.optimizer)
+               args.device_fraction, args.optimizer, args.buffers)
         return
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
         t0 = time.perf_counter()
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
-                             flip_bits=args.flip_bits, optimizer=args.optimizer)
+                             flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

@@ -76,11 +76,11 @@ __all__ = ["STATE_DIR", "FORMAT", "READABLE_FORMATS", "manifest_checksum", "Dire
            "encode_tensor", "decode_tensor", "state_directory", "CommittedState", "read_committed"]
 
 STATE_DIR = ".tiered-offload"
-FORMAT = "tiered-offload/2"
-"""The storage format this version writes. Format 2 names its checksum algorithm in the manifest
-(``"checksum"``, XXH3 by default); format 1 (tiered-offload 0.1) recorded zlib CRC-32s and
-is read as such, and continued in format 2 with CRC-32 (its extents keep their checksums)."""
-READABLE_FORMATS = {"tiered-offload/1": "crc32", FORMAT: None}
+FORMAT = "tiered-offload/3"
+"""The storage format this version writes. Format 3 keeps the model's buffers in an extent
+(``meta["buffer_file"]``), format 2 as JSON (read still); both name their checksum algorithm in
+the manifest (XXH3 by default). Format 1 (0.1) recorded CRC-32s and is read as such."""
+READABLE_FORMATS = {"tiered-offload/1": "crc32", "tiered-offload/2": None, FORMAT: None}
 """Formats this version reads -> the checksum they imply (None: named in the manifest)."""
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
@@ -733,6 +733,11 @@ class Committer:
     def step(self) -> int:
         with self._lock:
             return self._step
+
+    @property
+    def committed_meta(self) -> dict:  # the meta of the state the manifest holds now
+        with self._lock:
+            return self._meta
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

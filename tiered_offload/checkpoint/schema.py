@@ -159,6 +159,28 @@ def _shape(v, where: str) -> int:
     return n
 
 
+_BUFFER_EXTENT = re.compile(r"model\.buffers@[0-9]{1,18}")
+_TORCH_DTYPES = {k for k in DTYPE_BYTES if k.islower()}
+
+
+def _buffer_file(b: dict, where: str) -> None:
+    """The model's buffers in one extent: its name, checksum, size and each buffer's place in it."""
+    extent = _str(_field(b, "extent", where), f"{where}.extent")
+    if not _BUFFER_EXTENT.fullmatch(extent):
+        raise _Fail(f"{where}.extent", f"{extent[:60]!r} is not a buffer extent (model.buffers@<step>)")
+    _crc(_field(b, "crc", where), f"{where}.crc")
+    nbytes = _int(_field(b, "nbytes", where), f"{where}.nbytes", 0, 2 ** 62)
+    for k, v in _obj(_field(b, "tensors", where), f"{where}.tensors").items():
+        w = f"{where}.tensors[{k!r}]"
+        t = _obj(v, w)
+        dtype = _str(_field(t, "dtype", w), f"{w}.dtype")
+        if dtype not in _TORCH_DTYPES:
+            raise _Fail(f"{w}.dtype", f"{dtype!r} is not a dtype a buffer holds")
+        n = _shape(_field(t, "shape", w), f"{w}.shape")
+        if _int(_field(t, "offset", w), f"{w}.offset", 0, 2 ** 62) + n * DTYPE_BYTES[dtype] > nbytes:
+            raise _Fail(w, f"lies past the end of the extent ({nbytes} bytes)")
+
+
 # ---- the manifest ---------------------------------------------------------------------------------
 def check_manifest(manifest: Any, path: Path | str) -> dict:
     """``manifest`` if it has the shape a manifest has, else :class:`CorruptionError` naming the field."""
@@ -256,6 +278,8 @@ def _check_meta(meta: dict, where: str) -> None:
             raise _Fail(f"{where}.buffers[{k!r}].dtype", f"{dtype!r} is not a dtype a state holds")
         _shape(_field(b, "shape", f"{where}.buffers[{k!r}]"), f"{where}.buffers[{k!r}].shape")
         _str(_field(b, "data", f"{where}.buffers[{k!r}]"), f"{where}.buffers[{k!r}].data")
+    if meta.get("buffer_file") is not None:
+        _buffer_file(_obj(meta["buffer_file"], f"{where}.buffer_file"), f"{where}.buffer_file")
     for i, g in enumerate(_list(_field(meta, "param_groups", where), f"{where}.param_groups")):
         _obj(g, f"{where}.param_groups[{i}]")
 

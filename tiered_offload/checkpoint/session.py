@@ -22,6 +22,7 @@ from .durable import (
     read_committed,
     state_directory,
 )
+from .buffer_file import BUFFER_KEY, BufferFile, referenced
 from .layout import parse_extent
 
 __all__ = ["CheckpointSession", "Intent", "Commits", "NoCommits", "DurableCommits", "JournalCommits", "SnapshotCommits",
@@ -79,9 +80,11 @@ class CheckpointSession:
         hand), and nothing is deleted: a :class:`CorruptionError` names what is missing."""
         present = set(self.store.backend.keys())
         keep = set()
+        mine = set(mine) | {BUFFER_KEY}
         if self.recovered is not None:
             refs = {**self.recovered.tensors(), **self.recovered.grads()}
-            keep = {r[0] for r in refs.values() if r}
+            keep = {r[0] for r in refs.values() if r} | referenced(self.recovered.manifest["meta"],
+                                                                    (self.recovered.intent or {}).get("meta"))
             sizes = self.recovered.manifest["tensors"]
             empty = {k for k, t in sizes.items() if t["nbytes"] == 0}  # a 0-byte tensor has no file
             missing = sorted(k for k, r in refs.items() if r and r[0] not in present and k not in empty)
@@ -298,14 +301,18 @@ class DurableCommits(Commits):
                     self.session.committer.throttle(rewrite_bytes(name), admits)
                     update_unit(name, hypers, scale, updates)
         grads = layout.grad_keys()
-        if self.session.recovered is not None:  # a step in flight is redone from the state before it
-            self.train_state.load_scalars(self.session.recovered.manifest["meta"])
-        meta = self.session.start(layout.durable_keys(), grads, self.train_state.state_dict, redo)
-        if self.session.recovered is None:
+        session = self.session
+        self.train_state.buffer_file = buffers = BufferFile(
+            session.store.backend, session.store.checksum, lambda: session.committer and session.committer.committed_meta)
+        if session.recovered is not None:  # a step in flight is redone from the state before it
+            self.train_state.load_scalars(session.recovered.manifest["meta"])
+        meta = session.start(layout.durable_keys(), grads, self.train_state.state_dict, redo)
+        if session.recovered is None:
             return
         for key in grads.values():  # the step's gradients were applied (or never taken)
-            self.session.store.zero(key)
-        self.train_state.load_state_dict(meta)
+            session.store.zero(key)
+        buffers.adopt(meta)
+        self.train_state.load_state_dict(meta, str(session.files.manifest_path))
 
     def wait(self) -> int:
         return self.session.wait()

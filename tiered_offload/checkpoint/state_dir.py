@@ -32,10 +32,10 @@ from tiered_offload.checkpoint.durable import (
     STATE_DIR,
     StateFiles,
     _read_holder,
-    decode_tensor,
     manifest_checksum,
     read_committed,
 )
+from tiered_offload.checkpoint.buffer_file import load as load_buffers
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, exported_config, write_private
 from tiered_offload.progress import counter
 from tiered_offload.store.checksum import describe, hasher_for
@@ -108,9 +108,23 @@ class StateDirectory:
         """Read ``out.nbytes`` bytes of ``extent`` at byte ``offset`` into the uint8 tensor ``out``."""
         self.backend.read_into(extent, out, offset).get()
 
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's persistent buffers the committed state holds, checked against their checksum."""
+        return list(load_buffers(self.manifest["meta"], self.backend, self.checksum,
+                                 str(self.files.manifest_path)).items())
+
     def verify(self, progress=None) -> dict:
         """Check every tensor of the committed state against its checksum. Returns a report."""
         bad, checked, nbytes = [], 0, 0
+        metas = [m for m in [self.manifest["meta"], (self.intent or {}).get("meta")] if m and m.get("buffer_file")]
+        for meta in {m["buffer_file"]["extent"]: m for m in metas}.values():  # each buffer extent once
+            try:
+                load_buffers(meta, self.backend, self.checksum, str(self.files.manifest_path))
+            except (CorruptionError, CheckpointError) as e:
+                bad.append({"tensor": "model buffers", "file": self.backend.describe(meta["buffer_file"]["extent"]),
+                            "problem": str(e).splitlines()[0]})
+            checked += 1
+            nbytes += meta["buffer_file"]["nbytes"]
         buf = torch.empty(_CHUNK, dtype=torch.uint8)
         for key in self.tensors:
             extent, expected, size = self.extent_of(key)
@@ -231,9 +245,8 @@ class StateDirectory:
                 raise CorruptionError(f"{self.backend.describe(extent)} (tensor {p['tensor']!r}) does not match its "
                                       f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
 
-        buffers = [(name, decode_tensor(v)) for name, v in (self.manifest["meta"].get("buffers") or {}).items()]
         files = export_params(out, params, fill, max_shard_size,
-                              {"step": str(self.manifest["step"]), "source": "tiered-offload"}, buffers)
+                              {"step": str(self.manifest["step"]), "source": "tiered-offload"}, self.buffers())
         return files + _write_config(out, self.manifest.get("model_config"))
 
 
@@ -398,7 +411,6 @@ class ShardedStateDirectory:
                         self.ranks[r].read_range(extent, start + a, piece)
                         write(piece.numpy().data)
                 lo = end
-        buffers = [(name, decode_tensor(v)) for name, v in (self.manifest["meta"].get("buffers") or {}).items()]
         files = export_params(out, self.manifest["params"], fill, max_shard_size,
-                              {"step": str(steps[0]), "source": "tiered-offload"}, buffers)
+                              {"step": str(steps[0]), "source": "tiered-offload"}, self.ranks[0].buffers())
         return files + _write_config(out, self.manifest.get("model_config"))

@@ -55,6 +55,8 @@ class TrainState:
         """The learning-rate scheduler the engine steps after each optimizer step (attach_scheduler)."""
         self.param_order = param_order
         self.buffers: list = []
+        self.buffer_file = None
+        """Where a durable state's buffers are written (:class:`BufferFile`); None: JSON in the meta."""
         self.device = device
         self._resumed_scheduler_state = None
         self._resumed_param_groups = None
@@ -114,22 +116,30 @@ class TrainState:
             scheduler = jsonable(self.scheduler.state_dict(), "the scheduler's state_dict()")
         # per-parameter step counts, where a parameter missed steps (it had no gradient)
         updates = {s.name: s.updates for _, s in self.param_order if s.optimized and s.updates != self.step_count}
-        buffers = {name: encode_tensor(mod._buffers[attr]) for name, mod, attr, persistent in self.buffers if persistent}
+        persistent = [(name, mod._buffers[attr]) for name, mod, attr, keep in self.buffers if keep]
+        if self.buffer_file is not None:
+            buffers = {"buffer_file": self.buffer_file.entry(persistent, self.step_count)} if persistent else {}
+        else:
+            buffers = {"buffers": {name: encode_tensor(t) for name, t in persistent}}
         scalars = {s.name: s.scalars for _, s in self.param_order if s.scalars}
         return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
-                "param_updates": updates, "buffers": buffers, **({"param_scalars": scalars} if scalars else {}),
+                "param_updates": updates, **buffers, **({"param_scalars": scalars} if scalars else {}),
                 "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
                                  for g in self.param_groups]}
 
-    def load_state_dict(self, meta: dict) -> None:
-        """Restore what :meth:`state_dict` saved (the scheduler's part waits for :meth:`attach_scheduler`)."""
+    def load_state_dict(self, meta: dict, where: str = "the saved state") -> None:
+        """Restore what :meth:`state_dict` saved (the scheduler's part waits for :meth:`attach_scheduler`);
+        ``where`` names the state in errors."""
         self.step_count = meta["step_count"]
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update(hyper_from_json(saved, group))
-        saved = meta.get("buffers", {})
+        if self.buffer_file is not None:
+            saved = self.buffer_file.read(meta, where)
+        else:
+            saved = {name: decode_tensor(v) for name, v in (meta.get("buffers") or {}).items()}
         for name, mod, attr, persistent in self.buffers:
             if persistent and name in saved:
-                value = decode_tensor(saved[name])
+                value = saved[name]
                 if value.shape != mod._buffers[attr].shape:
                     raise CheckpointError(f"buffer {name} was saved with shape {list(value.shape)}, the model has "
                                           f"{list(mod._buffers[attr].shape)}; build the same model")
