@@ -205,21 +205,21 @@ def test_a_step_cut_short_is_redone_bitwise_with_scalar_state(tmp_path, monkeypa
 
 
 # ---- model families: encoder-decoder -------------------------------------------------------------
-def t5():
+def t5(dropout=0.1):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3, num_heads=4,
-        dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0))
+        dropout_rate=dropout, decoder_start_token_id=0, pad_token_id=0))
 
 
-def bart():
+def bart(dropout=0.1):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=64, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.1,
-        attention_dropout=0.0, activation_dropout=0.0))
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        dropout=dropout, attention_dropout=0.0, activation_dropout=0.0))
 
 
 def seq2seq_loss(model, ids, route=None):
@@ -239,6 +239,18 @@ def test_encoder_decoder_trains_bitwise_at_a_third_of_its_state(tmp_path, make_m
         assert any(".encoder." in f".{n}." for n in names) and any(".decoder." in f".{n}." for n in names), names
     check_parity(make_model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=seq2seq_loss,
                  clip=1.0, host_fraction=1 / 3, config=EngineConfig(activations=activations), inspect=inspect)
+
+
+@pytest.mark.parametrize("make_model", [t5, bart], ids=["T5", "BART"])
+def test_encoder_decoder_forward_backward_bitwise(tmp_path, make_model, monkeypatch):
+    """forward_backward over 3 micro-batches through both stacks (the encoder's output read by
+    every decoder block of every micro-batch, chained per micro-batch): bitwise as PyTorch's loop."""
+    from tiered_offload.engine import micro_batches
+    as_loop, loop = [], micro_batches._loop
+    monkeypatch.setattr(micro_batches, "_loop", lambda *a: as_loop.append(1) or loop(*a))
+    check_parity(lambda: make_model(dropout=0.0), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path,
+                 loss_fn=seq2seq_loss, clip=1.0, host_fraction=1 / 3, accumulate=3, steps=2, fused=True)
+    assert not as_loop  # no step fell back to the loop
 
 
 class Memory(torch.nn.Module):

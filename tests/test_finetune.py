@@ -3,6 +3,7 @@ parameters outside the optimizer, experts that get no tokens; bitwise against in
 with the state on disk and a host budget below the state."""
 
 import copy
+import inspect
 import re
 
 import pytest
@@ -172,13 +173,18 @@ def train(model, optimizer, data, loss_fn, clip):
     return losses
 
 
-def train_engine(engine, data, loss_fn, clip):
+def train_engine(engine, data, loss_fn, clip, fused=False):
+    """The loop of ``train`` through the engine; ``fused``: each step's micro-batches through
+    ``engine.forward_backward`` instead of a backward each."""
     losses = []
     for step in data:
-        for ids, route in step:
-            loss = loss_fn(engine, ids, route) / len(step)
-            engine.backward(loss)
-            losses.append(loss.item())
+        if fused:
+            losses += [loss.item() for loss in fused_step(engine, step, loss_fn)]
+        else:
+            for ids, route in step:
+                loss = loss_fn(engine, ids, route) / len(step)
+                engine.backward(loss)
+                losses.append(loss.item())
         if clip is not None:
             engine.clip_grad_norm_(clip)
         engine.step()
@@ -186,12 +192,35 @@ def train_engine(engine, data, loss_fn, clip):
     return losses
 
 
+class _Called(Exception):
+    pass
+
+
+def fused_step(engine, step, loss_fn):
+    """One step's micro-batches through ``engine.forward_backward``: each given as the arguments
+    ``loss_fn`` calls the model with (by name), its loss ``loss_fn``'s on the engine's output."""
+    def capture(*args, **kwargs):
+        raise _Called(args, kwargs)
+    signature = inspect.signature(engine.model.forward)
+    micro_batches = []
+    for ids, route in step:
+        try:
+            loss_fn(capture, ids, route)
+        except _Called as called:
+            micro_batches.append(dict(signature.bind(*called.args[0], **called.args[1]).arguments))
+
+    def loss_of(out, b):
+        ids, route = step[next(i for i, x in enumerate(micro_batches) if x is b)]
+        return loss_fn(lambda *_, **__: out, ids, route) / len(step)
+    return engine.forward_backward(micro_batches, loss_of)
+
+
 def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, accumulate=1, clip=None,
                  routes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir", inspect=None,
-                 **engine_kwargs):
+                 fused=False, **engine_kwargs):
     """Train ``make()`` in memory and through the engine (state on disk, host budget below it);
-    with ``resume_at``, the engine is closed after that many steps and a new one resumes.
-    Returns the engine's final weights, the reference model and the engine's state bytes."""
+    with ``resume_at``, the engine is closed after that many steps and a new one resumes; ``fused``:
+    the micro-batches through ``forward_backward``. Returns the engine's final weights, the reference model and the engine's state bytes."""
     ref = make()
     start = copy.deepcopy(ref.state_dict())
     data = batches(steps, accumulate, routes=routes)
@@ -209,12 +238,12 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
         host = int(16 * sum(p.numel() for p in ref.parameters()) * host_fraction)
     engine = build(False)
     split = steps if resume_at is None else resume_at
-    losses = train_engine(engine, data[:split], loss_fn, clip)
+    losses = train_engine(engine, data[:split], loss_fn, clip, fused)
     if resume_at is not None:
         engine.close()
         engine = build(True)
         assert engine.step_count == resume_at
-        losses += train_engine(engine, data[split:], loss_fn, clip)
+        losses += train_engine(engine, data[split:], loss_fn, clip, fused)
     assert losses == losses_ref, "losses differ from PyTorch's"
     weights = dict(engine.named_parameters())
     reference = dict(ref.named_parameters())
@@ -498,6 +527,116 @@ def test_buffers_end_each_step_as_pytorch_leaves_them_and_survive_resume_and_exp
     assert all(torch.equal(offline[k], exported[k]) for k in exported)
 
 
+class BigTable(nn.Module):
+    """An MLP block with a large persistent buffer it never changes (a registered lookup table)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.mlp = MLP(d)
+        self.register_buffer("table", torch.arange(64 * 1024, dtype=torch.float32))
+
+    def forward(self, x, route=None):
+        return self.mlp(x) + 1e-9 * self.table[:x.shape[-1]]
+
+
+def _state_files(directory):
+    from tiered_offload.checkpoint.durable import STATE_DIR, StateFiles
+    files = StateFiles(directory / STATE_DIR)
+    return files, files.read_manifest()
+
+
+def test_buffers_live_in_one_checksummed_extent_not_in_json(tmp_path):
+    """Persistent buffers are a checksummed extent the meta names: a 1 MiB buffer costs no JSON, an
+    unchanged one is written once, a changing one leaves no older extents behind."""
+    torch.manual_seed(0)
+    model = TinyLM(BigTable)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory="96KiB")
+    train_engine(engine, batches(3, 1), lm_loss, 1.0)
+    engine.close()
+    files, manifest = _state_files(tmp_path / "s")
+    entry = manifest["meta"]["buffer_file"]
+    assert "buffers" not in manifest["meta"] and entry["extent"] == "model.buffers@0"  # never changed: written once
+    assert len(files.manifest_path.read_bytes()) < 64 * 1024 < entry["nbytes"]  # 4 x 256 KiB of buffers, not in JSON
+    assert sorted(entry["tensors"]) == [f"blocks.{i}.ffn.table" for i in range(4)]
+
+    torch.manual_seed(0)
+    model = TinyLM(NormedMLP)  # running statistics change every step
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "n", host_memory="96KiB")
+    train_engine(engine, batches(4, 1), lm_loss, 1.0)
+    engine.wait_committed()
+    files, manifest = _state_files(tmp_path / "n")
+    assert manifest["meta"]["buffer_file"]["extent"] == "model.buffers@4"
+    on_disk = [k for k in engine.store.backend.keys() if k.startswith("model.buffers@")]
+    assert on_disk == ["model.buffers@4"] or sorted(on_disk) == ["model.buffers@3", "model.buffers@4"], on_disk
+    engine.close()
+
+
+def test_buffers_of_a_format2_state_in_json_still_load(tmp_path):
+    """A state written before buffers had their extent (format 2: base64 JSON in the meta) resumes
+    with them; its next commit moves them into an extent."""
+    from tiered_offload.checkpoint.durable import encode_tensor
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(NormedMLP)
+    data = batches(4, 1)
+    ref = make()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, lm_loss, clip=1.0)
+    model = make()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory="96KiB")
+    train_engine(engine, data[:2], lm_loss, 1.0)
+    saved = dict(engine.named_buffers())
+    engine.close()
+    files, manifest = _state_files(tmp_path / "s")
+    persistent = set(manifest["meta"].pop("buffer_file")["tensors"])
+    manifest["meta"]["buffers"] = {k: encode_tensor(v) for k, v in saved.items() if k in persistent}
+    manifest["format"] = "tiered-offload/2"
+    files.write_manifest(manifest)
+    from storage_backends.base import key_to_filename
+    for extent in {"model.buffers@0", "model.buffers@1", "model.buffers@2"}:
+        (tmp_path / "s" / key_to_filename(extent)).unlink(missing_ok=True)
+    assert not any("buffers" in p.name for p in (tmp_path / "s").iterdir())
+    model = make()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory="96KiB",
+                    resume=True)
+    assert int(dict(engine.named_buffers())["blocks.0.ffn.calls"]) == 2
+    train_engine(engine, data[2:], lm_loss, 1.0)
+    mine, reference = dict(engine.named_buffers()), dict(ref.named_buffers())
+    assert all(torch.equal(mine[k], reference[k]) for k in reference)
+    engine.close()
+    assert "buffer_file" in _state_files(tmp_path / "s")[1]["meta"]
+
+
+def test_a_damaged_buffer_extent_is_refused_typed_and_verify_names_it(tmp_path):
+    from offload_core.errors import CorruptionError
+    from tiered_offload.checkpoint.state_dir import StateDirectory
+    torch.manual_seed(0)
+    model = TinyLM(NormedMLP)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory="96KiB")
+    train_engine(engine, batches(2, 1), lm_loss, 1.0)
+    engine.close()
+    files, manifest = _state_files(tmp_path / "s")
+    from storage_backends.base import key_to_filename
+    path = tmp_path / "s" / key_to_filename(manifest["meta"]["buffer_file"]["extent"])
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with StateDirectory(tmp_path / "s") as sd:
+        report = sd.verify()
+    assert not report["ok"] and report["damaged"][0]["tensor"] == "model buffers"
+    assert report["damaged"][0]["file"].endswith(key_to_filename("model.buffers@2"))
+    torch.manual_seed(0)
+    model = TinyLM(NormedMLP)
+    with pytest.raises(CorruptionError, match=r"model\.buffers%402 \(the model's buffers\) does not match its checksum"):
+        Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory="96KiB",
+               resume=True)
+    assert path.exists()  # nothing committed was deleted
+    manifest["meta"]["buffer_file"]["extent"] = "../../outside@1"  # a hostile name is refused before any read
+    files.write_manifest(manifest)
+    with pytest.raises(CorruptionError, match=r"buffer_file\.extent.*not a buffer extent"):
+        StateDirectory(tmp_path / "s")
+
+
 # ---- a large untied embedding and head stream like blocks -------------------------------------------
 def test_untied_embedding_and_head_stream_like_blocks_bitwise(tmp_path):
     config = EngineConfig(stream_modules_numel=1)  # every untied Embedding / Linear outside the blocks
@@ -632,6 +771,95 @@ def test_saved_activations_with_a_device_tier_are_bitwise(mode, tmp_path):
                  store_config={"device_budget_bytes": state // 2})
     assert seen["modes"] == modes
     assert seen["device"] > 0  # copies left the device tier
+
+
+# ---- forward_backward: the micro-batches through each block together ----------------------------------
+FUSED_CASES = {
+    "moe-routes-resume": (make_moe, dict(routes=[[0, 1], [2], [1, 3]], resume_at=2)),
+    "buffers-changed-per-micro-batch": (_normed, dict(host_fraction=0.7)),
+    "gpt2-frozen-keep-offload": (lambda: make_gpt2(frozen=True),
+                                 dict(loss_fn=hf_loss, config=EngineConfig(activations=["keep", "offload"] * 2),
+                                      host_fraction=0.7)),
+    "llama-groups-device-tier": (make_llama, dict(loss_fn=hf_loss, make_optimizer=lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3),
+                                                  host_fraction=0.6,
+                                                  device_fraction=0.4)),
+    "gpt2-dropout-runs-as-the-loop": (lambda: make_gpt2(dropout=0.1), dict(loss_fn=hf_loss)),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monkeypatch):
+    """``engine.forward_backward`` over 3 micro-batches per step trains bitwise as PyTorch's loop of
+    backwards: MoE routes, a resume, buffers each micro-batch's forward changes, kept and offloaded
+    activations, a device tier, groups; dropout (random numbers drawn in the forward) runs as the loop."""
+    make, options = FUSED_CASES[case]
+    options = dict(options)
+    make_optimizer = options.pop("make_optimizer", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    device_fraction = options.pop("device_fraction", 0)
+    if device_fraction:
+        state = 16 * sum(p.numel() for p in make().parameters())
+        options["store_config"] = {"device_budget_bytes": int(state * device_fraction)}
+    from tiered_offload.engine import micro_batches
+    as_loop, loop = [], micro_batches._loop
+    monkeypatch.setattr(micro_batches, "_loop", lambda *a: as_loop.append(1) or loop(*a))
+    check_parity(make, make_optimizer, tmp_path, clip=1.0, accumulate=3, steps=3, fused=True, **options)
+    assert len(as_loop) == (3 if "dropout" in case else 0)  # with dropout every step ran as the loop
+
+
+def test_forward_backward_reads_each_block_once_for_all_micro_batches(tmp_path):
+    """4 micro-batches at a quarter of the state: the loop reads the blocks 4 times per step,
+    forward_backward about once (at most 1.15x one micro-batch's reads)."""
+    def run(mode, accumulate, directory):
+        torch.manual_seed(0)
+        model = TinyLM(MLP, d=64, layers=6)
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=directory,
+                        host_memory=4 * sum(p.numel() for p in model.parameters()))
+        data = batches(3, accumulate)
+        train_engine(engine, data[:1], lm_loss, 1.0, mode == "fused")  # the first step settles the plan
+        before = engine.store.stats.bytes_read[Tier.DISK]
+        train_engine(engine, data[1:], lm_loss, 1.0, mode == "fused")
+        read = engine.store.stats.bytes_read[Tier.DISK] - before
+        engine.close()
+        return read / 2
+    one = run("loop", 1, tmp_path / "one")
+    loop, fused = run("loop", 4, tmp_path / "loop"), run("fused", 4, tmp_path / "fused")
+    assert loop > 2 * one, (one, loop, fused)
+    assert fused <= 1.15 * one, (one, loop, fused)
+
+
+def test_forward_backward_stops_where_the_loop_stops(tmp_path):
+    """A non-finite loss in the third micro-batch: the loop's error after the first two backwards
+    (or, with on_nonfinite='skip', the step skipped); a model error: the loop's ModelInputError."""
+    from offload_core.errors import ModelInputError, NonFiniteError
+    data = [ids for ids, _ in batches(1, 3)[0]]
+
+    def loss_fn(out, b):
+        loss = F.cross_entropy(out[:, :-1].flatten(0, 1), b[:, 1:].flatten())
+        return loss * float("inf") if b is data[2] else loss
+
+    def build(name, **kwargs):
+        torch.manual_seed(0)
+        model = TinyLM(MLP)
+        return Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / name,
+                      host_memory="96KiB", **kwargs)
+    fused, loop = build("fused"), build("loop")
+    with pytest.raises(NonFiniteError):
+        fused.forward_backward(data, loss_fn)
+    with pytest.raises(NonFiniteError):
+        for b in data:
+            loop.backward(loss_fn(loop(b), b))
+    # the first two micro-batches' gradients, as the loop left them
+    assert torch.equal(fused.clip_grad_norm_(1e9), loop.clip_grad_norm_(1e9))
+    assert fused.step() and loop.step()
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fused.named_parameters(), loop.named_parameters()))
+    fused.zero_grad()
+    with pytest.raises(ModelInputError):
+        fused.forward_backward([data[0], data[1].float()], lambda out, b: out.sum())
+    fused.close(), loop.close()
+    skipping = build("skip", on_nonfinite="skip")
+    assert not torch.isfinite(skipping.forward_backward(data, loss_fn)[2])  # as the loop: every loss returned
+    assert not skipping.step() and skipping.step_count == 0
+    skipping.close()
 
 
 def test_two_forwards_alive_at_once_and_a_forward_never_backpropagated(tmp_path):

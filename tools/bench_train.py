@@ -29,6 +29,13 @@ rate + bytes written / write rate) and the ratio step / max(compute, I/O bound).
 of those host budgets (fractions of the state), to show what a budget buys: its step time, whether
 its step overlaps the next forward, its activation modes, its disk bytes per step, and what its
 plan advises.
+
+``--accumulate 4`` runs, instead, the disk run (``durable=False``, ``--host-fraction``) three
+ways per optimizer step: one micro-batch; 4 micro-batches as the loop of ``engine.backward``;
+the same 4 through ``engine.forward_backward`` (each block's weights fetched once for all of
+them); and the engine in memory (one micro-batch's compute). It prints the disk bytes per
+optimizer step of each and the ratios: reads of 4 fused / reads of one, and the fused step /
+(4 x one micro-batch's in-memory step + one micro-batch disk step's I/O floor at the measured rates).
 """
 
 from __future__ import annotations
@@ -141,9 +148,13 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--volatile", action="store_true", help="also run the host and disk configurations with durable=False")
     ap.add_argument("--commit-every", type=int, default=1, help="commit the durable runs every N steps")
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
+    ap.add_argument("--accumulate", type=int, default=0, metavar="N",
+                    help="compare N micro-batches per step as a loop of backwards and through forward_backward")
     ap.add_argument("--sweep", default=None, help="comma-separated host budgets (fractions of the state): run plain "
                                                   "PyTorch and the engine (durable=False) at each, nothing else")
     args = ap.parse_args()
+    if args.accumulate:
+        return accumulate(args)
     if args.sweep:
         return sweep(args)
     cfg, base, g, directory = _setup(args)
@@ -226,6 +237,71 @@ def main() -> int:  # noqa: C901 - a script
         print(f"durability: host run durable/volatile = {med['host'] / med['host-volatile']:.2f}, "
               f"disk run durable/volatile = {med['disk'] / med['disk-volatile']:.2f} "
               f"(volatile: {med['host-volatile']:.3f} / {med['disk-volatile']:.3f} s/step)")
+    return 0
+
+
+def accumulate(args) -> int:
+    """One micro-batch, N as a loop, N fused, and the in-memory engine; interleaved rounds."""
+    n = args.accumulate
+    cfg, base, g, directory = _setup(args)
+    state = 16 * cfg.n_params()
+    engines = []
+
+    def make(name, host, micro, fused):
+        engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, name),
+                        host_memory=host, durable=False)
+        engines.append(engine)
+
+        def step(x):
+            parts = list(x.chunk(micro))
+            if fused:  # forward_backward takes the inputs; the loss finds each one's targets
+                inputs = [p[:, :-1] for p in parts]
+                targets = {id(i): p[:, 1:].flatten() for i, p in zip(inputs, parts)}
+                engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / micro)
+            else:
+                for b in parts:
+                    engine.backward(loss_of(engine, b) / micro)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+        return Config(name, step, finish=engine.wait_committed, engine=engine)
+    try:
+        write_rate, read_rate = disk_rates(directory)
+        host = int(state * args.host_fraction)
+        configs = [make("memory", 2 * state, 1, False), make("one", host, 1, False),
+                   make("loop", host, n, False), make("fused", host, n, True)]
+        for r in range(args.rounds + 1):
+            for c in configs if r % 2 == 0 else configs[::-1]:
+                micro = 1 if c.name in ("memory", "one") else n
+                rows = args.batch if micro == 1 else args.batch * n
+                c.run([torch.randint(0, 256, (rows, args.context + 1), generator=g)
+                       for _ in range(args.steps_per_round)])
+        for e in engines:
+            e.close()
+        engines.clear()
+    finally:
+        for e in engines:
+            e.close()
+        if args.path is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    med = {c.name: statistics.median(c.per_step[1:]) for c in configs}
+    rd = {c.name: statistics.median(c.moved["read"][1:]) for c in configs}
+    wr = {c.name: statistics.median(c.moved["written"][1:]) for c in configs}
+    floor_one = rd["one"] / read_rate + wr["one"] / write_rate
+    print(f"model: {cfg.n_params() / 1e6:.1f}M params, state {format_size(state)}, host budget {args.host_fraction:g} x "
+          f"state; micro-batch {args.batch} x {args.context} tokens, {n} per optimizer step; {args.rounds} interleaved "
+          f"rounds of {args.steps_per_round} steps, medians; disk {format_size(read_rate)}/s read, "
+          f"{format_size(write_rate)}/s written")
+    print("| run | s / optimizer step | disk read / step | disk written / step |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, label in [("memory", "in memory, 1 micro-batch"), ("one", "disk, 1 micro-batch"),
+                        ("loop", f"disk, {n} micro-batches, loop"), ("fused", f"disk, {n} micro-batches, forward_backward")]:
+        print(f"| {label} | {med[name]:.3f} | {format_size(rd[name])} | {format_size(wr[name])} |")
+    print(f"reads per optimizer step: loop {rd['loop'] / rd['one']:.2f}x one micro-batch's, forward_backward "
+          f"{rd['fused'] / rd['one']:.2f}x (target <= 1.15)")
+    bound = n * med["memory"] + floor_one
+    print(f"forward_backward step / ({n} x in-memory step {med['memory']:.3f} s + one micro-batch step's I/O floor "
+          f"{floor_one:.3f} s) = {med['fused'] / bound:.2f} (target <= 1.1); loop: {med['loop'] / bound:.2f}")
     return 0
 
 

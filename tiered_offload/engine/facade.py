@@ -35,6 +35,7 @@ from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
 from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
 from tiered_offload.engine.gradients import Gradients
 from tiered_offload.engine.initial_weights import load_initial_weights
+from tiered_offload.engine.micro_batches import forward_backward
 from tiered_offload.engine.optim_spec import OptimizerSpec, optimizer_for_resume, read_optimizer
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -286,7 +287,7 @@ class Engine(EngineViews):
 
     def _sequence(self, phases: list[Phase]) -> list[str]:
         """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
-        return self.schedule.access_sequence(phases, overlap=self.overlap_step,
+        return self.schedule.access_sequence(phases, overlap=self.overlap_step, repeat=self._streamer.micro_batches,
                                              activations=self._streamer.modes is not None)
 
     def _declare(self, phases: list[Phase]) -> None:
@@ -342,6 +343,14 @@ class Engine(EngineViews):
         finally:
             self._streamer.backward_ran()
             self._streamer.unbind_rest()
+
+    def forward_backward(self, micro_batches, loss_fn) -> list[torch.Tensor]:
+        """``for b in micro_batches: self.backward(loss_fn(self(b), b))`` with each block's weights
+        fetched once for all of them (block 0 for every micro-batch, then block 1, ...; backward in
+        reverse): the same gradients bitwise; returns the losses (detached). A dict micro-batch is
+        passed as keyword arguments. Forwards that draw random numbers (dropout) run as the loop
+        (see :mod:`~tiered_offload.engine.micro_batches`)."""
+        return forward_backward(self, micro_batches, loss_fn)
 
     # ---- optimizer ----------------------------------------------------------------------
     @_engine_time

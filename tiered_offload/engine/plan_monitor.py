@@ -146,7 +146,9 @@ class PlanMonitor:
         if self.streamer.modes is None:
             return  # plain PyTorch: nothing to plan
         if len(measured) == 1 + self.PLAN_FROM:
-            room = [self.streamer.activation_room.get(i, 0) for i in range(len(self.block_names))]
+            # forward_backward: the micro-batches' activations of a block share its room
+            room = [self.streamer.activation_room.get(i, 0) // self.streamer.micro_batches
+                    for i in range(len(self.block_names))]
             m = measured[self.PLAN_FROM]
             self._plan = make_plan(self._plan, m, self._disk_rates(m), room, max(room, default=0),
                                    not self.planner_chooses)

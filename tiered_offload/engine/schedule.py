@@ -190,28 +190,31 @@ class Schedule:
             return []
         return [unit.weight_key, unit.grad_key, *unit.state_keys(self.state_kinds)]
 
-    def access_sequence(self, phases: Iterable[Phase], *, overlap: bool, activations: bool = False) -> list[str]:
+    def access_sequence(self, phases: Iterable[Phase], *, overlap: bool, activations: bool = False,
+                        repeat: int = 1) -> list[str]:
         """The keys one iteration made of ``phases`` touches, in order, as the lookahead sees it.
 
         With the step overlapped, the cycle starts with the step's units (in forward order)
         interleaved with the next forward, since unit ``i`` is updated just before the forward
         needs its weights; otherwise the phases follow each other, starting with the step.
         ``activations``: each block's forward writes its saved activations (``block.i/activations``),
-        which its backward reads.
+        which its backward reads. ``repeat``: each block is used that many times in a row
+        (``forward_backward`` over that many micro-batches).
         """
         phases = [Phase(p) for p in phases]
         order = self.update_order()
         act = (lambda u: [u.key("activations")] if u.is_block else []) if activations else (lambda u: [])
+        times = lambda u: repeat if u.is_block else 1  # noqa: E731
         body = {
-            Phase.FORWARD: [k for u in order for k in self._forward_keys(u) + act(u)],
-            Phase.BACKWARD: [k for b in reversed(self.blocks) for k in (b.weight_key, b.grad_key, *act(b)) if k],
+            Phase.FORWARD: [k for u in order for k in (self._forward_keys(u) + act(u)) * times(u)],
+            Phase.BACKWARD: [k for b in reversed(self.blocks) for k in [b.weight_key, b.grad_key, *act(b)] * repeat if k],
             Phase.CLIP: [],  # the norms come from backward: clipping reads nothing
             Phase.STEP: [k for u in order for k in self._step_keys(u)],
         }
         if not overlap:
             i = phases.index(Phase.STEP) if Phase.STEP in phases else 0
             return [k for p in phases[i:] + phases[:i] for k in body[p]]
-        merged = [k for u in order for k in self._step_keys(u) + self._forward_keys(u) + act(u)]
+        merged = [k for u in order for k in self._step_keys(u) + (self._forward_keys(u) + act(u)) * times(u)]
         rest = [p for p in phases if p != Phase.STEP]
         if rest and rest[0] == Phase.FORWARD:
             rest = rest[1:]  # it is part of ``merged``

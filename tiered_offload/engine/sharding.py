@@ -192,6 +192,35 @@ class Sharding:
         self._call(f"reduce-scatter of {what}", dist.reduce_scatter_tensor, out, full, op=dist.ReduceOp.AVG)
         self.bytes["reduce_scatter"] += full.numel() * full.element_size()
 
+    def reduce_gradients(self, unit, gfull: torch.Tensor, store, status) -> None:
+        """A unit's backward is done (:meth:`BlockStreamer.gradients_done`, sharded): the mean over
+        ranks of its full gradient buffer ``gfull``, this rank's slice of it added into the stored
+        slice; ``gfull`` zeroed (a second call for the same buffers adds nothing); which parameters
+        have a gradient or-ed over ranks; the slice's finiteness noted in ``status`` (the step
+        reduces it over ranks)."""
+        slice_layout = self.layout(unit)
+        if self.broken:  # an error left the ranks out of step: no more collectives (they would mismatch)
+            gfull.zero_()
+            return
+        out = torch.empty(slice_layout.size, dtype=gfull.dtype, device=gfull.device)
+        self.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
+        gfull.zero_()
+        trainable = unit.trainable()
+        flags = torch.tensor([s_.has_grad for s_ in trainable], dtype=torch.uint8, device=gfull.device)
+        self.all_reduce(flags, dist.ReduceOp.MAX, f"which of {unit.name}'s parameters have a gradient")
+        for s_, f in zip(trainable, flags.tolist()):
+            s_.has_grad = bool(f)
+        status.norms = None
+        if slice_layout.grad_key:
+            g = store.get(slice_layout.grad_key)
+            try:
+                g.add_(out[:slice_layout.grad_numel])
+                if not bool(torch.isfinite(g).all()):
+                    status.grads_finite = False
+                store.mark_dirty(slice_layout.grad_key)
+            finally:
+                store.release(slice_layout.grad_key)
+
     def all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
         self._call(what, dist.all_reduce, t, op=op)
         self.bytes["all_reduce"] += t.numel() * t.element_size()

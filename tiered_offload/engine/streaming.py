@@ -77,6 +77,7 @@ class StreamedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        ctx.engine.take_turn(("backward", ctx.index))
         needs = ctx.needs_input_grad[6:]
         input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, ctx.stash, ctx.handles, needs,
                                                 grad_outputs, ctx.rng, ctx.buffers_before, ctx.shared)
@@ -127,6 +128,7 @@ class StashedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        ctx.engine.take_turn(("backward", ctx.index))
         pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
         input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs,
                                                   ctx.shared)
@@ -230,6 +232,10 @@ class BlockStreamer:
         self._held: list[tuple[Unit, torch.Tensor | None]] = []
         self.shared = SharedInputs()
         """The block inputs whose gradients the blocks' backwards add up in PyTorch's order."""
+        self.turns = None
+        """In ``forward_backward``: the micro-batches' :class:`~.micro_batches.Turns`."""
+        self.micro_batches = 1
+        """Micro-batches the last forward pass ran through each block together (``forward_backward``)."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
@@ -280,6 +286,11 @@ class BlockStreamer:
         finally:
             self.store.release(key)
 
+    def take_turn(self, where) -> None:
+        """In ``forward_backward``: let the other micro-batches reach ``where`` first."""
+        if self.turns is not None:
+            self.turns.take_turn(where)
+
     def rng_state(self) -> dict:
         """What a block's recompute replays: the RNG states (CPU, and CUDA on a GPU) and autocast's."""
         state = {"cpu": torch.get_rng_state(), "autocast": autocast_state(self.device)}
@@ -291,6 +302,7 @@ class BlockStreamer:
         """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its gradient buffer."""
         if self._rest_bound:
             return
+        self.micro_batches = 1
         self.pipeline.forward_reached(0)
         self.pipeline.wait(self.rest.name)
         rest = self.rest
@@ -499,6 +511,7 @@ class BlockStreamer:
         node (or keeping its graph, with ``recompute=False``)."""
         if not torch.is_grad_enabled():
             return self.run_block(index, args, kwargs)
+        self.take_turn(("forward", index))
         if self.modes is None:
             return self.run_block_keeping_graph(index, args, kwargs)
         self.drop_orphans()
@@ -531,7 +544,8 @@ class BlockStreamer:
         rest = self.rest
         bound = ([rest.key("weight.full"), *([rest.key("grad.full")] if rest.grad_key else [])]
                  if self.sharding is not None else [rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
-        if need > room or not self.store.fits_beside_pinned([need, *beside], bound):
+        # forward_backward keeps every micro-batch's activations of a block until its backward
+        if need * self.micro_batches > room or not self.store.fits_beside_pinned([need, *beside], bound):
             self._keep_in_memory(unit, index, need, room)
             return
         key, n = unit.key("activations"), 1
@@ -708,7 +722,7 @@ class BlockStreamer:
         long as the buffer has not changed since.
         """
         if self.sharding is not None:
-            self._reduce_gradients(unit)
+            self.sharding.reduce_gradients(unit, self._full[unit.name].grads, self.store, self.gradients[unit.name])
             return
         key = unit.grad_key
         self.store.mark_dirty(key)
@@ -717,34 +731,3 @@ class BlockStreamer:
         status.norms = (self.store.record(key).version, norms)
         if not all(bool(torch.isfinite(n)) for n in norms) and not bool(torch.isfinite(gflat).all()):
             status.grads_finite = False
-
-    def _reduce_gradients(self, unit: Unit) -> None:
-        """Sharded :meth:`BlockStreamer.gradients_done`: the mean over ranks of the unit's full
-        gradient buffer, this rank's slice of it added into the stored slice; the full buffer zeroed
-        (a second call for the same buffers adds nothing); which parameters have a gradient or-ed
-        over ranks; the slice's finiteness noted (the step reduces it over ranks)."""
-        sharding, slice_layout = self.sharding, self.sharding.layout(unit)
-        gfull = self._full[unit.name].grads
-        if sharding.broken:  # an error left the ranks out of step: no more collectives (they would mismatch)
-            gfull.zero_()
-            return
-        out = torch.empty(slice_layout.size, dtype=gfull.dtype, device=gfull.device)
-        sharding.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
-        gfull.zero_()
-        trainable = unit.trainable()
-        flags = torch.tensor([s_.has_grad for s_ in trainable], dtype=torch.uint8, device=gfull.device)
-        sharding.all_reduce(flags, torch.distributed.ReduceOp.MAX, f"which of {unit.name}'s parameters have a gradient")
-        for s_, f in zip(trainable, flags.tolist()):
-            s_.has_grad = bool(f)
-        status = self.gradients[unit.name]
-        status.norms = None
-        if slice_layout.grad_key:
-            g = self.store.get(slice_layout.grad_key)
-            try:
-                g.add_(out[:slice_layout.grad_numel])
-                if not bool(torch.isfinite(g).all()):
-                    status.grads_finite = False
-                self.store.mark_dirty(slice_layout.grad_key)
-            finally:
-                self.store.release(slice_layout.grad_key)
-

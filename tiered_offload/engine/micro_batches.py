@@ -1,0 +1,236 @@
+"""``Engine.forward_backward``: several micro-batches through the blocks with one fetch of each
+block's weights per pass ("vertical" order), computing the loop's gradients bitwise.
+
+The loop it replaces is ``for b in micro_batches: engine.backward(loss_fn(engine(b), b))``: every
+micro-batch's forward and backward fetch every block again. Here each micro-batch runs on a
+thread of its own, and the threads take turns (:class:`Turns`, one running at a time, in
+micro-batch order) at every streamed block, forward and backward: block 0 for every micro-batch,
+then block 1, ..., the losses, then the last block's backward for every micro-batch, and so on.
+The store's lookahead keeps a block's weights and gradients in memory across the turns.
+
+Why that is the loop's arithmetic, bit for bit:
+
+* a block's forward sees the same inputs, weights and buffers (buffers change block by block, and
+  each block's forwards run in micro-batch order, as in the loop);
+* every gradient buffer receives its micro-batches' additions in micro-batch order (at any turn,
+  micro-batch 0's thread runs first), with the same additions inside each backward;
+* the RNG: the loop's micro-batch ``k`` starts from the state micro-batch ``k - 1`` left. That
+  holds here only if no forward draws random numbers (no dropout in training mode, no sampling):
+  the state is checked at every turn. A forward that drew one is undone (its graphs dropped, the
+  buffers and the RNG put back; no gradient has been added yet: every forward and loss finishes
+  before any backward starts) and the micro-batches run as the loop instead. So do a
+  non-finite loss (the loop stops or skips there) and an error in a forward (raised where the
+  loop raises it).
+
+A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
+autograd's device thread that every backward shares, which waiting for a turn would block.
+Sharded engines and a single micro-batch run the loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from offload_core.errors import TensorStateError
+from tiered_offload.engine.activations import autocast_state, replay_autocast
+from tiered_offload.engine.schedule import Phase
+from tiered_offload.trace import span
+
+__all__ = ["Turns", "forward_backward"]
+
+
+class _Undone(BaseException):
+    """Raised in a micro-batch's thread to stop it (the pass is undone, or another thread failed)."""
+
+
+class Turns:
+    """Threads that run one at a time, in a fixed rotation (micro-batch order): :meth:`take_turn`
+    hands over to the next thread and waits for this one's next turn. Every turn checks that the
+    RNG state is the one the pass started from (see the module's docstring)."""
+
+    def __init__(self, n: int, rng_check: Callable[[], bool]):
+        self._cond = threading.Condition()
+        self._order = list(range(n))
+        self._turn = 0
+        self._stop = False
+        self.rng_check = rng_check
+        self._where: dict[int, Any] = {}
+        """Turn number -> where the first micro-batch to reach it was."""
+        self.backward_started = False
+        self._local = threading.local()
+
+    def index(self) -> int | None:
+        """The micro-batch this thread runs (None on other threads)."""
+        return getattr(self._local, "index", None)
+
+    def begin(self, k: int) -> None:
+        """Called first on micro-batch ``k``'s thread: wait for its first turn."""
+        self._local.index = k
+        self._wait(k)
+
+    def take_turn(self, where) -> None:
+        """Hand over to the next micro-batch's thread; return when it is this one's turn again.
+        ``where`` (a block's forward or backward, the loss) must be where the other micro-batches
+        are at the same turn: their graphs are alike, so each buffer's additions come in order."""
+        k = self.index()
+        if k is None:
+            return
+        turn = self._local.turns = getattr(self._local, "turns", 0) + 1
+        alike = self._where.setdefault(turn, where) == where
+        if not alike or not self.rng_check():
+            self.stop()
+            if self.backward_started:
+                raise TensorStateError(
+                    "in forward_backward a micro-batch's backward " + ("drew random numbers" if alike else
+                    "took another path through the blocks than the others'") + ", so the loop's order cannot be "
+                    "kept; the gradients of this call are incomplete: call zero_grad() and run the micro-batches as "
+                    "a loop (engine.backward per micro-batch)")
+            raise _Undone()
+        with self._cond:
+            i = self._order.index(k)
+            self._turn = self._order[(i + 1) % len(self._order)]
+            self._cond.notify_all()
+        self._wait(k)
+
+    def finish(self) -> None:
+        """This thread's micro-batch is done: the others go on without it."""
+        k = self.index()
+        with self._cond:
+            if k in self._order:
+                i = self._order.index(k)
+                self._order.remove(k)
+                if self._order:
+                    self._turn = self._order[i % len(self._order)]
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop every thread at its next turn."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def _wait(self, k: int) -> None:
+        with self._cond:
+            while self._turn != k and not self._stop:
+                self._cond.wait()
+            if self._stop:
+                raise _Undone()
+
+
+def _call(engine, batch):
+    """``engine(batch)`` as the loop writes it (a dict is passed as keyword arguments)."""
+    return engine(**batch) if isinstance(batch, dict) else engine(batch)
+
+
+def _loop(engine, micro_batches: Sequence, loss_fn) -> list[torch.Tensor]:
+    losses = []
+    for b in micro_batches:
+        loss = loss_fn(_call(engine, b), b)
+        engine.backward(loss)
+        losses.append(loss.detach())
+    return losses
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_states(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
+    """Run every micro-batch's forward and backward (see the module's docstring); returns the
+    losses (detached), as the loop's ``loss.detach()``."""
+    micro_batches = list(micro_batches)
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("forward_backward computes gradients; call it outside torch.no_grad()")
+    if len(micro_batches) == 1 or engine._placement.sharding is not None:
+        return _loop(engine, micro_batches, loss_fn)
+    t0 = time.perf_counter()
+    try:
+        losses = _vertical(engine, micro_batches, loss_fn)
+    finally:
+        engine._monitor.engine_seconds += time.perf_counter() - t0
+    return losses if losses is not None else _loop(engine, micro_batches, loss_fn)
+
+
+def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None:
+    """The micro-batches in vertical order; None if undone before any backward (run the loop)."""
+    streamer, device, n = engine._streamer, engine.device, len(micro_batches)
+    start = _rng_states(device)
+    buffers = [(mod, attr, mod._buffers[attr], mod._buffers[attr].clone()) for _, mod, attr, _ in engine.binding.buffers]
+    turns = Turns(n, lambda: all(torch.equal(a, b) for a, b in zip(_rng_states(device), start)))
+    autocast = autocast_state(device)
+    losses: list[torch.Tensor | None] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    inputs = [engine._to_device(((), b) if isinstance(b, dict) else ((b,), {})) for b in micro_batches]
+
+    def run(k: int) -> None:
+        try:
+            turns.begin(k)
+            with replay_autocast(autocast):
+                loss = loss_fn(engine.model(*inputs[k][0], **inputs[k][1]), micro_batches[k])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not bool(torch.isfinite(loss.detach()).all()):
+                turns.stop()  # the loop raises (or skips) at this micro-batch: let it
+                raise _Undone()
+            turns.take_turn("loss")  # every forward and loss is done before any backward starts
+            if k == 0:
+                turns.backward_started = True
+                engine._commits.before_backward(engine._await)
+            losses[k] = loss.detach()
+            with torch.autograd.set_multithreading_enabled(False):
+                loss.backward()
+        except _Undone:
+            pass
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            errors[k] = e
+            turns.stop()
+        finally:
+            turns.finish()
+
+    engine.binding.check_requires_grad()
+    engine._placement.set_phase(f"step {engine.step_count + 1}, forward_backward")
+    engine._phase(Phase.FORWARD)
+    streamer.bind_rest()
+    streamer.micro_batches, streamer.turns = n, turns
+    try:
+        with span(engine._tracer, "forward_backward", "phase"):
+            threads = [threading.Thread(target=run, args=(k,), name=f"tiered-offload-micro-batch-{k}", daemon=True)
+                       for k in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        streamer.turns = None
+    if turns.backward_started:
+        engine._phase(Phase.BACKWARD)
+        try:
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
+            streamer.shared.backward_done()
+        finally:
+            streamer.backward_ran()
+            streamer.unbind_rest()
+        return losses
+    # undone before any backward: put back what the forwards changed; the loop runs them
+    streamer.unbind_rest()
+    streamer.drop_orphans()
+    for mod, attr, tensor, value in buffers:
+        tensor.copy_(value)
+        mod._buffers[attr] = tensor
+    _set_rng_states(start, device)
+    return None
