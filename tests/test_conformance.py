@@ -362,3 +362,50 @@ def test_autocast_bf16_trains_bitwise_as_pytorch_under_autocast(tmp_path, activa
         assert run(engine, step) == expected
         weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["through-each-block", "dropout-as-the-loop"])
+def test_forward_backward_under_autocast_is_the_loop_with_forwards_in_it(tmp_path, dropout):
+    """``with torch.autocast(...): engine.forward_backward(...)``: the forwards and losses in bf16
+    autocast, the backwards outside it: bitwise PyTorch's loop written that way."""
+    import copy
+
+    from test_finetune import make_gpt2
+    from tiered_offload.engine import micro_batches
+
+    g = torch.Generator().manual_seed(1)
+    steps = [[torch.randint(0, 64, (2, 9), generator=g) for _ in range(3)] for _ in range(2)]
+    ref = make_gpt2(dropout=dropout)
+    start = copy.deepcopy(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    expected = []
+    for step in steps:
+        for ids in step:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = ref(input_ids=ids, labels=ids).loss / 3
+            loss.backward()
+            expected.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    model = make_gpt2(dropout=dropout)
+    model.load_state_dict(start)
+    n = sum(p.numel() for p in model.parameters())
+    loops = []
+    loop = micro_batches._loop
+    micro_batches._loop = lambda *a: loops.append(1) or loop(*a)
+    try:
+        with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(16 * n * 0.4)) as engine:
+            losses = []
+            for step in steps:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    losses += [x.item() for x in engine.forward_backward(
+                        [{"input_ids": ids, "labels": ids} for ids in step], lambda out, b: out.loss / 3)]
+                engine.clip_grad_norm_(1.0)
+                engine.step()
+                engine.zero_grad()
+            weights = dict(engine.named_parameters())
+    finally:
+        micro_batches._loop = loop
+    assert losses == expected and len(loops) == (2 if dropout else 0)
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())

@@ -315,6 +315,17 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path):
     assert summary["disk_overhead"] <= 0.25, summary
 
 
+def test_kill_loop_inside_forward_backward_resumes_bitwise(tmp_path):
+    """SIGKILL while 3 micro-batches go through each block together (forward_backward) with a
+    device tier: every start resumes bitwise, every run ends bitwise."""
+    from crash_loop import crash_loop
+    summary = crash_loop(tmp_path, kills=4, steps=6, layers=6, seed=4, log=lambda *_: None, accumulate=3,
+                         host_fraction=0.6, device_fraction=0.3)
+    assert summary["identical"], summary
+    assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
+    assert summary["runs_finished"] >= 1 and summary["runs_finished_identical"] == summary["runs_finished"], summary
+
+
 @pytest.mark.parametrize("commit_every, host_fraction", [(3, 1.0), (1, 1.5)], ids=["every-3-steps", "state-fits"])
 def test_kill_loop_with_snapshot_commits(tmp_path, commit_every, host_fraction):
     """Snapshot commits (every 3rd step; every step with the state in the host tier): SIGKILLed at

@@ -47,6 +47,16 @@ def _loss(model, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
 
 
+def _fused_loss(engine, x: torch.Tensor, n: int) -> torch.Tensor:
+    """The batch as ``n`` micro-batches through ``engine.forward_backward``; the mean loss (its
+    gradients accumulated, as the loop of ``n`` backwards of ``loss / n`` leaves them)."""
+    parts = list(x.chunk(n))
+    inputs = [p[:, :-1] for p in parts]
+    targets = {id(i): p[:, 1:].flatten() for i, p in zip(inputs, parts)}
+    losses = engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / n)
+    return sum(losses)
+
+
 def plain(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int) -> dict:
     """Plain PyTorch on the device: AdamW (foreach), the whole state resident."""
     need = 16 * cfg.n_params()
@@ -97,7 +107,8 @@ def _waits_by_phase(trace_path: Path) -> dict:
 
 
 def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int, storage: str,
-               host_memory: str, device_memory: str, trace_dir: Path, optimizer_device: str = "auto") -> dict:
+               host_memory: str, device_memory: str, trace_dir: Path, optimizer_device: str = "auto",
+               micro_batches: int = 1) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with empty_init():
@@ -111,7 +122,7 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
            "device_budget": engine.store.capacity("device"), "host_arena_backing_bytes": host_arena.backing_bytes,
            "host_arena_pinned": host_arena.pinned, "backend": engine.store.backend.name,
            "recompute": engine.recompute, "optimizer_device": optimizer_device,
-           "update_tier": engine._updater.tier.name.lower(), "steps": []}
+           "update_tier": engine._updater.tier.name.lower(), "micro_batches": micro_batches, "steps": []}
     times = []
     try:
         for i, x in enumerate(batches):
@@ -122,8 +133,11 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
             _sync(device)
             t = time.perf_counter()
             with ctx:
-                loss = _loss(engine, x.to(device))
-                engine.backward(loss)
+                if micro_batches > 1:
+                    loss = _fused_loss(engine, x.to(device), micro_batches)
+                else:
+                    loss = _loss(engine, x.to(device))
+                    engine.backward(loss)
                 engine.clip_grad_norm_(1.0)
                 engine.step()
                 engine.zero_grad()
@@ -186,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--storage", default=None, help="default: a temporary directory under the current one")
     ap.add_argument("--optimizer-device", default="auto", choices=("auto", "host", "device"),
                     help="where the optimizer step runs (EngineConfig.optimizer_device)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="split each step's batch into N micro-batches through engine.forward_backward")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -210,7 +226,7 @@ def main(argv=None) -> int:
             print(f"plain PyTorch: {p['skipped']}", flush=True)
         report["plain"] = p
         e = engine_run(cfg, _batches(cfg, args.batch, args.steps), device, 1 if args.steps > 1 else 0, storage,
-                       args.host_memory, args.device_memory, trace_dir, args.optimizer_device)
+                       args.host_memory, args.device_memory, trace_dir, args.optimizer_device, args.micro_batches)
         e["TFLOPs"] = flops / e["step_s"] / 1e12
         report["engine"] = e
         if "step_s" in p:

@@ -49,7 +49,7 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-           buffers: bool = False) -> None:
+           buffers: bool = False, accumulate: int = 1) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -76,9 +76,16 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     print(f"START {engine.step_count} {_digest(engine)}", flush=True)  # the weights it resumed with
     while engine.step_count < steps:
         x = torch.randint(0, 256, (4, 33))  # the global RNG: a resume must restore it exactly
-        logits = engine(x[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        engine.backward(loss)
+        if accumulate > 1:  # the micro-batches through each block together
+            parts = list(x.repeat(accumulate, 1).chunk(accumulate))
+            inputs = [p[:, :-1] for p in parts]
+            targets = {id(i): p[:, 1:].flatten() for i, p in zip(inputs, parts)}
+            losses = engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]))
+            loss = sum(losses) / accumulate
+        else:
+            logits = engine(x[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+            engine.backward(loss)
         engine.clip_grad_norm_(1.0)
         engine.user_state = {"batches": engine.step_count + 1}
         engine.step()
@@ -114,13 +121,14 @@ REFERENCE_TIMEOUT_S = 600.0
 
 def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
             host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-            buffers: bool = False) -> subprocess.Popen:
+            buffers: bool = False, accumulate: int = 1) -> subprocess.Popen:
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, str(HERE), "--worker", str(directory), "--steps", str(steps),
                              "--layers", str(layers), "--out", str(out), "--commit-every", str(commit_every),
                              "--host-fraction", str(host_fraction), "--device-fraction", str(device_fraction),
                              "--optimizer", optimizer]
-                            + (["--digests"] if digests else []) + (["--buffers"] if buffers else []),
+                            + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
+                            + ["--accumulate", str(accumulate)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -245,7 +253,7 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
-               optimizer: str = "adamw", buffers: bool = False) -> dict:
+               optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -258,7 +266,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     > 0 gives the engine a device tier of CPU memory of that share of the state (the GPU's path).
     ``optimizer``: a key of :data:`OPTIMIZERS` (``adafactor``: one that works on whole parameters).
     ``buffers``: every block counts its calls in a persistent buffer its output depends on (the
-    buffers' extent committed with each step, restored with it).
+    buffers' extent committed with each step, restored with it). ``accumulate`` > 1: each step runs
+    that many micro-batches through ``engine.forward_backward`` (killed inside the vertical pass too).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
     extent is flipped, and a start without a kill must either resume bitwise or refuse with a
@@ -267,7 +276,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     """
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
-                   optimizer=optimizer, buffers=buffers)
+                   optimizer=optimizer, buffers=buffers, accumulate=accumulate)
     ref_out, boot, duration, peak, state, ref_digests = reference(work, steps, layers, **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
         f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
@@ -396,19 +405,22 @@ def main() -> None:
                     help="adafactor: an optimizer the engine runs on whole parameters (its state packed)")
     ap.add_argument("--buffers", action="store_true",
                     help="every block counts its calls in a persistent buffer its output depends on")
+    ap.add_argument("--accumulate", type=int, default=1, metavar="N",
+                    help="N micro-batches per step through engine.forward_backward")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
-               args.device_fraction, args.optimizer, args.buffers)
+               args.device_fraction, args.optimizer, args.buffers, args.accumulate)
         return
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
         t0 = time.perf_counter()
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
-                             flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers)
+                             flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
+                             accumulate=args.accumulate)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

@@ -24,11 +24,13 @@ Why that is the loop's arithmetic, bit for bit:
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.
-Sharded engines and a single micro-batch run the loop.
+Sharded engines and a single micro-batch run the loop. Under ``torch.autocast`` the forwards and
+losses run in it and the backwards outside it, as PyTorch advises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -127,10 +129,16 @@ def _call(engine, batch):
 
 
 def _loop(engine, micro_batches: Sequence, loss_fn) -> list[torch.Tensor]:
+    """The loop, each backward outside the caller's autocast (as PyTorch advises, and as the
+    micro-batches' threads run theirs)."""
     losses = []
+    outside = [(kind, dtype) for kind, dtype, _ in autocast_state(engine.device)]
     for b in micro_batches:
         loss = loss_fn(_call(engine, b), b)
-        engine.backward(loss)
+        with contextlib.ExitStack() as stack:
+            for kind, dtype in outside:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=False))
+            engine.backward(loss)
         losses.append(loss.detach())
     return losses
 
@@ -205,20 +213,27 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
     engine._phase(Phase.FORWARD)
     streamer.bind_rest()
     streamer.micro_batches, streamer.turns = n, turns
+    interrupted = None
     try:
         with span(engine._tracer, "forward_backward", "phase"):
             threads = [threading.Thread(target=run, args=(k,), name=f"tiered-offload-micro-batch-{k}", daemon=True)
                        for k in range(n)]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            try:
+                for t in threads:
+                    t.join()
+            except BaseException as e:  # Ctrl-C: every thread stops at its next turn
+                interrupted = e
+                turns.stop()
+                for t in threads:
+                    t.join()
     finally:
         streamer.turns = None
     if turns.backward_started:
         engine._phase(Phase.BACKWARD)
         try:
-            first = next((e for e in errors if e is not None), None)
+            first = interrupted or next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first
             streamer.shared.backward_done()
@@ -233,4 +248,6 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
         tensor.copy_(value)
         mod._buffers[attr] = tensor
     _set_rng_states(start, device)
+    if interrupted is not None:
+        raise interrupted
     return None

@@ -134,15 +134,14 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         while engine.step_count < total and stop["signal"] is None:
             t0 = time.perf_counter()
             step = engine.step_count
-            losses, tokens = [], 0
+            batches, tokens = [], 0
             for micro in range(t.grad_accum):
                 rows = micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro, t.micro_batch)
-                batch = train_data.batch(rows)
+                batches.append(train_data.batch(rows))
                 tokens += train_data.tokens(rows)
-                with _precision(t.precision, engine):
-                    loss = engine(**batch).loss / t.grad_accum
-                engine.backward(loss)
-                losses.append(loss.item() * t.grad_accum)
+            with _precision(t.precision, engine):  # the forwards in it, the backwards outside
+                losses = [loss.item() * t.grad_accum for loss in
+                          engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
             norm = engine.clip_grad_norm_(t.clip) if t.clip else None
             engine.user_state = {"micro_batches": (step + 1) * t.grad_accum}
             lr = engine.param_groups[0]["lr"]
