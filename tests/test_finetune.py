@@ -545,24 +545,26 @@ def _state_files(directory):
     return files, files.read_manifest()
 
 
+def _trained(block, directory, steps):
+    """An engine on a TinyLM of ``block`` blocks, at a budget below its state, after ``steps`` steps."""
+    torch.manual_seed(0)
+    model = TinyLM(block)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=directory, host_memory="96KiB")
+    train_engine(engine, batches(steps, 1), lm_loss, 1.0)
+    return engine
+
+
 def test_buffers_live_in_one_checksummed_extent_not_in_json(tmp_path):
     """Persistent buffers are a checksummed extent the meta names: a 1 MiB buffer costs no JSON, an
     unchanged one is written once, a changing one leaves no older extents behind."""
-    torch.manual_seed(0)
-    model = TinyLM(BigTable)
-    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory="96KiB")
-    train_engine(engine, batches(3, 1), lm_loss, 1.0)
-    engine.close()
+    _trained(BigTable, tmp_path / "s", 3).close()
     files, manifest = _state_files(tmp_path / "s")
     entry = manifest["meta"]["buffer_file"]
     assert "buffers" not in manifest["meta"] and entry["extent"] == "model.buffers@0"  # never changed: written once
     assert len(files.manifest_path.read_bytes()) < 64 * 1024 < entry["nbytes"]  # 4 x 256 KiB of buffers, not in JSON
     assert sorted(entry["tensors"]) == [f"blocks.{i}.ffn.table" for i in range(4)]
 
-    torch.manual_seed(0)
-    model = TinyLM(NormedMLP)  # running statistics change every step
-    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "n", host_memory="96KiB")
-    train_engine(engine, batches(4, 1), lm_loss, 1.0)
+    engine = _trained(NormedMLP, tmp_path / "n", 4)  # running statistics change every step
     engine.wait_committed()
     files, manifest = _state_files(tmp_path / "n")
     assert manifest["meta"]["buffer_file"]["extent"] == "model.buffers@4"
@@ -610,11 +612,7 @@ def test_buffers_of_a_format2_state_in_json_still_load(tmp_path):
 def test_a_damaged_buffer_extent_is_refused_typed_and_verify_names_it(tmp_path):
     from offload_core.errors import CorruptionError
     from tiered_offload.checkpoint.state_dir import StateDirectory
-    torch.manual_seed(0)
-    model = TinyLM(NormedMLP)
-    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory="96KiB")
-    train_engine(engine, batches(2, 1), lm_loss, 1.0)
-    engine.close()
+    _trained(NormedMLP, tmp_path / "s", 2).close()
     files, manifest = _state_files(tmp_path / "s")
     from storage_backends.base import key_to_filename
     path = tmp_path / "s" / key_to_filename(manifest["meta"]["buffer_file"]["extent"])

@@ -93,9 +93,8 @@ def main() -> None:
                 engine.optimizer, lambda s: lr_factor(s, total, 1, "cosine")))
             last = None
             for step in range(total):
-                for micro in range(2):
-                    batch = data.batch(micro_batch_rows(len(data), 0, step * 2 + micro, 4))
-                    engine.backward(engine(**batch).loss / 2)
+                batches = [data.batch(micro_batch_rows(len(data), 0, step * 2 + micro, 4)) for micro in range(2)]
+                engine.forward_backward(batches, lambda out, _: out.loss / 2)  # as the command runs them
                 engine.clip_grad_norm_(1.0)
                 engine.step()
                 engine.zero_grad()

@@ -41,6 +41,7 @@ optimizer step of each and the ratios: reads of 4 fused / reads of one, and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import shutil
@@ -121,6 +122,20 @@ def _setup(args):
     return cfg, GPT(cfg), torch.Generator().manual_seed(1), directory
 
 
+@contextlib.contextmanager
+def _engines(args, directory):
+    """A list for a run's engines: every one closed at the end, and the storage directory removed
+    unless ``--path`` named it."""
+    engines: list = []
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.close()
+        if args.path is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def _plain(base) -> Config:
     """Plain PyTorch on a copy of ``base``: AdamW, clipping at 1.0."""
     ref = copy.deepcopy(base)
@@ -158,8 +173,7 @@ def main() -> int:  # noqa: C901 - a script
     if args.sweep:
         return sweep(args)
     cfg, base, g, directory = _setup(args)
-    engines = []
-    try:
+    with _engines(args, directory) as engines:
         def engine_config(name, host_budget, recompute="auto", durable=True, activations="auto", trace=None):
             engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, name),
                             host_memory=host_budget, recompute=recompute, durable=durable,
@@ -203,12 +217,7 @@ def main() -> int:  # noqa: C901 - a script
         for e in engines:
             e.close()
         engines.clear()
-        w_rate, r_rate = disk_rates(directory)
-    finally:
-        for e in engines:
-            e.close()
-        if args.path is None:
-            shutil.rmtree(directory, ignore_errors=True)
+        w_rate, r_rate = disk_rates(directory)  # with nothing else on the disk
     med = {c.name: statistics.median(c.per_step) for c in configs}
     rd, wr = statistics.median(disk.moved["read"]), statistics.median(disk.moved["written"])
     io_bound = rd / r_rate + wr / w_rate
@@ -245,11 +254,10 @@ def accumulate(args) -> int:
     n = args.accumulate
     cfg, base, g, directory = _setup(args)
     state = 16 * cfg.n_params()
-    engines = []
 
-    def make(name, host, micro, fused):
+    def make(name, host, micro, fused, activations="auto"):
         engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, name),
-                        host_memory=host, durable=False)
+                        host_memory=host, durable=False, config=EngineConfig(activations=activations))
         engines.append(engine)
 
         def step(x):
@@ -265,25 +273,18 @@ def accumulate(args) -> int:
             engine.step()
             engine.zero_grad()
         return Config(name, step, finish=engine.wait_committed, engine=engine)
-    try:
+    with _engines(args, directory) as engines:
         write_rate, read_rate = disk_rates(directory)
         host = int(state * args.host_fraction)
         configs = [make("memory", 2 * state, 1, False), make("one", host, 1, False),
-                   make("loop", host, n, False), make("fused", host, n, True)]
+                   make("loop", host, n, False), make("fused", host, n, True),
+                   make("fused-recompute", host, n, True, "recompute")]
         for r in range(args.rounds + 1):
             for c in configs if r % 2 == 0 else configs[::-1]:
-                micro = 1 if c.name in ("memory", "one") else n
-                rows = args.batch if micro == 1 else args.batch * n
+                rows = args.batch if c.name in ("memory", "one") else args.batch * n
                 c.run([torch.randint(0, 256, (rows, args.context + 1), generator=g)
                        for _ in range(args.steps_per_round)])
-        for e in engines:
-            e.close()
-        engines.clear()
-    finally:
-        for e in engines:
-            e.close()
-        if args.path is None:
-            shutil.rmtree(directory, ignore_errors=True)
+        modes = {c.name: _modes(c.engine.activation_modes) for c in configs}
     med = {c.name: statistics.median(c.per_step[1:]) for c in configs}
     rd = {c.name: statistics.median(c.moved["read"][1:]) for c in configs}
     wr = {c.name: statistics.median(c.moved["written"][1:]) for c in configs}
@@ -295,13 +296,16 @@ def accumulate(args) -> int:
     print("| run | s / optimizer step | disk read / step | disk written / step |")
     print("| --- | ---: | ---: | ---: |")
     for name, label in [("memory", "in memory, 1 micro-batch"), ("one", "disk, 1 micro-batch"),
-                        ("loop", f"disk, {n} micro-batches, loop"), ("fused", f"disk, {n} micro-batches, forward_backward")]:
+                        ("loop", f"disk, {n} micro-batches, loop"), ("fused", f"disk, {n} micro-batches, forward_backward"),
+                        ("fused-recompute", f"disk, {n} micro-batches, forward_backward, every block recomputed")]:
         print(f"| {label} | {med[name]:.3f} | {format_size(rd[name])} | {format_size(wr[name])} |")
-    print(f"reads per optimizer step: loop {rd['loop'] / rd['one']:.2f}x one micro-batch's, forward_backward "
-          f"{rd['fused'] / rd['one']:.2f}x (target <= 1.15)")
+    print(f"planned activations: one micro-batch's run {modes['one']}; forward_backward's {modes['fused']}")
+    print(f"reads per optimizer step / one micro-batch's: loop {rd['loop'] / rd['one']:.2f}, forward_backward "
+          f"{rd['fused'] / rd['one']:.2f}, recomputed {rd['fused-recompute'] / rd['one']:.2f} (target <= 1.15)")
     bound = n * med["memory"] + floor_one
-    print(f"forward_backward step / ({n} x in-memory step {med['memory']:.3f} s + one micro-batch step's I/O floor "
-          f"{floor_one:.3f} s) = {med['fused'] / bound:.2f} (target <= 1.1); loop: {med['loop'] / bound:.2f}")
+    print(f"step / ({n} x in-memory step {med['memory']:.3f} s + one micro-batch step's I/O floor {floor_one:.3f} s): "
+          f"loop {med['loop'] / bound:.2f}, forward_backward {med['fused'] / bound:.2f}, recomputed "
+          f"{med['fused-recompute'] / bound:.2f} (target <= 1.1)")
     return 0
 
 
@@ -309,8 +313,7 @@ def sweep(args) -> int:
     """Plain PyTorch and the engine at each host budget of ``--sweep``, interleaved."""
     fractions = [float(f) for f in args.sweep.split(",")]
     cfg, base, g, directory = _setup(args)
-    engines = []
-    try:
+    with _engines(args, directory) as engines:
         configs = [_plain(base)]
         state = 16 * cfg.n_params()  # AdamW, every parameter trained: weights, gradients, m and v
         for f in fractions:
@@ -333,14 +336,6 @@ def sweep(args) -> int:
             e = c.engine
             advice = [r for r in e.plan.reasons if r.startswith("the step runs inline")]
             rows.append((c, e.overlap_step, _modes(e.activation_modes), advice))
-        for e in engines:
-            e.close()
-        engines.clear()
-    finally:
-        for e in engines:
-            e.close()
-        if args.path is None:
-            shutil.rmtree(directory, ignore_errors=True)
     med = {c.name: statistics.median(c.per_step[1:]) for c in configs}  # the first round warms up
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
           f"{args.context} tokens; AdamW + clipping; {args.rounds} interleaved rounds of {args.steps_per_round} steps, "

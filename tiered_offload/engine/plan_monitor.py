@@ -133,12 +133,14 @@ class PlanMonitor:
                 disk_busy_seconds=now.disk_busy_seconds - last.disk_busy_seconds,
                 forward_seconds=[streamer.forward_seconds.get(i, 0.0) for i in range(n)],
                 graph_bytes=[streamer.graph_bytes.get(i, 0) for i in range(n)],
-                modes=list(streamer.modes) if streamer.modes is not None else ["keep"] * n, link=now.link - last.link))
+                modes=list(streamer.modes) if streamer.modes is not None else ["keep"] * n, link=now.link - last.link,
+                forwards=[streamer.forward_calls.get(i, 1) for i in range(n)]))
             self._after_iteration()
             if len(self.measured) > self.KEEP:
                 del self.measured[self.PLAN_FROM + 1 + self.CHECK_AFTER]
         self._last = now
         streamer.forward_seconds.clear()
+        streamer.forward_calls.clear()
 
     def _after_iteration(self) -> None:
         """After the planning iteration: plan. After a few more: compare and say if it is off."""

@@ -64,11 +64,14 @@ class StepMeasurement:
     forward_seconds: list[float]
     """Per block, the forward's compute time."""
     graph_bytes: list[int]
-    """Per block, what its graph saves for backward."""
+    """Per block, what its graph saves for backward (one forward's)."""
     modes: list[str]
     """Per block, what this iteration did with its activations."""
     link: int = 0
     """Bytes copied into and out of the device tier (0 without one)."""
+    forwards: list[int] | None = None
+    """Per block, its forwards this iteration (micro-batches: each saves, copies and offloads its
+    own activations); None: one each."""
 
 
 @dataclass
@@ -208,14 +211,17 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         copy_Bps: memory copy rate (saved activations are copied into the store).
     """
     n = len(m.forward_seconds)
+    # every forward of the iteration saves its own activations (several micro-batches: several)
+    moved = [a * k for a, k in zip(m.graph_bytes, m.forwards or [1] * n)]
+
     # the iteration's compute without any recomputation or copying of saved activations, and its
     # disk traffic without offloaded activations
     def extra_compute(modes: list[str]) -> float:
         recompute = sum(f for f, mode in zip(m.forward_seconds, modes) if mode == "recompute")
-        copies = sum(a for a, mode in zip(m.graph_bytes, modes) if mode != "recompute") / max(copy_Bps, 1.0)
+        copies = sum(a for a, mode in zip(moved, modes) if mode != "recompute") / max(copy_Bps, 1.0)
         return recompute + copies
     base_compute = max(0.0, m.seconds - m.io_wait_seconds - extra_compute(m.modes))
-    offloaded_now = sum(a for a, mode in zip(m.graph_bytes, m.modes) if mode == "offload")
+    offloaded_now = sum(a for a, mode in zip(moved, m.modes) if mode == "offload")
     base_read = max(0, m.disk_read - offloaded_now)
     base_written = max(0, m.disk_written - offloaded_now)
     # how much of the I/O the measured iteration hid behind compute (what it did not wait for)
@@ -224,7 +230,7 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
 
     def cost(modes: list[str]) -> tuple[float, float, float, int, int]:
         compute = base_compute + extra_compute(modes)
-        extra = sum(a for a, mode in zip(m.graph_bytes, modes) if mode == "offload" and rates.read_Bps > 0)
+        extra = sum(a for a, mode in zip(moved, modes) if mode == "offload" and rates.read_Bps > 0)
         read, written = base_read + extra, base_written + extra
         io = rates.seconds(read, written)
         return compute + (1.0 - hidden) * io, compute, io, read, written
@@ -235,7 +241,7 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         modes = list(m.modes)  # as configured, less the blocks that fell back to recomputing
     else:
         modes = ["recompute"] * n
-        order = sorted(range(n), key=lambda i: -(m.forward_seconds[i] / max(1, m.graph_bytes[i])))
+        order = sorted(range(n), key=lambda i: -(m.forward_seconds[i] / max(1, moved[i])))
         best = cost(modes)[0]
         for i in order:
             if m.graph_bytes[i] > room[i]:

@@ -106,7 +106,7 @@ class StashedBlock(torch.autograd.Function):
             t0 = time.perf_counter()
             with torch.enable_grad(), stash.hooks(), span(engine.tracer, f"forward {unit.name}", "compute"):
                 out = functional_call(unit.module, params, args, kwargs, strict=False)
-            engine.forward_seconds[index] = engine.forward_seconds.get(index, 0.0) + time.perf_counter() - t0
+            engine.count_forward(index, time.perf_counter() - t0)
         finally:
             engine.release_weights(unit)
         out_leaves, out_spec = tree_flatten(out)
@@ -200,6 +200,8 @@ class BlockStreamer:
         self.forward_seconds: dict[int, float] = {}
         """Per block, the compute time of its forwards since the engine last cleared it (no waiting
         for bytes included)."""
+        self.forward_calls: dict[int, int] = {}
+        """Per block, its forwards since then (several micro-batches: several)."""
         self.step_pins: list[int] = []
         """Sizes the optimizer step pins while it overlaps the forward (set by the engine)."""
         self.activation_room: dict[int, int] = {}
@@ -285,6 +287,11 @@ class BlockStreamer:
             return [n.clone() for n in torch._foreach_norm(unit.grad_views(flat), norm_type)]
         finally:
             self.store.release(key)
+
+    def count_forward(self, index: int, seconds: float) -> None:
+        """Block ``index`` ran a forward in ``seconds`` (for the plan)."""
+        self.forward_seconds[index] = self.forward_seconds.get(index, 0.0) + seconds
+        self.forward_calls[index] = self.forward_calls.get(index, 0) + 1
 
     def take_turn(self, where) -> None:
         """In ``forward_backward``: let the other micro-batches reach ``where`` first."""
@@ -499,7 +506,7 @@ class BlockStreamer:
             with (counter.hooks() if counter is not None else contextlib.nullcontext(),
                   span(self.tracer, f"forward {unit.name}", "compute")):
                 out = functional_call(unit.module, params, args, kwargs, strict=False)
-            self.forward_seconds[index] = self.forward_seconds.get(index, 0.0) + time.perf_counter() - t0
+            self.count_forward(index, time.perf_counter() - t0)
             if counter is not None:
                 self.graph_bytes[index] = counter.pending_bytes()
             return out
