@@ -132,6 +132,55 @@ def _launch(directory: Path, steps: int, layers: int, out: Path, digests: bool =
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+class _Output:
+    """A launch's stdout and stderr, read on threads as they come, with the step it has reached
+    (its START line's, then each STEP line's)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self._cond = threading.Condition()
+        self._step: int | None = None
+        self._ended = False
+        self._seen: list[float] = []
+        self.last_step_s: float | None = None
+        """How long the last step took (between its line and the one before; None before two)."""
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._pumps = [threading.Thread(target=self._pump, args=(proc.stdout, self._out, True), daemon=True),
+                       threading.Thread(target=self._pump, args=(proc.stderr, self._err, False), daemon=True)]
+        for t in self._pumps:
+            t.start()
+
+    def _pump(self, stream, sink: list[str], watch: bool) -> None:
+        for line in stream:
+            sink.append(line)
+            if watch and line.split()[:1] in (["START"], ["STEP"]):
+                with self._cond:
+                    self._step = int(line.split()[1])
+                    self._seen.append(time.perf_counter())
+                    if len(self._seen) > 1:
+                        self.last_step_s = self._seen[-1] - self._seen[-2]
+                    self._cond.notify_all()
+        with self._cond:  # the process ended (or closed its output)
+            self._ended = True
+            self._cond.notify_all()
+
+    def reached(self, step: int | None, timeout: float) -> int | None:
+        """Wait until the launch has started (``step`` None) or finished step ``step``, or ended;
+        the step it is at."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ended or (self._step is not None and (step is None or self._step >= step)),
+                                timeout=timeout)
+            return self._step
+
+    def collect(self, timeout: float) -> tuple[str, str]:
+        """Wait for the process to exit; its whole stdout and stderr."""
+        self.proc.wait(timeout=timeout)
+        for t in self._pumps:
+            t.join(timeout=30)
+        return "".join(self._out), "".join(self._err)
+
+
 def _du(directory: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(directory):
@@ -287,20 +336,31 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     d, out = work / "run0", work / "run0.npz"
     while True:
         proc = _launch(d, steps, layers, out, **options)
+        output = _Output(proc)
         killing = done_kills < kills
         if killing:
-            # mostly while training (forward, backward, write-back, commit), sometimes in start-up / recovery;
-            # with flipped bits only once there is a committed state to damage
+            # mostly while training (forward, backward, write-back, commit), timed from this start's
+            # START line (a resume's start-up, reading the state back, takes longer than a fresh
+            # one's); sometimes in start-up / recovery; with flipped bits only once there is a
+            # committed state to damage
             early = rng.random() < 0.2 and not flip_bits
-            time.sleep(rng.uniform(0.0, boot) if early else rng.uniform(boot, duration))
-            if proc.poll() is None:
+            at = None
+            if early:
+                time.sleep(rng.uniform(0.0, boot))
+            else:  # in one of the steps this start has left, chosen evenly, at a random moment of it
+                at = output.reached(None, timeout=max(60.0, 10 * duration))
+                if at is not None and at < steps:
+                    output.reached(rng.randint(at, steps - 1), timeout=max(60.0, 10 * duration))
+                    time.sleep(rng.uniform(0.0, output.last_step_s or (duration - boot) / steps))
+            # a start with no step left (resumed at the last one) only closes: let it finish
+            if proc.poll() is None and not (at is not None and at >= steps):
                 proc.send_signal(signal.SIGKILL)
                 done_kills += 1
         try:
-            stdout, stderr = proc.communicate(timeout=max(60.0, 10 * duration))
+            stdout, stderr = output.collect(timeout=max(60.0, 10 * duration))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate(timeout=30)
+            output.collect(timeout=30)
             raise SystemExit(f"a run hung: no exit {max(60.0, 10 * duration):.0f} s after its start (the uninterrupted "
                              f"run took {duration:.1f} s), after {done_kills} kills; directory {d}") from None
         if proc.returncode not in (0, -signal.SIGKILL):
