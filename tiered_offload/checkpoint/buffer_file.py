@@ -58,7 +58,8 @@ class BufferFile:
         entry = meta.get("buffer_file")
         if entry is not None:
             self._entry = entry
-            self._written.append(entry["extent"])
+            if entry["extent"] not in self._written:
+                self._written.append(entry["extent"])
 
     def entry(self, buffers: list[tuple[str, torch.Tensor]], step: int) -> dict | None:
         """The meta entry of ``buffers`` (``(name, tensor)``) for the state after ``step``; writes a

@@ -13,6 +13,7 @@ import torch
 from offload_core.errors import CheckpointError, ConfigError, CorruptionError
 from tiered_offload.trace import span
 
+from .buffer_file import BUFFER_KEY, BufferFile, referenced
 from .durable import (
     CommittedState,
     manifest_checksum,
@@ -22,7 +23,6 @@ from .durable import (
     read_committed,
     state_directory,
 )
-from .buffer_file import BUFFER_KEY, BufferFile, referenced
 from .layout import parse_extent
 
 __all__ = ["CheckpointSession", "Intent", "Commits", "NoCommits", "DurableCommits", "JournalCommits", "SnapshotCommits",
@@ -311,6 +311,7 @@ class DurableCommits(Commits):
             return
         for key in grads.values():  # the step's gradients were applied (or never taken)
             session.store.zero(key)
+        buffers.adopt(session.recovered.manifest["meta"])  # a finished step in flight supersedes its extent
         buffers.adopt(meta)
         self.train_state.load_state_dict(meta, str(session.files.manifest_path))
 

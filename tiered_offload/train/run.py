@@ -275,14 +275,18 @@ def _plan_preview(model, cfg) -> dict:
     host = StoreConfig(host_budget_bytes=cfg.offload.host_memory, device="cpu").resolved().host_budget_bytes
     state, need = schedule.state_bytes(), schedule.working_set().need
     beyond = max(0, state - host)
+    # the engine's own floors (its plan shows the same): journal commits when the state exceeds the budget
+    floors = schedule.floors(host, 0, update_on_host=True, journal=beyond > 0)
     lines = [f"{len(binding.blocks)} units streamed ({sum(u.in_sequence for u in binding.blocks)} of {binding.seq_name}, "
              f"{sum(not u.in_sequence for u in binding.blocks)} other stacks' blocks, embeddings and heads)",
              f"host budget {format_size(host)}: minimum {format_size(need)}"
              + ("" if host >= need else " -- too small: raise offload.host_memory"),
              f"state {format_size(state)} " + ("fits the host budget: commits are snapshots, the disk only "
                                                "receives them" if beyond == 0 else
-                                               f"exceeds it by {format_size(beyond)}: at least that much is read "
-                                               f"and written per step (journal commits)"),
+                                               f"exceeds it by {format_size(beyond)}: a step reads at least "
+                                               f"{format_size(floors['disk_read'])} and writes "
+                                               f"{format_size(floors['disk_written'])} (journal commits)"),
              "step time: measured and planned after the second step (engine.plan, logged)"]
     return {"units": len(binding.blocks), "minimum_host_bytes": need, "host_bytes": host, "state_bytes": state,
-            "disk_floor_bytes_per_step": beyond, "lines": lines}
+            "disk_floor_read_bytes": floors["disk_read"], "disk_floor_written_bytes": floors["disk_written"],
+            "lines": lines}
