@@ -119,7 +119,13 @@ def main() -> int:
     losses = []
     while engine.step_count < cfg["steps"]:
         step = engine.step_count
-        for micro in range(cfg["accumulate"]):
+        if cfg.get("fused"):  # the micro-batches through each block together
+            ids = [batch(step, micro, rank)[0] for micro in range(cfg["accumulate"])]
+            inputs = [x[:, :-1] for x in ids]
+            targets = {id(i): x[:, 1:].flatten() for i, x in zip(inputs, ids)}
+            losses += [x.item() for x in engine.forward_backward(
+                inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / cfg["accumulate"])]
+        for micro in range(0 if cfg.get("fused") else cfg["accumulate"]):
             if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
                 os._exit(17)
             loss = loss_of(engine, batch(step, micro, rank), cfg.get("model") == "moe") / cfg["accumulate"]

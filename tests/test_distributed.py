@@ -116,6 +116,21 @@ def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
 
 
+def test_sharded_forward_backward_runs_the_loop(tmp_path):
+    """forward_backward on 2 ranks runs the loop of backwards (the rest's gradients of several
+    micro-batches would meet in one gathered buffer before each one's reduction, which the loop
+    does per micro-batch): the weights and losses of the loop, bitwise, with saved activations."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 3, "accumulate": 3, "clip": 0.5, "frozen": True,
+           "activations": ["offload", "keep", "recompute"] * 2}
+    model = build(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    cfg["host_memory"] = int(0.9 * 16 * n / 2)
+    loop = launch(2, tmp_path / "loop", cfg)
+    fused = launch(2, tmp_path / "fused", dict(cfg, fused=True))
+    assert [r["losses"] for r in fused] == [r["losses"] for r in loop]
+    assert all(torch.equal(fused[0]["weights"][k], w) for k, w in loop[0]["weights"].items())
+
+
 def test_experts_without_tokens_on_some_ranks(tmp_path):
     """A mixture of experts: an expert that gets tokens on one rank only has a gradient (the
     mean over ranks of its one rank's), one that gets tokens on no rank has none and is not
