@@ -193,6 +193,8 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
 
     def run(k: int) -> None:
         try:
+            if device.type == "cuda":  # a new thread starts on device 0
+                torch.cuda.set_device(device)
             turns.begin(k)
             with replay_autocast(autocast):
                 loss = loss_fn(engine.model(*inputs[k][0], **inputs[k][1]), micro_batches[k])
