@@ -17,6 +17,7 @@ open (:func:`referenced`). States of format 2 keep their buffers as base64 JSON 
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -120,7 +121,8 @@ def referenced(*metas: dict | None) -> set[str]:
 
 def load(meta: dict, backend, checksum: str, where: str) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of the buffers a meta saved: read from its extent and checked against
-    its checksum, or decoded from format 2's JSON. ``where`` names the state for errors."""
+    its checksum, or decoded from format 2's JSON (``backend`` unused then). ``where`` names the
+    state for errors."""
     entry = meta.get("buffer_file")
     if entry is None:
         return {name: decode_tensor(v) for name, v in (meta.get("buffers") or {}).items()}
@@ -139,10 +141,7 @@ def load(meta: dict, backend, checksum: str, where: str) -> dict[str, torch.Tens
     out = {}
     for name, info in entry["tensors"].items():
         dtype = getattr(torch, info["dtype"])
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
-        end = info["offset"] + numel * dtype.itemsize
+        end = info["offset"] + math.prod(info["shape"]) * dtype.itemsize
         if end > nbytes:
             raise CheckpointError(f"{where}: buffer {name!r} lies past the end of {backend.describe(extent)}; the "
                                   f"record is damaged. Restore the directory from a copy")

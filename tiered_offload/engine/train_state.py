@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from offload_core.errors import CheckpointError, ConfigError
-from tiered_offload.checkpoint.durable import decode_rng, decode_tensor, encode_rng, encode_tensor
+from tiered_offload.checkpoint.buffer_file import load as load_buffers
+from tiered_offload.checkpoint.durable import decode_rng, encode_rng, encode_tensor
 
 __all__ = ["TrainState", "StepUpdates", "jsonable", "saved_hyper", "hyper_from_json"]
 
@@ -133,10 +134,8 @@ class TrainState:
         self.step_count = meta["step_count"]
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update(hyper_from_json(saved, group))
-        if self.buffer_file is not None:
-            saved = self.buffer_file.read(meta, where)
-        else:
-            saved = {name: decode_tensor(v) for name, v in (meta.get("buffers") or {}).items()}
+        # a volatile engine's meta (never written) or format 2 holds them as JSON: no backend read
+        saved = self.buffer_file.read(meta, where) if self.buffer_file is not None else load_buffers(meta, None, "", where)
         for name, mod, attr, persistent in self.buffers:
             if persistent and name in saved:
                 value = saved[name]
