@@ -163,3 +163,55 @@ def test_background_error_reaches_the_next_wait_and_deferred_work_still_runs():
         p.wait()
     assert zeroed == ["u0"] and len(errors) == 1
     p.wait()  # reported once
+
+
+def test_the_link_floor_is_a_floor_of_each_placement():
+    """The device link per step: to an update on the host, every rewritten weight up once more
+    plus what the device cannot keep between a block's forward and backward, and the gradients
+    down; to an update on the device, what of the weights and states it cannot keep, both ways."""
+    s = Schedule(units(n_blocks=4, block=1000, rest=1000), KINDS)
+    w = g = 5 * 1000 * 4
+    states = 2 * w
+    assert s.floors(0, 10 ** 9, update_on_host=True, journal=False)["link"] == w + g  # all weights fit
+    small = w // 2
+    assert s.floors(0, small, update_on_host=True, journal=False)["link"] == w + (w + 4000 - small) + g
+    assert s.floors(0, small, update_on_host=False, journal=False)["link"] == 2 * (w + states + 4000 - small)
+    assert s.floors(0, 10 ** 9, update_on_host=False, journal=False)["link"] == 0
+    assert s.floors(0, 0, update_on_host=True, journal=False)["link"] is None  # no device tier
+
+
+def test_auto_places_the_update_by_measured_rates():
+    """``optimizer_device="auto"``: the device when the state fits it or the host cannot hold a
+    unit's update; otherwise the placement whose update and link traffic take less time at the
+    measured rates, and the reason says which numbers decided."""
+    from offload_core.errors import TierCapacityError
+    from tiered_offload.engine.preflight import UpdateRates, optimizer_tier
+    from tiered_offload.store.tiers import Tier
+
+    class Store:
+        compute_tier = Tier.DEVICE
+
+        def __init__(self, device, host):
+            self.caps = {Tier.DEVICE: device, Tier.HOST: host}
+
+        def capacity(self, tier):
+            return self.caps[tier]
+    s = Schedule(units(n_blocks=4, block=1000, rest=1000), KINDS)
+    state = s.state_bytes()
+    slow_cpu = UpdateRates(host_Bps=1e6, device_Bps=1e12, link_Bps=1e10)  # a GPU box with a weak CPU
+    slow_link = UpdateRates(host_Bps=1e10, device_Bps=1e12, link_Bps=1e6)
+    short = Store(state // 4, state)
+    where, why = optimizer_tier("auto", short, s, lambda: slow_cpu)
+    assert where == Tier.DEVICE and "measured" in why and "on the device" in why
+    assert optimizer_tier("auto", short, s, lambda: slow_link)[0] == Tier.HOST
+    assert optimizer_tier("host", short, s, lambda: slow_cpu)[0] == Tier.HOST  # told: no probe decides
+    assert optimizer_tier("auto", Store(2 * state, state), s, lambda: slow_link) == (
+        Tier.DEVICE, "the whole state fits the device tier")
+    assert optimizer_tier("auto", Store(state // 4, 10), s, lambda: slow_link)[0] == Tier.DEVICE
+    with pytest.raises(TierCapacityError):
+        optimizer_tier("host", Store(state // 4, 10), s)
+
+    def broken():
+        raise RuntimeError("this optimizer needs a closure")
+    where, why = optimizer_tier("auto", short, s, broken)
+    assert where == Tier.HOST and "could not be measured: this optimizer needs a closure" in why

@@ -506,3 +506,59 @@ def test_a_failed_versioned_write_keeps_the_previous_extent(tmp_path):
     assert store.extent("w") == (None, None)  # the disk does not hold the current version...
     assert backend.keys() == [good[0]]  # ...and the last written one is intact
     store.close(flush=False)
+
+
+def test_a_copy_the_lookahead_moves_down_leaves_the_device_at_once():
+    """A device victim the lookahead moves down to the host tier gives up its device room when the
+    copy lands. Regression: the copy stayed on the device, so the host tier gave up its own copy
+    first (the device held one) and the device moved the same bytes down again, up to four times
+    for one weight in one forward (a quarter of the link's traffic on the device stand-in)."""
+    store = make_store(MemoryBackend(threads=0), host=64 * KiB, device=32 * KiB, policy="lookahead", prefetch_depth=2)
+    for k in ("a", "b", "c"):
+        store.register(k, (4 * KiB,), data=torch.full((4 * KiB,), float(ord(k))))
+    store.declare_access_sequence(["a", "b", "c"], tier="device")
+    with store.hold("a", "device", dirty=True) as x:  # a: its new bytes only on the device
+        x.add_(1)
+    with store.hold("b", "device"):  # the lookahead wants c: the device is full, a moves down
+        pass
+    store._wait_idle()
+    r = store.residency("a")
+    assert r[Tier.HOST] == CopyState.DIRTY and r[Tier.DEVICE] == CopyState.ABSENT, r
+    assert store.stats.bytes_written[Tier.DISK] == 0
+    assert torch.equal(store.read("a"), torch.full((4 * KiB,), float(ord("a")) + 1))
+    store.close()
+
+
+def test_the_lookahead_leaves_a_tensor_alone_until_its_rewrite():
+    """``rewrite_due``: the device tier's lookahead does not fetch bytes that will be rewritten in
+    the host tier before the device uses them (the update on the host), and does once they are.
+    A tier with a sequence of its own follows only its own accesses (the update's reads in the
+    host tier do not move it)."""
+    store = make_store(MemoryBackend(threads=0), host=128 * KiB, device=64 * KiB, policy="lookahead", prefetch_depth=4)
+    for k in ("w0", "w1", "w2"):
+        store.register(k, (1 * KiB,), data=torch.full((1 * KiB,), 1.0))
+    store.declare_access_sequence(["w0", "w1", "w2"], tier="device", cyclic=False)
+    store.rewrite_due(["w1", "w2"], "device")
+    with store.hold("w0", "device"):
+        pass
+    assert store.residency("w1")[Tier.DEVICE] == CopyState.ABSENT  # not fetched: it is about to change
+    with store.hold("w1", "host", dirty=True) as x:  # the update, in the host tier
+        x.add_(1)
+    assert store.policy("device").upcoming(3) == ["w1", "w2"]  # the host's access did not move it
+    with store.hold("w0", "device"):
+        pass
+    assert store.residency("w1")[Tier.DEVICE] != CopyState.ABSENT  # rewritten: fetched ahead now
+    assert store.residency("w2")[Tier.DEVICE] == CopyState.ABSENT  # still waiting for its rewrite
+    with store.hold("w1", "device") as x:
+        assert torch.equal(x, torch.full((1 * KiB,), 2.0))
+    store.close()
+
+
+def test_a_sequence_that_is_not_cyclic_stops_at_its_end_and_starts_over():
+    p = LookaheadPolicy(["a", "b", "c"], cyclic=False)
+    for k in "abc":
+        p.on_access(k)
+    assert p.upcoming(3) == [] and p.next_use("a") == float("inf")  # never past the end
+    p.on_access("a")  # run again from the top
+    assert p.upcoming(3) == ["b", "c"]
+

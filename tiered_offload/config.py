@@ -169,10 +169,13 @@ class EngineConfig:
     optimizer_device: str = "auto"
     """Where the optimizer step runs on a GPU (with a device tier): ``"host"`` (PyTorch's CPU
     optimizer on the host tier, where the states live: the link carries gradients down and weights
-    up), ``"device"`` (the states go to the GPU for the update and back), or ``"auto"``: the host
-    when the state does not fit the device budget and the host budget holds the step's working
-    set. Either computes PyTorch's numbers: the host one those of the optimizer run on CPU copies
-    of the parameters, the device one those of the optimizer on the GPU."""
+    up), ``"device"`` (the states go to the GPU for the update and back), or ``"auto"``: the device
+    when the whole state fits the device budget or the host budget cannot hold one unit's update,
+    else whichever takes less time per step at rates measured when the engine is built (the
+    optimizer on the host and on the device, the link; ``engine.plan`` says which numbers decided).
+    Either computes PyTorch's numbers: the host one those of the optimizer run on CPU copies of
+    the parameters, the device one those of the optimizer on the GPU (they can differ in the last
+    bits: name the placement where runs on different machines must agree bitwise)."""
 
     overlap_step: bool | None = None
     """Run the step in the background, overlapped with the next forward. None: when the state

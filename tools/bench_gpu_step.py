@@ -122,7 +122,8 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
            "device_budget": engine.store.capacity("device"), "host_arena_backing_bytes": host_arena.backing_bytes,
            "host_arena_pinned": host_arena.pinned, "backend": engine.store.backend.name,
            "recompute": engine.recompute, "optimizer_device": optimizer_device,
-           "update_tier": engine._updater.tier.name.lower(), "micro_batches": micro_batches, "steps": []}
+           "update_tier": engine._updater.tier.name.lower(), "update_why": engine._updater.why,
+           "micro_batches": micro_batches, "steps": []}
     times = []
     try:
         for i, x in enumerate(batches):
@@ -233,7 +234,8 @@ def main(argv=None) -> int:
             report["engine_over_plain"] = e["step_s"] / p["step_s"]
         print(f"engine: {e['step_s']:.2f} s/step, {e['TFLOPs']:.2f} TFLOP/s; disk {e['disk_GBps_over_step']:.2f} GB/s "
               f"over the step ({e['disk_GBps_while_busy']:.2f} while busy), PCIe {e['pcie_GBps_over_step']:.2f} GB/s; "
-              f"waited {100 * e['io_wait_share']:.0f}% of the step; update in the {e['update_tier']} tier", flush=True)
+              f"waited {100 * e['io_wait_share']:.0f}% of the step; update in the {e['update_tier']} tier "
+              f"({e['update_why']})", flush=True)
         f = e.get("floors") or {}
         if f.get("link") is not None:
             print(f"against the plan's floors: disk {(e['disk_read_per_step'] + e['disk_written_per_step']) / max(1, f['disk_read'] + f['disk_written']):.2f}x, "

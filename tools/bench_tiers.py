@@ -54,8 +54,11 @@ PLACEMENTS = {
     "update on the device": ("exclusive", None, "device"),
     "update on the host": ("exclusive", None, "host"),
     "update on the host, inclusive": ("inclusive", None, "host"),
+    "update on the host, recomputed": ("exclusive", None, "host", "recompute"),
 }
-"""``--placements``: where the optimizer step runs (``EngineConfig.optimizer_device``)."""
+"""``--placements``: where the optimizer step runs (``EngineConfig.optimizer_device``); the last
+one recomputes every block's inputs (no saved activation crosses the link: the weights' and
+gradients' traffic alone, against the plan's link floor)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=g) for _ in range(n_batches)]
     engines, results = {}, {name: [] for name in configs}
     try:
-        for i, (name, (caching, share, placement)) in enumerate(configs.items()):
+        for i, (name, (caching, share, placement, *activations)) in enumerate(configs.items()):
             torch.manual_seed(0)
             with empty_init():
                 model = GPT(cfg)
@@ -115,7 +118,8 @@ def main(argv=None) -> int:
                 store["device_budget_bytes"] = dev_budget  # a device tier of CPU memory
             engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=root / str(i),
                                    device=device, host_memory=host_budget, device_memory=dev_budget, durable=False,
-                                   store_config=store, config=EngineConfig(optimizer_device=placement))
+                                   store_config=store, config=EngineConfig(optimizer_device=placement,
+                                                                      activations=(activations or ["auto"])[0]))
         losses = {name: [] for name in configs}
         for r in range(args.rounds + 1):
             for name, engine in engines.items():
@@ -143,6 +147,8 @@ def main(argv=None) -> int:
             print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
         first = next(iter(engines))
         plan = engines[first].plan.summary()
+        link_floor = {name: (engine.stats().floors or {}).get("link") for name, engine in engines.items()}
+        activations = {name: engine.plan.summary().splitlines()[0] for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.close()
@@ -165,8 +171,12 @@ def main(argv=None) -> int:
     for name, med in report["configs"].items():
         link = (med["into_device"] + med["out_of_device"]) / cfg.n_params()
         med["link_bytes_per_parameter"] = link
+        floor = link_floor[name]
+        med["link_floor_bytes"] = floor
         print(f"{name:<32} device link: {link:5.1f} bytes per parameter per step "
-              f"({(med['into_device'] + med['out_of_device']) / state:.2f}x the state)")
+              f"({(med['into_device'] + med['out_of_device']) / state:.2f}x the state"
+              + (f"; the plan's floor {floor / cfg.n_params():.1f}, {floor / state:.2f}x)" if floor else ")")
+              + f"\n{'':<32} {activations[name]}")
     print(f"\nthe plan of '{first}' (its disk bytes per step predicted, and measured over three steps):\n  "
           + plan.replace("\n", "\n  "))
     report["plan"] = plan

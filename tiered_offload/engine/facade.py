@@ -40,7 +40,7 @@ from tiered_offload.engine.optim_spec import OptimizerSpec, optimizer_for_resume
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.plan_monitor import PlanMonitor
-from tiered_offload.engine.preflight import check_budgets, check_disk, optimizer_tier
+from tiered_offload.engine.preflight import check_budgets, check_disk, measure_update_rates, optimizer_tier
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.engine.sharding import Local, Placement, Sharded, distributed_group, engine_storage
 from tiered_offload.engine.streaming import BlockStreamer
@@ -203,8 +203,9 @@ class Engine(EngineViews):
             raise
 
         self._phases: list[Phase] = []
-        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel,
-                                    optimizer_tier(self.config.optimizer_device, self.store, self.schedule))
+        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel, *optimizer_tier(
+            self.config.optimizer_device, self.store, self.schedule,
+            lambda: measure_update_rates(self._spec, self._spec.hyper(self._spec.groups[0]), self.device)))
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
             before_each=lambda name: self._commits.before_unit(
@@ -290,12 +291,13 @@ class Engine(EngineViews):
         return self.schedule.access_sequence(phases, overlap=self.overlap_step, repeat=self._streamer.micro_batches,
                                              activations=self._streamer.modes is not None)
 
-    def _declare(self, phases: list[Phase]) -> None:
-        """Tell the store's lookahead the order; a device tier the step does not run in sees no step."""
+    def _declare(self, phases: list[Phase], stepping: bool = False) -> None:
+        """Tell the store's lookahead the order; a device tier the step does not run in sees the
+        forward and backward only (``stepping``: from a step that is about to rewrite them)."""
         self.store.declare_access_sequence(self._sequence(phases))
-        if self._updater.tier != self.store.compute_tier:
-            self.store.declare_access_sequence(self._sequence([p for p in phases if p != Phase.STEP]),
-                                               tier=self.store.compute_tier)
+        if self._updater.in_lower_tier:
+            self._updater.device_sequence(self._sequence([p for p in phases if p != Phase.STEP]),
+                                          self.schedule.update_order() if stepping else [])
 
     @_engine_time
     @_between_collectives
@@ -401,7 +403,7 @@ class Engine(EngineViews):
         try:
             then = self._commits.begin_step(hypers, scale, updates,
                                             barrier=self._placement.barrier if self._placement.world > 1 else None)
-            self._declare(self._phases)
+            self._declare(self._phases, stepping=True)
             self._phases = []
             by_name = self._units_by_name
             self._pipeline.run([u.name for u in self.schedule.update_order()],

@@ -19,6 +19,7 @@ import torch
 from offload_core.errors import TierCapacityError
 from tiered_offload.engine.binding import Unit
 from tiered_offload.engine.optim_spec import OptimizerSpec
+from tiered_offload.engine.schedule import UnitLayout
 
 __all__ = ["UnitUpdater", "update_runs"]
 
@@ -50,13 +51,31 @@ class UnitUpdater:
         chunk_numel: elements per optimizer call (bounds its temporaries).
         tier: the memory tier the update runs in (None: the compute tier; the host tier below a
             device tier: the update where its state lives, see ``EngineConfig.optimizer_device``).
+        why: the reason for ``tier`` (:func:`~tiered_offload.engine.preflight.optimizer_tier`).
     """
 
-    def __init__(self, store, spec: OptimizerSpec, chunk_numel: int, tier=None):
+    def __init__(self, store, spec: OptimizerSpec, chunk_numel: int, tier=None, why: str = ""):
         self.store = store
         self.spec = spec
         self.chunk_numel = chunk_numel
         self.tier = tier
+        self.why = why
+        """Why the update runs in :attr:`tier` (the plan prints it)."""
+
+    @property
+    def in_lower_tier(self) -> bool:
+        """Whether the update runs in the host tier below a device tier (ZeRO-Offload's arrangement)."""
+        return self.tier is not None and self.tier != self.store.compute_tier
+
+    def device_sequence(self, keys: list[str], stepping: list[UnitLayout]) -> None:
+        """The device tier's own access order under an update in the host tier: the forward and
+        backward, not cyclic (the step comes between the backward and the next forward). The
+        weights and gradients of the units in ``stepping`` are about to be rewritten (zeroed):
+        the device's lookahead leaves them alone until then (a copy fetched now would be stale)."""
+        self.store.declare_access_sequence(keys, tier=self.store.compute_tier, cyclic=False)
+        self.store.rewrite_due([k for u in stepping if u.state_numel for k in (u.weight_key, u.grad_key)
+                                if k and k in self.store],
+                               self.store.compute_tier)
 
     def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, step_counts: dict[int, int], *,
                write_behind: bool, weights_behind: bool = True, shard=None, scalars: dict | None = None) -> list:

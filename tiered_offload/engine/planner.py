@@ -110,7 +110,8 @@ class Plan:
     measured_written: int | None = None
     floors: dict | None = None
     """The bytes a step cannot avoid (:meth:`Schedule.floors`) and where the update runs:
-    ``disk_read``, ``disk_written``, ``link`` (None without a device tier), ``update`` (the tier),
+    ``disk_read``, ``disk_written``, ``link`` (None without a device tier), ``update`` (the tier)
+    and ``update_why``,
     ``gradients`` (where they wait for the update)."""
 
     @property
@@ -139,7 +140,8 @@ class Plan:
             f = self.floors
             link = "" if f["link"] is None else f"; device link >= {f['link'] / mib:.1f} MiB"
             lines.append(f"floors per step: disk >= {f['disk_read'] / mib:.1f} MiB read + {f['disk_written'] / mib:.1f} "
-                         f"MiB written{link}; the update runs in the {f['update']} tier, gradients {f['gradients']}")
+                         f"MiB written{link}; the update runs in the {f['update']} tier"
+                         + (f" ({f['update_why']})" if f.get("update_why") else "") + f", gradients {f['gradients']}")
         if self.predicted_step_s is None:
             lines.append("predicted step: not yet (measured over the first iterations)")
         else:

@@ -4,12 +4,17 @@ middle of a step)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
+import torch
+
 from offload_core.errors import ConfigError, DiskFullError, TierCapacityError
 from offload_core.sizes import format_size, format_size_up
 from tiered_offload.engine.schedule import FP32_BYTES, Schedule
 from tiered_offload.store.tiers import Tier
 
-__all__ = ["check_budgets", "check_disk", "optimizer_tier"]
+__all__ = ["check_budgets", "check_disk", "optimizer_tier", "measure_update_rates", "UpdateRates"]
 
 
 def check_budgets(store, schedule: Schedule, state_piece_numel: int) -> None:
@@ -48,18 +53,75 @@ def check_disk(backend, state_bytes: int, extra_bytes: int) -> None:
             path=backend.location, needed_bytes=need, free_bytes=free)
 
 
-def optimizer_tier(setting: str, store, schedule: Schedule) -> Tier:
-    """Where the optimizer step runs (``EngineConfig.optimizer_device``). With one memory tier
-    (the CPU) there is nothing to choose. Below a device tier, ``"host"`` updates in the host tier,
-    where the optimizer states live when they do not fit the device: ZeRO-Offload's arrangement,
-    the link carries the gradients down and the weights up (8 bytes per parameter) instead of the
-    states both ways; ``"device"`` updates in the device tier; ``"auto"``: the host when the state
-    does not fit the device tier and the host budget holds the step's working set, else the device
-    (a rule on sizes: the update rates are not weighed yet)."""
+@dataclass
+class UpdateRates:
+    """What an optimizer step costs in each place, measured (``optimizer_device="auto"``)."""
+
+    host_Bps: float
+    """Bytes of training state (weights, gradients, optimizer states) PyTorch's optimizer steps
+    through per second on the host (its CPU kernels)."""
+    device_Bps: float
+    """The same on the device."""
+    link_Bps: float
+    """Bytes per second copied between the host and the device, both ways."""
+
+    def seconds(self, schedule: Schedule, device_budget: int) -> dict[str, float]:
+        """Predicted seconds per step of each placement: the update over the whole state at its
+        rate, plus the placement's link floor (:meth:`Schedule.floors`) at the link's rate."""
+        state = schedule.state_bytes()
+        link = {where: schedule.floors(0, device_budget, update_on_host=where == "host", journal=False)["link"]
+                for where in ("host", "device")}
+        return {"host": state / self.host_Bps + link["host"] / self.link_Bps,
+                "device": state / self.device_Bps + link["device"] / self.link_Bps}
+
+
+def measure_update_rates(spec, hyper: dict, device: torch.device, numel: int = 1 << 20) -> UpdateRates:
+    """Time the user's optimizer (its first group's hyperparameters) on ``numel`` parameters on
+    the host and on ``device`` (the second step: the first creates the state), best of three, and
+    a copy of the same bytes each way between them (pinned on a GPU)."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)  # noqa: E731
+
+    def best(run) -> float:
+        times = []
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            run()
+            sync()
+            times.append(time.perf_counter() - t)
+        return max(min(times), 1e-9)
+
+    def update_Bps(where: torch.device) -> float:
+        w = torch.zeros(numel, device=where)
+        w.grad = torch.full_like(w, 1e-3)
+        opt = spec.cls([w], **hyper)
+        opt.step()
+        return numel * FP32_BYTES * (2 + len(spec.kinds)) / best(opt.step)
+
+    host = update_Bps(torch.device("cpu"))
+    there = update_Bps(device) if cuda else host  # the device stand-in runs the same CPU kernels
+    a = torch.empty(numel, pin_memory=cuda)
+    b = torch.empty(numel, device=device)
+    link = 2 * numel * FP32_BYTES / best(lambda: (b.copy_(a, non_blocking=cuda), a.copy_(b, non_blocking=cuda)))
+    return UpdateRates(host, there, link)
+
+
+def optimizer_tier(setting: str, store, schedule: Schedule, measure=None) -> tuple[Tier, str]:
+    """Where the optimizer step runs (``EngineConfig.optimizer_device``), and why. With one memory
+    tier (the CPU) there is nothing to choose. Below a device tier, ``"host"`` updates in the host
+    tier, where the optimizer states live when they do not fit the device: ZeRO-Offload's
+    arrangement, the link carries the gradients down and the weights up instead of the states
+    both ways; ``"device"`` updates in the device tier; ``"auto"``: the device when the whole state
+    fits it or the host budget cannot hold the step's working set, else the placement whose
+    update plus link traffic takes less time at the rates ``measure()`` returns
+    (:class:`UpdateRates`; without it, the host)."""
     if setting not in ("auto", "host", "device"):
         raise ConfigError(f"EngineConfig.optimizer_device must be 'auto', 'host' or 'device', got {setting!r}")
-    if store.compute_tier != Tier.DEVICE or setting == "device":
-        return store.compute_tier
+    if store.compute_tier != Tier.DEVICE:
+        return store.compute_tier, "the only memory tier"
+    if setting == "device":
+        return Tier.DEVICE, "optimizer_device='device'"
     ws = schedule.working_set()
     need = ws.optimizer + ws.slack
     host = store.capacity(Tier.HOST)
@@ -67,6 +129,20 @@ def optimizer_tier(setting: str, store, schedule: Schedule) -> Tier:
         raise TierCapacityError(f"optimizer_device='host' runs the step in the host tier, whose budget "
                                 f"({format_size(host)}) cannot hold one unit's weights, gradients and state pieces; "
                                 f"raise host_memory to at least {format_size_up(need)}, or use 'device'")
-    if setting == "host" or (need <= host and not schedule.fits(store.capacity(Tier.DEVICE))):
-        return Tier.HOST
-    return Tier.DEVICE
+    if setting == "host":
+        return Tier.HOST, "optimizer_device='host'"
+    if schedule.fits(store.capacity(Tier.DEVICE)):
+        return Tier.DEVICE, "the whole state fits the device tier"
+    if need > host:
+        return Tier.DEVICE, f"the host budget cannot hold one unit's update ({format_size_up(need)})"
+    try:
+        rates = measure() if measure is not None else None
+    except Exception as e:  # noqa: BLE001 - an optimizer the probe cannot step: the size rule decides
+        return Tier.HOST, f"the state does not fit the device tier (the update rates could not be measured: {e})"
+    if rates is None:
+        return Tier.HOST, "the state does not fit the device tier"
+    t = rates.seconds(schedule, store.capacity(Tier.DEVICE))
+    where = Tier.HOST if t["host"] <= t["device"] else Tier.DEVICE
+    return where, (f"measured: {t['host']:.3f} s per step on the host against {t['device']:.3f} s on the device "
+                   f"(update {rates.host_Bps / 1e9:.2f} / {rates.device_Bps / 1e9:.2f} GB/s of state, "
+                   f"link {rates.link_Bps / 1e9:.2f} GB/s)")

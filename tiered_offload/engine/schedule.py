@@ -300,9 +300,11 @@ class Schedule:
         optimizer states memory cannot hold (it must come back every step); ``disk_written``, the
         same going out, or with ``journal`` every weight and state the step rewrites plus the
         gradients (a step is durable once they are on disk); ``link`` (None without a device
-        tier), the weights up, once if the device holds them all beside a unit's gradients, else
-        for forward and again for backward, and the gradients down to an update on the host, or
-        the optimizer states up and down to an update on the device."""
+        tier): to an update on the host, every weight it rewrites comes up again, what the device
+        cannot keep beside a unit's gradients between a block's forward and its backward comes up
+        a second time, and the gradients go down; to an update on the device, what of the weights
+        and optimizer states it cannot keep (beside a unit's gradients) goes down and comes back
+        up. Saved activations are not counted (recomputing them moves none)."""
         weights = sum(u.numel for u in self.units) * FP32_BYTES
         grads = sum(u.grad_numel for u in self.units) * FP32_BYTES
         states = sum(len(self.state_kinds) * u.state_numel for u in self.units) * FP32_BYTES
@@ -311,8 +313,11 @@ class Schedule:
         link = None
         if device:
             largest_grad = max(self._bytes(u.grad_numel) for u in self.units)
-            link = weights * (1 if weights + largest_grad <= device else 2)
-            link += grads if update_on_host else 2 * states
+            if update_on_host:
+                rewritten = sum(u.numel for u in self.units if u.state_numel) * FP32_BYTES
+                link = rewritten + max(0, weights + largest_grad - device) + grads
+            else:
+                link = 2 * max(0, weights + states + largest_grad - device)
         return {"disk_read": beyond, "disk_written": written, "link": link}
 
     def fits(self, capacity: int) -> bool:

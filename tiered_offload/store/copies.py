@@ -93,7 +93,11 @@ class CopyChains:
             other_valid = rec.valid(other)
             disk_valid = rec.valid(Tier.DISK)
         if other_valid:
-            return self._copy_between(rec, other, tier, version)
+            fut = self._copy_between(rec, other, tier, version)
+            if tier == Tier.HOST and rec.rewrite_due == (Tier.DEVICE, version):
+                # read for an update on the host: the device has no further use for these bytes
+                fut.add_done_callback(lambda f: self._drop_moved(rec) if f.exception() is None else None)
+            return fut
         if not disk_valid:
             raise TensorStateError(f"{rec.key!r} has no valid copy anywhere (version {version}); this is a bug")
         if tier == Tier.HOST or (self.backend.supports_device_buffers and self.device.type == "cuda"):
@@ -143,4 +147,17 @@ class CopyChains:
                     self._drop_slot(rec, Tier.DEVICE)
                     self._stats.evictions[Tier.DEVICE] += 1
             return completed(0, f"drop {rec.key} from the device")
-        return self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
+        fut = self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
+        fut.add_done_callback(lambda f: self._drop_moved(rec) if f.exception() is None else None)
+        return fut
+
+    def _drop_moved(self, rec: TensorRecord) -> None:
+        """A copy moved down landed in the host tier (demoted, or read by an update on the host
+        that will rewrite it before the device needs it): free its device room now. Left in
+        place, the host would give up its copy first (the device holds one), and the device move
+        the same bytes down again (up to four times for one weight in one forward, measured)."""
+        with self._lock:
+            slot = rec.slots.get(Tier.DEVICE)
+            if slot is not None and not slot.pins and not slot.loading and rec.valid(Tier.HOST):
+                self._drop_slot(rec, Tier.DEVICE)
+                self._stats.evictions[Tier.DEVICE] += 1

@@ -87,7 +87,10 @@ class LRUPolicy(EvictionPolicy):
 class LookaheadPolicy(EvictionPolicy):
     """Belady eviction and in-order prefetching over a declared access sequence.
 
-    The sequence is usually cyclic (one training step, repeated). A cursor follows each calling
+    The sequence is usually cyclic (one training step, repeated). A sequence that is not cyclic
+    (the device tier's forward and backward under an update in the host tier: what follows them
+    is rewritten first) is never looked past its end; an access of an earlier key after the end
+    starts it over from there. A cursor follows each calling
     thread: an access moves that thread's cursor just past the next occurrence of the accessed
     key, so an access that skips ahead (or a key used out of order) resynchronises it. Several
     threads can walk different parts of the sequence at once (the engine's background optimizer
@@ -140,12 +143,8 @@ class LookaheadPolicy(EvictionPolicy):
             if self._recently_passed(pos, n, cursor):
                 return
             i = bisect.bisect_left(pos, cursor)
-            if i < len(pos):
-                nxt = pos[i] + 1
-            elif self._cyclic:
-                nxt = pos[0] + 1
-            else:
-                return
+            # past its last occurrence: the sequence starts over (cyclic, or run again from the top)
+            nxt = pos[i] + 1 if i < len(pos) else pos[0] + 1
             self._cursors[tid] = self._last = nxt % n if self._cyclic else min(nxt, n)
 
     def _recently_passed(self, pos: list[int], n: int, cursor: int) -> bool:

@@ -1,6 +1,7 @@
 """The lookahead: which tensors the store loads ahead of their use, into which tier, how far ahead.
 
-After every ``get`` the store walks the policy's upcoming keys for each memory tier and starts
+The order comes from the caller (:meth:`Prefetching.declare_access_sequence`: one training step),
+each tier's policy follows the accesses, and after every ``get`` the store walks the policy's upcoming keys for each memory tier and starts
 loads of those this part wants, as long as free space, or space held by tensors needed later,
 allows (the store's allocator decides that). Below a device tier, the host tier prefetches only a
 short window (``host_prefetch_share`` of its budget): reaching further ahead evicted what the step
@@ -11,12 +12,13 @@ docs/STEP_TIME.md).
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence
 
-from tiered_offload.store.record import TensorRecord
+from offload_core.errors import TierCapacityError
+from tiered_offload.store.record import OpKind, TensorRecord
 from tiered_offload.store.tiers import Tier
 
-__all__ = ["Lookahead"]
+__all__ = ["Lookahead", "Prefetching"]
 
 
 class Lookahead:
@@ -46,7 +48,7 @@ class Lookahead:
 
     def wants(self, rec: TensorRecord, tier: Tier) -> bool:
         """Whether to start loading ``rec`` into ``tier`` now (call with the store's lock)."""
-        if rec.valid(tier) or rec.op is not None:
+        if rec.valid(tier) or rec.op is not None or rec.rewrite_due == (tier, rec.version):
             return False
         if tier == Tier.HOST and rec.valid(Tier.DEVICE):
             return False  # the tiers cache different tensors: the device copy serves
@@ -59,3 +61,62 @@ class Lookahead:
         """Whether a tensor of ``nbytes`` that brings the bytes walked so far to ``ahead`` is still in
         the window (the nearest tensor always is)."""
         return ahead <= window or ahead <= nbytes
+
+
+class Prefetching:
+    """The access order and the loads ahead of it (a part of
+    :class:`~tiered_offload.store.tiered_store.TieredStore`, working on its state under its lock,
+    like :class:`~tiered_offload.store.copies.CopyChains`)."""
+
+    def declare_access_sequence(self, keys: Sequence[str], *, cyclic: bool = True, tier: Tier | str | None = None) -> None:
+        """Tell the lookahead policies (of every tier, or of ``tier``) the order in which tensors
+        will be accessed (e.g. one step). A tier given a sequence of its own follows only the
+        accesses in that tier (the device tier under an update in the host tier: the update's
+        reads of the weights must not move it past the forward that comes next)."""
+        only = None if tier is None else Tier.parse(tier)
+        for t, p in self._policies.items():
+            if only is None or t == only:
+                p.set_sequence(list(keys), cyclic=cyclic)
+                if only is None:
+                    self._own_sequence.discard(t)
+        if only is not None:
+            self._own_sequence.add(only)
+
+    def rewrite_due(self, keys: Iterable[str], tier: Tier | str) -> None:
+        """The current bytes of ``keys`` will be rewritten (or zeroed) before ``tier`` needs them:
+        its lookahead leaves them alone until then (a copy fetched now would be stale before use)."""
+        tier = self._memory_tier(tier)
+        with self._lock:
+            for key in keys:
+                rec = self._rec(key)
+                rec.rewrite_due = (tier, rec.version)
+
+    def _accessed(self, key: str, tier: Tier) -> None:
+        """``key`` was used in ``tier``: the policies that follow that tier move on."""
+        for t, p in self._policies.items():
+            if t == tier or t not in self._own_sequence:
+                p.on_access(key)
+
+    def _prefetch_ahead(self) -> None:
+        """Start loading the tensors the policies expect next (see :class:`Lookahead`), as far as free
+        or cheaply freed space allows."""
+        for tier, policy, window in self._lookahead.tiers():
+            ahead = 0
+            for key in policy.upcoming(self.config.prefetch_depth):
+                with self._lock:
+                    rec = self._records.get(key)
+                    if rec is None:
+                        continue
+                    ahead += rec.nbytes
+                    if not self._lookahead.within(ahead, rec.nbytes, window):
+                        break
+                    if not self._lookahead.wants(rec, tier):
+                        continue
+                    busy = self._begin(rec, OpKind.LOOKAHEAD, tier, block=False)
+                    if busy is None:
+                        continue
+                distance = policy.next_use(key)
+                try:
+                    self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
+                except TierCapacityError:
+                    break  # the tier is full of tensors needed sooner

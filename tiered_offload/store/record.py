@@ -82,6 +82,10 @@ class TensorRecord:
     """Transient bytes (saved activations): never part of a durable state. Written to disk under
     the key itself (no versioned extents, no :attr:`TieredStore.on_disk_written`), and not
     flushed; :meth:`TieredStore.unregister` deletes the file."""
+    rewrite_due: tuple[Tier, int] | None = None
+    """``(tier, version)``: the copy of ``version`` will be rewritten before ``tier`` uses it (the
+    optimizer step runs in another tier), so ``tier``'s lookahead does not fetch it. A new version
+    ends it."""
     slots: dict[Tier, Slot] = field(default_factory=dict)
     op: Operation | None = None
     """The one operation in flight on this tensor, if any."""

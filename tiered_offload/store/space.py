@@ -12,8 +12,8 @@ The victim rule, in order:
 
 What happens to the victim (:meth:`TierSpace.fate`): a stale copy, or one another tier (or the
 implicit zero) also holds, is dropped; a current device copy the host tier lacks moves down to the
-host (a PCIe copy, not a disk write) when the tiers cache different tensors; the only current
-copy of anything else is written to the disk first.
+host (a PCIe copy, not a disk write) when the tiers cache different tensors, and leaves the
+device as soon as it lands; the only current copy of anything else is written to the disk first.
 """
 
 from __future__ import annotations

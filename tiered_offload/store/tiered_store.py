@@ -32,7 +32,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 import torch
 
@@ -48,7 +48,7 @@ from tiered_offload.store.copies import CopyChains
 from tiered_offload.store.disk import DiskTier, open_backend
 from tiered_offload.store.policies import EvictionPolicy, make_policy
 from tiered_offload.store.space import Fate, TierSpace
-from tiered_offload.store.prefetch import Lookahead
+from tiered_offload.store.prefetch import Lookahead, Prefetching
 from tiered_offload.store.record import Operation, OpKind, Slot, StoreStats, TensorRecord
 from tiered_offload.store.tiers import CopyState, Tier
 
@@ -57,7 +57,7 @@ __all__ = ["TieredStore"]
 _MEMORY_TIERS = (Tier.DEVICE, Tier.HOST)
 
 
-class TieredStore(CopyChains):
+class TieredStore(CopyChains, Prefetching):
     """Tensors kept in device memory, a bounded host pool and a storage backend.
 
     Args:
@@ -112,6 +112,7 @@ class TieredStore(CopyChains):
         for a in self._arenas.values():
             a.open()
         self._policies = {t: make_policy(cfg.policy) for t in _MEMORY_TIERS}
+        self._own_sequence: set[Tier] = set()
         exclusive = cfg.tier_caching == "exclusive"
         self._spaces = {t: TierSpace(t, self._arenas[t], self._policies[t], exclusive=exclusive,
                                      demotes=t == Tier.DEVICE and exclusive and self._arenas[Tier.HOST].capacity > 0)
@@ -223,13 +224,6 @@ class TieredStore(CopyChains):
     def policy(self, tier: Tier | str) -> EvictionPolicy:
         return self._policies[Tier.parse(tier)]
 
-    def declare_access_sequence(self, keys: Sequence[str], *, cyclic: bool = True, tier: Tier | str | None = None) -> None:
-        """Tell the lookahead policies (of every tier, or of ``tier``) the order in which tensors
-        will be accessed (e.g. one step)."""
-        for t, p in self._policies.items():
-            if tier is None or t == Tier.parse(tier):
-                p.set_sequence(list(keys), cyclic=cyclic)
-
     # ---- registration -------------------------------------------------------------------
     def register(self, key: str, shape: Iterable[int], dtype: torch.dtype = torch.float32, *,
                  data: torch.Tensor | None = None, scratch: bool = False) -> TensorRecord:
@@ -329,8 +323,7 @@ class TieredStore(CopyChains):
         except BaseException:
             self.unregister(key)
             raise
-        for p in self._policies.values():
-            p.on_access(key)
+        self._accessed(key, tier)
         return slot.data
 
     def unregister(self, key: str) -> None:
@@ -381,8 +374,7 @@ class TieredStore(CopyChains):
                     self._stats.io_wait_seconds += time.perf_counter() - t0
                 if self.tracer is not None:
                     self.tracer.complete(f"wait {key}", "wait", t0, tensor=key, tier=tier.name.lower())
-        for p in self._policies.values():
-            p.on_access(key)
+        self._accessed(key, tier)
         self._prefetch_ahead()
         return data
 
@@ -467,8 +459,7 @@ class TieredStore(CopyChains):
             self._end(rec, busy, error=e)
             raise
         self._end(rec, busy, result=rec.nbytes)
-        for p in self._policies.values():
-            p.on_access(key)
+        self._accessed(key, tier)
 
     def zero(self, key: str) -> None:
         """Reset the tensor to all zeros without any I/O (its copies become stale and are dropped lazily)."""
@@ -722,28 +713,3 @@ class TieredStore(CopyChains):
             if not block:
                 return None
             fut.get()
-
-    # ---- internals: lookahead -----------------------------------------------------------
-    def _prefetch_ahead(self) -> None:
-        """Start loading the tensors the policies expect next (see :class:`Lookahead`), as far as free
-        or cheaply freed space allows."""
-        for tier, policy, window in self._lookahead.tiers():
-            ahead = 0
-            for key in policy.upcoming(self.config.prefetch_depth):
-                with self._lock:
-                    rec = self._records.get(key)
-                    if rec is None:
-                        continue
-                    ahead += rec.nbytes
-                    if not self._lookahead.within(ahead, rec.nbytes, window):
-                        break
-                    if not self._lookahead.wants(rec, tier):
-                        continue
-                    busy = self._begin(rec, OpKind.LOOKAHEAD, tier, block=False)
-                    if busy is None:
-                        continue
-                distance = policy.next_use(key)
-                try:
-                    self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
-                except TierCapacityError:
-                    break  # the tier is full of tensors needed sooner
