@@ -178,6 +178,10 @@ def test_the_link_floor_is_a_floor_of_each_placement():
     assert s.floors(0, small, update_on_host=False, journal=False)["link"] == 2 * (w + states + 4000 - small)
     assert s.floors(0, 10 ** 9, update_on_host=False, journal=False)["link"] == 0
     assert s.floors(0, 0, update_on_host=True, journal=False)["link"] is None  # no device tier
+    # the disk: an update on the host keeps no optimizer state on the device, which holds weights only
+    device, host = w + states, states // 2
+    assert s.floors(device + host, device, update_on_host=False, journal=False)["disk_read"] == 0
+    assert s.floors(device + host, device, update_on_host=True, journal=False)["disk_read"] == states // 2
 
 
 def test_auto_places_the_update_by_measured_rates():

@@ -297,7 +297,8 @@ class Schedule:
     def floors(self, memory: int, device: int, *, update_on_host: bool, journal: bool) -> dict[str, int | None]:
         """The bytes a step cannot avoid moving, for memory tiers of ``memory`` bytes together
         (``device`` of them in a device tier; 0: none): ``disk_read``, what of the weights and
-        optimizer states memory cannot hold (it must come back every step); ``disk_written``, the
+        optimizer states memory cannot hold (it must come back every step; under an update on the
+        host the device holds weights only); ``disk_written``, the
         same going out, or with ``journal`` every weight and state the step rewrites plus the
         gradients (a step is durable once they are on disk); ``link`` (None without a device
         tier): to an update on the host, every weight it rewrites comes up again, what the device
@@ -308,7 +309,9 @@ class Schedule:
         weights = sum(u.numel for u in self.units) * FP32_BYTES
         grads = sum(u.grad_numel for u in self.units) * FP32_BYTES
         states = sum(len(self.state_kinds) * u.state_numel for u in self.units) * FP32_BYTES
-        beyond = max(0, weights + states - memory)
+        # an update on the host keeps no optimizer state on the device: the device holds weights only
+        held = memory - device + min(weights, device) if device and update_on_host else memory
+        beyond = max(0, weights + states - held)
         written = sum(self.rewrite_bytes(u) for u in self.units) + grads if journal else beyond
         link = None
         if device:
