@@ -200,22 +200,25 @@ def test_auto_places_the_update_by_measured_rates():
 
         def capacity(self, tier):
             return self.caps[tier]
+
+        def link_rate(self):
+            return 1e10
     s = Schedule(units(n_blocks=4, block=1000, rest=1000), KINDS)
     state = s.state_bytes()
     slow_cpu = UpdateRates(host_Bps=1e6, device_Bps=1e12, link_Bps=1e10)  # a GPU box with a weak CPU
     slow_link = UpdateRates(host_Bps=1e10, device_Bps=1e12, link_Bps=1e6)
     short = Store(state // 4, state)
-    where, why = optimizer_tier("auto", short, s, lambda: slow_cpu)
+    where, why = optimizer_tier("auto", short, s, lambda link: slow_cpu)
     assert where == Tier.DEVICE and "measured" in why and "on the device" in why
-    assert optimizer_tier("auto", short, s, lambda: slow_link)[0] == Tier.HOST
-    assert optimizer_tier("host", short, s, lambda: slow_cpu)[0] == Tier.HOST  # told: no probe decides
-    assert optimizer_tier("auto", Store(2 * state, state), s, lambda: slow_link) == (
+    assert optimizer_tier("auto", short, s, lambda link: slow_link)[0] == Tier.HOST
+    assert optimizer_tier("host", short, s, lambda link: slow_cpu)[0] == Tier.HOST  # told: no probe decides
+    assert optimizer_tier("auto", Store(2 * state, state), s, lambda link: slow_link) == (
         Tier.DEVICE, "the whole state fits the device tier")
-    assert optimizer_tier("auto", Store(state // 4, 10), s, lambda: slow_link)[0] == Tier.DEVICE
+    assert optimizer_tier("auto", Store(state // 4, 10), s, lambda link: slow_link)[0] == Tier.DEVICE
     with pytest.raises(TierCapacityError):
         optimizer_tier("host", Store(state // 4, 10), s)
 
-    def broken():
+    def broken(link_Bps):
         raise RuntimeError("this optimizer needs a closure")
     where, why = optimizer_tier("auto", short, s, broken)
     assert where == Tier.HOST and "could not be measured: this optimizer needs a closure" in why

@@ -551,6 +551,10 @@ def test_the_lookahead_leaves_a_tensor_alone_until_its_rewrite():
     assert store.residency("w2")[Tier.DEVICE] == CopyState.ABSENT  # still waiting for its rewrite
     with store.hold("w1", "device") as x:
         assert torch.equal(x, torch.full((1 * KiB,), 2.0))
+    store.rewrite_due(["w2"], None)  # not rewritten after all (the step had nothing to update)
+    with store.hold("w1", "device"):
+        pass
+    assert store.residency("w2")[Tier.DEVICE] != CopyState.ABSENT
     store.close()
 
 
@@ -562,3 +566,19 @@ def test_a_sequence_that_is_not_cyclic_stops_at_its_end_and_starts_over():
     p.on_access("a")  # run again from the top
     assert p.upcoming(3) == ["b", "c"]
 
+
+
+def test_the_link_rate_is_measured_inside_the_budgets():
+    """``link_rate``: copies between the two tiers' own free room (so within the budgets, pinned
+    as the real copies are), which it gives back; None without a device tier."""
+    store = make_store(MemoryBackend(), host=256 * KiB, device=128 * KiB)
+    store.register("a", (8 * KiB,), data=torch.ones(8 * KiB))  # 32 KiB of the host tier in use
+    used = {t: store.used(t) for t in ("host", "device")}
+    rate = store.link_rate(1 << 20)  # more than either tier has free: it takes what there is
+    assert rate is not None and rate > 0
+    assert {t: store.used(t) for t in ("host", "device")} == used
+    assert torch.equal(store.read("a"), torch.ones(8 * KiB))
+    store.close()
+    cpu_only = make_store(MemoryBackend(), device=0)
+    assert cpu_only.link_rate() is None
+    cpu_only.close()

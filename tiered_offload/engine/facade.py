@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+from functools import partial
 import logging
 import os
 import threading
@@ -204,8 +205,7 @@ class Engine(EngineViews):
 
         self._phases: list[Phase] = []
         self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel, *optimizer_tier(
-            self.config.optimizer_device, self.store, self.schedule,
-            lambda: measure_update_rates(self._spec, self._spec.hyper(self._spec.groups[0]), self.device)))
+            self.config.optimizer_device, self.store, self.schedule, partial(measure_update_rates, self._spec, self.device)))
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
             before_each=lambda name: self._commits.before_unit(

@@ -89,6 +89,8 @@ class UnitUpdater:
         if shard is not None:
             runs, unit = shard.runs(runs), shard
         if not runs:
+            if self.in_lower_tier:  # nothing to rewrite after all: the device may fetch it ahead again
+                self.store.rewrite_due([k for k in (unit.weight_key, unit.grad_key) if k and k in self.store], None)
             return []
         store, kinds, tier = self.store, self.spec.kinds, self.tier
         futures: list = []

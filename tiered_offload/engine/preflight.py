@@ -75,36 +75,37 @@ class UpdateRates:
                 "device": state / self.device_Bps + link["device"] / self.link_Bps}
 
 
-def measure_update_rates(spec, hyper: dict, device: torch.device, numel: int = 1 << 20) -> UpdateRates:
-    """Time the user's optimizer (its first group's hyperparameters) on ``numel`` parameters on
-    the host and on ``device`` (the second step: the first creates the state), best of three, and
-    a copy of the same bytes each way between them (pinned on a GPU)."""
+def measure_update_rates(spec, device: torch.device, link_Bps: float | None,
+                         numel: int = 1 << 22) -> UpdateRates | None:
+    """Time the user's optimizer (its first group's hyperparameters) on ``numel`` parameters (a
+    2-D tensor: Muon takes no other) on the host and on ``device``, the second step (the first
+    creates the state), best of three; ``link_Bps`` from the store
+    (:meth:`~tiered_offload.store.copies.CopyChains.link_rate`; None: no rates). Four million
+    parameters: a state larger than the CPU's caches, as the real one is (on a GPU a transient
+    64 MiB, before the first forward's activations). On the device stand-in (the CPU) both sides
+    run the same kernels, so the update's time cancels out: a small probe there."""
+    if link_Bps is None:
+        return None
     cuda = device.type == "cuda"
+    numel = numel if cuda else min(numel, 1 << 18)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)  # noqa: E731
 
-    def best(run) -> float:
+    def update_Bps(where: torch.device) -> float:
+        w = torch.zeros(numel // 1024, 1024, device=where)
+        w.grad = torch.full_like(w, 1e-3)
+        opt = spec.cls([w], **spec.hyper(spec.groups[0]))
+        opt.step()
         times = []
         for _ in range(3):
             sync()
             t = time.perf_counter()
-            run()
+            opt.step()
             sync()
             times.append(time.perf_counter() - t)
-        return max(min(times), 1e-9)
-
-    def update_Bps(where: torch.device) -> float:
-        w = torch.zeros(numel, device=where)
-        w.grad = torch.full_like(w, 1e-3)
-        opt = spec.cls([w], **hyper)
-        opt.step()
-        return numel * FP32_BYTES * (2 + len(spec.kinds)) / best(opt.step)
+        return numel * FP32_BYTES * (2 + len(spec.kinds)) / max(min(times), 1e-9)
 
     host = update_Bps(torch.device("cpu"))
-    there = update_Bps(device) if cuda else host  # the device stand-in runs the same CPU kernels
-    a = torch.empty(numel, pin_memory=cuda)
-    b = torch.empty(numel, device=device)
-    link = 2 * numel * FP32_BYTES / best(lambda: (b.copy_(a, non_blocking=cuda), a.copy_(b, non_blocking=cuda)))
-    return UpdateRates(host, there, link)
+    return UpdateRates(host, update_Bps(device) if cuda else host, link_Bps)
 
 
 def optimizer_tier(setting: str, store, schedule: Schedule, measure=None) -> tuple[Tier, str]:
@@ -114,8 +115,8 @@ def optimizer_tier(setting: str, store, schedule: Schedule, measure=None) -> tup
     arrangement, the link carries the gradients down and the weights up instead of the states
     both ways; ``"device"`` updates in the device tier; ``"auto"``: the device when the whole state
     fits it or the host budget cannot hold the step's working set, else the placement whose
-    update plus link traffic takes less time at the rates ``measure()`` returns
-    (:class:`UpdateRates`; without it, the host)."""
+    update plus link traffic takes less time at the rates ``measure(link_Bps)`` returns
+    (:class:`UpdateRates`, given the store's :meth:`link_rate`; without it, the host)."""
     if setting not in ("auto", "host", "device"):
         raise ConfigError(f"EngineConfig.optimizer_device must be 'auto', 'host' or 'device', got {setting!r}")
     if store.compute_tier != Tier.DEVICE:
@@ -136,7 +137,7 @@ def optimizer_tier(setting: str, store, schedule: Schedule, measure=None) -> tup
     if need > host:
         return Tier.DEVICE, f"the host budget cannot hold one unit's update ({format_size_up(need)})"
     try:
-        rates = measure() if measure is not None else None
+        rates = measure(store.link_rate()) if measure is not None else None
     except Exception as e:  # noqa: BLE001 - an optimizer the probe cannot step: the size rule decides
         return Tier.HOST, f"the state does not fit the device tier (the update rates could not be measured: {e})"
     if rates is None:

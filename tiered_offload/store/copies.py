@@ -9,6 +9,7 @@ under the store's lock: the split is by concern, not an interface.
 
 from __future__ import annotations
 
+import math
 import time
 
 from offload_core.errors import TensorStateError, TierCapacityError
@@ -161,3 +162,30 @@ class CopyChains:
             if slot is not None and not slot.pins and not slot.loading and rec.valid(Tier.HOST):
                 self._drop_slot(rec, Tier.DEVICE)
                 self._stats.evictions[Tier.DEVICE] += 1
+
+    def link_rate(self, nbytes: int = 16 << 20) -> float | None:
+        """Bytes per second the copier moves between the host and device tiers (one copy each way,
+        best of three), timed in free room of both arenas: within the budgets, and pinned as the
+        real copies are. None without a device tier or free room."""
+        host, device = self._arenas[Tier.HOST], self._arenas[Tier.DEVICE]
+        with self._lock:
+            n = min(nbytes, host.largest_hole, device.largest_hole)
+            a = host.alloc(n) if n > 0 and device.capacity else None
+            b = device.alloc(n) if a is not None else None
+            if b is None:
+                if a is not None:
+                    host.free(a, n)
+                return None
+        try:
+            src, dst = host.view(a, n), device.view(b, n)
+            best = math.inf
+            for _ in range(3):
+                t = time.perf_counter()
+                self._copier.copy(dst, src, "link probe up").get()
+                self._copier.copy(src, dst, "link probe down").get()
+                best = min(best, time.perf_counter() - t)
+            return 2 * n / max(best, 1e-9)
+        finally:
+            with self._lock:
+                host.free(a, n)
+                device.free(b, n)

@@ -1,9 +1,9 @@
 """The lookahead: which tensors the store loads ahead of their use, into which tier, how far ahead.
 
 The order comes from the caller (:meth:`Prefetching.declare_access_sequence`: one training step),
-each tier's policy follows the accesses, and after every ``get`` the store walks the policy's upcoming keys for each memory tier and starts
-loads of those this part wants, as long as free space, or space held by tensors needed later,
-allows (the store's allocator decides that). Below a device tier, the host tier prefetches only a
+each tier's policy follows the accesses, and after every ``get`` the store walks the policy's
+upcoming keys for each memory tier and starts loads of those this part wants, as long as free
+space, or space held by tensors needed later, allows (the store's allocator decides that). Below a device tier, the host tier prefetches only a
 short window (``host_prefetch_share`` of its budget): reaching further ahead evicted what the step
 needed before that, which was then read again (measured: 2.6x the disk reads with 16 keys ahead;
 docs/STEP_TIME.md).
@@ -82,14 +82,15 @@ class Prefetching:
         if only is not None:
             self._own_sequence.add(only)
 
-    def rewrite_due(self, keys: Iterable[str], tier: Tier | str) -> None:
+    def rewrite_due(self, keys: Iterable[str], tier: Tier | str | None) -> None:
         """The current bytes of ``keys`` will be rewritten (or zeroed) before ``tier`` needs them:
-        its lookahead leaves them alone until then (a copy fetched now would be stale before use)."""
-        tier = self._memory_tier(tier)
+        its lookahead leaves them alone until then (a copy fetched now would be stale before use).
+        ``tier=None``: they will not be after all (a unit the step found nothing to update in)."""
+        tier = None if tier is None else self._memory_tier(tier)
         with self._lock:
             for key in keys:
                 rec = self._rec(key)
-                rec.rewrite_due = (tier, rec.version)
+                rec.rewrite_due = None if tier is None else (tier, rec.version)
 
     def _accessed(self, key: str, tier: Tier) -> None:
         """``key`` was used in ``tier``: the policies that follow that tier move on."""
