@@ -1,7 +1,8 @@
 """Property-based check of the store against a plain dict (Hypothesis rule-based state machine).
 
-Any sequence of register / write / prefetch / get (and modify) / evict / write-back / release
-must return exactly the bytes a dict of tensors would, whatever the tiers did underneath.
+Any sequence of register / write / prefetch / get (and modify) / evict / write-back / release,
+with the lookahead's orders and marks changing in between, must return exactly the bytes a dict
+of tensors would, whatever the tiers did underneath.
 """
 
 import os
@@ -122,6 +123,17 @@ class StoreMatchesDict(RuleBasedStateMachine):
     @rule(key=keys)
     def write_back(self, key):
         self.store.write_back(key).get()
+
+    @rule(key=keys, cancel=st.booleans())
+    def rewrite_due(self, key, cancel):
+        """The update on the host's marks: the device's lookahead leaves the key alone, and a copy
+        the host reads from the device then leaves the device."""
+        self.store.rewrite_due([key], None if cancel else "device")
+
+    @rule(backwards=st.booleans())
+    def device_order(self, backwards):
+        """The device tier's own order, not cyclic (an update in the host tier)."""
+        self.store.declare_access_sequence(sorted(self.model, reverse=backwards), tier="device", cyclic=False)
 
     @invariant()
     def budgets(self):
