@@ -582,3 +582,27 @@ def test_the_link_rate_is_measured_inside_the_budgets():
     cpu_only = make_store(MemoryBackend(), device=0)
     assert cpu_only.link_rate() is None
     cpu_only.close()
+
+
+def test_bytes_are_counted_by_route_and_kind():
+    """``bytes_by_route``: what each route carried, by kind of tensor; ``link_bytes`` only what
+    crossed between the host and device tiers (a tensor created in the device tier did not)."""
+    import json
+    store = make_store(MemoryBackend(), host=64 * KiB, device=32 * KiB)
+    store.register("block.0/weight", (1 * KiB,), data=torch.ones(1 * KiB))
+    store.register("block.0/state.exp_avg.1", (1 * KiB,), data=torch.ones(1 * KiB))
+    store.flush()
+    store.evict("block.0/state.exp_avg.1", "host").get()
+    with store.hold("block.0/weight", "device"):
+        pass
+    with store.hold("block.0/state.exp_avg.1", "host"):
+        pass
+    store.create("block.0/activations", (256,), torch.float32, "device")
+    store.release("block.0/activations", "device")
+    routes = store.stats.bytes_by_route
+    assert routes["host->device:weight"] == 4 * KiB
+    assert routes["host->disk:state"] == 4 * KiB and routes["disk->host:state"] == 4 * KiB
+    assert not any("activations" in r for r in routes)
+    assert store.stats.link_bytes == 4 * KiB
+    json.dumps(store.stats.as_dict())
+    store.close()

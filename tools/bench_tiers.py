@@ -66,6 +66,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _link_routes(before, after, steps: int) -> dict[str, float]:
+    """Per step, bytes copied into and out of the device tier from the host tier (not a tensor
+    created there), and both ways per kind of tensor (``link:weight``...)."""
+    out = {"into_device": 0.0, "out_of_device": 0.0}
+    for route, n in after.bytes_by_route.items():
+        way, kind = route.split(":")
+        if way not in ("host->device", "device->host"):
+            continue
+        moved = (n - before.bytes_by_route.get(route, 0)) / steps
+        out["into_device" if way == "host->device" else "out_of_device"] += moved
+        out[f"link:{kind}"] = out.get(f"link:{kind}", 0.0) + moved
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=512)
@@ -142,8 +156,7 @@ def main(argv=None) -> int:
                 if r:  # round 0 warms up
                     results[name].append({"s": dt, "disk_read": per("bytes_read", Tier.DISK),
                                           "disk_written": per("bytes_written", Tier.DISK),
-                                          "into_device": per("bytes_written", Tier.DEVICE),
-                                          "out_of_device": per("bytes_read", Tier.DEVICE)})
+                                          **_link_routes(s0.store, s1.store, args.steps_per_round)})
             print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
         first = next(iter(engines))
         plan = engines[first].plan.summary()
@@ -156,11 +169,12 @@ def main(argv=None) -> int:
     same = all(v == losses[base_name] for v in losses.values())
     report = {"model": vars(args) | {"parameters": cfg.n_params(), "state_bytes": state}, "losses_identical": same,
               "configs": {}}
-    base = {k: statistics.median(x[k] for x in results[base_name]) for k in results[base_name][0]}
+    median = lambda rows: {k: statistics.median(x.get(k, 0.0) for x in rows) for k in set().union(*rows)}  # noqa: E731
+    base = median(results[base_name])
     print(f"\n{'configuration':<26} {'s/step':>7} {'disk read':>10} {'written':>8} {'into dev':>9} {'out of dev':>10}"
           f" {'step vs base':>12} {'disk bytes vs base':>18}")
     for name, rows in results.items():
-        med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        med = median(rows)
         disk = (med["disk_read"] + med["disk_written"]) / (base["disk_read"] + base["disk_written"])
         report["configs"][name] = med | {"step_vs_base": med["s"] / base["s"], "disk_bytes_vs_base": disk}
         print(f"{name:<26} {med['s']:>7.3f} {med['disk_read'] / state:>9.2f}x {med['disk_written'] / state:>7.2f}x "
@@ -173,10 +187,11 @@ def main(argv=None) -> int:
         med["link_bytes_per_parameter"] = link
         floor = link_floor[name]
         med["link_floor_bytes"] = floor
+        kinds = ", ".join(f"{k[5:]} {v / cfg.n_params():.1f}" for k, v in sorted(med.items()) if k.startswith("link:"))
         print(f"{name:<32} device link: {link:5.1f} bytes per parameter per step "
               f"({(med['into_device'] + med['out_of_device']) / state:.2f}x the state"
               + (f"; the plan's floor {floor / cfg.n_params():.1f}, {floor / state:.2f}x)" if floor else ")")
-              + f"\n{'':<32} {activations[name]}")
+              + f"\n{'':<32} by kind: {kinds or 'nothing'}\n{'':<32} {activations[name]}")
     print(f"\nthe plan of '{first}' (its disk bytes per step predicted, and measured over three steps):\n  "
           + plan.replace("\n", "\n  "))
     report["plan"] = plan

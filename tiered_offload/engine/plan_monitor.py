@@ -117,7 +117,7 @@ class PlanMonitor:
     def _counters(self) -> _Counters:
         st = self.store.stats
         return _Counters(self.engine_seconds, st.bytes_read[Tier.DISK], st.bytes_written[Tier.DISK],
-                         st.io_wait_seconds, st.disk_busy_seconds, st.bytes_read[Tier.DEVICE] + st.bytes_written[Tier.DEVICE])
+                         st.io_wait_seconds, st.disk_busy_seconds, st.link_bytes)
 
     def iteration_boundary(self) -> None:
         """A step begins: measure the iteration that ended (for the plan), start the next. Its

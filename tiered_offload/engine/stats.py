@@ -30,7 +30,8 @@ class EngineStats:
     disk_rate_Bps: float | None
     """Disk bytes moved per second while any transfer was in flight (what the disk delivered)."""
     link_per_step: float | None = None
-    """Median bytes copied into and out of the device tier per iteration (0 without one)."""
+    """Median bytes copied between the host and device tiers per iteration (0 without a device
+    tier); by route and kind of tensor: ``store.bytes_by_route``."""
     floors: dict | None = None
     """What a step cannot avoid moving, beside the measured figures: ``disk_read``,
     ``disk_written``, ``link`` bytes per step (see ``engine.plan``)."""

@@ -14,7 +14,7 @@ import time
 
 from offload_core.errors import TensorStateError, TierCapacityError
 from offload_core.futures import IOFuture, chain, completed
-from tiered_offload.store.record import TensorRecord
+from tiered_offload.store.record import TensorRecord, kind_of
 from tiered_offload.store.tiers import Tier
 
 __all__ = ["CopyChains"]
@@ -35,6 +35,8 @@ class CopyChains:
                     rec.loaded(tier, version)
                     self._stats.bytes_read[src] += rec.nbytes
                     self._stats.bytes_written[tier] += rec.nbytes
+                    route = f"{src.name.lower()}->{tier.name.lower()}:{kind_of(rec.key)}"
+                    self._stats.bytes_by_route[route] = self._stats.bytes_by_route.get(route, 0) + rec.nbytes
                     if tier == Tier.DISK and extent is not None:
                         old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc[0] if isinstance(crc, list) else crc
             if tier != Tier.DISK or extent is None or not self.config.versioned_writes or rec.scratch:

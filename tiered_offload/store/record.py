@@ -13,7 +13,7 @@ import torch
 from offload_core.futures import IOFuture
 from tiered_offload.store.tiers import CopyState, Tier
 
-__all__ = ["Slot", "OpKind", "Operation", "TensorRecord", "StoreStats"]
+__all__ = ["Slot", "OpKind", "Operation", "TensorRecord", "StoreStats", "kind_of"]
 
 
 class OpKind(enum.Enum):
@@ -158,8 +158,25 @@ class StoreStats:
     the disk delivered to this store (no probe needed)."""
     peak_used: dict[Tier, int] = field(default_factory=dict)
     """Highest bytes in use of each memory tier's budget."""
+    bytes_by_route: dict[str, int] = field(default_factory=dict)
+    """Bytes each route carried, by kind of tensor: ``"host->device:weight"``,
+    ``"disk->host:state"``, ``"device->host:grad"``... (the kind: a key's last ``/`` part up to its
+    first ``.``, so ``block.3/state.exp_avg.1`` is a ``state``; ``other`` for a key without ``/``)."""
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes copied between the host and device tiers, both ways (what crosses PCIe to the GPU;
+        a tensor created or written in the device tier, or read from the disk straight into it, is
+        not counted)."""
+        return sum(n for route, n in self.bytes_by_route.items() if route.startswith(("host->device", "device->host")))
 
     def as_dict(self) -> dict:
         """JSON-friendly form, tier names as keys."""
         d = dataclasses.asdict(self)
-        return {k: ({t.name.lower(): n for t, n in v.items()} if isinstance(v, dict) else v) for k, v in d.items()}
+        return {k: ({getattr(t, "name", t).lower(): n for t, n in v.items()} if isinstance(v, dict) else v)
+                for k, v in d.items()}
+
+
+def kind_of(key: str) -> str:
+    """The kind of tensor a key names (see :attr:`StoreStats.bytes_by_route`)."""
+    return key.rsplit("/", 1)[-1].split(".", 1)[0] if "/" in key else "other"
