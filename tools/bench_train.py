@@ -97,6 +97,7 @@ class Config:
         self.name, self.step, self.finish, self.engine = name, step, finish, engine
         self.per_step: list[float] = []
         self.moved = {"read": [], "written": []}
+        self.read_by_kind: list[dict[str, float]] = []
 
     def run(self, batches):
         s0 = self.engine.stats() if self.engine else None
@@ -109,6 +110,12 @@ class Config:
             s1 = self.engine.stats()
             self.moved["read"].append((s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK]) / len(batches))
             self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
+            kinds: dict[str, float] = {}
+            for route, nbytes in s1.bytes_by_route.items():
+                way, kind = route.split(":")
+                if way.startswith("disk->"):
+                    kinds[kind] = kinds.get(kind, 0.0) + (nbytes - s0.bytes_by_route.get(route, 0)) / len(batches)
+            self.read_by_kind.append(kinds)
 
 
 OPT_KWARGS = dict(lr=1e-4, weight_decay=0.01)
@@ -300,6 +307,10 @@ def accumulate(args) -> int:
                         ("fused-recompute", f"disk, {n} micro-batches, forward_backward, every block recomputed")]:
         print(f"| {label} | {med[name]:.3f} | {format_size(rd[name])} | {format_size(wr[name])} |")
     print(f"planned activations: one micro-batch's run {modes['one']}; forward_backward's {modes['fused']}")
+    kinds = sorted({k for c in configs for row in c.read_by_kind for k in row})
+    print("disk reads per optimizer step by kind of tensor (medians): " + "; ".join(
+        f"{c.name} " + ", ".join(f"{k} {format_size(statistics.median(r.get(k, 0.0) for r in c.read_by_kind[1:]))}"
+                                  for k in kinds) for c in configs if c.name != "memory"))
     print(f"reads per optimizer step / one micro-batch's: loop {rd['loop'] / rd['one']:.2f}, forward_backward "
           f"{rd['fused'] / rd['one']:.2f}, recomputed {rd['fused-recompute'] / rd['one']:.2f} (target <= 1.15)")
     bound = n * med["memory"] + floor_one
