@@ -265,6 +265,29 @@ def test_optimizer_device_is_validated_and_host_needs_its_working_set(tmp_path):
         assert "the update runs in the host tier (measured: " in auto.plan.summary()
 
 
+def test_a_resumed_auto_run_keeps_its_optimizer_placement(tmp_path, monkeypatch):
+    """``optimizer_device="auto"`` decides from rates measured when the engine is built; a resume
+    on the same state keeps what the run it continues used (the host's and the GPU's kernels can
+    differ in the last bits), even where the rates now say otherwise; a new run measures."""
+    import tiered_offload.engine.facade as facade
+    from tiered_offload.engine.preflight import UpdateRates
+    state = 16 * sum(p.numel() for p in plain_gpt().parameters())
+    kw = dict(host_memory=state // 2, store_config={"device_budget_bytes": state // 4})
+    with Engine(plain_gpt(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "run", **kw) as engine:
+        assert engine._updater.tier == Tier.HOST  # the stand-in: the link decides
+        for _ in range(2):
+            engine.backward(plain_loss(engine, torch.randint(0, 128, (2, 17))))
+            engine.step()
+            engine.zero_grad()
+    weak_cpu = UpdateRates(host_Bps=1e3, device_Bps=1e12, link_Bps=1e12)
+    monkeypatch.setattr(facade, "measure_update_rates", lambda spec, device, link: weak_cpu)
+    with Engine(plain_gpt(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "run", resume=True, **kw) as engine:
+        assert engine.step_count == 2 and engine._updater.tier == Tier.HOST
+        assert "as the run this one resumes was trained ('host'" in engine.plan.summary()
+    with Engine(plain_gpt(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "new", **kw) as engine:
+        assert engine._updater.tier == Tier.DEVICE and "measured: " in engine.plan.summary()
+
+
 def test_device_and_host_tiers_together_cut_disk_reads(tmp_path):
     """With a device tier, the host tier caches what the device does not hold (it was a second copy
     of the same tensors, and prefetched so far ahead that it evicted what it needed next): with

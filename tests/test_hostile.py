@@ -214,6 +214,7 @@ MANIFEST_MUTATIONS = {
     "missing meta": lambda m: m.pop("meta") and None,
     "an integer extent": lambda m: m["tensors"]["block.0/weight"].update(extent=7),
     "a bad dtype": lambda m: m["tensors"]["block.0/weight"].update(dtype="complex512"),
+    "an unknown optimizer placement": lambda m: m["meta"].update(update_tier="tpu"),
     "deep nesting": lambda m: json.dumps(m)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",
     "duplicate keys": lambda m: json.dumps(m)[:-1] + ', "step": 1}',
 }

@@ -208,17 +208,31 @@ def test_auto_places_the_update_by_measured_rates():
     slow_cpu = UpdateRates(host_Bps=1e6, device_Bps=1e12, link_Bps=1e10)  # a GPU box with a weak CPU
     slow_link = UpdateRates(host_Bps=1e10, device_Bps=1e12, link_Bps=1e6)
     short = Store(state // 4, state)
-    where, why = optimizer_tier("auto", short, s, lambda link: slow_cpu)
+    where, why = optimizer_tier("auto", short, s, measure=lambda link: slow_cpu)
     assert where == Tier.DEVICE and "measured" in why and "on the device" in why
-    assert optimizer_tier("auto", short, s, lambda link: slow_link)[0] == Tier.HOST
-    assert optimizer_tier("host", short, s, lambda link: slow_cpu)[0] == Tier.HOST  # told: no probe decides
-    assert optimizer_tier("auto", Store(2 * state, state), s, lambda link: slow_link) == (
+    assert optimizer_tier("auto", short, s, measure=lambda link: slow_link)[0] == Tier.HOST
+    assert optimizer_tier("host", short, s, measure=lambda link: slow_cpu)[0] == Tier.HOST  # told: no probe decides
+    assert optimizer_tier("auto", Store(2 * state, state), s, measure=lambda link: slow_link) == (
         Tier.DEVICE, "the whole state fits the device tier")
-    assert optimizer_tier("auto", Store(state // 4, 10), s, lambda link: slow_link)[0] == Tier.DEVICE
+    assert optimizer_tier("auto", Store(state // 4, 10), s, measure=lambda link: slow_link)[0] == Tier.DEVICE
     with pytest.raises(TierCapacityError):
         optimizer_tier("host", Store(state // 4, 10), s)
 
+    # a resumed run keeps the placement its state was trained with; the choice is recorded
+    class Record:
+        update_tier = "host"
+    record = Record()
+    where, why = optimizer_tier("auto", short, s, record, measure=lambda link: slow_cpu)
+    assert where == Tier.HOST and "resumes" in why
+    assert optimizer_tier("device", short, s, record)[0] == Tier.DEVICE and record.update_tier == "device"
+    record.update_tier = None
+    assert optimizer_tier("auto", short, s, record, measure=lambda link: slow_link)[0] == Tier.HOST
+    assert record.update_tier == "host"
+    # sharded: the host only where every rank chose it
+    nobody = lambda flag, what: False  # noqa: E731
+    assert optimizer_tier("auto", short, s, measure=lambda link: slow_link, agree=nobody)[0] == Tier.DEVICE
+
     def broken(link_Bps):
         raise RuntimeError("this optimizer needs a closure")
-    where, why = optimizer_tier("auto", short, s, broken)
+    where, why = optimizer_tier("auto", short, s, measure=broken)
     assert where == Tier.HOST and "could not be measured: this optimizer needs a closure" in why

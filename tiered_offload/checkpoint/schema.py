@@ -265,6 +265,8 @@ def _check_meta(meta: dict, where: str) -> None:
     _opt(_str, rng.get("cuda"), f"{where}.rng.cuda")
     _field(meta, "user_state", where)
     _opt(_obj, _field(meta, "scheduler", where), f"{where}.scheduler")
+    if _opt(_str, meta.get("update_tier"), f"{where}.update_tier") not in (None, "host", "device"):
+        raise _Fail(f"{where}.update_tier", f"expected 'host' or 'device', found {meta['update_tier']!r}")
     for k, v in _obj(meta.get("param_updates", {}), f"{where}.param_updates").items():
         _int(v, f"{where}.param_updates[{k!r}]")
     for k, v in _obj(meta.get("param_scalars", {}), f"{where}.param_scalars").items():

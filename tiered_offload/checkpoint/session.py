@@ -283,6 +283,9 @@ class DurableCommits(Commits):
         if recovered is not None:
             layout.check(recovered.manifest, session.files.manifest_path)
             session.store.use_checksum(manifest_checksum(recovered.manifest))  # the directory's own
+            # where the state's optimizer step ran: the engine places its own (and redoes a step in
+            # flight) the same way under optimizer_device="auto"
+            self.train_state.update_tier = recovered.manifest["meta"].get("update_tier")
         session.collect_garbage(layout.keys())
         return recovered
 

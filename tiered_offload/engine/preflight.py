@@ -108,7 +108,7 @@ def measure_update_rates(spec, device: torch.device, link_Bps: float | None,
     return UpdateRates(host, update_Bps(device) if cuda else host, link_Bps)
 
 
-def optimizer_tier(setting: str, store, schedule: Schedule, measure=None) -> tuple[Tier, str]:
+def optimizer_tier(setting: str, store, schedule: Schedule, state=None, measure=None, agree=None) -> tuple[Tier, str]:
     """Where the optimizer step runs (``EngineConfig.optimizer_device``), and why. With one memory
     tier (the CPU) there is nothing to choose. Below a device tier, ``"host"`` updates in the host
     tier, where the optimizer states live when they do not fit the device: ZeRO-Offload's
@@ -116,7 +116,23 @@ def optimizer_tier(setting: str, store, schedule: Schedule, measure=None) -> tup
     both ways; ``"device"`` updates in the device tier; ``"auto"``: the device when the whole state
     fits it or the host budget cannot hold the step's working set, else the placement whose
     update plus link traffic takes less time at the rates ``measure(link_Bps)`` returns
-    (:class:`UpdateRates`, given the store's :meth:`link_rate`; without it, the host)."""
+    (:class:`UpdateRates`, given the store's :meth:`link_rate`; without it, the host).
+
+    ``state`` (the :class:`~tiered_offload.engine.train_state.TrainState`): a run resumed under
+    ``"auto"`` keeps the placement its state was trained with (``state.update_tier``: the two
+    placements' kernels can differ in the last bits, and a resume is the uninterrupted run's
+    continuation), and the choice is recorded there. ``agree(flag, what)``: whether every rank
+    chose the host (sharded: else every rank updates on the device)."""
+    where, why = _placement(setting, store, schedule, getattr(state, "update_tier", None), measure)
+    if agree is not None and not agree(where == Tier.HOST, "where the optimizer step runs") and where == Tier.HOST:
+        where, why = Tier.DEVICE, "another rank could not update on the host, or measured the device faster"
+    if state is not None and store.compute_tier == Tier.DEVICE:
+        state.update_tier = where.name.lower()
+    return where, why
+
+
+def _placement(setting: str, store, schedule: Schedule, resumed: str | None, measure) -> tuple[Tier, str]:
+    """:func:`optimizer_tier` on this process."""
     if setting not in ("auto", "host", "device"):
         raise ConfigError(f"EngineConfig.optimizer_device must be 'auto', 'host' or 'device', got {setting!r}")
     if store.compute_tier != Tier.DEVICE:
@@ -132,6 +148,8 @@ def optimizer_tier(setting: str, store, schedule: Schedule, measure=None) -> tup
                                 f"raise host_memory to at least {format_size_up(need)}, or use 'device'")
     if setting == "host":
         return Tier.HOST, "optimizer_device='host'"
+    if resumed in ("host", "device") and (resumed == "device" or need <= host):
+        return Tier.parse(resumed), f"as the run this one resumes was trained ({resumed!r}, chosen by 'auto' then)"
     if schedule.fits(store.capacity(Tier.DEVICE)):
         return Tier.DEVICE, "the whole state fits the device tier"
     if need > host:

@@ -59,6 +59,10 @@ class TrainState:
         self.buffer_file = None
         """Where a durable state's buffers are written (:class:`BufferFile`); None: JSON in the meta."""
         self.device = device
+        self.update_tier: str | None = None
+        """Where the optimizer step runs below a device tier (``"host"`` / ``"device"``), saved with
+        every step: a resumed ``optimizer_device="auto"`` keeps it (see
+        :func:`~tiered_offload.engine.preflight.optimizer_tier`)."""
         self._resumed_scheduler_state = None
         self._resumed_param_groups = None
 
@@ -125,6 +129,7 @@ class TrainState:
         scalars = {s.name: s.scalars for _, s in self.param_order if s.scalars}
         return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
                 "param_updates": updates, **buffers, **({"param_scalars": scalars} if scalars else {}),
+                **({"update_tier": self.update_tier} if self.update_tier else {}),
                 "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
                                  for g in self.param_groups]}
 
@@ -151,6 +156,7 @@ class TrainState:
         if "cuda" in meta["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(decode_rng(meta["rng"]["cuda"]), self.device)
         self.user_state = meta["user_state"]
+        self.update_tier = meta.get("update_tier")
         self._resumed_scheduler_state = meta["scheduler"]
         self._resumed_param_groups = meta["param_groups"]
 
