@@ -124,9 +124,11 @@ def optimizer_tier(setting: str, store, schedule: Schedule, state=None, measure=
     continuation), and the choice is recorded there. ``agree(flag, what)``: whether every rank
     chose the host (sharded: else every rank updates on the device)."""
     where, why = _placement(setting, store, schedule, getattr(state, "update_tier", None), measure)
+    if store.compute_tier != Tier.DEVICE:
+        return where, why
     if agree is not None and not agree(where == Tier.HOST, "where the optimizer step runs") and where == Tier.HOST:
         where, why = Tier.DEVICE, "another rank could not update on the host, or measured the device faster"
-    if state is not None and store.compute_tier == Tier.DEVICE:
+    if state is not None:
         state.update_tier = where.name.lower()
     return where, why
 

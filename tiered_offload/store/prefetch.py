@@ -3,10 +3,10 @@
 The order comes from the caller (:meth:`Prefetching.declare_access_sequence`: one training step),
 each tier's policy follows the accesses, and after every ``get`` the store walks the policy's
 upcoming keys for each memory tier and starts loads of those this part wants, as long as free
-space, or space held by tensors needed later, allows (the store's allocator decides that). Below a device tier, the host tier prefetches only a
-short window (``host_prefetch_share`` of its budget): reaching further ahead evicted what the step
-needed before that, which was then read again (measured: 2.6x the disk reads with 16 keys ahead;
-docs/STEP_TIME.md).
+space, or space held by tensors needed later, allows (the store's allocator decides that). Below
+a device tier, the host tier prefetches only a short window (``host_prefetch_share`` of its
+budget): reaching further ahead evicted what the step needed before that, which was then read
+again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md).
 """
 
 from __future__ import annotations
