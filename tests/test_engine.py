@@ -230,13 +230,8 @@ def test_the_update_on_the_host_moves_no_bytes_twice_over_the_link(tmp_path):
     engine._await()
     after = engine.store.stats
     engine.close()
-    per_step: dict = {}
-    for route, n in after.bytes_by_route.items():
-        way, kind = route.split(":")
-        if way in ("host->device", "device->host"):
-            key = (kind, "up" if way == "host->device" else "down")
-            per_step[key] = per_step.get(key, 0) + (n - before.bytes_by_route.get(route, 0)) / 3
-    per_step = {k: v for k, v in per_step.items() if v}
+    per_step = {(kind, way): n / 3 for way, route in (("up", "host->device"), ("down", "device->host"))
+                for kind, n in after.by_kind((route,), since=before).items() if n}
     assert not any(kind in ("grad", "state") and way == "up" for kind, way in per_step), per_step
     assert not any(kind == "state" for kind, _ in per_step), per_step
     assert 4 * params <= per_step[("grad", "down")] <= 1.25 * 4 * params, per_step  # 2.5x before

@@ -69,15 +69,9 @@ def _sync(device: torch.device) -> None:
 def _link_routes(before, after, steps: int) -> dict[str, float]:
     """Per step, bytes copied into and out of the device tier from the host tier (not a tensor
     created there), and both ways per kind of tensor (``link:weight``...)."""
-    out = {"into_device": 0.0, "out_of_device": 0.0}
-    for route, n in after.bytes_by_route.items():
-        way, kind = route.split(":")
-        if way not in ("host->device", "device->host"):
-            continue
-        moved = (n - before.bytes_by_route.get(route, 0)) / steps
-        out["into_device" if way == "host->device" else "out_of_device"] += moved
-        out[f"link:{kind}"] = out.get(f"link:{kind}", 0.0) + moved
-    return out
+    per = lambda ways: {k: n / steps for k, n in after.by_kind(ways, since=before).items()}  # noqa: E731
+    return {"into_device": sum(per(("host->device",)).values()), "out_of_device": sum(per(("device->host",)).values()),
+            **{f"link:{k}": n for k, n in per(after.LINK).items()}}
 
 
 def main(argv=None) -> int:

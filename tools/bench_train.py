@@ -110,12 +110,8 @@ class Config:
             s1 = self.engine.stats()
             self.moved["read"].append((s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK]) / len(batches))
             self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
-            kinds: dict[str, float] = {}
-            for route, nbytes in s1.bytes_by_route.items():
-                way, kind = route.split(":")
-                if way.startswith("disk->"):
-                    kinds[kind] = kinds.get(kind, 0.0) + (nbytes - s0.bytes_by_route.get(route, 0)) / len(batches)
-            self.read_by_kind.append(kinds)
+            read = s1.store.by_kind(("disk->host", "disk->device"), since=s0.store)
+            self.read_by_kind.append({kind: n / len(batches) for kind, n in read.items()})
 
 
 OPT_KWARGS = dict(lr=1e-4, weight_decay=0.01)

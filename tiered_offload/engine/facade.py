@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-from functools import partial
 import logging
 import os
 import threading
@@ -206,7 +205,7 @@ class Engine(EngineViews):
         self._phases: list[Phase] = []
         self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel, *optimizer_tier(
             self.config.optimizer_device, self.store, self.schedule, self.train_state,
-            partial(measure_update_rates, self._spec, self.device), self._placement.all_agree))
+            functools.partial(measure_update_rates, self._spec, self.device), self._placement.all_agree))
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
             before_each=lambda name: self._commits.before_unit(

@@ -73,9 +73,11 @@ class UnitUpdater:
         weights and gradients of the units in ``stepping`` are about to be rewritten (zeroed):
         the device's lookahead leaves them alone until then (a copy fetched now would be stale)."""
         self.store.declare_access_sequence(keys, tier=self.store.compute_tier, cyclic=False)
-        self.store.rewrite_due([k for u in stepping if u.state_numel for k in (u.weight_key, u.grad_key)
-                                if k and k in self.store],
-                               self.store.compute_tier)
+        self.store.rewrite_due([k for u in stepping if u.state_numel for k in self._rewritten(u)], self.store.compute_tier)
+
+    def _rewritten(self, unit) -> list[str]:
+        """The keys of ``unit`` a step rewrites (weights) or zeroes (gradients), as this store holds them."""
+        return [k for k in (unit.weight_key, unit.grad_key) if k and k in self.store]
 
     def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, step_counts: dict[int, int], *,
                write_behind: bool, weights_behind: bool = True, shard=None, scalars: dict | None = None) -> list:
@@ -90,7 +92,7 @@ class UnitUpdater:
             runs, unit = shard.runs(runs), shard
         if not runs:
             if self.in_lower_tier:  # nothing to rewrite after all: the device may fetch it ahead again
-                self.store.rewrite_due([k for k in (unit.weight_key, unit.grad_key) if k and k in self.store], None)
+                self.store.rewrite_due(self._rewritten(unit), None)
             return []
         store, kinds, tier = self.store, self.spec.kinds, self.tier
         futures: list = []

@@ -99,7 +99,7 @@ class CopyChains:
             fut = self._copy_between(rec, other, tier, version)
             if tier == Tier.HOST and rec.rewrite_due == (Tier.DEVICE, version):
                 # read for an update on the host: the device has no further use for these bytes
-                fut.add_done_callback(lambda f: self._drop_moved(rec) if f.exception() is None else None)
+                fut.add_done_callback(lambda f: self._drop_device_copy(rec) if f.exception() is None else None)
             return fut
         if not disk_valid:
             raise TensorStateError(f"{rec.key!r} has no valid copy anywhere (version {version}); this is a bug")
@@ -144,24 +144,21 @@ class CopyChains:
         if self._ensure_slot(rec, Tier.HOST, block=False, further_than=further) is None:
             if not clean:
                 return self._start_write_back(rec, Tier.DISK)
-            with self._lock:
-                slot = rec.slots.get(Tier.DEVICE)
-                if slot is not None and not slot.pins and rec.held_elsewhere(Tier.DEVICE):
-                    self._drop_slot(rec, Tier.DEVICE)
-                    self._stats.evictions[Tier.DEVICE] += 1
+            self._drop_device_copy(rec)
             return completed(0, f"drop {rec.key} from the device")
         fut = self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
-        fut.add_done_callback(lambda f: self._drop_moved(rec) if f.exception() is None else None)
+        fut.add_done_callback(lambda f: self._drop_device_copy(rec) if f.exception() is None else None)
         return fut
 
-    def _drop_moved(self, rec: TensorRecord) -> None:
-        """A copy moved down landed in the host tier (demoted, or read by an update on the host
-        that will rewrite it before the device needs it): free its device room now. Left in
-        place, the host would give up its copy first (the device holds one), and the device move
-        the same bytes down again (up to four times for one weight in one forward, measured)."""
+    def _drop_device_copy(self, rec: TensorRecord) -> None:
+        """Free ``rec``'s device room where another tier holds the bytes and nobody holds the copy:
+        a clean victim the host has no room for, or a copy moved down that landed (demoted, or read
+        by an update on the host that rewrites it before the device needs it). Left in place, the
+        host would give up its copy first (the device holds one), and the device move the same
+        bytes down again (up to four times for one weight in one forward, measured)."""
         with self._lock:
             slot = rec.slots.get(Tier.DEVICE)
-            if slot is not None and not slot.pins and not slot.loading and rec.valid(Tier.HOST):
+            if slot is not None and not slot.pins and not slot.loading and rec.held_elsewhere(Tier.DEVICE):
                 self._drop_slot(rec, Tier.DEVICE)
                 self._stats.evictions[Tier.DEVICE] += 1
 

@@ -163,12 +163,25 @@ class StoreStats:
     ``"disk->host:state"``, ``"device->host:grad"``... (the kind: a key's last ``/`` part up to its
     first ``.``, so ``block.3/state.exp_avg.1`` is a ``state``; ``other`` for a key without ``/``)."""
 
+    LINK = ("host->device", "device->host")
+    """The routes over the link between the host and device tiers."""
+
     @property
     def link_bytes(self) -> int:
         """Bytes copied between the host and device tiers, both ways (what crosses PCIe to the GPU;
         a tensor created or written in the device tier, or read from the disk straight into it, is
         not counted)."""
-        return sum(n for route, n in self.bytes_by_route.items() if route.startswith(("host->device", "device->host")))
+        return sum(self.by_kind(self.LINK).values())
+
+    def by_kind(self, ways: tuple[str, ...], since: "StoreStats | None" = None) -> dict[str, int]:
+        """Bytes per kind of tensor over the routes ``ways`` (``("disk->host", "disk->device")``),
+        since the snapshot ``since`` (None: since the store opened)."""
+        out: dict[str, int] = {}
+        for route, n in self.bytes_by_route.items():
+            way, kind = route.split(":", 1)
+            if way in ways:
+                out[kind] = out.get(kind, 0) + n - (since.bytes_by_route.get(route, 0) if since else 0)
+        return out
 
     def as_dict(self) -> dict:
         """JSON-friendly form, tier names as keys."""
