@@ -86,6 +86,25 @@ def test_the_plan_checks_time_and_disk_bytes_against_the_steps_measured_under_it
     assert len(notes) == 1 and "30% off" in notes[0]
 
 
+
+def test_a_plan_that_moves_more_bytes_must_measure_faster_or_it_goes_back():
+    """The planner predicts; the steps under the plan measure. A plan that moves more disk bytes than
+    the iteration it was planned from (offloaded activations) is kept only if its steps ran at
+    least ``Plan.EARN`` faster; else the engine goes back to that iteration's modes and says why.
+    Regression (bench_train --accumulate 4): offloading predicted 10% faster, measured within
+    the noise of recomputing, for 1.6x the disk reads."""
+    before = measured(seconds=2.0)  # every block recomputed, 800 MiB moved
+    plan = make_plan(base(), before, FAST, room=[30 * MiB] * 4, keep_room=30 * MiB, fixed=False)
+    assert "offload" in plan.modes
+    under = lambda seconds, moved=1200 * MiB: [measured(seconds=seconds, read=moved // 2, written=moved // 2)
+                                               for _ in range(3)]  # noqa: E731
+    why = plan.unearned(before, under(1.96))
+    assert why is not None and "2.000 s" in why and "1.960 s" in why and "2% faster" in why and "1.5x" in why
+    assert plan.unearned(before, under(2.4)) is not None  # slower: certainly back
+    assert plan.unearned(before, under(1.8)) is None  # 10% faster: it earned its bytes
+    assert plan.unearned(before, under(2.4, moved=840 * MiB)) is None  # no more bytes: nothing to earn
+
+
 # ---- the engine's plan ------------------------------------------------------------------------------
 def _engine(tmp_path, **config):
     from tiered_offload import Engine, EngineConfig
@@ -106,10 +125,11 @@ def _train(engine, steps, batch=8, vocab=128):
         engine.zero_grad()
 
 
-def test_the_engine_plans_after_the_second_measured_step_and_logs_it(tmp_path, caplog):
+def test_the_engine_plans_after_the_second_measured_step_and_logs_it(tmp_path, caplog, monkeypatch):
     """Measured iterations run from one step() to the next; the first one's optimizer finds its states
     still zero (it reads none), so the plan comes from the second: after three steps."""
     caplog.set_level(logging.INFO, logger="tiered_offload")
+    monkeypatch.setattr(Plan, "EARN", -1.0)  # the plan's life, not its revision (see the test below)
     engine = _engine(tmp_path)
     assert engine.plan.predicted_step_s is None and engine.plan.modes == ["recompute"] * 4
     _train(engine, 2)
@@ -131,6 +151,45 @@ def test_a_configured_choice_overrides_the_planner(tmp_path):
     assert engine.activation_modes == ["keep", "recompute", "offload", "keep"]
     assert any("EngineConfig.activations" in o for o in engine.plan.overridden)
     assert engine.plan.predicted_step_s > 0
+    engine.close()
+
+
+def test_the_engine_goes_back_to_recomputing_when_the_plan_does_not_earn_its_bytes(tmp_path, monkeypatch):
+    """A plan whose offloaded activations made the steps slower (here: a sleep in every block from
+    the planned steps on) is undone after the check: every block recomputed again, the plan says
+    why, and training stays bitwise PyTorch's across the change."""
+    import time
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    from tiered_offload_examples.models import GPT, GPTConfig
+    monkeypatch.setattr(PlanMonitor, "_disk_rates", lambda self, m: DiskRates(1e11, 1e11, "test"))  # offloading: free
+    engine = _engine(tmp_path)
+    _train(engine, 3)
+    assert "offload" in engine.activation_modes
+    original = engine._streamer.block_forward
+
+    def slow(*args):
+        time.sleep(0.02)
+        return original(*args)
+    engine._streamer.block_forward = slow
+    engine.binding.install_proxies(lambda i, a, k: engine._streamer.block_forward(i, a, k))
+    _train(engine, 4)
+    assert engine.activation_modes == ["recompute"] * 4
+    assert any("back to recomputing" in r for r in engine.plan.reasons), engine.plan.reasons
+    assert engine.plan.modes == ["recompute"] * 4
+    _train(engine, 2)
+    assert engine.plan.measured_step_s is not None  # the revised plan checked in turn
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for steps in (3, 4, 2):  # as _train draws them: each call from seed 1
+        torch.manual_seed(1)
+        for _ in range(steps):
+            x = torch.randint(0, 128, (8, 33))
+            F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], v) for k, v in ref.named_parameters())
     engine.close()
 
 

@@ -35,7 +35,8 @@ class _Counters:
 
 
 class PlanMonitor:
-    """Makes the plan, measures iterations, re-plans once, checks the prediction.
+    """Makes the plan, measures iterations, checks the prediction, goes back once if the plan did
+    not earn its disk bytes (:meth:`Plan.unearned`).
 
     Args:
         store: the engine's store (its counters and budgets).
@@ -72,6 +73,9 @@ class PlanMonitor:
         """Time spent in the engine's calls (forward, backward, clipping, step)."""
         self.measured: list[StepMeasurement] = []
         self._last: _Counters | None = None
+        self._check_at = 1 + self.PLAN_FROM + self.CHECK_AFTER
+        """Measured iterations after which the plan in force is checked (and revised, once)."""
+        self._revised = False
         self._plan = self._initial_plan(recompute)
         if streamer.modes is not None:
             log.info("tiered-offload plan (until measured):\n%s", self._plan.summary())
@@ -148,22 +152,37 @@ class PlanMonitor:
         if self.streamer.modes is None:
             return  # plain PyTorch: nothing to plan
         if len(measured) == 1 + self.PLAN_FROM:
-            # forward_backward: the micro-batches' activations of a block share its room
-            room = [self.streamer.activation_room.get(i, 0) // self.streamer.micro_batches
-                    for i in range(len(self.block_names))]
             m = measured[self.PLAN_FROM]
-            self._plan = make_plan(self._plan, m, self._disk_rates(m), room, max(room, default=0),
-                                   not self.planner_chooses)
+            self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), not self.planner_chooses)
             advice = self._overlap_advice(m)
             if advice:
                 self._plan.reasons.append(advice)
-            self.streamer.modes = list(self._plan.modes)
-            self.streamer.measure_graphs = False
-            log.info("tiered-offload plan:\n%s", self._plan.summary())
-        elif len(measured) == 1 + self.PLAN_FROM + self.CHECK_AFTER:
-            for note in self._plan.check(measured[1 + self.PLAN_FROM:]):
+            self._apply("tiered-offload plan:\n%s")
+        elif len(measured) == self._check_at:
+            under = measured[-self.CHECK_AFTER:]
+            for note in self._plan.check(under):
                 self._plan.reasons.append(note)
                 log.warning("tiered-offload: %s", note)
+            m = measured[self.PLAN_FROM]
+            why = self._plan.unearned(m, under) if self.planner_chooses and not self._revised else None
+            if why:  # the measurement of both choices overrules the model: the modes planned from
+                self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), True)
+                self._plan.reasons.append(why)
+                self._revised, self._check_at = True, self._check_at + self.CHECK_AFTER
+                self._apply("tiered-offload plan, measured and revised:\n%s")
+
+    def _rooms(self) -> tuple[list[int], int]:
+        """Per block, the saved-activation bytes its backward may pin, and the most of them kept
+        (``forward_backward``: the micro-batches' activations of a block share its room)."""
+        room = [self.streamer.activation_room.get(i, 0) // self.streamer.micro_batches
+                for i in range(len(self.block_names))]
+        return room, max(room, default=0)
+
+    def _apply(self, message: str) -> None:
+        """The plan's modes take effect from the next iteration on; logged."""
+        self.streamer.modes = list(self._plan.modes)
+        self.streamer.measure_graphs = False
+        log.info(message, self._plan.summary())
 
     def _overlap_advice(self, m: StepMeasurement) -> str | None:
         """When the step runs inline only because the budget is short (the state does not fit,

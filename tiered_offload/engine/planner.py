@@ -193,6 +193,31 @@ class Plan:
                          f"changed, other processes on the disk)")
         return notes
 
+    EARN = 0.05
+    """How much faster than the iteration it was planned from a plan's steps must run when they move
+    more disk bytes than it did (offloaded activations): a gain below that is within the noise of
+    a step, not worth the disk traffic, and the engine goes back (:meth:`unearned`)."""
+
+    def unearned(self, before: StepMeasurement, after: list[StepMeasurement]) -> str | None:
+        """Why this plan should give way to the modes of ``before``, the iteration it was planned
+        from (None: it stays): its steps ``after`` moved more disk bytes than ``before`` (beyond
+        :attr:`BYTES_TOLERANCE`) and did not run :attr:`EARN` faster (medians). The prediction
+        is a model; this is the measurement of both choices on this machine."""
+        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        was = before.disk_read + before.disk_written
+        moved = median([m.disk_read + m.disk_written for m in after])
+        seconds = median([m.seconds for m in after])
+        if moved <= was * (1 + self.BYTES_TOLERANCE) or seconds <= before.seconds * (1 - self.EARN):
+            return None
+        gain = 1 - seconds / before.seconds
+        back = ("recomputing every block" if set(before.modes) == {"recompute"}
+                else "the activation modes it was planned from")
+        mib = 1 << 20
+        return (f"back to {back}: the planned activations moved {moved / max(was, 1):.1f}x the disk bytes "
+                f"({moved / mib:.1f} against {was / mib:.1f} MiB per step) and {len(after)} steps under them ran "
+                f"{seconds:.3f} s against {before.seconds:.3f} s ({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; "
+                f"a plan that moves more bytes must run {self.EARN:.0%} faster)")
+
 
 def _off(measured: float, predicted: float | None) -> float:
     """Relative difference of ``measured`` from ``predicted`` (0 when there is nothing to compare)."""
