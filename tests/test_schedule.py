@@ -184,6 +184,20 @@ def test_the_link_floor_is_a_floor_of_each_placement():
     assert s.floors(device + host, device, update_on_host=True, journal=False)["disk_read"] == states // 2
 
 
+def test_the_disk_floor_counts_what_the_update_reads():
+    """The update reads every weight, gradient and state of the units it updates; what memory did
+    not hold when it began comes from the disk (the gradients are all there before the step
+    begins), and each was written since the last update rewrote it or backward made it. A floor
+    that counted weights and states only was 1/4 of the state too low."""
+    s = Schedule(units(n_blocks=4, block=1000, rest=1000), KINDS)
+    w = g = 5 * 1000 * 4
+    states = 2 * w
+    memory = w + states  # what the old floor called enough to read nothing
+    f = s.floors(memory, 0, update_on_host=True, journal=False)
+    assert f["disk_read"] == f["disk_written"] == g  # the gradients, or what they pushed out, went out and back
+    assert s.floors(w, 0, update_on_host=True, journal=False)["disk_read"] == g + states
+    assert s.floors(w + g + states, 0, update_on_host=True, journal=False)["disk_read"] == 0
+
 def test_auto_places_the_update_by_measured_rates():
     """``optimizer_device="auto"``: the device when the state fits it or the host cannot hold a
     unit's update; otherwise the placement whose update and link traffic take less time at the

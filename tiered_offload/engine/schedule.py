@@ -296,10 +296,14 @@ class Schedule:
 
     def floors(self, memory: int, device: int, *, update_on_host: bool, journal: bool) -> dict[str, int | None]:
         """The bytes a step cannot avoid moving, for memory tiers of ``memory`` bytes together
-        (``device`` of them in a device tier; 0: none): ``disk_read``, what of the weights and
-        optimizer states memory cannot hold (it must come back every step; under an update on the
-        host the device holds weights only); ``disk_written``, the
-        same going out, or with ``journal`` every weight and state the step rewrites plus the
+        (``device`` of them in a device tier; 0: none): ``disk_read``, the larger of what of the
+        weights and optimizer states memory cannot hold (a step touches all of them: what was not
+        in memory when it began is read) and what of the update's inputs (the weights, gradients
+        and states of every unit with gradients: the gradients are all there before the step
+        begins) memory cannot hold (what was not in memory when the update began is read); under
+        an update on the host the device holds weights (and, at the update, gradients) only;
+        ``disk_written``, what of the update's inputs memory cannot hold (each was written since
+        the last update rewrote it or backward made it), or with ``journal`` every weight and state the step rewrites plus the
         gradients (a step is durable once they are on disk); ``link`` (None without a device
         tier): to an update on the host, every weight it rewrites comes up again, what the device
         cannot keep beside a unit's gradients between a block's forward and its backward comes up
@@ -310,9 +314,17 @@ class Schedule:
         grads = sum(u.grad_numel for u in self.units) * FP32_BYTES
         states = sum(len(self.state_kinds) * u.state_numel for u in self.units) * FP32_BYTES
         # an update on the host keeps no optimizer state on the device: the device holds weights only
-        held = memory - device + min(weights, device) if device and update_on_host else memory
+        held, held_at_update = memory, memory
+        if device and update_on_host:
+            held = memory - device + min(weights, device)
+            held_at_update = memory - device + min(weights + grads, device)
         beyond = max(0, weights + states - held)
-        written = sum(self.rewrite_bytes(u) for u in self.units) + grads if journal else beyond
+        update_reads = sum(u.numel for u in self.units if u.grad_numel) * FP32_BYTES + grads + states
+        # each of them not in memory when the update begins was written since the last update
+        # rewrote it (weights, states) or backward made it (gradients)
+        missing = max(0, update_reads - held_at_update)
+        read = max(beyond, missing)
+        written = sum(self.rewrite_bytes(u) for u in self.units) + grads if journal else missing
         link = None
         if device:
             largest_grad = max(self._bytes(u.grad_numel) for u in self.units)
@@ -321,7 +333,7 @@ class Schedule:
                 link = rewritten + max(0, weights + largest_grad - device) + grads
             else:
                 link = 2 * max(0, weights + states + largest_grad - device)
-        return {"disk_read": beyond, "disk_written": written, "link": link}
+        return {"disk_read": read, "disk_written": written, "link": link}
 
     def fits(self, capacity: int) -> bool:
         """Whether the whole training state fits ``capacity`` (nothing needs to go to disk)."""
