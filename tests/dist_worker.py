@@ -106,7 +106,7 @@ def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
     rank = dist.get_rank()
-    from tiered_offload import Engine, EngineConfig
+    from tiered_offload import Engine, EngineConfig, Tier
     model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
     durable = cfg.get("durable", False)
     engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
@@ -140,7 +140,8 @@ def main() -> int:
     result = {"losses": losses, "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
               "host_budget": engine.store.capacity("host"), "weights": weights if rank == 0 else None,
               "directory": str(engine.store.backend.location), "exported": exported,
-              "gathered_ahead": engine._streamer.gathered_ahead}
+              "gathered_ahead": engine._streamer.gathered_ahead, "collective_bytes": engine._placement.collective_bytes(),
+              "disk_read": engine.store.stats.bytes_read[Tier.DISK]}
     engine.close()
     result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()
                                 if f.is_file() and not f.name.startswith("."))

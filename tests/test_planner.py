@@ -129,7 +129,7 @@ def test_the_engine_plans_after_the_second_measured_step_and_logs_it(tmp_path, c
     """Measured iterations run from one step() to the next; the first one's optimizer finds its states
     still zero (it reads none), so the plan comes from the second: after three steps."""
     caplog.set_level(logging.INFO, logger="tiered_offload")
-    monkeypatch.setattr(Plan, "EARN", -1.0)  # the plan's life, not its revision (see the test below)
+    monkeypatch.setattr(Plan, "unearned", lambda *_: None)  # the plan's life, not its revision (see below)
     engine = _engine(tmp_path)
     assert engine.plan.predicted_step_s is None and engine.plan.modes == ["recompute"] * 4
     _train(engine, 2)

@@ -24,10 +24,14 @@ Why that is the loop's arithmetic, bit for bit:
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.
-Sharded engines run the loop: the rest's gradients (embeddings, final norm, head) of several
-micro-batches would meet in its one gathered buffer before each micro-batch's reduction, which
-the loop does at the end of each backward (tried: the blocks' gradients were the loop's bitwise,
-the final norm's bias 9e-11 off). A single micro-batch runs the loop, and so does an engine
+Sharded, a block's gradients are reduced over ranks at the end of each micro-batch's backward of
+it, in turn, as the loop reduces them. The rest (embeddings, final norm, head) is bound for the
+whole pass and its backward spans every turn from the head to the embeddings, so each
+micro-batch gets a full gradient buffer of its own for it (:class:`_RestGradients`: its
+parameters' ``.grad`` point into it at each of its turns), reduced at the end of its backward:
+in one buffer the micro-batches' additions met before each one's reduction (the final norm's
+bias came out 9e-11 off the loop). Where the compute tier cannot hold those buffers beside the
+working set, the loop runs. A single micro-batch runs the loop, and so does an engine
 whose whole state fits its compute tier: no block is read again, and the turns cost compute (on
 the 2-core development machine a pass of 4 was 16% slower than the loop there). Under ``torch.autocast`` the forwards and
 losses run in it and the backwards outside it, as PyTorch advises.
@@ -59,8 +63,10 @@ class Turns:
     hands over to the next thread and waits for this one's next turn. Every turn checks that the
     RNG state is the one the pass started from (see the module's docstring)."""
 
-    def __init__(self, n: int, rng_check: Callable[[], bool]):
+    def __init__(self, n: int, rng_check: Callable[[], bool], on_turn: Callable[[int], None] | None = None):
         self._cond = threading.Condition()
+        self.on_turn = on_turn
+        """Called on a micro-batch's thread, with its index, at the start of each of its turns."""
         self._order = list(range(n))
         self._turn = 0
         self._stop = False
@@ -103,6 +109,11 @@ class Turns:
             self._cond.notify_all()
         self._wait(k)
 
+    def is_last(self) -> bool:
+        """Whether this thread's micro-batch is the last in the rotation (the others had this turn)."""
+        with self._cond:
+            return bool(self._order) and self.index() == self._order[-1]
+
     def finish(self) -> None:
         """This thread's micro-batch is done: the others go on without it."""
         k = self.index()
@@ -126,6 +137,59 @@ class Turns:
                 self._cond.wait()
             if self._stop:
                 raise _Undone()
+        if self.on_turn is not None:
+            self.on_turn(k)
+
+
+class _RestGradients:
+    """Sharded: a full gradient buffer of the rest for each micro-batch (the first is the one
+    ``bind_rest`` acquired, the others scratch tensors of the compute tier, zeroed), its
+    parameters' ``.grad`` pointed into micro-batch ``k``'s at each of ``k``'s turns, and ``k``'s
+    reduced over ranks at the end of its backward (see the module's docstring)."""
+
+    def __init__(self, streamer, n: int):
+        self.streamer, self.rest = streamer, streamer.rest
+        self.keys = [self.rest.key(f"grad.full.micro-batch-{k}") for k in range(1, n)]
+        self.buffers: list[torch.Tensor] = []
+
+    def open(self, schedule) -> bool:
+        """Acquire the buffers; False (nothing acquired): the compute tier cannot hold them beside
+        the working set, run the loop."""
+        first = self.streamer.rest_grad_buffer()
+        store = self.streamer.store
+        extra = len(self.keys) * first.numel() * first.element_size()
+        if extra + schedule.working_set().need > store.capacity(store.compute_tier):
+            return False
+        for key in self.keys:
+            store.register(key, tuple(first.shape), scratch=True)  # zeros
+        try:
+            self.buffers = [first, *store.get_group(self.keys)]
+        except BaseException:
+            for key in self.keys:
+                store.unregister(key)
+            raise
+        return True
+
+    def point(self, k: int) -> None:
+        """Micro-batch ``k``'s turn: the rest's gradients go into its buffer."""
+        self.streamer.point_rest_grads(self.buffers[k])
+
+    def reduce(self, k: int) -> None:
+        """Micro-batch ``k``'s backward is done: its rest gradients reduced over ranks into this
+        rank's slice (the buffer zeroed), as the loop does at the end of each backward."""
+        s = self.streamer
+        s.sharding.reduce_gradients(self.rest, self.buffers[k], s.store, s.gradients[self.rest.name])
+
+    def close(self) -> None:
+        """Give the scratch buffers back; the rest's ``.grad`` into the first again (reduced and
+        zeroed by now: ``unbind_rest`` adds nothing more)."""
+        if self.buffers:
+            self.point(0)
+        for key in self.keys:
+            if self.buffers:
+                self.streamer.store.release(key)
+            self.streamer.store.unregister(key)
+        self.buffers = []
 
 
 def _call(engine, batch):
@@ -169,8 +233,8 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
         raise ValueError("forward_backward needs at least one micro-batch")
     if not torch.is_grad_enabled():
         raise RuntimeError("forward_backward computes gradients; call it outside torch.no_grad()")
-    # the whole state in the compute tier (nothing re-read), sharded, or one micro-batch: the loop
-    if len(micro_batches) == 1 or engine._placement.sharding is not None or engine._streamer.modes is None:
+    # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
+    if len(micro_batches) == 1 or engine._streamer.modes is None:
         return _loop(engine, micro_batches, loss_fn)
     t0 = time.perf_counter()
     try:
@@ -185,7 +249,10 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
     streamer, device, n = engine._streamer, engine.device, len(micro_batches)
     start = _rng_states(device)
     buffers = [(mod, attr, mod._buffers[attr], mod._buffers[attr].clone()) for _, mod, attr, _ in engine.binding.buffers]
-    turns = Turns(n, lambda: all(torch.equal(a, b) for a, b in zip(_rng_states(device), start)))
+    sharded = engine._placement.sharding is not None and streamer.rest.grad_key is not None
+    rest_grads = _RestGradients(streamer, n) if sharded else None
+    turns = Turns(n, lambda: all(torch.equal(a, b) for a, b in zip(_rng_states(device), start)),
+                  rest_grads.point if rest_grads else None)
     autocast = autocast_state(device)
     losses: list[torch.Tensor | None] = [None] * n
     errors: list[BaseException | None] = [None] * n
@@ -208,6 +275,8 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
             losses[k] = loss.detach()
             with torch.autograd.set_multithreading_enabled(False):
                 loss.backward()
+            if rest_grads is not None:  # still this micro-batch's turn: the ranks reduce in the same order
+                rest_grads.reduce(k)
         except _Undone:
             pass
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
@@ -220,7 +289,11 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
     engine._placement.set_phase(f"step {engine.step_count + 1}, forward_backward")
     engine._phase(Phase.FORWARD)
     streamer.bind_rest()
+    if rest_grads is not None and not rest_grads.open(engine.schedule):
+        streamer.unbind_rest()
+        return None  # no room for a rest gradient buffer per micro-batch: the loop
     streamer.micro_batches, streamer.turns = n, turns
+    streamer.full.hold_for_pass(turns)
     interrupted = None
     try:
         with span(engine._tracer, "forward_backward", "phase"):
@@ -238,6 +311,9 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
                     t.join()
     finally:
         streamer.turns = None
+        streamer.full.end_pass()
+        if rest_grads is not None:
+            rest_grads.close()
     if turns.backward_started:
         engine._phase(Phase.BACKWARD)
         try:
@@ -247,7 +323,7 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
             streamer.shared.backward_done()
         finally:
             streamer.backward_ran()
-            streamer.unbind_rest()
+            streamer.unbind_rest(reduce=rest_grads is None)  # each micro-batch reduced its own
         return losses
     # undone before any backward: put back what the forwards changed; the loop runs them
     streamer.unbind_rest()

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from offload_core.errors import TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations, autocast_state, replay_autocast
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
+from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import choose_activation_modes
@@ -147,18 +147,6 @@ def _rebuild(spec, leaves, tensors):
     return tree_unflatten(filled, spec)
 
 
-@dataclass
-class _Gathered:
-    """Sharded: a unit's full buffers while it is in use (scratch tensors of the store)."""
-
-    weights: torch.Tensor
-    """All-gathered from the ranks' slices."""
-    grads: torch.Tensor | None
-    """The full gradient buffer backward adds into (reduce-scattered when the unit is done)."""
-    users: int
-    """Forwards, backwards and a gather ahead holding them (freed at zero)."""
-
-
 ACTIVATION_MODES = ("keep", "offload", "recompute")
 """What a streamed block does with what its forward saves for backward (see :class:`BlockStreamer`)."""
 
@@ -212,15 +200,12 @@ class BlockStreamer:
         """A :class:`~tiered_offload.engine.sharding.Sharding` when the state is sharded over ranks
         (the engine sets it): weights are all-gathered into full scratch buffers, gradients
         reduce-scattered out of them."""
-        self._full: dict[str, _Gathered] = {}
-        """Sharded: per unit in use, its gathered weights and full gradient buffer."""
+        self.full = FullBuffers(store, binding, pipeline, device)
+        """The units' full buffers in use: the store's, or gathered from the ranks' slices."""
         self.gather_ahead = False
         """Sharded: start the all-gather of the next block's weights (the one above in forward, the
         one below in backward) while a block computes (the engine sets it, the same on every rank,
         where the budget has room for it)."""
-        self._ahead: dict[str, tuple] = {}  # unit name -> (collective in flight, its slice's key)
-        self.gathered_ahead = 0
-        """All-gathers started ahead of their block (counted for tests and benchmarks)."""
         self.tracer = None
         """A :class:`~tiered_offload.trace.Tracer` for the compute spans, or None."""
         self.overlap_step = False
@@ -254,7 +239,7 @@ class BlockStreamer:
         modes = choose_activation_modes(recompute, config.activations, [b.name for b in binding.blocks],
                                         schedule.fits(capacity))
         streamer = cls(store, binding, pipeline, device, modes)
-        streamer.sharding = placement.sharding
+        streamer.sharding = streamer.full.sharding = placement.sharding
         overlap = config.overlap_step
         streamer.overlap_step = schedule.overlap_fits(capacity) if overlap is None else bool(overlap)
         streamer.activation_room = schedule.activation_room(capacity, streamer.overlap_step)
@@ -298,6 +283,11 @@ class BlockStreamer:
         if self.turns is not None:
             self.turns.take_turn(where)
 
+    @property
+    def gathered_ahead(self) -> int:
+        """Sharded: all-gathers started ahead of their block (counted for tests and benchmarks)."""
+        return self.full.gathered_ahead
+
     def rng_state(self) -> dict:
         """What a block's recompute replays: the RNG states (CPU, and CUDA on a GPU) and autocast's."""
         state = {"cpu": torch.get_rng_state(), "autocast": autocast_state(self.device)}
@@ -313,29 +303,39 @@ class BlockStreamer:
         self.pipeline.forward_reached(0)
         self.pipeline.wait(self.rest.name)
         rest = self.rest
-        flat, gflat, _ = self.acquire(rest, grad=True)
+        flat, gflat, _ = self.full.acquire(rest, grad=True)
         for slot in rest.params:
             slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            if slot.requires_grad:
-                slot.param.grad = gflat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if gflat is not None:
+            self.point_rest_grads(gflat)
         self._rest_grad = gflat
         self._rest_bound = True
 
-    def unbind_rest(self) -> None:
-        """End of a forward/backward: release the rest (and any blocks kept for backward)."""
-        if self._ahead:
-            self.drain_ahead()
+    def rest_grad_buffer(self) -> torch.Tensor:
+        """Sharded, while bound: the rest's full (gathered) gradient buffer."""
+        return self.full.grads(self.rest)
+
+    def point_rest_grads(self, gfull: torch.Tensor) -> None:
+        """Point the rest's trainable parameters' ``.grad`` into ``gfull`` (laid out as the rest)."""
+        for slot in self.rest.params:
+            if slot.requires_grad:
+                slot.param.grad = gfull[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def unbind_rest(self, reduce: bool = True) -> None:
+        """End of a forward/backward: release the rest (and any blocks kept for backward);
+        ``reduce=False``: its gradients were reduced over ranks already."""
+        self.full.drain_ahead()
         self.release_held(self._backward_ran)
         if not self._rest_bound:
             self._backward_ran = False
             return
-        if self._backward_ran and self._rest_grad is not None:
+        if self._backward_ran and self._rest_grad is not None and reduce:
             self.gradients_done(self.rest, self._rest_grad)
         self._backward_ran = False
         for slot in self.rest.params:
             slot.param.grad = None
             slot.param.data = self.binding.placeholder()
-        self.release_acquired(self.rest, grad=True)
+        self.full.release(self.rest, grad=True)
         self._rest_bound = False
         self._rest_grad = None
 
@@ -353,142 +353,13 @@ class BlockStreamer:
         index = self.binding.blocks.index(unit)
         self.pipeline.forward_reached(index + 1)
         self.pipeline.wait(unit.name)
-        flat = self.acquire(unit, grad=False)[0]
+        flat = self.full.acquire(unit, grad=False)[0]
         if self.gather_ahead and index + 1 < len(self.binding.blocks):
-            self._gather_ahead(self.binding.blocks[index + 1])
+            self.full.gather_ahead(self.binding.blocks[index + 1])
         return flat
 
-    def _gather_ahead(self, unit: Unit) -> None:
-        """Start the all-gather of ``unit``'s weights now (asynchronously): its :meth:`acquire`
-        waits for it instead of gathering. Every rank does this at the same point of the forward,
-        so the collectives stay in step."""
-        if unit.name in self._full or unit.name in self._ahead:
-            return
-        self.pipeline.wait(unit.name)  # its slice as the step in flight left it
-        sharding, slice_layout = self.sharding, self.sharding.layout(unit)
-        wkey = unit.key("weight.full")
-        self.store.register(wkey, (slice_layout.size * sharding.world,), scratch=True)
-        try:
-            shard, full = self.store.get_group([unit.weight_key, wkey])
-            placed = True
-        except TierCapacityError:  # no room beside what this block pins: gather it when it is needed
-            placed = False
-        except BaseException:
-            self._forget_full(unit)
-            raise
-        # every rank gathers ahead, or none does (the room differs between ranks)
-        flag = torch.tensor([int(placed)], dtype=torch.uint8, device=self.device)
-        try:
-            sharding.all_reduce(flag, torch.distributed.ReduceOp.MIN, f"room to gather {unit.name}'s weights ahead")
-        except BaseException:
-            if placed:
-                self.store.release(unit.weight_key)
-                self.store.release(wkey)
-            self._forget_full(unit)
-            raise
-        if not bool(flag):
-            if placed:
-                self.store.release(unit.weight_key)
-                self.store.release(wkey)
-            self._forget_full(unit)
-            return
-        work = sharding.gather(full, shard, f"{unit.name}'s weights (ahead)", wait=False)
-        self._full[unit.name] = _Gathered(full, None, 1)  # the gather ahead is a user until its acquire takes over
-        self._ahead[unit.name] = (work, unit.weight_key)
-        self.gathered_ahead += 1
-
-    def _finish_ahead(self, unit: Unit) -> None:
-        """Wait for the all-gather started ahead of ``unit`` and hand its buffer to the caller."""
-        work, shard_key = self._ahead.pop(unit.name)
-        try:
-            self.sharding.wait(work, f"all-gather of {unit.name}'s weights (ahead)")
-            self.store.mark_dirty(unit.key("weight.full"))
-        finally:
-            self.store.release(shard_key)
-
-    def drain_ahead(self) -> None:
-        """Finish and drop gathers started ahead that no block used (a forward that stopped early)."""
-        for name in list(self._ahead):
-            unit = next(u for u in self.binding.blocks if u.name == name)
-            self._finish_ahead(unit)
-            self.release_acquired(unit, grad=False)
-
     def release_weights(self, unit: Unit) -> None:
-        self.release_acquired(unit, grad=False)
-
-    # ---- a unit's full buffers: the store's, or gathered from the ranks' slices ---------------
-    def acquire(self, unit: Unit, *, grad: bool, extra: list[str] = ()) -> tuple:
-        """``(weights, gradients or None, [extra tensors])``, pinned together: the unit's full
-        buffers. Sharded, the weights are all-gathered into a scratch buffer and the gradients
-        are a zeroed scratch buffer that :meth:`gradients_done` reduce-scatters; release with
-        :meth:`release_acquired` (same ``grad`` and ``extra``)."""
-        gk = unit.grad_key if grad else None
-        if self.sharding is None:
-            got = self.store.get_group([unit.weight_key, *([gk] if gk else []), *extra])
-            return got[0], (got[1] if gk else None), got[1 + bool(gk):]
-        sharding, slice_layout = self.sharding, self.sharding.layout(unit)
-        wkey, gkey, n = unit.key("weight.full"), unit.key("grad.full"), slice_layout.size * sharding.world
-        ahead = unit.name in self._ahead
-        if ahead:
-            self._finish_ahead(unit)
-        entry = self._full.get(unit.name)
-        if entry is not None:  # a second user of the same unit (two graphs alive): share the buffers
-            new_grad = gk and entry.grads is None
-            if new_grad:
-                self.store.register(gkey, (n,), scratch=True)  # zeros
-            got = self.store.get_group([wkey, *([gkey] if gk else []), *extra])
-            entry.users += 1
-            if new_grad:
-                entry.grads = got[1]
-            full, gfull, extras = entry.weights, entry.grads, got[1 + bool(gk):]
-        else:
-            # the slice, the full weights and (zeroed) gradients and the extras, placed as one group
-            self.store.register(wkey, (n,), scratch=True)
-            if gk:
-                self.store.register(gkey, (n,), scratch=True)
-            try:
-                got = self.store.get_group([unit.weight_key, wkey, *([gkey] if gk else []), *extra])
-            except BaseException:
-                self._forget_full(unit)
-                raise
-            shard, full = got[0], got[1]
-            gfull, extras = (got[2] if gk else None), got[2 + bool(gk):]
-            try:
-                sharding.gather(full, shard, f"{unit.name}'s weights")
-                self.store.mark_dirty(wkey)
-            except BaseException:
-                for key in [wkey, *([gkey] if gk else []), *extra]:
-                    self.store.release(key)
-                self._forget_full(unit)
-                raise
-            finally:
-                self.store.release(unit.weight_key)
-            self._full[unit.name] = _Gathered(full, gfull, 1)
-        if ahead:  # the gather ahead hands its use over to this caller
-            self.release_acquired(unit, grad=False)
-        return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
-
-    def release_acquired(self, unit: Unit, *, grad: bool, extra: list[str] = ()) -> None:
-        gk = unit.grad_key if grad else None
-        if self.sharding is None:
-            for key in [*([gk] if gk else []), unit.weight_key, *extra]:
-                self.store.release(key)
-            return
-        for key in extra:
-            self.store.release(key)
-        entry = self._full[unit.name]
-        entry.users -= 1
-        keys = [unit.key("weight.full"), *([unit.key("grad.full")] if entry.grads is not None and gk else [])]
-        for key in keys:
-            self.store.release(key)
-        if entry.users == 0:
-            del self._full[unit.name]
-            self._forget_full(unit)
-
-    def _forget_full(self, unit: Unit) -> None:
-        for key in (unit.key("weight.full"), unit.key("grad.full")):
-            if key in self.store:
-                self.store.unregister(key)
+        self.full.release(unit, grad=False)
 
     def run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
         """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
@@ -590,18 +461,18 @@ class BlockStreamer:
         self.pipeline.wait(unit.name)
         extra = [stash.key] if stash.key else []
         try:
-            flat, gflat, got = self.acquire(unit, grad=True, extra=extra)
+            flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra)
         except BaseException:
             self.discard(stash)
             raise
         index = self.binding.blocks.index(unit)
         if self.gather_ahead and index > 0:  # backward goes down the blocks: gather the one below
-            self._gather_ahead(self.binding.blocks[index - 1])
+            self.full.gather_ahead(self.binding.blocks[index - 1])
         try:
             stash.attach(got[0] if stash.key else None, flat)
             yield flat, gflat
         finally:
-            self.release_acquired(unit, grad=True, extra=extra)
+            self.full.release(unit, grad=True, extra=extra)
             self.discard(stash)
 
     def discard(self, stash: SavedActivations) -> None:
@@ -662,17 +533,17 @@ class BlockStreamer:
         unit = self.binding.blocks[index]
         self.pipeline.forward_reached(index + 1)
         self.pipeline.wait(unit.name)
-        flat, gflat, _ = self.acquire(unit, grad=True)
+        flat, gflat, _ = self.full.acquire(unit, grad=True)
         self._held.append((unit, gflat))
         if self.gather_ahead and index + 1 < len(self.binding.blocks):
-            self._gather_ahead(self.binding.blocks[index + 1])
+            self.full.gather_ahead(self.binding.blocks[index + 1])
         return functional_call(unit.module, self.param_leaves(unit, flat, gflat), args, kwargs, strict=False)
 
     def release_held(self, backward_ran: bool) -> None:
         for unit, gflat in self._held:
             if backward_ran and gflat is not None:
                 self.gradients_done(unit, gflat)
-            self.release_acquired(unit, grad=True)
+            self.full.release(unit, grad=True)
         self._held = []
 
     # ---- backward -----------------------------------------------------------------------
@@ -729,7 +600,7 @@ class BlockStreamer:
         long as the buffer has not changed since.
         """
         if self.sharding is not None:
-            self.sharding.reduce_gradients(unit, self._full[unit.name].grads, self.store, self.gradients[unit.name])
+            self.sharding.reduce_gradients(unit, self.full.grads(unit), self.store, self.gradients[unit.name])
             return
         key = unit.grad_key
         self.store.mark_dirty(key)
