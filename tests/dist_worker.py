@@ -114,6 +114,9 @@ def main() -> int:
                     config=EngineConfig(activations=cfg.get("activations", "auto")))
     if cfg.get("scheduler"):  # stepped by the engine; its state is saved with every step
         engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule))
+    if cfg.get("no_room_on_rank") == rank:  # this rank cannot hold a rest gradient buffer per micro-batch
+        from tiered_offload.engine import micro_batches
+        micro_batches._RestGradients.open = lambda self, schedule: False
     if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
         _kill_during_update(engine, *cfg["kill"][1:])
     losses = []

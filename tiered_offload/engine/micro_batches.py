@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from offload_core.errors import TensorStateError
+from offload_core.errors import TensorStateError, TierCapacityError
 from tiered_offload.engine.activations import autocast_state, replay_autocast
 from tiered_offload.engine.schedule import Phase
 from tiered_offload.trace import span
@@ -164,9 +164,11 @@ class _RestGradients:
             store.register(key, tuple(first.shape), scratch=True)  # zeros
         try:
             self.buffers = [first, *store.get_group(self.keys)]
-        except BaseException:
+        except BaseException as e:
             for key in self.keys:
                 store.unregister(key)
+            if isinstance(e, TierCapacityError):  # what is pinned split the room into holes
+                return False
             raise
         return True
 
@@ -183,11 +185,11 @@ class _RestGradients:
     def close(self) -> None:
         """Give the scratch buffers back; the rest's ``.grad`` into the first again (reduced and
         zeroed by now: ``unbind_rest`` adds nothing more)."""
-        if self.buffers:
-            self.point(0)
+        if not self.buffers:
+            return  # not opened
+        self.point(0)
         for key in self.keys:
-            if self.buffers:
-                self.streamer.store.release(key)
+            self.streamer.store.release(key)
             self.streamer.store.unregister(key)
         self.buffers = []
 
@@ -289,9 +291,12 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
     engine._placement.set_phase(f"step {engine.step_count + 1}, forward_backward")
     engine._phase(Phase.FORWARD)
     streamer.bind_rest()
-    if rest_grads is not None and not rest_grads.open(engine.schedule):
-        streamer.unbind_rest()
-        return None  # no room for a rest gradient buffer per micro-batch: the loop
+    if rest_grads is not None:  # every rank runs the pass, or every rank the loop: their collectives match
+        opened = rest_grads.open(engine.schedule)
+        if not engine._placement.all_agree(opened, "room for the rest's gradients per micro-batch"):
+            rest_grads.close()
+            streamer.unbind_rest()
+            return None  # no room for a rest gradient buffer per micro-batch (on some rank): the loop
     streamer.micro_batches, streamer.turns = n, turns
     streamer.full.hold_for_pass(turns)
     interrupted = None
