@@ -126,8 +126,12 @@ def main() -> int:
             ids = [batch(step, micro, rank)[0] for micro in range(cfg["accumulate"])]
             inputs = [x[:, :-1] for x in ids]
             targets = {id(i): x[:, 1:].flatten() for i, x in zip(inputs, ids)}
-            losses += [x.item() for x in engine.forward_backward(
-                inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / cfg["accumulate"])]
+            nan = cfg.get("nan") == [rank, step]  # this rank's last micro-batch of this step: a NaN loss
+
+            def loss_fn(out, b):
+                loss = F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / cfg["accumulate"]
+                return loss * float("nan") if nan and b is inputs[-1] else loss
+            losses += [x.item() for x in engine.forward_backward(inputs, loss_fn)]
         for micro in range(0 if cfg.get("fused") else cfg["accumulate"]):
             if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
                 os._exit(17)

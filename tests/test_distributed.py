@@ -142,6 +142,19 @@ def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_th
     assert gathered[0] < short[0]["collective_bytes"]["all_gather"] <= 1.01 * gathered[0]
 
 
+def test_a_nan_loss_on_one_rank_in_forward_backward_stops_every_rank_typed(tmp_path):
+    """One rank's micro-batch gives a NaN loss in a vertical pass: the ranks agree before any
+    backward, every one runs the loop instead (so their collectives stay matched), and the loop
+    raises NonFiniteError on every rank, as it does without forward_backward: no hang, no
+    DistributedError."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 3, "accumulate": 3, "clip": 1.0, "fused": True,
+           "activations": "offload", "nan": [1, 1], "timeout_s": 30}
+    n = sum(p.numel() for p in build(cfg).parameters())
+    cfg["host_memory"] = int(0.9 * 16 * n / 2)
+    for code, log in launch(2, tmp_path, cfg, timeout=120, check=False):
+        assert code != 0 and "NonFiniteError" in log and "DistributedError" not in log, log[-2000:]
+
+
 def test_experts_without_tokens_on_some_ranks(tmp_path):
     """A mixture of experts: an expert that gets tokens on one rank only has a gradient (the
     mean over ranks of its one rank's), one that gets tokens on no rank has none and is not

@@ -19,8 +19,9 @@ Why that is the loop's arithmetic, bit for bit:
   the state is checked at every turn. A forward that drew one is undone (its graphs dropped, the
   buffers and the RNG put back; no gradient has been added yet: every forward and loss finishes
   before any backward starts) and the micro-batches run as the loop instead. So do a
-  non-finite loss (the loop stops or skips there) and an error in a forward (raised where the
-  loop raises it).
+  non-finite loss (the loop stops or skips there; sharded, if any rank has one, every rank runs
+  the loop, agreed before any backward) and an error in a forward (raised where the loop raises
+  it).
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.
@@ -251,8 +252,9 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
     streamer, device, n = engine._streamer, engine.device, len(micro_batches)
     start = _rng_states(device)
     buffers = [(mod, attr, mod._buffers[attr], mod._buffers[attr].clone()) for _, mod, attr, _ in engine.binding.buffers]
-    sharded = engine._placement.sharding is not None and streamer.rest.grad_key is not None
-    rest_grads = _RestGradients(streamer, n) if sharded else None
+    sharded = engine._placement.sharding is not None
+    rest_grads = _RestGradients(streamer, n) if sharded and streamer.rest.grad_key is not None else None
+    bad_loss = [False] * n
     turns = Turns(n, lambda: all(torch.equal(a, b) for a, b in zip(_rng_states(device), start)),
                   rest_grads.point if rest_grads else None)
     autocast = autocast_state(device)
@@ -268,10 +270,15 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
             with replay_autocast(autocast):
                 loss = loss_fn(engine.model(*inputs[k][0], **inputs[k][1]), micro_batches[k])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not bool(torch.isfinite(loss.detach()).all()):
-                turns.stop()  # the loop raises (or skips) at this micro-batch: let it
-                raise _Undone()
+                if not sharded:
+                    turns.stop()  # the loop raises (or skips) at this micro-batch: let it
+                    raise _Undone()
+                bad_loss[k] = True  # sharded: the ranks agree first (below), or their collectives would part
             turns.take_turn("loss")  # every forward and loss is done before any backward starts
             if k == 0:
+                if sharded and not engine._placement.all_agree(not any(bad_loss), "the micro-batches' losses"):
+                    turns.stop()  # some rank's loop raises (or skips): every rank runs the loop
+                    raise _Undone()
                 turns.backward_started = True
                 engine._commits.before_backward(engine._await)
             losses[k] = loss.detach()
