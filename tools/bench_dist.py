@@ -14,11 +14,19 @@ collective traffic stays about 2 x (W-1)/W of the weights + 1 x of the gradients
 
 On a machine with few cores the ranks share them, so the step time does not shrink with more
 ranks here; the per-rank volumes are what carries over to N GPUs with N drives.
+
+    python tools/bench_dist.py --ranks 2 --accumulate 4
+
+runs, instead, each world size twice with ``--accumulate`` micro-batches per optimizer step: as the
+loop of ``engine.backward`` and through ``engine.forward_backward`` (each block gathered once per
+pass for all of them), and prints both runs' volumes per optimizer step, their ratios, and whether
+the two ended with the same weights bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -57,14 +65,19 @@ def rank_main(args) -> int:
     engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4), storage=Path(args.out) / "state", durable=False,
                     host_memory=max(int(share * args.budget_fraction), args.min_host), device="cpu")
     g = torch.Generator().manual_seed(rank)
-    per_rank = args.batch // world
+    per_rank, micro = args.batch // world, max(1, args.accumulate)
     times, disk_r, disk_w, coll = [], [], [], []
     for step in range(args.steps):
         x = torch.randint(0, 256, (per_rank, args.context + 1), generator=g)
         s0, c0 = engine.stats(), engine.collective_bytes()
         t = time.perf_counter()
-        loss = F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-        engine.backward(loss)
+        parts = list(x.chunk(micro))
+        if args.fused:  # forward_backward takes the inputs; the loss finds each one's targets
+            inputs = [b[:, :-1] for b in parts]
+            targets = {id(i): b[:, 1:].flatten() for i, b in zip(inputs, parts)}
+            engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / micro)
+        for b in [] if args.fused else parts:
+            engine.backward(F.cross_entropy(engine(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()) / micro)
         engine.clip_grad_norm_(1.0)
         engine.step()
         engine.zero_grad()
@@ -78,7 +91,8 @@ def rank_main(args) -> int:
             disk_w.append(s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK])
             coll.append({k: c1[k] - c0[k] for k in c1})
     engine._await()
-    result = {"rank": rank, "world": world, "step_s": statistics.median(times),
+    weights = torch.cat([w.detach().flatten() for _, w in engine.named_parameters()])  # gathered on every rank
+    result = {"weights_sha256": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),"rank": rank, "world": world, "step_s": statistics.median(times),
               "disk_read_per_step": statistics.median(disk_r), "disk_written_per_step": statistics.median(disk_w),
               "collective_per_step": {k: statistics.median(c[k] for c in coll) for k in coll[0]},
               "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
@@ -98,7 +112,8 @@ def run(world: int, args) -> list[dict]:
         port = s.getsockname()[1]
     cmd = [sys.executable, __file__, "--rank-main", "--out", str(out)] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k in ("layers", "d_model", "heads", "context", "batch", "steps", "budget_fraction", "min_host")]
+        if k in ("layers", "d_model", "heads", "context", "batch", "steps", "budget_fraction", "min_host",
+                 "accumulate")] + (["--fused"] if args.fused else [])
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -126,11 +141,16 @@ def main() -> int:
     ap.add_argument("--budget-fraction", type=float, default=0.25, help="host budget / each rank's share of the state")
     ap.add_argument("--min-host", type=int, default=0, help="raise the host budget to at least this (bytes)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--accumulate", type=int, default=0, metavar="N",
+                    help="N micro-batches per optimizer step: the loop against forward_backward")
+    ap.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
         return rank_main(args)
+    if args.accumulate:
+        return accumulate(args)
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("rank_main", "out", "json")},
               "cpus": os.cpu_count(), "runs": {}}
     mib = lambda b: f"{b / 2**20:8.1f} MiB"  # noqa: E731
@@ -164,6 +184,35 @@ def main() -> int:
               "reduce-scatter buffers above), about constant in N")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def accumulate(args) -> int:
+    """Each world size as the loop and through forward_backward; volumes per optimizer step."""
+    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    n = sum(p.numel() for p in _model(args).parameters())
+    print(f"{n / 1e6:.1f}M parameters, state {mib(16 * n)}, host budget {args.budget_fraction:g} x each rank's share; "
+          f"{args.accumulate} micro-batches of {args.batch // max(int(w) for w in args.ranks.split(',')) // args.accumulate}"
+          f" x {args.context} tokens per rank per optimizer step; medians of {args.steps - 1} steps after a warm-up")
+    print("| ranks | run | s / step | disk read / rank | all-gather / rank | reduce-scatter / rank |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for world in [int(w) for w in args.ranks.split(",")]:
+        runs = {}
+        for fused in (False, True):
+            args.fused = fused
+            res = runs[fused] = run(world, args)
+            r0, c = res[0], res[0]["collective_per_step"]
+            print(f"| {world} | {'forward_backward' if fused else 'loop'} | {max(r['step_s'] for r in res):.3f} | "
+                  f"{mib(r0['disk_read_per_step'])} | {mib(c['all_gather'])} | {mib(c['reduce_scatter'])} |", flush=True)
+        loop, fused = runs[False][0], runs[True][0]
+        ratio = lambda f: f(fused) / max(f(loop), 1)  # noqa: E731
+        same = all(a["weights_sha256"] == b["weights_sha256"] for a, b in zip(runs[False], runs[True]))
+        print(f"{world} ranks, forward_backward / loop: all-gather {ratio(lambda r: r['collective_per_step']['all_gather']):.2f}x, "
+              f"disk reads {ratio(lambda r: r['disk_read_per_step']):.2f}x, reduce-scatter "
+              f"{ratio(lambda r: r['collective_per_step']['reduce_scatter']):.2f}x, step "
+              f"{max(r['step_s'] for r in runs[True]) / max(r['step_s'] for r in runs[False]):.2f}x; final weights "
+              f"{'bitwise the same' if same else 'DIFFERENT'}")
+    args.fused = False
     return 0
 
 
