@@ -111,7 +111,8 @@ def main() -> int:
     durable = cfg.get("durable", False)
     engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
                     resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
-                    config=EngineConfig(activations=cfg.get("activations", "auto")))
+                    config=EngineConfig(activations=cfg.get("activations_by_rank", {}).get(str(rank),
+                                                                                         cfg.get("activations", "auto"))))
     if cfg.get("scheduler"):  # stepped by the engine; its state is saved with every step
         engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule))
     if cfg.get("no_room_on_rank") == rank:  # this rank cannot hold a rest gradient buffer per micro-batch
