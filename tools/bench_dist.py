@@ -120,13 +120,16 @@ def run(world: int, args) -> list[dict]:
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                    OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
         procs.append(subprocess.Popen(cmd, env=env))
-    for p in procs:
-        if p.wait() != 0:
-            raise SystemExit(f"a rank of the {world}-rank run failed (exit {p.returncode})")
-    results = [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
     import shutil
-    shutil.rmtree(out, ignore_errors=True)
-    return results
+    try:
+        for p in procs:
+            if p.wait() != 0:
+                raise SystemExit(f"a rank of the {world}-rank run failed (exit {p.returncode})")
+        return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
+    finally:
+        for p in procs:
+            p.wait()
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def main() -> int:
