@@ -207,7 +207,8 @@ class Plan:
         was = before.disk_read + before.disk_written
         moved = median([m.disk_read + m.disk_written for m in after])
         seconds = median([m.seconds for m in after])
-        if moved <= was * (1 + self.BYTES_TOLERANCE) or seconds <= before.seconds * (1 - self.EARN):
+        if (moved <= was * (1 + self.BYTES_TOLERANCE) or before.seconds <= 0
+                or seconds <= before.seconds * (1 - self.EARN)):
             return None
         gain = 1 - seconds / before.seconds
         back = ("recomputing every block" if set(before.modes) == {"recompute"}

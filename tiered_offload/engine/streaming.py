@@ -196,10 +196,6 @@ class BlockStreamer:
         """Per block, the most bytes of saved activations the compute tier can pin in its backward
         beside its weights and gradients (set by the engine from its budget)."""
         self._orphans: list[str] = []
-        self.sharding = None
-        """A :class:`~tiered_offload.engine.sharding.Sharding` when the state is sharded over ranks
-        (the engine sets it): weights are all-gathered into full scratch buffers, gradients
-        reduce-scattered out of them."""
         self.full = FullBuffers(store, binding, pipeline, device)
         """The units' full buffers in use: the store's, or gathered from the ranks' slices."""
         self.gather_ahead = False
@@ -239,7 +235,7 @@ class BlockStreamer:
         modes = choose_activation_modes(recompute, config.activations, [b.name for b in binding.blocks],
                                         schedule.fits(capacity))
         streamer = cls(store, binding, pipeline, device, modes)
-        streamer.sharding = streamer.full.sharding = placement.sharding
+        streamer.full.sharding = placement.sharding
         overlap = config.overlap_step
         streamer.overlap_step = schedule.overlap_fits(capacity) if overlap is None else bool(overlap)
         streamer.activation_room = schedule.activation_room(capacity, streamer.overlap_step)
@@ -282,6 +278,13 @@ class BlockStreamer:
         """In ``forward_backward``: let the other micro-batches reach ``where`` first."""
         if self.turns is not None:
             self.turns.take_turn(where)
+
+    @property
+    def sharding(self):
+        """A :class:`~tiered_offload.engine.sharding.Sharding` when the state is sharded over ranks
+        (:meth:`for_budget` sets it): weights are all-gathered into full scratch buffers, gradients
+        reduce-scattered out of them. None on one process."""
+        return self.full.sharding
 
     @property
     def gathered_ahead(self) -> int:
