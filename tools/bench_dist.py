@@ -92,7 +92,8 @@ def rank_main(args) -> int:
             coll.append({k: c1[k] - c0[k] for k in c1})
     engine._await()
     weights = torch.cat([w.detach().flatten() for _, w in engine.named_parameters()])  # gathered on every rank
-    result = {"weights_sha256": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),"rank": rank, "world": world, "step_s": statistics.median(times),
+    result = {"weights_sha256": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),
+              "rank": rank, "world": world, "step_s": statistics.median(times),
               "disk_read_per_step": statistics.median(disk_r), "disk_written_per_step": statistics.median(disk_w),
               "collective_per_step": {k: statistics.median(c[k] for c in coll) for k in coll[0]},
               "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
@@ -194,9 +195,10 @@ def accumulate(args) -> int:
     """Each world size as the loop and through forward_backward; volumes per optimizer step."""
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     n = sum(p.numel() for p in _model(args).parameters())
+    rows = args.batch // max(int(w) for w in args.ranks.split(",")) // args.accumulate
     print(f"{n / 1e6:.1f}M parameters, state {mib(16 * n)}, host budget {args.budget_fraction:g} x each rank's share; "
-          f"{args.accumulate} micro-batches of {args.batch // max(int(w) for w in args.ranks.split(',')) // args.accumulate}"
-          f" x {args.context} tokens per rank per optimizer step; medians of {args.steps - 1} steps after a warm-up")
+          f"{args.accumulate} micro-batches of {rows} x {args.context} tokens per rank per optimizer step; medians of "
+          f"{args.steps - 1} steps after a warm-up")
     print("| ranks | run | s / step | disk read / rank | all-gather / rank | reduce-scatter / rank |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for world in [int(w) for w in args.ranks.split(",")]:
@@ -206,15 +208,17 @@ def accumulate(args) -> int:
             res = runs[fused] = run(world, args)
             r0, c = res[0], res[0]["collective_per_step"]
             print(f"| {world} | {'forward_backward' if fused else 'loop'} | {max(r['step_s'] for r in res):.3f} | "
-                  f"{mib(r0['disk_read_per_step'])} | {mib(c['all_gather'])} | {mib(c['reduce_scatter'])} |", flush=True)
+                  f"{mib(r0['disk_read_per_step'])} | {mib(c['all_gather'])} | {mib(c['reduce_scatter'])} |",
+                  flush=True)
         loop, fused = runs[False][0], runs[True][0]
         ratio = lambda f: f(fused) / max(f(loop), 1)  # noqa: E731
+        gathers = ratio(lambda r: r["collective_per_step"]["all_gather"])
+        reductions = ratio(lambda r: r["collective_per_step"]["reduce_scatter"])
+        step = max(r["step_s"] for r in runs[True]) / max(r["step_s"] for r in runs[False])
         same = all(a["weights_sha256"] == b["weights_sha256"] for a, b in zip(runs[False], runs[True]))
-        print(f"{world} ranks, forward_backward / loop: all-gather {ratio(lambda r: r['collective_per_step']['all_gather']):.2f}x, "
-              f"disk reads {ratio(lambda r: r['disk_read_per_step']):.2f}x, reduce-scatter "
-              f"{ratio(lambda r: r['collective_per_step']['reduce_scatter']):.2f}x, step "
-              f"{max(r['step_s'] for r in runs[True]) / max(r['step_s'] for r in runs[False]):.2f}x; final weights "
-              f"{'bitwise the same' if same else 'DIFFERENT'}")
+        print(f"{world} ranks, forward_backward / loop: all-gather {gathers:.2f}x, disk reads "
+              f"{ratio(lambda r: r['disk_read_per_step']):.2f}x, reduce-scatter {reductions:.2f}x, step {step:.2f}x; "
+              f"final weights {'bitwise the same' if same else 'DIFFERENT'}")
     args.fused = False
     return 0
 

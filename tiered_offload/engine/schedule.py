@@ -303,8 +303,9 @@ class Schedule:
         begins) memory cannot hold (what was not in memory when the update began is read); under
         an update on the host the device holds weights (and, at the update, gradients) only;
         ``disk_written``, what of the update's inputs memory cannot hold (each was written since
-        the last update rewrote it or backward made it), or with ``journal`` every weight and state the step rewrites plus the
-        gradients (a step is durable once they are on disk); ``link`` (None without a device
+        the last update rewrote it or backward made it), or with ``journal`` every weight and state
+        the step rewrites plus the gradients (a step is durable once they are on disk); ``link``
+        (None without a device
         tier): to an update on the host, every weight it rewrites comes up again, what the device
         cannot keep beside a unit's gradients between a block's forward and its backward comes up
         a second time, and the gradients go down; to an update on the device, what of the weights
