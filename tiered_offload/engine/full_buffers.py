@@ -62,8 +62,8 @@ class FullBuffers:
         self.turns = None
         """In ``forward_backward``, sharded: the micro-batches' turns; the pass holds each block's
         gathered buffers from the first micro-batch's acquire to the last one's release."""
-        self._held_for_pass: dict[str, bool] = {}
-        """Unit name -> whether the pass holds its gradient buffer too."""
+        self._held_for_pass: dict[str, tuple[Unit, bool]] = {}
+        """Unit name -> the unit, and whether the pass holds its gradient buffer too."""
 
     def grads(self, unit: Unit) -> torch.Tensor | None:
         """Sharded, while ``unit`` is in use: its full gradient buffer."""
@@ -210,9 +210,9 @@ class FullBuffers:
     def end_pass(self) -> None:
         """The pass is over: what it still holds is released (a block some micro-batch stopped in)."""
         self.turns = None
-        for name, grad in list(self._held_for_pass.items()):
-            del self._held_for_pass[name]
-            self.release(next(u for u in self.binding.units if u.name == name), grad=grad)
+        while self._held_for_pass:
+            unit, grad = self._held_for_pass.popitem()[1]
+            self.release(unit, grad=grad)
 
     def _hold(self, unit: Unit, grad: bool) -> None:
         """The first micro-batch acquired ``unit`` in this pass: the pass holds it too."""
@@ -222,10 +222,10 @@ class FullBuffers:
         keys = [unit.key("weight.full"), *([unit.key("grad.full")] if grad and entry.grads is not None else [])]
         self.store.get_group(keys)  # pinned once more, for the pass
         entry.users += 1
-        self._held_for_pass[unit.name] = grad and entry.grads is not None
+        self._held_for_pass[unit.name] = (unit, grad and entry.grads is not None)
 
     def _let_go(self, unit: Unit) -> None:
         """The last micro-batch of the turn released ``unit``: so does the pass."""
         if self.turns is None or unit.name not in self._held_for_pass or not self.turns.is_last():
             return
-        self.release(unit, grad=self._held_for_pass.pop(unit.name))
+        self.release(unit, grad=self._held_for_pass.pop(unit.name)[1])

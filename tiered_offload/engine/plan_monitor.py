@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from offload_core.sizes import format_size
-from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan
+from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan, median
 from tiered_offload.engine.stats import EngineStats
 from tiered_offload.profile import measured_rates
 from tiered_offload.store.tiers import Tier
@@ -221,10 +221,10 @@ class PlanMonitor:
     def stats(self) -> EngineStats:
         """The store's counters and, per measured training step, the medians of time and disk bytes."""
         m = self.measured
-        median = (lambda xs: sorted(xs)[len(xs) // 2]) if m else (lambda xs: None)
+        mid = median if m else (lambda xs: None)
         busy = sum(x.disk_busy_seconds for x in m)
         moved = sum(x.disk_read + x.disk_written for x in m)
         return EngineStats(self.store.stats, self.parameter_count, len(m),
-                           median([x.seconds for x in m]), median([x.disk_read for x in m]),
-                           median([x.disk_written for x in m]), moved / busy if busy > 0 else None,
-                           median([x.link for x in m]), self.floors)
+                           mid([x.seconds for x in m]), mid([x.disk_read for x in m]),
+                           mid([x.disk_written for x in m]), moved / busy if busy > 0 else None,
+                           mid([x.link for x in m]), self.floors)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from offload_core.errors import ConfigError
 
-__all__ = ["DiskRates", "StepMeasurement", "Plan", "make_plan", "choose_activation_modes"]
+__all__ = ["DiskRates", "StepMeasurement", "Plan", "make_plan", "choose_activation_modes", "median"]
 
 
 @dataclass
@@ -173,7 +173,6 @@ class Plan:
     def check(self, steps: list[StepMeasurement]) -> list[str]:
         """Record the medians of ``steps`` (measured under this plan) and return what is further
         from the prediction than the tolerances, in words (empty: the prediction held)."""
-        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         self.measured_step_s = median([m.seconds for m in steps])
         self.measured_read = median([m.disk_read for m in steps])
         self.measured_written = median([m.disk_written for m in steps])
@@ -203,7 +202,6 @@ class Plan:
         from (None: it stays): its steps ``after`` moved more disk bytes than ``before`` (beyond
         :attr:`BYTES_TOLERANCE`) and did not run :attr:`EARN` faster (medians). The prediction
         is a model; this is the measurement of both choices on this machine."""
-        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         was = before.disk_read + before.disk_written
         moved = median([m.disk_read + m.disk_written for m in after])
         seconds = median([m.seconds for m in after])
@@ -218,6 +216,11 @@ class Plan:
                 f"({moved / mib:.1f} against {was / mib:.1f} MiB per step) and {len(after)} steps under them ran "
                 f"{seconds:.3f} s against {before.seconds:.3f} s ({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; "
                 f"a plan that moves more bytes must run {self.EARN:.0%} faster)")
+
+
+def median(xs: list):
+    """The middle value of ``xs`` (the upper one of an even count), as the plan's checks take it."""
+    return sorted(xs)[len(xs) // 2]
 
 
 def _off(measured: float, predicted: float | None) -> float:
