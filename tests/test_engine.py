@@ -202,6 +202,42 @@ def test_the_update_on_the_host_moves_fewer_bytes_over_the_link(tmp_path, monkey
     assert any("/state." in k for k in into_device["device"])
 
 
+def test_a_deferred_step_is_exact_and_its_weights_serve_the_next_forward(tmp_path, deterministic):
+    """A quarter of the state, one memory tier: the step cannot overlap the next forward, so it
+    is deferred to it (each unit updated on the forward's thread just before the forward needs
+    it). Bitwise PyTorch's, and per step the weights are read from the disk 1.4 times (forward
+    with the update, backward) against 2.2 times inline (update, forward, backward)."""
+    from tiered_offload import EngineConfig
+    runs = {}
+    for defer in (None, False):
+        le, lr_, we, wr, _ = train_pair(plain_gpt, plain_loss, tmp_path / f"parity-{defer}", clip=1.0,
+                                        config=EngineConfig(defer_step=defer))
+        assert assert_same(le, lr_, we, wr), f"defer_step={defer}: not bitwise identical"
+        model = plain_gpt(layers=6)
+        weights = 4 * sum(p.numel() for p in model.parameters())
+        torch.manual_seed(0)
+        engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / f"reads-{defer}",
+                        host_memory=weights, durable=False,
+                        config=EngineConfig(defer_step=defer, activations="recompute"))  # no plan to vary
+        assert engine._streamer.defer_step is (defer is None) and not engine.overlap_step
+        g = torch.Generator().manual_seed(1)
+        for step in range(10):
+            if step == 5:  # no wait at the boundary (it would run the deferred update)
+                before = engine.store.stats
+            engine.backward(plain_loss(engine, torch.randint(0, 128, (2, 17), generator=g)))
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+        read = engine.store.stats.by_kind(("disk->host",), since=before)
+        runs[defer] = {kind: n / 5 / weights for kind, n in read.items()}
+        assert ("deferred to the next forward" in engine.plan.summary()) is (defer is None)
+        engine.close()
+    deferred, inline = runs[None], runs[False]
+    assert deferred["weight"] <= 1.6 and inline["weight"] >= 1.9, runs  # measured 1.40 and 2.16-2.21
+    assert deferred["state"] <= 1.05 * inline["state"], runs  # the states still read once
+    assert sum(deferred.values()) <= 0.9 * sum(inline.values()), runs
+
+
 def test_the_update_on_the_host_moves_no_bytes_twice_over_the_link(tmp_path):
     """ZeRO-Offload's arrangement on the device stand-in (device 1/4, host 3/8 of the state, block
     inputs recomputed so no saved activation crosses): nothing of a gradient or an optimizer state
@@ -598,4 +634,6 @@ def test_storage_full_in_mid_training_is_a_clear_error():
             engine.zero_grad()
         engine.named_parameters().__next__()
     assert info.value.needed_bytes > 0 and info.value.free_bytes is not None
-    assert "injected ENOSPC" in str(info.value)
+    # the injected ENOSPC of a write, or the reservation before one (which disk step meets the
+    # quota first depends on the order of writes): either names the tensor and the numbers
+    assert "injected ENOSPC" in str(info.value) or "not enough free disk for tensor" in str(info.value)

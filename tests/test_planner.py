@@ -231,7 +231,7 @@ def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     short = engine(tmp_path / "short", smallest)
     assert not short.overlap_step
     _train(short, 3)
-    advice = [r for r in short.plan.reasons if r.startswith("the step runs inline")]
+    advice = [r for r in short.plan.reasons if r.startswith("the step does not overlap")]
     short.close()
     assert len(advice) == 1, short.plan.summary()
     budget, acts, unit = re.search(r"host_memory >= .*? \((\d+) bytes\) .*activations \(([\d.]+) (KiB|MiB)\)",
@@ -241,7 +241,7 @@ def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     assert roomy.overlap_step
     assert min(roomy._streamer.activation_room.values()) >= 0.99 * acts  # the size printed, rounded
     _train(roomy, 3)
-    assert not any(r.startswith("the step runs inline") for r in roomy.plan.reasons)
+    assert not any(r.startswith("the step does not overlap") for r in roomy.plan.reasons)
     roomy.close()
 
 
@@ -260,7 +260,7 @@ def test_an_inline_step_whose_overlap_needs_the_whole_state_is_told_so(tmp_path)
     probe.close()
     short = engine(tmp_path / "short", smallest)
     _train(short, 3, vocab=2048)
-    advice = [r for r in short.plan.reasons if r.startswith("the step runs inline")]
+    advice = [r for r in short.plan.reasons if r.startswith("the step does not overlap")]
     short.close()
     assert len(advice) == 1 and advice[0].endswith(f"({state} bytes) holds the whole training state"), advice
 

@@ -165,6 +165,73 @@ def test_background_error_reaches_the_next_wait_and_deferred_work_still_runs():
     p.wait()  # reported once
 
 
+def test_a_deferred_pipeline_updates_on_the_waiting_thread_up_to_the_unit_it_needs():
+    """Deferred: ``run`` returns at once; a wait for a unit runs the updates up to it on the
+    waiting thread (the next forward, just before it needs the unit), the last one's ``then``
+    after every unit; work queued for a unit runs right after its update."""
+    done, threads = [], set()
+
+    def update(name):
+        threads.add(threading.get_ident())
+        done.append(name)
+        p.wait(name)  # an update waiting on its own step (re-entrant) returns at once
+    p = UpdatePipeline(lead=1)
+    p.run(["rest", "block.0", "block.1"], update, background=False, deferred=True,
+          then=lambda: done.append("commit"))
+    assert done == []
+    p.after_update("block.0", lambda: done.append("zero block.0"))
+    p.wait("block.0")
+    assert done == ["rest", "block.0", "zero block.0"]
+    p.wait("rest")  # already updated: nothing runs
+    p.wait()
+    assert done == ["rest", "block.0", "zero block.0", "block.1", "commit"]
+    assert threads == {threading.get_ident()}
+    p.after_update("block.1", lambda: done.append("now"))  # nothing in flight: runs now
+    assert done[-1] == "now"
+
+
+def test_a_deferred_updates_error_reaches_the_wait_that_ran_it_and_the_next_step_runs():
+    errors = []
+
+    def update(name):
+        if name == "u1":
+            raise OSError("disk gone")
+    p = UpdatePipeline(lead=1, on_error=errors.append)
+    p.run(["u0", "u1", "u2"], update, background=False, deferred=True, then=lambda: errors.append("committed"))
+    with pytest.raises(OSError, match="disk gone"):
+        p.wait("u2")
+    assert len(errors) == 1 and isinstance(errors[0], OSError)  # no commit after a failed unit
+    p.wait()  # reported once
+    ran = []
+    p.run(["u0"], ran.append, background=False, deferred=True)
+    p.wait()
+    assert ran == ["u0"]
+
+
+def test_defer_needs_room_for_an_update_beside_the_rest():
+    s = Schedule(units(n_blocks=20), KINDS)
+    ws = s.working_set()
+    assert not s.defer_fits(s.state_bytes())  # everything fits: no disk traffic to save
+    update = s.unit_bytes(s.blocks[0], "weight") + s.unit_bytes(s.blocks[0], "grad") + s.unit_bytes(s.blocks[0], "piece")
+    need = max(ws.need, ws.rest_bytes + update + ws.slack)
+    assert s.defer_fits(need) and not s.defer_fits(need - 1)
+    assert need < ws.optimizer + ws.forward_backward + ws.slack  # less than overlapping asks
+
+
+def test_the_access_sequence_names_each_micro_batchs_activations():
+    """forward_backward over 3 micro-batches: the forward of a block writes ``activations``,
+    ``activations.1``, ``activations.2`` (the keys the streamer gives them), and its backward reads
+    them in the same order: the lookahead knows when each is needed again (the backward), not at
+    the next micro-batch's write of a different key."""
+    s = Schedule(units(n_blocks=2), ("m",))
+    seq = s.access_sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], overlap=True, activations=True, repeat=3)
+    acts = [k for k in seq if k.startswith("block.1/activations")]
+    assert acts == ["block.1/activations", "block.1/activations.1", "block.1/activations.2"] * 2
+    backward = seq[seq.index("block.1/grad", seq.index("block.1/state.m")):]
+    assert backward[:6] == ["block.1/grad", "block.1/activations", "block.1/weight", "block.1/grad",
+                            "block.1/activations.1", "block.1/weight"]
+
+
 def test_the_link_floor_is_a_floor_of_each_placement():
     """The device link per step: to an update on the host, every rewritten weight up once more
     plus what the device cannot keep between a block's forward and backward, and the gradients

@@ -183,6 +183,13 @@ class EngineConfig:
     does not fit the compute tier and the budget holds a unit being updated beside the forward's
     working set."""
 
+    defer_step: bool | None = None
+    """Where the step does not overlap the next forward: run each unit's update on the forward's
+    thread just before the forward needs the unit (``step()`` returns at once), so the weights the
+    update wrote are the ones the forward reads, instead of updating every unit first and reading
+    the weights again. None: when the state does not fit the compute tier and the budget holds a
+    unit's update beside what the forward pins. Every mode computes the same numbers."""
+
     def __post_init__(self):
         for name in ("optimizer_chunk_numel", "state_piece_numel", "step_lead"):
             if getattr(self, name) < 1:

@@ -351,7 +351,7 @@ def sweep(args) -> int:
         rows = []
         for c in configs[1:]:
             e = c.engine
-            advice = [r for r in e.plan.reasons if r.startswith("the step runs inline")]
+            advice = [r for r in e.plan.reasons if r.startswith("the step does not overlap")]
             rows.append((c, e.overlap_step, _modes(e.activation_modes), advice))
     med = {c.name: statistics.median(c.per_step[1:]) for c in configs}  # the first round warms up
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "

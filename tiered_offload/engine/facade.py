@@ -288,7 +288,7 @@ class Engine(EngineViews):
 
     def _sequence(self, phases: list[Phase]) -> list[str]:
         """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
-        return self.schedule.access_sequence(phases, overlap=self.overlap_step, repeat=self._streamer.micro_batches,
+        return self.schedule.access_sequence(phases, overlap=self.overlap_step or self._streamer.defer_step, repeat=self._streamer.micro_batches,
                                              activations=self._streamer.modes is not None)
 
     def _declare(self, phases: list[Phase], stepping: bool = False) -> None:
@@ -408,7 +408,7 @@ class Engine(EngineViews):
             by_name = self._units_by_name
             self._pipeline.run([u.name for u in self.schedule.update_order()],
                                lambda name: self._update_unit(by_name[name], hypers, scale, updates),
-                               background=self.overlap_step, then=then)
+                               background=self.overlap_step, deferred=self._streamer.defer_step, then=then)
         except BaseException as e:  # the step is neither done nor going on: no commit may wait for it
             self._commits.fail(e)
             raise

@@ -50,6 +50,7 @@ import torch
 from offload_core.errors import TensorStateError, TierCapacityError
 from tiered_offload.engine.activations import autocast_state, replay_autocast
 from tiered_offload.engine.schedule import Phase
+from tiered_offload.store.policies import walk_as
 from tiered_offload.trace import span
 
 __all__ = ["Turns", "forward_backward"]
@@ -262,7 +263,13 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
     errors: list[BaseException | None] = [None] * n
     inputs = [engine._to_device(((), b) if isinstance(b, dict) else ((b,), {})) for b in micro_batches]
 
+    walker = threading.get_ident()  # the micro-batches take turns: one walker of the access order
+
     def run(k: int) -> None:
+        with walk_as(walker):
+            _run(k)
+
+    def _run(k: int) -> None:
         try:
             if device.type == "cuda":  # a new thread starts on device 0
                 torch.cuda.set_device(device)

@@ -1,6 +1,9 @@
-"""The optimizer step as a pipeline over units: run inline, or on a background thread that the
+"""The optimizer step as a pipeline over units: run inline, on a background thread that the
 next forward paces (the step updates unit ``i`` just before the forward needs it, never more
-than ``lead`` units ahead of it, so what it updated is still resident when the forward arrives).
+than ``lead`` units ahead of it, so what it updated is still resident when the forward arrives),
+or deferred: each unit's update runs on the thread that first waits for that unit (the next
+forward, just before it needs the unit), so the weights the update wrote are the ones the
+forward reads, without a second working set beside the forward's.
 
 The pipeline owns its thread, a per-unit event, the pacing condition and the error of a failed
 step; the engine tells it what one unit's update is and asks it to wait.
@@ -36,17 +39,26 @@ class UpdatePipeline:
         self._free_run = True
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._deferred: tuple[list[str], Callable[[str], None], Callable[[], None] | None] | None = None
+        self._cursor = 0
+        self._deferring = threading.RLock()
+        self._in_deferred = False
+        self._owner: int | None = None
 
     # ---- running ----------------------------------------------------------------------------
     def run(self, names: Sequence[str], update: Callable[[str], None], *, background: bool,
-            then: Callable[[], None] | None = None) -> None:
+            then: Callable[[], None] | None = None, deferred: bool = False) -> None:
         """Update every unit of ``names`` in order, then call ``then()`` (a commit). In the
         background: returns at once, and the forward paces it through :meth:`forward_reached`.
-        Inline: returns when all are updated (raising what failed)."""
+        Deferred: returns at once, and each :meth:`wait` runs the updates up to the unit it waits
+        for on the caller's thread. Inline: returns when all are updated (raising what failed)."""
         self.wait()
         with self._lock:
             self._updated = {n: threading.Event() for n in names}
             self._after = {}
+        if deferred:
+            self._deferred, self._cursor = (list(names), update, then), 0
+            return
         if not background:
             self._run(list(names), update, then)
             self.wait()
@@ -75,13 +87,41 @@ class UpdatePipeline:
             with self._progress:
                 while not self._free_run and index - self._forward_at > self.lead:
                     self._progress.wait()
-            if self.before_each is not None:
-                self.before_each(name)
-            update(name)
-            with self._lock:
-                for fn in self._after.pop(name, ()):
-                    fn()
-                self._updated[name].set()
+            self._update_one(name, update)
+
+    def _update_one(self, name: str, update: Callable[[str], None]) -> None:
+        if self.before_each is not None:
+            self.before_each(name)
+        update(name)
+        with self._lock:
+            for fn in self._after.pop(name, ()):
+                fn()
+            self._updated[name].set()
+
+    def _run_deferred(self, name: str | None) -> None:
+        """Run the deferred updates up to unit ``name`` (all if None) here; the last one's ``then``."""
+        with self._deferring:
+            if self._deferred is None:
+                return
+            names, update, then = self._deferred
+            upto = len(names) if name is None else (names.index(name) + 1 if name in names else 0)
+            self._in_deferred, self._owner = True, threading.get_ident()
+            try:
+                while self._cursor < upto:
+                    self._update_one(names[self._cursor], update)
+                    self._cursor += 1
+                if self._cursor == len(names):
+                    self._deferred = None
+                    if then is not None:
+                        then()
+            except BaseException as e:  # raised by the wait() below, as a background step's error
+                self._deferred, self._error = None, e
+                if self.on_error is not None:
+                    self.on_error(e)
+                for ev in self._updated.values():
+                    ev.set()
+            finally:
+                self._in_deferred = False
 
     # ---- the forward's side -------------------------------------------------------------------
     def forward_reached(self, index: int) -> None:
@@ -92,7 +132,12 @@ class UpdatePipeline:
                 self._progress.notify_all()
 
     def wait(self, name: str | None = None) -> None:
-        """Wait until the step in flight has updated unit ``name`` (every unit if None); re-raise its error."""
+        """Wait until the step in flight has updated unit ``name`` (every unit if None); re-raise its
+        error. A deferred step runs its updates up to ``name`` here."""
+        if self._in_deferred and self._owner == threading.get_ident():
+            return  # a deferred update (or its commit) waiting on the step it is part of
+        if self._deferred is not None:
+            self._run_deferred(name)
         if name is None:  # not the forward: nothing will consume units in order any more
             with self._progress:
                 self._free_run = True

@@ -102,10 +102,12 @@ class PlanMonitor:
             overridden.append(f"activations = {self.config.activations!r} (EngineConfig.activations)")
         elif recompute in (True, False):
             overridden.append(f"recompute={recompute}")
-        if self.config.overlap_step is not None:
-            overridden.append(f"overlap_step = {self.config.overlap_step} (EngineConfig.overlap_step)")
+        for name in ("overlap_step", "defer_step"):
+            if getattr(self.config, name) is not None:
+                overridden.append(f"{name} = {getattr(self.config, name)} (EngineConfig.{name})")
         return Plan(modes=None if streamer.modes is None else list(streamer.modes), blocks=list(self.block_names),
                     prefetch_depth=self.store.config.prefetch_depth, overlap_step=self.overlap_step,
+                    defer_step=streamer.defer_step,
                     host_split={"working_set": min(need, cap), "activation_room": min(acts, max(0, cap - need)),
                                 "cache": max(0, cap - need - acts)},
                     lower_tier=self._lower_tier(), overridden=overridden, floors=self.floors)
@@ -194,8 +196,9 @@ class PlanMonitor:
         tier = self.store.compute_tier.name.lower()
         acts = max(m.graph_bytes, default=0)
         need = self.schedule.overlap_budget(acts)
-        why = (f"the step runs inline: the {tier} budget ({format_size(cap)}) cannot hold a unit being updated "
-               f"beside the forward, so reads and compute alternate in the step; ")
+        how = "each unit just before the forward needs it" if self.streamer.defer_step else "inline"
+        why = (f"the step does not overlap the next forward (it runs {how}): the {tier} budget ({format_size(cap)}) "
+               f"cannot hold a unit being updated beside the forward, so reads and compute alternate; ")
         if self.schedule.fits(need):  # that much holds the whole state: nothing left to overlap
             state = self.schedule.state_bytes()
             return why + f"{tier}_memory >= {format_size(state)} ({state} bytes) holds the whole training state"

@@ -108,6 +108,9 @@ class Plan:
     measured_read: int | None = None
     """Median disk bytes read per step after the plan took effect (None until measured)."""
     measured_written: int | None = None
+    defer_step: bool = False
+    """Not overlapped: each unit's update runs on the next forward's thread just before it needs
+    the unit (``EngineConfig.defer_step``)."""
     floors: dict | None = None
     """The bytes a step cannot avoid (:meth:`Schedule.floors`) and where the update runs:
     ``disk_read``, ``disk_written``, ``link`` (None without a device tier), ``update`` (the tier)
@@ -120,6 +123,13 @@ class Plan:
             return None
         return self.predicted_read + self.predicted_written
 
+    def _step_mode(self) -> str:
+        if self.overlap_step:
+            return "overlapped with the next forward"
+        if self.defer_step:
+            return "deferred to the next forward (each unit updated just before the forward needs it)"
+        return "inline"
+
     def summary(self) -> str:
         """The plan in a few lines (what ``engine.plan`` prints and the engine logs at INFO)."""
         mib = 1 << 20
@@ -131,7 +141,7 @@ class Plan:
             if len(set(self.modes)) > 1:
                 acts += " (" + " ".join(f"{b}:{m[0]}" for b, m in zip(self.blocks, self.modes)) + ")"
         lines = [f"activations: {acts}",
-                 f"prefetch depth {self.prefetch_depth}; step {'overlapped with the next forward' if self.overlap_step else 'inline'}",
+                 f"prefetch depth {self.prefetch_depth}; step {self._step_mode()}",
                  "compute tier: " + ", ".join(f"{k.replace('_', ' ')} {v / mib:.1f} MiB" for k, v in self.host_split.items())]
         if self.lower_tier:
             lines.append("host tier below it (caching what the compute tier does not hold): " + ", ".join(
@@ -297,7 +307,7 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
                        f"against {room[worst] / 2**20:.1f} MiB); a larger host_memory lets them be kept or offloaded")
     step, compute, io, read, written = cost(modes)
     return Plan(modes=modes, blocks=base.blocks, prefetch_depth=base.prefetch_depth, overlap_step=base.overlap_step,
-                host_split=base.host_split, lower_tier=base.lower_tier, predicted_step_s=step,
+                defer_step=base.defer_step, host_split=base.host_split, lower_tier=base.lower_tier, predicted_step_s=step,
                 predicted_compute_s=compute, predicted_io_s=io,
                 io_hidden=hidden, predicted_read=read, predicted_written=written, rates=rates,
                 overridden=base.overridden, reasons=base.reasons + reasons, floors=base.floors)

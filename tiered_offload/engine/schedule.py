@@ -197,24 +197,33 @@ class Schedule:
         With the step overlapped, the cycle starts with the step's units (in forward order)
         interleaved with the next forward, since unit ``i`` is updated just before the forward
         needs its weights; otherwise the phases follow each other, starting with the step.
-        ``activations``: each block's forward writes its saved activations (``block.i/activations``),
-        which its backward reads. ``repeat``: each block is used that many times in a row
-        (``forward_backward`` over that many micro-batches).
+        ``activations``: each block's forward writes its saved activations (``block.i/activations``;
+        micro-batch ``k`` > 0 of a pass ``block.i/activations.k``), which its backward reads.
+        ``repeat``: each block is used that many times in a row (``forward_backward`` over that
+        many micro-batches).
         """
         phases = [Phase(p) for p in phases]
         order = self.update_order()
-        act = (lambda u: [u.key("activations")] if u.is_block else []) if activations else (lambda u: [])
         times = lambda u: repeat if u.is_block else 1  # noqa: E731
+
+        def act(u: UnitLayout, k: int) -> list[str]:  # micro-batch k's: "activations", "activations.1", ...
+            if not (activations and u.is_block):
+                return []
+            return [u.key("activations") + (f".{k}" if k else "")]
+
+        def forward(u: UnitLayout) -> list[str]:
+            return [key for k in range(times(u)) for key in self._forward_keys(u) + act(u, k)]
         body = {
-            Phase.FORWARD: [k for u in order for k in (self._forward_keys(u) + act(u)) * times(u)],
-            Phase.BACKWARD: [k for b in reversed(self.blocks) for k in [b.weight_key, b.grad_key, *act(b)] * repeat if k],
+            Phase.FORWARD: [k for u in order for k in forward(u)],
+            Phase.BACKWARD: [key for b in reversed(self.blocks) for k in range(repeat)
+                             for key in [b.weight_key, b.grad_key, *act(b, k)] if key],
             Phase.CLIP: [],  # the norms come from backward: clipping reads nothing
             Phase.STEP: [k for u in order for k in self._step_keys(u)],
         }
-        if not overlap:
+        if not overlap or Phase.STEP not in phases:
             i = phases.index(Phase.STEP) if Phase.STEP in phases else 0
             return [k for p in phases[i:] + phases[:i] for k in body[p]]
-        merged = [k for u in order for k in self._step_keys(u) + (self._forward_keys(u) + act(u)) * times(u)]
+        merged = [k for u in order for k in self._step_keys(u) + forward(u)]
         rest = [p for p in phases if p != Phase.STEP]
         if rest and rest[0] == Phase.FORWARD:
             rest = rest[1:]  # it is part of ``merged``
@@ -268,6 +277,17 @@ class Schedule:
         if self.state_bytes() <= capacity:
             return False
         return capacity >= self.overlap_budget(0)
+
+    def defer_fits(self, capacity: int) -> bool:
+        """Whether the step can run deferred (each unit's update just before the forward needs
+        it, on the forward's thread): there is disk traffic to save (the state does not fit
+        ``capacity``) and the tier holds a unit's update beside what the forward pins then (the
+        rest's weights and gradients)."""
+        if self.state_bytes() <= capacity:
+            return False
+        b, ws = self.unit_bytes, self.working_set()
+        update = max(b(u, "weight") + b(u, "grad") + b(u, "piece") for u in self.blocks or [self.rest])
+        return capacity >= max(ws.need, ws.rest_bytes + update + ws.slack)
 
     def overlap_budget(self, activation_bytes: int) -> int:
         """The smallest compute-tier budget at which the step overlaps the next forward and a

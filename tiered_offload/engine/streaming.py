@@ -206,6 +206,9 @@ class BlockStreamer:
         """A :class:`~tiered_offload.trace.Tracer` for the compute spans, or None."""
         self.overlap_step = False
         """Whether the optimizer step runs beside the next forward (set by :meth:`for_budget`)."""
+        self.defer_step = False
+        """Whether, not overlapped, each unit's update runs on the next forward's thread just before
+        it needs the unit (set by :meth:`for_budget`)."""
         self.rest = binding.rest
         self.gradients: dict[str, GradientStatus] = {u.name: GradientStatus() for u in binding.units}
         """Per unit, what is tracked of its gradient between calls."""
@@ -229,7 +232,8 @@ class BlockStreamer:
     def for_budget(cls, store, binding: ModelBinding, pipeline: UpdatePipeline, device: torch.device, schedule,
                    placement, config, recompute) -> "BlockStreamer":
         """A streamer configured for the compute tier's budget: each block's activation mode,
-        whether the step overlaps the next forward (:attr:`overlap_step`), the room for saved
+        whether the step overlaps the next forward (:attr:`overlap_step`) or else is deferred to
+        it (:attr:`defer_step`), the room for saved
         activations, gathering ahead (sharded) and what an overlapped step pins."""
         capacity = store.capacity(store.compute_tier)
         modes = choose_activation_modes(recompute, config.activations, [b.name for b in binding.blocks],
@@ -238,6 +242,8 @@ class BlockStreamer:
         streamer.full.sharding = placement.sharding
         overlap = config.overlap_step
         streamer.overlap_step = schedule.overlap_fits(capacity) if overlap is None else bool(overlap)
+        defer = config.defer_step
+        streamer.defer_step = not streamer.overlap_step and (schedule.defer_fits(capacity) if defer is None else bool(defer))
         streamer.activation_room = schedule.activation_room(capacity, streamer.overlap_step)
         wanted = os.environ.get("TIERED_OFFLOAD_GATHER_AHEAD", "1") != "0"  # =0: off, to compare
         streamer.gather_ahead = placement.gather_ahead(wanted and schedule.gather_ahead_fits(capacity))

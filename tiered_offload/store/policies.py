@@ -16,13 +16,35 @@ import abc
 import bisect
 import itertools
 import math
+import contextlib
 import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
 from offload_core.errors import ConfigError
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "LookaheadPolicy", "make_policy"]
+__all__ = ["EvictionPolicy", "LRUPolicy", "LookaheadPolicy", "make_policy", "walk_as"]
+
+_walker = threading.local()
+
+
+def _walker_id() -> int:
+    """Whose cursor the calling thread moves: its own, or the one :func:`walk_as` named."""
+    return getattr(_walker, "ident", None) or threading.get_ident()
+
+
+@contextlib.contextmanager
+def walk_as(ident: int):
+    """Within this block the calling thread walks the access sequence with thread ``ident``'s
+    cursor: threads that take turns over one stretch of the sequence (``forward_backward``'s
+    micro-batches, each of which the update of a unit may run on) are one walker, not several
+    cursors each behind the accesses the others made."""
+    before = getattr(_walker, "ident", None)
+    _walker.ident = ident
+    try:
+        yield
+    finally:
+        _walker.ident = before
 
 
 class EvictionPolicy(abc.ABC):
@@ -123,7 +145,7 @@ class LookaheadPolicy(EvictionPolicy):
     @property
     def cursor(self) -> int:
         """Index in the sequence of the calling thread's next expected access."""
-        return self._cursors.get(threading.get_ident(), self._last)
+        return self._cursors.get(_walker_id(), self._last)
 
     def on_register(self, key: str) -> None:
         self._lru.on_register(key)
@@ -138,26 +160,29 @@ class LookaheadPolicy(EvictionPolicy):
             if not pos:
                 return
             n = len(self._seq)
-            tid = threading.get_ident()
+            tid = _walker_id()
             cursor = self._cursors.get(tid, self._last)
-            if self._recently_passed(pos, n, cursor):
-                return
             i = bisect.bisect_left(pos, cursor)
             # past its last occurrence: the sequence starts over (cyclic, or run again from the top)
             nxt = pos[i] + 1 if i < len(pos) else pos[0] + 1
+            ahead = nxt - 1 - cursor if i < len(pos) else nxt - 1 + n - cursor
+            if self._passed_by(pos, n, cursor) <= ahead:
+                return  # a late access of a key just passed, nearer than its next occurrence
             self._cursors[tid] = self._last = nxt % n if self._cyclic else min(nxt, n)
 
-    def _recently_passed(self, pos: list[int], n: int, cursor: int) -> bool:
-        """Whether the key (at sorted positions ``pos``) occurs shortly before ``cursor``.
-
-        The window is ``late_window`` positions, at most a quarter of the sequence.
-        """
+    def _passed_by(self, pos: list[int], n: int, cursor: int) -> float:
+        """How many positions before ``cursor`` the key (at sorted positions ``pos``) last
+        occurred, if within ``late_window`` (at most a quarter of the sequence); else infinity.
+        An access nearer behind than ahead is late (slightly out of order), not a jump ahead: a key
+        used again shortly after (a block's weights in its forward, then in its backward) moves the
+        cursor on."""
         window = min(self.late_window, n // 4)
-        lo = cursor - window
-        i = bisect.bisect_left(pos, max(lo, 0))
-        if i < len(pos) and pos[i] < cursor:
-            return True
-        return self._cyclic and lo < 0 and bisect.bisect_left(pos, n + lo) < len(pos)
+        i = bisect.bisect_left(pos, cursor)
+        if i > 0 and cursor - pos[i - 1] <= window:
+            return cursor - pos[i - 1]
+        if self._cyclic and cursor < window and pos[-1] >= n + cursor - window:
+            return cursor + n - pos[-1]
+        return math.inf
 
     def _distance_from(self, pos: list[int], cursor: int) -> float:
         i = bisect.bisect_left(pos, cursor)
@@ -189,7 +214,7 @@ class LookaheadPolicy(EvictionPolicy):
             n = len(self._seq)
             if not n or limit <= 0:
                 return []
-            cursor = self._cursors.get(threading.get_ident(), self._last)
+            cursor = self._cursors.get(_walker_id(), self._last)
             if self._cyclic:
                 indices = itertools.islice(itertools.cycle(range(n)), cursor, cursor + n)
             else:
