@@ -243,6 +243,8 @@ class BlockStreamer:
         overlap = config.overlap_step
         streamer.overlap_step = schedule.overlap_fits(capacity) if overlap is None else bool(overlap)
         defer = config.defer_step
+        if defer is None and os.environ.get("TIERED_OFFLOAD_DEFER_STEP") == "0":  # off, to compare
+            defer = False
         streamer.defer_step = not streamer.overlap_step and (schedule.defer_fits(capacity) if defer is None else bool(defer))
         streamer.activation_room = schedule.activation_room(capacity, streamer.overlap_step)
         wanted = os.environ.get("TIERED_OFFLOAD_GATHER_AHEAD", "1") != "0"  # =0: off, to compare
