@@ -175,7 +175,8 @@ def test_a_deferred_pipeline_updates_on_the_waiting_thread_up_to_the_unit_it_nee
         threads.add(threading.get_ident())
         done.append(name)
         p.wait(name)  # an update waiting on its own step (re-entrant) returns at once
-    p = UpdatePipeline(lead=1)
+    flushed = []
+    p = UpdatePipeline(lead=1, on_flush=lambda: flushed.append(len(done)))
     p.run(["rest", "block.0", "block.1"], update, background=False, deferred=True,
           then=lambda: done.append("commit"))
     assert done == []
@@ -188,6 +189,10 @@ def test_a_deferred_pipeline_updates_on_the_waiting_thread_up_to_the_unit_it_nee
     assert threads == {threading.get_ident()}
     p.after_update("block.1", lambda: done.append("now"))  # nothing in flight: runs now
     assert done[-1] == "now"
+    assert flushed == []  # the forward ran the first units: the order it declared holds
+    p.run(["rest", "block.0"], update, background=False, deferred=True)
+    p.wait()  # not the forward: the whole step runs here, told first (the lookahead's order changes)
+    assert flushed == [len(done) - 2]
 
 
 def test_a_deferred_updates_error_reaches_the_wait_that_ran_it_and_the_next_step_runs():

@@ -210,8 +210,9 @@ class Engine(EngineViews):
             self.config.step_lead,
             before_each=lambda name: self._commits.before_unit(
                 self.schedule.rewrite_bytes(self._units_by_name[name]), self.schedule.commit_admits),
-            on_error=lambda e: self._commits.fail(e))
-        """The optimizer step over units, inline or in the background."""
+            on_error=lambda e: self._commits.fail(e),
+            on_flush=lambda: self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], stepping=True, inline=True))
+        """The optimizer step over units: inline, in the background or deferred to the next forward."""
         self._optimizer_view: _OptimizerView | None = None
         self._streamer = BlockStreamer.for_budget(self.store, self.binding, self._pipeline, self.device, self.schedule,
                                                   self._placement, self.config, recompute)
@@ -286,17 +287,14 @@ class Engine(EngineViews):
         if not self._phases or self._phases[-1] != phase or phase == Phase.BACKWARD:
             self._phases.append(phase)
 
-    def _sequence(self, phases: list[Phase]) -> list[str]:
-        """The access order of one iteration made of ``phases``, as the store's lookahead sees it."""
-        return self.schedule.access_sequence(phases, overlap=self.overlap_step or self._streamer.defer_step, repeat=self._streamer.micro_batches,
-                                             activations=self._streamer.modes is not None)
-
-    def _declare(self, phases: list[Phase], stepping: bool = False) -> None:
-        """Tell the store's lookahead the order; a device tier the step does not run in sees the
-        forward and backward only (``stepping``: from a step that is about to rewrite them)."""
-        self.store.declare_access_sequence(self._sequence(phases))
+    def _declare(self, phases: list[Phase], stepping: bool = False, inline: bool = False) -> None:
+        """Tell the store's lookahead the order (``inline``: a deferred step run whole before the
+        forward); a device tier the step does not run in sees the forward and backward only
+        (``stepping``: from a step that is about to rewrite them)."""
+        order = functools.partial(self._streamer.access_sequence, self.schedule, inline=inline)
+        self.store.declare_access_sequence(order(phases))
         if self._updater.in_lower_tier:
-            self._updater.device_sequence(self._sequence([p for p in phases if p != Phase.STEP]),
+            self._updater.device_sequence(order([p for p in phases if p != Phase.STEP]),
                                           self.schedule.update_order() if stepping else [])
 
     @_engine_time

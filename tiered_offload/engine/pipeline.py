@@ -24,11 +24,15 @@ class UpdatePipeline:
         lead: how many units the background step may run ahead of the forward.
         before_each: called with each unit's name before its update (the commit protocol throttles there).
         on_error: called with the exception that stopped a background step.
+        on_flush: called before a deferred step's updates run whole, for a wait on every unit
+            rather than by the forward (the lookahead's order changes).
     """
 
     def __init__(self, lead: int, *, before_each: Callable[[str], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None):
+                 on_error: Callable[[BaseException], None] | None = None,
+                 on_flush: Callable[[], None] | None = None):
         self.lead = lead
+        self.on_flush = on_flush
         self.before_each = before_each
         self.on_error = on_error
         self._updated: dict[str, threading.Event] = {}
@@ -107,6 +111,8 @@ class UpdatePipeline:
             upto = len(names) if name is None else (names.index(name) + 1 if name in names else 0)
             self._in_deferred, self._owner = True, threading.get_ident()
             try:
+                if name is None and self._cursor == 0 and self.on_flush is not None:
+                    self.on_flush()
                 while self._cursor < upto:
                     self._update_one(names[self._cursor], update)
                     self._cursor += 1

@@ -254,6 +254,15 @@ class BlockStreamer:
             streamer.step_pins = [b(big, "weight"), b(big, "grad"), b(big, "piece")]
         return streamer
 
+    def access_sequence(self, schedule, phases, inline: bool = False) -> list[str]:
+        """The access order of one iteration made of ``phases`` as these passes run it (each
+        block once per micro-batch, its activations in the store or not), with the step's units
+        interleaved with the next forward where it overlaps it or is deferred to it (``inline``: a
+        deferred step that runs whole before, as :meth:`UpdatePipeline.wait` for every unit does)."""
+        interleaved = not inline and (self.overlap_step or self.defer_step)
+        return schedule.access_sequence(phases, overlap=interleaved, repeat=self.micro_batches,
+                                        activations=self.modes is not None)
+
     def close(self) -> None:
         """Remove the hooks put on the model's parameters."""
         for handle in self._grad_hooks:
