@@ -215,7 +215,8 @@ def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):
 def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     """At a budget too short for the update beside the forward, the plan says which budget would let
     the step overlap the next forward with room for a block's activations; an engine given that
-    budget does overlap, with that room."""
+    budget does overlap, with that room. At the minimum budget the step runs inline, and the plan
+    also names the (smaller) budget that defers it to the forward; an engine given it does."""
     import re
 
     from tiered_offload import Engine
@@ -237,6 +238,12 @@ def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     budget, acts, unit = re.search(r"host_memory >= .*? \((\d+) bytes\) .*activations \(([\d.]+) (KiB|MiB)\)",
                                    advice[0]).groups()
     acts = float(acts) * (1024 if unit == "KiB" else 1 << 20)
+    if not short._streamer.defer_step:
+        deferring = int(re.search(r"host_memory >= .*? \((\d+) bytes\) defers it", advice[0]).group(1))
+        assert deferring < int(budget)
+        deferred = engine(tmp_path / "deferred", deferring)
+        assert deferred.defer_step and not deferred.overlap_step
+        deferred.close()
     roomy = engine(tmp_path / "roomy", int(budget))
     assert roomy.overlap_step
     assert min(roomy._streamer.activation_room.values()) >= 0.99 * acts  # the size printed, rounded

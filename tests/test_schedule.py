@@ -219,7 +219,7 @@ def test_defer_needs_room_for_an_update_beside_the_rest():
     assert not s.defer_fits(s.state_bytes())  # everything fits: no disk traffic to save
     update = s.unit_bytes(s.blocks[0], "weight") + s.unit_bytes(s.blocks[0], "grad") + s.unit_bytes(s.blocks[0], "piece")
     need = max(ws.need, ws.rest_bytes + update + ws.slack)
-    assert s.defer_fits(need) and not s.defer_fits(need - 1)
+    assert s.defer_budget() == need and s.defer_fits(need) and not s.defer_fits(need - 1)
     assert need < ws.optimizer + ws.forward_backward + ws.slack  # less than overlapping asks
 
 

@@ -193,7 +193,7 @@ def main() -> int:  # noqa: C901 - a script
                 engine.step()
                 engine.zero_grad()
             c = Config(name, step, finish=engine.wait_committed, engine=engine)
-            c.flags = lambda: (f"activations={_modes(engine.activation_modes)}, overlapped step={engine.overlap_step}, "
+            c.flags = lambda: (f"activations={_modes(engine.activation_modes)}, step={'overlapped' if engine.overlap_step else 'deferred' if engine.defer_step else 'inline'}, "
                                f"durable={engine.durable}" + (f", commit_every={engine.commit_every}" if engine.durable else ""))
             return c
 
@@ -352,17 +352,18 @@ def sweep(args) -> int:
         for c in configs[1:]:
             e = c.engine
             advice = [r for r in e.plan.reasons if r.startswith("the step does not overlap")]
-            rows.append((c, e.overlap_step, _modes(e.activation_modes), advice))
+            rows.append((c, 'overlapped' if e.overlap_step else 'deferred' if e.defer_step else 'inline',
+                         _modes(e.activation_modes), advice))
     med = {c.name: statistics.median(c.per_step[1:]) for c in configs}  # the first round warms up
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
           f"{args.context} tokens; AdamW + clipping; {args.rounds} interleaved rounds of {args.steps_per_round} steps, "
           f"medians; plain PyTorch {med['plain']:.3f} s/step")
-    print("| host budget | s/step | vs plain | step overlapped | activations | disk read / step | disk written / step |")
+    print("| host budget | s/step | vs plain | step | activations | disk read / step | disk written / step |")
     print("| --- | ---: | ---: | --- | --- | ---: | ---: |")
-    for c, overlapped, modes, _ in rows:
+    for c, how, modes, _ in rows:
         rd, wr = statistics.median(c.moved["read"][1:]), statistics.median(c.moved["written"][1:])
         print(f"| {c.name} x state ({format_size(int(state * float(c.name)))}) | {med[c.name]:.3f} | "
-              f"{med[c.name] / med['plain']:.2f} | {'yes' if overlapped else 'no'} | {modes} | {format_size(rd)} | "
+              f"{med[c.name] / med['plain']:.2f} | {how} | {modes} | {format_size(rd)} | "
               f"{format_size(wr)} |")
     for c, _, _, advice in rows:
         for a in advice:

@@ -219,6 +219,8 @@ class Engine(EngineViews):
         """Forward and backward through the store."""
         self.overlap_step = self._streamer.overlap_step
         """Whether step() returns at once and updates units in the background, ahead of the next forward."""
+        self.defer_step = self._streamer.defer_step
+        """Else, whether step() returns at once and the next forward updates each unit as it needs it."""
         self._gradients = Gradients(self.store, self.binding, self._streamer, self._placement, self._pipeline,
                                     self.schedule)
         """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""

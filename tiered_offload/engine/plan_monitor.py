@@ -202,8 +202,11 @@ class PlanMonitor:
         if self.schedule.fits(need):  # that much holds the whole state: nothing left to overlap
             state = self.schedule.state_bytes()
             return why + f"{tier}_memory >= {format_size(state)} ({state} bytes) holds the whole training state"
+        defer = self.schedule.defer_budget()
+        sooner = (f"; {tier}_memory >= {format_size(defer)} ({defer} bytes) defers it to the next forward (one read of "
+                  f"the weights less per step)") if not self.streamer.defer_step and defer < need else ""
         return why + (f"{tier}_memory >= {format_size(need)} ({need} bytes) lets it overlap the next forward with "
-                      f"room for a block's saved activations ({format_size(acts)})")
+                      f"room for a block's saved activations ({format_size(acts)})") + sooner
 
     def _disk_rates(self, m: StepMeasurement) -> DiskRates:
         """The disk's rates for the plan: the bench-io profile of its file system, else what the

@@ -283,11 +283,13 @@ class Schedule:
         it, on the forward's thread): there is disk traffic to save (the state does not fit
         ``capacity``) and the tier holds a unit's update beside what the forward pins then (the
         rest's weights and gradients)."""
-        if self.state_bytes() <= capacity:
-            return False
+        return self.state_bytes() > capacity >= self.defer_budget()
+
+    def defer_budget(self) -> int:
+        """The smallest compute-tier budget at which the step can be deferred to the next forward."""
         b, ws = self.unit_bytes, self.working_set()
         update = max(b(u, "weight") + b(u, "grad") + b(u, "piece") for u in self.blocks or [self.rest])
-        return capacity >= max(ws.need, ws.rest_bytes + update + ws.slack)
+        return max(ws.need, ws.rest_bytes + update + ws.slack)
 
     def overlap_budget(self, activation_bytes: int) -> int:
         """The smallest compute-tier budget at which the step overlaps the next forward and a
