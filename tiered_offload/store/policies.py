@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import abc
 import bisect
+import contextlib
 import itertools
 import math
-import contextlib
 import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
@@ -162,27 +162,24 @@ class LookaheadPolicy(EvictionPolicy):
             n = len(self._seq)
             tid = _walker_id()
             cursor = self._cursors.get(tid, self._last)
+            if self._recently_passed(pos, n, cursor):
+                return
             i = bisect.bisect_left(pos, cursor)
             # past its last occurrence: the sequence starts over (cyclic, or run again from the top)
             nxt = pos[i] + 1 if i < len(pos) else pos[0] + 1
-            ahead = nxt - 1 - cursor if i < len(pos) else nxt - 1 + n - cursor
-            if self._passed_by(pos, n, cursor) <= ahead:
-                return  # a late access of a key just passed, nearer than its next occurrence
             self._cursors[tid] = self._last = nxt % n if self._cyclic else min(nxt, n)
 
-    def _passed_by(self, pos: list[int], n: int, cursor: int) -> float:
-        """How many positions before ``cursor`` the key (at sorted positions ``pos``) last
-        occurred, if within ``late_window`` (at most a quarter of the sequence); else infinity.
-        An access nearer behind than ahead is late (slightly out of order), not a jump ahead: a key
-        used again shortly after (a block's weights in its forward, then in its backward) moves the
-        cursor on."""
+    def _recently_passed(self, pos: list[int], n: int, cursor: int) -> bool:
+        """Whether the key (at sorted positions ``pos``) occurs shortly before ``cursor``.
+
+        The window is ``late_window`` positions, at most a quarter of the sequence.
+        """
         window = min(self.late_window, n // 4)
-        i = bisect.bisect_left(pos, cursor)
-        if i > 0 and cursor - pos[i - 1] <= window:
-            return cursor - pos[i - 1]
-        if self._cyclic and cursor < window and pos[-1] >= n + cursor - window:
-            return cursor + n - pos[-1]
-        return math.inf
+        lo = cursor - window
+        i = bisect.bisect_left(pos, max(lo, 0))
+        if i < len(pos) and pos[i] < cursor:
+            return True
+        return self._cyclic and lo < 0 and bisect.bisect_left(pos, n + lo) < len(pos)
 
     def _distance_from(self, pos: list[int], cursor: int) -> float:
         i = bisect.bisect_left(pos, cursor)
