@@ -55,7 +55,9 @@ def run(base, defer: bool, args, directory: str) -> dict:
     per = args.steps - warm
     read = {k: v / per for k, v in after.by_kind(("disk->host",), since=before).items()}
     written = {k: v / per for k, v in after.by_kind(("host->disk",), since=before).items()}
-    return dict(read=read, written=written, seconds=seconds, floors=floors, deferred=mode, weights=weights)
+    waited = (after.io_wait_seconds - before.io_wait_seconds) / per
+    return dict(read=read, written=written, seconds=seconds, waited=waited, floors=floors, deferred=mode,
+                weights=weights)
 
 
 def main() -> int:
@@ -76,14 +78,15 @@ def main() -> int:
     floor = floors["disk_read"] + floors["disk_written"]
     print(f"model: {n / 1e6:.1f}M parameters, state {format_size(16 * n)}, host budget {args.host_fraction} x state; "
           f"{args.steps - args.steps // 2} measured steps each; the plan's disk floor {format_size(floor)} per step")
-    print("| step | s / step | disk read / step (weights, gradients, states) | written / step | bytes / floor |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| step | s / step | of it waiting for bytes | disk read / step (weights, gradients, states) | written / step "
+          "| bytes / floor |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     total = {}
     for name, r in runs.items():
         read, written = sum(r["read"].values()), sum(r["written"].values())
         total[name] = read + written
         kinds = ", ".join(format_size(r["read"].get(k, 0)) for k in ("weight", "grad", "state"))
-        print(f"| {name} | {r['seconds']:.3f} | {format_size(read)} ({kinds}) | {format_size(written)} | "
+        print(f"| {name} | {r['seconds']:.3f} | {r['waited']:.3f} | {format_size(read)} ({kinds}) | {format_size(written)} | "
               f"{(read + written) / floor:.2f} |")
     d, i = runs["deferred"], runs["inline"]
     print(f"deferred / inline: weights read {d['read'].get('weight', 0) / i['read']['weight']:.2f}x, disk bytes "
