@@ -481,7 +481,18 @@ class BlockStreamer:
         self.pipeline.wait(unit.name)
         extra = [stash.key] if stash.key else []
         try:
-            flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra)
+            try:
+                flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra)
+            except TierCapacityError:
+                if not extra or self.sharding is not None:  # sharded: the ranks' collectives must match
+                    raise
+                # what is pinned splits the tier's free room into holes too small for the activations
+                # beside the block's buffers: those as a group, the activations read into a buffer of
+                # their own (one block's: the fixed overhead beside the budgets)
+                raw = self.store.read(stash.key).to(self.device)
+                extra = []
+                flat, gflat, _ = self.full.acquire(unit, grad=True)
+                got = [raw]
         except BaseException:
             self.discard(stash)
             raise
