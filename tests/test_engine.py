@@ -220,6 +220,7 @@ def test_a_deferred_step_is_exact_and_its_weights_serve_the_next_forward(tmp_pat
                         host_memory=weights, durable=False,
                         config=EngineConfig(defer_step=defer, activations="recompute"))  # no plan to vary
         assert engine._streamer.defer_step is (defer is None) and not engine.overlap_step
+        assert engine.step_mode == ("deferred" if defer is None else "inline")
         g = torch.Generator().manual_seed(1)
         for step in range(10):
             if step == 5:  # no wait at the boundary (it would run the deferred update)

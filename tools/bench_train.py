@@ -193,7 +193,7 @@ def main() -> int:  # noqa: C901 - a script
                 engine.step()
                 engine.zero_grad()
             c = Config(name, step, finish=engine.wait_committed, engine=engine)
-            c.flags = lambda: (f"activations={_modes(engine.activation_modes)}, step={'overlapped' if engine.overlap_step else 'deferred' if engine.defer_step else 'inline'}, "
+            c.flags = lambda: (f"activations={_modes(engine.activation_modes)}, step={engine.step_mode}, "
                                f"durable={engine.durable}" + (f", commit_every={engine.commit_every}" if engine.durable else ""))
             return c
 
@@ -352,8 +352,7 @@ def sweep(args) -> int:
         for c in configs[1:]:
             e = c.engine
             advice = [r for r in e.plan.reasons if r.startswith("the step does not overlap")]
-            rows.append((c, 'overlapped' if e.overlap_step else 'deferred' if e.defer_step else 'inline',
-                         _modes(e.activation_modes), advice))
+            rows.append((c, e.step_mode, _modes(e.activation_modes), advice))
     med = {c.name: statistics.median(c.per_step[1:]) for c in configs}  # the first round warms up
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
           f"{args.context} tokens; AdamW + clipping; {args.rounds} interleaved rounds of {args.steps_per_round} steps, "

@@ -53,7 +53,7 @@ def main() -> int:
         engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage,
                         host_memory=args.host_memory)
         print(f"initialised {format_size(engine.state_bytes())} of state in {storage} in {time.perf_counter() - t0:.0f} s "
-              f"(recompute={engine.recompute}, step={'overlapped' if engine.overlap_step else 'deferred' if engine.defer_step else 'inline'})", flush=True)
+              f"(recompute={engine.recompute}, step={engine.step_mode})", flush=True)
         for step in range(args.steps):
             s0 = engine.stats()
             t = time.perf_counter()

@@ -46,8 +46,7 @@ class UpdatePipeline:
         self._deferred: tuple[list[str], Callable[[str], None], Callable[[], None] | None] | None = None
         self._cursor = 0
         self._deferring = threading.RLock()
-        self._in_deferred = False
-        self._owner: int | None = None
+        self._owner: int | None = None  # the thread running deferred updates, while it does
 
     # ---- running ----------------------------------------------------------------------------
     def run(self, names: Sequence[str], update: Callable[[str], None], *, background: bool,
@@ -109,7 +108,7 @@ class UpdatePipeline:
                 return
             names, update, then = self._deferred
             upto = len(names) if name is None else (names.index(name) + 1 if name in names else 0)
-            self._in_deferred, self._owner = True, threading.get_ident()
+            self._owner = threading.get_ident()
             try:
                 if name is None and self._cursor == 0 and self.on_flush is not None:
                     self.on_flush()
@@ -127,7 +126,7 @@ class UpdatePipeline:
                 for ev in self._updated.values():
                     ev.set()
             finally:
-                self._in_deferred = False
+                self._owner = None
 
     # ---- the forward's side -------------------------------------------------------------------
     def forward_reached(self, index: int) -> None:
@@ -140,7 +139,7 @@ class UpdatePipeline:
     def wait(self, name: str | None = None) -> None:
         """Wait until the step in flight has updated unit ``name`` (every unit if None); re-raise its
         error. A deferred step runs its updates up to ``name`` here."""
-        if self._in_deferred and self._owner == threading.get_ident():
+        if self._owner == threading.get_ident():
             return  # a deferred update (or its commit) waiting on the step it is part of
         if self._deferred is not None:
             self._run_deferred(name)

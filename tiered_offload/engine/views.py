@@ -118,6 +118,12 @@ class EngineViews:
         return self._streamer.modes is not None and "recompute" in self._streamer.modes
 
     @property
+    def step_mode(self) -> str:
+        """How the optimizer step runs: ``overlapped`` (in the background beside the next forward),
+        ``deferred`` (each unit's update by the next forward as it reaches the unit) or ``inline``."""
+        return "overlapped" if self.overlap_step else "deferred" if self.defer_step else "inline"
+
+    @property
     def activation_modes(self) -> list[str] | None:
         """Per streamed block: ``keep``, ``offload`` or ``recompute`` (None: everything is kept in
         memory until backward, as plain PyTorch does, because the whole state fits)."""
