@@ -102,6 +102,22 @@ def _kill_during_update(engine, step: int, after_units: int) -> None:
     engine._update_unit = counted
 
 
+def _fragment(engine, backwards: int) -> None:
+    """The first ``backwards`` groups that pin a block's saved activations beside its buffers are
+    refused, as a tier whose free room pinned copies split into holes too small for them refuses
+    them (counted in ``engine.refused_groups``)."""
+    from offload_core.errors import TierCapacityError
+    get_group, engine.refused_groups = engine.store.get_group, []
+
+    def fragmented(keys, tier=None):
+        acts = [k for k in keys if "/activations" in k]
+        if acts and len(keys) > 1 and len(engine.refused_groups) < backwards:
+            engine.refused_groups.append(acts[0])
+            raise TierCapacityError(f"cannot fit tensor {acts[0]!r}: largest free block too small (test)")
+        return get_group(keys, tier)
+    engine.store.get_group = fragmented
+
+
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
@@ -118,6 +134,8 @@ def main() -> int:
     if cfg.get("no_room_on_rank") == rank:  # this rank cannot hold a rest gradient buffer per micro-batch
         from tiered_offload.engine import micro_batches
         micro_batches._RestGradients.open = lambda self, schedule: False
+    if cfg.get("fragmented_on_rank") == rank:  # its tier too fragmented for a block's activations beside it
+        _fragment(engine, backwards=3)
     if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
         _kill_during_update(engine, *cfg["kill"][1:])
     losses = []
@@ -149,7 +167,8 @@ def main() -> int:
               "host_budget": engine.store.capacity("host"), "weights": weights if rank == 0 else None,
               "directory": str(engine.store.backend.location), "exported": exported,
               "gathered_ahead": engine._streamer.gathered_ahead, "collective_bytes": engine._placement.collective_bytes(),
-              "disk_read": engine.store.stats.bytes_read[Tier.DISK]}
+              "disk_read": engine.store.stats.bytes_read[Tier.DISK],
+              "refused_groups": getattr(engine, "refused_groups", [])}
     engine.close()
     result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()
                                 if f.is_file() and not f.name.startswith("."))

@@ -122,7 +122,8 @@ def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_th
     micro-batch as the loop reduces it (the rest's, embeddings to head, in a buffer of each
     micro-batch's own: in one buffer they met before each one's reduction, and the final norm's
     bias came out 9e-11 off), so the weights and losses are the loop's, bitwise, with
-    activations kept, offloaded and recomputed (on one rank; the other recomputes every block)."""
+    activations kept, offloaded and recomputed (on one rank; the other recomputes every block), and
+    with that rank's tier too fragmented for three blocks' saved activations beside their buffers."""
     cfg = {"layers": 6, "optimizer": "adamw", "steps": 3, "accumulate": 3, "clip": 0.5, "frozen": True,
            "activations": ["offload", "keep", "recompute"] * 2}
     model = build(cfg)
@@ -131,7 +132,11 @@ def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_th
     loop = launch(2, tmp_path / "loop", cfg)
     # each rank plans (and revises) its activations from its own timing: ranks whose modes differ
     # issue the same collectives and compute the same arithmetic (rank 1 recomputes every block)
-    fused = launch(2, tmp_path / "fused", dict(cfg, fused=True, activations_by_rank={"1": "recompute"}))
+    # and rank 0's tier, fragmented, cannot place 3 blocks' saved activations beside their buffers:
+    # it reads them into a buffer of their own (its collectives are the other rank's)
+    fused = launch(2, tmp_path / "fused", dict(cfg, fused=True, activations_by_rank={"1": "recompute"},
+                                               fragmented_on_rank=0, timeout_s=60))
+    assert len(fused[0]["refused_groups"]) == 3 and not fused[1]["refused_groups"], fused[0]["refused_groups"]
     assert [r["losses"] for r in fused] == [r["losses"] for r in loop]
     assert all(torch.equal(fused[0]["weights"][k], w) for k, w in loop[0]["weights"].items())
     gathered = [r["collective_bytes"]["all_gather"] for r in (loop[0], fused[0])]

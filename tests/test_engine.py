@@ -246,15 +246,16 @@ def test_a_fragmented_tier_at_a_blocks_backward_reads_its_activations_beside_it(
     without them and the activations read into a buffer of their own (one block's: the fixed
     overhead); the numbers are PyTorch's, bitwise."""
     from tiered_offload import EngineConfig
-    from tiered_offload.engine.full_buffers import FullBuffers
-    acquire, refused = FullBuffers.acquire, []
+    from tiered_offload.store.tiered_store import TieredStore
+    get_group, refused = TieredStore.get_group, []
 
-    def fragmented(self, unit, grad=False, extra=()):
-        if grad and extra and len(refused) < 3:  # the first three backwards that need activations
-            refused.append(unit.name)
-            raise TierCapacityError(f"cannot fit tensor {extra[0]!r}: largest free block too small (test)")
-        return acquire(self, unit, grad=grad, extra=extra)
-    monkeypatch.setattr(FullBuffers, "acquire", fragmented)
+    def fragmented(self, keys, tier=None):
+        acts = [k for k in keys if k.endswith("/activations")]
+        if acts and len(keys) > 1 and len(refused) < 3:  # the first three backwards that need activations
+            refused.append(acts[0])
+            raise TierCapacityError(f"cannot fit tensor {acts[0]!r}: largest free block too small (test)")
+        return get_group(self, keys, tier)
+    monkeypatch.setattr(TieredStore, "get_group", fragmented)
     le, lr_, we, wr, _ = train_pair(plain_gpt, plain_loss, tmp_path, clip=1.0,
                                     config=EngineConfig(activations="offload"))
     assert len(refused) == 3

@@ -238,6 +238,7 @@ def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     budget, acts, unit = re.search(r"host_memory >= .*? \((\d+) bytes\) .*activations \(([\d.]+) (KiB|MiB)\)",
                                    advice[0]).groups()
     acts = float(acts) * (1024 if unit == "KiB" else 1 << 20)
+    assert short.plan.advised_memory == int(budget)  # the same figure, for a program to read
     assert not short.defer_step  # the minimum budget cannot hold an update beside the rest
     deferring = int(re.search(r"host_memory >= .*? \((\d+) bytes\) defers it", advice[0]).group(1))
     assert deferring < int(budget)
@@ -249,6 +250,7 @@ def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     assert min(roomy._streamer.activation_room.values()) >= 0.99 * acts  # the size printed, rounded
     _train(roomy, 3)
     assert not any(r.startswith("the step does not overlap") for r in roomy.plan.reasons)
+    assert roomy.plan.advised_memory is None
     roomy.close()
 
 
@@ -270,6 +272,7 @@ def test_an_inline_step_whose_overlap_needs_the_whole_state_is_told_so(tmp_path)
     advice = [r for r in short.plan.reasons if r.startswith("the step does not overlap")]
     short.close()
     assert len(advice) == 1 and advice[0].endswith(f"({state} bytes) holds the whole training state"), advice
+    assert short.plan.advised_memory == state
 
 # ---- the step timeline and the per-step figures -------------------------------------------------------
 def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):

@@ -8,8 +8,9 @@ so the noise of a shared machine hits them alike; medians over rounds:
 1. plain PyTorch, everything in memory: the reference;
 2. the engine with a host budget that holds the whole training state;
 3. the engine in memory with nothing recomputed: the compute of a disk run that recomputes nothing;
-4. the engine with the state on disk and a host budget of a quarter of it (``--host-fraction``),
-   its planner choosing per block between keeping, offloading and recomputing activations;
+4. the engine with the state on disk and a host budget of a quarter of it (``--host-fraction``;
+   ``advised``: the budget its plan advises), its planner choosing per block between keeping,
+   offloading and recomputing activations;
 5. the same with every block recomputed (``activations="recompute"``, what the engine did before
    activations went through the tiers).
 
@@ -155,6 +156,33 @@ def _plain(base) -> Config:
     return Config("plain", ref_step)
 
 
+def _disk_budget(args, base, g, directory) -> int:
+    """The disk run's host budget: ``--host-fraction`` of the state, or (``advised``) what the plan
+    of an engine at a quarter of the state advises (the least budget at which its step overlaps the
+    next forward; a quarter where it already does)."""
+    state = 16 * sum(p.numel() for p in base.parameters())  # AdamW, every parameter trained
+    if args.host_fraction != "advised":
+        return int(state * float(args.host_fraction))
+    probe = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, "probe"),
+                   host_memory=state // 4, durable=False)
+    try:
+        for _ in range(8):  # the plan is made once its planning iteration is measured
+            if probe.plan.predicted_step_s is not None:
+                break
+            probe.backward(loss_of(probe, torch.randint(0, 256, (args.batch, args.context + 1), generator=g)))
+            probe.clip_grad_norm_(1.0)
+            probe.step()
+            probe.zero_grad()
+        probe.wait_committed()
+        advised = probe.plan.advised_memory or state // 4
+    finally:
+        probe.close()
+        shutil.rmtree(os.path.join(directory, "probe"), ignore_errors=True)
+    print(f"the plan at a quarter of the state advises host_memory = {format_size(advised)} "
+          f"({advised / state:.2f} x state)", flush=True)
+    return advised
+
+
 def main() -> int:  # noqa: C901 - a script
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=512)
@@ -165,7 +193,9 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after a warm-up round)")
     ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--path", default=None, help="storage directory (default: a temp dir under cwd)")
-    ap.add_argument("--host-fraction", type=float, default=0.25, help="host budget of the disk run, as a fraction of the state")
+    ap.add_argument("--host-fraction", default="0.25",
+                    help="host budget of the disk run, as a fraction of the state; 'advised': the budget the plan "
+                         "advises at a quarter of it (the least at which the step overlaps the next forward)")
     ap.add_argument("--volatile", action="store_true", help="also run the host and disk configurations with durable=False")
     ap.add_argument("--commit-every", type=int, default=1, help="commit the durable runs every N steps")
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
@@ -202,7 +232,7 @@ def main() -> int:  # noqa: C901 - a script
         plain = _plain(base)
         host = engine_config("host", roomy)
         compute = engine_config("compute", roomy, recompute=False, durable=False)
-        small = int(engines[0].state_bytes() * args.host_fraction)
+        small = _disk_budget(args, base, g, directory)
         disk = engine_config("disk", small, trace=args.trace)
         recomputing = engine_config("disk-recompute", small, durable=False, activations="recompute")
         configs = [plain, host, compute, disk, recomputing]
@@ -234,7 +264,7 @@ def main() -> int:  # noqa: C901 - a script
           f"{med['host'] / med['plain']:.2f}   ({flags['host']})")
     print(f"engine, in memory, nothing recomputed       {med['compute']:7.3f} s/step   "
           f"({med['compute'] / med['plain']:.2f} x plain)")
-    print(f"engine, state on disk (host={args.host_fraction:.2f} x state)  {med['disk']:7.3f} s/step   engine/in-memory = "
+    print(f"engine, state on disk (host={small / state_bytes:.2f} x state)  {med['disk']:7.3f} s/step   engine/in-memory = "
           f"{med['disk'] / med['plain']:.2f}   ({flags['disk']})")
     print(f"  the same, every block recomputed, volatile {med['disk-recompute']:7.3f} s/step   engine/in-memory = "
           f"{med['disk-recompute'] / med['plain']:.2f}")
@@ -281,7 +311,7 @@ def accumulate(args) -> int:
         return Config(name, step, finish=engine.wait_committed, engine=engine)
     with _engines(args, directory) as engines:
         write_rate, read_rate = disk_rates(directory)
-        host = int(state * args.host_fraction)
+        host = _disk_budget(args, base, g, directory)
         configs = [make("memory", 2 * state, 1, False), make("one", host, 1, False),
                    make("loop", host, n, False), make("fused", host, n, True),
                    make("fused-recompute", host, n, True, "recompute")]
@@ -298,7 +328,7 @@ def accumulate(args) -> int:
     rd = {c.name: statistics.median(c.moved["read"][1:]) for c in configs}
     wr = {c.name: statistics.median(c.moved["written"][1:]) for c in configs}
     floor_one = rd["one"] / read_rate + wr["one"] / write_rate
-    print(f"model: {cfg.n_params() / 1e6:.1f}M params, state {format_size(state)}, host budget {args.host_fraction:g} x "
+    print(f"model: {cfg.n_params() / 1e6:.1f}M params, state {format_size(state)}, host budget {host / state:.2f} x "
           f"state; micro-batch {args.batch} x {args.context} tokens, {n} per optimizer step; {args.rounds} interleaved "
           f"rounds of {args.steps_per_round} steps, medians; disk {format_size(read_rate)}/s read, "
           f"{format_size(write_rate)}/s written")

@@ -126,12 +126,13 @@ class FullBuffers:
 
     def acquire(self, unit: Unit, *, grad: bool, extra: list[str] = ()) -> tuple:
         """``(weights, gradients or None, [extra tensors])``, pinned together: the unit's full
-        buffers. Sharded, the weights are all-gathered into a scratch buffer and the gradients
-        are a zeroed scratch buffer that ``BlockStreamer.gradients_done`` reduce-scatters; release
-        with :meth:`release` (same ``grad`` and ``extra``)."""
+        buffers (an extra the tier has no hole for beside them: None, not pinned). Sharded, the
+        weights are all-gathered into a scratch buffer and the gradients are a zeroed scratch
+        buffer that ``BlockStreamer.gradients_done`` reduce-scatters; release with :meth:`release`
+        (same ``grad``, and ``extra`` less what was not pinned)."""
         gk = unit.grad_key if grad else None
         if self.sharding is None:
-            got = self.store.get_group([unit.weight_key, *([gk] if gk else []), *extra])
+            got = self._pin([unit.weight_key, *([gk] if gk else [])], extra)
             return got[0], (got[1] if gk else None), got[1 + bool(gk):]
         sharding, slice_layout = self.sharding, self.sharding.layout(unit)
         wkey, gkey, n = unit.key("weight.full"), unit.key("grad.full"), slice_layout.size * sharding.world
@@ -143,7 +144,7 @@ class FullBuffers:
             new_grad = gk and entry.grads is None
             if new_grad:
                 self.store.register(gkey, (n,), scratch=True)  # zeros
-            got = self.store.get_group([wkey, *([gkey] if gk else []), *extra])
+            got = self._pin([wkey, *([gkey] if gk else [])], extra)
             entry.users += 1
             if new_grad:
                 entry.grads = got[1]
@@ -154,7 +155,7 @@ class FullBuffers:
             if gk:
                 self.store.register(gkey, (n,), scratch=True)
             try:
-                got = self.store.get_group([unit.weight_key, wkey, *([gkey] if gk else []), *extra])
+                got = self._pin([unit.weight_key, wkey, *([gkey] if gk else [])], extra)
             except BaseException:
                 self._forget_full(unit)
                 raise
@@ -164,7 +165,8 @@ class FullBuffers:
                 sharding.gather(full, shard, f"{unit.name}'s weights")
                 self.store.mark_dirty(wkey)
             except BaseException:
-                for key in [wkey, *([gkey] if gk else []), *extra]:
+                pinned = [k for k, t in zip(extra, extras) if t is not None]
+                for key in [wkey, *([gkey] if gk else []), *pinned]:
                     self.store.release(key)
                 self._forget_full(unit)
                 raise
@@ -175,6 +177,18 @@ class FullBuffers:
         if ahead:  # the gather ahead hands its use over to this caller
             self.release(unit, grad=False, handover=True)
         return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
+
+    def _pin(self, keys: list[str], extra: list[str]) -> list:
+        """``keys`` and ``extra`` pinned as one group. Where what is pinned splits the tier's free
+        room into holes too small for the extras beside the buffers, the buffers alone: each extra
+        not pinned is None in its place (the caller reads it apart, and does not release it). No
+        collective depends on it, so a rank that falls back stays in step with the others."""
+        try:
+            return self.store.get_group([*keys, *extra])
+        except TierCapacityError:
+            if not extra:
+                raise
+            return [*self.store.get_group(keys), *[None] * len(extra)]
 
     def release(self, unit: Unit, *, grad: bool, extra: list[str] = (), handover: bool = False) -> None:
         """Unpin what :meth:`acquire` pinned (same ``grad`` and ``extra``); sharded, the last user

@@ -158,7 +158,8 @@ class PlanMonitor:
             self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), not self.planner_chooses)
             advice = self._overlap_advice(m)
             if advice:
-                self._plan.reasons.append(advice)
+                self._plan.reasons.append(advice[0])
+                self._plan.advised_memory = advice[1]
             self._apply("tiered-offload plan:\n%s")
         elif len(measured) == self._check_at:
             under = measured[-self.CHECK_AFTER:]
@@ -186,10 +187,10 @@ class PlanMonitor:
         self.streamer.measure_graphs = False
         log.info(message, self._plan.summary())
 
-    def _overlap_advice(self, m: StepMeasurement) -> str | None:
+    def _overlap_advice(self, m: StepMeasurement) -> tuple[str, int] | None:
         """When the step runs inline only because the budget is short (the state does not fit,
-        nobody configured it): the budget at which it would overlap the next forward, with room
-        for the largest block's saved activations beside it."""
+        nobody configured it): why, and the budget at which it would overlap the next forward,
+        with room for the largest block's saved activations beside it."""
         cap = self.store.capacity(self.store.compute_tier)
         if self.overlap_step or self.config.overlap_step is not None or self.schedule.fits(cap):
             return None
@@ -201,12 +202,12 @@ class PlanMonitor:
                f"cannot hold a unit being updated beside the forward, so reads and compute alternate; ")
         if self.schedule.fits(need):  # that much holds the whole state: nothing left to overlap
             state = self.schedule.state_bytes()
-            return why + f"{tier}_memory >= {format_size(state)} ({state} bytes) holds the whole training state"
+            return why + f"{tier}_memory >= {format_size(state)} ({state} bytes) holds the whole training state", state
         defer = self.schedule.defer_budget()
         sooner = (f"; {tier}_memory >= {format_size(defer)} ({defer} bytes) defers it to the next forward (one read of "
                   f"the weights less per step)") if not self.streamer.defer_step and defer < need else ""
         return why + (f"{tier}_memory >= {format_size(need)} ({need} bytes) lets it overlap the next forward with "
-                      f"room for a block's saved activations ({format_size(acts)})") + sooner
+                      f"room for a block's saved activations ({format_size(acts)})") + sooner, need
 
     def _disk_rates(self, m: StepMeasurement) -> DiskRates:
         """The disk's rates for the plan: the bench-io profile of its file system, else what the

@@ -111,6 +111,10 @@ class Plan:
     defer_step: bool = False
     """Not overlapped: each unit's update runs on the next forward's thread just before it needs
     the unit (``EngineConfig.defer_step``)."""
+    advised_memory: int | None = None
+    """The compute tier's budget the plan advises where the step runs deferred or inline for want
+    of room: the least at which it overlaps the next forward (None: it overlaps, or the
+    configuration fixed the choice)."""
     floors: dict | None = None
     """The bytes a step cannot avoid (:meth:`Schedule.floors`) and where the update runs:
     ``disk_read``, ``disk_written``, ``link`` (None without a device tier), ``update`` (the tier)
@@ -310,7 +314,8 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
                 defer_step=base.defer_step, host_split=base.host_split, lower_tier=base.lower_tier, predicted_step_s=step,
                 predicted_compute_s=compute, predicted_io_s=io,
                 io_hidden=hidden, predicted_read=read, predicted_written=written, rates=rates,
-                overridden=base.overridden, reasons=base.reasons + reasons, floors=base.floors)
+                overridden=base.overridden, reasons=base.reasons + reasons, floors=base.floors,
+                advised_memory=base.advised_memory)
 
 
 def choose_activation_modes(recompute, activations, block_names: list[str], state_fits: bool) -> list[str] | None:

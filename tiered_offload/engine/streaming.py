@@ -475,24 +475,24 @@ class BlockStreamer:
     @contextlib.contextmanager
     def backward_buffers(self, unit: Unit, stash: SavedActivations):
         """For a block's backward: its weight and gradient buffers and its saved activations,
-        pinned together (one group, so a fragmented tier re-places them), the activations
-        resolvable through ``stash``. Yields ``(weights, gradients or None)``; afterwards everything
+        pinned together (one group, so a fragmented tier re-places them; where it has no hole for
+        the activations beside them, those read apart), the activations resolvable through
+        ``stash``. Yields ``(weights, gradients or None)``; afterwards everything
         is released and the activations forgotten."""
         self.pipeline.wait(unit.name)
         extra = [stash.key] if stash.key else []
         try:
-            try:
-                flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra)
-            except TierCapacityError:
-                if not extra or self.sharding is not None:  # sharded: the ranks' collectives must match
-                    raise
+            flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra)
+            if extra and got[0] is None:
                 # what is pinned splits the tier's free room into holes too small for the activations
                 # beside the block's buffers: those as a group, the activations read into a buffer of
                 # their own (one block's: the fixed overhead beside the budgets)
-                raw = self.store.read(stash.key).to(self.device)
                 extra = []
-                flat, gflat, _ = self.full.acquire(unit, grad=True)
-                got = [raw]
+                try:
+                    got = [self.store.read(stash.key).to(self.device)]
+                except BaseException:
+                    self.full.release(unit, grad=True)
+                    raise
         except BaseException:
             self.discard(stash)
             raise
