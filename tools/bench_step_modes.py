@@ -10,6 +10,16 @@ floor, and the ratios deferred / inline. No wait at the measured steps' boundari
 the whole step (``commit()``, an export) runs a deferred step whole, as inline.
 
     python tools/bench_step_modes.py --steps 12
+    python tools/bench_step_modes.py --steps 10 --prefetch-depth 2
+
+Beside each mode's measured bytes it prints what a cache that sees the future would move for the
+same accesses: every ``get`` of the measured steps is recorded in the order the engine made it
+(with its writes, zeroings and creations), and replayed through a host tier of the same budget
+evicting the tensor used again furthest ahead (dead tensors first; Belady's rule, with sizes).
+That reference ignores what the engine must also respect (pins, holes, prefetch timing), so it
+is a target, not a proof of a lower bound; the distance from it is what a better eviction policy
+could still save on this access order, the distance from it to the floor what only another order
+(or more memory) could.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import copy
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -33,31 +44,114 @@ def loss_of(model, x):
     return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
 
 
+class Accesses:
+    """The store's accesses, in order, while :attr:`on`: ``(op, key, bytes)`` with op ``get``
+    (needs the bytes), ``dirty`` (the copy got), ``write`` / ``create`` (new bytes, nothing read),
+    ``zero`` / ``register`` (zeros: nothing read until written) and ``gone`` (unregistered)."""
+
+    def __init__(self, store):
+        self.events, self.on, self._lock = [], False, threading.Lock()
+        for name, op in (("get", "get"), ("mark_dirty", "dirty"), ("write", "write"), ("create", "create"),
+                         ("zero", "zero"), ("register", "register"), ("unregister", "gone")):
+            setattr(store, name, self._wrap(store, getattr(store, name), op))
+
+    def _wrap(self, store, method, op):
+        def recorded(key, *args, **kwargs):
+            result = method(key, *args, **kwargs)
+            if self.on:
+                nbytes = store.record(key).nbytes if op != "gone" else 0
+                with self._lock:
+                    self.events.append((op, key, nbytes))
+            return result
+        return recorded
+
+
+def _kind(key: str) -> str:
+    return key.rsplit("/", 1)[-1].split(".")[0]  # weight, grad, state, activations
+
+
+def foresight(events: list, capacity: int, count_from: int, count_to: int) -> tuple[dict, dict]:
+    """Disk bytes (read, written) of events ``count_from:count_to`` of a cache of ``capacity`` bytes that
+    evicts the tensor whose bytes are needed furthest ahead (a dead one first: overwritten, zeroed
+    or gone before its next read, it is dropped unwritten). Starts empty; a tensor's first ``get``
+    reads it unless it holds zeros. Both by kind of tensor (``weight``, ``grad``, ``state``...)."""
+    inf = len(events)
+    next_at = [inf] * len(events)  # per event: where its tensor's bytes are next needed (inf: dead before)
+    later: dict[str, int] = {}
+    for i in range(len(events) - 1, -1, -1):
+        op, key, _ = events[i]
+        next_at[i] = later.get(key, inf)
+        later[key] = i if op in ("get", "dirty") else inf
+    resident: dict[str, list] = {}  # key -> [bytes, dirty, needed next at]
+    zeros: set[str] = set()
+    read, written, used = {}, {}, 0
+    for i, (op, key, nbytes) in enumerate(events):
+        counted = count_from <= i < count_to
+        if op in ("zero", "register", "gone"):
+            if key in resident:
+                used -= resident.pop(key)[0]
+            if op != "gone":
+                zeros.add(key)
+            continue
+        if key not in resident:
+            if op == "get" and key not in zeros and counted:
+                read[_kind(key)] = read.get(_kind(key), 0) + nbytes
+            resident[key] = [nbytes, False, inf]
+            used += nbytes
+        entry = resident[key]
+        entry[2] = next_at[i]
+        if op in ("dirty", "write", "create"):
+            entry[1] = True
+            zeros.discard(key)
+        while used > capacity:
+            victim = max((k for k in resident if k != key), key=lambda k: resident[k][2], default=None)
+            if victim is None:
+                break
+            size, dirty, needed = resident.pop(victim)
+            used -= size
+            if dirty and needed < inf and counted:
+                written[_kind(victim)] = written.get(_kind(victim), 0) + size
+    return read, written
+
+
 def run(base, defer: bool, args, directory: str) -> dict:
     n = sum(p.numel() for p in base.parameters())
     engine = Engine(copy.deepcopy(base), torch.optim.AdamW, dict(lr=1e-4), storage=directory,
                     host_memory=int(16 * n * args.host_fraction), durable=False,
-                    config=EngineConfig(defer_step=defer, activations="recompute"))
+                    config=EngineConfig(defer_step=defer, activations="recompute",
+                                        **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None else {})))
+    accesses = Accesses(engine.store)
     g = torch.Generator().manual_seed(1)
     warm = args.steps // 2
-    for step in range(args.steps):
+    # one step recorded before the measured ones (the reference's cache fills) and one after them
+    # (its choices in the last measured step see the uses that follow)
+    for step in range(args.steps + 1):
+        if step == warm - 1:
+            accesses.on = True
         if step == warm:
+            count_from = len(accesses.events)
             before, t0 = engine.store.stats, time.perf_counter()
+        if step == args.steps:
+            seconds = (time.perf_counter() - t0) / (args.steps - warm)
+            after, count_to = engine.store.stats, len(accesses.events)
         x = torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
         engine.backward(loss_of(engine, x))
         engine.clip_grad_norm_(1.0)
         engine.step()
         engine.zero_grad()
-    seconds = (time.perf_counter() - t0) / (args.steps - warm)
-    after, floors, mode = engine.store.stats, engine.plan.floors, engine.defer_step
+    floors, mode = engine.plan.floors, engine.defer_step
+    accesses.on = False
+    ref_read, ref_written = foresight(accesses.events, engine.store.capacity(engine.store.compute_tier),
+                                      count_from, count_to)
+    per = args.steps - warm
+    reference = ({k: v / per for k, v in ref_read.items()}, {k: v / per for k, v in ref_written.items()})
     weights = torch.cat([p.detach().flatten() for _, p in engine.named_parameters()])
     engine.close()
-    per = args.steps - warm
     read = {k: v / per for k, v in after.by_kind(("disk->host",), since=before).items()}
     written = {k: v / per for k, v in after.by_kind(("host->disk",), since=before).items()}
     waited = (after.io_wait_seconds - before.io_wait_seconds) / per
     return dict(read=read, written=written, seconds=seconds, waited=waited, floors=floors, deferred=mode,
-                weights=weights)
+                weights=weights, reference=reference)
 
 
 def main() -> int:
@@ -68,6 +162,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12, help="steps per engine; the second half is measured")
     ap.add_argument("--host-fraction", type=float, default=0.25)
+    ap.add_argument("--prefetch-depth", type=int, default=None,
+                    help="EngineConfig.prefetch_depth (default: the engine's): fewer bytes ahead, fewer evicted early")
     args = ap.parse_args()
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=8))
@@ -79,15 +175,25 @@ def main() -> int:
     print(f"model: {n / 1e6:.1f}M parameters, state {format_size(16 * n)}, host budget {args.host_fraction} x state; "
           f"{args.steps - args.steps // 2} measured steps each; the plan's disk floor {format_size(floor)} per step")
     print("| step | s / step | of it waiting for bytes | disk read / step (weights, gradients, states) | written / step "
-          "| bytes / floor |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+          "| bytes / floor | foresight: read, written | bytes / foresight's |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     total = {}
     for name, r in runs.items():
         read, written = sum(r["read"].values()), sum(r["written"].values())
         total[name] = read + written
         kinds = ", ".join(format_size(r["read"].get(k, 0)) for k in ("weight", "grad", "state"))
+        ref_read, ref_written = r["reference"]
+        ref = sum(ref_read.values()) + sum(ref_written.values())
         print(f"| {name} | {r['seconds']:.3f} | {r['waited']:.3f} | {format_size(read)} ({kinds}) | {format_size(written)} | "
-              f"{(read + written) / floor:.2f} |")
+              f"{(read + written) / floor:.2f} | {format_size(sum(ref_read.values()))}, "
+              f"{format_size(sum(ref_written.values()))} | {(read + written) / max(1, ref):.2f} |")
+    print("by kind, read / written per step, measured against foresight's:")
+    for name, r in runs.items():
+        ref_read, ref_written = r["reference"]
+        print(f"  {name}: " + "; ".join(
+            f"{k} {format_size(r['read'].get(k, 0))} / {format_size(r['written'].get(k, 0))} against "
+            f"{format_size(ref_read.get(k, 0))} / {format_size(ref_written.get(k, 0))}"
+            for k in sorted(set(r["read"]) | set(r["written"]) | set(ref_read) | set(ref_written))))
     d, i = runs["deferred"], runs["inline"]
     print(f"deferred / inline: weights read {d['read'].get('weight', 0) / i['read']['weight']:.2f}x, disk bytes "
           f"{total['deferred'] / total['inline']:.2f}x, step {d['seconds'] / i['seconds']:.2f}x; final weights "
