@@ -217,20 +217,23 @@ def fused_step(engine, step, loss_fn):
 
 def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, accumulate=1, clip=None,
                  routes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir", inspect=None,
-                 fused=False, **engine_kwargs):
+                 fused=False, device="cpu", **engine_kwargs):
     """Train ``make()`` in memory and through the engine (state on disk, host budget below it);
     with ``resume_at``, the engine is closed after that many steps and a new one resumes; ``fused``:
-    the micro-batches through ``forward_backward``. Returns the engine's final weights, the reference model and the engine's state bytes."""
+    the micro-batches through ``forward_backward``; both on ``device``. Returns the engine's final
+    weights, the reference model and the engine's state bytes."""
     ref = make()
     start = copy.deepcopy(ref.state_dict())
-    data = batches(steps, accumulate, routes=routes)
+    data = [[(ids.to(device), None if r is None else r.to(device)) for ids, r in step]
+            for step in batches(steps, accumulate, routes=routes)]
+    ref.to(device)
     losses_ref = train(ref, make_optimizer(ref), data, loss_fn, clip)
 
     def build(resume):
         model = make()
         model.load_state_dict(start)
         engine = Engine(model, make_optimizer(model), storage=None if storage is None else tmp_path / "state",
-                        host_memory=host, config=config, resume=resume, **engine_kwargs)
+                        host_memory=host, config=config, resume=resume, device=device, **engine_kwargs)
         assert engine.state_bytes() > engine.store.capacity("host"), "the state must not fit the host budget"
         return engine
 
@@ -248,7 +251,7 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     weights = dict(engine.named_parameters())
     reference = dict(ref.named_parameters())
     assert list(weights) == list(reference)
-    different = [k for k, w in weights.items() if not torch.equal(w, reference[k].detach())]
+    different = [k for k, w in weights.items() if not torch.equal(w.cpu(), reference[k].detach().cpu())]
     assert not different, f"not bitwise equal to PyTorch: {different[:5]}"
     state = engine.state_bytes()
     if inspect is not None:
@@ -802,6 +805,16 @@ def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monk
     monkeypatch.setattr(micro_batches, "_loop", lambda *a: as_loop.append(1) or loop(*a))
     check_parity(make, make_optimizer, tmp_path, clip=1.0, accumulate=3, steps=3, fused=True, **options)
     assert len(as_loop) == (3 if "dropout" in case else 0)  # with dropout every step ran as the loop
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the GPU check runs it (tools/gpu_check.py)")
+def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(tmp_path):
+    """On a GPU: each micro-batch's backward on its own thread with autograd's device threads off
+    (the CPU runs a backward on the calling thread already), device and host budgets below the
+    state; bitwise PyTorch's loop on the same GPU, with groups and clipping, and no hang."""
+    state = 16 * sum(p.numel() for p in make_llama().parameters())
+    check_parity(make_llama, lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3), tmp_path, loss_fn=hf_loss, clip=1.0,
+                 accumulate=3, steps=3, fused=True, host_fraction=0.6, device="cuda", device_memory=int(0.4 * state))
 
 
 def test_forward_backward_reads_each_block_once_for_all_micro_batches(tmp_path):

@@ -14,7 +14,9 @@ order of importance, each with its own time limit inside ``--budget-s``:
 3. ``tests``: pytest on the GPU: the kvikio conformance suite with device buffers (and posix),
    the device-path tests (wsum64 on the GPU equal to the CPU's), the engine parity tests on CUDA
    (GPT-2 and Llama tiny, state on disk, host and device budgets a quarter of the state, against
-   PyTorch on the same GPU), and the store's Hypothesis state machine with a CUDA device tier.
+   PyTorch on the same GPU; each ``optimizer_device`` placement against its reference),
+   ``forward_backward`` on CUDA against the loop, and the store's Hypothesis state machine with a
+   CUDA device tier.
 4. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio.
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
    below its 17 GB state, 10 steps (steady state 4-10) against plain PyTorch on the same GPU, with
@@ -190,7 +192,10 @@ def tests_section(check: Check, quick: bool):
         groups = [
             ("kvikio_and_posix_conformance", ["tests/test_backends.py", "-k", "Kvikio or Posix or posix"], {}),
             ("device_path", ["tests/test_device_path.py"], {}),
-            ("engine_parity_cuda", ["tests/test_engine.py", "-k", "parity_adamw_hf"], {}),
+            # GPT-2 and Llama; the update in the host tier against PyTorch's optimizer on CPU copies,
+            # in the device tier against PyTorch's on the GPU
+            ("engine_parity_cuda", ["tests/test_engine.py", "-k", "parity_adamw_hf or runs_where_told"], {}),
+            ("forward_backward_cuda", ["tests/test_finetune.py", "-k", "forward_backward_on_cuda"], {}),
             ("store_state_machine_cuda_tier", ["tests/test_store_stateful.py"],
              {"TIERED_OFFLOAD_TEST_STORE_DEVICE": "cuda", "TIERED_OFFLOAD_TEST_EXAMPLES": "15" if quick else "40"}),
         ]
