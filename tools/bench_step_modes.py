@@ -120,7 +120,7 @@ def run(base, defer: bool, args, directory: str) -> dict:
                     host_memory=int(16 * n * args.host_fraction), durable=False,
                     config=EngineConfig(defer_step=defer, activations="recompute",
                                         **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None else {})))
-    accesses = Accesses(engine.store)
+    accesses, phases = Accesses(engine.store), {}
     g = torch.Generator().manual_seed(1)
     warm = args.steps // 2
     # one step recorded before the measured ones (the reference's cache fills) and one after them
@@ -135,10 +135,19 @@ def run(base, defer: bool, args, directory: str) -> dict:
             seconds = (time.perf_counter() - t0) / (args.steps - warm)
             after, count_to = engine.store.stats, len(accesses.events)
         x = torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
-        engine.backward(loss_of(engine, x))
+        s0 = engine.store.stats
+        loss = loss_of(engine, x)
+        s1 = engine.store.stats
+        engine.backward(loss)
+        s2 = engine.store.stats
         engine.clip_grad_norm_(1.0)
         engine.step()
         engine.zero_grad()
+        if warm <= step < args.steps:  # the disk bytes by phase (a deferred step's updates run in the forward)
+            for phase, a, b in (("forward", s0, s1), ("backward", s1, s2), ("step", s2, engine.store.stats)):
+                for way in ("disk->host", "host->disk"):
+                    for kind, nbytes in b.by_kind((way,), since=a).items():
+                        phases[(phase, way, kind)] = phases.get((phase, way, kind), 0) + nbytes / (args.steps - warm)
     floors, mode = engine.plan.floors, engine.defer_step
     accesses.on = False
     ref_read, ref_written = foresight(accesses.events, engine.store.capacity(engine.store.compute_tier),
@@ -151,7 +160,7 @@ def run(base, defer: bool, args, directory: str) -> dict:
     written = {k: v / per for k, v in after.by_kind(("host->disk",), since=before).items()}
     waited = (after.io_wait_seconds - before.io_wait_seconds) / per
     return dict(read=read, written=written, seconds=seconds, waited=waited, floors=floors, deferred=mode,
-                weights=weights, reference=reference)
+                weights=weights, reference=reference, phases=phases)
 
 
 def main() -> int:
@@ -194,6 +203,14 @@ def main() -> int:
             f"{k} {format_size(r['read'].get(k, 0))} / {format_size(r['written'].get(k, 0))} against "
             f"{format_size(ref_read.get(k, 0))} / {format_size(ref_written.get(k, 0))}"
             for k in sorted(set(r["read"]) | set(r["written"]) | set(ref_read) | set(ref_written))))
+    print("by phase, disk bytes read / written per step:")
+    for name, r in runs.items():
+        for phase in ("forward", "backward", "step"):
+            got = {(way, kind): v for (p_, way, kind), v in r["phases"].items() if p_ == phase and v}
+            kinds = sorted({kind for _, kind in got})
+            print(f"  {name}, {phase}: " + ("; ".join(
+                f"{kind} {format_size(got.get(('disk->host', kind), 0))} / {format_size(got.get(('host->disk', kind), 0))}"
+                for kind in kinds) or "nothing"))
     d, i = runs["deferred"], runs["inline"]
     print(f"deferred / inline: weights read {d['read'].get('weight', 0) / i['read']['weight']:.2f}x, disk bytes "
           f"{total['deferred'] / total['inline']:.2f}x, step {d['seconds'] / i['seconds']:.2f}x; final weights "
