@@ -314,6 +314,29 @@ def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):
     assert stats.io_bound_seconds > 0 and stats.bytes_read == stats.store.bytes_read  # the store's counters too
 
 
+def test_the_foresight_reference_keeps_what_is_needed_soonest():
+    """tools/bench_step_modes.py's reference cache (docs/RESULTS.md's "a cache that sees the
+    future"), on accesses worked by hand: a tier of two 4-byte tensors."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from bench_step_modes import foresight
+    get = lambda k: ("get", f"u/{k}", 4)  # noqa: E731
+    # a, b, c, a: c evicts b (never needed again), not a; nothing dirty, nothing written
+    assert foresight([get("weight"), get("grad"), get("state"), get("weight")], 8, 0, 4) == (
+        {"weight": 4, "grad": 4, "state": 4}, {})
+    # a dirty tensor needed furthest ahead is evicted and written, then read again
+    events = [get("weight"), ("dirty", "u/weight", 4), get("grad"), get("state"), get("grad"), get("state"),
+              get("weight")]
+    assert foresight(events, 8, 0, len(events)) == ({"weight": 8, "grad": 4, "state": 4}, {"weight": 4})
+    # a tensor zeroed is not read; a dirty one overwritten before its next read is dropped unwritten
+    events = [("zero", "u/grad", 4), get("grad"), ("dirty", "u/grad", 4), get("state"), get("weight"),
+              ("write", "u/grad", 4), get("grad")]
+    assert foresight(events, 8, 0, len(events)) == ({"state": 4, "weight": 4}, {})
+    # only events in [count_from, count_to) are counted; the cache fills before them
+    assert foresight([get("weight"), get("weight"), get("grad")], 8, 1, 2) == ({}, {})
+
+
 def test_torch_profiler_sees_the_engine_ranges(tmp_path):
     engine = _engine(tmp_path)
     _train(engine, 1)
