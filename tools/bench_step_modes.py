@@ -11,6 +11,7 @@ the whole step (``commit()``, an export) runs a deferred step whole, as inline.
 
     python tools/bench_step_modes.py --steps 12
     python tools/bench_step_modes.py --steps 10 --prefetch-depth 2
+    python tools/bench_step_modes.py --steps 10 --disk-rate 300   # a disk of 300 MB/s: disk-bound
 
 Beside each mode's measured bytes it prints what a cache that sees the future would move for the
 same accesses: every ``get`` of the measured steps is recorded in the order the engine made it
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from offload_core.sizes import format_size
+from storage_backends.posix import PosixBackend
 from tiered_offload import Engine, EngineConfig
 from tiered_offload_examples.models import GPT, GPTConfig
 
@@ -42,6 +44,25 @@ from tiered_offload_examples.models import GPT, GPTConfig
 def loss_of(model, x):
     logits = model(x[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+class _SlowDisk(PosixBackend):
+    """A file backend whose transfers, together, go no faster than ``rate`` bytes per second (one
+    device serving reads and writes in turn; the waits sleep, so the CPU stays free): a disk-bound
+    machine on a compute-bound one."""
+
+    def __init__(self, location, rate: float):
+        super().__init__(location)
+        self._rate, self._lock, self._free_at = rate, threading.Lock(), 0.0
+
+    def _transfer_part(self, key, part, mv, *, read):
+        with self._lock:  # this part's turn on the device
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = start + part.length / self._rate
+            done_at = self._free_at
+        n = super()._transfer_part(key, part, mv, read=read)
+        time.sleep(max(0.0, done_at - time.monotonic()))
+        return n
 
 
 class Accesses:
@@ -116,7 +137,8 @@ def foresight(events: list, capacity: int, count_from: int, count_to: int) -> tu
 
 def run(base, defer: bool, args, directory: str) -> dict:
     n = sum(p.numel() for p in base.parameters())
-    engine = Engine(copy.deepcopy(base), torch.optim.AdamW, dict(lr=1e-4), storage=directory,
+    storage = _SlowDisk(directory, args.disk_rate * 1e6) if args.disk_rate else directory
+    engine = Engine(copy.deepcopy(base), torch.optim.AdamW, dict(lr=1e-4), storage=storage,
                     host_memory=int(16 * n * args.host_fraction), durable=False,
                     config=EngineConfig(defer_step=defer, activations="recompute",
                                         **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None else {})))
@@ -171,6 +193,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12, help="steps per engine; the second half is measured")
     ap.add_argument("--host-fraction", type=float, default=0.25)
+    ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
+                    help="the disk no faster than this (reads and writes together; sleeps): the disk-bound case")
     ap.add_argument("--prefetch-depth", type=int, default=None,
                     help="EngineConfig.prefetch_depth (default: the engine's): fewer bytes ahead, fewer evicted early")
     args = ap.parse_args()
@@ -182,6 +206,7 @@ def main() -> int:
     floors = runs["inline"]["floors"]
     floor = floors["disk_read"] + floors["disk_written"]
     print(f"model: {n / 1e6:.1f}M parameters, state {format_size(16 * n)}, host budget {args.host_fraction} x state; "
+          + (f"the disk held to {args.disk_rate:g} MB/s; " if args.disk_rate else "") +
           f"{args.steps - args.steps // 2} measured steps each; the plan's disk floor {format_size(floor)} per step")
     print("| step | s / step | of it waiting for bytes | disk read / step (weights, gradients, states) | written / step "
           "| bytes / floor | foresight: read, written | bytes / foresight's |")
@@ -196,6 +221,11 @@ def main() -> int:
         print(f"| {name} | {r['seconds']:.3f} | {r['waited']:.3f} | {format_size(read)} ({kinds}) | {format_size(written)} | "
               f"{(read + written) / floor:.2f} | {format_size(sum(ref_read.values()))}, "
               f"{format_size(sum(ref_written.values()))} | {(read + written) / max(1, ref):.2f} |")
+    if args.disk_rate:
+        rate = args.disk_rate * 1e6
+        print(f"at {args.disk_rate:g} MB/s: the floor's bytes take {floor / rate:.3f} s; " + "; ".join(
+            f"{name}'s {total[name] / rate:.3f} s (step / that: {r['seconds'] / (total[name] / rate):.2f})"
+            for name, r in runs.items()))
     print("by kind, read / written per step, measured against foresight's:")
     for name, r in runs.items():
         ref_read, ref_written = r["reference"]
