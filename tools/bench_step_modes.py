@@ -36,33 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from offload_core.sizes import format_size
-from storage_backends.posix import PosixBackend
 from tiered_offload import Engine, EngineConfig
 from tiered_offload_examples.models import GPT, GPTConfig
+
+from slow_disk import SlowDisk  # noqa: E402 (tools/)
 
 
 def loss_of(model, x):
     logits = model(x[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-
-
-class _SlowDisk(PosixBackend):
-    """A file backend whose transfers, together, go no faster than ``rate`` bytes per second (one
-    device serving reads and writes in turn; the waits sleep, so the CPU stays free): a disk-bound
-    machine on a compute-bound one."""
-
-    def __init__(self, location, rate: float):
-        super().__init__(location)
-        self._rate, self._lock, self._free_at = rate, threading.Lock(), 0.0
-
-    def _transfer_part(self, key, part, mv, *, read):
-        with self._lock:  # this part's turn on the device
-            start = max(time.monotonic(), self._free_at)
-            self._free_at = start + part.length / self._rate
-            done_at = self._free_at
-        n = super()._transfer_part(key, part, mv, read=read)
-        time.sleep(max(0.0, done_at - time.monotonic()))
-        return n
 
 
 class Accesses:
@@ -137,7 +119,7 @@ def foresight(events: list, capacity: int, count_from: int, count_to: int) -> tu
 
 def run(base, defer: bool, args, directory: str) -> dict:
     n = sum(p.numel() for p in base.parameters())
-    storage = _SlowDisk(directory, args.disk_rate * 1e6) if args.disk_rate else directory
+    storage = SlowDisk(directory, args.disk_rate * 1e6) if args.disk_rate else directory
     engine = Engine(copy.deepcopy(base), torch.optim.AdamW, dict(lr=1e-4), storage=storage,
                     host_memory=int(16 * n * args.host_fraction), durable=False,
                     config=EngineConfig(defer_step=defer, activations="recompute",

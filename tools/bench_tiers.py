@@ -23,6 +23,7 @@ ratios against the inclusive, deep-window configuration measured in the same run
     python tools/bench_tiers.py --shares 0.0625,0.125,0.25,1   # the host tier's prefetch window alone
     python tools/bench_tiers.py --device cuda --d-model 2048 --layers 20 --vocab 32768 --batch 4 --context 512
     python tools/bench_tiers.py --placements       # the optimizer step on the device against on the host
+    python tools/bench_tiers.py --placements --disk-rate 300   # the same with the disk the bottleneck
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import torch.nn.functional as F
 
 from tiered_offload import Engine, EngineConfig, Tier, empty_init, format_size
 from tiered_offload_examples.models import GPT, GPTConfig
+
+from slow_disk import SlowDisk  # noqa: E402 (tools/)
 
 CONFIGS = {
     # name: (tier_caching, host_prefetch_share, optimizer_device)
@@ -94,6 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--placements", action="store_true",
                     help="instead: the optimizer step on the device against on the host (the update where its state "
                          "lives), link bytes per parameter per step")
+    ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
+                    help="the disk no faster than this (reads and writes together; tools/slow_disk.py): a GPU box's "
+                         "disk-bound step on this machine")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs, base_name = CONFIGS, BASELINE
@@ -124,7 +130,8 @@ def main(argv=None) -> int:
             store = {"tier_caching": caching, **({"host_prefetch_share": share} if share is not None else {})}
             if device.type == "cpu":
                 store["device_budget_bytes"] = dev_budget  # a device tier of CPU memory
-            engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=root / str(i),
+            storage = SlowDisk(root / str(i), args.disk_rate * 1e6) if args.disk_rate else root / str(i)
+            engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage,
                                    device=device, host_memory=host_budget, device_memory=dev_budget, durable=False,
                                    store_config=store, config=EngineConfig(optimizer_device=placement,
                                                                       activations=(activations or ["auto"])[0]))
@@ -155,6 +162,8 @@ def main(argv=None) -> int:
         first = next(iter(engines))
         plan = engines[first].plan.summary()
         link_floor = {name: (engine.stats().floors or {}).get("link") for name, engine in engines.items()}
+        disk_floor = {name: sum((engine.stats().floors or {}).get(k) or 0 for k in ("disk_read", "disk_written"))
+                      for name, engine in engines.items()}
         activations = {name: engine.plan.summary().splitlines()[0] for name, engine in engines.items()}
     finally:
         for engine in engines.values():
@@ -186,6 +195,13 @@ def main(argv=None) -> int:
               f"({(med['into_device'] + med['out_of_device']) / state:.2f}x the state"
               + (f"; the plan's floor {floor / cfg.n_params():.1f}, {floor / state:.2f}x)" if floor else ")")
               + f"\n{'':<32} by kind: {kinds or 'nothing'}\n{'':<32} {activations[name]}")
+    if args.disk_rate:
+        rate = args.disk_rate * 1e6
+        for name, med in report["configs"].items():
+            moved = med["disk_read"] + med["disk_written"]
+            med["step_vs_bytes_time"], med["step_vs_floor_time"] = med["s"] / (moved / rate), med["s"] * rate / disk_floor[name]
+            print(f"{name:<32} the disk held to {args.disk_rate:g} MB/s: step / its bytes' time {med['step_vs_bytes_time']:.2f}, "
+                  f"step / the plan's disk floor's time ({disk_floor[name] / rate:.3f} s) {med['step_vs_floor_time']:.2f}")
     print(f"\nthe plan of '{first}' (its disk bytes per step predicted, and measured over three steps):\n  "
           + plan.replace("\n", "\n  "))
     report["plan"] = plan
