@@ -121,7 +121,7 @@ def run(base, defer: bool, args, directory: str) -> dict:
     n = sum(p.numel() for p in base.parameters())
     storage = SlowDisk(directory, args.disk_rate * 1e6) if args.disk_rate else directory
     engine = Engine(copy.deepcopy(base), torch.optim.AdamW, dict(lr=1e-4), storage=storage,
-                    host_memory=int(16 * n * args.host_fraction), durable=False,
+                    host_memory=int(16 * n * args.host_fraction), durable=args.durable,
                     config=EngineConfig(defer_step=defer, activations="recompute",
                                         **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None else {})))
     accesses, phases = Accesses(engine.store), {}
@@ -175,6 +175,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12, help="steps per engine; the second half is measured")
     ap.add_argument("--host-fraction", type=float, default=0.25)
+    ap.add_argument("--durable", action="store_true",
+                    help="durable engines (every step committed, as by default; the bench's default is durable=False)")
     ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
                     help="the disk no faster than this (reads and writes together; sleeps): the disk-bound case")
     ap.add_argument("--prefetch-depth", type=int, default=None,
@@ -208,6 +210,9 @@ def main() -> int:
         print(f"at {args.disk_rate:g} MB/s: the floor's bytes take {floor / rate:.3f} s; " + "; ".join(
             f"{name}'s {total[name] / rate:.3f} s (step / that: {r['seconds'] / (total[name] / rate):.2f})"
             for name, r in runs.items()))
+    if args.durable:
+        print("(durable: the journal writes every rewritten weight and state and the gradients each step, which the "
+              "reference cache does not; compare its reads only)")
     print("by kind, read / written per step, measured against foresight's:")
     for name, r in runs.items():
         ref_read, ref_written = r["reference"]
