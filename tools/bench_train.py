@@ -158,13 +158,18 @@ def _plain(base) -> Config:
 
 def _disk_budget(args, base, g, directory) -> int:
     """The disk run's host budget: ``--host-fraction`` of the state, or (``advised``) what the plan
-    of an engine at a quarter of the state advises (the least budget at which its step overlaps the
-    next forward; a quarter where it already does)."""
+    of an engine at a quarter of the state (or the minimum budget, if larger) advises: the least
+    budget at which its step overlaps the next forward (that quarter where it already does)."""
     state = 16 * sum(p.numel() for p in base.parameters())  # AdamW, every parameter trained
     if args.host_fraction != "advised":
         return int(state * float(args.host_fraction))
+    sizing = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, "sizing"),
+                    host_memory=state, durable=False)
+    quarter = max(state // 4, sizing.minimum_budget())  # a small model's quarter can be below the working set
+    sizing.close()
+    shutil.rmtree(os.path.join(directory, "sizing"), ignore_errors=True)
     probe = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, "probe"),
-                   host_memory=state // 4, durable=False)
+                   host_memory=quarter, durable=False)
     try:
         for _ in range(8):  # the plan is made once its planning iteration is measured
             if probe.plan.predicted_step_s is not None:
@@ -174,11 +179,11 @@ def _disk_budget(args, base, g, directory) -> int:
             probe.step()
             probe.zero_grad()
         probe.wait_committed()
-        advised = probe.plan.advised_memory or state // 4
+        advised = probe.plan.advised_memory or quarter
     finally:
         probe.close()
         shutil.rmtree(os.path.join(directory, "probe"), ignore_errors=True)
-    print(f"the plan at a quarter of the state advises host_memory = {format_size(advised)} "
+    print(f"the plan at {format_size(quarter)} ({quarter / state:.2f} x state) advises host_memory = {format_size(advised)} "
           f"({advised / state:.2f} x state)", flush=True)
     return advised
 
