@@ -124,15 +124,16 @@ class FullBuffers:
             self._finish_ahead(unit)
             self.release(unit, grad=False)
 
-    def acquire(self, unit: Unit, *, grad: bool, extra: list[str] = ()) -> tuple:
+    def acquire(self, unit: Unit, *, grad: bool, extra: list[str] = (), apart: list | None = None) -> tuple:
         """``(weights, gradients or None, [extra tensors])``, pinned together: the unit's full
-        buffers (an extra the tier has no hole for beside them: None, not pinned). Sharded, the
-        weights are all-gathered into a scratch buffer and the gradients are a zeroed scratch
-        buffer that ``BlockStreamer.gradients_done`` reduce-scatters; release with :meth:`release`
-        (same ``grad``, and ``extra`` less what was not pinned)."""
+        buffers. Sharded, the weights are all-gathered into a scratch buffer and the gradients are
+        a zeroed scratch buffer that ``BlockStreamer.gradients_done`` reduce-scatters; release with
+        :meth:`release` (same ``grad`` and ``extra``). Where the tier has no hole for the extras
+        beside the buffers, they are read into buffers of their own instead, not pinned, and their
+        keys added to ``apart`` (then release without them)."""
         gk = unit.grad_key if grad else None
         if self.sharding is None:
-            got = self._pin([unit.weight_key, *([gk] if gk else [])], extra)
+            got = self._pin([unit.weight_key, *([gk] if gk else [])], extra, apart)
             return got[0], (got[1] if gk else None), got[1 + bool(gk):]
         sharding, slice_layout = self.sharding, self.sharding.layout(unit)
         wkey, gkey, n = unit.key("weight.full"), unit.key("grad.full"), slice_layout.size * sharding.world
@@ -144,7 +145,7 @@ class FullBuffers:
             new_grad = gk and entry.grads is None
             if new_grad:
                 self.store.register(gkey, (n,), scratch=True)  # zeros
-            got = self._pin([wkey, *([gkey] if gk else [])], extra)
+            got = self._pin([wkey, *([gkey] if gk else [])], extra, apart)
             entry.users += 1
             if new_grad:
                 entry.grads = got[1]
@@ -155,7 +156,7 @@ class FullBuffers:
             if gk:
                 self.store.register(gkey, (n,), scratch=True)
             try:
-                got = self._pin([unit.weight_key, wkey, *([gkey] if gk else [])], extra)
+                got = self._pin([unit.weight_key, wkey, *([gkey] if gk else [])], extra, apart)
             except BaseException:
                 self._forget_full(unit)
                 raise
@@ -165,8 +166,7 @@ class FullBuffers:
                 sharding.gather(full, shard, f"{unit.name}'s weights")
                 self.store.mark_dirty(wkey)
             except BaseException:
-                pinned = [k for k, t in zip(extra, extras) if t is not None]
-                for key in [wkey, *([gkey] if gk else []), *pinned]:
+                for key in [wkey, *([gkey] if gk else []), *(k for k in extra if k not in (apart or ()))]:
                     self.store.release(key)
                 self._forget_full(unit)
                 raise
@@ -178,17 +178,20 @@ class FullBuffers:
             self.release(unit, grad=False, handover=True)
         return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
 
-    def _pin(self, keys: list[str], extra: list[str]) -> list:
+    def _pin(self, keys: list[str], extra: list[str], apart: list | None) -> list:
         """``keys`` and ``extra`` pinned as one group. Where what is pinned splits the tier's free
-        room into holes too small for the extras beside the buffers, the buffers alone: each extra
-        not pinned is None in its place (the caller reads it apart, and does not release it). No
-        collective depends on it, so a rank that falls back stays in step with the others."""
+        room into holes too small for the extras beside the buffers (and ``apart`` is given): the
+        extras read into buffers of their own first (while the buffers are not pinned yet, so
+        their reads have the most room), their keys added to ``apart``, then the buffers pinned
+        alone. No collective depends on it: a rank that falls back stays in step with the others."""
         try:
             return self.store.get_group([*keys, *extra])
         except TierCapacityError:
-            if not extra:
+            if not extra or apart is None:
                 raise
-            return [*self.store.get_group(keys), *[None] * len(extra)]
+            copies = [self.store.read(k).to(self.device) for k in extra]  # one block's: the fixed overhead
+            apart.extend(extra)
+            return [*self.store.get_group(keys), *copies]
 
     def release(self, unit: Unit, *, grad: bool, extra: list[str] = (), handover: bool = False) -> None:
         """Unpin what :meth:`acquire` pinned (same ``grad`` and ``extra``); sharded, the last user

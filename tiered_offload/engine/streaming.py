@@ -480,19 +480,13 @@ class BlockStreamer:
         ``stash``. Yields ``(weights, gradients or None)``; afterwards everything
         is released and the activations forgotten."""
         self.pipeline.wait(unit.name)
-        extra = [stash.key] if stash.key else []
+        extra, apart = ([stash.key] if stash.key else []), []
         try:
-            flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra)
-            if extra and got[0] is None:
-                # what is pinned splits the tier's free room into holes too small for the activations
-                # beside the block's buffers: those as a group, the activations read into a buffer of
-                # their own (one block's: the fixed overhead beside the budgets)
-                extra = []
-                try:
-                    got = [self.store.read(stash.key).to(self.device)]
-                except BaseException:
-                    self.full.release(unit, grad=True)
-                    raise
+            # what is pinned can split the tier's free room into holes too small for the activations
+            # beside the block's buffers: then those as a group, the activations read apart
+            flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra, apart=apart)
+            if apart:
+                extra = []  # not pinned: nothing to release
         except BaseException:
             self.discard(stash)
             raise
