@@ -151,7 +151,7 @@ def test_parity_with_a_device_tier_on_the_cpu(tmp_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["host", "device"])
-def test_the_optimizer_runs_where_told_bitwise(tmp_path, where, device):
+def test_the_optimizer_runs_where_told_bitwise(tmp_path, where, device, deterministic):
     """``optimizer_device``: the update in the host tier gives PyTorch's optimizer stepping CPU
     copies of the parameters (fed the device's gradients), the update in the device tier
     PyTorch's on the device, bit for bit. On a CPU-only machine the device tier is CPU memory

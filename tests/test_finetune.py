@@ -808,7 +808,7 @@ def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monk
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the GPU check runs it (tools/gpu_check.py)")
-def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(tmp_path):
+def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(tmp_path, deterministic):
     """On a GPU: each micro-batch's backward on its own thread with autograd's device threads off
     (the CPU runs a backward on the calling thread already), device and host budgets below the
     state; bitwise PyTorch's loop on the same GPU, with groups and clipping, and no hang."""
