@@ -56,11 +56,12 @@ def plain_loss(model, x):
 
 def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=None, steps=3, accumulate=1,
                clip=None, scheduler=None, budget_fraction=0.25, storage=None, device="cpu", store_config=None,
-               config=None, host_optimizer=False):
+               config=None, host_optimizer=None):
     """Train a model in memory and a copy through the engine, both on ``device``; return both losses
     and weights (on the CPU). On CUDA the device budget is below the state too. ``host_optimizer``:
     the reference's optimizer steps CPU copies of its parameters, fed the device's (clipped)
-    gradients, and the new weights are copied back (what the engine's update on the host equals)."""
+    gradients, and the new weights are copied back (what the engine's update on the host equals);
+    None: it does where the engine placed its update in the host tier below a device tier."""
     kwargs = kwargs or dict(lr=1e-3, weight_decay=0.01)
     torch.manual_seed(0)
     ref = make()
@@ -72,6 +73,8 @@ def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=N
                     host_memory=int(state * budget_fraction), device_memory=int(state * budget_fraction),
                     store_config=store_config, config=config)
     assert engine.store.capacity("host") <= engine.state_bytes() * budget_fraction + 4096
+    if host_optimizer is None:  # optimizer_device="auto" places it by measured rates
+        host_optimizer = engine._updater.in_lower_tier
     masters = [p.detach().cpu().clone().requires_grad_(p.requires_grad) for p in ref.parameters()]
     opt = optimizer(masters if host_optimizer else ref.parameters(), **kwargs)
     sched_ref = scheduler(opt) if scheduler else None

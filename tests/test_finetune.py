@@ -814,7 +814,8 @@ def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(tmp_path, de
     state; bitwise PyTorch's loop on the same GPU, with groups and clipping, and no hang."""
     state = 16 * sum(p.numel() for p in make_llama().parameters())
     check_parity(make_llama, lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3), tmp_path, loss_fn=hf_loss, clip=1.0,
-                 accumulate=3, steps=3, fused=True, host_fraction=0.6, device="cuda", device_memory=int(0.4 * state))
+                 accumulate=3, steps=3, fused=True, host_fraction=0.6, device="cuda", device_memory=int(0.4 * state),
+                 config=EngineConfig(optimizer_device="device"))  # the reference's optimizer runs on the GPU
 
 
 def test_forward_backward_reads_each_block_once_for_all_micro_batches(tmp_path):
