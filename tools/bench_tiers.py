@@ -6,7 +6,8 @@ The GPU's arrangement: the compute runs on the device tier, the host tier sits b
 disk. On a machine without a GPU, ``--device cpu`` gives the engine a device tier of CPU memory
 with its own budget (the same code path; its "PCIe" copies are memcpy). Configurations, each one
 engine built once, then run in interleaved rounds (every configuration a few steps per round, in
-turn) so a noisy machine hits them alike:
+turn) so a noisy machine hits them alike, after a warm-up round that runs each until its plan is
+final (made, checked, revised if it did not earn its disk bytes):
 
 * ``exclusive, short window`` (the default): the two tiers cache different tensors (a device
   victim moves down to the host tier, the host gives up copies the device also holds first), and
@@ -25,6 +26,7 @@ ratios against the inclusive, deep-window configuration measured in the same run
     python tools/bench_tiers.py --placements       # the optimizer step on the device against on the host
     python tools/bench_tiers.py --placements --disk-rate 300   # the same with the disk the bottleneck
     python tools/bench_tiers.py --write-behind --disk-rate 300  # dirty host copies written while the disk idles, or not
+    python tools/bench_tiers.py --write-behind 0.125,0.5,1,0 --disk-rate 300   # how far down the line of victims
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from tiered_offload import Engine, EngineConfig, Tier, empty_init, format_size
+from tiered_offload.engine.plan_monitor import PlanMonitor
 from tiered_offload_examples.models import GPT, GPTConfig
 
 from slow_disk import SlowDisk  # noqa: E402 (tools/)
@@ -60,12 +63,6 @@ PLACEMENTS = {
     "update on the host, inclusive": ("inclusive", None, "host"),
     "update on the host, recomputed": ("exclusive", None, "host", "recompute"),
 }
-WRITE_BEHIND = {
-    "write-behind (the default)": ("exclusive", None, "device"),
-    "no write-behind": ("exclusive", None, "device", "auto", 0.0),
-}
-"""``--write-behind``: the host tier writing back, while the disk has nothing in flight, the dirty
-copy it gives up next (``StoreConfig.write_behind_share``), against writing only when it evicts."""
 """``--placements``: where the optimizer step runs (``EngineConfig.optimizer_device``); the last
 one recomputes every block's inputs (no saved activation crosses the link: the weights' and
 gradients' traffic alone, against the plan's link floor)."""
@@ -104,8 +101,10 @@ def main(argv=None) -> int:
     ap.add_argument("--placements", action="store_true",
                     help="instead: the optimizer step on the device against on the host (the update where its state "
                          "lives), link bytes per parameter per step")
-    ap.add_argument("--write-behind", action="store_true",
-                    help="instead: the write-behind of dirty host copies while the disk idles, against none")
+    ap.add_argument("--write-behind", nargs="?", const="0.125,0", default=None, metavar="SHARES",
+                    help="instead: the write-behind (StoreConfig.write_behind_share: while the disk has nothing in "
+                         "flight, the host tier writes back the dirty copy it gives up next) at each of these shares "
+                         "(comma-separated; 0: none; the last is the base; default 0.125,0)")
     ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
                     help="the disk no faster than this (reads and writes together; tools/slow_disk.py): a GPU box's "
                          "disk-bound step on this machine")
@@ -115,7 +114,10 @@ def main(argv=None) -> int:
     if args.placements:
         configs, base_name = PLACEMENTS, "update on the device"
     if args.write_behind:
-        configs, base_name = WRITE_BEHIND, "no write-behind"
+        shares = [float(x) for x in args.write_behind.split(",")]
+        configs = {(f"write-behind, share {x:g}" if x else "no write-behind"): ("exclusive", None, "device", "auto", x)
+                   for x in shares}
+        base_name = list(configs)[-1]
     if args.shares:
         shares = [float(x) for x in args.shares.split(",")]
         configs = {f"exclusive, share {x:g}": ("exclusive", x, "device") for x in shares}
@@ -130,12 +132,18 @@ def main(argv=None) -> int:
           f"{args.context}", flush=True)
     root = Path(tempfile.mkdtemp(prefix=".bench-tiers-", dir=args.storage or "."))
     g = torch.Generator().manual_seed(0)
-    n_batches = (args.rounds + 1) * args.steps_per_round
+    # the warm-up round runs each engine until its plan is final: made after 3 steps, checked (and,
+    # if it did not earn its disk bytes, revised) after 6 (PlanMonitor), so the rounds measure the
+    # plan the run keeps
+    warm = max(1 + PlanMonitor.PLAN_FROM + PlanMonitor.CHECK_AFTER + 1, args.steps_per_round)
+    n_batches = warm + args.rounds * args.steps_per_round
+    spans = [(0, warm)] + [(warm + r * args.steps_per_round, warm + (r + 1) * args.steps_per_round)
+                           for r in range(args.rounds)]
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=g) for _ in range(n_batches)]
     engines, results = {}, {name: [] for name in configs}
     try:
         for i, (name, (caching, share, placement, *more)) in enumerate(configs.items()):
-            activations, write_behind = (more + ["auto", None])[:2]
+            activations, write_behind = (more + ["auto", None][len(more):])[:2]
             torch.manual_seed(0)
             with empty_init():
                 model = GPT(cfg)
@@ -154,7 +162,7 @@ def main(argv=None) -> int:
                 s0 = engine.stats()
                 _sync(device)
                 t = time.perf_counter()
-                for x in batches[r * args.steps_per_round:(r + 1) * args.steps_per_round]:
+                for x in batches[spans[r][0]:spans[r][1]]:
                     logits = engine(x[:, :-1].to(device))
                     loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].to(device).flatten())
                     engine.backward(loss)
@@ -164,7 +172,7 @@ def main(argv=None) -> int:
                     losses[name].append(loss.item())
                 engine._await()  # the step's background work belongs to this configuration's time
                 _sync(device)
-                dt = (time.perf_counter() - t) / args.steps_per_round
+                dt = (time.perf_counter() - t) / (spans[r][1] - spans[r][0])
                 s1 = engine.stats()
                 per = lambda f, tier: (getattr(s1, f)[tier] - getattr(s0, f)[tier]) / args.steps_per_round  # noqa: E731
                 if r:  # round 0 warms up
