@@ -152,19 +152,6 @@ def test_parity_with_a_device_tier_on_the_cpu(tmp_path):
     assert stats.bytes_read[Tier.DISK] > 0 and stats.bytes_written[Tier.DISK] > 0
 
 
-@pytest.mark.parametrize("device_tier", [True, False], ids=["device-tier", "host-only"])
-def test_parity_with_the_write_behind_at_work(tmp_path, device_tier):
-    """The write-behind (dirty host copies written while the disk idles, kept until evicted) changes
-    when bytes reach the disk, never which: bitwise equal to plain PyTorch. A disk whose I/O runs in
-    the caller's thread is idle at every get, so the write-behind really runs here."""
-    state = 16 * sum(p.numel() for p in plain_gpt().parameters())
-    le, lr_, we, wr, stats = train_pair(plain_gpt, plain_loss, tmp_path, clip=1.0, steps=4, budget_fraction=0.375,
-                                        storage=MemoryBackend(threads=0),
-                                        store_config={"device_budget_bytes": state // 4} if device_tier else None)
-    assert assert_same(le, lr_, we, wr), "not bitwise identical"
-    assert stats.write_behind_bytes > 0
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["host", "device"])
 def test_the_optimizer_runs_where_told_bitwise(tmp_path, where, device, deterministic):

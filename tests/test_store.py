@@ -313,59 +313,6 @@ def test_lookahead_prefetches_so_steady_state_gets_hit(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("share", [0.2, 0.5, 1.0])
-def test_the_write_behind_writes_nothing_a_scan_would_not(share):
-    """A cyclic scan that rewrites every tensor, with room for half of them: Belady keeps a stable
-    set resident, rewritten every pass and never evicted. The write-behind must not write those
-    (the copy it may write is the next the policy gives up, never one behind a copy in use), so the
-    disk receives no more bytes than without it, and the values are the same."""
-    def run(share):
-        # I/O in the caller's thread: the disk is idle at every get, and what is measured is what the
-        # store decided, never how fast a thread was
-        store = make_store(MemoryBackend(threads=0), host=6 * 32 * KiB, device=0, policy="lookahead",
-                           prefetch_depth=2, write_behind_share=share)
-        keys = [f"k{i}" for i in range(12)]  # 12 x 32 KiB; the host holds 6
-        for k in keys:
-            store.register(k, (8 * KiB,), data=torch.zeros(8 * KiB))
-        store.flush()
-        store.declare_access_sequence(keys)
-        before = store.stats
-        for _ in range(4):
-            for k in keys:
-                with store.hold(k, "host", dirty=True) as x:
-                    x += float(int(k[1:]) + 1)
-        written = store.stats.bytes_written[Tier.DISK] - before.bytes_written[Tier.DISK]
-        values = [store.read(k)[0].item() for k in keys]
-        store.close()
-        return written, values
-    written_off, values_off = run(0.0)
-    written_on, values_on = run(share)
-    assert values_on == values_off == [4.0 * (i + 1) for i in range(12)]
-    assert written_on <= written_off, (written_on, written_off)
-
-
-def test_the_write_behind_keeps_the_copy_and_its_eviction_writes_nothing():
-    store = make_store(MemoryBackend(threads=0), host=3 * 32 * KiB, device=0, policy="lookahead",
-                       prefetch_depth=0, write_behind_share=1.0)
-    for k in ("a", "b", "c"):
-        store.register(k, (8 * KiB,), data=torch.zeros(8 * KiB))
-    store.flush()
-    store.declare_access_sequence(["a", "b", "c", "b", "c"])
-    with store.hold("a", "host", dirty=True) as t:
-        t.fill_(1.0)
-    assert store.residency("a")[Tier.HOST] == CopyState.DIRTY
-    with store.hold("b", "host") as _:
-        pass  # the disk idle, "a" the next victim (used furthest ahead, after b, c, b, c)
-    res = store.residency("a")
-    assert res[Tier.HOST] == CopyState.CLEAN, res  # written back, and still there
-    assert store.stats.write_behind_bytes == 32 * KiB
-    written = store.stats.bytes_written[Tier.DISK]
-    store.evict("a", "host").get()
-    assert store.stats.bytes_written[Tier.DISK] == written  # a drop: the write happened before
-    assert store.read("a")[0].item() == 1.0
-    store.close()
-
-
 def test_lookahead_beats_lru_on_a_cyclic_scan(tmp_path):
     def misses(policy):
         store = make_store(MemoryBackend(), host=5 * 32 * KiB, device=0, policy=policy, prefetch_depth=0)

@@ -73,11 +73,6 @@ class StoreConfig:
     only until they add up to this share of the host budget (the nearest one always). The
     compute tier is bounded by ``prefetch_depth`` alone."""
 
-    write_behind_share: float = 0.125
-    """While the disk has nothing in flight, the host tier writes back (without giving up) the dirty
-    copy it will give up first, looking this share of its budget down its line of victims: a write
-    its eviction would make anyway, moved to a moment the disk would idle. 0: only evictions write."""
-
     preallocate: bool = True
     """Reserve each tensor's disk space at registration, so a full disk fails up front."""
 
@@ -121,8 +116,6 @@ class StoreConfig:
             raise ConfigError(f"tier_caching must be 'exclusive' or 'inclusive', got {self.tier_caching!r}")
         if not 0 <= self.host_prefetch_share <= 1:
             raise ConfigError(f"host_prefetch_share must be between 0 and 1, got {self.host_prefetch_share}")
-        if not 0 <= self.write_behind_share <= 1:
-            raise ConfigError(f"write_behind_share must be between 0 and 1, got {self.write_behind_share}")
         from tiered_offload.store.checksum import checksum_function
         checksum_function(self.checksum)  # an unknown name fails here, with the known ones
         pin = self.pin_host_memory if self.pin_host_memory is not None else device.type == "cuda"

@@ -25,8 +25,6 @@ ratios against the inclusive, deep-window configuration measured in the same run
     python tools/bench_tiers.py --device cuda --d-model 2048 --layers 20 --vocab 32768 --batch 4 --context 512
     python tools/bench_tiers.py --placements       # the optimizer step on the device against on the host
     python tools/bench_tiers.py --placements --disk-rate 300   # the same with the disk the bottleneck
-    python tools/bench_tiers.py --write-behind --disk-rate 300  # dirty host copies written while the disk idles, or not
-    python tools/bench_tiers.py --write-behind 0.125,0.5,1,0 --disk-rate 300   # how far down the line of victims
 """
 
 from __future__ import annotations
@@ -101,10 +99,6 @@ def main(argv=None) -> int:
     ap.add_argument("--placements", action="store_true",
                     help="instead: the optimizer step on the device against on the host (the update where its state "
                          "lives), link bytes per parameter per step")
-    ap.add_argument("--write-behind", nargs="?", const="0.125,0", default=None, metavar="SHARES",
-                    help="instead: the write-behind (StoreConfig.write_behind_share: while the disk has nothing in "
-                         "flight, the host tier writes back the dirty copy it gives up next) at each of these shares "
-                         "(comma-separated; 0: none; the last is the base; default 0.125,0)")
     ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
                     help="the disk no faster than this (reads and writes together; tools/slow_disk.py): a GPU box's "
                          "disk-bound step on this machine")
@@ -113,11 +107,6 @@ def main(argv=None) -> int:
     configs, base_name = CONFIGS, BASELINE
     if args.placements:
         configs, base_name = PLACEMENTS, "update on the device"
-    if args.write_behind:
-        shares = [float(x) for x in args.write_behind.split(",")]
-        configs = {(f"write-behind, share {x:g}" if x else "no write-behind"): ("exclusive", None, "device", "auto", x)
-                   for x in shares}
-        base_name = list(configs)[-1]
     if args.shares:
         shares = [float(x) for x in args.shares.split(",")]
         configs = {f"exclusive, share {x:g}": ("exclusive", x, "device") for x in shares}
@@ -142,20 +131,18 @@ def main(argv=None) -> int:
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=g) for _ in range(n_batches)]
     engines, results = {}, {name: [] for name in configs}
     try:
-        for i, (name, (caching, share, placement, *more)) in enumerate(configs.items()):
-            activations, write_behind = (more + ["auto", None][len(more):])[:2]
+        for i, (name, (caching, share, placement, *activations)) in enumerate(configs.items()):
             torch.manual_seed(0)
             with empty_init():
                 model = GPT(cfg)
-            store = {"tier_caching": caching, **({"host_prefetch_share": share} if share is not None else {}),
-                     **({"write_behind_share": write_behind} if write_behind is not None else {})}
+            store = {"tier_caching": caching, **({"host_prefetch_share": share} if share is not None else {})}
             if device.type == "cpu":
                 store["device_budget_bytes"] = dev_budget  # a device tier of CPU memory
             storage = SlowDisk(root / str(i), args.disk_rate * 1e6) if args.disk_rate else root / str(i)
             engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage,
                                    device=device, host_memory=host_budget, device_memory=dev_budget, durable=False,
                                    store_config=store, config=EngineConfig(optimizer_device=placement,
-                                                                      activations=activations))
+                                                                      activations=(activations or ["auto"])[0]))
         losses = {name: [] for name in configs}
         for r in range(args.rounds + 1):
             for name, engine in engines.items():

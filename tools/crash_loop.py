@@ -92,10 +92,9 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
         engine.zero_grad()
         print(f"STEP {engine.step_count} {loss.item():.6f}" + (f" {_digest(engine)}" if digests else ""), flush=True)
     weights = {k: v.numpy() for k, v in engine.named_parameters()}
-    behind = engine.stats().write_behind_bytes
     engine.close()
     np.savez(out, **weights)
-    print(f"DONE {behind}", flush=True)  # the bytes the write-behind wrote in this launch
+    print("DONE", flush=True)
 
 
 def _counted(block):
@@ -332,7 +331,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
         f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
     episode, done_kills, phases = 0, 0, {}
     resumes, identical_resumes, mismatches, resumed_at = 0, 0, [], set()
-    finished, finished_identical, write_behind = 0, 0, 0
+    finished, finished_identical = 0, 0
     flips = {"flipped": 0, "refused_typed": 0, "resumed_bitwise": 0, "bad": []}
     d, out = work / "run0", work / "run0.npz"
     while True:
@@ -368,8 +367,6 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
             raise SystemExit(f"a resume failed (exit {proc.returncode}) after {done_kills} kills:\n{stderr}")
         lines = stdout.splitlines()
         for x in lines:
-            if x.startswith("DONE "):
-                write_behind += int(x.split()[1])
             if x.startswith("START"):
                 step, digest = int(x.split()[1]), x.split()[2]
                 resumed_at.add(step)
@@ -399,8 +396,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
             "resumes": resumes, "resumes_bitwise_identical": identical_resumes, "mismatched_resumes": mismatches,
             "identical": finished_identical == finished and not mismatches and not flips["bad"],
             "resumed_at_steps": sorted(resumed_at), "killed_after": phases, "state_bytes": state,
-            "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "uninterrupted_s": duration,
-            "write_behind_bytes": write_behind}
+            "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "uninterrupted_s": duration}
 
 
 def _flip_check(d: Path, steps: int, layers: int, out: Path, options: dict, rng: random.Random, flips: dict,
@@ -491,8 +487,7 @@ def main() -> None:
               f"{summary['resumes_bitwise_identical']} of {summary['resumes']} starts resumed with weights bitwise "
               f"identical to the uninterrupted run's at that step; {summary['runs_finished_identical']} of "
               f"{summary['runs_finished']} runs ended bitwise identical to it; peak extra disk "
-              f"{100 * summary['disk_overhead']:.1f}% of the state; the write-behind wrote "
-              f"{summary['write_behind_bytes'] / 2**20:.1f} MiB in the launches that finished")
+              f"{100 * summary['disk_overhead']:.1f}% of the state")
         if "bit_flips" in summary:
             f = summary["bit_flips"]
             print(f"{f['flipped']} bits flipped after a kill: {f['refused_typed']} starts refused with a typed error "

@@ -78,11 +78,6 @@ class DiskTier:
         self._since = 0.0
 
     @property
-    def idle(self) -> bool:
-        """Whether no transfer is in flight (call with the store's lock)."""
-        return self._inflight == 0
-
-    @property
     def checksum(self) -> str:
         """The checksum algorithm of the disk copies (``"xxh3"`` or ``"crc32"``)."""
         return self.checksum_fn.__name__

@@ -7,12 +7,6 @@ space, or space held by tensors needed later, allows (the store's allocator deci
 a device tier, the host tier prefetches only a short window (``host_prefetch_share`` of its
 budget): reaching further ahead evicted what the step needed before that, which was then read
 again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md).
-
-The other half is the write-behind: while the disk has nothing in flight, the host tier writes back
-the dirty copy its victim rule would give up first (within ``write_behind_share`` of its budget
-down the line of victims), keeping it. The eviction that comes is then a drop, and the write it
-would have made happened while the disk had nothing else to do (a backward whose reads the memory
-tiers serve; docs/STEP_TIME.md).
 """
 
 from __future__ import annotations
@@ -61,42 +55,6 @@ class Lookahead:
         if tier == Tier.DEVICE and not (rec.zero or rec.valid(Tier.HOST) or self.device_buffers):
             return False  # the host pass brings it up first
         return True
-
-    def write_behind_horizon(self) -> float:
-        """How many bytes down the host tier's line of victims the write-behind looks (0: off)."""
-        space = self.spaces[Tier.HOST]
-        if not space.policy.prefetches:
-            return 0.0
-        return self.config.write_behind_share * space.arena.capacity
-
-    def next_to_clean(self, records: Iterable[TensorRecord], horizon: float) -> TensorRecord | None:
-        """The dirty host copy to write back ahead of its eviction (call with the store's lock), or
-        None: down the host tier's line of victims (the policy's ranking; copies the device also
-        holds first when the tiers cache different tensors), past the copies whose eviction is a
-        drop, the first whose eviction would write, if it is idle, unpinned and not due to be
-        rewritten. The walk stops at a copy in use (pinned, or in flight): it may be changing, and it
-        keeps its place in the line; a copy further down would be written while one the policy gives
-        up sooner is not, and a scan that keeps part of its tensors resident (Belady keeps a stable
-        set) would write, again and again, tensors that are never evicted. It stops ``horizon``
-        bytes down."""
-        space, host = self.spaces[Tier.HOST], Tier.HOST
-        held = {r.key: r for r in records if host in r.slots and not r.slots[host].loading
-                and r.slots[host].version == r.version}
-        twins = [k for k, r in held.items() if space.exclusive and r.valid(Tier.DEVICE)]
-        rest = [k for k in held if k not in set(twins)]
-        line = (space.policy.rank_victims(twins) if twins else []) + (space.policy.rank_victims(rest) if rest else [])
-        walked = 0
-        for key in line:
-            rec = held[key]
-            walked += rec.nbytes
-            if walked > horizon and walked > rec.nbytes:
-                return None
-            if rec.slots[host].pins or rec.op is not None:
-                return None  # in use: it may be changing, and it comes back to this place in the line
-            if rec.zero or rec.valid(Tier.DISK) or rec.valid(Tier.DEVICE):
-                continue  # its eviction drops it
-            return None if rec.scratch or rec.rewrite_due is not None else rec
-        return None
 
     @staticmethod
     def within(ahead: int, nbytes: int, window: float) -> bool:
@@ -163,26 +121,3 @@ class Prefetching:
                     self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
                 except TierCapacityError:
                     break  # the tier is full of tensors needed sooner
-        self._write_behind()
-
-    def _write_behind(self) -> None:
-        """Start writing back the dirty host copy the host tier gives up next, if the disk is idle
-        (see :meth:`Lookahead.next_to_clean`); the copy stays, clean, until the victim rule takes it."""
-        horizon = self._lookahead.write_behind_horizon()
-        if not horizon or self._arenas[Tier.HOST].capacity == 0:
-            return
-        with self._lock:
-            if not self.disk.idle:
-                return
-            rec = self._lookahead.next_to_clean(self._records.values(), horizon)
-            if rec is None:
-                return
-            busy = self._begin(rec, OpKind.WRITE_BEHIND, Tier.DISK, block=False)
-        if busy is None:
-            return
-        self._run(rec, busy, lambda: self._start_write_back(rec, Tier.DISK)).add_done_callback(
-            lambda f: self._count_write_behind(rec.nbytes) if f.exception() is None else None)
-
-    def _count_write_behind(self, nbytes: int) -> None:
-        with self._lock:
-            self._stats.write_behind_bytes += nbytes

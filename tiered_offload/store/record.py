@@ -28,8 +28,6 @@ class OpKind(enum.Enum):
     LOOKAHEAD = "lookahead"
     """A load the lookahead started ahead of its use."""
     WRITE_BACK = "writeback"
-    WRITE_BEHIND = "write-behind"
-    """A write-back the lookahead started while the disk was idle (the copy stays)."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +151,6 @@ class StoreStats:
     the others had to start it themselves."""
     evictions: dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
     """Copies dropped to make room."""
-    write_behind_bytes: int = 0
-    """Of the bytes written to the disk, those the write-behind wrote: a dirty host copy written
-    while the disk had nothing in flight, kept in the tier until its eviction drops it."""
     io_wait_seconds: float = 0.0
     """Time callers spent blocked in ``get`` waiting for bytes."""
     disk_busy_seconds: float = 0.0
