@@ -121,10 +121,8 @@ def main(argv=None) -> int:
           f"{args.context}", flush=True)
     root = Path(tempfile.mkdtemp(prefix=".bench-tiers-", dir=args.storage or "."))
     g = torch.Generator().manual_seed(0)
-    # the warm-up round runs each engine until its plan is final: made after 3 steps, checked (and,
-    # if it did not earn its disk bytes, revised) after 6 (PlanMonitor), so the rounds measure the
-    # plan the run keeps
-    warm = max(1 + PlanMonitor.PLAN_FROM + PlanMonitor.CHECK_AFTER + 1, args.steps_per_round)
+    # the warm-up round runs each engine until its plan is final: the rounds measure the plan it keeps
+    warm = max(PlanMonitor.FINAL_AFTER, args.steps_per_round)
     n_batches = warm + args.rounds * args.steps_per_round
     spans = [(0, warm)] + [(warm + r * args.steps_per_round, warm + (r + 1) * args.steps_per_round)
                            for r in range(args.rounds)]

@@ -320,9 +320,7 @@ def accumulate(args) -> int:
         configs = [make("memory", 2 * state, 1, False), make("one", host, 1, False),
                    make("loop", host, n, False), make("fused", host, n, True),
                    make("fused-recompute", host, n, True, "recompute")]
-        # the warm-up round runs each engine until its plan is final: made after 3 steps, checked
-        # (and, if it did not earn its disk bytes, revised) after 6 (PlanMonitor)
-        warm = 1 + PlanMonitor.PLAN_FROM + PlanMonitor.CHECK_AFTER + 1
+        warm = PlanMonitor.FINAL_AFTER  # the warm-up round runs each engine until its plan is final
         for r in range(args.rounds + 1):
             for c in configs if r % 2 == 0 else configs[::-1]:
                 rows = args.batch if c.name in ("memory", "one") else args.batch * n

@@ -56,6 +56,9 @@ class PlanMonitor:
     learned the access order yet, so its disk traffic is not what later steps move."""
     CHECK_AFTER = 3
     """Iterations measured under a plan before its prediction is compared with them."""
+    FINAL_AFTER = 1 + PLAN_FROM + CHECK_AFTER + 1
+    """Steps after which the plan in force is the one the run keeps: made, checked, and revised if
+    it did not earn its disk bytes (a benchmark's warm-up runs this many)."""
     KEEP = 64
     """Measurements kept for stats() (the plan's entries first)."""
 
