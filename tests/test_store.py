@@ -291,6 +291,52 @@ def test_lookahead_policy_is_belady_over_a_cyclic_sequence():
     assert p.upcoming(2) == ["e", "b0"]
 
 
+@pytest.mark.parametrize("cyclic", [True, False])
+def test_best_victim_is_the_first_of_the_ranking(cyclic):
+    """``best_victim`` (one pass, what the store calls at every eviction) names the key
+    ``rank_victims`` puts first: for LRU and for the lookahead, with several threads' cursors,
+    keys used out of order, keys unregistered, re-registered, or never told of."""
+    rng = random.Random(7)
+    keys = [f"k{i}" for i in range(24)]
+    seq = [rng.choice(keys[:20]) for _ in range(60)]  # k20..k23: not in the sequence
+    for policy in (LRUPolicy(), LookaheadPolicy(seq, cyclic=cyclic)):
+        for k in keys:
+            policy.on_register(k)
+        for step in range(400):
+            key = seq[step % len(seq)] if rng.random() < 0.8 else rng.choice(keys)
+            if step % 50 == 7:  # another thread's cursor, somewhere else in the sequence
+                t = threading.Thread(target=policy.on_access, args=(rng.choice(keys),))
+                t.start()
+                t.join()
+            elif step % 97 == 3:
+                policy.on_unregister(key)
+                policy.on_register(key)
+            else:
+                policy.on_access(key)
+            pool = rng.sample(keys, rng.randint(1, 12)) + (["never-told"] if step % 5 == 0 else [])
+            assert policy.best_victim(pool) == policy.rank_victims(pool)[0], (type(policy).__name__, step)
+        assert policy.best_victim([]) is None
+
+
+def test_a_tier_looks_through_its_own_copies_only():
+    """The victim rule looks through the tier's copies, not every registered tensor: the space
+    tracks what it holds as slots come and go (an eviction's cost grows with the tier, not the
+    model)."""
+    store = make_store(MemoryBackend(threads=0), host=4 * 32 * KiB, device=0, policy="lookahead")
+    for i in range(16):
+        store.register(f"t{i}", (8 * KiB,), data=torch.full((8 * KiB,), float(i)))
+    space = store._spaces[Tier.HOST]
+    held = {k for k in store.keys() if store.residency(k)[Tier.HOST] != CopyState.ABSENT}
+    assert set(space.resident) == held and len(held) <= 4
+    gone = next(iter(held))
+    store.unregister(gone)
+    assert set(space.resident) == {k for k in store.keys() if store.residency(k)[Tier.HOST] != CopyState.ABSENT}
+    for k in store.keys():
+        assert store.read(k)[0].item() == int(k[1:]) and k != gone
+        assert set(space.resident) == {k for k in store.keys() if store.residency(k)[Tier.HOST] != CopyState.ABSENT}
+    store.close()
+
+
 def test_lookahead_prefetches_so_steady_state_gets_hit(tmp_path):
     # I/O that takes no time (requests run in the caller's thread): what is measured is what the
     # policy decided to prefetch, never how fast a thread happened to be

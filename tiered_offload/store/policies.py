@@ -18,7 +18,6 @@ import contextlib
 import itertools
 import math
 import threading
-from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
 from offload_core.errors import ConfigError
@@ -67,6 +66,12 @@ class EvictionPolicy(abc.ABC):
     def rank_victims(self, keys: Iterable[str]) -> list[str]:
         """``keys`` ordered from the best victim to the worst."""
 
+    def best_victim(self, keys: Iterable[str]) -> str | None:
+        """The first of :meth:`rank_victims` (None for no keys). The store calls this at every
+        eviction; a policy overrides it to find the one key without ordering them all."""
+        ranked = self.rank_victims(keys)
+        return ranked[0] if ranked else None
+
     def next_use(self, key: str) -> float:
         """How many accesses until ``key`` is needed again (``inf`` if unknown or never)."""
         return math.inf
@@ -80,30 +85,40 @@ class EvictionPolicy(abc.ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first; never-used tensors before any used one."""
+    """Least recently used first; never-used tensors before any used one (the latest registered
+    first), and keys it was never told of before both."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[str, None] = OrderedDict()
+        self._stamp: dict[str, int] = {}
+        """Per key, when it was last used (1, 2, ...), or, never used, minus its registration's
+        count (-1, -2, ...): ordering by it is the LRU order."""
+        self._uses = itertools.count(1)
+        self._registrations = itertools.count(-1, -1)
         self._lock = threading.Lock()
 
     def on_register(self, key: str) -> None:
         with self._lock:
-            self._order[key] = None
-            self._order.move_to_end(key, last=False)
+            self._stamp[key] = next(self._registrations)
 
     def on_unregister(self, key: str) -> None:
         with self._lock:
-            self._order.pop(key, None)
+            self._stamp.pop(key, None)
 
     def on_access(self, key: str) -> None:
         with self._lock:
-            self._order[key] = None
-            self._order.move_to_end(key)
+            self._stamp[key] = next(self._uses)
+
+    def age(self, key: str) -> float:
+        """``key``'s place in the LRU order: lower goes first (call with :attr:`_lock`)."""
+        return self._stamp.get(key, -math.inf)
 
     def rank_victims(self, keys: Iterable[str]) -> list[str]:
         with self._lock:
-            rank = {k: i for i, k in enumerate(self._order)}
-        return sorted(keys, key=lambda k: rank.get(k, -1))
+            return sorted(keys, key=self.age)
+
+    def best_victim(self, keys: Iterable[str]) -> str | None:
+        with self._lock:
+            return min(keys, key=self.age, default=None)
 
 
 class LookaheadPolicy(EvictionPolicy):
@@ -204,6 +219,27 @@ class LookaheadPolicy(EvictionPolicy):
         keys = self._lru.rank_victims(keys)  # LRU order breaks ties (sorted() is stable)
         with self._lock:
             return sorted(keys, key=lambda k: -self._distance(k))
+
+    def best_victim(self, keys: Iterable[str]) -> str | None:
+        """The key needed furthest ahead, the least recently used of those; one pass, the same
+        answer as ``rank_victims(keys)[0]``."""
+        best, best_rank = None, None
+        with self._lru._lock, self._lock:  # the only place both are held: always in this order
+            cursors = list(self._cursors.values()) or [self._last]
+            positions, n, cyclic, age = self._positions, len(self._seq), self._cyclic, self._lru.age
+            for key in keys:
+                distance = math.inf
+                pos = positions.get(key)
+                if pos:
+                    for c in cursors:  # _distance, inlined: this runs once per resident copy
+                        i = bisect.bisect_left(pos, c)
+                        d = pos[i] - c if i < len(pos) else pos[0] + n - c if cyclic else math.inf
+                        if d < distance:
+                            distance = d
+                rank = (-distance, age(key))
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = key, rank
+        return best
 
     def upcoming(self, limit: int) -> list[str]:
         """The calling thread's next keys."""

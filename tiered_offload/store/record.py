@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from offload_core.futures import IOFuture
 from tiered_offload.store.tiers import CopyState, Tier
+
+_serials = itertools.count()
 
 __all__ = ["Slot", "OpKind", "Operation", "TensorRecord", "StoreStats", "kind_of"]
 
@@ -87,6 +90,8 @@ class TensorRecord:
     optimizer step runs in another tier), so ``tier``'s lookahead does not fetch it. A new version
     ends it."""
     slots: dict[Tier, Slot] = field(default_factory=dict)
+    serial: int = field(default_factory=_serials.__next__)
+    """Order of creation: a tier gives up its stale copies oldest first."""
     op: Operation | None = None
     """The one operation in flight on this tensor, if any."""
 

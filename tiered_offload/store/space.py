@@ -60,30 +60,50 @@ class TierSpace:
         self.policy = policy
         self.demotes = demotes
         self.exclusive = exclusive
+        self.resident: dict[str, TensorRecord] = {}
+        """The tensors with a copy (a slot) in this tier: what :meth:`pick_victim` looks through,
+        so that an eviction costs the tier's copies, not every registered tensor."""
 
-    def pick_victim(self, records: Iterable[TensorRecord], exclude: TensorRecord,
-                    further_than: float | None) -> TensorRecord | None:
-        """The copy in this tier to give up its room for ``exclude``, or None (call with the store's lock)."""
+    def placed(self, rec: TensorRecord) -> None:
+        """``rec`` was given a slot in this tier (call with the store's lock)."""
+        self.resident[rec.key] = rec
+
+    def freed(self, rec: TensorRecord) -> None:
+        """``rec``'s slot in this tier is gone (call with the store's lock)."""
+        self.resident.pop(rec.key, None)
+
+    def pick_victim(self, exclude: TensorRecord, further_than: float | None) -> TensorRecord | None:
+        """The copy in this tier to give up its room for ``exclude``, or None (call with the store's
+        lock). One pass over the tier's copies, then one over the idle ones to rank them."""
         tier = self.tier
-        candidates = {r.key: r for r in records
-                      if r is not exclude and r.op is None and tier in r.slots
-                      and not r.slots[tier].pins and not r.slots[tier].loading}
-        if not candidates:
+        twins_first = tier == Tier.HOST and self.exclusive
+        idle: dict[str, TensorRecord] = {}
+        twins: list[str] = []
+        stale: TensorRecord | None = None
+        for key, r in self.resident.items():
+            slot = r.slots[tier]
+            if r is exclude or r.op is not None or slot.pins or slot.loading:
+                continue
+            if slot.version != r.version:
+                if stale is None or r.serial < stale.serial:
+                    stale = r
+            elif stale is None:
+                idle[key] = r
+                # a host copy the device tier also holds costs nothing to drop (the device copy
+                # moves back down if the device evicts it first): those go before anything only
+                # the host has
+                if twins_first and Tier.DEVICE in r.slots and r.valid(Tier.DEVICE):
+                    twins.append(key)
+        if stale is not None:
+            return stale
+        if twins:
+            return idle[self.policy.best_victim(twins)]
+        if not idle:
             return None
-        stale = [r for r in candidates.values() if r.slots[tier].version != r.version]
-        if stale:
-            return stale[0]
-        if tier == Tier.HOST and self.exclusive:
-            # a host copy the device tier also holds costs nothing to drop (the device copy moves
-            # back down if the device evicts it first): those go before anything only the host has
-            twins = [k for k, r in candidates.items() if r.valid(Tier.DEVICE)]
-            if twins:
-                return candidates[self.policy.rank_victims(twins)[0]]
-        for key in self.policy.rank_victims(candidates):
-            if further_than is not None and self.policy.next_use(key) <= further_than:
-                return None
-            return candidates[key]
-        return None
+        key = self.policy.best_victim(idle)
+        if further_than is not None and self.policy.next_use(key) <= further_than:
+            return None
+        return idle[key]
 
     def fate(self, victim: TensorRecord) -> Fate:
         """What becomes of ``victim``'s copy in this tier (see the module docstring)."""

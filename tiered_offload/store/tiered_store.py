@@ -659,10 +659,12 @@ class TieredStore(CopyChains, Prefetching):
         slot = Slot(offset, data, raw)
         with self._lock:
             rec.slots[tier] = slot
+            self._spaces[tier].placed(rec)
         return slot
 
     def _drop_slot(self, rec: TensorRecord, tier: Tier) -> None:
         slot = rec.slots.pop(tier)
+        self._spaces[tier].freed(rec)
         if tier == Tier.DEVICE:
             self._copier.freed()  # before the block can be handed out again
         self._arenas[tier].free(slot.offset, rec.nbytes)
@@ -683,7 +685,7 @@ class TieredStore(CopyChains, Prefetching):
                 offset = space.arena.alloc(rec.nbytes)
                 if offset is not None:
                     return offset
-                victim = space.pick_victim(self._records.values(), rec, further_than)
+                victim = space.pick_victim(rec, further_than)
                 if victim is None:
                     if not block:
                         return None
