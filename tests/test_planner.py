@@ -212,6 +212,39 @@ def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):
 
 
 
+class _FreesWhatItSaved(torch.nn.Module):
+    """A forward that frees a tensor autograd saved, then saves another of the same shape (the
+    allocator may hand it the freed address): what the plan measures of a graph must not take the
+    second for the first. A GPT block's attention does this (``(1024, 512)`` here, 2 MiB)."""
+
+    def forward(self, x):
+        out = x
+        for n in (16, 256, 4096):
+            h = torch.exp(x[:n])  # exp saves its output
+            a = h.sum()
+            del h
+            out = out + torch.exp(x[:n]).sum() * a  # the same shape, allocated right after
+        return out
+
+
+def test_the_measure_of_a_block_graph_is_what_keeping_it_stores():
+    """The planner measures a recomputed block's graph without keeping it (``count_only``). It
+    counted a saved tensor the forward had freed, then took a later one at the same address for
+    the same tensor: 2 MiB short of a GPT block's 28 MiB now and then, so the budget the plan
+    advised left the blocks 2 MiB short of their room, and every block was recomputed at it."""
+    from tiered_offload.engine.activations import SavedActivations
+
+    block, x = _FreesWhatItSaved(), torch.randn(4096, requires_grad=True)
+    for _ in range(30):
+        measured = SavedActivations(None, [], count_only=True)
+        with measured.hooks():
+            block(x)
+        kept = SavedActivations(None, [])
+        with kept.hooks():
+            block(x)
+        assert measured.pending_bytes() == kept.pending_bytes()
+
+
 def test_an_inline_step_names_the_budget_that_overlaps_it(tmp_path):
     """At a budget too short for the update beside the forward, the plan says which budget would let
     the step overlap the next forward with room for a block's activations; an engine given that

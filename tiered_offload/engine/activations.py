@@ -83,7 +83,9 @@ class SavedActivations:
         self.inputs_only = weights is None
         """A recompute's checkpoint (the block's inputs), not a graph's saved tensors."""
         self.count_only = count_only
-        """Only measure: :meth:`pack` keeps every tensor as autograd would, counting what a seal would store."""
+        """Only measure: what a seal would store, counted while the tensors are held as a kept
+        graph holds them (until this object goes), so a tensor the forward frees never lends its
+        address to a later one that would then pass for it (2 MiB short of a GPT block's 28 MiB)."""
         self._weights = weights
         self._w_lo = weights.data_ptr() if weights is not None and weights.numel() else 0
         self._w_hi = self._w_lo + (weights.numel() * weights.element_size() if weights is not None else 0)
@@ -95,7 +97,6 @@ class SavedActivations:
         self._kept: list[torch.Tensor] = []
         self._views: list[torch.Tensor] | None = None
         self._w_new: torch.Tensor | None = None
-        self._counted: list[int] = []
         self._handles: list[_Handle] = []
         self.nbytes = 0
         """Bytes of the scratch buffer."""
@@ -117,9 +118,9 @@ class SavedActivations:
         tensors, whose ``grad_fn`` is the graph: a cycle through autograd's C++ objects that
         Python's garbage collector cannot see. So the hook holds this object weakly (the block's
         autograd node holds it strongly)."""
-        if self.count_only:
-            return torch.autograd.graph.saved_tensors_hooks(self._count, _never_unpacked)
         me = weakref.ref(self)
+        if self.count_only:  # weakly too: the graph would hold the tensors this object holds
+            return torch.autograd.graph.saved_tensors_hooks(lambda t: me()._count(t), _never_unpacked)
 
         def unpack(h: _Handle) -> torch.Tensor:
             owner = me()
@@ -148,11 +149,11 @@ class SavedActivations:
         return "copy", sig
 
     def _count(self, t: torch.Tensor) -> None:
-        """count_only: what :meth:`seal` would store of ``t``, without keeping ``t``."""
+        """count_only: what :meth:`seal` would store of ``t``; ``t`` held, not packed (never unpacked)."""
         kind, sig = self._where(t)
         if kind == "copy":
             self._seen[sig] = None
-            self._counted.append(t.numel() * t.element_size())
+            self._copies.append(t)
 
     def pack(self, t: torch.Tensor) -> _Handle:
         kind, where = self._where(t)
@@ -202,7 +203,7 @@ class SavedActivations:
 
     def _offsets(self) -> tuple[list[int], int]:
         """Where each copied tensor starts in the scratch buffer, and the buffer's size."""
-        sizes = self._counted if self.count_only else [t.numel() * t.element_size() for t in self._copies]
+        sizes = [t.numel() * t.element_size() for t in self._copies]
         starts, offset = [], 0
         for n in sizes:
             offset = -(-offset // ALIGN) * ALIGN
