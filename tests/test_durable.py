@@ -232,6 +232,56 @@ def test_a_committed_step_cut_short_is_finished_by_the_resume(tmp_path, uninterr
     resumed.close()
 
 
+def test_a_resume_finishes_the_cut_short_step_once(tmp_path, uninterrupted, monkeypatch):
+    """Resuming a step cut short re-runs its unrecorded units, whose records land on the journal's
+    thread: the last of them finishes the step (the manifest, the journal reset, the intent's
+    gradients let go). The resuming thread then asked to finish it too, and when it asked after
+    the last record but before the step was finished, both wrote ``manifest.tmp``: one rename
+    failed (FileNotFoundError, seen once in CI) and the gradients were let go twice. Here the
+    resuming thread asks exactly then; the step is finished once."""
+    import time
+
+    from tiered_offload.checkpoint import durable
+    per_step, _ = uninterrupted
+    engine = make_engine(tmp_path / "s")
+    torch.manual_seed(123)
+    train(engine, 2)
+    engine.wait_committed()
+    real_record, count = durable.Committer._record_when_durable, {"n": 0}
+
+    def dying(self, unit, futures):
+        count["n"] += 1
+        if count["n"] > 2:
+            _simulated_death(self)
+            return None
+        return real_record(self, unit, futures)
+    monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
+    _die_in_step(engine, 3)
+    monkeypatch.undo()
+    real_finish, real_finish_now, finishes = durable.Committer._finish, durable.Committer.finish_now, []
+
+    def slow_finish(self):  # the journal thread's finish, slowed: the window the resuming thread fell in
+        finishes.append(threading.current_thread().name)
+        time.sleep(0.3)
+        real_finish(self)
+
+    def finish_now_after_the_last_record(self):
+        deadline = time.monotonic() + 10
+        while self._waiting and time.monotonic() < deadline:  # every unit recorded, the step not yet finished
+            time.sleep(0.005)
+        real_finish_now(self)
+    monkeypatch.setattr(durable.Committer, "_finish", slow_finish)
+    monkeypatch.setattr(durable.Committer, "finish_now", finish_now_after_the_last_record)
+    resumed = make_engine(tmp_path / "s", resume=True)
+    monkeypatch.undo()
+    assert len(finishes) == 1, finishes
+    assert resumed.step_count == 3
+    assert same(weights(resumed), per_step[3])
+    train(resumed, 6)
+    assert same(weights(resumed), per_step[6])
+    resumed.close()
+
+
 def test_small_units_share_the_commit_window_after_a_large_one(tmp_path, monkeypatch):
     """The commit window counts bytes: a unit larger than it (a large tied embedding in the rest)
     is updated alone, and the blocks after it several at a time, never more bytes in flight than

@@ -439,6 +439,7 @@ class Committer:
         """Gradient key -> ``(ref,)`` of the disk copy the intent in flight names (None: not yet known)."""
         self._intent_durable = False
         self._waiting: set[str] = set()
+        self._finishing = False  # claimed once: by whoever saw the last unit recorded (finish_now)
         self._in_window: dict[str, int] = {}
         """Units updated but not yet recorded, and the bytes of their new extents."""
         self._meta: dict = {}
@@ -610,7 +611,8 @@ class Committer:
                 garbage = self._record_unit(unit, record["tensors"])
                 self._waiting.discard(unit)
                 self._in_window.pop(unit, None)
-                finished = not self._waiting
+                finished = not self._waiting and not self._finishing
+                self._finishing |= finished
                 self._lock.notify_all()
             self._delete(garbage)
             if finished:
@@ -645,7 +647,7 @@ class Committer:
         self._delete(garbage)
         with self._lock:
             self._step, self._meta = intent["step"], intent["meta"]
-            self._intent = None
+            self._intent, self._finishing = None, False
             self._lock.notify_all()
         if self.store.tracer is not None:
             self.store.tracer.complete(f"commit step {intent['step']}", "commit", start, kind="manifest")
@@ -698,10 +700,11 @@ class Committer:
                 self._lock.notify_all()
 
     def finish_now(self) -> None:
-        """Complete a step in which every unit was recorded before the engine stopped (resume)."""
+        """Finish a resumed step whose units were all recorded (else the journal thread does)."""
         with self._lock:
-            if self._intent is None or self._waiting:
+            if self._intent is None or self._waiting or self._finishing:
                 return
+            self._finishing = True
         self._finish()
 
     def write_manifest(self, step: int, meta: dict) -> None:
@@ -726,8 +729,7 @@ class Committer:
             while (self._intent is not None or self._snapshotting) and self._error is None:
                 self._lock.wait()
             if self._error is not None:
-                error = self._error
-                raise error
+                raise self._error
 
     @property
     def step(self) -> int:
@@ -745,6 +747,4 @@ class Committer:
 
 
 def _ref(value) -> Ref:
-    if value is None:
-        return None
-    return (value[0], value[1])
+    return None if value is None else (value[0], value[1])
