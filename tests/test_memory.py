@@ -73,12 +73,13 @@ def test_saved_activations_count_in_the_budget(tmp_path):
     while its forward runs."""
     recompute = _run(tmp_path, "r", 16, "64MiB", "recompute", 5)
     # nothing a forward saved outlives its backward: an autograd graph holding a hook that holds the
-    # graph's tensors would leak a batch's activations (140 MiB here) every step; the heap itself
-    # swings by a few tens of MiB from step to step
-    assert recompute["rss"][-1] - recompute["rss"][1] < 64 * MiB, recompute
+    # graph's tensors would leak a batch's activations (140 MiB here) every step, 420 MiB from the
+    # second step to the fifth; the heap itself swings from step to step (measured 2026-12-02: -71
+    # to +22 MiB against the second step, and +74 once, which failed the 64 MiB this allowed before)
+    assert recompute["rss"][-1] - recompute["rss"][1] < 128 * MiB, recompute
     for mode in ("keep", "offload"):
         r = _run(tmp_path, mode, 16, "64MiB", mode, 5)
-        assert r["rss"][-1] - r["rss"][1] < 64 * MiB, r
+        assert r["rss"][-1] - r["rss"][1] < 128 * MiB, r
         assert r["modes"] == [mode] * 10, r  # no block fell back to recomputation
         total = sum(r["activations"].values())
         one_block = max(r["activations"].values())
