@@ -247,17 +247,7 @@ def test_a_resume_finishes_the_cut_short_step_once(tmp_path, uninterrupted, monk
     torch.manual_seed(123)
     train(engine, 2)
     engine.wait_committed()
-    real_record, count = durable.Committer._record_when_durable, {"n": 0}
-
-    def dying(self, unit, futures):
-        count["n"] += 1
-        if count["n"] > 2:
-            _simulated_death(self)
-            return None
-        return real_record(self, unit, futures)
-    monkeypatch.setattr(durable.Committer, "_record_when_durable", dying)
-    _die_in_step(engine, 3)
-    monkeypatch.undo()
+    die_after_records(engine, 3, 2)  # 3 of its 5 units to re-run
     real_finish, real_finish_now, finishes = durable.Committer._finish, durable.Committer.finish_now, []
 
     def slow_finish(self):  # the journal thread's finish, slowed: the window the resuming thread fell in
