@@ -215,7 +215,7 @@ def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):
 class _FreesWhatItSaved(torch.nn.Module):
     """A forward that frees a tensor autograd saved, then saves another of the same shape (the
     allocator may hand it the freed address): what the plan measures of a graph must not take the
-    second for the first. A GPT block's attention does this (``(1024, 512)`` here, 2 MiB)."""
+    second for the first. A GPT block does this (in the benchmark's, a ``(1024, 512)`` tensor: 2 MiB)."""
 
     def forward(self, x):
         out = x

@@ -9,10 +9,10 @@ ratio are printed (target: store / raw >= 0.9 for a 64 MiB tensor).
 
     python tools/bench_store.py --path /mnt/nvme/tmp --tensor 64MiB --rounds 15
 
-``--bookkeeping N``: the store's own time per ``get`` when the host tier is full and each ``get``
-evicts, with N tensors registered and half of them resident (an in-memory backend whose I/O runs
-in the caller's thread, so what is timed is the store's Python: the victim rule, the lookahead,
-the copy). A 1B-parameter model has several hundred tensors (16 MiB state pieces); the training
+``--bookkeeping N``: the store's own time per ``get`` in a full host tier, with N tensors
+registered and room for half of them, so that about every other ``get`` evicts (the lookahead
+keeps a stable half resident); an in-memory backend whose I/O runs in the caller's thread, so
+what is timed is the store's Python: the victim rule, the lookahead, the copy. A 1B-parameter model has several hundred tensors (16 MiB state pieces); the training
 thread pays this at every eviction.
 
     python tools/bench_store.py --bookkeeping 1000
@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--request", default="8MiB")
     ap.add_argument("--bookkeeping", type=int, default=0, metavar="N",
-                    help="time a get that evicts, with N tensors registered and N/2 resident, instead")
+                    help="instead: the store's time per get in a full host tier, N tensors registered, room for N/2")
     args = ap.parse_args()
     if args.bookkeeping:
         return bookkeeping(args.bookkeeping, args.rounds)
@@ -88,7 +88,7 @@ def main() -> int:
 
 def bookkeeping(n: int, rounds: int) -> int:
     """Median microseconds per ``get`` + ``release`` over a cyclic scan of ``n`` tensors of 4 KiB,
-    the lookahead policy and a host tier of ``n / 2`` of them: every ``get`` evicts."""
+    the lookahead policy and a host tier of ``n / 2`` of them (the evictions are counted)."""
     numel = 1024
     backend = MemoryBackend(threads=0)
     store = TieredStore(backend, host_budget_bytes=(n // 2) * numel * 4, device="cpu", device_budget_bytes=0,
