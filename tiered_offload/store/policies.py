@@ -196,50 +196,39 @@ class LookaheadPolicy(EvictionPolicy):
             return True
         return self._cyclic and lo < 0 and bisect.bisect_left(pos, n + lo) < len(pos)
 
-    def _distance_from(self, pos: list[int], cursor: int) -> float:
-        i = bisect.bisect_left(pos, cursor)
-        if i < len(pos):
-            return pos[i] - cursor
-        if self._cyclic:
-            return pos[0] + len(self._seq) - cursor
-        return math.inf
-
-    def _distance(self, key: str) -> float:
+    def _distance(self, key: str, cursors: Iterable[int] = ()) -> float:
+        """Accesses until ``key`` is next needed: the nearest from any of ``cursors`` (default: every
+        thread's, or the last moved); ``inf`` for a key the sequence does not hold, or past the end
+        of a sequence that is not cyclic. Runs once per resident copy at an eviction: kept flat."""
         pos = self._positions.get(key)
         if not pos:
             return math.inf
-        cursors = self._cursors.values() or (self._last,)
-        return min(self._distance_from(pos, c) for c in cursors)
+        n, distance = len(self._seq), math.inf
+        for c in cursors or self._cursors.values() or (self._last,):
+            i = bisect.bisect_left(pos, c)
+            d = pos[i] - c if i < len(pos) else pos[0] + n - c if self._cyclic else math.inf
+            if d < distance:
+                distance = d
+        return distance
 
     def next_use(self, key: str) -> float:
         with self._lock:
             return self._distance(key)
 
+    def _furthest_first(self) -> Callable[[str], tuple[float, float]]:
+        """The victim order's sort key, for the cursors as they are now (call with both locks):
+        needed furthest ahead first, the least recently used of those first."""
+        cursors, age = list(self._cursors.values()) or [self._last], self._lru.age
+        return lambda k: (-self._distance(k, cursors), age(k))
+
     def rank_victims(self, keys: Iterable[str]) -> list[str]:
-        keys = self._lru.rank_victims(keys)  # LRU order breaks ties (sorted() is stable)
-        with self._lock:
-            return sorted(keys, key=lambda k: -self._distance(k))
+        with self._lru._lock, self._lock:  # the only places both are held: always in this order
+            return sorted(keys, key=self._furthest_first())
 
     def best_victim(self, keys: Iterable[str]) -> str | None:
-        """The key needed furthest ahead, the least recently used of those; one pass, the same
-        answer as ``rank_victims(keys)[0]``."""
-        best, best_rank = None, None
-        with self._lru._lock, self._lock:  # the only place both are held: always in this order
-            cursors = list(self._cursors.values()) or [self._last]
-            positions, n, cyclic, age = self._positions, len(self._seq), self._cyclic, self._lru.age
-            for key in keys:
-                distance = math.inf
-                pos = positions.get(key)
-                if pos:
-                    for c in cursors:  # _distance, inlined: this runs once per resident copy
-                        i = bisect.bisect_left(pos, c)
-                        d = pos[i] - c if i < len(pos) else pos[0] + n - c if cyclic else math.inf
-                        if d < distance:
-                            distance = d
-                rank = (-distance, age(key))
-                if best_rank is None or rank < best_rank:
-                    best, best_rank = key, rank
-        return best
+        """The first of :meth:`rank_victims`, without ordering them all."""
+        with self._lru._lock, self._lock:
+            return min(keys, key=self._furthest_first(), default=None)
 
     def upcoming(self, limit: int) -> list[str]:
         """The calling thread's next keys."""
