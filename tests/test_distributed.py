@@ -1,5 +1,7 @@
-"""Sharded training over torch.distributed (gloo on localhost), 2 and 3 ranks, each launched as
-torchrun launches it, against one process training plain PyTorch on all the ranks' batches."""
+"""Sharded training over torch.distributed (gloo on localhost), 2 and 3 ranks, each a process with
+the environment torchrun gives it, against one process training plain PyTorch on all the ranks'
+batches. The ranks fork from a zygote that imported torch once (tools/zygote.py: a rank starts in
+0.1 s, not 6); one test launches with torchrun itself."""
 
 import json
 import os
@@ -16,6 +18,24 @@ from dist_worker import batch, build, loss_of, optimizer, schedule  # noqa: E402
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from zygote import Zygote  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    """One zygote for this module's ranks (OMP_NUM_THREADS read when it starts, as a rank's would be)."""
+    with Zygote(env={"OMP_NUM_THREADS": "1"}) as z:
+        yield z
+
+
+@pytest.fixture(autouse=True)
+def _ranks_from(zygote, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_ZYGOTE", zygote)
+
+
+_ZYGOTE: Zygote | None = None
+"""Where :func:`launch` forks its ranks (set for each test by the fixture above)."""
 
 
 def _free_port() -> int:
@@ -43,11 +63,9 @@ def _launch(world: int, out: Path, cfg: dict, timeout: float) -> list[tuple[int,
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), json.dumps(cfg)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(_ZYGOTE.launch(WORKER, [str(out), json.dumps(cfg)], env, stderr_to_stdout=True))
     logs = []
     try:
         for p in procs:

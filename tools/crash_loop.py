@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+from zygote import Forked, Zygote  # noqa: E402 (tools/)
 
 
 # ---- the worker ---------------------------------------------------------------------------
@@ -126,7 +127,7 @@ REFERENCE_TIMEOUT_S = 600.0
 """Longest an uninterrupted run may take before it is taken for hung and killed."""
 
 WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-"""The environment every worker runs in (set when the zygote starts; its forks inherit it)."""
+"""The environment every worker runs in (the zygote's: both are read when a process starts)."""
 
 
 def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
@@ -140,215 +141,14 @@ def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: b
             + ["--accumulate", str(accumulate)])
 
 
-class _Zygote:
-    """A process that imports torch and the library once and forks a worker for each launch.
-
-    A fresh interpreter spends about 3 s importing torch and the library before its worker does
-    anything, and a loop starts dozens of workers; a fork of the zygote starts in milliseconds.
-    Each worker still runs in its own process, killed with SIGKILL, its stdout and stderr its own
-    pipes, its exit status reported by the zygote (its parent). A worker exits as an interpreter
-    does: non-daemon threads joined, ``atexit`` hooks run, an uncaught exception printed to its
-    stderr with exit status 1.
-
-    Protocol (a ``SOCK_SEQPACKET`` pair, one message each): the zygote says ``{"ready": true}``
-    once it has imported what the workers use; the driver sends a launch's argument list as JSON
-    with the write ends of its two pipes; the zygote answers ``{"pid": n}`` and, when the worker
-    has ended, ``{"exit": n, "code": c}`` (``c`` as ``Popen.returncode``: -9 killed).
-    """
-
-    def __init__(self):
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, str(HERE), "--zygote", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], env=dict(os.environ, **WORKER_ENV))
-        theirs.close()
-        self._cond = threading.Condition()
-        self._codes: dict[int, int] = {}
-        self._pids: list[int] = []
-        self._closed = self._ready = False
-        threading.Thread(target=self._listen, daemon=True).start()
-        with self._cond:  # its imports are not a worker's start-up (the loop times that)
-            if not self._cond.wait_for(lambda: self._ready or self._closed, timeout=300):
-                self.close()
-                raise SystemExit("the zygote did not import torch and the library within 300 s")
-        if not self._ready:
-            raise SystemExit(f"the zygote failed to start (exit {self.proc.wait()})")
-
-    def _listen(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(4096)
-            except OSError:
-                data = b""
-            with self._cond:
-                if not data:  # the zygote is gone: every worker it had is gone with it
-                    self._closed = True
-                    self._cond.notify_all()
-                    return
-                msg = json.loads(data)
-                if "ready" in msg:
-                    self._ready = True
-                elif "pid" in msg:
-                    self._pids.append(msg["pid"])
-                else:
-                    self._codes[msg["exit"]] = msg["code"]
-                self._cond.notify_all()
-
-    def launch(self, *args, **options) -> "_Forked":
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            with self._cond:
-                n = len(self._pids)
-                socket.send_fds(self._sock, [json.dumps(_worker_argv(*args, **options)).encode()], [out_w, err_w])
-                if not self._cond.wait_for(lambda: len(self._pids) > n or self._closed, timeout=60):
-                    raise SystemExit("the zygote did not fork a worker within 60 s")
-                if self._closed:
-                    raise SystemExit(f"the zygote ended (exit {self.proc.poll()}): it cannot fork workers")
-                pid = self._pids[n]
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        return _Forked(self, pid, open(out_r, encoding="utf-8"), open(err_r, encoding="utf-8"))
-
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
-        """Wait up to ``timeout`` s for the worker ``pid`` to end; its exit status (None: still running)."""
-        with self._cond:
-            self._cond.wait_for(lambda: pid in self._codes or self._closed, timeout=timeout)
-            return self._codes.get(pid, -signal.SIGKILL if self._closed else None)
-
-    def close(self) -> None:
-        # shutdown, not only close: the listening thread's recv holds the socket open (it would not
-        # end, nor would the zygote see the end of its socket and exit)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> "_Zygote":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def _zygote() -> Zygote:
+    """A zygote for this loop's workers (tools/zygote.py), in the environment they run in."""
+    return Zygote(env=WORKER_ENV)
 
 
-class _Forked:
-    """A worker forked by the zygote, with what the loop uses of ``subprocess.Popen``."""
-
-    def __init__(self, zygote: _Zygote, pid: int, stdout, stderr):
-        self._zygote, self.pid, self.stdout, self.stderr = zygote, pid, stdout, stderr
-        self.returncode: int | None = None
-        self._readers: list[threading.Thread] = []
-        self._read: dict[str, str] = {}
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._zygote.exit_code(self.pid, timeout=0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = self._zygote.exit_code(self.pid, timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # not a pid the zygote has reaped (and the kernel may reuse)
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Wait for the worker to exit; its whole stdout and stderr (``Popen.communicate``)."""
-        if not self._readers:
-            for name in ("stdout", "stderr"):
-                stream = getattr(self, name)
-                self._readers.append(threading.Thread(target=lambda n=name, s=stream: self._read.__setitem__(n, s.read()),
-                                                      daemon=True))
-                self._readers[-1].start()
-        self.wait(timeout)
-        for t in self._readers:
-            t.join(timeout=30)
-        return self._read.get("stdout", ""), self._read.get("stderr", "")
-
-
-def zygote(fd: int) -> None:
-    """The zygote's loop (``--zygote FD``): import what every worker imports, then fork a worker per
-    message until the driver closes its end of the socket."""
-    import atexit
-    import traceback
-
-    import numpy  # noqa: F401 (imported for the workers)
-    import torch
-    import torch.nn.functional  # noqa: F401
-
-    import tiered_offload  # noqa: F401
-    import tiered_offload_examples.models  # noqa: F401
-
-    # an optimizer's constructor imports torch._dynamo (2.7 s here): once, in the zygote
-    for name, kwargs in OPTIMIZERS.values():
-        getattr(torch.optim, name)([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs)
-    sock = socket.socket(fileno=fd)
-    send = threading.Lock()
-    running = threading.Semaphore(0)
-
-    def reap() -> None:
-        while True:
-            running.acquire()  # a worker is running: wait for one to end
-            pid, status = os.waitpid(-1, 0)
-            with send:
-                try:
-                    sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
-                except OSError:
-                    return
-
-    threading.Thread(target=reap, daemon=True).start()
-    sock.send(b'{"ready": true}')
-    while True:
-        msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 2)
-        if not msg:
-            return  # the driver is done (or gone): workers still running end on their own
-        with send:  # not while the reaper sends: the fork must not inherit a held lock it needs
-            pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                sock.close()
-                os.dup2(fds[0], 1)
-                os.dup2(fds[1], 2)
-                for f in fds:
-                    os.close(f)
-                sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-                sys.stderr = open(2, "w", encoding="utf-8", closefd=False)
-                sys.argv = [str(HERE), *json.loads(msg)]
-                main()
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-            finally:  # as an interpreter's exit: join the threads, run the exit hooks, flush
-                try:
-                    threading._shutdown()
-                    atexit._run_exitfuncs()
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
-        for f in fds:
-            os.close(f)
-        with send:
-            sock.send(json.dumps({"pid": pid}).encode())
-        running.release()
+def _launch(zygote: Zygote, *args, **options) -> Forked:
+    """Fork a worker (see :func:`worker` for the arguments)."""
+    return zygote.launch(HERE, _worker_argv(*args, **options))
 
 
 class _Output:
@@ -413,7 +213,7 @@ def _du(directory: Path) -> int:
     return total
 
 
-def reference(zygote: _Zygote, work: Path, steps: int, layers: int, **options) -> tuple[Path, float, float, int, int, dict]:
+def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) -> tuple[Path, float, float, int, int, dict]:
     """An uninterrupted run: its weights file, its start-up time and duration, the peak disk usage
     seen, the state's size, and a digest of the weights after every step."""
     out = work / "reference.npz"
@@ -426,7 +226,7 @@ def reference(zygote: _Zygote, work: Path, steps: int, layers: int, **options) -
             peak[0] = max(peak[0], _du(d))
             time.sleep(0.002)
     t0 = time.perf_counter()
-    proc = zygote.launch(d, steps, layers, out, digests=True, **options)
+    proc = _launch(zygote, d, steps, layers, out, digests=True, **options)
     # a hung worker must not hang the loop (or CI): kill it after a generous deadline
     watchdog = threading.Timer(REFERENCE_TIMEOUT_S, proc.kill)
     watchdog.start()
@@ -545,11 +345,11 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
                    optimizer=optimizer, buffers=buffers, accumulate=accumulate)
-    with _Zygote() as zygote:
+    with _zygote() as zygote:
         return _loop(zygote, work, kills, steps, layers, rng, flip_bits, options, log)
 
 
-def _loop(zygote: _Zygote, work: Path, kills: int, steps: int, layers: int, rng: random.Random, flip_bits: float,
+def _loop(zygote: Zygote, work: Path, kills: int, steps: int, layers: int, rng: random.Random, flip_bits: float,
           options: dict, log) -> dict:
     ref_out, boot, duration, peak, state, ref_digests = reference(zygote, work, steps, layers, **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
@@ -560,7 +360,7 @@ def _loop(zygote: _Zygote, work: Path, kills: int, steps: int, layers: int, rng:
     flips = {"flipped": 0, "refused_typed": 0, "resumed_bitwise": 0, "bad": []}
     d, out = work / "run0", work / "run0.npz"
     while True:
-        proc = zygote.launch(d, steps, layers, out, **options)
+        proc = _launch(zygote, d, steps, layers, out, **options)
         output = _Output(proc)
         killing = done_kills < kills
         if killing:
@@ -624,7 +424,7 @@ def _loop(zygote: _Zygote, work: Path, kills: int, steps: int, layers: int, rng:
             "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "uninterrupted_s": duration}
 
 
-def _flip_check(zygote: _Zygote, d: Path, steps: int, layers: int, out: Path, options: dict, rng: random.Random, flips: dict,
+def _flip_check(zygote: Zygote, d: Path, steps: int, layers: int, out: Path, options: dict, rng: random.Random, flips: dict,
                 ref_digests: dict, duration: float) -> None:
     """Flip a bit, start once without a kill: a bitwise resume or a typed refusal naming the file,
     no committed file deleted; then put the bit back (the state it protects is still there)."""
@@ -633,7 +433,7 @@ def _flip_check(zygote: _Zygote, d: Path, steps: int, layers: int, out: Path, op
         return
     flips["flipped"] += 1
     committed, step_before = _committed_files(d), _manifest_step(d)
-    proc = zygote.launch(d, steps, layers, out, **options)
+    proc = _launch(zygote, d, steps, layers, out, **options)
     try:
         stdout, stderr = proc.communicate(timeout=max(60.0, 10 * duration))
     except subprocess.TimeoutExpired:
@@ -694,11 +494,7 @@ def main() -> None:
                     help="N micro-batches per step through engine.forward_backward")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--zygote", type=int, metavar="FD", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.zygote is not None:
-        zygote(args.zygote)
-        return
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
                args.device_fraction, args.optimizer, args.buffers, args.accumulate)
