@@ -361,7 +361,7 @@ def test_kill_loop_inside_forward_backward_resumes_bitwise(tmp_path):
     """SIGKILL while 3 micro-batches go through each block together (forward_backward) with a
     device tier: every start resumes bitwise, every run ends bitwise."""
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=3, steps=6, layers=6, seed=4, log=lambda *_: None, accumulate=3,
+    summary = crash_loop(tmp_path, kills=6, steps=6, layers=6, seed=4, log=lambda *_: None, accumulate=3,
                          host_fraction=0.6, device_fraction=0.3)
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
@@ -373,7 +373,7 @@ def test_kill_loop_with_snapshot_commits(tmp_path, commit_every, host_fraction):
     """Snapshot commits (every 3rd step; every step with the state in the host tier): SIGKILLed at
     random moments, every start resumes bitwise from a committed step, every run ends bitwise."""
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=3, steps=6, layers=8, seed=3, log=lambda *_: None,
+    summary = crash_loop(tmp_path, kills=5, steps=6, layers=8, seed=3, log=lambda *_: None,
                          commit_every=commit_every, host_fraction=host_fraction)
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
