@@ -156,7 +156,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # never a pid the zygote has reaped (the kernel may reuse it)
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended and was reaped just now: as Popen.send_signal
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
