@@ -19,6 +19,8 @@ stderr with exit status 1, ``sys.exit(n)`` exiting ``n``.
 What a worker inherits from the zygote besides the imports: the environment the zygote started
 with (variables read at import, such as ``OMP_NUM_THREADS`` and ``PYTHONHASHSEED``, belong there),
 and the state of the modules it imported (the global RNG is seeded by each worker that needs it).
+The zygote never initialises CUDA (it refuses to start if an import did), so a worker can use the
+GPU as a fresh process does.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class Zygote:
 
     def __init__(self, env: dict[str, str] | None = None, ready_timeout: float = 300):
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # torch.cuda.is_available() asks NVML, not the CUDA driver: a fork of a process that
+        # initialised the driver could not use the GPU (the workers may; the zygote never does)
         self.proc = subprocess.Popen([sys.executable, str(HERE), str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                                     env=dict(os.environ, **(env or {})))
+                                     env=dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1", **(env or {})))
         theirs.close()
         self._cond = threading.Condition()
         self._codes: dict[int, int] = {}
@@ -191,6 +195,8 @@ def _warm_up() -> None:
     import tiered_offload_examples.models  # noqa: F401
 
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, 2))])
+    if torch.cuda.is_initialized():  # a fork of a process that initialised CUDA cannot use it
+        raise RuntimeError("CUDA was initialised in the zygote: its workers could not use the GPU")
 
 
 def _run_worker(request: dict, fds: list[int]) -> None:
