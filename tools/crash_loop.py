@@ -1,6 +1,6 @@
 """Kill training with SIGKILL at random moments, resume, repeat; check the end result is bitwise right.
 
-    python tools/crash_loop.py --kills 300             # the long run (about 30 minutes here)
+    python tools/crash_loop.py --kills 300             # the long run (about 3 minutes here)
     python tools/crash_loop.py --kills 8 --steps 8     # about what the CI test runs
 
 A worker process trains a small GPT through the engine (durable storage, a host budget far below

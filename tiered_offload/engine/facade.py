@@ -418,16 +418,15 @@ class Engine(EngineViews):
         """One unit's optimizer step (see :class:`UnitUpdater`), recorded by the commit when durable."""
         journal = self._commits.weights_behind
         # the state does not fit in memory (device and host tiers together): the optimizer states
-        # the update changed go to the disk at once (they are not needed again before the next
-        # step, so they are the first to give up their room, and then cost no write). The weights
-        # only when the journal needs them there: the next forward wants them soon, and where they
-        # stay in memory until then a write now is wasted (with a CPU device tier of 1/4 and a
-        # host tier of 3/8 of the state: 8% less disk traffic; docs/STEP_TIME.md)
+        # the update changed go to the disk at once (the first to give up their room, then at no
+        # cost), but without a journal not those memory kept from update to update (keep_resident).
+        # The weights only when the journal needs them there: the next forward wants them soon,
+        # and a write is wasted where they stay in memory until then (docs/STEP_TIME.md)
         memory = self.store.capacity(Tier.DEVICE) + self.store.capacity(Tier.HOST)
         write_behind = journal or not self.schedule.fits(memory)
         with span(self._tracer, f"update {unit.name}", "optimizer"):
             futures = self._updater.update(unit, hypers, scale, updates.before, write_behind=write_behind,
-                                           weights_behind=journal, scalars=updates.scalars,
+                                           weights_behind=journal, keep_resident=not journal, scalars=updates.scalars,
                                            shard=self._placement.sharding and self._placement.layout(unit))
         self._commits.unit_updated(unit.name, futures, self.schedule.rewrite_bytes(unit))
 

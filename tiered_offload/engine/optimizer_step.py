@@ -61,6 +61,26 @@ class UnitUpdater:
         self.tier = tier
         self.why = why
         """Why the update runs in :attr:`tier` (the plan prints it)."""
+        self._disk_reads: dict[str, int] = {}
+        """Per optimizer-state key, its disk reads (``TensorRecord.disk_reads``) right after this
+        updater last rewrote it: where the count has not moved by the next update, the state
+        stayed in memory from one update to the next."""
+        self._stays: dict[str, int] = {}
+        """Per optimizer-state key, how many updates in a row found it still in memory."""
+
+    STAYS_TO_KEEP = 2
+    """Updates in a row a state must have stayed in memory through before it is no longer
+    written behind (one: the states at the edge of what memory holds flap, and each one kept
+    and then evicted after all is written while a load waits for its room)."""
+
+    def _count_stays(self, keys: list[str]) -> set[str]:
+        """Count, for each of ``keys``, whether it stayed in memory since this updater last
+        rewrote it (it was not read from the disk since); those that have stayed through the
+        last :attr:`STAYS_TO_KEEP` updates."""
+        for k in keys:
+            stayed = self._disk_reads.get(k, -1) == self.store.record(k).disk_reads
+            self._stays[k] = self._stays.get(k, 0) + 1 if stayed else 0
+        return {k for k in keys if self._stays[k] >= self.STAYS_TO_KEEP}
 
     @property
     def in_lower_tier(self) -> bool:
@@ -80,11 +100,17 @@ class UnitUpdater:
         return [k for k in (unit.weight_key, unit.grad_key) if k and k in self.store]
 
     def update(self, unit: Unit, hypers: list[dict], scale: torch.Tensor | None, step_counts: dict[int, int], *,
-               write_behind: bool, weights_behind: bool = True, shard=None, scalars: dict | None = None) -> list:
+               write_behind: bool, weights_behind: bool = True, keep_resident: bool = False, shard=None,
+               scalars: dict | None = None) -> list:
         """Update ``unit``'s parameters in ``step_counts`` (``{id(slot): step count before}``); returns the futures of the write-backs started
         (``write_behind``: start writing each updated piece at once, and the weights too with
         ``weights_behind``, so that when their space is wanted they are clean and can be dropped
         without stalling a caller).
+        ``keep_resident`` (nothing needs the states on the disk at each step: no journal): a
+        piece whose states stayed in memory from the last update to this one is not written
+        behind. The memory tiers kept it for a whole step, so they will likely keep it until the
+        next update too, and a write now would be wasted. Where it is evicted after all, the
+        eviction writes it (and it is written behind again from the next step on).
         ``shard``: this rank's :class:`~tiered_offload.engine.sharding.ShardLayout` of the unit
         (sharded training): only its slice is stored here, and only its slice is updated."""
         runs = update_runs(unit, step_counts, scalars)
@@ -124,6 +150,9 @@ class UnitUpdater:
                     store.release(unit.weight_key, tier)
                     w, g, *states = store.get_group([unit.weight_key, unit.grad_key, *keys], tier)
                     held = True
+                # (after the get: a load the lookahead started has landed, and is counted)
+                kept = self._count_stays(keys) if keep_resident else set()
+                behind = [k for k in keys if k not in kept] if write_behind else []
                 try:
                     for m in mine:
                         if self.spec.per_parameter is not None:
@@ -137,9 +166,9 @@ class UnitUpdater:
                         store.mark_dirty(k, tier)
                 finally:
                     for k in keys:
+                        self._disk_reads[k] = store.record(k).disk_reads
                         store.release(k, tier)
-                if write_behind:
-                    futures += [store.write_back(k) for k in keys]
+                futures += [store.write_back(k) for k in behind]
             # epilogue: the weights
             store.mark_dirty(unit.weight_key, tier)
         finally:

@@ -33,6 +33,7 @@ class CopyChains:
             with self._lock:
                 if error is None:
                     rec.loaded(tier, version)
+                    rec.disk_reads += src == Tier.DISK
                     self._stats.bytes_read[src] += rec.nbytes
                     self._stats.bytes_written[tier] += rec.nbytes
                     route = f"{src.name.lower()}->{tier.name.lower()}:{kind_of(rec.key)}"

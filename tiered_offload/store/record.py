@@ -92,6 +92,9 @@ class TensorRecord:
     slots: dict[Tier, Slot] = field(default_factory=dict)
     serial: int = field(default_factory=_serials.__next__)
     """Order of creation: a tier gives up its stale copies oldest first."""
+    disk_reads: int = 0
+    """Times its bytes were read from the disk (a caller can tell whether a copy it made stayed
+    in memory since: the count has not moved)."""
     op: Operation | None = None
     """The one operation in flight on this tensor, if any."""
 
