@@ -107,10 +107,10 @@ class UnitUpdater:
         ``weights_behind``, so that when their space is wanted they are clean and can be dropped
         without stalling a caller).
         ``keep_resident`` (nothing needs the states on the disk at each step: no journal): a
-        piece whose states stayed in memory from the last update to this one is not written
-        behind. The memory tiers kept it for a whole step, so they will likely keep it until the
-        next update too, and a write now would be wasted. Where it is evicted after all, the
-        eviction writes it (and it is written behind again from the next step on).
+        state that stayed in memory through its last :attr:`STAYS_TO_KEEP` updates is not
+        written behind. The memory tiers kept it from update to update, so they will likely keep
+        it until the next one too, and a write now would be wasted. Where it is evicted after
+        all, the eviction writes it (and it is written behind again until it stays twice more).
         ``shard``: this rank's :class:`~tiered_offload.engine.sharding.ShardLayout` of the unit
         (sharded training): only its slice is stored here, and only its slice is updated."""
         runs = update_runs(unit, step_counts, scalars)
