@@ -679,3 +679,29 @@ def test_bytes_are_counted_by_route_and_kind():
     assert store.stats.link_bytes == 4 * KiB
     json.dumps(store.stats.as_dict())
     store.close()
+
+
+def test_a_record_counts_the_reads_of_its_bytes_from_the_disk_only(posix):
+    """``TensorRecord.disk_reads`` (how the optimizer step tells that a state stayed in memory since
+    it last wrote it): a read from the disk counts, a hit or a copy between the memory tiers does not."""
+    store = make_store(posix)
+    t = torch.randn(8 * KiB)
+    store.register("t", t.shape, data=t)
+    rec = store.record("t")
+    store.write_back("t").get()
+    store.evict("t", "host").get()
+    assert rec.disk_reads == 0
+    with store.hold("t", "host") as x:  # read back from the disk
+        assert torch.equal(x, t)
+    assert rec.disk_reads == 1
+    with store.hold("t", "host"):  # a hit
+        pass
+    with store.hold("t", "device"):  # copied up from the host tier
+        pass
+    assert rec.disk_reads == 1 and store.residency("t")[Tier.DEVICE] == CopyState.CLEAN
+    store.evict("t", "device").get()
+    store.evict("t", "host").get()
+    with store.hold("t", "device") as x:  # disk -> host -> device: one read of the disk
+        assert torch.equal(x, t)
+    assert rec.disk_reads == 2
+    store.close()
