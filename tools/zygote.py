@@ -57,6 +57,7 @@ class Zygote:
         self._codes: dict[int, int] = {}
         self._pids: list[int] = []
         self._closed = self._ready = False
+        self._launching = threading.Lock()  # one launch at a time: the n-th pid answers the n-th request
         threading.Thread(target=self._listen, daemon=True).start()
         with self._cond:  # its imports are not a worker's start-up (a caller may time that)
             self._cond.wait_for(lambda: self._ready or self._closed, timeout=ready_timeout)
@@ -93,7 +94,7 @@ class Zygote:
         request = json.dumps({"script": str(Path(script).resolve()), "args": [str(a) for a in args],
                               "env": env or {}}).encode()
         try:
-            with self._cond:
+            with self._launching, self._cond:
                 n = len(self._pids)
                 socket.send_fds(self._sock, [request], [out_w, err_w])
                 self._cond.wait_for(lambda: len(self._pids) > n or self._closed, timeout=60)

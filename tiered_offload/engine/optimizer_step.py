@@ -121,6 +121,7 @@ class UnitUpdater:
                 self.store.rewrite_due(self._rewritten(unit), None)
             return []
         store, kinds, tier = self.store, self.spec.kinds, self.tier
+        track = write_behind and keep_resident  # count the states' stays only where they decide a write
         futures: list = []
         # prologue: the weights and gradients stay pinned for the whole unit
         w, g = store.get_group([unit.weight_key, unit.grad_key], tier)
@@ -151,7 +152,7 @@ class UnitUpdater:
                     w, g, *states = store.get_group([unit.weight_key, unit.grad_key, *keys], tier)
                     held = True
                 # (after the get: a load the lookahead started has landed, and is counted)
-                kept = self._count_stays(keys) if keep_resident else set()
+                kept = self._count_stays(keys) if track else set()
                 behind = [k for k in keys if k not in kept] if write_behind else []
                 try:
                     for m in mine:
@@ -166,7 +167,8 @@ class UnitUpdater:
                         store.mark_dirty(k, tier)
                 finally:
                     for k in keys:
-                        self._disk_reads[k] = store.record(k).disk_reads
+                        if track:
+                            self._disk_reads[k] = store.record(k).disk_reads
                         store.release(k, tier)
                 futures += [store.write_back(k) for k in behind]
             # epilogue: the weights
