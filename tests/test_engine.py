@@ -370,6 +370,46 @@ def test_optimizer_states_that_stay_in_memory_are_not_written_behind_every_step(
     assert written[True] >= 0.95, written  # the journal's: every state, every step
 
 
+def test_a_budget_just_under_the_state_keeps_the_zeroed_gradients_out_of_the_way(tmp_path):
+    """Host tier alone at 0.9 of the state, every block recomputed, volatile: the gradients that
+    zero_grad() cleared (zeros) are made ahead of the backward in free room only, not with the room
+    of optimizer states needed after them. They used to be: they held a quarter of the host tier
+    through the update and the forward, and the states they pushed out were written and read back
+    every step. Measured on this shape: disk reads 1.24x the plan's floor and writes 1.70-1.75x,
+    against 1.91x and 4.90x before (docs/RESULTS.md, eleventh session). Bitwise PyTorch's."""
+    from tiered_offload import EngineConfig
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=128, context=32, d_model=256, n_layers=6, n_heads=4))
+    model = copy.deepcopy(ref)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path, host_memory=int(0.9 * state),
+                    durable=False, config=EngineConfig(activations="recompute"))
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(12)]
+    for step, x in enumerate(batches):
+        if step == 4:
+            engine._await()
+            before = engine.store.stats
+        engine.backward(plain_loss(engine, x))
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+    engine._await()
+    after, floors = engine.store.stats, engine.stats().floors
+    read = (after.bytes_read[Tier.DISK] - before.bytes_read[Tier.DISK]) / 8 / floors["disk_read"]
+    written = (after.bytes_written[Tier.DISK] - before.bytes_written[Tier.DISK]) / 8 / floors["disk_written"]
+    weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
+    engine.close()
+    assert read <= 1.6 and written <= 2.5, (read, written)  # measured 1.24 and 1.70-1.75; before, 1.91 and 4.90
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for x in batches:
+        plain_loss(ref, x).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
+
+
 def test_optimizer_device_is_validated_and_host_needs_its_working_set(tmp_path):
     from tiered_offload import EngineConfig
     state = 16 * sum(p.numel() for p in plain_gpt().parameters())
@@ -560,13 +600,17 @@ def test_learned_sequence_makes_prefetch_hit(tmp_path):
     engine.step()
     engine.zero_grad()
     first = engine.stats()
+    # a gradient zero_grad() cleared is zeros: made when backward gets it (no read), not ahead
+    reads, get = [], engine.store.get
+    engine.store.get = lambda key, tier=None: reads.append(
+        not (engine.store.record(key).zero or engine.store.record(key).valid(Tier.HOST))) or get(key, tier)
     for _ in range(2):
         engine.backward(plain_loss(engine, x))
         engine.step()
         engine.zero_grad()
     s = engine.stats()
-    hits, misses = s.hits[Tier.HOST] - first.hits[Tier.HOST], s.misses[Tier.HOST] - first.misses[Tier.HOST]
-    assert hits > 0 and misses == 0, (hits, misses)
+    hits = s.hits[Tier.HOST] - first.hits[Tier.HOST]
+    assert hits > 0 and not any(reads), (hits, sum(reads))
     engine.close()
 
 

@@ -6,7 +6,13 @@ upcoming keys for each memory tier and starts loads of those this part wants, as
 space, or space held by tensors needed later, allows (the store's allocator decides that). Below
 a device tier, the host tier prefetches only a short window (``host_prefetch_share`` of its
 budget): reaching further ahead evicted what the step needed before that, which was then read
-again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md).
+again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md). A tensor whose value
+is all zeros (a gradient ``zero_grad()`` cleared) costs no read, so the lookahead makes it only in
+room that nothing else needs (free, or a stale copy's); its ``get`` makes room when it is used, as
+late as it can be. Made with the room of tensors needed after it (Belady's rule for loads), the
+zeros of the next backward held a quarter of the host tier through the update and the forward,
+and the optimizer states they pushed out were written and read back (2-3x the disk bytes at a
+budget just under the state; docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -113,10 +119,12 @@ class Prefetching:
                         break
                     if not self._lookahead.wants(rec, tier):
                         continue
+                    zero = rec.zero
                     busy = self._begin(rec, OpKind.LOOKAHEAD, tier, block=False)
                     if busy is None:
                         continue
-                distance = policy.next_use(key)
+                # zeros cost no read: they take only room that nothing else needs (see the docstring)
+                distance = math.inf if zero else policy.next_use(key)
                 try:
                     self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
                 except TierCapacityError:
