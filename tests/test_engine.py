@@ -323,6 +323,29 @@ def test_the_update_on_the_host_moves_no_bytes_twice_over_the_link(tmp_path):
     assert sum(per_step.values()) <= 1.5 * state, {k: v / state for k, v in per_step.items()}
 
 
+def _train_clipped(model, batches, *, measure_from: int | None = None):
+    """AdamW (lr 1e-3) steps with clipping at 1.0 over ``batches``, on an engine or a plain model;
+    ``measure_from``: the engine's store stats once its work before that step is done. Returns
+    them, or None."""
+    engine = model if isinstance(model, Engine) else None
+    opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = None
+    for step, x in enumerate(batches):
+        if step == measure_from:
+            engine._await()
+            before = engine.store.stats
+        (engine.backward if engine else torch.Tensor.backward)(plain_loss(model, x))
+        if engine:
+            engine.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        (engine or opt).step()
+        (engine or opt).zero_grad()
+    if engine:
+        engine._await()
+    return before
+
+
 def test_optimizer_states_that_stay_in_memory_are_not_written_behind_every_step(tmp_path):
     """Volatile, device stand-in 1/4 and host 1/2 of the state, update on the host: an optimizer
     state that stayed in memory through its last two updates (no disk read since either) is not
@@ -345,26 +368,13 @@ def test_optimizer_states_that_stay_in_memory_are_not_written_behind_every_step(
         assert engine.commit_mode == ("journal" if durable else "none")
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(10)]
-        for step, x in enumerate(batches):
-            if step == 4:
-                engine._await()
-                before = engine.store.stats
-            engine.backward(plain_loss(engine, x))
-            engine.clip_grad_norm_(1.0)
-            engine.step()
-            engine.zero_grad()
-        engine._await()
+        before = _train_clipped(engine, batches, measure_from=4)
         # the states' bytes written per step, as a share of all of them (Adam's m and v)
         written[durable] = engine.store.stats.by_kind(("host->disk", "device->disk"), since=before).get("state", 0) \
             / 6 / (8 * params)
         weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
         engine.close()
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        for x in batches:
-            plain_loss(ref, x).backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+        _train_clipped(ref, batches)
         assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters()), f"durable={durable}: not bitwise"
     assert written[False] <= 0.8, written  # measured 0.56
     assert written[True] >= 0.95, written  # the journal's: every state, every step
@@ -386,27 +396,14 @@ def test_a_budget_just_under_the_state_keeps_the_zeroed_gradients_out_of_the_way
                     durable=False, config=EngineConfig(activations="recompute"))
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(12)]
-    for step, x in enumerate(batches):
-        if step == 4:
-            engine._await()
-            before = engine.store.stats
-        engine.backward(plain_loss(engine, x))
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        engine.zero_grad()
-    engine._await()
+    before = _train_clipped(engine, batches, measure_from=4)
     after, floors = engine.store.stats, engine.stats().floors
     read = (after.bytes_read[Tier.DISK] - before.bytes_read[Tier.DISK]) / 8 / floors["disk_read"]
     written = (after.bytes_written[Tier.DISK] - before.bytes_written[Tier.DISK]) / 8 / floors["disk_written"]
     weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
     engine.close()
     assert read <= 1.6 and written <= 2.5, (read, written)  # measured 1.24 and 1.70-1.75; before, 1.91 and 4.90
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for x in batches:
-        plain_loss(ref, x).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+    _train_clipped(ref, batches)
     assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
 
 
