@@ -8,7 +8,8 @@ a device tier, the host tier prefetches only a short window (``host_prefetch_sha
 budget): reaching further ahead evicted what the step needed before that, which was then read
 again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md). A tensor whose value
 is all zeros (a gradient ``zero_grad()`` cleared) costs no read, so the lookahead makes it only in
-room that nothing else needs (free, or a stale copy's); its ``get`` makes room when it is used, as
+room that nothing else needs (free, a stale copy's, or a host copy the device also holds), and the
+walk stops there when there is none; its ``get`` makes room when it is used, as
 late as it can be. Made with the room of tensors needed after it (Belady's rule for loads), the
 zeros of the next backward held a quarter of the host tier through the update and the forward,
 and the optimizer states they pushed out were written and read back (2-3x the disk bytes at a
@@ -128,4 +129,6 @@ class Prefetching:
                 try:
                     self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
                 except TierCapacityError:
-                    break  # the tier is full of tensors needed sooner
+                    # the tier is full of tensors needed sooner (or, for zeros, has no free room: going
+                    # on past them measured worse, the loads after them took the states' room)
+                    break
