@@ -9,11 +9,11 @@ budget): reaching further ahead evicted what the step needed before that, which 
 again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md). A tensor whose value
 is all zeros (a gradient ``zero_grad()`` cleared) costs no read, so the lookahead makes it only in
 room that nothing else needs (free, a stale copy's, or a host copy the device also holds), and the
-walk stops there when there is none; its ``get`` makes room when it is used, as
-late as it can be. Made with the room of tensors needed after it (Belady's rule for loads), the
-zeros of the next backward held a quarter of the host tier through the update and the forward,
-and the optimizer states they pushed out were written and read back (2-3x the disk bytes at a
-budget just under the state; docs/RESULTS.md).
+walk stops there when there is none; its ``get`` makes room when it is used, as late as it can
+be. Made with the room of tensors needed after it (Belady's rule for loads), the zeros of the
+next backward held a quarter of the host tier through the update and the forward, and the
+optimizer states they pushed out were written and read back (2-3x the disk bytes at a budget
+just under the state; docs/RESULTS.md).
 """
 
 from __future__ import annotations
