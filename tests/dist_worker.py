@@ -29,7 +29,8 @@ def build(cfg: dict):
         from test_finetune import make_moe
         return make_moe()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, context=CONTEXT, d_model=32, n_layers=cfg["layers"], n_heads=4))
+    model = GPT(GPTConfig(vocab_size=VOCAB, context=CONTEXT, d_model=32, n_layers=cfg["layers"], n_heads=4,
+                          dropout=cfg.get("dropout", 0.0)))
     if cfg.get("frozen"):
         for p in model.blocks[1].parameters():  # a frozen block
             p.requires_grad_(False)
@@ -141,8 +142,10 @@ def main() -> int:
     losses = []
     while engine.step_count < cfg["steps"]:
         step = engine.step_count
+        # this rank's micro-batches of this step are shorter (dropout draws less than in the others)
+        cut = CONTEXT // 2 + 1 if cfg.get("short") == [rank, step] else CONTEXT + 1
         if cfg.get("fused"):  # the micro-batches through each block together
-            ids = [batch(step, micro, rank)[0] for micro in range(cfg["accumulate"])]
+            ids = [batch(step, micro, rank)[0][:, :cut] for micro in range(cfg["accumulate"])]
             inputs = [x[:, :-1] for x in ids]
             targets = {id(i): x[:, 1:].flatten() for i, x in zip(inputs, ids)}
             nan = cfg.get("nan") == [rank, step]  # this rank's last micro-batch of this step: a NaN loss
@@ -154,7 +157,8 @@ def main() -> int:
         for micro in range(0 if cfg.get("fused") else cfg["accumulate"]):
             if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
                 os._exit(17)
-            loss = loss_of(engine, batch(step, micro, rank), cfg.get("model") == "moe") / cfg["accumulate"]
+            ids, route = batch(step, micro, rank)
+            loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             engine.backward(loss)
             losses.append(loss.item())
         if cfg.get("clip"):

@@ -784,7 +784,9 @@ FUSED_CASES = {
     "llama-groups-device-tier": (make_llama, dict(loss_fn=hf_loss, make_optimizer=lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3),
                                                   host_fraction=0.6,
                                                   device_fraction=0.4)),
-    "gpt2-dropout-runs-as-the-loop": (lambda: make_gpt2(dropout=0.1), dict(loss_fn=hf_loss)),
+    "gpt2-dropout-replays-the-loops-draws": (lambda: make_gpt2(dropout=0.1), dict(loss_fn=hf_loss)),
+    "gpt2-dropout-device-tier-resume": (lambda: make_gpt2(dropout=0.1), dict(loss_fn=hf_loss, host_fraction=0.6,
+                                                                             device_fraction=0.4, resume_at=2)),
 }
 
 
@@ -792,7 +794,9 @@ FUSED_CASES = {
 def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monkeypatch):
     """``engine.forward_backward`` over 3 micro-batches per step trains bitwise as PyTorch's loop of
     backwards: MoE routes, a resume, buffers each micro-batch's forward changes, kept and offloaded
-    activations, a device tier, groups; dropout (random numbers drawn in the forward) runs as the loop."""
+    activations, a device tier, groups; dropout (random numbers drawn in the forward): the first
+    step of an engine runs the loop and learns what each block draws, the next ones draw the loop's
+    numbers through each block together."""
     make, options = FUSED_CASES[case]
     options = dict(options)
     make_optimizer = options.pop("make_optimizer", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
@@ -804,18 +808,78 @@ def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monk
     as_loop, loop = [], micro_batches._loop
     monkeypatch.setattr(micro_batches, "_loop", lambda *a: as_loop.append(1) or loop(*a))
     check_parity(make, make_optimizer, tmp_path, clip=1.0, accumulate=3, steps=3, fused=True, **options)
-    assert len(as_loop) == (3 if "dropout" in case else 0)  # with dropout every step ran as the loop
+    # with dropout, an engine's first step ran the loop (the resumed one's too); no other step did
+    assert len(as_loop) == (("resume_at" in options) + 1 if "dropout" in case else 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the GPU check runs it (tools/gpu_check.py)")
-def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(tmp_path, deterministic):
+@pytest.mark.parametrize("make", [make_llama, lambda: make_gpt2(dropout=0.1)], ids=["llama", "gpt2-dropout"])
+def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(make, tmp_path, deterministic, monkeypatch):
     """On a GPU: each micro-batch's backward on its own thread with autograd's device threads off
     (the CPU runs a backward on the calling thread already), device and host budgets below the
-    state; bitwise PyTorch's loop on the same GPU, with groups and clipping, and no hang."""
-    state = 16 * sum(p.numel() for p in make_llama().parameters())
-    check_parity(make_llama, lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3), tmp_path, loss_fn=hf_loss, clip=1.0,
+    state; bitwise PyTorch's loop on the same GPU, with groups and clipping, and no hang. With
+    dropout (CUDA's Philox offsets replayed) only the first step runs the loop."""
+    from tiered_offload.engine import micro_batches
+    as_loop, loop = [], micro_batches._loop
+    monkeypatch.setattr(micro_batches, "_loop", lambda *a: as_loop.append(1) or loop(*a))
+    state = 16 * sum(p.numel() for p in make().parameters())
+    check_parity(make, lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3), tmp_path, loss_fn=hf_loss, clip=1.0,
                  accumulate=3, steps=3, fused=True, host_fraction=0.6, device="cuda", device_memory=int(0.4 * state),
                  config=EngineConfig(optimizer_device="device"))  # the reference's optimizer runs on the GPU
+    assert len(as_loop) == (1 if make is not make_llama else 0)
+
+
+def test_forward_backward_with_dropout_follows_micro_batches_whose_shapes_change(tmp_path, monkeypatch):
+    """Dropout draws as many numbers as a tensor has elements, so a step of shorter micro-batches
+    draws less than the script learned says: its pass is undone before any backward and the loop
+    runs (and teaches the new draws). After two such steps in a row the loop runs until two loops
+    draw alike. Every step bitwise PyTorch's loop; the passes that ran and were undone counted."""
+    from tiered_offload.engine import micro_batches
+    lengths = [9, 7, 9, 7, 7, 7, 7]
+    g = torch.Generator().manual_seed(2)
+    steps = [[torch.randint(0, VOCAB, (2, n), generator=g) for _ in range(3)] for n in lengths]
+    ref = make_gpt2(dropout=0.1)
+    start = copy.deepcopy(ref.state_dict())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    torch.manual_seed(5)
+    expected = []
+    for step in steps:
+        for ids in step:
+            loss = ref(input_ids=ids, labels=ids).loss / 3
+            loss.backward()
+            expected.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    ref_rng = torch.get_rng_state()
+    model = make_gpt2(dropout=0.1)
+    model.load_state_dict(start)
+    calls = []
+    loop, vertical = micro_batches._loop, micro_batches._vertical
+    monkeypatch.setattr(micro_batches, "_loop", lambda *a: calls.append("loop") or loop(*a))
+    monkeypatch.setattr(micro_batches, "_vertical",
+                        lambda *a: (lambda r: calls.append("pass" if r is not None else "undone") or r)(vertical(*a)))
+    n = sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(16 * n * 0.5)) as engine:
+        torch.manual_seed(5)
+        losses = []
+        for step in steps:
+            losses += [x.item() for x in engine.forward_backward(
+                [{"input_ids": ids, "labels": ids} for ids in step], lambda out, b: out.loss / 3)]
+            engine.step()
+            engine.zero_grad()
+            calls.append("|")
+        weights = dict(engine.named_parameters())
+    assert losses == expected
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+    assert torch.equal(torch.get_rng_state(), ref_rng)  # the passes leave the generator where the loop does
+    assert "".join(c[0] for c in calls).split("|")[:-1] == [
+        "ul",  # 9: nothing learned yet, the pass is undone at once; the loop learns 9's draws
+        "ul",  # 7: the pass draws less than learned: undone, the loop learns 7's (a miss in a row)
+        "ul",  # 9: the second miss in a row
+        "l",   # 7: the loop alone, learning 7's again, unlike the 9's before
+        "l",   # 7: as the loop before drew: passes again
+        "p",
+        "p"]
 
 
 def test_forward_backward_reads_each_block_once_for_all_micro_batches(tmp_path):

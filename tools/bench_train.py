@@ -37,6 +37,8 @@ the same 4 through ``engine.forward_backward`` (each block's weights fetched onc
 them); and the engine in memory (one micro-batch's compute). It prints the disk bytes per
 optimizer step of each and the ratios: reads of 4 fused / reads of one, and the fused step /
 (4 x one micro-batch's in-memory step + one micro-batch disk step's I/O floor at the measured rates).
+With ``--dropout 0.1`` every forward draws random numbers: the first ``forward_backward`` of
+an engine runs the loop and learns the draws, the later ones draw the loop's numbers block by block.
 Its warm-up round runs each engine until its plan is final (made, checked, revised if it did not
 earn its disk bytes), so the timed rounds measure the plan the run keeps.
 """
@@ -124,7 +126,8 @@ OPT_KWARGS = dict(lr=1e-4, weight_decay=0.01)
 def _setup(args):
     """The model (seeded), the batches' generator and the storage directory of a run."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    cfg = GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                    dropout=args.dropout)
     directory = args.path or tempfile.mkdtemp(prefix=".bench-train-", dir=os.getcwd())
     return cfg, GPT(cfg), torch.Generator().manual_seed(1), directory
 
@@ -194,6 +197,8 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="the model's dropout (with --accumulate: forward_backward replays the loop's draws)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after a warm-up round)")
     ap.add_argument("--steps-per-round", type=int, default=2)

@@ -56,7 +56,7 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-           buffers: bool = False, accumulate: int = 1) -> None:
+           buffers: bool = False, accumulate: int = 1, dropout: float = 0.0) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -65,7 +65,7 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     from tiered_offload_examples.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4))
+    model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4, dropout=dropout))
     if buffers:  # every block counts its calls in a persistent buffer its output depends on
         model.blocks = torch.nn.ModuleList(_counted(b) for b in model.blocks)
     n = sum(p.numel() for p in model.parameters())
@@ -132,13 +132,13 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 
 def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
                  host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-                 buffers: bool = False, accumulate: int = 1) -> list[str]:
+                 buffers: bool = False, accumulate: int = 1, dropout: float = 0.0) -> list[str]:
     """A worker's command-line arguments (``main`` parses them in the fork as in a fresh process)."""
     return (["--worker", str(directory), "--steps", str(steps), "--layers", str(layers), "--out", str(out),
              "--commit-every", str(commit_every), "--host-fraction", str(host_fraction),
              "--device-fraction", str(device_fraction), "--optimizer", optimizer]
             + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
-            + ["--accumulate", str(accumulate)])
+            + ["--accumulate", str(accumulate), "--dropout", str(dropout)])
 
 
 def _zygote() -> Zygote:
@@ -321,7 +321,7 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
-               optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1) -> dict:
+               optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -336,6 +336,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     ``buffers``: every block counts its calls in a persistent buffer its output depends on (the
     buffers' extent committed with each step, restored with it). ``accumulate`` > 1: each step runs
     that many micro-batches through ``engine.forward_backward`` (killed inside the vertical pass too).
+    ``dropout`` > 0: the model draws random numbers in every forward (with ``accumulate``, a resumed
+    engine's first step runs the loop and learns the draws, the uninterrupted run's passes replay them).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
     extent is flipped, and a start without a kill must either resume bitwise or refuse with a
@@ -344,7 +346,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     """
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
-                   optimizer=optimizer, buffers=buffers, accumulate=accumulate)
+                   optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout)
     with _zygote() as zygote:
         return _loop(zygote, work, kills, steps, layers, rng, flip_bits, options, log)
 
@@ -492,12 +494,13 @@ def main() -> None:
                     help="every block counts its calls in a persistent buffer its output depends on")
     ap.add_argument("--accumulate", type=int, default=1, metavar="N",
                     help="N micro-batches per step through engine.forward_backward")
+    ap.add_argument("--dropout", type=float, default=0.0, help="the model's dropout (random numbers in every forward)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
-               args.device_fraction, args.optimizer, args.buffers, args.accumulate)
+               args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout)
         return
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
@@ -505,7 +508,7 @@ def main() -> None:
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
                              flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
-                             accumulate=args.accumulate)
+                             accumulate=args.accumulate, dropout=args.dropout)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

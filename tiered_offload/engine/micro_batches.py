@@ -14,14 +14,19 @@ Why that is the loop's arithmetic, bit for bit:
   each block's forwards run in micro-batch order, as in the loop);
 * every gradient buffer receives its micro-batches' additions in micro-batch order (at any turn,
   micro-batch 0's thread runs first), with the same additions inside each backward;
-* the RNG: the loop's micro-batch ``k`` starts from the state micro-batch ``k - 1`` left. That
-  holds here only if no forward draws random numbers (no dropout in training mode, no sampling):
-  the state is checked at every turn. A forward that drew one is undone (its graphs dropped, the
-  buffers and the RNG put back; no gradient has been added yet: every forward and loss finishes
-  before any backward starts) and the micro-batches run as the loop instead. So do a
-  non-finite loss (the loop stops or skips there; sharded, if any rank has one, every rank runs
-  the loop, agreed before any backward) and an error in a forward (raised where the loop raises
-  it).
+* the RNG: the loop's micro-batch ``k`` starts from the state micro-batch ``k - 1`` left. Each
+  turn starts the generators where the micro-batch's last turn left them, micro-batch ``k``'s first
+  where micro-batch ``k - 1``'s forward and loss leave them in the loop. Without draws (no dropout
+  in training mode, no sampling) that is where the pass started, checked at every turn. With draws,
+  it is where the :class:`~.rng_script.RngScript` learned from the last loop says, checked after
+  each loss (:mod:`~tiered_offload.engine.rng_script`). A forward that drew other numbers is undone
+  (its graphs dropped, the buffers and the RNG put back; no gradient has been added yet: every
+  forward and loss finishes before any backward starts) and the micro-batches run as the loop,
+  recorded: its draws are the next pass's script. After two passes in a row that the script did
+  not predict, the loop runs until two loops in a row draw alike (an undone pass costs the forwards
+  it ran). So do a non-finite loss (the loop stops or skips there) and an error in a forward
+  (raised where the loop raises it). Sharded, if any rank has a non-finite loss or other draws,
+  every rank runs the loop, agreed before any backward.
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.
@@ -49,6 +54,7 @@ import torch
 
 from offload_core.errors import TensorStateError, TierCapacityError
 from tiered_offload.engine.activations import autocast_state, replay_autocast
+from tiered_offload.engine.rng_script import Expected, Recorder, RngScript, Streams
 from tiered_offload.engine.schedule import Phase
 from tiered_offload.store.policies import walk_as
 from tiered_offload.trace import span
@@ -62,17 +68,28 @@ class _Undone(BaseException):
 
 class Turns:
     """Threads that run one at a time, in a fixed rotation (micro-batch order): :meth:`take_turn`
-    hands over to the next thread and waits for this one's next turn. Every turn checks that the
-    RNG state is the one the pass started from (see the module's docstring)."""
+    hands over to the next thread and waits for this one's next turn. Each turn starts the
+    generators where the micro-batch's last turn left them (the first where ``expected`` says) and
+    checks, where it ends, what it drew (see :mod:`~tiered_offload.engine.rng_script`)."""
 
-    def __init__(self, n: int, rng_check: Callable[[], bool], on_turn: Callable[[int], None] | None = None):
+    def __init__(self, n: int, expected: Expected, streams: Streams, on_turn: Callable[[int], None] | None = None,
+                 agree_on_misses: bool = False):
         self._cond = threading.Condition()
         self.on_turn = on_turn
         """Called on a micro-batch's thread, with its index, at the start of each of its turns."""
         self._order = list(range(n))
         self._turn = 0
         self._stop = False
-        self.rng_check = rng_check
+        self.expected, self.streams = expected, streams
+        self.mispredicted = False
+        """A micro-batch's forward drew other numbers than ``expected``'s script says."""
+        self.agree_on_misses = agree_on_misses
+        """Sharded: a forward that drew other numbers does not stop the pass at once; the ranks
+        agree on it with the losses, before any backward (else one rank's loop would meet the
+        others' pass)."""
+        self.final: list[torch.Tensor] | None = None
+        """Where the last micro-batch left the generators (where the loop leaves them)."""
+        self._n = n
         self._where: dict[int, Any] = {}
         """Turn number -> where the first micro-batch to reach it was."""
         self.backward_started = False
@@ -94,22 +111,53 @@ class Turns:
         k = self.index()
         if k is None:
             return
-        turn = self._local.turns = getattr(self._local, "turns", 0) + 1
-        alike = self._where.setdefault(turn, where) == where
-        if not alike or not self.rng_check():
-            self.stop()
-            if self.backward_started:
-                raise TensorStateError(
-                    "in forward_backward a micro-batch's backward " + ("drew random numbers" if alike else
-                    "took another path through the blocks than the others'") + ", so the loop's order cannot be "
-                    "kept; the gradients of this call are incomplete: call zero_grad() and run the micro-batches as "
-                    "a loop (engine.backward per micro-batch)")
-            raise _Undone()
+        self._arrive(k, where)
         with self._cond:
             i = self._order.index(k)
             self._turn = self._order[(i + 1) % len(self._order)]
             self._cond.notify_all()
         self._wait(k)
+
+    def end(self) -> None:
+        """This thread's micro-batch has finished its backward: check where it left the generators."""
+        if self.index() is not None:
+            self._arrive(self.index(), "end")
+
+    def _arrive(self, k: int, where) -> None:
+        turn = self._local.turns = getattr(self._local, "turns", 0) + 1
+        alike = self._where.setdefault(turn, where) == where
+        now = self.streams.get()
+        drew_as_expected = self._drew_as_expected(k, where, now)
+        if alike and not drew_as_expected and where == "loss" and self.agree_on_misses:
+            self.mispredicted = drew_as_expected = True  # the ranks agree on it after the losses
+        if alike and drew_as_expected:
+            self._local.state = now
+            if where == "end" and k == self._n - 1:
+                self.final = now
+            return
+        self.stop()
+        self.mispredicted = alike and self.expected.script is not None
+        if self.backward_started:
+            raise TensorStateError(
+                "in forward_backward a micro-batch's backward " + ("drew random numbers" if alike else
+                "took another path through the blocks than the others'") + ", so the loop's order cannot be "
+                "kept; the gradients of this call are incomplete: call zero_grad() and run the micro-batches as "
+                "a loop (engine.backward per micro-batch)")
+        raise _Undone()
+
+    def _drew_as_expected(self, k: int, where, now: list[torch.Tensor]) -> bool:
+        """Without a script: nothing drawn. With one: the forward and loss end where the next
+        micro-batch started (the last's may end anywhere), and the backward draws nothing."""
+        if self.expected.script is None:
+            return self.streams.equal(now, self.expected.start(0))
+        loss = getattr(self._local, "loss", None)
+        if loss is not None:
+            return self.streams.equal(now, loss)
+        if where != "loss":
+            return True
+        self._local.loss = now
+        after = self.expected.start(k + 1) if k + 1 < self._n else now
+        return after is not None and self.streams.equal(now, after)
 
     def is_last(self) -> bool:
         """Whether this thread's micro-batch is the last in the rotation (the others had this turn)."""
@@ -139,6 +187,12 @@ class Turns:
                 self._cond.wait()
             if self._stop:
                 raise _Undone()
+        state = getattr(self._local, "state", None) or self.expected.start(k)
+        if state is None:  # the script has fewer micro-batches: a miss
+            self.stop()
+            self.mispredicted = True
+            raise _Undone()
+        self.streams.set(state)
         if self.on_turn is not None:
             self.on_turn(k)
 
@@ -201,32 +255,23 @@ def _call(engine, batch):
     return engine(**batch) if isinstance(batch, dict) else engine(batch)
 
 
-def _loop(engine, micro_batches: Sequence, loss_fn) -> list[torch.Tensor]:
+def _loop(engine, micro_batches: Sequence, loss_fn, recorder: Recorder | None = None) -> list[torch.Tensor]:
     """The loop, each backward outside the caller's autocast (as PyTorch advises, and as the
-    micro-batches' threads run theirs)."""
+    micro-batches' threads run theirs); ``recorder`` notes what each micro-batch draws."""
     losses = []
     outside = [(kind, dtype) for kind, dtype, _ in autocast_state(engine.device)]
+    mark = recorder.mark if recorder is not None else lambda where: None
     for b in micro_batches:
+        mark("start")
         loss = loss_fn(_call(engine, b), b)
+        mark("loss")
         with contextlib.ExitStack() as stack:
             for kind, dtype in outside:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=False))
             engine.backward(loss)
+        mark("end")
         losses.append(loss.detach())
     return losses
-
-
-def _rng_states(device: torch.device) -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def _set_rng_states(states: list[torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
 
 
 def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
@@ -238,26 +283,50 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     if not torch.is_grad_enabled():
         raise RuntimeError("forward_backward computes gradients; call it outside torch.no_grad()")
     # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
-    if len(micro_batches) == 1 or engine._streamer.modes is None:
+    streamer = engine._streamer
+    if len(micro_batches) == 1 or streamer.modes is None:
         return _loop(engine, micro_batches, loss_fn)
-    t0 = time.perf_counter()
-    try:
-        losses = _vertical(engine, micro_batches, loss_fn)
-    finally:
-        engine._monitor.engine_seconds += time.perf_counter() - t0
-    return losses if losses is not None else _loop(engine, micro_batches, loss_fn)
+    streams, script = Streams(engine.device), streamer.rng_script
+    trusted = script is None or script.misses < 2
+    if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
+        trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
+    expected = Expected(script, streams.get())
+    if trusted:
+        t0 = time.perf_counter()
+        try:
+            losses = _vertical(engine, micro_batches, loss_fn, expected, streams)
+        finally:
+            engine._monitor.engine_seconds += time.perf_counter() - t0
+        if losses is not None:
+            if script is not None:
+                script.misses = 0
+            return losses
+    recorder = Recorder(streams)
+    losses = _loop(engine, micro_batches, loss_fn, recorder)
+    streamer.rng_script = _learned(script, recorder.script(), expected.missed)
+    return losses
 
 
-def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None:
+def _learned(script: RngScript | None, learned: RngScript | None, missed: bool) -> RngScript | None:
+    """The script the next pass follows: what the loop drew (None: no draws, or none a pass can
+    replay), with the count of passes in a row the scripts did not predict."""
+    if learned is None or not learned.draws:
+        return None
+    if script is not None:
+        learned.misses = script.misses + 1 if missed else 0 if learned == script else script.misses
+    return learned
+
+
+def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams: Streams) -> list[torch.Tensor] | None:
     """The micro-batches in vertical order; None if undone before any backward (run the loop)."""
     streamer, device, n = engine._streamer, engine.device, len(micro_batches)
-    start = _rng_states(device)
+    start = streams.get()
     buffers = [(mod, attr, mod._buffers[attr], mod._buffers[attr].clone()) for _, mod, attr, _ in engine.binding.buffers]
     sharded = engine._placement.sharding is not None
     rest_grads = _RestGradients(streamer, n) if sharded and streamer.rest.grad_key is not None else None
     bad_loss = [False] * n
-    turns = Turns(n, lambda: all(torch.equal(a, b) for a, b in zip(_rng_states(device), start)),
-                  rest_grads.point if rest_grads else None)
+    turns = Turns(n, expected, streams, rest_grads.point if rest_grads else None,
+                  agree_on_misses=sharded and expected.script is not None)
     autocast = autocast_state(device)
     losses: list[torch.Tensor | None] = [None] * n
     errors: list[BaseException | None] = [None] * n
@@ -283,7 +352,8 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
                 bad_loss[k] = True  # sharded: the ranks agree first (below), or their collectives would part
             turns.take_turn("loss")  # every forward and loss is done before any backward starts
             if k == 0:
-                if sharded and not engine._placement.all_agree(not any(bad_loss), "the micro-batches' losses"):
+                if sharded and not engine._placement.all_agree(not any(bad_loss) and not turns.mispredicted,
+                                                               "the micro-batches' losses and random numbers"):
                     turns.stop()  # some rank's loop raises (or skips): every rank runs the loop
                     raise _Undone()
                 turns.backward_started = True
@@ -293,6 +363,7 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
                 loss.backward()
             if rest_grads is not None:  # still this micro-batch's turn: the ranks reduce in the same order
                 rest_grads.reduce(k)
+            turns.end()
         except _Undone:
             pass
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
@@ -340,6 +411,7 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
             if first is not None:
                 raise first
             streamer.shared.backward_done()
+            streams.set(turns.final)  # where the loop leaves the generators
         finally:
             streamer.backward_ran()
             streamer.unbind_rest(reduce=rest_grads is None)  # each micro-batch reduced its own
@@ -350,7 +422,8 @@ def _vertical(engine, micro_batches: list, loss_fn) -> list[torch.Tensor] | None
     for mod, attr, tensor, value in buffers:
         tensor.copy_(value)
         mod._buffers[attr] = tensor
-    _set_rng_states(start, device)
+    streams.set(start)
+    expected.missed = turns.mispredicted
     if interrupted is not None:
         raise interrupted
     return None

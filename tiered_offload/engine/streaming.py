@@ -222,6 +222,8 @@ class BlockStreamer:
         """In ``forward_backward``: the micro-batches' :class:`~.micro_batches.Turns`."""
         self.micro_batches = 1
         """Micro-batches the last forward pass ran through each block together (``forward_backward``)."""
+        self.rng_script = None
+        """``forward_backward``'s :class:`~.rng_script.RngScript`: what the last loop drew per turn."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)

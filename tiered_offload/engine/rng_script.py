@@ -1,0 +1,209 @@
+"""The loop's random numbers for ``forward_backward``'s micro-batches (dropout, LayerDrop, sampling).
+
+In the loop ``for b in micro_batches: engine.backward(loss_fn(engine(b), b))`` micro-batch ``k``'s
+forward draws from where micro-batch ``k - 1``'s forward left the generators. ``forward_backward``
+runs block 0 of every micro-batch before block 1 of any, so micro-batch 1 reaches block 0 before
+micro-batch 0 has drawn what its later blocks draw. It can still draw the loop's numbers if it knows
+how far micro-batch ``k - 1``'s forward and loss move each generator: shapes decide how many numbers
+dropout draws, not values. Everything a micro-batch runs between two of its turns starts from where
+its own last turn ended (the pass sets the generators at each turn), so micro-batch ``k``'s forward
+draws the loop's numbers if it starts where micro-batch ``k - 1``'s loss leaves the generators in the
+loop. Its backward draws nothing (a recompute replays its forward's draws and puts the generators back).
+
+:class:`Recorder` watches a loop (``forward_backward`` runs one whenever the pass could not run): the
+generators' states where each micro-batch starts, after its loss and after its backward.
+:meth:`Recorder.script` turns that into an :class:`RngScript`: per micro-batch, how many numbers its
+forward and loss advanced each generator. The next pass starts micro-batch ``k`` where the script
+says (:meth:`Expected.start`), and checks, after micro-batch ``k - 1``'s loss, that the generators
+are there. That check is what makes it exact: micro-batch 0 starts where the loop does, and each one
+that ends where the next one started leaves the next one the loop's numbers. A forward that ends
+elsewhere (a shape changed, a draw depends on the data) undoes the pass before any backward, and the
+loop runs (and is recorded) instead. Without a script no forward may draw: every turn checks that
+the generators are where the pass started, so a draw is found at the first turn.
+
+How far a generator moved:
+
+* the CPU's (mt19937): counted in 32-bit draws. Its state records the position in the current block of
+  624 words, so the count is found by stepping a copy to that position and then 624 draws at a time until
+  the states are equal; a normal sample cached in the state (``randn``) cannot be reached this way and
+  gives no script. Advancing is drawing that many numbers from a copy.
+* CUDA's (Philox): its state is a seed and an offset; a kernel that draws adds to the offset, so the
+  advance is the difference of the offsets.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+__all__ = ["Recorder", "RngScript", "Streams"]
+
+_MT_N = 624
+_MT_NEXT = slice(16, 24)
+"""The CPU state's position in its block of 624 words (``THGeneratorState.next``, a uint64)."""
+_MT_NORMAL = slice(5016, 5056)
+"""The CPU state's cached normal samples (a draw of uniform numbers never changes them)."""
+_CPU_STATE_BYTES = 5056
+_CHUNK = 1 << 20
+
+
+def _cpu_advance(state: torch.Tensor, n: int) -> torch.Tensor:
+    """The CPU generator's state after ``n`` 32-bit draws from ``state``."""
+    g = torch.Generator()
+    g.set_state(state)
+    _draw(g, n)
+    return g.get_state()
+
+
+def _draw(g: torch.Generator, n: int) -> None:
+    buffer = torch.empty(min(n, _CHUNK), dtype=torch.uint8)
+    while n > 0:  # random_ draws one 32-bit number per element of 32 bits or fewer (uint8: the fastest)
+        buffer[:min(n, _CHUNK)].random_(generator=g)
+        n -= min(n, _CHUNK)
+
+
+def _cpu_distance(a: torch.Tensor, b: torch.Tensor, limit: int = 1 << 34) -> int | None:
+    """How many 32-bit draws take the CPU generator from state ``a`` to ``b`` (None: none do)."""
+    if a.numel() != _CPU_STATE_BYTES or b.numel() != _CPU_STATE_BYTES or not torch.equal(a[_MT_NORMAL], b[_MT_NORMAL]):
+        return None
+    if torch.equal(a, b):
+        return 0
+    position = [int.from_bytes(bytes(s[_MT_NEXT].tolist()), "little") for s in (a, b)]
+    g = torch.Generator()
+    g.set_state(a)
+    n = (position[1] - position[0]) % _MT_N
+    _draw(g, n)
+    while n <= limit:
+        if torch.equal(g.get_state(), b):
+            return n
+        _draw(g, _MT_N)
+        n += _MT_N
+    return None
+
+
+def _philox(state: torch.Tensor) -> tuple[int, int] | None:
+    """A CUDA generator's (seed, offset), or None when the state is not the 16 bytes that hold them."""
+    if state.numel() != 16:
+        return None
+    raw = bytes(state.tolist())
+    return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little", signed=True)
+
+
+def _cuda_distance(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    pa, pb = _philox(a), _philox(b)
+    if pa is None or pb is None or pa[0] != pb[0] or pb[1] < pa[1]:
+        return None
+    return pb[1] - pa[1]
+
+
+def _cuda_advance(state: torch.Tensor, n: int) -> torch.Tensor:
+    seed, offset = _philox(state)
+    raw = seed.to_bytes(8, "little") + (offset + n).to_bytes(8, "little", signed=True)
+    return torch.tensor(list(raw), dtype=torch.uint8)
+
+
+class Streams:
+    """The generators a forward may draw from: the CPU's, and the device's on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def get(self) -> list[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if self.cuda:
+            states.append(torch.cuda.get_rng_state(self.device))
+        return states
+
+    def set(self, states: Sequence[torch.Tensor]) -> None:
+        torch.set_rng_state(states[0])
+        if self.cuda:
+            torch.cuda.set_rng_state(states[1], self.device)
+
+    @staticmethod
+    def equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def distance(self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+        """How far each generator moved from ``a`` to ``b`` (None: not by draws this can replay)."""
+        counts = [_cpu_distance(a[0], b[0]), *([_cuda_distance(a[1], b[1])] if self.cuda else [])]
+        return None if None in counts else tuple(counts)
+
+    def advance(self, states: Sequence[torch.Tensor], counts: tuple[int, ...]) -> list[torch.Tensor]:
+        out = [_cpu_advance(states[0], counts[0]) if counts[0] else states[0]]
+        if self.cuda:
+            out.append(_cuda_advance(states[1], counts[1]) if counts[1] else states[1])
+        return out
+
+
+class RngScript:
+    """Per micro-batch, how far its forward and loss moved each generator in the loop that was
+    recorded (see the module's docstring)."""
+
+    def __init__(self, streams: Streams, advances: list[tuple[int, ...]]):
+        self.streams, self.advances = streams, advances
+        self.misses = 0
+        """Passes in a row whose draws the scripts did not predict (from two on, ``forward_backward``
+        runs the loop until two loops in a row draw alike)."""
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RngScript) and self.advances == other.advances
+
+    @property
+    def draws(self) -> bool:
+        return any(any(c) for c in self.advances)
+
+
+class Expected:
+    """Where one pass's micro-batches start drawing: micro-batch 0 where the pass starts, micro-batch
+    ``k`` where the script says micro-batch ``k - 1``'s forward and loss leave the generators
+    (computed once, as the pass reaches it). Without a script, every micro-batch starts where the
+    pass started, and any draw is a miss."""
+
+    def __init__(self, script: RngScript | None, start: list[torch.Tensor]):
+        self.script, self._start = script, start
+        self._starts = [start]
+        self._lock = threading.Lock()
+        self.missed = False
+        """The pass was undone because a micro-batch's forward did not draw what the script says."""
+
+    def start(self, k: int) -> list[torch.Tensor] | None:
+        """Where micro-batch ``k``'s forward starts drawing (None: past the script)."""
+        if self.script is None:
+            return self._start
+        if k > len(self.script.advances) - 1:
+            return None
+        with self._lock:
+            while len(self._starts) <= k:
+                i = len(self._starts) - 1
+                self._starts.append(self.script.streams.advance(self._starts[i], self.script.advances[i]))
+            return self._starts[k]
+
+
+class Recorder:
+    """Watches the loop: the generators' states where each micro-batch starts, after its loss and
+    after its backward."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+        self.runs: list[dict[str, list[torch.Tensor]]] = []
+
+    def mark(self, where: str) -> None:
+        """The loop is at ``where`` ("start", "loss" or "end") of a micro-batch."""
+        if where == "start":
+            self.runs.append({})
+        self.runs[-1][where] = self.streams.get()
+
+    def script(self) -> RngScript | None:
+        """What each micro-batch's forward and loss drew, or None where a pass could not replay it:
+        a backward drew, something drew between micro-batches, or a draw was not one this can count."""
+        advances = []
+        for i, run in enumerate(self.runs):
+            if len(run) != 3 or not self.streams.equal(run["loss"], run["end"]):
+                return None
+            if i + 1 < len(self.runs) and not self.streams.equal(run["end"], self.runs[i + 1]["start"]):
+                return None
+            advances.append(self.streams.distance(run["start"], run["loss"]))
+        return None if not advances or None in advances else RngScript(self.streams, advances)
