@@ -134,6 +134,29 @@ def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_model_with_dropout_runs_its_micro_batches_through_each_block_together(tmp_path, model_dir, data,
+                                                                                 monkeypatch):
+    """Attention dropout draws random numbers in every forward: the first step runs the
+    micro-batches as the loop (and learns the draws), every later one through each block together;
+    the weights are those of a run in which every step runs the loop, bitwise."""
+    from tiered_offload.engine import micro_batches
+    dropout = tmp_path / "dropout-model"
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(dropout)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(dropout)
+    calls = []
+    loop, vertical = micro_batches._loop, micro_batches._vertical
+    monkeypatch.setattr(micro_batches, "_loop", lambda *a: calls.append("loop") or loop(*a))
+    fused = train(write_config(tmp_path / "a", dropout, data, train__max_steps=4), progress=False)
+    assert calls == ["loop"]
+    monkeypatch.setattr(micro_batches, "_vertical", lambda *a: None)  # every step the loop
+    looped = train(write_config(tmp_path / "b", dropout, data, train__max_steps=4), progress=False)
+    assert calls == ["loop"] * 5
+    a, b = exported(Path(fused["final"])), exported(Path(looped["final"]))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_sigint_finishes_the_step_commits_and_the_next_run_continues(tmp_path, model_dir, data):
     config = write_config(tmp_path, model_dir, data, train__max_steps=40, output__export_every=0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
