@@ -31,9 +31,29 @@ def test_a_disk_with_time_to_spare_takes_the_activations_instead_of_recomputing(
     # recomputing costs 0.1 s a block; offloading 20 MiB costs 40 MiB of I/O (0.02 s), 90% of it hidden
     assert plan.modes == ["offload", "offload", "offload", "keep"]  # the last block's backward comes first
     assert plan.predicted_compute_s < 2.0 - 0.2 - 0.1  # less the recompute, plus the copies
-    assert plan.predicted_read == 400 * MiB + 3 * 20 * MiB and plan.predicted_written == plan.predicted_read
+    # the state streams (400 MiB read): the kept block's room held state, pushed out and read back
+    assert plan.predicted_read == 400 * MiB + 4 * 20 * MiB and plan.predicted_written == plan.predicted_read
     text = plan.summary()
     assert "1 keep, 3 offload" in text and "predicted step" in text and "MiB read" in text
+
+
+def test_kept_activations_cost_disk_bytes_only_where_the_state_streams():
+    """Keeping a block's activations in the tier costs no I/O where the measured iteration read no
+    state (the state fits). Where it read state, every tier was full of it: the kept activations
+    push state out, written and read back (at 0.9 of the state, a plan that charged keeping
+    nothing predicted 60 MiB read per step where 156-168 were measured)."""
+    streams = make_plan(base(), measured(read=60 * MiB, written=60 * MiB), FAST, room=[30 * MiB] * 4,
+                        keep_room=80 * MiB, fixed=False)
+    fits = make_plan(base(), measured(read=0, written=60 * MiB), FAST, room=[30 * MiB] * 4, keep_room=80 * MiB,
+                     fixed=False)
+    assert streams.modes == fits.modes == ["keep"] * 4
+    assert streams.predicted_read == 60 * MiB + 4 * 20 * MiB and streams.predicted_written == 60 * MiB + 4 * 20 * MiB
+    assert fits.predicted_read == 0 and fits.predicted_written == 60 * MiB
+    # measured under a plan that kept them: what the kept ones pushed out is not counted twice
+    m = measured(read=140 * MiB, written=140 * MiB)
+    m.modes = ["keep"] * 4
+    again = make_plan(base(), m, FAST, room=[30 * MiB] * 4, keep_room=80 * MiB, fixed=True)
+    assert again.predicted_read == 140 * MiB and again.predicted_written == 140 * MiB
 
 
 def test_a_slow_disk_keeps_recomputing():

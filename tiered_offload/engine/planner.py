@@ -12,9 +12,12 @@ iteration did not wait for is taken as the share hidden, so a step takes about `
 
 * recomputing block ``i`` costs its forward once more: ``F_i`` seconds of compute;
 * keeping its graph instead costs a copy of its saved tensors (``A_i`` bytes) into the store;
-  offloading them costs ``A_i`` written and ``A_i`` read as well. (Keeping them in the compute
-  tier costs no I/O only while they fit one block's room: when the state does not fit, any more
-  room they take is state written out and read back.)
+  offloading them costs ``A_i`` written and ``A_i`` read as well. Keeping them in the compute
+  tier costs no I/O only where the measured iteration read no state from the disk (the state
+  fits). Where it did, every tier was full of state, and the room kept activations take from
+  the forward to their backward pushed state out: written and read back, as many bytes as
+  offloading them (at a host budget of 0.9 of the state, keeping cost 4-5x the disk bytes of
+  recomputing, and a plan that charged keeping nothing predicted half of them).
 
 Starting from "recompute every block", the planner switches blocks to a kept graph, those that
 save the most compute per byte first, as long as the predicted step gets shorter (the disk has
@@ -267,15 +270,19 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         return recompute + copies
     base_compute = max(0.0, m.seconds - m.io_wait_seconds - extra_compute(m.modes))
     offloaded_now = sum(a for a, mode in zip(moved, m.modes) if mode == "offload")
-    base_read = max(0, m.disk_read - offloaded_now)
-    base_written = max(0, m.disk_written - offloaded_now)
+    kept_now = sum(a for a, mode in zip(moved, m.modes) if mode == "keep")
+    # where the measured iteration read state from the disk, kept activations push state out
+    displacing = ("offload", "keep") if m.disk_read > offloaded_now + kept_now else ("offload",)
+    now = offloaded_now + (kept_now if "keep" in displacing else 0)
+    base_read = max(0, m.disk_read - now)
+    base_written = max(0, m.disk_written - now)
     # how much of the I/O the measured iteration hid behind compute (what it did not wait for)
     io_measured = rates.seconds(m.disk_read, m.disk_written)
     hidden = 1.0 if io_measured <= 0 else min(1.0, max(0.0, 1.0 - m.io_wait_seconds / io_measured))
 
     def cost(modes: list[str]) -> tuple[float, float, float, int, int]:
         compute = base_compute + extra_compute(modes)
-        extra = sum(a for a, mode in zip(moved, modes) if mode == "offload" and rates.read_Bps > 0)
+        extra = sum(a for a, mode in zip(moved, modes) if mode in displacing and rates.read_Bps > 0)
         read, written = base_read + extra, base_written + extra
         io = rates.seconds(read, written)
         return compute + (1.0 - hidden) * io, compute, io, read, written
