@@ -829,42 +829,40 @@ def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(make, tmp_pa
     assert len(as_loop) == (1 if make is not make_llama else 0)
 
 
-def test_forward_backward_with_dropout_follows_micro_batches_whose_shapes_change(tmp_path, monkeypatch):
-    """Dropout draws as many numbers as a tensor has elements, so a step of shorter micro-batches
-    draws less than the script learned says: its pass is undone before any backward and the loop
-    runs (and teaches the new draws). After two such steps in a row the loop runs until two loops
-    draw alike. Every step bitwise PyTorch's loop; the passes that ran and were undone counted."""
+def _fused_paths(make, steps, loss_fn, monkeypatch, tmp_path, before_step=lambda s: None, host_fraction=0.5):
+    """``steps`` (each a list of micro-batches: keyword arguments of the model) trained by PyTorch's
+    loop and through ``engine.forward_backward``; asserts the losses, weights and the RNG after them
+    are bitwise alike; returns each step's path: "u" a pass undone, "l" the loop, "p" a pass."""
     from tiered_offload.engine import micro_batches
-    lengths = [9, 7, 9, 7, 7, 7, 7]
-    g = torch.Generator().manual_seed(2)
-    steps = [[torch.randint(0, VOCAB, (2, n), generator=g) for _ in range(3)] for n in lengths]
-    ref = make_gpt2(dropout=0.1)
+    ref = make()
     start = copy.deepcopy(ref.state_dict())
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     torch.manual_seed(5)
     expected = []
-    for step in steps:
-        for ids in step:
-            loss = ref(input_ids=ids, labels=ids).loss / 3
+    for s, step in enumerate(steps):
+        before_step(s)
+        for b in step:
+            loss = loss_fn(ref(**b), b) / len(step)
             loss.backward()
             expected.append(loss.item())
         opt.step()
         opt.zero_grad()
     ref_rng = torch.get_rng_state()
-    model = make_gpt2(dropout=0.1)
+    model = make()
     model.load_state_dict(start)
     calls = []
     loop, vertical = micro_batches._loop, micro_batches._vertical
-    monkeypatch.setattr(micro_batches, "_loop", lambda *a: calls.append("loop") or loop(*a))
+    monkeypatch.setattr(micro_batches, "_loop", lambda *a: calls.append("l") or loop(*a))
     monkeypatch.setattr(micro_batches, "_vertical",
-                        lambda *a: (lambda r: calls.append("pass" if r is not None else "undone") or r)(vertical(*a)))
+                        lambda *a: (lambda r: calls.append("p" if r is not None else "u") or r)(vertical(*a)))
     n = sum(p.numel() for p in model.parameters())
-    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(16 * n * 0.5)) as engine:
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                host_memory=int(16 * n * host_fraction)) as engine:
         torch.manual_seed(5)
         losses = []
-        for step in steps:
-            losses += [x.item() for x in engine.forward_backward(
-                [{"input_ids": ids, "labels": ids} for ids in step], lambda out, b: out.loss / 3)]
+        for s, step in enumerate(steps):
+            before_step(s)
+            losses += [x.item() for x in engine.forward_backward(step, lambda out, b: loss_fn(out, b) / len(step))]
             engine.step()
             engine.zero_grad()
             calls.append("|")
@@ -872,12 +870,53 @@ def test_forward_backward_with_dropout_follows_micro_batches_whose_shapes_change
     assert losses == expected
     assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
     assert torch.equal(torch.get_rng_state(), ref_rng)  # the passes leave the generator where the loop does
-    assert "".join(c[0] for c in calls).split("|")[:-1] == [
-        "ul",  # 9: nothing learned yet, the pass is undone at once; the loop learns 9's draws
-        "ul",  # 7: the pass draws less than learned: undone, the loop learns 7's (a miss in a row)
-        "ul",  # 9: the second miss in a row
-        "l",   # 7: the loop alone, learning 7's again, unlike the 9's before
-        "l",   # 7: as the loop before drew: passes again
+    return "".join(calls).split("|")[:-1]
+
+
+def test_forward_backward_with_dropout_keeps_a_script_per_shape_of_micro_batches(tmp_path, monkeypatch):
+    """Dropout draws as many numbers as a tensor has elements: micro-batches of another length draw
+    another count. Each shape learns its script once, by a loop (the pass undone at its first turn),
+    and runs passes from then on: the last step of an epoch, shorter, does not cost the others theirs."""
+    g = torch.Generator().manual_seed(2)
+    steps = [[{"input_ids": (ids := torch.randint(0, VOCAB, (2, n), generator=g)), "labels": ids} for _ in range(3)]
+             for n in [9, 7, 9, 7, 9, 9, 7]]
+    paths = _fused_paths(lambda: make_gpt2(dropout=0.1), steps, lambda out, b: out.loss, monkeypatch, tmp_path)
+    assert paths == ["ul", "ul", "p", "p", "p", "p", "p"]
+
+
+class _DrawsBy(nn.Module):
+    """An MLP that draws ``count[0]`` numbers in training and adds them in (scaled small): draws
+    that depend on something other than the micro-batches' shapes."""
+
+    def __init__(self, d, count):
+        super().__init__()
+        self.mlp, self.count = MLP(d), count
+
+    def forward(self, x, route=None):
+        out = self.mlp(x)
+        return out + 1e-3 * torch.rand(self.count[0]).sum() if self.training else out
+
+
+def test_forward_backward_stops_trying_passes_whose_draws_the_script_misses(tmp_path, monkeypatch):
+    """Draws that change while the shapes stay: each such pass is undone where its first
+    micro-batch's loss is checked, and the loop runs. After two misses in a row the loop runs alone
+    until two loops in a row draw alike; then passes again. Every step bitwise PyTorch's loop."""
+    count = [1]
+    counts = [1, 2, 1, 2, 2, 2, 2]
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: _DrawsBy(d, count))
+    g = torch.Generator().manual_seed(3)
+    steps = [[{"ids": torch.randint(0, VOCAB, (2, 9), generator=g)} for _ in range(3)] for _ in counts]
+    paths = _fused_paths(make, steps, lambda out, b: F.cross_entropy(out[:, :-1].flatten(0, 1), b["ids"][:, 1:].flatten()),
+                         monkeypatch, tmp_path, before_step=lambda s: count.__setitem__(0, counts[s]), host_fraction=0.75)
+    assert paths == [
+        "ul",  # nothing learned yet: undone at the first turn; the loop learns 1 draw per block
+        "ul",  # 2 draws: the pass misses (a miss in a row); the loop learns 2
+        "ul",  # 1 draw: the second miss in a row
+        "l",   # 2: the loop alone, learning 2 again, unlike the 1 before
+        "l",   # 2: as the loop before drew: passes again
         "p",
         "p"]
 

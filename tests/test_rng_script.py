@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiered_offload.engine.rng_script import Expected, Recorder, Streams, _cpu_advance, _cpu_distance, _cuda_advance, \
-    _cuda_distance
+from tiered_offload.engine.rng_script import Expected, Recorder, RngScript, RngScripts, Streams, _cpu_advance, \
+    _cpu_distance, _cuda_advance, _cuda_distance, signature
 
 
 @pytest.mark.parametrize("draw", [
@@ -101,3 +101,22 @@ def test_no_script_where_a_backward_draws_or_something_draws_between_micro_batch
     assert recorder.script() is None
     start = streams.get()
     assert streams.equal(Expected(None, start).start(5), start)
+
+
+def test_a_script_is_kept_per_shape_of_micro_batches_the_most_recent_few():
+    """The signature of micro-batches is their tensors' shapes and dtypes and their plain values,
+    not the tensors' values; the scripts are kept for the most recently used signatures."""
+    a = [{"input_ids": torch.zeros(2, 9, dtype=torch.long), "use_cache": False}] * 3
+    assert signature(a) == signature([{"input_ids": torch.ones(2, 9, dtype=torch.long), "use_cache": False}] * 3)
+    assert signature(a) != signature([{"input_ids": torch.zeros(2, 7, dtype=torch.long), "use_cache": False}] * 3)
+    assert signature(a) != signature([{"input_ids": torch.zeros(2, 9, dtype=torch.long), "use_cache": True}] * 3)
+    assert signature(a) != signature(a[:2])
+    scripts = RngScripts(limit=2)
+    one, two, three = (RngScript(Streams(torch.device("cpu")), [(n,)]) for n in (1, 2, 3))
+    scripts.put("a", one)
+    scripts.put("b", two)
+    assert scripts.get("a") is one  # used: "b" is now the oldest
+    scripts.put("c", three)
+    assert scripts.get("b") is None and scripts.get("a") is one and scripts.get("c") is three
+    scripts.put("a", None)
+    assert scripts.get("a") is None

@@ -18,15 +18,16 @@ Why that is the loop's arithmetic, bit for bit:
   turn starts the generators where the micro-batch's last turn left them, micro-batch ``k``'s first
   where micro-batch ``k - 1``'s forward and loss leave them in the loop. Without draws (no dropout
   in training mode, no sampling) that is where the pass started, checked at every turn. With draws,
-  it is where the :class:`~.rng_script.RngScript` learned from the last loop says, checked after
-  each loss (:mod:`~tiered_offload.engine.rng_script`). A forward that drew other numbers is undone
-  (its graphs dropped, the buffers and the RNG put back; no gradient has been added yet: every
-  forward and loss finishes before any backward starts) and the micro-batches run as the loop,
-  recorded: its draws are the next pass's script. After two passes in a row that the script did
-  not predict, the loop runs until two loops in a row draw alike (an undone pass costs the forwards
-  it ran). So do a non-finite loss (the loop stops or skips there) and an error in a forward
-  (raised where the loop raises it). Sharded, if any rank has a non-finite loss or other draws,
-  every rank runs the loop, agreed before any backward.
+  it is where the :class:`~.rng_script.RngScript` says, checked after each loss: learned from the
+  last loop of micro-batches of the same shapes (:mod:`~tiered_offload.engine.rng_script`). A
+  forward that drew other numbers is undone (its graphs dropped, the buffers and the RNG put back;
+  no gradient has been added yet: every forward and loss finishes before any backward starts) and
+  the micro-batches run as the loop, recorded: its draws are the next pass's script. After two
+  passes in a row that the script did not predict (draws that depend on values), the loop runs
+  until two loops in a row draw alike (an undone pass costs the forwards it ran). So do a
+  non-finite loss (the loop stops or skips there) and an error in a forward (raised where the loop
+  raises it). Sharded, if any rank has a non-finite loss or other draws, every rank runs the loop,
+  agreed before any backward.
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.
@@ -54,7 +55,7 @@ import torch
 
 from offload_core.errors import TensorStateError, TierCapacityError
 from tiered_offload.engine.activations import autocast_state, replay_autocast
-from tiered_offload.engine.rng_script import Expected, Recorder, RngScript, Streams
+from tiered_offload.engine.rng_script import Expected, Recorder, RngScript, Streams, signature
 from tiered_offload.engine.schedule import Phase
 from tiered_offload.store.policies import walk_as
 from tiered_offload.trace import span
@@ -286,7 +287,8 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     streamer = engine._streamer
     if len(micro_batches) == 1 or streamer.modes is None:
         return _loop(engine, micro_batches, loss_fn)
-    streams, script = Streams(engine.device), streamer.rng_script
+    key = signature(micro_batches)
+    streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     trusted = script is None or script.misses < 2
     if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
         trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
@@ -303,7 +305,7 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
             return losses
     recorder = Recorder(streams)
     losses = _loop(engine, micro_batches, loss_fn, recorder)
-    streamer.rng_script = _learned(script, recorder.script(), expected.missed)
+    streamer.rng_scripts.put(key, _learned(script, recorder.script(), expected.missed))
     return losses
 
 

@@ -34,11 +34,13 @@ How far a generator moved:
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections import OrderedDict
+from typing import Any, Hashable, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["Recorder", "RngScript", "Streams"]
+__all__ = ["Recorder", "RngScript", "RngScripts", "Streams", "signature"]
 
 _MT_N = 624
 _MT_NEXT = slice(16, 24)
@@ -154,6 +156,40 @@ class RngScript:
     @property
     def draws(self) -> bool:
         return any(any(c) for c in self.advances)
+
+
+def signature(micro_batches: Sequence[Any]) -> Hashable:
+    """What decides how many numbers the micro-batches' forwards draw: each one's tensors' shapes
+    and dtypes and its other plain values (a flag can change the path). Values of tensors are left
+    out: a forward whose draws depend on them misses (see :attr:`RngScript.misses`)."""
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype)
+        return x if isinstance(x, (bool, int, float, str, type(None))) else type(x).__name__
+    return tuple(tuple(leaf(x) for x in tree_flatten(b)[0]) for b in micro_batches)
+
+
+class RngScripts:
+    """The scripts learned so far, by the micro-batches' :func:`signature` (the last step of an
+    epoch, shorter, keeps its own), the most recently used ``limit`` of them."""
+
+    def __init__(self, limit: int = 16):
+        self.limit = limit
+        self._scripts: OrderedDict[Hashable, RngScript] = OrderedDict()
+
+    def get(self, key: Hashable) -> RngScript | None:
+        script = self._scripts.get(key)
+        if script is not None:
+            self._scripts.move_to_end(key)
+        return script
+
+    def put(self, key: Hashable, script: RngScript | None) -> None:
+        """Keep ``script`` for ``key`` (None: forget it)."""
+        self._scripts.pop(key, None)
+        if script is not None:
+            self._scripts[key] = script
+            while len(self._scripts) > self.limit:
+                self._scripts.popitem(last=False)
 
 
 class Expected:

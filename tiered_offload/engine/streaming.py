@@ -30,6 +30,7 @@ from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import choose_activation_modes
+from tiered_offload.engine.rng_script import RngScripts
 from tiered_offload.engine.shared_inputs import SharedInputs, keep_non_differentiable
 from tiered_offload.trace import span
 
@@ -222,8 +223,9 @@ class BlockStreamer:
         """In ``forward_backward``: the micro-batches' :class:`~.micro_batches.Turns`."""
         self.micro_batches = 1
         """Micro-batches the last forward pass ran through each block together (``forward_backward``)."""
-        self.rng_script = None
-        """``forward_backward``'s :class:`~.rng_script.RngScript`: what the last loop drew per turn."""
+        self.rng_scripts = RngScripts()
+        """``forward_backward``'s :class:`~.rng_script.RngScript` per shape of micro-batches: what
+        the last loop of such micro-batches drew."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
