@@ -19,7 +19,9 @@ are there. That check is what makes it exact: micro-batch 0 starts where the loo
 that ends where the next one started leaves the next one the loop's numbers. A forward that ends
 elsewhere (a shape changed, a draw depends on the data) undoes the pass before any backward, and the
 loop runs (and is recorded) instead. Without a script no forward may draw: every turn checks that
-the generators are where the pass started, so a draw is found at the first turn.
+the generators are where the pass started, so a draw is found at the first turn. The scripts are
+kept per :func:`signature` of the micro-batches (:class:`RngScripts`): other shapes draw other
+counts.
 
 How far a generator moved:
 
