@@ -350,8 +350,8 @@ class Engine(EngineViews):
         """``for b in micro_batches: self.backward(loss_fn(self(b), b))`` with each block's weights
         fetched once for all of them (block 0 for every micro-batch, then block 1, ...; backward in
         reverse): the same gradients bitwise; returns the losses (detached). A dict micro-batch is
-        passed as keyword arguments. Forwards that draw random numbers (dropout) run as the loop
-        (see :mod:`~tiered_offload.engine.micro_batches`)."""
+        passed as keyword arguments. With dropout, a shape's first call runs as the loop and learns
+        the draws (see :mod:`~tiered_offload.engine.micro_batches`)."""
         return forward_backward(self, micro_batches, loss_fn)
 
     # ---- optimizer ----------------------------------------------------------------------
