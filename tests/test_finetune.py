@@ -885,16 +885,33 @@ def test_forward_backward_with_dropout_keeps_a_script_per_shape_of_micro_batches
 
 
 class _DrawsBy(nn.Module):
-    """An MLP that draws ``count[0]`` numbers in training and adds them in (scaled small): draws
-    that depend on something other than the micro-batches' shapes."""
+    """An MLP that draws ``count[0]`` numbers in training (normal ones with ``normal``) and adds
+    them in (scaled small): draws that depend on something other than the micro-batches' shapes."""
 
-    def __init__(self, d, count):
+    def __init__(self, d, count, normal=False):
         super().__init__()
-        self.mlp, self.count = MLP(d), count
+        self.mlp, self.count, self.draw = MLP(d), count, torch.randn if normal else torch.rand
 
     def forward(self, x, route=None):
         out = self.mlp(x)
-        return out + 1e-3 * torch.rand(self.count[0]).sum() if self.training else out
+        return out + 1e-3 * self.draw(self.count[0]).sum() if self.training else out
+
+
+@pytest.mark.parametrize("layers", [3, 4], ids=["odd-normal-samples", "even-normal-samples"])
+def test_forward_backward_runs_the_loop_alone_where_no_script_can_replay_the_draws(layers, tmp_path, monkeypatch):
+    """A small randn draws normal numbers in pairs and keeps the second in the CPU generator's state:
+    after an odd count (one per block, three blocks) the state holds a sample that counted draws
+    never reach: no script. The calls after it with micro-batches of that shape run the loop without
+    trying a pass (and without counting again), bitwise PyTorch's loop. An even count (four blocks)
+    ends with no sample kept and is replayed: its uniform draws are counted."""
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: _DrawsBy(d, [1], normal=True), layers=layers)
+    g = torch.Generator().manual_seed(3)
+    steps = [[{"ids": torch.randint(0, VOCAB, (2, 9), generator=g)} for _ in range(3)] for _ in range(4)]
+    paths = _fused_paths(make, steps, lambda out, b: F.cross_entropy(out[:, :-1].flatten(0, 1), b["ids"][:, 1:].flatten()),
+                         monkeypatch, tmp_path, host_fraction=0.75)
+    assert paths == (["ul", "l", "l", "l"] if layers % 2 else ["ul", "p", "p", "p"])
 
 
 def test_forward_backward_stops_trying_passes_whose_draws_the_script_misses(tmp_path, monkeypatch):

@@ -120,3 +120,28 @@ def test_a_script_is_kept_per_shape_of_micro_batches_the_most_recent_few():
     assert scripts.get("b") is None and scripts.get("a") is one and scripts.get("c") is three
     scripts.put("a", None)
     assert scripts.get("a") is None
+
+
+def test_a_generator_reseeded_in_between_is_not_counted_for_long():
+    """A forward that reseeds the generator: another seed is seen at once; the same seed again
+    (the generator back at its start) is given up after the time allowed, not stepped through the
+    generator's period."""
+    import time
+    torch.manual_seed(7)
+    torch.rand(10)
+    a = torch.get_rng_state()
+    torch.manual_seed(8)
+    assert _cpu_distance(a, torch.get_rng_state()) is None
+    torch.manual_seed(7)
+    t0 = time.perf_counter()
+    assert _cpu_distance(a, torch.get_rng_state(), seconds=0.2) is None
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_a_refused_signature_runs_the_loop_for_the_next_calls_then_tries_again():
+    scripts = RngScripts()
+    scripts.put("a", RngScript(Streams(torch.device("cpu")), [(1,)]))
+    scripts.refuse("a")
+    assert scripts.get("a") is None  # its script, if any, forgotten
+    assert [scripts.refused("a") for _ in range(RngScripts.REFUSE_CALLS + 2)] == [True] * RngScripts.REFUSE_CALLS + [False] * 2
+    assert not scripts.refused("b")

@@ -26,8 +26,9 @@ Why that is the loop's arithmetic, bit for bit:
   passes in a row that the script did not predict (draws that depend on values), the loop runs
   until two loops in a row draw alike (an undone pass costs the forwards it ran). So do a
   non-finite loss (the loop stops or skips there) and an error in a forward (raised where the loop
-  raises it). Sharded, if any rank has a non-finite loss or other draws, every rank runs the loop,
-  agreed before any backward.
+  raises it). Draws no script can replay (``randn``'s cached sample, a generator reseeded, a
+  backward that draws) run the loop alone for the next 64 calls of that shape. Sharded, if any
+  rank has a non-finite loss or other draws, every rank runs the loop, agreed before any backward.
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.
@@ -289,7 +290,8 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
         return _loop(engine, micro_batches, loss_fn)
     key = signature(micro_batches)
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
-    trusted = script is None or script.misses < 2
+    refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
+    trusted = not refused and (script is None or script.misses < 2)
     if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
         trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
     expected = Expected(script, streams.get())
@@ -303,16 +305,22 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
             if script is not None:
                 script.misses = 0
             return losses
+    if refused:
+        return _loop(engine, micro_batches, loss_fn)
     recorder = Recorder(streams)
     losses = _loop(engine, micro_batches, loss_fn, recorder)
-    streamer.rng_scripts.put(key, _learned(script, recorder.script(), expected.missed))
+    learned = recorder.script()
+    if learned is None:
+        streamer.rng_scripts.refuse(key)
+    else:
+        streamer.rng_scripts.put(key, _learned(script, learned, expected.missed))
     return losses
 
 
-def _learned(script: RngScript | None, learned: RngScript | None, missed: bool) -> RngScript | None:
-    """The script the next pass follows: what the loop drew (None: no draws, or none a pass can
-    replay), with the count of passes in a row the scripts did not predict."""
-    if learned is None or not learned.draws:
+def _learned(script: RngScript | None, learned: RngScript, missed: bool) -> RngScript | None:
+    """The script the next pass follows: what the loop drew (None: no draws), with the count of
+    passes in a row the scripts did not predict."""
+    if not learned.draws:
         return None
     if script is not None:
         learned.misses = script.misses + 1 if missed else 0 if learned == script else script.misses

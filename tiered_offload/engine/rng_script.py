@@ -36,6 +36,7 @@ How far a generator moved:
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Hashable, Sequence
 
@@ -45,12 +46,17 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["Recorder", "RngScript", "RngScripts", "Streams", "signature"]
 
 _MT_N = 624
+_MT_SEED = slice(0, 8)
+"""The CPU state's initial seed (``manual_seed`` changes it)."""
 _MT_NEXT = slice(16, 24)
 """The CPU state's position in its block of 624 words (``THGeneratorState.next``, a uint64)."""
 _MT_NORMAL = slice(5016, 5056)
 """The CPU state's cached normal samples (a draw of uniform numbers never changes them)."""
 _CPU_STATE_BYTES = 5056
 _CHUNK = 1 << 20
+COUNT_SECONDS = 2.0
+"""The longest one count of draws may take (about 250 million numbers here); a generator reseeded
+in a forward would otherwise be stepped through its whole period. Past it: no script, the loop."""
 
 
 def _cpu_advance(state: torch.Tensor, n: int) -> torch.Tensor:
@@ -68,9 +74,12 @@ def _draw(g: torch.Generator, n: int) -> None:
         n -= min(n, _CHUNK)
 
 
-def _cpu_distance(a: torch.Tensor, b: torch.Tensor, limit: int = 1 << 34) -> int | None:
-    """How many 32-bit draws take the CPU generator from state ``a`` to ``b`` (None: none do)."""
-    if a.numel() != _CPU_STATE_BYTES or b.numel() != _CPU_STATE_BYTES or not torch.equal(a[_MT_NORMAL], b[_MT_NORMAL]):
+def _cpu_distance(a: torch.Tensor, b: torch.Tensor, seconds: float = COUNT_SECONDS) -> int | None:
+    """How many 32-bit draws take the CPU generator from state ``a`` to ``b`` (None: none do, or
+    not found within ``seconds``)."""
+    if a.numel() != _CPU_STATE_BYTES or b.numel() != _CPU_STATE_BYTES:
+        return None
+    if not torch.equal(a[_MT_NORMAL], b[_MT_NORMAL]) or not torch.equal(a[_MT_SEED], b[_MT_SEED]):
         return None
     if torch.equal(a, b):
         return 0
@@ -79,9 +88,12 @@ def _cpu_distance(a: torch.Tensor, b: torch.Tensor, limit: int = 1 << 34) -> int
     g.set_state(a)
     n = (position[1] - position[0]) % _MT_N
     _draw(g, n)
-    while n <= limit:
+    deadline = time.perf_counter() + seconds
+    for i in range(1 << 62):
         if torch.equal(g.get_state(), b):
             return n
+        if i % 256 == 255 and time.perf_counter() > deadline:
+            return None
         _draw(g, _MT_N)
         n += _MT_N
     return None
@@ -173,11 +185,32 @@ def signature(micro_batches: Sequence[Any]) -> Hashable:
 
 class RngScripts:
     """The scripts learned so far, by the micro-batches' :func:`signature` (the last step of an
-    epoch, shorter, keeps its own), the most recently used ``limit`` of them."""
+    epoch, shorter, keeps its own), the most recently used ``limit`` of them; and the signatures
+    whose draws a loop could not make a script of, for the next ``REFUSE_CALLS`` calls of each."""
+
+    REFUSE_CALLS = 64
+    """Calls with micro-batches of a signature whose draws could not be replayed that run the loop
+    alone (not recorded: counting draws that cannot be counted takes up to ``COUNT_SECONDS`` per
+    micro-batch) before a pass is tried again."""
 
     def __init__(self, limit: int = 16):
         self.limit = limit
         self._scripts: OrderedDict[Hashable, RngScript] = OrderedDict()
+        self._refused: dict[Hashable, int] = {}
+
+    def refused(self, key: Hashable) -> bool:
+        """Whether this call with micro-batches of ``key`` runs the loop alone (counted down)."""
+        left = self._refused.pop(key, 0)
+        if left > 1:
+            self._refused[key] = left - 1
+        return left > 0
+
+    def refuse(self, key: Hashable) -> None:
+        """A loop of micro-batches of ``key`` drew what no pass can replay."""
+        self._scripts.pop(key, None)
+        self._refused[key] = self.REFUSE_CALLS
+        while len(self._refused) > self.limit:
+            del self._refused[next(iter(self._refused))]
 
     def get(self, key: Hashable) -> RngScript | None:
         script = self._scripts.get(key)
