@@ -171,7 +171,7 @@ def test_sharded_forward_backward_with_dropout_draws_the_loops_numbers(tmp_path)
     """Dropout on 2 ranks: the first step runs the loop (every rank: they agree) and learns each
     block's draws, the next steps run the pass with the loop's numbers: the losses and weights
     are the loop's, bitwise, with a third of its gathers in those steps. A rank whose draws change
-    takes every rank back to the loop."""
+    (here: one without a script for its micro-batches' shape) takes every rank back to the loop."""
     cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 3, "clip": 0.5, "dropout": 0.1,
            "activations": "recompute", "timeout_s": 60}
     n = sum(p.numel() for p in build(cfg).parameters())
@@ -181,9 +181,10 @@ def test_sharded_forward_backward_with_dropout_draws_the_loops_numbers(tmp_path)
     assert all(torch.equal(fused[0]["weights"][k], w) for k, w in loop[0]["weights"].items())
     gathered = [r["collective_bytes"]["all_gather"] for r in (loop[0], fused[0])]
     assert gathered[1] < 0.6 * gathered[0], gathered  # steps 2-4 gathered each block once for 3 micro-batches
-    # rank 1's third step has shorter micro-batches: only its pass draws other numbers than learned;
-    # the ranks agree before any backward, and every rank runs the loop there (and in the fourth step,
-    # whose draws rank 1's script, learned from the short ones, does not predict): no hang
+    # rank 1's third step has shorter micro-batches, a shape it has no script for: its pass draws
+    # unscripted numbers while rank 0's follows its script; the ranks agree before any backward and
+    # every rank runs the loop there (the fourth step passes again: rank 1 kept its script for the
+    # full length): no hang
     cfg["short"] = [1, 2]
     loop, fused = launch(2, tmp_path / "loop-short", cfg), launch(2, tmp_path / "fused-short", dict(cfg, fused=True))
     assert [r["losses"] for r in fused] == [r["losses"] for r in loop]

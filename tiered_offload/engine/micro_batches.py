@@ -86,9 +86,10 @@ class Turns:
         self.mispredicted = False
         """A micro-batch's forward drew other numbers than ``expected``'s script says."""
         self.agree_on_misses = agree_on_misses
-        """Sharded: a forward that drew other numbers does not stop the pass at once; the ranks
-        agree on it with the losses, before any backward (else one rank's loop would meet the
-        others' pass)."""
+        """Sharded: a forward that drew other numbers (than its script says, or any without one)
+        does not stop the pass at once; the ranks agree on it with the losses, before any backward
+        (else one rank's loop would meet the others' pass: a rank may have a script for its
+        micro-batches' shapes where another has none for its own)."""
         self.final: list[torch.Tensor] | None = None
         """Where the last micro-batch left the generators (where the loop leaves them)."""
         self._n = n
@@ -130,7 +131,7 @@ class Turns:
         alike = self._where.setdefault(turn, where) == where
         now = self.streams.get()
         drew_as_expected = self._drew_as_expected(k, where, now)
-        if alike and not drew_as_expected and where == "loss" and self.agree_on_misses:
+        if alike and not drew_as_expected and self.agree_on_misses and not self.backward_started:
             self.mispredicted = drew_as_expected = True  # the ranks agree on it after the losses
         if alike and drew_as_expected:
             self._local.state = now
@@ -335,8 +336,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
     sharded = engine._placement.sharding is not None
     rest_grads = _RestGradients(streamer, n) if sharded and streamer.rest.grad_key is not None else None
     bad_loss = [False] * n
-    turns = Turns(n, expected, streams, rest_grads.point if rest_grads else None,
-                  agree_on_misses=sharded and expected.script is not None)
+    turns = Turns(n, expected, streams, rest_grads.point if rest_grads else None, agree_on_misses=sharded)
     autocast = autocast_state(device)
     losses: list[torch.Tensor | None] = [None] * n
     errors: list[BaseException | None] = [None] * n
