@@ -145,3 +145,8 @@ def test_a_refused_signature_runs_the_loop_for_the_next_calls_then_tries_again()
     assert scripts.get("a") is None  # its script, if any, forgotten
     assert [scripts.refused("a") for _ in range(RngScripts.REFUSE_CALLS + 2)] == [True] * RngScripts.REFUSE_CALLS + [False] * 2
     assert not scripts.refused("b")
+
+
+def test_a_float_in_the_micro_batches_does_not_make_each_call_a_new_shape():
+    a = [{"x": torch.zeros(2), "temperature": 0.5}]
+    assert signature(a) == signature([{"x": torch.zeros(2), "temperature": 0.7}])

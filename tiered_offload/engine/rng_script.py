@@ -174,12 +174,13 @@ class RngScript:
 
 def signature(micro_batches: Sequence[Any]) -> Hashable:
     """What decides how many numbers the micro-batches' forwards draw: each one's tensors' shapes
-    and dtypes and its other plain values (a flag can change the path). Values of tensors are left
-    out: a forward whose draws depend on them misses (see :attr:`RngScript.misses`)."""
+    and dtypes and its other plain values (a flag or a length can change the path; a float is taken
+    for a value that changes from step to step, and only its type counts). Values of tensors are
+    left out: a forward whose draws depend on them misses (see :attr:`RngScript.misses`)."""
     def leaf(x):
         if isinstance(x, torch.Tensor):
             return ("tensor", tuple(x.shape), x.dtype)
-        return x if isinstance(x, (bool, int, float, str, type(None))) else type(x).__name__
+        return x if isinstance(x, (bool, int, str, type(None))) else type(x).__name__
     return tuple(tuple(leaf(x) for x in tree_flatten(b)[0]) for b in micro_batches)
 
 
@@ -277,4 +278,6 @@ class Recorder:
             if i + 1 < len(self.runs) and not self.streams.equal(run["end"], self.runs[i + 1]["start"]):
                 return None
             advances.append(self.streams.distance(run["start"], run["loss"]))
-        return None if not advances or None in advances else RngScript(self.streams, advances)
+            if advances[-1] is None:
+                return None
+        return RngScript(self.streams, advances) if advances else None
