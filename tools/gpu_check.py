@@ -15,7 +15,8 @@ order of importance, each with its own time limit inside ``--budget-s``:
    the device-path tests (wsum64 on the GPU equal to the CPU's), the engine parity tests on CUDA
    (GPT-2 and Llama tiny, state on disk, host and device budgets a quarter of the state, against
    PyTorch on the same GPU; each ``optimizer_device`` placement against its reference),
-   ``forward_backward`` on CUDA against the loop, and the store's Hypothesis state machine with a
+   ``forward_backward`` on CUDA against the loop (with dropout too: Philox offsets replayed, one
+   loop per engine), and the store's Hypothesis state machine with a
    CUDA device tier.
 4. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio.
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
