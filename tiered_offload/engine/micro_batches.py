@@ -83,8 +83,6 @@ class Turns:
         self._turn = 0
         self._stop = False
         self.expected, self.streams = expected, streams
-        self.mispredicted = False
-        """A micro-batch's forward drew other numbers than ``expected``'s script says."""
         self.agree_on_misses = agree_on_misses
         """Sharded: a forward that drew other numbers (than its script says, or any without one)
         does not stop the pass at once; the ranks agree on it with the losses, before any backward
@@ -132,14 +130,14 @@ class Turns:
         now = self.streams.get()
         drew_as_expected = self._drew_as_expected(k, where, now)
         if alike and not drew_as_expected and self.agree_on_misses and not self.backward_started:
-            self.mispredicted = drew_as_expected = True  # the ranks agree on it after the losses
+            self.expected.missed = drew_as_expected = True  # the ranks agree on it after the losses
         if alike and drew_as_expected:
             self._local.state = now
             if where == "end" and k == self._n - 1:
                 self.final = now
             return
         self.stop()
-        self.mispredicted = alike and self.expected.script is not None
+        self.expected.missed = alike and self.expected.script is not None
         if self.backward_started:
             raise TensorStateError(
                 "in forward_backward a micro-batch's backward " + ("drew random numbers" if alike else
@@ -190,12 +188,13 @@ class Turns:
                 self._cond.wait()
             if self._stop:
                 raise _Undone()
-        state = getattr(self._local, "state", None) or self.expected.start(k)
-        if state is None:  # the script has fewer micro-batches: a miss
-            self.stop()
-            self.mispredicted = True
-            raise _Undone()
-        self.streams.set(state)
+        if self.expected.script is not None:  # without one, each turn ended where the pass started (checked)
+            state = getattr(self._local, "state", None) or self.expected.start(k)
+            if state is None:  # the script has fewer micro-batches: a miss
+                self.stop()
+                self.expected.missed = True
+                raise _Undone()
+            self.streams.set(state)
         if self.on_turn is not None:
             self.on_turn(k)
 
@@ -362,7 +361,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                 bad_loss[k] = True  # sharded: the ranks agree first (below), or their collectives would part
             turns.take_turn("loss")  # every forward and loss is done before any backward starts
             if k == 0:
-                if sharded and not engine._placement.all_agree(not any(bad_loss) and not turns.mispredicted,
+                if sharded and not engine._placement.all_agree(not any(bad_loss) and not expected.missed,
                                                                "the micro-batches' losses and random numbers"):
                     turns.stop()  # some rank's loop raises (or skips): every rank runs the loop
                     raise _Undone()
@@ -433,7 +432,6 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
         tensor.copy_(value)
         mod._buffers[attr] = tensor
     streams.set(start)
-    expected.missed = turns.mispredicted
     if interrupted is not None:
         raise interrupted
     return None

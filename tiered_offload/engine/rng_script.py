@@ -235,16 +235,17 @@ class Expected:
     pass started, and any draw is a miss."""
 
     def __init__(self, script: RngScript | None, start: list[torch.Tensor]):
-        self.script, self._start = script, start
+        self.script = script
         self._starts = [start]
         self._lock = threading.Lock()
         self.missed = False
-        """The pass was undone because a micro-batch's forward did not draw what the script says."""
+        """A micro-batch's forward drew other numbers than the script says (set by the pass's
+        turns; sharded, also any draw without a script, for the ranks' agreement)."""
 
     def start(self, k: int) -> list[torch.Tensor] | None:
         """Where micro-batch ``k``'s forward starts drawing (None: past the script)."""
         if self.script is None:
-            return self._start
+            return self._starts[0]
         if k > len(self.script.advances) - 1:
             return None
         with self._lock:
