@@ -70,6 +70,26 @@ def test_activations_larger_than_the_room_are_recomputed_and_the_plan_says_why()
     assert any("exceed the room" in r and "host_memory" in r for r in plan.reasons)
 
 
+def test_offloaded_activations_are_planned_only_as_far_as_the_free_disk_holds_them():
+    """The offloaded activations of a step sit on the disk together until the backward reads them
+    back. A plan that offloads more than the free space holds would stop the run in its next step
+    with DiskFullError; the plan recomputes those blocks instead and says so (a configured
+    "offload" too: without the room it cannot run)."""
+    plan = make_plan(base(), measured(), FAST, room=[30 * MiB] * 4, keep_room=0, fixed=False, disk_room=50 * MiB)
+    assert plan.modes.count("offload") == 2 and plan.modes.count("recompute") == 2  # 20 MiB each
+    assert any("free disk" in r and "50.0 MiB" in r for r in plan.reasons), plan.reasons
+    roomy = make_plan(base(), measured(), FAST, room=[30 * MiB] * 4, keep_room=0, fixed=False, disk_room=1 << 40)
+    assert roomy.modes == ["offload"] * 4 and not any("free disk" in r for r in roomy.reasons)
+    # kept activations stay in memory: they take no disk room
+    kept = make_plan(base(), measured(), FAST, room=[30 * MiB] * 4, keep_room=80 * MiB, fixed=False, disk_room=0)
+    assert kept.modes == ["recompute"] * 4 or "offload" not in kept.modes
+    m = measured()
+    m.modes = ["offload", "offload", "offload", "keep"]
+    fixed = make_plan(base(), m, FAST, room=[30 * MiB] * 4, keep_room=30 * MiB, fixed=True, disk_room=45 * MiB)
+    assert fixed.modes == ["offload", "offload", "recompute", "keep"]
+    assert any("free disk" in r and "block.2" in r for r in fixed.reasons), fixed.reasons
+
+
 def test_a_fixed_plan_is_predicted_not_changed():
     m = measured()
     m.modes = ["offload", "recompute", "offload", "keep"]
@@ -172,6 +192,42 @@ def test_a_configured_choice_overrides_the_planner(tmp_path):
     assert any("EngineConfig.activations" in o for o in engine.plan.overridden)
     assert engine.plan.predicted_step_s > 0
     engine.close()
+
+
+def test_the_plan_offloads_no_more_activations_than_the_disk_has_room_for(tmp_path, monkeypatch):
+    """A disk that holds the state but little more: the planner would offload every block's
+    activations (offloading costs nothing here), and the step after the plan would stop with
+    DiskFullError when they no longer fit. The plan offloads only what the free space (less what
+    commits need) holds, recomputes the rest and says why; training goes on, bitwise PyTorch's."""
+    from storage_backends.posix import PosixBackend
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    monkeypatch.setattr(PlanMonitor, "_disk_rates", lambda self, m: DiskRates(1e11, 1e11, "test"))  # offloading: free
+    du = lambda: sum(f.stat().st_size for f in (tmp_path / "s").rglob("*") if f.is_file())  # noqa: E731
+    size = {"bytes": None}  # the disk's size: free is what the files leave of it
+    monkeypatch.setattr(PosixBackend, "free_bytes", lambda self: None if size["bytes"] is None else size["bytes"] - du())
+    engine = _engine(tmp_path)
+    _train(engine, 2)
+    graphs = [engine._streamer.graph_bytes[i] for i in range(4)]
+    size["bytes"] = du() + int((graphs[0] + graphs[1] // 2) / 0.9)  # room for one block's activations, not two
+    _train(engine, 1)
+    modes = engine.activation_modes
+    assert modes.count("offload") <= 1 and "recompute" in modes, modes
+    assert any("free disk" in r for r in engine.plan.reasons), engine.plan.reasons
+    _train(engine, 3)  # would raise DiskFullError without the check (the step after the plan)
+    weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
+    engine.close()
+    from tiered_offload_examples.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for steps in (2, 1, 3):  # as _train draws them
+        torch.manual_seed(1)
+        for _ in range(steps):
+            x = torch.randint(0, 128, (8, 33))
+            F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
 
 
 def test_the_engine_goes_back_to_recomputing_when_the_plan_does_not_earn_its_bytes(tmp_path, monkeypatch):

@@ -48,6 +48,8 @@ class PlanMonitor:
         overlap_step: whether the step overlaps the next forward.
         parameter_count: the model's parameters (for bytes per parameter).
         floors: the bytes a step cannot avoid (see :meth:`Schedule.floors`), shown in the plan.
+        commit_disk_bytes: the disk space commits may take beyond the state (the journal's window,
+            a snapshot's second copy): not for offloaded activations.
     """
 
     PLAN_FROM = 1
@@ -61,10 +63,14 @@ class PlanMonitor:
     it did not earn its disk bytes (a benchmark's warm-up runs this many)."""
     KEEP = 64
     """Measurements kept for stats() (the plan's entries first)."""
+    DISK_SHARE = 0.9
+    """Of the free disk space commits leave, the share a step's offloaded activations may take
+    (the rest: other writers, the file system's own blocks)."""
 
     def __init__(self, store, schedule, streamer, block_names: list[str], config, recompute, overlap_step: bool,
-                 parameter_count: int, floors: dict | None = None):
+                 parameter_count: int, floors: dict | None = None, commit_disk_bytes: int = 0):
         self.floors = floors
+        self.commit_disk_bytes = commit_disk_bytes
         self.store, self.schedule, self.streamer = store, schedule, streamer
         self.block_names = block_names
         self.config = config
@@ -158,7 +164,8 @@ class PlanMonitor:
             return  # plain PyTorch: nothing to plan
         if len(measured) == 1 + self.PLAN_FROM:
             m = measured[self.PLAN_FROM]
-            self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), not self.planner_chooses)
+            self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), not self.planner_chooses,
+                                   disk_room=self._disk_room())
             advice = self._overlap_advice(m)
             if advice:
                 self._plan.reasons.append(advice[0])
@@ -172,7 +179,8 @@ class PlanMonitor:
             m = measured[self.PLAN_FROM]
             why = self._plan.unearned(m, under) if self.planner_chooses and not self._revised else None
             if why:  # the measurement of both choices overrules the model: the modes planned from
-                self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), True)
+                self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), True,
+                                       disk_room=self._disk_room())
                 self._plan.reasons.append(why)
                 self._revised, self._check_at = True, self._check_at + self.CHECK_AFTER
                 self._apply("tiered-offload plan, measured and revised:\n%s")
@@ -183,6 +191,12 @@ class PlanMonitor:
         room = [self.streamer.activation_room.get(i, 0) // self.streamer.micro_batches
                 for i in range(len(self.block_names))]
         return room, max(room, default=0)
+
+    def _disk_room(self) -> int | None:
+        """Disk bytes a step's offloaded activations may take: a share of the free space less what
+        commits need (None: the backend cannot tell)."""
+        free = self.store.backend.free_bytes()
+        return None if free is None else int(self.DISK_SHARE * max(0, free - self.commit_disk_bytes))
 
     def _apply(self, message: str) -> None:
         """The plan's modes take effect from the next iteration on; logged."""

@@ -28,6 +28,8 @@ offloaded at once, so their write-back never stalls a later allocation.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from offload_core.errors import ConfigError
@@ -248,7 +250,7 @@ def _off(measured: float, predicted: float | None) -> float:
 
 
 def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int], keep_room: int,
-              fixed: bool, copy_Bps: float = 4e9) -> Plan:
+              fixed: bool, copy_Bps: float = 4e9, disk_room: int | None = None) -> Plan:
     """Choose each block's activation mode from measurement ``m`` (see the module's cost model).
 
     Args:
@@ -257,6 +259,9 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         keep_room: bytes of activations the compute tier keeps for the blocks backward reaches first.
         fixed: the configuration chose the modes: only predict, with the modes as they are.
         copy_Bps: memory copy rate (saved activations are copied into the store).
+        disk_room: free disk bytes the offloaded activations may take (None: unknown, no limit).
+            A step's offloaded activations are on the disk together until its backward reads
+            them back: blocks beyond the room are recomputed, a configured "offload" too.
     """
     n = len(m.forward_seconds)
     # every forward of the iteration saves its own activations (several micro-batches: several)
@@ -288,9 +293,17 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         return compute + (1.0 - hidden) * io, compute, io, read, written
 
     reasons = []
-    too_big = []
+    too_big, no_disk = [], []
+    on_disk = 0
+    disk = math.inf if disk_room is None else max(0, disk_room)
     if fixed:
         modes = list(m.modes)  # as configured, less the blocks that fell back to recomputing
+        for i in range(n):
+            if modes[i] == "offload" and on_disk + moved[i] > disk:
+                modes[i] = "recompute"
+                no_disk.append(i)
+            elif modes[i] == "offload":
+                on_disk += moved[i]
     else:
         modes = ["recompute"] * n
         order = sorted(range(n), key=lambda i: -(m.forward_seconds[i] / max(1, moved[i])))
@@ -302,8 +315,11 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
             trial = modes.copy()
             trial[i] = "offload"
             t = cost(trial)[0]
-            if t < best:
+            if t < best and on_disk + moved[i] > disk:
+                no_disk.append(i)
+            elif t < best:
                 modes, best = trial, t
+                on_disk += moved[i]
         kept = 0
         for i in reversed(range(n)):  # backward reaches the last blocks first
             if modes[i] == "offload" and kept + m.graph_bytes[i] <= keep_room:
@@ -316,6 +332,11 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         reasons.append(f"recomputed because their activations exceed the room their backward has in the budget: "
                        f"{', '.join(base.blocks[i] for i in too_big)} (e.g. {m.graph_bytes[worst] / 2**20:.1f} MiB "
                        f"against {room[worst] / 2**20:.1f} MiB); a larger host_memory lets them be kept or offloaded")
+    if no_disk:
+        reasons.append(f"recomputed because the free disk ({disk / 2**20:.1f} MiB, less what commits need) holds "
+                       f"the activations of a step's other offloaded blocks, not theirs too: "
+                       f"{', '.join(base.blocks[i] for i in sorted(no_disk))}; free disk space or add storage "
+                       f"directories to offload them")
     step, compute, io, read, written = cost(modes)
     return Plan(modes=modes, blocks=base.blocks, prefetch_depth=base.prefetch_depth, overlap_step=base.overlap_step,
                 defer_step=base.defer_step, host_split=base.host_split, lower_tier=base.lower_tier, predicted_step_s=step,
