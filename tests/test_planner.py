@@ -90,6 +90,18 @@ def test_offloaded_activations_are_planned_only_as_far_as_the_free_disk_holds_th
     assert any("free disk" in r and "block.2" in r for r in fixed.reasons), fixed.reasons
 
 
+def test_the_disk_room_leaves_commits_their_space_and_shares_the_disk_among_ranks():
+    from types import SimpleNamespace
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    monitor = lambda free, commits, ranks: SimpleNamespace(  # noqa: E731
+        store=SimpleNamespace(backend=SimpleNamespace(free_bytes=lambda: free)), commit_disk_bytes=commits,
+        ranks=ranks, DISK_SHARE=PlanMonitor.DISK_SHARE)
+    assert PlanMonitor._disk_room(monitor(None, 0, 1)) is None  # the backend cannot tell: no limit
+    assert PlanMonitor._disk_room(monitor(1000 * MiB, 100 * MiB, 1)) == int(0.9 * 900 * MiB)
+    assert PlanMonitor._disk_room(monitor(1000 * MiB, 100 * MiB, 2)) == int(0.9 * 400 * MiB)
+    assert PlanMonitor._disk_room(monitor(50 * MiB, 100 * MiB, 1)) == 0
+
+
 def test_a_fixed_plan_is_predicted_not_changed():
     m = measured()
     m.modes = ["offload", "recompute", "offload", "keep"]

@@ -227,7 +227,7 @@ class Engine(EngineViews):
         self._monitor = PlanMonitor(self.store, self.schedule, self._streamer, [b.name for b in self.blocks],
                                     self.config, recompute, self.overlap_step,
                                     sum(s.numel for _, s in self.binding.param_order), self._floors(),
-                                    self.extra_disk_bytes())
+                                    self.extra_disk_bytes(), self._placement.world)
         """The plan, the measurements, the prediction check, stats()."""
         self._tracer: Tracer | None = None
         if trace is not None:

@@ -50,6 +50,8 @@ class PlanMonitor:
         floors: the bytes a step cannot avoid (see :meth:`Schedule.floors`), shown in the plan.
         commit_disk_bytes: the disk space commits may take beyond the state (the journal's window,
             a snapshot's second copy): not for offloaded activations.
+        ranks: processes training together (sharded); they may share one disk, so each plans with
+            its share of the free space.
     """
 
     PLAN_FROM = 1
@@ -68,9 +70,9 @@ class PlanMonitor:
     (the rest: other writers, the file system's own blocks)."""
 
     def __init__(self, store, schedule, streamer, block_names: list[str], config, recompute, overlap_step: bool,
-                 parameter_count: int, floors: dict | None = None, commit_disk_bytes: int = 0):
+                 parameter_count: int, floors: dict | None = None, commit_disk_bytes: int = 0, ranks: int = 1):
         self.floors = floors
-        self.commit_disk_bytes = commit_disk_bytes
+        self.commit_disk_bytes, self.ranks = commit_disk_bytes, ranks
         self.store, self.schedule, self.streamer = store, schedule, streamer
         self.block_names = block_names
         self.config = config
@@ -193,10 +195,10 @@ class PlanMonitor:
         return room, max(room, default=0)
 
     def _disk_room(self) -> int | None:
-        """Disk bytes a step's offloaded activations may take: a share of the free space less what
-        commits need (None: the backend cannot tell)."""
+        """Disk bytes a step's offloaded activations may take: a share of this rank's part of the
+        free space, less what its commits need (None: the backend cannot tell)."""
         free = self.store.backend.free_bytes()
-        return None if free is None else int(self.DISK_SHARE * max(0, free - self.commit_disk_bytes))
+        return None if free is None else int(self.DISK_SHARE * max(0, free // self.ranks - self.commit_disk_bytes))
 
     def _apply(self, message: str) -> None:
         """The plan's modes take effect from the next iteration on; logged."""
