@@ -326,6 +326,96 @@ def test_a_block_that_reads_a_shared_tensor_but_misses_the_loss_is_an_error(tmp_
             engine.backward(engine(torch.randint(0, 64, (2, 8))).sum())
 
 
+# ---- generators of the model's own ------------------------------------------------------------------
+class OwnNoise(torch.nn.Module):
+    """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's
+    default one: ``gen`` (an attribute), or a function that draws from one it closes over."""
+
+    def __init__(self, d, gen=None, draw=None):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+        self.gen, self.draw = gen, draw
+
+    def forward(self, x, route=None):
+        h = torch.nn.functional.gelu(self.up(x))
+        if self.training:
+            noise = self.draw(h.shape) if self.draw is not None else torch.rand(h.shape, generator=self.gen)
+            h = h * (noise > 0.25) / 0.75
+        return self.down(h)
+
+
+class NoisyEmbeddingLM(TinyLM):
+    """Blocks with a generator each, and the embeddings (outside the blocks) masked with numbers of
+    the model's own generator."""
+
+    def __init__(self):
+        super().__init__(lambda d: OwnNoise(d, gen=torch.Generator().manual_seed(d)), d=48, layers=4)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        if self.training:
+            h = h * (torch.rand(h.shape, generator=self.gen) > 0.1) / 0.9
+        for block in self.blocks:
+            h = block(h, route)
+        return self.head(self.norm(h))
+
+
+def own_noise(kind):
+    """A TinyLM whose blocks draw from a generator of their own each ("each"), from one the
+    blocks share ("shared"), or from one a function closes over ("closure": no attribute shows it);
+    "outside": each, and the model's own outside the blocks."""
+    def make():
+        torch.manual_seed(0)
+        shared = torch.Generator().manual_seed(11)
+        if kind == "outside":
+            return NoisyEmbeddingLM()
+        if kind == "each":
+            return TinyLM(lambda d: OwnNoise(d, gen=torch.Generator().manual_seed(d)), d=48, layers=4)
+        if kind == "shared":
+            return TinyLM(lambda d: OwnNoise(d, gen=shared), d=48, layers=4)
+        return TinyLM(lambda d: OwnNoise(d, draw=lambda shape: torch.rand(shape, generator=shared)), d=48, layers=4)
+    return make
+
+
+OWN_KINDS = ["each", "shared", "closure", "outside"]
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+@pytest.mark.parametrize("kind", OWN_KINDS)
+def test_blocks_that_draw_from_their_own_generator_train_bitwise(tmp_path, kind, activations):
+    """A recomputed block draws again in backward. PyTorch's default generators are put back to
+    where its forward started; a generator of the model's own was not, so the recompute drew other
+    numbers and the gradients were silently another mask's. Now each such generator is put back
+    too (found as a block's attribute, or seen drawing in the block's first forwards)."""
+    from tiered_offload import EngineConfig
+    check_parity(own_noise(kind), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0,
+                 steps=3, accumulate=2, config=EngineConfig(activations=activations))
+
+
+@pytest.mark.parametrize("kind", OWN_KINDS)
+def test_forward_backward_with_generators_of_the_models_own_is_the_loop_bitwise(tmp_path, kind, monkeypatch):
+    """Vertical order draws a generator a block keeps to itself in the loop's order (block i for
+    micro-batch 0, 1, ...), but one that several blocks share in another (block 0 for every
+    micro-batch before block 1), and so may one outside the blocks: then the pass is undone before
+    any backward (the generators put back) and the loop runs, from then on without a pass."""
+    from tiered_offload import EngineConfig
+    from tiered_offload.engine import micro_batches
+    calls = []
+    loop, vertical = micro_batches._loop, micro_batches._vertical
+    monkeypatch.setattr(micro_batches, "_loop", lambda *a: calls.append("l") or loop(*a))
+    monkeypatch.setattr(micro_batches, "_vertical",
+                        lambda *a: (lambda r: calls.append("p" if r is not None else "u") or r)(vertical(*a)))
+    check_parity(own_noise(kind), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0,
+                 steps=3, accumulate=3, fused=True, config=EngineConfig(activations="recompute"))
+    if kind == "each":
+        assert calls == ["p"] * 3
+    elif kind in ("shared", "outside"):  # known from the start (attributes): the loop
+        assert calls == ["l"] * 3
+    else:  # seen in the first pass's forwards: undone, then the loop
+        assert calls == ["u", "l", "l", "l"]
+
+
 # ---- mixed precision ------------------------------------------------------------------------------
 @pytest.mark.parametrize("activations", ["recompute", "offload", "auto"])
 def test_autocast_bf16_trains_bitwise_as_pytorch_under_autocast(tmp_path, activations):

@@ -27,8 +27,11 @@ Why that is the loop's arithmetic, bit for bit:
   until two loops in a row draw alike (an undone pass costs the forwards it ran). So do a
   non-finite loss (the loop stops or skips there) and an error in a forward (raised where the loop
   raises it). Draws no script can replay (``randn``'s cached sample, a generator reseeded, a
-  backward that draws) run the loop alone for the next 64 calls of that shape. Sharded, if any
-  rank has a non-finite loss or other draws, every rank runs the loop, agreed before any backward.
+  backward that draws) run the loop alone for the next 64 calls of that shape. So does a
+  generator of the model's own that several blocks, or modules outside them, draw from (their
+  order here is not the loop's; :mod:`~tiered_offload.engine.own_generators`); one a block keeps
+  to itself is drawn in the loop's order. Sharded, if any rank has a non-finite loss or other
+  draws, every rank runs the loop, agreed before any backward.
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.
@@ -286,8 +289,8 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
         raise RuntimeError("forward_backward computes gradients; call it outside torch.no_grad()")
     # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
     streamer = engine._streamer
-    if len(micro_batches) == 1 or streamer.modes is None:
-        return _loop(engine, micro_batches, loss_fn)
+    if len(micro_batches) == 1 or streamer.modes is None or streamer.own.shared():
+        return _loop(engine, micro_batches, loss_fn)  # (a generator several blocks draw from: the loop's order)
     key = signature(micro_batches)
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
@@ -361,9 +364,12 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                 bad_loss[k] = True  # sharded: the ranks agree first (below), or their collectives would part
             turns.take_turn("loss")  # every forward and loss is done before any backward starts
             if k == 0:
-                if sharded and not engine._placement.all_agree(not any(bad_loss) and not expected.missed,
-                                                               "the micro-batches' losses and random numbers"):
-                    turns.stop()  # some rank's loop raises (or skips): every rank runs the loop
+                # a generator several blocks draw from, found in these forwards: not the loop's order
+                go_on = not any(bad_loss) and not expected.missed and not streamer.own.shared()
+                if sharded:
+                    go_on = engine._placement.all_agree(go_on, "the micro-batches' losses and random numbers")
+                if not go_on:
+                    turns.stop()  # the loop runs (on every rank; one's raises or skips at a bad loss)
                     raise _Undone()
                 turns.backward_started = True
                 engine._commits.before_backward(engine._await)
@@ -393,6 +399,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             return None  # no room for a rest gradient buffer per micro-batch (on some rank): the loop
     streamer.micro_batches, streamer.turns = n, turns
     streamer.full.hold_for_pass(turns)
+    streamer.own.pass_start()
     interrupted = None
     try:
         with span(engine._tracer, "forward_backward", "phase"):
@@ -411,6 +418,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
     finally:
         streamer.turns = None
         streamer.full.end_pass()
+        streamer.own.pass_end(undone=not turns.backward_started)
         if rest_grads is not None:
             rest_grads.close()
     if turns.backward_started:

@@ -30,6 +30,7 @@ from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import choose_activation_modes
+from tiered_offload.engine.own_generators import OwnGenerators
 from tiered_offload.engine.rng_script import RngScripts
 from tiered_offload.engine.shared_inputs import SharedInputs, keep_non_differentiable
 from tiered_offload.trace import span
@@ -48,7 +49,7 @@ class StreamedBlock(torch.autograd.Function):
     def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
         ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
         ctx.shared = box.pop("shared")
-        ctx.rng = engine.rng_state()
+        ctx.rng = engine.rng_state(index)
         # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
         # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
         # the forward computes exactly what PyTorch's does and what the recompute will; the
@@ -57,7 +58,7 @@ class StreamedBlock(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
         args, kwargs = _rebuild(spec, leaves, inputs)
         snapshot = engine.binding.snapshot_buffers(engine.binding.blocks[index])
-        with torch.enable_grad():
+        with torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]):
             out = engine.run_block(index, args, kwargs, as_trained=True)
         # a block that updates buffers (BatchNorm's running statistics, a counter) sees them in
         # the recompute as its forward saw them, and the recompute's updates are discarded
@@ -105,7 +106,8 @@ class StashedBlock(torch.autograd.Function):
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat)
             t0 = time.perf_counter()
-            with torch.enable_grad(), stash.hooks(), span(engine.tracer, f"forward {unit.name}", "compute"):
+            with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),
+                  span(engine.tracer, f"forward {unit.name}", "compute")):
                 out = functional_call(unit.module, params, args, kwargs, strict=False)
             engine.count_forward(index, time.perf_counter() - t0)
         finally:
@@ -226,6 +228,8 @@ class BlockStreamer:
         self.rng_scripts = RngScripts()
         """``forward_backward``'s :class:`~.rng_script.RngScript` per shape of micro-batches: what
         the last loop of such micro-batches drew."""
+        self.own = OwnGenerators([unit.module for unit in binding.blocks], binding.model)
+        """The generators of the model's own each block draws from (put back for a recompute)."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
@@ -312,9 +316,10 @@ class BlockStreamer:
         """Sharded: all-gathers started ahead of their block (counted for tests and benchmarks)."""
         return self.full.gathered_ahead
 
-    def rng_state(self) -> dict:
-        """What a block's recompute replays: the RNG states (CPU, and CUDA on a GPU) and autocast's."""
-        state = {"cpu": torch.get_rng_state(), "autocast": autocast_state(self.device)}
+    def rng_state(self, index: int) -> dict:
+        """What block ``index``'s recompute replays: the RNG states (CPU, and CUDA on a GPU), those
+        of the generators of the model's own it draws from, and autocast's."""
+        state = {"cpu": torch.get_rng_state(), "autocast": autocast_state(self.device), "own": self.own.before(index)}
         if self.device.type == "cuda":
             state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
@@ -594,7 +599,7 @@ class BlockStreamer:
                 mod._buffers[name] = old.clone()
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
-                      span(self.tracer, f"recompute {unit.name}", "compute")):
+                      OwnGenerators.replay(rng["own"]), span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
