@@ -27,10 +27,10 @@ Why that is the loop's arithmetic, bit for bit:
   until two loops in a row draw alike (an undone pass costs the forwards it ran). So do a
   non-finite loss (the loop stops or skips there) and an error in a forward (raised where the loop
   raises it). Draws no script can replay (``randn``'s cached sample, a generator reseeded, a
-  backward that draws) run the loop alone for the next 64 calls of that shape. So does a
-  generator of the model's own that several blocks, or modules outside them, draw from (their
-  order here is not the loop's; :mod:`~tiered_offload.engine.own_generators`); one a block keeps
-  to itself is drawn in the loop's order. Sharded, if any rank has a non-finite loss or other
+  backward that draws) run the loop alone for the next 64 calls of that shape. A generator of
+  the model's own that several blocks, or modules outside them, draw from makes every call the
+  loop (a pass would draw it in another order; :mod:`~tiered_offload.engine.own_generators`); one
+  a block keeps to itself is drawn in the loop's order. Sharded, if any rank has a non-finite loss or other
   draws, every rank runs the loop, agreed before any backward.
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
