@@ -790,6 +790,71 @@ FUSED_CASES = {
 }
 
 
+@pytest.mark.parametrize("activations, fused, host_fraction", [
+    ("recompute", False, 0.4), ("offload", False, 0.4), ("keep", True, 0.6), ("recompute", True, 0.4),
+    ("keep", False, 0.7)])
+def test_hugging_face_gradient_checkpointing_trains_bitwise(tmp_path, activations, fused, host_fraction):
+    """``model.gradient_checkpointing_enable()`` (what HF Trainer's ``gradient_checkpointing=True``
+    does): each decoder layer wraps its own forward in ``torch.utils.checkpoint``, whose recompute
+    runs in backward outside the engine's call of the block, on weights the engine had let go. It
+    failed there ("weight of shape [0]"). Inside the engine a block runs with it off: the engine
+    recomputes blocks itself, or keeps their graphs. PyTorch computes the same values with it on and
+    off (checked on this model), so this is bitwise PyTorch's with it on, dropout included."""
+    def make():
+        model = make_gpt2(dropout=0.1)
+        # Trainer's default kwargs for the fused case (use_reentrant=True, which autograd.grad refuses)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None if fused else {"use_reentrant": False})
+        return model
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=hf_loss, accumulate=2,
+                 fused=fused, host_fraction=host_fraction, config=EngineConfig(activations=activations))
+
+
+class CheckpointedMLP(nn.Module):
+    """A block part that calls ``torch.utils.checkpoint`` on its MLP itself."""
+
+    def __init__(self, d, reentrant):
+        super().__init__()
+        self.mlp, self.reentrant = MLP(d), reentrant
+
+    def forward(self, x, route=None):
+        return torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_checkpoint_inside_a_block_trains_bitwise_or_is_a_clear_error(tmp_path, activations):
+    """``torch.utils.checkpoint`` inside a block recomputes its part in the backward, calling the
+    block's modules: they hold the block's weights during the engine's backward of it (it failed
+    with "mat2 must be a matrix"). The reentrant kind cannot give weights their gradients alone
+    (autograd.grad with inputs): a ConfigError that names the block and the fix."""
+    def make(reentrant):
+        torch.manual_seed(0)
+        return TinyLM(lambda d: CheckpointedMLP(d, reentrant), d=32, layers=4)
+    config = EngineConfig(activations=activations)
+    check_parity(lambda: make(False), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path / "a",
+                 config=config)
+    with pytest.raises(ConfigError, match="block.3 calls torch.utils.checkpoint with use_reentrant=True"):
+        check_parity(lambda: make(True), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path / "b",
+                     config=config)
+
+
+def test_a_checkpoint_inside_a_block_trains_bitwise_where_the_state_fits(tmp_path):
+    """The whole state in memory: the blocks keep their graphs as in PyTorch, and the recompute of a
+    checkpoint inside one runs in the user's backward: the modules hold the weights until then."""
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: CheckpointedMLP(d, False), d=32, layers=4)
+    ref = make()
+    model = make()
+    data = batches(3, 2)
+    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, lm_loss, 1.0)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=2 * state) as engine:
+        assert engine.activation_modes is None  # nothing streams: PyTorch's graphs
+        assert train_engine(engine, data, lm_loss, 1.0) == expected
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+
+
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monkeypatch):
     """``engine.forward_backward`` over 3 micro-batches per step trains bitwise as PyTorch's loop of

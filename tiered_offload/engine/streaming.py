@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload_core.errors import TierCapacityError
+from offload_core.errors import ConfigError, TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations, autocast_state, replay_autocast
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
@@ -38,6 +39,22 @@ from tiered_offload.trace import span
 __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock"]
 
 log = logging.getLogger(__name__)
+
+
+def call_block(module: torch.nn.Module, params, args, kwargs):
+    """``functional_call`` of a streamed block on ``params``, with Hugging Face's gradient
+    checkpointing (``model.gradient_checkpointing_enable()``) off inside it. A checkpointed layer's
+    recompute runs in backward, outside this call, on weights the engine has let go by then; and
+    the engine already recomputes the block itself, or keeps its graph. PyTorch computes the same
+    values with it on and off (``tests/test_finetune.py``), so the result stays PyTorch's."""
+    layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        return functional_call(module, params, args, kwargs, strict=False)
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 class StreamedBlock(torch.autograd.Function):
@@ -108,7 +125,7 @@ class StashedBlock(torch.autograd.Function):
             t0 = time.perf_counter()
             with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),
                   span(engine.tracer, f"forward {unit.name}", "compute")):
-                out = functional_call(unit.module, params, args, kwargs, strict=False)
+                out = call_block(unit.module, params, args, kwargs)
             engine.count_forward(index, time.perf_counter() - t0)
         finally:
             engine.release_weights(unit)
@@ -218,7 +235,7 @@ class BlockStreamer:
         self._rest_bound = False
         self._backward_ran = False
         self._rest_grad: torch.Tensor | None = None
-        self._held: list[tuple[Unit, torch.Tensor | None]] = []
+        self._held: list[tuple[Unit, torch.Tensor | None, contextlib.ExitStack]] = []
         self.shared = SharedInputs()
         """The block inputs whose gradients the blocks' backwards add up in PyTorch's order."""
         self.turns = None
@@ -397,7 +414,7 @@ class BlockStreamer:
         try:
             params = unit.views(flat)
             if not as_trained:
-                return functional_call(unit.module, params, args, kwargs, strict=False)
+                return call_block(unit.module, params, args, kwargs)
             params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
                       for s_ in unit.params}
             # what keeping this block's graph would store (the planner weighs it against recomputing)
@@ -405,7 +422,7 @@ class BlockStreamer:
             t0 = time.perf_counter()
             with (counter.hooks() if counter is not None else contextlib.nullcontext(),
                   span(self.tracer, f"forward {unit.name}", "compute")):
-                out = functional_call(unit.module, params, args, kwargs, strict=False)
+                out = call_block(unit.module, params, args, kwargs)
             self.count_forward(index, time.perf_counter() - t0)
             if counter is not None:
                 self.graph_bytes[index] = counter.pending_bytes()
@@ -568,13 +585,20 @@ class BlockStreamer:
         self.pipeline.forward_reached(index + 1)
         self.pipeline.wait(unit.name)
         flat, gflat, _ = self.full.acquire(unit, grad=True)
-        self._held.append((unit, gflat))
+        # the block's modules hold the weights until the backward: a torch.utils.checkpoint inside
+        # the block recomputes its part then, calling them
+        params = self.param_leaves(unit, flat, gflat)
+        bound = contextlib.ExitStack()
+        bound.enter_context(_reparametrize_module(unit.module, params))
+        self._held.append((unit, gflat, bound))
         if self.gather_ahead and index + 1 < len(self.binding.blocks):
             self.full.gather_ahead(self.binding.blocks[index + 1])
-        return functional_call(unit.module, self.param_leaves(unit, flat, gflat), args, kwargs, strict=False)
+        return call_block(unit.module, params, args, kwargs)
 
     def release_held(self, backward_ran: bool) -> None:
-        for unit, gflat in self._held:
+        for _, _, bound in reversed(self._held):  # the modules' own parameters back, innermost first
+            bound.close()
+        for unit, gflat, _ in self._held:
             if backward_ran and gflat is not None:
                 self.gradients_done(unit, gflat)
             self.full.release(unit, grad=True)
@@ -603,7 +627,7 @@ class BlockStreamer:
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
-                    out = functional_call(unit.module, params, args, kwargs, strict=False)
+                    out = call_block(unit.module, params, args, kwargs)
             finally:
                 for mod, name, value in kept:
                     mod._buffers[name] = value
@@ -620,8 +644,18 @@ class BlockStreamer:
         :mod:`~tiered_offload.engine.shared_inputs`)."""
         targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
         if pairs and targets:
-            with span(self.tracer, f"backward {unit.name}", "compute"):
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+            # the block's modules hold its weights meanwhile: a torch.utils.checkpoint inside the
+            # block recomputes its part in this backward, calling those modules
+            with span(self.tracer, f"backward {unit.name}", "compute"), _reparametrize_module(unit.module, params):
+                try:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+                except RuntimeError as e:
+                    if "use_reentrant=True" not in str(e):
+                        raise
+                    raise ConfigError(f"block {unit.name} calls torch.utils.checkpoint with use_reentrant=True, "
+                                      f"which cannot give a block's weights their gradients alone (PyTorch: {e}); pass "
+                                      f"use_reentrant=False, or leave the checkpointing out: the engine recomputes "
+                                      f"blocks itself (EngineConfig.activations)") from e
         if gflat is not None:
             self.gradients_done(unit, gflat)
 
