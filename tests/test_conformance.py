@@ -326,6 +326,75 @@ def test_a_block_that_reads_a_shared_tensor_but_misses_the_loss_is_an_error(tmp_
             engine.backward(engine(torch.randint(0, 64, (2, 8))).sum())
 
 
+# ---- a model's forward that reads its blocks' attributes ------------------------------------------
+class TorchEncoderLM(torch.nn.Module):
+    """PyTorch's own ``nn.TransformerEncoder``: its forward reads the first layer's attributes
+    (``layers[0].self_attn.batch_first``, to choose its fast path)."""
+
+    def __init__(self, dropout=0.1, norm_first=True, d=32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, d)
+        layer = torch.nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=dropout, batch_first=True, norm_first=norm_first)
+        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d, 64)
+
+    def forward(self, ids, route=None):
+        return self.head(self.encoder(self.emb(ids)))
+
+
+class RepeatingLM(TinyLM):
+    """Reads a flag of each block's part before calling it, as Gemma's decoder reads
+    ``layer.self_attn.is_kv_shared_layer``; calls the flagged blocks twice (a weight-shared loop)."""
+
+    def __init__(self):
+        super().__init__(lambda d: MLP(d), d=32, layers=4)
+        for i, block in enumerate(self.blocks):
+            block.ffn.doubled = i % 2 == 1
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h) if not block.ffn.doubled else block(block(h))
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("make_model", [TorchEncoderLM, RepeatingLM], ids=["nn.TransformerEncoder", "repeats"])
+@pytest.mark.parametrize("activations, fused", [("recompute", False), ("offload", False), ("recompute", True)])
+def test_a_forward_that_reads_its_blocks_attributes_trains_bitwise(tmp_path, make_model, activations, fused):
+    """A streamed block is a stand-in in the model's tree (its weights live in the store); reading
+    an attribute of it (``self_attn.batch_first``, a flag, a submodule) reads the real block's. It
+    failed: "'_BlockProxy' object has no attribute 'self_attn'".
+
+    A block called twice before a backward: PyTorch sums a weight's two gradients, then adds the
+    sum to what ``.grad`` holds; the engine added each call's into the buffer in turn, other bits
+    from the second micro-batch on (silently). Now it sums them first too, also in a pass."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return make_model()
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=3,
+                 fused=fused, config=EngineConfig(activations=activations))
+
+
+def test_a_block_called_twice_trains_bitwise_where_the_state_fits(tmp_path):
+    """The whole state in memory (PyTorch's graphs): the second call of a block reuses the first's
+    weight leaves, so autograd sums the calls' gradients before adding them, as in PyTorch."""
+    from test_finetune import batches, lm_loss, train, train_engine
+
+    def make():
+        torch.manual_seed(0)
+        return RepeatingLM()
+    ref, model, data = make(), make(), batches(3, 2)
+    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, lm_loss, 1.0)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=2 * state) as engine:
+        assert engine.activation_modes is None
+        assert train_engine(engine, data, lm_loss, 1.0) == expected
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+
+
 # ---- generators of the model's own ------------------------------------------------------------------
 class OwnNoise(torch.nn.Module):
     """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's

@@ -256,7 +256,21 @@ class _BlockProxy(nn.Module):
         self._streamed_forward = forward
         self.index = index
         self._set_real_mode = real.train  # a bound method: the real block stays out of the module tree
+        self.__dict__["_real"] = real  # (not a submodule either)
         self.training = real.training
+
+    def __getattr__(self, name: str):
+        """An attribute the stand-in does not have is the real block's: a model's forward may read
+        its blocks' (``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first``, Gemma a
+        layer's ``self_attn.is_kv_shared_layer``). Its parameters read so are empty placeholders:
+        their values live in the store (``engine.named_parameters()``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = self.__dict__.get("_real")
+            if real is None or name.startswith("__"):
+                raise
+            return getattr(real, name)
 
     def requires_grad_(self, requires_grad: bool = True) -> "_BlockProxy":
         """Changing which parameters train after the engine was built is refused (see

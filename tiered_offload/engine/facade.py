@@ -338,7 +338,7 @@ class Engine(EngineViews):
         try:
             with span(self._tracer, "backward", "phase"):
                 loss.backward()
-            self._streamer.shared.backward_done()
+            self._streamer.backward_done()
         except BaseException as e:
             # this rank left the backward between two collectives: the cleanup below must not issue more
             self._placement.mark_broken(e)

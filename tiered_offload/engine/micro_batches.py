@@ -376,6 +376,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             losses[k] = loss.detach()
             with torch.autograd.set_multithreading_enabled(False):
                 loss.backward()
+            streamer.calls.flush()  # (still this micro-batch's turn: the buffers' additions in order)
             if rest_grads is not None:  # still this micro-batch's turn: the ranks reduce in the same order
                 rest_grads.reduce(k)
             turns.end()

@@ -32,6 +32,7 @@ from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.planner import choose_activation_modes
 from tiered_offload.engine.own_generators import OwnGenerators
+from tiered_offload.engine.repeated_calls import RepeatedCalls
 from tiered_offload.engine.rng_script import RngScripts
 from tiered_offload.engine.shared_inputs import SharedInputs, keep_non_differentiable
 from tiered_offload.trace import span
@@ -235,7 +236,7 @@ class BlockStreamer:
         self._rest_bound = False
         self._backward_ran = False
         self._rest_grad: torch.Tensor | None = None
-        self._held: list[tuple[Unit, torch.Tensor | None, contextlib.ExitStack]] = []
+        self._held: list[tuple[Unit, torch.Tensor | None, contextlib.ExitStack, dict]] = []
         self.shared = SharedInputs()
         """The block inputs whose gradients the blocks' backwards add up in PyTorch's order."""
         self.turns = None
@@ -246,6 +247,8 @@ class BlockStreamer:
         """``forward_backward``'s :class:`~.rng_script.RngScript` per shape of micro-batches: what
         the last loop of such micro-batches drew."""
         self.own = OwnGenerators([unit.module for unit in binding.blocks], binding.model)
+        self.calls = RepeatedCalls(self)
+        """A block called more than once before a backward: its calls' gradients summed first."""
         """The generators of the model's own each block draws from (put back for a recompute)."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
@@ -294,9 +297,17 @@ class BlockStreamer:
             handle.remove()
         self._grad_hooks = []
 
+    def backward_done(self) -> None:
+        """A backward on this thread succeeded: the summed calls' gradients go in (see
+        :meth:`RepeatedCalls.flush`), and the shared inputs' chains are checked."""
+        self.calls.flush()
+        self.shared.backward_done()
+
     def backward_ran(self) -> None:
-        """A backward through the current forward has finished (its gradients are complete)."""
+        """A backward through the current forward has finished (its gradients are complete, or it
+        failed: what a failed one summed is dropped)."""
         self._backward_ran = True
+        self.calls.discard()
 
     def grad_norms(self, unit: Unit, norm_type: float) -> list[torch.Tensor]:
         """Norms of each trainable parameter's gradient in ``unit``: those the backward that last
@@ -443,6 +454,7 @@ class BlockStreamer:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         box: dict[str, Any] = {"shared": self.shared.take(tensors)}
         node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
+        self.calls.called(index)
         outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
         it = iter(outs)
         return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
@@ -582,6 +594,9 @@ class BlockStreamer:
     def run_block_keeping_graph(self, index: int, args, kwargs):
         """Run a block with autograd as usual; its weights and gradients stay pinned until backward."""
         unit = self.binding.blocks[index]
+        again = next((h for h in self._held if h[0] is unit), None)
+        if again is not None:  # called again before the backward: the same leaves, so autograd sums
+            return call_block(unit.module, again[3], args, kwargs)  # the calls' gradients first, as PyTorch does
         self.pipeline.forward_reached(index + 1)
         self.pipeline.wait(unit.name)
         flat, gflat, _ = self.full.acquire(unit, grad=True)
@@ -590,15 +605,15 @@ class BlockStreamer:
         params = self.param_leaves(unit, flat, gflat)
         bound = contextlib.ExitStack()
         bound.enter_context(_reparametrize_module(unit.module, params))
-        self._held.append((unit, gflat, bound))
+        self._held.append((unit, gflat, bound, params))
         if self.gather_ahead and index + 1 < len(self.binding.blocks):
             self.full.gather_ahead(self.binding.blocks[index + 1])
         return call_block(unit.module, params, args, kwargs)
 
     def release_held(self, backward_ran: bool) -> None:
-        for _, _, bound in reversed(self._held):  # the modules' own parameters back, innermost first
+        for _, _, bound, _ in reversed(self._held):  # the modules' own parameters back, innermost first
             bound.close()
-        for unit, gflat, _ in self._held:
+        for unit, gflat, _, _ in self._held:
             if backward_ran and gflat is not None:
                 self.gradients_done(unit, gflat)
             self.full.release(unit, grad=True)
@@ -643,6 +658,9 @@ class BlockStreamer:
         (a pair may be an input and the gradient its other blocks gave it: see
         :mod:`~tiered_offload.engine.shared_inputs`)."""
         targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
+        summed = gflat is not None and self.calls.repeated(unit)
+        if summed:
+            self.calls.before(unit, params)
         if pairs and targets:
             # the block's modules hold its weights meanwhile: a torch.utils.checkpoint inside the
             # block recomputes its part in this backward, calling those modules
@@ -656,7 +674,9 @@ class BlockStreamer:
                                       f"which cannot give a block's weights their gradients alone (PyTorch: {e}); pass "
                                       f"use_reentrant=False, or leave the checkpointing out: the engine recomputes "
                                       f"blocks itself (EngineConfig.activations)") from e
-        if gflat is not None:
+        if summed:
+            self.calls.after(unit, params, gflat)
+        elif gflat is not None:
             self.gradients_done(unit, gflat)
 
     def gradients_done(self, unit: Unit, gflat: torch.Tensor) -> None:
