@@ -734,6 +734,39 @@ def test_nan_loss_raises_and_leaves_state_untouched():
     engine.close()
 
 
+def test_the_models_own_gradient_calls_are_the_engines_or_a_clear_error(tmp_path):
+    """Training loops written for PyTorch call ``model.zero_grad()`` and
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``. The gradients live in the store,
+    so both were silent no-ops: the gradients kept accumulating, and the clipping returned 0 and
+    clipped nothing. Now ``model.zero_grad()`` is ``engine.zero_grad()`` (``set_to_none=False``
+    keeps "has a gradient", as PyTorch's zeros do), and using a parameter's ``.grad`` (clipping,
+    a norm for a log) is a TensorStateError naming the engine's call."""
+    from offload_core.errors import TensorStateError
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 3)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        plain_loss(ref, x).backward()
+        opt.step()
+        ref.zero_grad(set_to_none=step == 0)
+        engine.backward(plain_loss(engine, x))
+        engine.step()
+        model.zero_grad(set_to_none=step == 0)
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+    engine.backward(plain_loss(engine, torch.randint(0, 128, (2, 17), generator=g)))
+    with pytest.raises(TensorStateError, match="engine.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(TensorStateError, match="engine.named_parameters"):
+        float(next(model.parameters()).grad.norm())
+    engine.close()
+
+
 def test_nonfinite_skip_mode():
     engine = Engine(plain_gpt(2), storage="memory", host_memory="1MiB", on_nonfinite="skip")
     before = dict(engine.named_parameters())

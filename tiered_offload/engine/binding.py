@@ -248,6 +248,19 @@ def empty_init():
         nn.Module.register_parameter = original
 
 
+class _GradInStore(torch.Tensor):
+    """A parameter's ``.grad`` while the gradient lives in the store (see
+    :meth:`ModelBinding.grad_in_store`): any use is a TensorStateError."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from offload_core.errors import TensorStateError
+        raise TensorStateError(
+            "this parameter's gradient lives in the engine's store, not in .grad: clip with "
+            "engine.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_ over model.parameters()), "
+            "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters()")
+
+
 class _BlockProxy(nn.Module):
     """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
 
@@ -340,6 +353,7 @@ class ModelBinding:
         for unit in self.units:
             for slot in unit.params:
                 slot.param.data = self.placeholder()
+                self.grad_in_store(slot)
         self.move_buffers()
 
     def check_requires_grad(self) -> None:
@@ -353,6 +367,13 @@ class ModelBinding:
                     f"engine lays out gradients and optimizer states by it, so it cannot change mid-run. To unfreeze "
                     f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
                     f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
+
+    def grad_in_store(self, slot: ParamSlot) -> None:
+        """Between the engine's calls a trainable parameter's ``.grad`` is a :class:`_GradInStore`
+        (the parameter holds its placeholder): code that uses it (``clip_grad_norm_`` over
+        ``model.parameters()``, a gradient norm for a log) gets an error that says where it is."""
+        if slot.requires_grad:
+            slot.param.grad = torch.Tensor._make_subclass(_GradInStore, self.placeholder())
 
     def placeholder(self) -> torch.Tensor:
         """What an unbound parameter holds: no memory (its real value lives in the store)."""
@@ -451,8 +472,13 @@ class ModelBinding:
         return [(mod, name, old) for mod, name, buf, version, old in snapshot
                 if mod._buffers.get(name) is not buf or buf._version != version or not torch.equal(buf, old)]
 
-    def install_proxies(self, forward: Callable[[int, tuple, dict], Any]) -> None:
-        """Replace each streamed module in the model by a proxy that calls ``forward(index, args, kwargs)``."""
+    def install_proxies(self, forward: Callable[[int, tuple, dict], Any],
+                        zero_grad: Callable[..., None] | None = None) -> None:
+        """Replace each streamed module in the model by a proxy that calls ``forward(index, args, kwargs)``;
+        the model's ``zero_grad`` becomes ``zero_grad`` (the engine's: the gradients live in the store, so
+        the module's own would forget nothing)."""
+        if zero_grad is not None:
+            self.model.zero_grad = zero_grad
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model

@@ -274,7 +274,7 @@ class Engine(EngineViews):
                 raise ConfigError("init_from and a resumed state both give the weights; pass only one")
             self.layout.adopt(self.store, recovered)
             self.binding.release_parameters()
-        self.binding.install_proxies(lambda index, args, kwargs: self._streamer.block_forward(index, args, kwargs))
+        self.binding.install_proxies(lambda i, args, kwargs: self._streamer.block_forward(i, args, kwargs), self.zero_grad)
         self.binding.buffers = self.train_state.buffers = self.binding.buffer_slots()
 
     # ---- forward and backward -----------------------------------------------------------------
@@ -432,13 +432,12 @@ class Engine(EngineViews):
         self._commits.unit_updated(unit.name, futures, self.schedule.rewrite_bytes(unit))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget every gradient, as ``model.zero_grad()`` (set to None) does: no parameter has a
-        gradient until the next backward gives it one. No I/O: the store just forgets the bytes.
-        (``engine.optimizer.zero_grad()`` forgets the optimizer's parameters' only, as PyTorch's.)
-
-        A unit the step in flight has not reached yet is zeroed right after its update.
-        """
-        self._gradients.forget(optimized_only=False)
+        """Forget every gradient, as ``model.zero_grad()`` (which calls this) does: no parameter has a
+        gradient until the next backward gives it one (``set_to_none=False``: what had one keeps one,
+        of zeros). No I/O: the store just forgets the bytes. (``engine.optimizer.zero_grad()`` forgets
+        the optimizer's parameters' only, as PyTorch's.) A unit the step in flight has not reached yet
+        is zeroed right after its update."""
+        self._gradients.forget(optimized_only=False, to_none=set_to_none)
 
     # ---- committing -----------------------------------------------------------------------
     @property
@@ -580,4 +579,4 @@ class _OptimizerView(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's parameters' gradients only, as ``torch.optim.Optimizer.zero_grad()``: a
         trainable parameter in no group keeps accumulating (``engine.zero_grad()`` forgets all)."""
-        self._engine._gradients.forget(optimized_only=True)
+        self._engine._gradients.forget(optimized_only=True, to_none=set_to_none)

@@ -102,11 +102,12 @@ class Gradients:
                              f"Call zero_grad() and lower the learning rate, or pass on_nonfinite='skip'")
 
     # ---- forgetting ------------------------------------------------------------------------------------------
-    def forget(self, *, optimized_only: bool) -> None:
+    def forget(self, *, optimized_only: bool, to_none: bool = True) -> None:
         """Zero the gradients of every trainable parameter, or (``optimized_only``) of those in an
         optimizer group: a unit lays those out first, so that is a prefix of its gradient buffer
         (zeroed in place; a whole buffer is forgotten without I/O). A unit the step in flight has
-        not reached yet is zeroed right after its update."""
+        not reached yet is zeroed right after its update. ``to_none`` (``zero_grad()``'s
+        ``set_to_none``): no parameter has a gradient after; else those that had keep one (zeros)."""
         self.streamer.unbind_rest()
         for unit in self.binding.units:
             key = self.placement.grad_key(unit)
@@ -120,7 +121,7 @@ class Gradients:
             elif upto > 0:
                 self.pipeline.after_update(unit.name, lambda key=key, upto=upto: self._zero_prefix(key, upto))
         for _, slot in self.binding.param_order:
-            if slot.optimized or not optimized_only:
+            if to_none and (slot.optimized or not optimized_only):
                 slot.has_grad = False
 
     def _zero_prefix(self, key: str, upto: int) -> None:

@@ -392,6 +392,7 @@ class BlockStreamer:
         for slot in self.rest.params:
             slot.param.grad = None
             slot.param.data = self.binding.placeholder()
+            self.binding.grad_in_store(slot)
         self.full.release(self.rest, grad=True)
         self._rest_bound = False
         self._rest_grad = None
