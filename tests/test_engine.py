@@ -764,6 +764,8 @@ def test_the_models_own_gradient_calls_are_the_engines_or_a_clear_error(tmp_path
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(TensorStateError, match="engine.named_parameters"):
         float(next(model.parameters()).grad.norm())
+    model.to("cpu")  # what modules do to every .grad still works
+    copy.deepcopy(model)
     engine.close()
 
 

@@ -250,10 +250,18 @@ def empty_init():
 
 class _GradInStore(torch.Tensor):
     """A parameter's ``.grad`` while the gradient lives in the store (see
-    :meth:`ModelBinding.grad_in_store`): any use is a TensorStateError."""
+    :meth:`ModelBinding.grad_in_store`): reading its values is a TensorStateError. What modules
+    do to every parameter's ``.grad`` (``model.to()``, ``.float()``, a deep copy) still works."""
+
+    _MOVES = {"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "detach", "requires_grad_",
+              "_has_compatible_shallow_copy_type", "__deepcopy__", "__reduce_ex__", "__get__", "__set__", "clone",
+              "device", "dtype", "shape", "requires_grad", "is_sparse", "grad_fn", "is_leaf", "size", "dim",
+              "is_floating_point", "is_complex", "element_size", "numel", "nelement", "is_contiguous", "stride"}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls._MOVES:
+            return super().__torch_function__(func, types, args, kwargs or {})
         from offload_core.errors import TensorStateError
         raise TensorStateError(
             "this parameter's gradient lives in the engine's store, not in .grad: clip with "
@@ -478,7 +486,9 @@ class ModelBinding:
         the model's ``zero_grad`` becomes ``zero_grad`` (the engine's: the gradients live in the store, so
         the module's own would forget nothing)."""
         if zero_grad is not None:
-            self.model.zero_grad = zero_grad
+            def model_zero_grad(set_to_none: bool = True) -> None:  # a function: a deep copy shares it
+                zero_grad(set_to_none)
+            self.model.zero_grad = model_zero_grad
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
