@@ -769,6 +769,39 @@ def test_the_models_own_gradient_calls_are_the_engines_or_a_clear_error(tmp_path
     engine.close()
 
 
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_loss_backward_instead_of_engine_backward_is_a_clear_error(tmp_path, fits):
+    """``loss.backward()`` (a PyTorch loop's habit) instead of ``engine.backward(loss)``: the
+    engine's bookkeeping around the backward (the rest's gradients into the store, the commit
+    ordering) did not run, and the step silently used other gradients. Now the first gradient that
+    arrives outside engine.backward raises, naming it; after engine.zero_grad() training goes on
+    as PyTorch's."""
+    from offload_core.errors import TensorStateError
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=2 * state if fits else state // 3)
+    assert (engine.activation_modes is None) == fits
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(TensorStateError, match=r"engine.backward\(loss\)"):
+        plain_loss(engine, torch.randint(0, 128, (2, 17), generator=g)).backward()
+    engine.zero_grad()
+    for _ in range(2):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        plain_loss(ref, x).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.backward(plain_loss(engine, x))
+        engine.step()
+        engine.zero_grad()
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 def test_nonfinite_skip_mode():
     engine = Engine(plain_gpt(2), storage="memory", host_memory="1MiB", on_nonfinite="skip")
     before = dict(engine.named_parameters())

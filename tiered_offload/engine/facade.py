@@ -335,6 +335,7 @@ class Engine(EngineViews):
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
         self._phase(Phase.BACKWARD)
         self._commits.before_backward(self._await)
+        self._streamer.in_backward = True
         try:
             with span(self._tracer, "backward", "phase"):
                 loss.backward()

@@ -371,7 +371,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                 if not go_on:
                     turns.stop()  # the loop runs (on every rank; one's raises or skips at a bad loss)
                     raise _Undone()
-                turns.backward_started = True
+                turns.backward_started = streamer.in_backward = True
                 engine._commits.before_backward(engine._await)
             losses[k] = loss.detach()
             with torch.autograd.set_multithreading_enabled(False):

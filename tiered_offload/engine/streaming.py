@@ -23,7 +23,7 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload_core.errors import ConfigError, TierCapacityError
+from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations, autocast_state, replay_autocast
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
@@ -247,6 +247,9 @@ class BlockStreamer:
         """``forward_backward``'s :class:`~.rng_script.RngScript` per shape of micro-batches: what
         the last loop of such micro-batches drew."""
         self.own = OwnGenerators([unit.module for unit in binding.blocks], binding.model)
+        self.in_backward = False
+        """Whether the engine runs a backward (``engine.backward``, ``forward_backward``): gradients
+        arriving outside one are refused (:meth:`grad_arrived_hook`)."""
         self.calls = RepeatedCalls(self)
         """A block called more than once before a backward: its calls' gradients summed first."""
         """The generators of the model's own each block draws from (put back for a recompute)."""
@@ -307,6 +310,7 @@ class BlockStreamer:
         """A backward through the current forward has finished (its gradients are complete, or it
         failed: what a failed one summed is dropped)."""
         self._backward_ran = True
+        self.in_backward = False
         self.calls.discard()
 
     def grad_norms(self, unit: Unit, norm_type: float) -> list[torch.Tensor]:
@@ -397,11 +401,18 @@ class BlockStreamer:
         self._rest_bound = False
         self._rest_grad = None
 
-    @staticmethod
-    def grad_arrived_hook(slot: ParamSlot):
+    def grad_arrived_hook(self, slot: ParamSlot):
         """A hook autograd runs after accumulating into ``slot``'s gradient: from now on the
-        parameter "has a .grad" in PyTorch's sense (the step updates it, clipping counts it)."""
+        parameter "has a .grad" in PyTorch's sense (the step updates it, clipping counts it). A
+        gradient outside the engine's backward (``loss.backward()``) is refused: what the engine
+        does around a backward (the rest's gradients into the store, the commit's order) would not
+        run, and the step would use other gradients."""
         def arrived(_tensor) -> None:
+            if not self.in_backward:
+                raise TensorStateError(
+                    f"a gradient of {slot.name} arrived outside engine.backward(loss): call engine.backward(loss) "
+                    f"(or engine.forward_backward) instead of loss.backward(), then engine.zero_grad() to drop "
+                    f"what this backward added")
             slot.has_grad = True
         return arrived
 
