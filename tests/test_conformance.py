@@ -395,6 +395,35 @@ def test_a_block_called_twice_trains_bitwise_where_the_state_fits(tmp_path):
     assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
 
 
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_two_forwards_one_backward_accumulated_trains_bitwise(tmp_path, fits):
+    """Two views through the model and one loss (contrastive, siamese), two micro-batches a step:
+    each block is used twice per backward, and PyTorch sums the two uses' gradients before adding
+    them to what the first micro-batch left. The engine added each use's in turn: other bits, also
+    where the whole state fits. Now bitwise."""
+    from test_finetune import lm_loss
+    torch.manual_seed(0)
+    ref = TinyLM(lambda d: MLP(d), d=32, layers=4)
+    model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+    model.load_state_dict(ref.state_dict())
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                host_memory=2 * state if fits else int(0.4 * state)) as engine:
+        for _ in range(3):
+            for _ in range(2):
+                a, b = (torch.randint(0, 64, (2, 9), generator=g) for _ in range(2))
+                (lm_loss(ref, a) + lm_loss(ref, b)).backward()
+                engine.backward(lm_loss(engine, a) + lm_loss(engine, b))
+            opt.step()
+            opt.zero_grad()
+            engine.step()
+            engine.zero_grad()
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 # ---- generators of the model's own ------------------------------------------------------------------
 class OwnNoise(torch.nn.Module):
     """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's
