@@ -168,6 +168,23 @@ def _engine(tmp_path, **config):
                   durable=False, config=EngineConfig(**config))
 
 
+def _reference(calls):
+    """The model of :func:`_engine`, trained in memory as ``_train`` trains an engine once per
+    entry of ``calls`` (each call draws its batches from seed 1 again)."""
+    from tiered_offload_examples.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for steps in calls:
+        torch.manual_seed(1)
+        for _ in range(steps):
+            x = torch.randint(0, 128, (8, 33))
+            F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    return ref
+
+
 def _train(engine, steps, batch=8, vocab=128):
     torch.manual_seed(1)
     for _ in range(steps):
@@ -228,17 +245,7 @@ def test_the_plan_offloads_no_more_activations_than_the_disk_has_room_for(tmp_pa
     _train(engine, 3)  # would raise DiskFullError without the check (the step after the plan)
     weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
     engine.close()
-    from tiered_offload_examples.models import GPT, GPTConfig
-    torch.manual_seed(0)
-    ref = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for steps in (2, 1, 3):  # as _train draws them
-        torch.manual_seed(1)
-        for _ in range(steps):
-            x = torch.randint(0, 128, (8, 33))
-            F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-            opt.step()
-            opt.zero_grad()
+    ref = _reference((2, 1, 3))
     assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
 
 
@@ -248,7 +255,6 @@ def test_the_engine_goes_back_to_recomputing_when_the_plan_does_not_earn_its_byt
     why, and training stays bitwise PyTorch's across the change."""
     import time
     from tiered_offload.engine.plan_monitor import PlanMonitor
-    from tiered_offload_examples.models import GPT, GPTConfig
     monkeypatch.setattr(PlanMonitor, "_disk_rates", lambda self, m: DiskRates(1e11, 1e11, "test"))  # offloading: free
     engine = _engine(tmp_path)
     _train(engine, 3)
@@ -266,16 +272,7 @@ def test_the_engine_goes_back_to_recomputing_when_the_plan_does_not_earn_its_byt
     assert engine.plan.modes == ["recompute"] * 4
     _train(engine, 2)
     assert engine.plan.measured_step_s is not None  # the revised plan checked in turn
-    torch.manual_seed(0)
-    ref = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for steps in (3, 4, 2):  # as _train draws them: each call from seed 1
-        torch.manual_seed(1)
-        for _ in range(steps):
-            x = torch.randint(0, 128, (8, 33))
-            F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-            opt.step()
-            opt.zero_grad()
+    ref = _reference((3, 4, 2))
     weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], v) for k, v in ref.named_parameters())
     engine.close()
