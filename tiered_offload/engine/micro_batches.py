@@ -30,8 +30,8 @@ Why that is the loop's arithmetic, bit for bit:
   backward that draws) run the loop alone for the next 64 calls of that shape. A generator of
   the model's own that several blocks, or modules outside them, draw from makes every call the
   loop (a pass would draw it in another order; :mod:`~tiered_offload.engine.own_generators`); one
-  a block keeps to itself is drawn in the loop's order. Sharded, if any rank has a non-finite loss or other
-  draws, every rank runs the loop, agreed before any backward.
+  a block keeps to itself is drawn in the loop's order. Sharded, if any rank has a non-finite
+  loss or other draws, every rank runs the loop, agreed before any backward.
 
 A GPU runs each thread's backward on that thread (``set_multithreading_enabled(False)``), not on
 autograd's device thread that every backward shares, which waiting for a turn would block.

@@ -247,12 +247,12 @@ class BlockStreamer:
         """``forward_backward``'s :class:`~.rng_script.RngScript` per shape of micro-batches: what
         the last loop of such micro-batches drew."""
         self.own = OwnGenerators([unit.module for unit in binding.blocks], binding.model)
+        """The generators of the model's own each block draws from (put back for a recompute)."""
         self.in_backward = False
         """Whether the engine runs a backward (``engine.backward``, ``forward_backward``): gradients
         arriving outside one are refused (:meth:`grad_arrived_hook`)."""
         self.calls = RepeatedCalls(self)
         """A block called more than once before a backward: its calls' gradients summed first."""
-        """The generators of the model's own each block draws from (put back for a recompute)."""
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
