@@ -289,12 +289,13 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
         raise RuntimeError("forward_backward computes gradients; call it outside torch.no_grad()")
     # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
     streamer = engine._streamer
-    if len(micro_batches) == 1 or streamer.modes is None or streamer.own.shared():
-        return _loop(engine, micro_batches, loss_fn)  # (a generator several blocks draw from: the loop's order)
+    if len(micro_batches) == 1 or streamer.modes is None:
+        return _loop(engine, micro_batches, loss_fn)
     key = signature(micro_batches)
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
-    trusted = not refused and (script is None or script.misses < 2)
+    # (a generator of the model's own that several blocks draw from: only the loop draws it in order)
+    trusted = not refused and (script is None or script.misses < 2) and not streamer.own.shared()
     if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
         trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
     expected = Expected(script, streams.get())
