@@ -837,6 +837,31 @@ def test_a_checkpoint_inside_a_block_trains_bitwise_or_is_a_clear_error(tmp_path
                      config=config)
 
 
+def test_saving_the_models_own_state_dict_is_a_clear_error(tmp_path):
+    """The weights live in the store: ``model.state_dict()`` held empty placeholders (and no
+    streamed block at all), so ``torch.save(model.state_dict(), ...)`` and Hugging Face's
+    ``save_pretrained`` silently saved nothing of the training. Now both raise, naming
+    ``engine.export_safetensors``; that export loads back into a fresh model. Loading weights
+    into it raises too, naming ``init_from``."""
+    from offload_core.errors import TensorStateError
+    transformers = pytest.importorskip("transformers")
+    model = make_gpt2()
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 3) as engine:
+        engine.backward(hf_loss(engine, torch.randint(0, VOCAB, (2, 9))))
+        engine.step()
+        with pytest.raises(TensorStateError, match="engine.export_safetensors"):
+            model.state_dict()
+        with pytest.raises(TensorStateError, match="engine.export_safetensors"):
+            model.save_pretrained(tmp_path / "hf")
+        with pytest.raises(TensorStateError, match="init_from"):
+            model.load_state_dict(make_gpt2().state_dict())
+        engine.export_safetensors(tmp_path / "export")
+        weights = dict(engine.named_parameters())
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export")
+    assert all(torch.equal(weights[k], p) for k, p in loaded.named_parameters())
+
+
 def test_a_checkpoint_inside_a_block_trains_bitwise_where_the_state_fits(tmp_path):
     """The whole state in memory: the blocks keep their graphs as in PyTorch, and the recompute of a
     checkpoint inside one runs in the user's backward: the modules hold the weights until then."""

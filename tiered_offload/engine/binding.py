@@ -269,6 +269,27 @@ class _GradInStore(torch.Tensor):
             "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters()")
 
 
+def _weights_in_store(module, prefix, keep_vars) -> None:
+    """``state_dict()`` of a model the engine streams (``torch.save(model.state_dict())``, Hugging
+    Face's ``save_pretrained``): its parameters are empty placeholders and its blocks stand-ins,
+    so what it would save is nothing of the training. Refused, naming the export."""
+    from offload_core.errors import TensorStateError
+    raise TensorStateError(
+        f"state_dict() of {type(module).__name__}: the weights live in the engine's store, the model holds "
+        f"empty placeholders. Save them with engine.export_safetensors(DIR) (safetensors shards, index and "
+        f"config.json: from_pretrained(DIR) loads them), or read them with engine.named_parameters()")
+
+
+def _weights_into_store(module, *_args) -> None:
+    """``load_state_dict()`` into a model the engine streams: the weights it would set are the
+    store's. Refused, naming the ways in."""
+    from offload_core.errors import TensorStateError
+    raise TensorStateError(
+        f"load_state_dict() into {type(module).__name__}: the weights live in the engine's store. Build the "
+        f"engine with init_from=DIR (safetensors) to start from other weights, or Engine.resume(DIR) to continue "
+        f"a saved training state")
+
+
 class _BlockProxy(nn.Module):
     """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
 
@@ -489,6 +510,9 @@ class ModelBinding:
             def model_zero_grad(set_to_none: bool = True) -> None:  # a function: a deep copy shares it
                 zero_grad(set_to_none)
             self.model.zero_grad = model_zero_grad
+        for module in self.model.modules():
+            module.register_state_dict_pre_hook(_weights_in_store)
+            module.register_load_state_dict_pre_hook(_weights_into_store)
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
