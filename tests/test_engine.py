@@ -740,7 +740,9 @@ def test_the_models_own_gradient_calls_are_the_engines_or_a_clear_error(tmp_path
     so both were silent no-ops: the gradients kept accumulating, and the clipping returned 0 and
     clipped nothing. Now ``model.zero_grad()`` is ``engine.zero_grad()`` (``set_to_none=False``
     keeps "has a gradient", as PyTorch's zeros do), and using a parameter's ``.grad`` (clipping,
-    a norm for a log) is a TensorStateError naming the engine's call."""
+    a norm for a log) is a TensorStateError naming the engine's call. A deep copy of the model
+    (an EMA, DPO's frozen reference) would hold stand-ins that run the engine's current weights,
+    silently not a copy: refused, naming the export."""
     from offload_core.errors import TensorStateError
     torch.manual_seed(0)
     ref = plain_gpt(4)
@@ -765,7 +767,8 @@ def test_the_models_own_gradient_calls_are_the_engines_or_a_clear_error(tmp_path
     with pytest.raises(TensorStateError, match="engine.named_parameters"):
         float(next(model.parameters()).grad.norm())
     model.to("cpu")  # what modules do to every .grad still works
-    copy.deepcopy(model)
+    with pytest.raises(TensorStateError, match="export_safetensors"):  # a copy's blocks would run the engine's
+        copy.deepcopy(model)
     engine.close()
 
 

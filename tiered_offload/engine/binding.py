@@ -314,6 +314,15 @@ class _BlockProxy(nn.Module):
                 raise
             return getattr(real, name)
 
+    def __reduce_ex__(self, protocol):
+        """A copy (``copy.deepcopy(model)`` for an EMA or a frozen reference, ``torch.save(model)``)
+        would hold stand-ins that run the engine's current weights: not a copy. Refused."""
+        from offload_core.errors import TensorStateError
+        raise TensorStateError(
+            f"copying or pickling a model the engine streams (block {self.index} is a stand-in that runs the engine's "
+            f"current weights, so a copy would not be one): save the weights with engine.export_safetensors(DIR) and "
+            f"load them into a model of its own (from_pretrained(DIR)), or build a second engine with init_from=DIR")
+
     def requires_grad_(self, requires_grad: bool = True) -> "_BlockProxy":
         """Changing which parameters train after the engine was built is refused (see
         :meth:`ModelBinding.check_requires_grad`): the block's parameters live in the store."""
