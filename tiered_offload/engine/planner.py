@@ -333,8 +333,8 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
                        f"{', '.join(base.blocks[i] for i in too_big)} (e.g. {m.graph_bytes[worst] / 2**20:.1f} MiB "
                        f"against {room[worst] / 2**20:.1f} MiB); a larger host_memory lets them be kept or offloaded")
     if no_disk:
-        reasons.append(f"recomputed because the free disk ({disk / 2**20:.1f} MiB, less what commits need) holds "
-                       f"the activations of a step's other offloaded blocks, not theirs too: "
+        reasons.append(f"recomputed because the free disk takes {disk / 2**20:.1f} MiB of a step's offloaded "
+                       f"activations (after what commits need), which the other offloaded blocks fill: "
                        f"{', '.join(base.blocks[i] for i in sorted(no_disk))}; free disk space or add storage "
                        f"directories to offload them")
     step, compute, io, read, written = cost(modes)
