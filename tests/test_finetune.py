@@ -837,6 +837,26 @@ def test_a_checkpoint_inside_a_block_trains_bitwise_or_is_a_clear_error(tmp_path
                      config=config)
 
 
+def test_a_bfloat16_model_trains_as_pytorch_after_model_float(tmp_path, caplog):
+    """A model built in bfloat16 (Hugging Face's ``from_config`` honours a config's ``torch_dtype``,
+    as Llama's say) is trained as float32: the engine's state is fp32. That is PyTorch's training of
+    ``model.float()``, bitwise, and the engine says so when it is built."""
+    import logging
+    caplog.set_level(logging.INFO, logger="tiered_offload")
+    torch.manual_seed(0)
+    model = TinyLM(lambda d: MLP(d), d=32, layers=4).to(torch.bfloat16)
+    ref = copy.deepcopy(model).float()
+    data = batches(3, 2)
+    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, lm_loss, 1.0)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 2) as engine:
+        assert engine.state_bytes() > engine.store.capacity("host")
+        assert any("bfloat16 parameters are trained as float32" in r.getMessage() for r in caplog.records)
+        assert train_engine(engine, data, lm_loss, 1.0) == expected
+        weights = dict(engine.named_parameters())
+    assert all(w.dtype == torch.float32 and torch.equal(w, ref.get_parameter(k).detach()) for k, w in weights.items())
+
+
 def test_saving_the_models_own_state_dict_is_a_clear_error(tmp_path):
     """The weights live in the store: ``model.state_dict()`` held empty placeholders (and no
     streamed block at all), so ``torch.save(model.state_dict(), ...)`` and Hugging Face's

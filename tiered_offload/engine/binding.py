@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -359,6 +360,12 @@ class ModelBinding:
         self.model = model
         self.device = device
         self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
+        others = sorted({str(s.param.dtype).removeprefix("torch.") for _, s in self.param_order
+                         if s.param.dtype != torch.float32})
+        if others:  # (a Hugging Face config with torch_dtype bfloat16 builds such a model)
+            logging.getLogger("tiered_offload").info(
+                "tiered-offload: the model's %s parameters are trained as float32 (the engine's training state is "
+                "fp32): the same numbers as PyTorch trains after model.float()", "/".join(others))
         self.units: list[Unit] = [*self.blocks, self.rest]
         self.model_config = model_config(model)
         """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
