@@ -805,6 +805,18 @@ def test_loss_backward_instead_of_engine_backward_is_a_clear_error(tmp_path, fit
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
+    """A second engine on the same model object (another run in a notebook, a resume that reuses
+    the model): its blocks are the first engine's stand-ins. It said "no block sequence"; now it
+    says what happened and what to pass instead."""
+    model = plain_gpt(4)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "a", host_memory=state // 2):
+        pass
+    with pytest.raises(ConfigError, match="already streams"):
+        Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "b", host_memory=state // 2)
+
+
 def test_nonfinite_skip_mode():
     engine = Engine(plain_gpt(2), storage="memory", host_memory="1MiB", on_nonfinite="skip")
     before = dict(engine.named_parameters())

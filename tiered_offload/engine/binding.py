@@ -357,6 +357,12 @@ class ModelBinding:
     """
 
     def __init__(self, model: nn.Module, blocks: str | None, device: torch.device, stream_modules_numel: int | None = 0):
+        if any(isinstance(m, _BlockProxy) for m in model.modules()):
+            raise ConfigError(
+                f"an engine already streams this {type(model).__name__} (its blocks are that engine's stand-ins, its "
+                f"weights in that engine's store): build the new engine from a fresh model: the same class built "
+                f"again (under empty_init) with init_from=DIR after engine.export_safetensors(DIR), or "
+                f"Engine.resume(storage, fresh_model) to continue that engine's training state")
         self.model = model
         self.device = device
         self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
