@@ -54,7 +54,7 @@ class _Watch(TorchDispatchMode):
     """Sees a forward's draws from generators other than the default ones: ``found`` maps each
     one's id to ``(generator, its state before its first draw here)``."""
 
-    def __init__(self, known: set[int], defaults: set[int]):
+    def __init__(self, known: set[int], defaults: dict[int, torch.Generator]):
         super().__init__()
         self.known, self.defaults = known, defaults
         self.found: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
@@ -69,7 +69,7 @@ class _Watch(TorchDispatchMode):
         out = func(*args, **kwargs)
         for g, state, default in before:
             if not torch.equal(_default_state(g.device), default):
-                self.defaults.add(id(g))  # the default generator, passed by name: fork_rng puts it back
+                self.defaults[id(g)] = g  # the default generator, passed by name: fork_rng puts it back
             elif not torch.equal(g.get_state(), state):
                 self.found[id(g)] = (g, state)
             # (neither moved: nothing drawn, e.g. an empty tensor; the next draw tells)
@@ -94,7 +94,8 @@ class OwnGenerators:
         inside = {id(sub) for m in modules for sub in m.modules()}
         self.outside = _attributes(m for m in model.modules() if id(m) not in inside)
         self._watched = [0] * len(modules)
-        self._defaults: set[int] = set()
+        self._defaults: dict[int, torch.Generator] = {}
+        """Wrappers of the default generators seen passed by name (held, so their ids stay theirs)."""
         self._pass: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None
 
     def shared(self) -> bool:

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -42,13 +43,19 @@ __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock"]
 log = logging.getLogger(__name__)
 
 
+_CHECKPOINTING: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
 def call_block(module: torch.nn.Module, params, args, kwargs):
     """``functional_call`` of a streamed block on ``params``, with Hugging Face's gradient
     checkpointing (``model.gradient_checkpointing_enable()``) off inside it. A checkpointed layer's
     recompute runs in backward, outside this call, on weights the engine has let go by then; and
     the engine already recomputes the block itself, or keeps its graph. PyTorch computes the same
     values with it on and off (``tests/test_finetune.py``), so the result stays PyTorch's."""
-    layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    layers = _CHECKPOINTING.get(module)
+    if layers is None:  # the modules that can be checkpointed, found once per block
+        layers = _CHECKPOINTING[module] = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
+    layers = [m for m in layers if m.gradient_checkpointing is True]
     for m in layers:
         m.gradient_checkpointing = False
     try:
