@@ -424,6 +424,34 @@ def test_two_forwards_one_backward_accumulated_trains_bitwise(tmp_path, fits):
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+class CountingMLP(torch.nn.Module):
+    """An MLP that counts its calls in a plain attribute and scales by the count (a schedule kept
+    as an int, as some stochastic-depth and warm-up layers do)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.mlp, self.calls = MLP(d), 0
+
+    def forward(self, x, route=None):
+        self.calls += 1
+        return self.mlp(x) * (1.0 + 0.01 * self.calls)
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_block_that_counts_its_calls_in_an_attribute_trains_bitwise(tmp_path, activations):
+    """A recomputed block runs its forward again in backward: buffers were put back to what the
+    forward saw, a plain attribute (an int, a float, a bool) was not, so the count moved twice per
+    call and the recompute and every later forward scaled by another number. Now the recompute sees
+    the attributes as the forward did, and they end as the forward left them."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: CountingMLP(d), d=32, layers=4)
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=2,
+                 config=EngineConfig(activations=activations))
+
+
 # ---- generators of the model's own ------------------------------------------------------------------
 class OwnNoise(torch.nn.Module):
     """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's

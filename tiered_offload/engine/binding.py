@@ -517,6 +517,33 @@ class ModelBinding:
                 for name, buf in mod._buffers.items() if buf is not None]
 
     @staticmethod
+    def snapshot_attributes(unit: Unit) -> list[tuple[nn.Module, str, Any]]:
+        """The block's plain attributes (ints, floats, bools: a call counter, a schedule) before its
+        forward: a recompute must see them as the forward did (see :meth:`replay_attributes`)."""
+        return [(mod, name, value) for mod in unit.module.modules() for name, value in vars(mod).items()
+                if type(value) in (int, float, bool)]
+
+    @staticmethod
+    def changed_attributes(snapshot) -> list[tuple[nn.Module, str, Any]]:
+        """Of a snapshot, the attributes the forward changed, with their old values."""
+        return [(mod, name, old) for mod, name, old in snapshot if mod.__dict__.get(name, old) is not old
+                and mod.__dict__.get(name, old) != old]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def replay_attributes(changed) -> Iterator[None]:
+        """A recompute: the attributes its forward changed are as they were before it; afterwards
+        as the forward left them (the recompute's own changes are discarded, as buffers' are)."""
+        now = [(mod, name, mod.__dict__.get(name)) for mod, name, _ in changed]
+        try:
+            for mod, name, old in changed:
+                mod.__dict__[name] = old
+            yield
+        finally:
+            for mod, name, value in now:
+                mod.__dict__[name] = value
+
+    @staticmethod
     def changed_buffers(snapshot) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """Of a snapshot, the buffers the forward changed (in place or by assignment), with their old values."""
         # kernels that update running statistics do not always bump the version counter: compare

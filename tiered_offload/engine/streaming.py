@@ -83,11 +83,14 @@ class StreamedBlock(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
         args, kwargs = _rebuild(spec, leaves, inputs)
         snapshot = engine.binding.snapshot_buffers(engine.binding.blocks[index])
+        attributes = engine.binding.snapshot_attributes(engine.binding.blocks[index])
         with torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]):
             out = engine.run_block(index, args, kwargs, as_trained=True)
-        # a block that updates buffers (BatchNorm's running statistics, a counter) sees them in
-        # the recompute as its forward saw them, and the recompute's updates are discarded
+        # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
+        # attributes sees them in the recompute as its forward saw them, and the recompute's updates
+        # are discarded
         ctx.buffers_before = engine.binding.changed_buffers(snapshot)
+        ctx.rng["attributes"] = engine.binding.changed_attributes(attributes)
         del snapshot
         out_leaves, out_spec = tree_flatten(out)
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
@@ -657,7 +660,8 @@ class BlockStreamer:
                 mod._buffers[name] = old.clone()
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
-                      OwnGenerators.replay(rng["own"]), span(self.tracer, f"recompute {unit.name}", "compute")):
+                      OwnGenerators.replay(rng["own"]), self.binding.replay_attributes(rng["attributes"]),
+                      span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
