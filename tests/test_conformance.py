@@ -10,6 +10,8 @@ without a change here.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -540,6 +542,59 @@ def test_forward_backward_with_generators_of_the_models_own_is_the_loop_bitwise(
         assert calls == ["l"] * 3
     else:  # seen in the first pass's forwards: undone, then the loop
         assert calls == ["u", "l", "l", "l"]
+
+
+@pytest.mark.parametrize("kind", OWN_KINDS)
+def test_a_resumed_run_draws_from_the_models_own_generators_where_it_stopped(tmp_path, kind, caplog):
+    """A commit saves PyTorch's default generators, so a resumed run draws the dropout masks the
+    uninterrupted one would. A generator of the model's own was not saved: the resumed run drew
+    from it as the model's construction left it, silently other masks. Now each one the model
+    holds (an attribute, or a variable a function attribute closes over) is saved by its name."""
+    from tiered_offload import EngineConfig
+    with caplog.at_level(logging.WARNING, logger="tiered_offload"):
+        check_parity(own_noise(kind), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0,
+                     steps=4, accumulate=2, resume_at=2, config=EngineConfig(activations="recompute"))
+    assert "under no name" not in caplog.text
+
+
+class _Drawer:
+    """Draws from a generator it holds: an object that is neither a module nor a function."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def __call__(self, shape):
+        return torch.rand(shape, generator=self.g)
+
+
+def test_a_generator_no_name_reaches_is_replayed_and_its_unsaved_state_is_logged(tmp_path, caplog):
+    """A generator held by some other object has no name a commit could save it under: the
+    recompute still replays it (the training is bitwise), and the engine says, once, that a resumed
+    run will draw from it as the model's construction left it."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: OwnNoise(d, draw=_Drawer(torch.Generator().manual_seed(d))), d=48, layers=4)
+    with caplog.at_level(logging.WARNING, logger="tiered_offload"):
+        check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0,
+                     steps=2, accumulate=2, config=EngineConfig(activations="recompute"))
+    found = [r.getMessage() for r in caplog.records if "under no name" in r.getMessage()]
+    assert [m.split(" draws")[0] for m in found] == [f"block {i}" for i in range(4)]
+    assert "a commit does not save its state" in found[0]
+
+
+def test_a_saved_generator_state_that_does_not_fit_is_a_checkpoint_error():
+    """A saved state the model's generator cannot take is a typed error that names it."""
+    from offload_core.errors import CheckpointError
+    from tiered_offload.checkpoint.durable import encode_rng
+    from tiered_offload.engine.train_state import TrainState
+    state = TrainState([], [], torch.device("cpu"))
+    state.generators = [("blocks.0.gen", torch.Generator())]
+    with pytest.raises(CheckpointError, match=r"manifest\.json: .* generator blocks\.0\.gen does not fit"):
+        state._load_generators({"blocks.0.gen": encode_rng(torch.zeros(7, dtype=torch.uint8))}, "manifest.json")
+    with pytest.raises(CheckpointError, match="blocks.0.gen"):
+        state._load_generators({"blocks.0.gen": "not base64!"}, "manifest.json")
 
 
 # ---- mixed precision ------------------------------------------------------------------------------

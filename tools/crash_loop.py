@@ -56,7 +56,7 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-           buffers: bool = False, accumulate: int = 1, dropout: float = 0.0) -> None:
+           buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -68,6 +68,8 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4, dropout=dropout))
     if buffers:  # every block counts its calls in a persistent buffer its output depends on
         model.blocks = torch.nn.ModuleList(_counted(b) for b in model.blocks)
+    if own_noise:  # every block draws from a generator of its own: a commit must save where it is
+        model.blocks = torch.nn.ModuleList(_noisy(b, i, own_noise) for i, b in enumerate(model.blocks))
     n = sum(p.numel() for p in model.parameters())
     # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
     # state does not quite fit, units stream through the disk and commits use the journal
@@ -122,6 +124,24 @@ def _counted(block):
     return Counted(block)
 
 
+def _noisy(block, seed: int, p: float):
+    """``block`` with its input masked (a share ``p`` zeroed) by numbers drawn from a
+    ``torch.Generator`` of its own, seeded ``seed``."""
+    import torch
+
+    class Noisy(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.gen = torch.Generator().manual_seed(seed)
+
+        def forward(self, x, *args, **kwargs):
+            if self.training:
+                x = x * (torch.rand(x.shape, generator=self.gen) >= p) / (1 - p)
+            return self.inner(x, *args, **kwargs)
+    return Noisy(block)
+
+
 # ---- the driver ---------------------------------------------------------------------------
 REFERENCE_TIMEOUT_S = 600.0
 """Longest an uninterrupted run may take before it is taken for hung and killed."""
@@ -132,13 +152,13 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 
 def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
                  host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-                 buffers: bool = False, accumulate: int = 1, dropout: float = 0.0) -> list[str]:
+                 buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0) -> list[str]:
     """A worker's command-line arguments (``main`` parses them in the fork as in a fresh process)."""
     return (["--worker", str(directory), "--steps", str(steps), "--layers", str(layers), "--out", str(out),
              "--commit-every", str(commit_every), "--host-fraction", str(host_fraction),
              "--device-fraction", str(device_fraction), "--optimizer", optimizer]
             + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
-            + ["--accumulate", str(accumulate), "--dropout", str(dropout)])
+            + ["--accumulate", str(accumulate), "--dropout", str(dropout), "--own-noise", str(own_noise)])
 
 
 def _zygote() -> Zygote:
@@ -321,7 +341,8 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
-               optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0) -> dict:
+               optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0,
+               own_noise: float = 0.0) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -338,6 +359,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     that many micro-batches through ``engine.forward_backward`` (killed inside the vertical pass too).
     ``dropout`` > 0: the model draws random numbers in every forward (with ``accumulate``, a resumed
     engine's first step runs the loop and learns the draws, the uninterrupted run's passes replay them).
+    ``own_noise`` > 0: every block masks its input with numbers drawn from a ``torch.Generator`` of
+    its own (a commit saves its state; a resume restores it).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
     extent is flipped, and a start without a kill must either resume bitwise or refuse with a
@@ -346,7 +369,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     """
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
-                   optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout)
+                   optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise)
     with _zygote() as zygote:
         return _loop(zygote, work, kills, steps, layers, rng, flip_bits, options, log)
 
@@ -495,12 +518,14 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1, metavar="N",
                     help="N micro-batches per step through engine.forward_backward")
     ap.add_argument("--dropout", type=float, default=0.0, help="the model's dropout (random numbers in every forward)")
+    ap.add_argument("--own-noise", type=float, default=0.0, metavar="P",
+                    help="every block masks P of its input with numbers from a torch.Generator of its own")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
-               args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout)
+               args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise)
         return
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
@@ -508,7 +533,7 @@ def main() -> None:
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
                              flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
-                             accumulate=args.accumulate, dropout=args.dropout)
+                             accumulate=args.accumulate, dropout=args.dropout, own_noise=args.own_noise)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

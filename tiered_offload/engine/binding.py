@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -291,6 +292,19 @@ def _weights_into_store(module, *_args) -> None:
         f"a saved training state")
 
 
+def _closed_over(attr: str, value) -> list[tuple[str, Any]]:
+    """``(attr.variable, value)`` of each variable the function ``value`` closes over."""
+    if not isinstance(value, types.FunctionType) or not value.__closure__:
+        return []
+    out = []
+    for var, cell in zip(value.__code__.co_freevars, value.__closure__):
+        try:
+            out.append((f"{attr}.{var}", cell.cell_contents))
+        except ValueError:  # a cell not yet filled
+            pass
+    return out
+
+
 class _BlockProxy(nn.Module):
     """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
 
@@ -509,6 +523,22 @@ class ModelBinding:
                     seen.add(id(buf))
                     full = ".".join(x for x in (prefix, mname, bname) if x)
                     out.append((full, mod, bname, bname not in mod._non_persistent_buffers_set))
+        return out
+
+    def generator_slots(self) -> list[tuple[str, torch.Generator]]:
+        """``(name, generator)`` of every ``torch.Generator`` the model holds: a module's attribute
+        (``blocks.0.gen``), or a variable a function attribute closes over (``blocks.0.draw.g``),
+        the module named as ``model.named_modules()`` names it; one held twice, by its first name
+        (call once the proxies are in place)."""
+        out, seen = [], set()
+        roots = [("", self.model), *((u.qualname, u.module) for u in self.blocks)]
+        for prefix, root in roots:
+            for mname, mod in root.named_modules():
+                for attr, value in vars(mod).items():
+                    for name, g in [(attr, value), *_closed_over(attr, value)]:
+                        if isinstance(g, torch.Generator) and id(g) not in seen:
+                            seen.add(id(g))
+                            out.append((".".join(x for x in (prefix, mname, name) if x), g))
         return out
 
     def snapshot_buffers(self, unit: Unit) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:

@@ -275,7 +275,7 @@ class Engine(EngineViews):
             self.layout.adopt(self.store, recovered)
             self.binding.release_parameters()
         self.binding.install_proxies(lambda i, args, kwargs: self._streamer.block_forward(i, args, kwargs), self.zero_grad)
-        self.binding.buffers = self.train_state.buffers = self.binding.buffer_slots()
+        self.train_state.bind(self.binding)
 
     # ---- forward and backward -----------------------------------------------------------------
     def _to_device(self, tree):

@@ -23,20 +23,25 @@ in turn, which draws a generator one block keeps in the loop's order, but one th
 draw from in another: it runs the loop where one is known (:meth:`OwnGenerators.shared`), and a
 pass that finds one undoes its forwards (the generators put back, :meth:`OwnGenerators.pass_start`).
 
-Not covered: these generators' states are not part of a saved training state (as in PyTorch,
-the model's own code saves them or not), so a resumed run draws from them as the model's
-construction left them.
+A commit saves the states of the generators the model holds by name (an attribute, or a variable
+a function attribute closes over: :meth:`ModelBinding.generator_slots`, restored by
+:class:`~.train_state.TrainState`), so a resumed run draws from them where the uninterrupted one
+would. One the watch finds that no name reaches (held by some other object) is logged when found:
+a resumed run draws from it as the model's construction left it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["OwnGenerators"]
+
+log = logging.getLogger("tiered_offload")
 
 
 def _attributes(modules) -> dict[int, torch.Generator]:
@@ -48,6 +53,25 @@ def _default_state(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     return torch.get_rng_state()
+
+
+def _same(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether ``a`` and ``b`` are two Python objects of one generator: equal states, and a change
+    to ``a``'s shows in ``b``'s (``a`` is put back)."""
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    state = a.get_state()
+    if not torch.equal(state, b.get_state()):
+        return False
+    marked = state.clone()
+    marked[0] ^= 1  # the seed's lowest bit (CPU and CUDA states both begin with it)
+    try:
+        a.set_state(marked)
+        return torch.equal(b.get_state(), marked)
+    finally:
+        a.set_state(state)
 
 
 class _Watch(TorchDispatchMode):
@@ -84,12 +108,13 @@ class OwnGenerators:
         modules: the streamed blocks' modules, in order.
         model: the whole model: a generator of its own outside the blocks (the embeddings', the
             head's) is drawn in the loop's order only by the loop.
+        named: the generators a commit saves; one found drawing that is not among them is logged.
     """
 
     WATCHED = 2
     """Forwards of each block watched for draws from generators not found as attributes."""
 
-    def __init__(self, modules: list[torch.nn.Module], model: torch.nn.Module):
+    def __init__(self, modules: list[torch.nn.Module], model: torch.nn.Module, named: list[torch.Generator] = ()):
         self.of_block = [_attributes(m.modules()) for m in modules]
         inside = {id(sub) for m in modules for sub in m.modules()}
         self.outside = _attributes(m for m in model.modules() if id(m) not in inside)
@@ -97,6 +122,13 @@ class OwnGenerators:
         self._defaults: dict[int, torch.Generator] = {}
         """Wrappers of the default generators seen passed by name (held, so their ids stay theirs)."""
         self._pass: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None
+        self._named = list(named)
+
+    def _canonical(self, g: torch.Generator) -> torch.Generator:
+        """The generator already known (named, or a block's) that ``g`` is, else ``g``: a dispatch
+        mode sees a new Python object for a generator at each operation."""
+        known = (*self._named, *(h for gens in self.of_block for h in gens.values()), *self.outside.values())
+        return next((h for h in known if _same(g, h)), g)
 
     def shared(self) -> bool:
         """Whether a generator is drawn from by more than one block, or is the model's outside
@@ -126,7 +158,16 @@ class OwnGenerators:
         watch = _Watch(set(self.of_block[index]), self._defaults)
         with watch:
             yield
-        for k, (g, state) in watch.found.items():
+        for g, state in watch.found.values():
+            g = self._canonical(g)
+            k = id(g)
+            if k in self.of_block[index]:
+                continue  # one the block is known to draw from, seen through another wrapper
+            if not any(g is h for h in self._named):
+                log.warning("block %d draws from a torch.Generator the model holds under no name (not a module's "
+                            "attribute): its recompute replays it, but a commit does not save its state, so a "
+                            "resumed run draws from it as the model's construction left it. Make it an attribute "
+                            "of a module to have it saved", index)
             self.of_block[index][k] = g
             saved.setdefault(k, (g, state))
             if self._pass is not None:

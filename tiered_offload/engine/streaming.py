@@ -256,7 +256,8 @@ class BlockStreamer:
         self.rng_scripts = RngScripts()
         """``forward_backward``'s :class:`~.rng_script.RngScript` per shape of micro-batches: what
         the last loop of such micro-batches drew."""
-        self.own = OwnGenerators([unit.module for unit in binding.blocks], binding.model)
+        self.own = OwnGenerators([unit.module for unit in binding.blocks], binding.model,
+                                 [g for _, g in binding.generator_slots()])
         """The generators of the model's own each block draws from (put back for a recompute)."""
         self.in_backward = False
         """Whether the engine runs a backward (``engine.backward``, ``forward_backward``): gradients

@@ -56,6 +56,9 @@ class TrainState:
         """The learning-rate scheduler the engine steps after each optimizer step (attach_scheduler)."""
         self.param_order = param_order
         self.buffers: list = []
+        self.generators: list[tuple[str, torch.Generator]] = []
+        """The model's own generators by name (:meth:`ModelBinding.generator_slots`): saved with
+        the RNG, so a resumed run draws from them where the uninterrupted one would."""
         self.buffer_file = None
         """Where a durable state's buffers are written (:class:`BufferFile`); None: JSON in the meta."""
         self.device = device
@@ -65,6 +68,11 @@ class TrainState:
         :func:`~tiered_offload.engine.preflight.optimizer_tier`)."""
         self._resumed_scheduler_state = None
         self._resumed_param_groups = None
+
+    def bind(self, binding) -> None:
+        """The model's buffers and generators, once the binding's proxies are in place."""
+        binding.buffers = self.buffers = binding.buffer_slots()
+        self.generators = binding.generator_slots()
 
     # ---- a step ------------------------------------------------------------------------------
     def advance(self, next_scalars=None) -> StepUpdates:
@@ -112,6 +120,8 @@ class TrainState:
         rng = {"cpu": encode_rng(torch.get_rng_state())}
         if self.device.type == "cuda":
             rng["cuda"] = encode_rng(torch.cuda.get_rng_state(self.device))
+        if self.generators:
+            rng["own"] = {name: encode_rng(g.get_state()) for name, g in self.generators}
         try:
             user = json.loads(json.dumps(self.user_state, allow_nan=False))
         except (TypeError, ValueError) as e:
@@ -155,10 +165,22 @@ class TrainState:
         torch.set_rng_state(decode_rng(meta["rng"]["cpu"]))
         if "cuda" in meta["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(decode_rng(meta["rng"]["cuda"]), self.device)
+        self._load_generators(meta["rng"].get("own", {}), where)
         self.user_state = meta["user_state"]
         self.update_tier = meta.get("update_tier")
         self._resumed_scheduler_state = meta["scheduler"]
         self._resumed_param_groups = meta["param_groups"]
+
+    def _load_generators(self, saved: dict, where: str) -> None:
+        """Set each of the model's own generators to its saved state (one the state does not name,
+        as from a state saved before they were: left as the model's construction left it)."""
+        for name, g in self.generators:
+            if name in saved:
+                try:
+                    g.set_state(decode_rng(saved[name]))
+                except (RuntimeError, ValueError, TypeError) as e:
+                    raise CheckpointError(f"{where}: the saved state of the model's generator {name} does not fit "
+                                          f"it ({e}); resume with the same model") from e
 
     def load_scalars(self, meta: dict) -> None:
         """Each parameter's optimizer scalar state as ``meta`` records it (a resume redoing a step
