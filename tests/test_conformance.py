@@ -454,6 +454,36 @@ def test_a_block_that_counts_its_calls_in_an_attribute_trains_bitwise(tmp_path, 
                  config=EngineConfig(activations=activations))
 
 
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_forward_hooks_on_blocks_change_the_recompute_alike_and_can_tell_it_apart(tmp_path, caplog, activations):
+    """A user's forward hooks on a block and on its modules (registered before the engine): one
+    that changes the output changes the recomputed one alike (bitwise PyTorch's), and one that
+    records each forward sees each forward once, as in PyTorch, where it skips the recompute
+    (``tiered_offload.recomputing()``); the engine says so when built. Before, nothing told a hook
+    that its block's forward ran again, so a recording hook saw a recomputed block twice."""
+    import tiered_offload
+    from tiered_offload import EngineConfig
+    seen: list[list] = []
+
+    def make():
+        torch.manual_seed(0)
+        model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+        calls = []
+        seen.append(calls)
+        for i, block in enumerate(model.blocks):
+            block.register_forward_hook(lambda m, a, out: out * 1.5)  # steers: changes the block's output
+            block.ffn.up.register_forward_pre_hook(
+                lambda m, a, i=i: None if tiered_offload.recomputing() else calls.append(i))
+        return model
+    with caplog.at_level(logging.WARNING, logger="tiered_offload"):
+        check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=2,
+                     config=EngineConfig(activations=activations))
+    reference, engine = seen
+    assert engine == reference == [0, 1, 2, 3] * 6  # 3 steps of 2 micro-batches
+    assert "forward hooks on blocks.0, blocks.1, blocks.2 and 1 more run again" in caplog.text
+    assert not tiered_offload.recomputing()
+
+
 # ---- generators of the model's own ------------------------------------------------------------------
 class OwnNoise(torch.nn.Module):
     """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's

@@ -10,7 +10,7 @@ from offload_core.futures import IOFuture
 from offload_core.sizes import format_size, parse_size
 
 from .config import EngineConfig, StoreConfig
-from .engine import Engine, EngineStats, Plan, empty_init
+from .engine import Engine, EngineStats, Plan, empty_init, recomputing
 from .store import (
     CopyState,
     EvictionPolicy,
@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Engine",
     "empty_init",
+    "recomputing",
     "Plan",
     "EngineStats",
     "TieredStore",

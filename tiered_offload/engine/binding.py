@@ -596,10 +596,25 @@ class ModelBinding:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
+        _warn_of_hooks(self.blocks)
         for module in self.model.modules():  # an encoder-decoder's stacks have configs of their own
             cfg = getattr(module, "config", None)
             if cfg is not None and getattr(cfg, "use_cache", False):
                 cfg.use_cache = False  # key/value caches are for generation; training does not need them
+
+
+def _warn_of_hooks(blocks: list[Unit]) -> None:
+    """Say that the forward hooks on the blocks (or every module's) run again in a recompute."""
+    hooked = [u.qualname for u in blocks if any(m._forward_hooks or m._forward_pre_hooks for m in u.module.modules())]
+    every = torch.nn.modules.module
+    if getattr(every, "_global_forward_hooks", None) or getattr(every, "_global_forward_pre_hooks", None):
+        hooked = ["every module (a global hook)"]
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        logging.getLogger("tiered_offload").warning(
+            "forward hooks on %s%s run again when the engine recomputes a block in backward (its forward again, as "
+            "under torch.utils.checkpoint). A hook with a side effect (a count, a list of activations) can skip it "
+            "while tiered_offload.recomputing() is true, to see each forward once", ", ".join(hooked[:3]), more)
 
 
 def model_config(model: nn.Module) -> dict | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import Any
@@ -44,6 +45,28 @@ log = logging.getLogger(__name__)
 
 
 _CHECKPOINTING: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+_RECOMPUTE = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread runs a block's recompute: its forward again, in backward, from its
+    stored inputs. A forward hook (or pre-hook) on a block or on one of its modules runs there
+    too, as under ``torch.utils.checkpoint``, so that a hook that changes an output changes the
+    recomputed one alike; a hook with a side effect (a count, a list of activations, a log) can
+    skip it here to see each forward once, as in PyTorch. (A hook registered on ``model.blocks[i]``
+    after the engine is built is on the engine's stand-in: it runs once per forward.)"""
+    return getattr(_RECOMPUTE, "on", False)
+
+
+@contextlib.contextmanager
+def _recompute():
+    before, _RECOMPUTE.on = recomputing(), True
+    try:
+        yield
+    finally:
+        _RECOMPUTE.on = before
 
 
 def call_block(module: torch.nn.Module, params, args, kwargs):
@@ -662,7 +685,7 @@ class BlockStreamer:
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
                       OwnGenerators.replay(rng["own"]), self.binding.replay_attributes(rng["attributes"]),
-                      span(self.tracer, f"recompute {unit.name}", "compute")):
+                      _recompute(), span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
