@@ -519,10 +519,21 @@ class NoisyEmbeddingLM(TinyLM):
         return self.head(self.norm(h))
 
 
+class _Drawer:
+    """Draws from a generator it holds: an object that is neither a module nor a function."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def __call__(self, shape):
+        return torch.rand(shape, generator=self.g)
+
+
 def own_noise(kind):
     """A TinyLM whose blocks draw from a generator of their own each ("each"), from one the
-    blocks share ("shared"), or from one a function closes over ("closure": no attribute shows it);
-    "outside": each, and the model's own outside the blocks."""
+    blocks share ("shared"), from one a function attribute closes over ("closure"), or from one an
+    object holds ("held": only the watch of the blocks' first forwards finds it); "outside": each,
+    and the model's own outside the blocks."""
     def make():
         torch.manual_seed(0)
         shared = torch.Generator().manual_seed(11)
@@ -532,11 +543,14 @@ def own_noise(kind):
             return TinyLM(lambda d: OwnNoise(d, gen=torch.Generator().manual_seed(d)), d=48, layers=4)
         if kind == "shared":
             return TinyLM(lambda d: OwnNoise(d, gen=shared), d=48, layers=4)
-        return TinyLM(lambda d: OwnNoise(d, draw=lambda shape: torch.rand(shape, generator=shared)), d=48, layers=4)
+        if kind == "closure":
+            return TinyLM(lambda d: OwnNoise(d, draw=lambda shape: torch.rand(shape, generator=shared)), d=48, layers=4)
+        held = _Drawer(shared)
+        return TinyLM(lambda d: OwnNoise(d, draw=held), d=48, layers=4)
     return make
 
 
-OWN_KINDS = ["each", "shared", "closure", "outside"]
+OWN_KINDS = ["each", "shared", "closure", "held", "outside"]
 
 
 @pytest.mark.parametrize("activations", ["recompute", "offload"])
@@ -568,13 +582,13 @@ def test_forward_backward_with_generators_of_the_models_own_is_the_loop_bitwise(
                  steps=3, accumulate=3, fused=True, config=EngineConfig(activations="recompute"))
     if kind == "each":
         assert calls == ["p"] * 3
-    elif kind in ("shared", "outside"):  # known from the start (attributes): the loop
+    elif kind in ("shared", "closure", "outside"):  # known from the start (attributes, closures): the loop
         assert calls == ["l"] * 3
     else:  # seen in the first pass's forwards: undone, then the loop
         assert calls == ["u", "l", "l", "l"]
 
 
-@pytest.mark.parametrize("kind", OWN_KINDS)
+@pytest.mark.parametrize("kind", [k for k in OWN_KINDS if k != "held"])
 def test_a_resumed_run_draws_from_the_models_own_generators_where_it_stopped(tmp_path, kind, caplog):
     """A commit saves PyTorch's default generators, so a resumed run draws the dropout masks the
     uninterrupted one would. A generator of the model's own was not saved: the resumed run drew
@@ -585,16 +599,6 @@ def test_a_resumed_run_draws_from_the_models_own_generators_where_it_stopped(tmp
         check_parity(own_noise(kind), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0,
                      steps=4, accumulate=2, resume_at=2, config=EngineConfig(activations="recompute"))
     assert "under no name" not in caplog.text
-
-
-class _Drawer:
-    """Draws from a generator it holds: an object that is neither a module nor a function."""
-
-    def __init__(self, g):
-        self.g = g
-
-    def __call__(self, shape):
-        return torch.rand(shape, generator=self.g)
 
 
 def test_a_generator_no_name_reaches_is_replayed_and_its_unsaved_state_is_logged(tmp_path, caplog):
@@ -625,6 +629,46 @@ def test_a_saved_generator_state_that_does_not_fit_is_a_checkpoint_error():
         state._load_generators({"blocks.0.gen": encode_rng(torch.zeros(7, dtype=torch.uint8))}, "manifest.json")
     with pytest.raises(CheckpointError, match="blocks.0.gen"):
         state._load_generators({"blocks.0.gen": "not base64!"}, "manifest.json")
+
+
+def test_compiled_blocks_train_bitwise(tmp_path):
+    """``block.compile()`` (inductor): the watch for generators of the model's own is a
+    ``TorchDispatchMode``, under which compiled code runs uncompiled, so each block's first two
+    forwards computed with eager kernels where PyTorch's ran inductor's: a loss 2e-7 off. Compiled
+    blocks are not watched (their generators are found as attributes and closures)."""
+    import shutil
+
+    from tiered_offload import EngineConfig
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("inductor needs a C++ compiler on the CPU, and this machine has none")
+
+    def make():
+        torch.manual_seed(0)
+        model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+        for block in model.blocks:
+            block.compile()
+        return model
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, steps=2,
+                 accumulate=2, config=EngineConfig(activations="recompute"))
+
+
+@pytest.mark.parametrize("how", ["block.compile()", "torch.compile(model)", "a compiled forward", "none"])
+def test_which_blocks_run_compiled_is_seen(tmp_path, how):
+    """The watch is left out for exactly the blocks that run compiled, however they were compiled."""
+    def make():
+        torch.manual_seed(0)
+        model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+        if how == "block.compile()":
+            model.blocks[1].compile(backend="eager")
+        elif how == "a compiled forward":
+            model.blocks[2].forward = torch.compile(model.blocks[2].forward, backend="eager")
+        return torch.compile(model, backend="eager") if how == "torch.compile(model)" else model
+    expected = {"block.compile()": [False, True, False, False], "torch.compile(model)": [True] * 4,
+                "a compiled forward": [False, False, True, False], "none": [False] * 4}[how]
+    model = make()
+    n = sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, storage=tmp_path, host_memory=8 * n) as engine:
+        assert engine._streamer.own._unwatched == expected
 
 
 # ---- mixed precision ------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ def _weights_into_store(module, *_args) -> None:
         f"a saved training state")
 
 
-def _closed_over(attr: str, value) -> list[tuple[str, Any]]:
+def closed_over(attr: str, value) -> list[tuple[str, Any]]:
     """``(attr.variable, value)`` of each variable the function ``value`` closes over."""
     if not isinstance(value, types.FunctionType) or not value.__closure__:
         return []
@@ -535,7 +535,7 @@ class ModelBinding:
         for prefix, root in roots:
             for mname, mod in root.named_modules():
                 for attr, value in vars(mod).items():
-                    for name, g in [(attr, value), *_closed_over(attr, value)]:
+                    for name, g in [(attr, value), *closed_over(attr, value)]:
                         if isinstance(g, torch.Generator) and id(g) not in seen:
                             seen.add(id(g))
                             out.append((".".join(x for x in (prefix, mname, name) if x), g))

@@ -8,13 +8,15 @@ not, so the recompute drew other numbers and the gradients were another mask's, 
 
 :class:`OwnGenerators` knows, per streamed block, the generators its forward draws from:
 
-* the ``torch.Generator`` attributes of the block's modules, found when the engine is built;
+* the ``torch.Generator`` attributes of the block's modules, and those a function attribute
+  closes over, found when the engine is built;
 * those its first :attr:`OwnGenerators.WATCHED` forwards are seen drawing from
   (:class:`_Watch`, a ``TorchDispatchMode``: an operation with a generator argument that is not a
   default generator; it is one where the operation moved the default generator's state). A
   generator a function closes over is found this way. Watching costs about 10 us per operation,
   so later forwards are not watched: a block that first draws from a generator of its own after
-  them is not seen.
+  them is not seen. A block that runs compiled (``torch.compile``) is not watched at all: under a
+  dispatch mode its code would run uncompiled, with other numerics than PyTorch's compiled run.
 
 Each forward of a block saves the states of its generators (:meth:`OwnGenerators.before`); the
 recompute sets them back, and afterwards to where they were (:meth:`OwnGenerators.replay`), as
@@ -39,14 +41,25 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tiered_offload.engine.binding import closed_over
+
 __all__ = ["OwnGenerators"]
 
 log = logging.getLogger("tiered_offload")
 
 
 def _attributes(modules) -> dict[int, torch.Generator]:
-    """The ``torch.Generator`` attributes of ``modules``."""
-    return {id(v): v for m in modules for v in vars(m).values() if isinstance(v, torch.Generator)}
+    """The ``torch.Generator`` attributes of ``modules``, and those a function attribute closes over."""
+    return {id(g): g for m in modules for attr, v in vars(m).items()
+            for _, g in [(attr, v), *closed_over(attr, v)] if isinstance(g, torch.Generator)}
+
+
+def _compiled(modules) -> bool:
+    """Whether any of ``modules`` runs compiled (``torch.compile``, ``module.compile()``, a
+    compiled ``forward``): a dispatch mode around it would run it uncompiled, with other numerics."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               or hasattr(type(m).forward, "_torchdynamo_orig_callable")
+               or hasattr(vars(m).get("forward"), "_torchdynamo_orig_callable") for m in modules)
 
 
 def _default_state(device: torch.device) -> torch.Tensor:
@@ -119,6 +132,13 @@ class OwnGenerators:
         inside = {id(sub) for m in modules for sub in m.modules()}
         self.outside = _attributes(m for m in model.modules() if id(m) not in inside)
         self._watched = [0] * len(modules)
+        compiled_outside = _compiled(m for m in model.modules() if id(m) not in inside)
+        self._unwatched = [compiled_outside or _compiled(m.modules()) for m in modules]
+        """Blocks that run compiled: not watched (see :func:`_compiled`)."""
+        if any(self._unwatched):
+            log.info("%d of %d blocks run compiled: their forwards are not watched for generators of the model's own "
+                     "(a dispatch mode would run them uncompiled); a generator a module holds as an attribute, or "
+                     "that a function attribute closes over, is replayed all the same", sum(self._unwatched), len(modules))
         self._defaults: dict[int, torch.Generator] = {}
         """Wrappers of the default generators seen passed by name (held, so their ids stay theirs)."""
         self._pass: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None
@@ -151,7 +171,7 @@ class OwnGenerators:
     def forward(self, index: int, saved: dict) -> Iterator[None]:
         """Around block ``index``'s forward, ``saved`` from :meth:`before`: one of its first
         forwards is watched, and the generators found drawing join the block's (and ``saved``)."""
-        if self._watched[index] >= self.WATCHED:
+        if self._unwatched[index] or self._watched[index] >= self.WATCHED:
             yield
             return
         self._watched[index] += 1
