@@ -292,6 +292,28 @@ def _weights_into_store(module, *_args) -> None:
         f"a saved training state")
 
 
+def compiled(modules) -> bool:
+    """Whether any of ``modules`` runs compiled (``torch.compile(module)``, ``module.compile()``, a
+    compiled ``forward``)."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               or hasattr(type(m).forward, "_torchdynamo_orig_callable")
+               or hasattr(vars(m).get("forward"), "_torchdynamo_orig_callable") for m in modules)
+
+
+def _refuse_compiled_holders(model: nn.Module, seq_name: str, blocks: list[Unit]) -> None:
+    """A compiled module that holds the blocks (``torch.compile(model)``) would have dynamo trace
+    the engine's streaming of them (it stopped on the stand-ins' weights); compiled blocks work."""
+    holders = dict.fromkeys(".".join(u.qualname.split(".")[:i]) for u in blocks for i in range(u.qualname.count(".") + 1))
+    for name in holders:
+        if compiled([model.get_submodule(name) if name else model]):
+            seq = seq_name.removeprefix("_orig_mod.")
+            raise ConfigError(
+                f"{name or 'the model'} runs compiled (torch.compile) and holds the blocks: it would compile the "
+                f"engine's streaming of them. Compile each block instead, before building the engine (for block in "
+                f"model.{seq}: block.compile()), and pass the model itself (not torch.compile(model)): the blocks "
+                f"then run compiled, bitwise as PyTorch runs them")
+
+
 def closed_over(attr: str, value) -> list[tuple[str, Any]]:
     """``(attr.variable, value)`` of each variable the function ``value`` closes over."""
     if not isinstance(value, types.FunctionType) or not value.__closure__:
@@ -380,6 +402,7 @@ class ModelBinding:
         self.model = model
         self.device = device
         self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
+        _refuse_compiled_holders(model, self.seq_name, self.blocks)
         others = sorted({str(s.param.dtype).removeprefix("torch.") for _, s in self.param_order
                          if s.param.dtype != torch.float32})
         if others:  # (a Hugging Face config with torch_dtype bfloat16 builds such a model)

@@ -41,7 +41,7 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tiered_offload.engine.binding import closed_over
+from tiered_offload.engine.binding import closed_over, compiled
 
 __all__ = ["OwnGenerators"]
 
@@ -52,14 +52,6 @@ def _attributes(modules) -> dict[int, torch.Generator]:
     """The ``torch.Generator`` attributes of ``modules``, and those a function attribute closes over."""
     return {id(g): g for m in modules for attr, v in vars(m).items()
             for _, g in [(attr, v), *closed_over(attr, v)] if isinstance(g, torch.Generator)}
-
-
-def _compiled(modules) -> bool:
-    """Whether any of ``modules`` runs compiled (``torch.compile``, ``module.compile()``, a
-    compiled ``forward``): a dispatch mode around it would run it uncompiled, with other numerics."""
-    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               or hasattr(type(m).forward, "_torchdynamo_orig_callable")
-               or hasattr(vars(m).get("forward"), "_torchdynamo_orig_callable") for m in modules)
 
 
 def _default_state(device: torch.device) -> torch.Tensor:
@@ -132,9 +124,9 @@ class OwnGenerators:
         inside = {id(sub) for m in modules for sub in m.modules()}
         self.outside = _attributes(m for m in model.modules() if id(m) not in inside)
         self._watched = [0] * len(modules)
-        compiled_outside = _compiled(m for m in model.modules() if id(m) not in inside)
-        self._unwatched = [compiled_outside or _compiled(m.modules()) for m in modules]
-        """Blocks that run compiled: not watched (see :func:`_compiled`)."""
+        self._unwatched = [compiled(m.modules()) for m in modules]
+        """Blocks that run compiled: not watched (a dispatch mode would run them uncompiled, with
+        other numerics)."""
         if any(self._unwatched):
             log.info("%d of %d blocks run compiled: their forwards are not watched for generators of the model's own "
                      "(a dispatch mode would run them uncompiled); a generator a module holds as an attribute, or "
