@@ -484,6 +484,33 @@ def test_forward_hooks_on_blocks_change_the_recompute_alike_and_can_tell_it_apar
     assert not tiered_offload.recomputing()
 
 
+class SkipLM(TinyLM):
+    """Block 1's output also goes past the blocks after it, into the head's input."""
+
+    def forward(self, ids, route=None):
+        h, outs = self.emb(ids), []
+        for block in self.blocks:
+            h = block(h, route)
+            outs.append(h)
+        return self.head(self.norm(h + 0.1 * outs[1]))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_blocks_output_used_past_the_next_block_trains_bitwise(tmp_path, activations, fused):
+    """A block's output that the model uses again further on (a skip across blocks, a mix of
+    layers, a loss on inner layers): PyTorch adds that use's gradient first, then the next block's
+    uses one by one; autograd added it to the next block's whole sum, so the weights were 1 ulp
+    off, silently. Now it starts the next block's sum."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return SkipLM(lambda d: MLP(d), d=32, layers=4)
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=2,
+                 fused=fused, config=EngineConfig(activations=activations))
+
+
 # ---- generators of the model's own ------------------------------------------------------------------
 class OwnNoise(torch.nn.Module):
     """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's

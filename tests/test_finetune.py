@@ -207,7 +207,10 @@ def fused_step(engine, step, loss_fn):
         try:
             loss_fn(capture, ids, route)
         except _Called as called:
-            micro_batches.append(dict(signature.bind(*called.args[0], **called.args[1]).arguments))
+            bound = signature.bind(*called.args[0], **called.args[1]).arguments
+            var = [n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
+            micro_batches.append({**{k: v for k, v in bound.items() if k not in var},
+                                  **{k: v for n in var for k, v in bound.get(n, {}).items()}})  # **kwargs by name
 
     def loss_of(out, b):
         ids, route = step[next(i for i, x in enumerate(micro_batches) if x is b)]
@@ -1286,3 +1289,58 @@ def test_a_requires_grad_change_after_building_is_refused_not_ignored(tmp_path):
     engine.backward(engine(input_ids=ids, labels=ids).loss)  # as it was: trains on
     engine.step()
     engine.close()
+
+
+# ---- Hugging Face's recorded outputs --------------------------------------------------------------
+def hidden_states_loss(model, ids, route=None):
+    """The language-model loss plus terms on two blocks' outputs (``output_hidden_states``: a
+    distillation or a probe on inner layers)."""
+    out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    return out.loss + 0.1 * out.hidden_states[2].pow(2).mean() + 0.05 * out.hidden_states[4].abs().mean()
+
+
+@pytest.mark.parametrize("called_before", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_output_hidden_states_gives_the_blocks_outputs_and_their_gradients(tmp_path, fused, called_before):
+    """transformers records ``output_hidden_states`` with forward hooks it puts on the modules of
+    the decoder layer's class, found by ``isinstance`` when first asked. The engine's stand-ins
+    were not of that class: the engine's model gave no hidden states (an IndexError in the loss).
+    And where the model had been called with it before the engine was built, the hooks on the
+    real layers recorded the engine's inner forward: tensors outside the engine's backward, whose
+    loss terms gave no gradient. Now the stand-ins are found, they record what the model's forward
+    sees, and the losses and weights are bitwise PyTorch's."""
+    def make():
+        model = make_llama()
+        if called_before:
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long), output_hidden_states=True)
+        return model
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=hidden_states_loss,
+                 clip=1.0, accumulate=2, fused=fused)
+
+
+@pytest.mark.parametrize("where", ["config", "call"])
+def test_outputs_recorded_inside_the_blocks_are_refused_naming_the_flag(tmp_path, where):
+    """``output_router_logits`` (a mixture of experts' load-balancing loss) and
+    ``output_attentions`` record tensors of modules inside the blocks, which the engine streams and
+    cannot hand out with their gradients. The engine's model stopped with "rejected the batch:
+    tuple index out of range"; now it is refused by name: when the engine is built where the
+    model's config asks for them, else at the call."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                     num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=where == "config")
+    model = transformers.MixtralForCausalLM(cfg)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    flag = r"output_router_logits records the outputs of MixtralTopKRouter modules inside the blocks"
+    if where == "config":
+        with pytest.raises(ConfigError, match=flag + r".*config\.output_router_logits = False"):
+            Engine(model, torch.optim.AdamW, storage=tmp_path, host_memory="64MiB")
+        return
+    with Engine(model, torch.optim.AdamW, storage=tmp_path, host_memory="64MiB") as engine:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)  # without it: trains
+        with pytest.raises(ConfigError, match=flag):
+            engine(input_ids=ids, labels=ids, output_router_logits=True)
+        with pytest.raises(ConfigError, match="output_attentions records the outputs of MixtralAttention"):
+            engine(input_ids=ids, output_attentions=True)

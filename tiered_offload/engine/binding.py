@@ -338,6 +338,14 @@ class _BlockProxy(nn.Module):
         self.__dict__["_real"] = real  # (not a submodule either)
         self.training = real.training
 
+    @property
+    def __class__(self):
+        """The real block's class: code that finds the blocks by class (``isinstance``; Hugging
+        Face puts its ``output_hidden_states`` hooks on the decoder layers so) finds the stand-ins,
+        whose inputs and outputs are the ones the model's forward sees. (``type()`` is the stand-in's.)"""
+        real = self.__dict__.get("_real")
+        return _BlockProxy if real is None else type(real)
+
     def __getattr__(self, name: str):
         """An attribute the stand-in does not have is the real block's: a model's forward may read
         its blocks' (``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first``, Gemma a
@@ -413,6 +421,8 @@ class ModelBinding:
         self.model_config = model_config(model)
         """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
         self.buffers: list[tuple[str, nn.Module, str, bool]] = []
+        self.inside_records: dict[str, str] = {}
+        """Hugging Face's recorded outputs that modules inside the blocks give: ``{flag: class}``."""
         """``(name, module, attribute, persistent)`` of every buffer, once the proxies are in place."""
 
     def signature(self, spec, param_groups: list[dict]) -> dict:
@@ -443,6 +453,15 @@ class ModelBinding:
                 slot.param.data = self.placeholder()
                 self.grad_in_store(slot)
         self.move_buffers()
+
+    def check_call(self, *kwargs: dict) -> None:
+        """Before a forward with keyword arguments ``kwargs`` (one dict per call): no
+        ``requires_grad`` changed (:meth:`check_requires_grad`), and no output recorded inside the
+        blocks is asked for (:func:`_recorded_inside`)."""
+        self.check_requires_grad()
+        for flag, where in self.inside_records.items():
+            if any(k.get(flag) for k in kwargs):
+                raise ConfigError(_inside_message(flag, where, "pass"))
 
     def check_requires_grad(self) -> None:
         """Refuse a parameter whose ``requires_grad`` changed since the engine was built: the units'
@@ -615,15 +634,57 @@ class ModelBinding:
         for module in self.model.modules():
             module.register_state_dict_pre_hook(_weights_in_store)
             module.register_load_state_dict_pre_hook(_weights_into_store)
+        self.inside_records = _recorded_inside(self.model, self.blocks)
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
+        _forget_output_capture(self.model, self.blocks)
         _warn_of_hooks(self.blocks)
         for module in self.model.modules():  # an encoder-decoder's stacks have configs of their own
             cfg = getattr(module, "config", None)
             if cfg is not None and getattr(cfg, "use_cache", False):
                 cfg.use_cache = False  # key/value caches are for generation; training does not need them
+
+
+def _recorded_inside(model: nn.Module, blocks: list[Unit]) -> dict[str, str]:
+    """``{flag: class}`` of the outputs a Hugging Face model records (``output_attentions``,
+    ``output_router_logits``) with hooks on modules inside the blocks: the engine's forward of a
+    block is its own, so what those hooks would record is outside the engine's backward. Refused,
+    at construction where the model's config asks for one (:func:`_inside_message`)."""
+    inside = [m for u in blocks for m in u.module.modules() if m is not u.module]
+    found: dict[str, str] = {}
+    for sub in model.modules():
+        for key, specs in (getattr(sub, "_can_record_outputs", None) or {}).items():
+            for spec in specs if isinstance(specs, list) else [specs]:
+                target = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+                flag = "output_attentions" if key in ("cross_attentions", "mask_decoder_attentions") else f"output_{key}"
+                if isinstance(target, type) and any(isinstance(m, target) for m in inside):
+                    found.setdefault(flag, target.__name__)
+    for flag, where in found.items():
+        for sub in model.modules():
+            if getattr(getattr(sub, "config", None), flag, False) is True:
+                raise ConfigError(_inside_message(flag, where, "config"))
+    return found
+
+
+def _inside_message(flag: str, where: str, asked: str) -> str:
+    how = f"set config.{flag} = False before building the engine" if asked == "config" else f"call without {flag}"
+    return (f"{flag} records the outputs of {where} modules inside the blocks, which the engine streams: what they "
+            f"give there is outside the engine's backward (a load-balancing loss on router logits would train "
+            f"nothing). {how}; the blocks' outputs (output_hidden_states) are recorded")
+
+
+def _forget_output_capture(model: nn.Module, blocks: list[Unit]) -> None:
+    """Hugging Face's output-capturing hooks, where the model was asked for recorded outputs
+    before the engine: those on the real blocks would record the engine's inner forward. They go,
+    and the model is marked unhooked: its next such call puts them on the stand-ins."""
+    for m in (*model.modules(), *(x for u in blocks for x in u.module.modules())):
+        for hook_id, hook in list(m._forward_hooks.items()):
+            if getattr(hook, "__name__", "") == "output_capturing_hook":
+                del m._forward_hooks[hook_id]
+        if getattr(m, "_output_capturing_hooks_installed", False):
+            m._output_capturing_hooks_installed = False
 
 
 def _warn_of_hooks(blocks: list[Unit]) -> None:

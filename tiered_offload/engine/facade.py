@@ -305,7 +305,7 @@ class Engine(EngineViews):
     def __call__(self, *args, **kwargs):
         """Run the model's forward, streaming its blocks; returns what the model returns."""
         args, kwargs = self._to_device((args, kwargs))
-        self.binding.check_requires_grad()
+        self.binding.check_call(kwargs)
         self._placement.set_phase(f"step {self.step_count + 1}, forward")
         with span(self._tracer, "forward", "phase"):  # binding the rest (its waits) included
             self._phase(Phase.FORWARD)
@@ -337,7 +337,7 @@ class Engine(EngineViews):
         self._commits.before_backward(self._await)
         self._streamer.in_backward = True
         try:
-            with span(self._tracer, "backward", "phase"):
+            with span(self._tracer, "backward", "phase"), self._streamer.shared.outside_uses(loss):
                 loss.backward()
             self._streamer.backward_done()
         except BaseException as e:

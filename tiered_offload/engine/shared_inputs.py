@@ -14,10 +14,20 @@ gradient from the sum so far (a root of the block's own backward, so it is added
 PyTorch's sum holds it when the block's uses arrive), and hands the new sum on; the last block to
 run its backward returns it to autograd, the others return nothing for that input. A tensor used
 by only one block (a hidden state passed from one block to the next) is returned as before.
+
+A block's input that code outside the streamed blocks also uses (a block's output the model adds
+again further on, a loss on ``output_hidden_states``) gets gradients from those uses too. PyTorch
+adds each as it arrives; one that arrives before a block's backward (its node was created after
+the block's ops, as the model's later code is) is in the sum before the block's uses. Autograd
+would add it to the block's whole sum instead. So around each backward
+(:meth:`SharedInputs.outside_uses`) hooks on those outside nodes move such a gradient into the
+running sum while blocks that take the tensor are still to run their backward (it seeds the next
+one), and leave it to autograd once they all have, as PyTorch adds it then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -76,6 +86,21 @@ class SharedInputs:
             grads.append(g)
         return grads
 
+    @contextlib.contextmanager
+    def outside_uses(self, loss: torch.Tensor):
+        """Around the backward of ``loss``: gradients that nodes outside the streamed blocks give a
+        block's input join the input's running sum while blocks that take it are still to run
+        their backward (see the module's docstring)."""
+        hooks = []
+        if self._by_id and loss.grad_fn is not None:
+            for node, uses in _outside_users(loss.grad_fn).items():
+                hooks.append(node.register_hook(_capture(uses)))
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
     def backward_done(self) -> None:
         """A backward finished: a sum still held means a block that took the tensor had no
         backward (its output did not reach the loss), so its gradient could not be returned."""
@@ -88,6 +113,50 @@ class SharedInputs:
                 "a tensor was given to several streamed blocks and the output of at least one of them did not reach "
                 "the loss, so the engine could not return that tensor's gradient in PyTorch's order; make every block "
                 "that takes it contribute to the loss, or pass blocks= so that the tensor stays inside one block")
+
+
+def _outside_users(root) -> dict:
+    """``{node: [(edge index, entry), ...]}``: the nodes of ``root``'s graph outside the streamed
+    blocks that use a tensor a streamed block takes (its :class:`SharedInput`), by edge. A block's
+    node (:class:`~.streaming.StreamedBlock`, :class:`~.streaming.StashedBlock`) has the blocks'
+    ``shared`` entries, its tensors' edges after the anchor's."""
+    taken: dict[tuple[int, int], SharedInput] = {}
+    edges: list[tuple[object, int, tuple[int, int]]] = []
+    # every node's Python object is held through the walk: one let go would give its id to another
+    seen: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        nexts = node.next_functions
+        shared = getattr(node, "shared", None) if isinstance(node, torch.autograd.function.BackwardCFunction) else None
+        if shared is not None:
+            taken.update(((id(fn), k), e) for (fn, k), e in zip(nexts[1:], shared) if e is not None and fn is not None)
+        else:
+            edges.extend((node, j, (id(fn), k)) for j, (fn, k) in enumerate(nexts) if fn is not None)
+        stack.extend(fn for fn, _ in nexts if fn is not None)
+    users: dict = {}
+    for node, j, key in edges:
+        if key in taken:
+            users.setdefault(node, []).append((j, taken[key]))
+    return users
+
+
+def _capture(uses: list[tuple[int, SharedInput]]):
+    """A node's post-hook: each gradient it gives a block's input joins the input's running sum
+    (and goes no further) while a block that takes the input is still to run its backward."""
+    def hook(grad_inputs, _grad_outputs):
+        out = list(grad_inputs)
+        for j, entry in uses:
+            g = out[j]
+            if g is None or entry.users == 0:  # (the entry, not the tensor, which may be gone: a skip's)
+                continue
+            entry.grad = g if entry.grad is None else entry.grad + g
+            out[j] = None
+        return tuple(out)
+    return hook
 
 
 def keep_non_differentiable(ctx, out_leaves: list, returned: list) -> None:
