@@ -805,6 +805,41 @@ def test_loss_backward_instead_of_engine_backward_is_a_clear_error(tmp_path, fit
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_a_second_backward_through_one_forward_is_a_typed_error_naming_the_fix(tmp_path, fits):
+    """Two losses of one forward, a backward each (``loss1.backward(retain_graph=True)`` in a
+    PyTorch loop): the second raised PyTorch's RuntimeError, which says to pass
+    ``retain_graph=True`` (engine.backward has no such argument). Now a ``TensorStateError`` says
+    to add the losses into one backward, and that ``engine.zero_grad()`` drops what the failed one
+    added; after it, training goes on as PyTorch's."""
+    from offload_core.errors import TensorStateError
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=2 * state if fits else state // 3)
+    g = torch.Generator().manual_seed(1)
+    logits = engine(torch.randint(0, 128, (2, 16), generator=g))
+    engine.backward(logits.pow(2).mean())
+    with pytest.raises(TensorStateError, match=r"a second backward through one forward.*engine\.backward\(loss1 "
+                                               r"\+ loss2\).*engine\.zero_grad\(\)"):
+        engine.backward(logits.abs().mean())
+    engine.zero_grad()
+    for _ in range(2):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        plain_loss(ref, x).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.backward(plain_loss(engine, x))
+        engine.step()
+        engine.zero_grad()
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
     """A second engine on the same model object (another run in a notebook, a resume that reuses
     the model): its blocks are the first engine's stand-ins. It said "no block sequence"; now it

@@ -17,7 +17,7 @@ from .facade import Engine, empty_init
 from .planner import DiskRates, Plan, StepMeasurement
 from .schedule import Phase, Schedule, UnitLayout, WorkingSet
 from .stats import EngineStats
-from .streaming import recomputing
+from .activations import recomputing
 
 __all__ = ["Engine", "empty_init", "Phase", "Schedule", "UnitLayout", "WorkingSet", "Plan", "DiskRates",
            "StepMeasurement", "EngineStats", "recomputing"]

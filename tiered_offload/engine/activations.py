@@ -17,11 +17,16 @@ What is not copied:
 
 The copy keeps each tensor's strides, and the same tensor saved twice is stored once, so the
 backward computes with exactly the tensors the forward saved: the result is PyTorch's, bitwise.
+
+The context a recompute replays besides its saved inputs is here too: the autocast regions the
+forward ran in (:func:`autocast_state`, :func:`replay_autocast`), and :func:`recomputing`, which
+tells the user's forward hooks that they run in a recompute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -29,7 +34,7 @@ import torch
 
 from offload_core.errors import TensorStateError
 
-__all__ = ["SavedActivations", "ALIGN", "autocast_state", "replay_autocast"]
+__all__ = ["SavedActivations", "ALIGN", "autocast_state", "replay_autocast", "recomputing", "recompute_context"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside the scratch buffer."""
@@ -281,3 +286,24 @@ def replay_autocast(state: list[tuple[str, torch.dtype, bool]]):
         for kind, dtype, cache in state:
             stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
         yield
+
+
+_RECOMPUTE = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread runs a block's recompute (its forward again, in backward). The forward
+    hooks on a block and its modules run there too, as under ``torch.utils.checkpoint`` (a hook
+    that changes an output changes the recomputed one alike); one with a side effect (a count, a
+    list of activations) can skip it here. (One on ``model.blocks[i]``, the stand-in, runs once.)"""
+    return getattr(_RECOMPUTE, "on", False)
+
+
+@contextlib.contextmanager
+def recompute_context():
+    """A block's recompute runs in this (see :func:`recomputing`)."""
+    before, _RECOMPUTE.on = recomputing(), True
+    try:
+        yield
+    finally:
+        _RECOMPUTE.on = before

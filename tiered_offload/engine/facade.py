@@ -337,7 +337,7 @@ class Engine(EngineViews):
         self._commits.before_backward(self._await)
         self._streamer.in_backward = True
         try:
-            with span(self._tracer, "backward", "phase"), self._streamer.shared.outside_uses(loss):
+            with span(self._tracer, "backward", "phase"), self._streamer.backward_of(loss):
                 loss.backward()
             self._streamer.backward_done()
         except BaseException as e:

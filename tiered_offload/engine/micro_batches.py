@@ -375,7 +375,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                 turns.backward_started = streamer.in_backward = True
                 engine._commits.before_backward(engine._await)
             losses[k] = loss.detach()
-            with torch.autograd.set_multithreading_enabled(False), streamer.shared.outside_uses(loss):
+            with torch.autograd.set_multithreading_enabled(False), streamer.backward_of(loss):
                 loss.backward()
             streamer.calls.flush()  # (still this micro-batch's turn: the buffers' additions in order)
             if rest_grads is not None:  # still this micro-batch's turn: the ranks reduce in the same order

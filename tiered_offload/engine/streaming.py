@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 import weakref
 from typing import Any
@@ -27,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import SavedActivations, autocast_state, replay_autocast
+from tiered_offload.engine.activations import SavedActivations, autocast_state, recompute_context, replay_autocast
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
@@ -45,28 +44,6 @@ log = logging.getLogger(__name__)
 
 
 _CHECKPOINTING: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]]" = weakref.WeakKeyDictionary()
-
-
-_RECOMPUTE = threading.local()
-
-
-def recomputing() -> bool:
-    """Whether this thread runs a block's recompute: its forward again, in backward, from its
-    stored inputs. A forward hook (or pre-hook) on a block or on one of its modules runs there
-    too, as under ``torch.utils.checkpoint``, so that a hook that changes an output changes the
-    recomputed one alike; a hook with a side effect (a count, a list of activations, a log) can
-    skip it here to see each forward once, as in PyTorch. (A hook registered on ``model.blocks[i]``
-    after the engine is built is on the engine's stand-in: it runs once per forward.)"""
-    return getattr(_RECOMPUTE, "on", False)
-
-
-@contextlib.contextmanager
-def _recompute():
-    before, _RECOMPUTE.on = recomputing(), True
-    try:
-        yield
-    finally:
-        _RECOMPUTE.on = before
 
 
 def call_block(module: torch.nn.Module, params, args, kwargs):
@@ -333,6 +310,22 @@ class BlockStreamer:
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
+
+    @contextlib.contextmanager
+    def backward_of(self, loss: torch.Tensor):
+        """Around the autograd backward of ``loss``: the outside uses of the blocks' inputs in
+        PyTorch's order (:meth:`SharedInputs.outside_uses`); a second backward through one forward
+        is a :class:`TensorStateError` that says what to do instead."""
+        try:
+            with self.shared.outside_uses(loss):
+                yield
+        except RuntimeError as e:
+            if "backward through the graph a second time" not in str(e):
+                raise
+            raise TensorStateError(
+                "a second backward through one forward: the engine keeps a forward's graph for one backward (it has "
+                "no retain_graph). Add the losses and call engine.backward(loss1 + loss2) once; what this one added "
+                "so far stays until engine.zero_grad()") from e
 
     def backward_done(self) -> None:
         """A backward on this thread succeeded: the summed calls' gradients go in (see
@@ -685,7 +678,7 @@ class BlockStreamer:
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
                       OwnGenerators.replay(rng["own"]), self.binding.replay_attributes(rng["attributes"]),
-                      _recompute(), span(self.tracer, f"recompute {unit.name}", "compute")):
+                      recompute_context(), span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
