@@ -263,6 +263,8 @@ def _check_meta(meta: dict, where: str) -> None:
     rng = _obj(_field(meta, "rng", where), f"{where}.rng")
     _str(_field(rng, "cpu", f"{where}.rng"), f"{where}.rng.cpu")
     _opt(_str, rng.get("cuda"), f"{where}.rng.cuda")
+    for k, v in _obj(rng.get("own", {}), f"{where}.rng.own").items():  # the model's own generators
+        _str(v, f"{where}.rng.own[{k!r}]")
     _field(meta, "user_state", where)
     _opt(_obj, _field(meta, "scheduler", where), f"{where}.scheduler")
     if _opt(_str, meta.get("update_tier"), f"{where}.update_tier") not in (None, "host", "device"):

@@ -302,7 +302,7 @@ def compiled(modules) -> bool:
 
 def _refuse_compiled_holders(model: nn.Module, seq_name: str, blocks: list[Unit]) -> None:
     """A compiled module that holds the blocks (``torch.compile(model)``) would have dynamo trace
-    the engine's streaming of them (it stopped on the stand-ins' weights); compiled blocks work."""
+    the engine's streaming of them (it stopped on a stand-in's ``.grad``); compiled blocks work."""
     holders = dict.fromkeys(".".join(u.qualname.split(".")[:i]) for u in blocks for i in range(u.qualname.count(".") + 1))
     for name in holders:
         if compiled([model.get_submodule(name) if name else model]):
@@ -421,9 +421,9 @@ class ModelBinding:
         self.model_config = model_config(model)
         """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
         self.buffers: list[tuple[str, nn.Module, str, bool]] = []
+        """``(name, module, attribute, persistent)`` of every buffer, once the proxies are in place."""
         self.inside_records: dict[str, str] = {}
         """Hugging Face's recorded outputs that modules inside the blocks give: ``{flag: class}``."""
-        """``(name, module, attribute, persistent)`` of every buffer, once the proxies are in place."""
 
     def signature(self, spec, param_groups: list[dict]) -> dict:
         """What every rank must build alike (compared across ranks at start): units, parameters,

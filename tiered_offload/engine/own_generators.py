@@ -13,7 +13,7 @@ not, so the recompute drew other numbers and the gradients were another mask's, 
 * those its first :attr:`OwnGenerators.WATCHED` forwards are seen drawing from
   (:class:`_Watch`, a ``TorchDispatchMode``: an operation with a generator argument that is not a
   default generator; it is one where the operation moved the default generator's state). A
-  generator a function closes over is found this way. Watching costs about 10 us per operation,
+  generator some other object holds is found this way. Watching costs about 10 us per operation,
   so later forwards are not watched: a block that first draws from a generator of its own after
   them is not seen. A block that runs compiled (``torch.compile``) is not watched at all: under a
   dispatch mode its code would run uncompiled, with other numerics than PyTorch's compiled run.
