@@ -1318,20 +1318,42 @@ def test_output_hidden_states_gives_the_blocks_outputs_and_their_gradients(tmp_p
                  clip=1.0, accumulate=2, fused=fused)
 
 
-@pytest.mark.parametrize("where", ["config", "call"])
-def test_outputs_recorded_inside_the_blocks_are_refused_naming_the_flag(tmp_path, where):
-    """``output_router_logits`` (a mixture of experts' load-balancing loss) and
-    ``output_attentions`` record tensors of modules inside the blocks, which the engine streams and
-    cannot hand out with their gradients. The engine's model stopped with "rejected the batch:
-    tuple index out of range"; now it is refused by name: when the engine is built where the
-    model's config asks for them, else at the call."""
+def make_mixtral(router_logits=True):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                     num_local_experts=4, num_experts_per_tok=2,
-                                     output_router_logits=where == "config")
+                                     num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1,
+                                     output_router_logits=router_logits, tie_word_embeddings=False)
     model = transformers.MixtralForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_mixture_of_experts_load_balancing_loss_trains_bitwise(tmp_path, activations, fused):
+    """``output_router_logits=True`` (Mixtral's load-balancing loss, ``router_aux_loss_coef``):
+    transformers records the routers' logits with hooks on modules inside the blocks, which the
+    stand-ins hide. The engine's model stopped with "rejected the batch: tuple index out of range".
+    Now the engine hooks those modules itself; a block's node returns what they give as extra
+    outputs, and their gradients join the block's backward: bitwise PyTorch's."""
+    def loss(model, ids, route=None):
+        out = model(input_ids=ids, labels=ids)
+        assert out.aux_loss is not None and len(out.router_logits) == 4
+        return out.loss
+    check_parity(make_mixtral, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=loss,
+                 clip=1.0, accumulate=2, fused=fused, config=EngineConfig(activations=activations))
+
+
+@pytest.mark.parametrize("where", ["config", "call"])
+def test_outputs_recorded_inside_the_blocks_are_refused_where_transformers_has_no_collector(tmp_path, where,
+                                                                                         monkeypatch):
+    """A transformers version without the collector the engine hands such outputs to: refused by
+    name, when the engine is built where the model's config asks for them, else at the call."""
+    from tiered_offload.engine import recorded_outputs
+    monkeypatch.setattr(recorded_outputs, "_collector", lambda: None)
+    model = make_mixtral(router_logits=where == "config")
     ids = torch.randint(0, VOCAB, (2, 9))
     flag = r"output_router_logits records the outputs of MixtralTopKRouter modules inside the blocks"
     if where == "config":

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError, ModelStructureError
+from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
 
 __all__ = ["ParamSlot", "Unit", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
@@ -422,8 +423,8 @@ class ModelBinding:
         """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
         self.buffers: list[tuple[str, nn.Module, str, bool]] = []
         """``(name, module, attribute, persistent)`` of every buffer, once the proxies are in place."""
-        self.inside_records: dict[str, str] = {}
-        """Hugging Face's recorded outputs that modules inside the blocks give: ``{flag: class}``."""
+        self.recorded: RecordedOutputs | None = None
+        """Hugging Face's outputs recorded inside the blocks (router logits...), once the proxies are in place."""
 
     def signature(self, spec, param_groups: list[dict]) -> dict:
         """What every rank must build alike (compared across ranks at start): units, parameters,
@@ -457,11 +458,11 @@ class ModelBinding:
     def check_call(self, *kwargs: dict) -> None:
         """Before a forward with keyword arguments ``kwargs`` (one dict per call): no
         ``requires_grad`` changed (:meth:`check_requires_grad`), and no output recorded inside the
-        blocks is asked for (:func:`_recorded_inside`)."""
+        blocks is asked for that this transformers version records out of reach
+        (:meth:`RecordedOutputs.check`)."""
         self.check_requires_grad()
-        for flag, where in self.inside_records.items():
-            if any(k.get(flag) for k in kwargs):
-                raise ConfigError(_inside_message(flag, where, "pass"))
+        for k in kwargs:
+            self.recorded.check(k)
 
     def check_requires_grad(self) -> None:
         """Refuse a parameter whose ``requires_grad`` changed since the engine was built: the units'
@@ -634,45 +635,17 @@ class ModelBinding:
         for module in self.model.modules():
             module.register_state_dict_pre_hook(_weights_in_store)
             module.register_load_state_dict_pre_hook(_weights_into_store)
-        self.inside_records = _recorded_inside(self.model, self.blocks)
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
         _forget_output_capture(self.model, self.blocks)
         _warn_of_hooks(self.blocks)
+        self.recorded = RecordedOutputs(self.model, [u.module for u in self.blocks])  # (hooks of its own)
         for module in self.model.modules():  # an encoder-decoder's stacks have configs of their own
             cfg = getattr(module, "config", None)
             if cfg is not None and getattr(cfg, "use_cache", False):
                 cfg.use_cache = False  # key/value caches are for generation; training does not need them
-
-
-def _recorded_inside(model: nn.Module, blocks: list[Unit]) -> dict[str, str]:
-    """``{flag: class}`` of the outputs a Hugging Face model records (``output_attentions``,
-    ``output_router_logits``) with hooks on modules inside the blocks: the engine's forward of a
-    block is its own, so what those hooks would record is outside the engine's backward. Refused,
-    at construction where the model's config asks for one (:func:`_inside_message`)."""
-    inside = [m for u in blocks for m in u.module.modules() if m is not u.module]
-    found: dict[str, str] = {}
-    for sub in model.modules():
-        for key, specs in (getattr(sub, "_can_record_outputs", None) or {}).items():
-            for spec in specs if isinstance(specs, list) else [specs]:
-                target = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
-                flag = "output_attentions" if key in ("cross_attentions", "mask_decoder_attentions") else f"output_{key}"
-                if isinstance(target, type) and any(isinstance(m, target) for m in inside):
-                    found.setdefault(flag, target.__name__)
-    for flag, where in found.items():
-        for sub in model.modules():
-            if getattr(getattr(sub, "config", None), flag, False) is True:
-                raise ConfigError(_inside_message(flag, where, "config"))
-    return found
-
-
-def _inside_message(flag: str, where: str, asked: str) -> str:
-    how = f"set config.{flag} = False before building the engine" if asked == "config" else f"call without {flag}"
-    return (f"{flag} records the outputs of {where} modules inside the blocks, which the engine streams: what they "
-            f"give there is outside the engine's backward (a load-balancing loss on router logits would train "
-            f"nothing). {how}; the blocks' outputs (output_hidden_states) are recorded")
 
 
 def _forget_output_capture(model: nn.Module, blocks: list[Unit]) -> None:

@@ -84,8 +84,10 @@ class StreamedBlock(torch.autograd.Function):
         args, kwargs = _rebuild(spec, leaves, inputs)
         snapshot = engine.binding.snapshot_buffers(engine.binding.blocks[index])
         attributes = engine.binding.snapshot_attributes(engine.binding.blocks[index])
-        with torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]):
+        with (torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]),
+              engine.binding.recorded.record(box["wanted"]) as extras):
             out = engine.run_block(index, args, kwargs, as_trained=True)
+        box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
         # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
         # attributes sees them in the recompute as its forward saw them, and the recompute's updates
         # are discarded
@@ -103,7 +105,7 @@ class StreamedBlock(torch.autograd.Function):
         ctx.stash = engine.new_stash(None)
         ctx.handles = [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
-        return tuple(x for x in returned if isinstance(x, torch.Tensor))
+        return tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -135,6 +137,7 @@ class StashedBlock(torch.autograd.Function):
             stash = engine.new_stash(flat)
             t0 = time.perf_counter()
             with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),
+                  engine.binding.recorded.record(box["wanted"]) as extras,
                   span(engine.tracer, f"forward {unit.name}", "compute")):
                 out = call_block(unit.module, params, args, kwargs)
             engine.count_forward(index, time.perf_counter() - t0)
@@ -146,16 +149,18 @@ class StashedBlock(torch.autograd.Function):
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
         keep_non_differentiable(ctx, out_leaves, returned)
-        box["spec"], box["leaves"] = out_spec, returned
+        box["spec"], box["leaves"], box["extras"] = out_spec, returned, [k for k, _ in extras]
+        returned_extras = tuple(t.detach() for _, t in extras)
         engine.seal(index, stash)
         # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
         # (their values are in the store, or in the tensors returned)
-        ctx.outs = [x if x.requires_grad else None for x in out_leaves if isinstance(x, torch.Tensor)]
+        ctx.outs = [x if x.requires_grad else None for x in [*(x for x in out_leaves if isinstance(x, torch.Tensor)),
+                                                              *(t for _, t in extras)]]
         ctx.params, ctx.inputs, ctx.needs, ctx.stash = params, inputs, needs, stash
         for t in [*params.values(), *inputs, *(o for o in ctx.outs if o is not None)]:
             if not stash.holds(t):  # a tensor autograd saved by reference keeps its bytes
                 t.data = _placeholder(t)
-        return tuple(x for x in returned if isinstance(x, torch.Tensor))
+        return tuple(x for x in returned if isinstance(x, torch.Tensor)) + returned_extras
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -483,20 +488,25 @@ class BlockStreamer:
     def block_forward(self, index: int, args, kwargs):
         """What block ``index``'s proxy runs: plainly without grad, else as a recomputed autograd
         node (or keeping its graph, with ``recompute=False``)."""
+        recorded = self.binding.recorded
         if not torch.is_grad_enabled():
-            return self.run_block(index, args, kwargs)
+            with recorded.record(recorded.wanted(), hand_out=True):
+                return self.run_block(index, args, kwargs)
         self.take_turn(("forward", index))
         if self.modes is None:
-            return self.run_block_keeping_graph(index, args, kwargs)
+            with recorded.record(recorded.wanted(), hand_out=True):
+                return self.run_block_keeping_graph(index, args, kwargs)
         self.drop_orphans()
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        box: dict[str, Any] = {"shared": self.shared.take(tensors)}
+        box: dict[str, Any] = {"shared": self.shared.take(tensors), "wanted": recorded.wanted()}
         node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
         self.calls.called(index)
         outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
         it = iter(outs)
-        return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
+        out = tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
+        recorded.hand_out(zip(box["extras"], it))  # what the modules inside recorded, as the node's outputs
+        return out
 
     # ---- saved activations in the store ---------------------------------------------------
     def new_stash(self, weights: torch.Tensor | None) -> SavedActivations:
@@ -678,7 +688,8 @@ class BlockStreamer:
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
                       OwnGenerators.replay(rng["own"]), self.binding.replay_attributes(rng["attributes"]),
-                      recompute_context(), span(self.tracer, f"recompute {unit.name}", "compute")):
+                      recompute_context(), self.binding.recorded.record(rng.get("recorded", ())) as extras,
+                      span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
@@ -686,7 +697,7 @@ class BlockStreamer:
             finally:
                 for mod, name, value in kept:
                     mod._buffers[name] = value
-            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)] + [t for _, t in extras]
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
             self._backpropagate(unit, params, diff_inputs, pairs + SharedInputs.seeds(inputs, shared), gflat)
             return SharedInputs.settle(inputs, needs, shared)
