@@ -511,6 +511,40 @@ def test_a_blocks_output_used_past_the_next_block_trains_bitwise(tmp_path, activ
                  fused=fused, config=EngineConfig(activations=activations))
 
 
+class AuxLossMLP(MLP):
+    """Keeps a loss term of its own as an attribute for the training loop to add (as many
+    mixture-of-experts layers keep their load-balancing loss)."""
+
+    def forward(self, x, route=None):
+        h = self.up(x)
+        self.aux_loss = h.pow(2).mean()
+        return self.down(torch.nn.functional.gelu(h))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_tensor_a_block_keeps_as_an_attribute_trains_bitwise(tmp_path, activations, fused):
+    """A loss term a block keeps as an attribute, which the loop adds after the forward: it was the
+    engine's inner forward's tensor, outside the engine's backward, and the step stopped with "a
+    measuring forward's graph was back-propagated; this is a bug". Now a tensor a block's forward
+    sets as an attribute (requiring a gradient) is an output of the block's node, its gradient in
+    the block's backward; ``forward_backward`` runs the loop, as each micro-batch's loss reads the
+    attribute its own forward set."""
+    from tiered_offload import EngineConfig
+    made = []
+
+    def make():
+        torch.manual_seed(0)
+        made.append(TinyLM(lambda d: AuxLossMLP(d), d=32, layers=4))
+        return made[-1]
+
+    def loss(model, ids, route=None):  # the last model made is the one training (the reference first)
+        from test_finetune import lm_loss
+        return lm_loss(model, ids, route) + 0.01 * sum(b.ffn.aux_loss for b in made[-1].blocks)
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=loss, clip=1.0,
+                 accumulate=2, fused=fused, config=EngineConfig(activations=activations))
+
+
 # ---- generators of the model's own ------------------------------------------------------------------
 class OwnNoise(torch.nn.Module):
     """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's

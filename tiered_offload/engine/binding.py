@@ -14,12 +14,14 @@ import json
 import logging
 import math
 import types
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
@@ -291,6 +293,28 @@ def _weights_into_store(module, *_args) -> None:
         f"load_state_dict() into {type(module).__name__}: the weights live in the engine's store. Build the "
         f"engine with init_from=DIR (safetensors) to start from other weights, or Engine.resume(DIR) to continue "
         f"a saved training state")
+
+
+_CHECKPOINTING: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def call_block(module: torch.nn.Module, params, args, kwargs):
+    """``functional_call`` of a streamed block on ``params``, with Hugging Face's gradient
+    checkpointing (``model.gradient_checkpointing_enable()``) off inside it. A checkpointed layer's
+    recompute runs in backward, outside this call, on weights the engine has let go by then; and
+    the engine already recomputes the block itself, or keeps its graph. PyTorch computes the same
+    values with it on and off (``tests/test_finetune.py``), so the result stays PyTorch's."""
+    layers = _CHECKPOINTING.get(module)
+    if layers is None:  # the modules that can be checkpointed, found once per block
+        layers = _CHECKPOINTING[module] = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
+    layers = [m for m in layers if m.gradient_checkpointing is True]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        return functional_call(module, params, args, kwargs, strict=False)
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 def compiled(modules) -> bool:
@@ -595,6 +619,21 @@ class ModelBinding:
         forward: a recompute must see them as the forward did (see :meth:`replay_attributes`)."""
         return [(mod, name, value) for mod in unit.module.modules() for name, value in vars(mod).items()
                 if type(value) in (int, float, bool)]
+
+    @staticmethod
+    def tensor_attributes(unit: Unit) -> dict[tuple[int, str], int]:
+        """The ids of the tensors the block's modules hold as plain attributes (not parameters or
+        buffers) before its forward (see :meth:`set_tensors`)."""
+        return {(id(mod), name): id(v) for mod in unit.module.modules() for name, v in vars(mod).items()
+                if isinstance(v, torch.Tensor)}
+
+    @staticmethod
+    def set_tensors(unit: Unit, before: dict) -> list[tuple[tuple[nn.Module, str], torch.Tensor]]:
+        """The tensors requiring a gradient the forward set as attributes since ``before`` (a loss
+        term a layer keeps for the loop to add): ``((module, name), tensor)``, which the block's
+        node returns as outputs of its own (:mod:`~tiered_offload.engine.recorded_outputs`)."""
+        return [((mod, name), v) for mod in unit.module.modules() for name, v in vars(mod).items()
+                if isinstance(v, torch.Tensor) and v.requires_grad and before.get((id(mod), name)) != id(v)]
 
     @staticmethod
     def changed_attributes(snapshot) -> list[tuple[nn.Module, str, Any]]:

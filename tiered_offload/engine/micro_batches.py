@@ -295,7 +295,8 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
     # (a generator of the model's own that several blocks draw from: only the loop draws it in order)
-    trusted = not refused and (script is None or script.misses < 2) and not streamer.own.shared()
+    trusted = (not refused and (script is None or script.misses < 2) and not streamer.own.shared()
+               and not streamer.keeps_tensors)
     if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
         trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
     expected = Expected(script, streams.get())
@@ -366,7 +367,8 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             turns.take_turn("loss")  # every forward and loss is done before any backward starts
             if k == 0:
                 # a generator several blocks draw from, found in these forwards: not the loop's order
-                go_on = not any(bad_loss) and not expected.missed and not streamer.own.shared()
+                go_on = (not any(bad_loss) and not expected.missed and not streamer.own.shared()
+                         and not streamer.keeps_tensors)  # (each loss reads what its own forward kept)
                 if sharded:
                     go_on = engine._placement.all_agree(go_on, "the micro-batches' losses and random numbers")
                 if not go_on:

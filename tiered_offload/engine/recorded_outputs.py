@@ -8,6 +8,11 @@ so the modules inside a streamed block (whose stand-in has none) would get none,
 gave in the engine's own forward of a block would be outside the engine's backward: a loss on it
 would train nothing.
 
+A tensor a block's forward keeps as an attribute (a loss term a mixture-of-experts layer keeps
+for the training loop to add) is such an output too, found by comparing the block's attributes
+before and after its forward (:meth:`ModelBinding.set_tensors`), handed out by setting the
+attribute to the node's output.
+
 So the engine hooks those modules itself (:class:`RecordedOutputs`). While a block runs, a
 recorder on the thread (:meth:`RecordedOutputs.record`) collects what they give, for the keys the
 model's collector asks for; a block's autograd node returns them as extra outputs, which go into
@@ -130,8 +135,12 @@ class RecordedOutputs:
             self.hand_out(got)
 
     def hand_out(self, pairs) -> None:
-        """Append ``(key, tensor)`` pairs to the model's collector, in order."""
+        """Append ``(key, tensor)`` pairs to the model's collector, in order; a key ``(module,
+        name)`` is a tensor the block keeps as an attribute (:meth:`ModelBinding.set_tensors`):
+        the node's output takes its place."""
         collected = self._collector.get() if self._collector is not None else None
         for key, value in pairs:
-            if collected is not None and key in collected:
+            if isinstance(key, tuple):
+                key[0].__dict__[key[1]] = value
+            elif collected is not None and key in collected:
                 collected[key].append(value)

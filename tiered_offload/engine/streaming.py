@@ -16,18 +16,16 @@ import contextlib
 import logging
 import os
 import time
-import weakref
 from typing import Any
 
 import torch
-from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations, autocast_state, recompute_context, replay_autocast
-from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit
+from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -41,28 +39,6 @@ from tiered_offload.trace import span
 __all__ = ["ACTIVATION_MODES", "BlockStreamer", "StashedBlock", "StreamedBlock"]
 
 log = logging.getLogger(__name__)
-
-
-_CHECKPOINTING: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]]" = weakref.WeakKeyDictionary()
-
-
-def call_block(module: torch.nn.Module, params, args, kwargs):
-    """``functional_call`` of a streamed block on ``params``, with Hugging Face's gradient
-    checkpointing (``model.gradient_checkpointing_enable()``) off inside it. A checkpointed layer's
-    recompute runs in backward, outside this call, on weights the engine has let go by then; and
-    the engine already recomputes the block itself, or keeps its graph. PyTorch computes the same
-    values with it on and off (``tests/test_finetune.py``), so the result stays PyTorch's."""
-    layers = _CHECKPOINTING.get(module)
-    if layers is None:  # the modules that can be checkpointed, found once per block
-        layers = _CHECKPOINTING[module] = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
-    layers = [m for m in layers if m.gradient_checkpointing is True]
-    for m in layers:
-        m.gradient_checkpointing = False
-    try:
-        return functional_call(module, params, args, kwargs, strict=False)
-    finally:
-        for m in layers:
-            m.gradient_checkpointing = True
 
 
 class StreamedBlock(torch.autograd.Function):
@@ -84,9 +60,11 @@ class StreamedBlock(torch.autograd.Function):
         args, kwargs = _rebuild(spec, leaves, inputs)
         snapshot = engine.binding.snapshot_buffers(engine.binding.blocks[index])
         attributes = engine.binding.snapshot_attributes(engine.binding.blocks[index])
+        held = engine.binding.tensor_attributes(engine.binding.blocks[index])
         with (torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]),
               engine.binding.recorded.record(box["wanted"]) as extras):
             out = engine.run_block(index, args, kwargs, as_trained=True)
+        extras = [*extras, *engine.binding.set_tensors(engine.binding.blocks[index], held)]
         box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
         # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
         # attributes sees them in the recompute as its forward saw them, and the recompute's updates
@@ -135,6 +113,7 @@ class StashedBlock(torch.autograd.Function):
             for s_ in unit.trainable():
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat)
+            held = engine.binding.tensor_attributes(unit)
             t0 = time.perf_counter()
             with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),
                   engine.binding.recorded.record(box["wanted"]) as extras,
@@ -149,6 +128,7 @@ class StashedBlock(torch.autograd.Function):
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
         keep_non_differentiable(ctx, out_leaves, returned)
+        extras = [*extras, *engine.binding.set_tensors(unit, held)]
         box["spec"], box["leaves"], box["extras"] = out_spec, returned, [k for k, _ in extras]
         returned_extras = tuple(t.detach() for _, t in extras)
         engine.seal(index, stash)
@@ -267,6 +247,9 @@ class BlockStreamer:
         self.in_backward = False
         """Whether the engine runs a backward (``engine.backward``, ``forward_backward``): gradients
         arriving outside one are refused (:meth:`grad_arrived_hook`)."""
+        self.keeps_tensors = False
+        """Whether a block's forward sets tensors as attributes: ``forward_backward`` then runs the
+        loop (each micro-batch's loss reads what its own forward set)."""
         self.calls = RepeatedCalls(self)
         """A block called more than once before a backward: its calls' gradients summed first."""
         # passed to every streamed block so autograd always records the block (and so calls its
@@ -494,8 +477,11 @@ class BlockStreamer:
                 return self.run_block(index, args, kwargs)
         self.take_turn(("forward", index))
         if self.modes is None:
+            held = self.binding.tensor_attributes(self.binding.blocks[index])
             with recorded.record(recorded.wanted(), hand_out=True):
-                return self.run_block_keeping_graph(index, args, kwargs)
+                out = self.run_block_keeping_graph(index, args, kwargs)
+            self.keeps_tensors |= bool(self.binding.set_tensors(self.binding.blocks[index], held))
+            return out
         self.drop_orphans()
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -506,6 +492,7 @@ class BlockStreamer:
         it = iter(outs)
         out = tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
         recorded.hand_out(zip(box["extras"], it))  # what the modules inside recorded, as the node's outputs
+        self.keeps_tensors |= any(isinstance(k, tuple) for k in box["extras"])
         return out
 
     # ---- saved activations in the store ---------------------------------------------------
@@ -683,6 +670,8 @@ class BlockStreamer:
             args, kwargs = _rebuild(spec, leaves, inputs)
             devices = [self.device] if self.device.type == "cuda" else []
             kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
+            attributes = [(mod, name, mod.__dict__[name]) for mod, name in
+                          (k for k in rng.get("recorded", ()) if isinstance(k, tuple))]
             for mod, name, old in buffers_before:
                 mod._buffers[name] = old.clone()
             try:
@@ -694,10 +683,13 @@ class BlockStreamer:
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
                     out = call_block(unit.module, params, args, kwargs)
+                extras = [t for _, t in extras] + [mod.__dict__[name] for mod, name, _ in attributes]
             finally:
                 for mod, name, value in kept:
                     mod._buffers[name] = value
-            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)] + [t for _, t in extras]
+                for mod, name, value in attributes:  # as the forward left them: the node's outputs
+                    mod.__dict__[name] = value
+            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)] + extras
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
             self._backpropagate(unit, params, diff_inputs, pairs + SharedInputs.seeds(inputs, shared), gflat)
             return SharedInputs.settle(inputs, needs, shared)
