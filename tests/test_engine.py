@@ -772,25 +772,19 @@ def test_the_models_own_gradient_calls_are_the_engines_or_a_clear_error(tmp_path
     engine.close()
 
 
-@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
-def test_loss_backward_instead_of_engine_backward_is_a_clear_error(tmp_path, fits):
-    """``loss.backward()`` (a PyTorch loop's habit) instead of ``engine.backward(loss)``: the
-    engine's bookkeeping around the backward (the rest's gradients into the store, the commit
-    ordering) did not run, and the step silently used other gradients. Now the first gradient that
-    arrives outside engine.backward raises, naming it; after engine.zero_grad() training goes on
-    as PyTorch's."""
-    from offload_core.errors import TensorStateError
+def _engine_beside_pytorch(tmp_path, fits):
+    """An engine (its state streamed, or fitting the host budget) and the same model in PyTorch
+    with its AdamW."""
     torch.manual_seed(0)
     ref = plain_gpt(4)
-    model = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     state = 16 * sum(p.numel() for p in ref.parameters())
-    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
                     host_memory=2 * state if fits else state // 3)
-    assert (engine.activation_modes is None) == fits
-    g = torch.Generator().manual_seed(1)
-    with pytest.raises(TensorStateError, match=r"engine.backward\(loss\)"):
-        plain_loss(engine, torch.randint(0, 128, (2, 17), generator=g)).backward()
+    return engine, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+
+def _goes_on_as_pytorch(engine, ref, opt, g):
+    """After ``engine.zero_grad()``, two steps train the engine bitwise as PyTorch trains ``ref``."""
     engine.zero_grad()
     for _ in range(2):
         x = torch.randint(0, 128, (2, 17), generator=g)
@@ -803,6 +797,22 @@ def test_loss_backward_instead_of_engine_backward_is_a_clear_error(tmp_path, fit
     weights = dict(engine.named_parameters())
     engine.close()
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_loss_backward_instead_of_engine_backward_is_a_clear_error(tmp_path, fits):
+    """``loss.backward()`` (a PyTorch loop's habit) instead of ``engine.backward(loss)``: the
+    engine's bookkeeping around the backward (the rest's gradients into the store, the commit
+    ordering) did not run, and the step silently used other gradients. Now the first gradient that
+    arrives outside engine.backward raises, naming it; after engine.zero_grad() training goes on
+    as PyTorch's."""
+    from offload_core.errors import TensorStateError
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits)
+    assert (engine.activation_modes is None) == fits
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(TensorStateError, match=r"engine.backward\(loss\)"):
+        plain_loss(engine, torch.randint(0, 128, (2, 17), generator=g)).backward()
+    _goes_on_as_pytorch(engine, ref, opt, g)
 
 
 @pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
@@ -813,31 +823,14 @@ def test_a_second_backward_through_one_forward_is_a_typed_error_naming_the_fix(t
     to add the losses into one backward, and that ``engine.zero_grad()`` drops what the failed one
     added; after it, training goes on as PyTorch's."""
     from offload_core.errors import TensorStateError
-    torch.manual_seed(0)
-    ref = plain_gpt(4)
-    model = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    state = 16 * sum(p.numel() for p in ref.parameters())
-    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
-                    host_memory=2 * state if fits else state // 3)
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits)
     g = torch.Generator().manual_seed(1)
     logits = engine(torch.randint(0, 128, (2, 16), generator=g))
     engine.backward(logits.pow(2).mean())
     with pytest.raises(TensorStateError, match=r"a second backward through one forward.*engine\.backward\(loss1 "
                                                r"\+ loss2\).*engine\.zero_grad\(\)"):
         engine.backward(logits.abs().mean())
-    engine.zero_grad()
-    for _ in range(2):
-        x = torch.randint(0, 128, (2, 17), generator=g)
-        plain_loss(ref, x).backward()
-        opt.step()
-        opt.zero_grad()
-        engine.backward(plain_loss(engine, x))
-        engine.step()
-        engine.zero_grad()
-    weights = dict(engine.named_parameters())
-    engine.close()
-    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+    _goes_on_as_pytorch(engine, ref, opt, g)
 
 
 def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):

@@ -58,13 +58,14 @@ class StreamedBlock(torch.autograd.Function):
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
         args, kwargs = _rebuild(spec, leaves, inputs)
-        snapshot = engine.binding.snapshot_buffers(engine.binding.blocks[index])
-        attributes = engine.binding.snapshot_attributes(engine.binding.blocks[index])
-        held = engine.binding.tensor_attributes(engine.binding.blocks[index])
+        unit = engine.binding.blocks[index]
+        snapshot = engine.binding.snapshot_buffers(unit)
+        attributes = engine.binding.snapshot_attributes(unit)
+        held = engine.binding.tensor_attributes(unit)
         with (torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]),
               engine.binding.recorded.record(box["wanted"]) as extras):
             out = engine.run_block(index, args, kwargs, as_trained=True)
-        extras = [*extras, *engine.binding.set_tensors(engine.binding.blocks[index], held)]
+        extras = [*extras, *engine.binding.set_tensors(unit, held)]
         box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
         # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
         # attributes sees them in the recompute as its forward saw them, and the recompute's updates
