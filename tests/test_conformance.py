@@ -454,6 +454,43 @@ def test_a_block_that_counts_its_calls_in_an_attribute_trains_bitwise(tmp_path, 
                  config=EngineConfig(activations=activations))
 
 
+class HistoryMLP(torch.nn.Module):
+    """An MLP that keeps what it saw in containers of its own and shifts its input by how many
+    calls its list holds (a position a layer counts itself, as a hand-written key/value cache
+    does)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.mlp, self.seen, self.counts = MLP(d), [], {"calls": 0}
+
+    def forward(self, x, route=None):
+        self.seen.append(tuple(x.shape))
+        self.counts["calls"] += 1
+        return self.mlp(x + 0.01 * len(self.seen))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_block_that_appends_to_a_list_of_its_own_trains_bitwise(tmp_path, activations, fused):
+    """A list or dict a block's forward changes in place: a recompute ran the forward on the list
+    as the forward had left it (one entry more), so the recomputed block shifted its input by
+    another amount and the weights took other gradients (silently), and the list held two entries
+    per call. Now a recompute sees the block's lists, dicts and sets as its forward did, and they
+    end as the forward left them: the entries PyTorch's run has."""
+    from tiered_offload import EngineConfig
+    made = []
+
+    def make():
+        torch.manual_seed(0)
+        made.append(TinyLM(lambda d: HistoryMLP(d), d=32, layers=4))
+        return made[-1]
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=2,
+                 fused=fused, config=EngineConfig(activations=activations))
+    ref, ours = made[0], made[-1]
+    for a, b in zip(ref.blocks, ours.blocks):
+        assert (b.ffn.seen, b.ffn.counts) == (a.ffn.seen, a.ffn.counts) and len(a.ffn.seen) == 6
+
+
 @pytest.mark.parametrize("activations", ["recompute", "offload"])
 def test_forward_hooks_on_blocks_change_the_recompute_alike_and_can_tell_it_apart(tmp_path, caplog, activations):
     """A user's forward hooks on a block and on its modules (registered before the engine): one
@@ -543,6 +580,94 @@ def test_a_tensor_a_block_keeps_as_an_attribute_trains_bitwise(tmp_path, activat
         return lm_loss(model, ids, route) + 0.01 * sum(b.ffn.aux_loss for b in made[-1].blocks)
     check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=loss, clip=1.0,
                  accumulate=2, fused=fused, config=EngineConfig(activations=activations))
+
+
+# ---- the user's hooks on parameters -----------------------------------------------------------------
+def hook_parameters(model):
+    """Gradient hooks as users register them: a mask on the embedding's rows (the tokens a run
+    trains), a clamp on a block's weight (not linear: on a block called twice, PyTorch clamps the
+    calls' sum), and two hooks in a row on another (they run in the order registered)."""
+    rows = (torch.arange(model.emb.num_embeddings) % 3 != 0).float()[:, None]
+    model.emb.weight.register_hook(lambda g: g * rows)
+    model.blocks[1].ffn.up.weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    model.blocks[2].ffn.down.weight.register_hook(lambda g: g * 0.5)
+    model.blocks[2].ffn.down.weight.register_hook(lambda g: g + 1e-4)
+    return model
+
+
+@pytest.mark.parametrize("make_model", [lambda: TinyLM(lambda d: MLP(d), d=32, layers=4), RepeatingLM],
+                         ids=["blocks", "repeats"])
+@pytest.mark.parametrize("activations, fused", [("recompute", False), ("offload", False), ("recompute", True)])
+def test_gradient_hooks_on_parameters_change_the_gradients_as_in_pytorch(tmp_path, make_model, activations, fused):
+    """``param.register_hook(fn)`` on a streamed block's weight: the engine's backward ran on leaves
+    of its own over the store's buffers, so the hook never ran and the model trained on the
+    gradients PyTorch's would have changed (silently). Now the leaves carry the parameter's hooks,
+    in its order; a block called twice has its calls' gradients summed first and then hooked, as
+    PyTorch's accumulator runs them."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return hook_parameters(make_model())
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=2,
+                 fused=fused, config=EngineConfig(activations=activations))
+
+
+def test_gradient_hooks_registered_or_removed_after_the_engine_is_built_count_where_the_state_fits(tmp_path):
+    """The whole state in memory (PyTorch's graphs kept): the hooks a parameter has at each
+    backward run, also those registered after the engine was built; a removed one does not."""
+    from test_finetune import batches, lm_loss
+
+    def make():
+        torch.manual_seed(0)
+        return RepeatingLM()
+    ref, model = make(), make()
+    removed = [m.blocks[3].ffn.up.weight.register_hook(lambda g: g * 0) for m in (ref, model)]
+    state = 16 * sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=2 * state) as engine:
+        assert engine.activation_modes is None
+        for m, handle in zip((ref, model), removed):
+            hook_parameters(m)
+            handle.remove()
+        for step in batches(3, 2):
+            for ids, _ in step:
+                lm_loss(ref, ids).backward()
+                engine.backward(lm_loss(engine, ids))
+            opt.step()
+            opt.zero_grad()
+            engine.step()
+            engine.zero_grad()
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_post_accumulate_grad_hook_on_a_streamed_weight_is_refused_naming_it(tmp_path, when):
+    """``register_post_accumulate_grad_hook`` (an optimizer run inside the backward, a gradient
+    log) on a block's weight: the gradient accumulates in the engine's store, never in that
+    parameter's ``.grad``, so the hook never ran (silently). Now the engine refuses it, at
+    construction or at the next forward, naming the parameter and what to do."""
+    from test_finetune import lm_loss
+    torch.manual_seed(0)
+    model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+    state = 16 * sum(p.numel() for p in model.parameters())
+
+    def hook():
+        return model.blocks[2].ffn.up.weight.register_post_accumulate_grad_hook(lambda p: None)
+    if when == "before":
+        hook()
+        with pytest.raises(ConfigError, match=r"blocks\.2\.ffn\.up\.weight.*post.accumulate.*remove"):
+            Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(0.4 * state))
+        return
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(0.4 * state)) as engine:
+        handle = hook()
+        ids = torch.randint(0, 64, (2, 9))
+        with pytest.raises(ConfigError, match=r"blocks\.2\.ffn\.up\.weight.*post.accumulate.*remove"):
+            engine(ids)
+        handle.remove()
+        engine.backward(lm_loss(engine, ids))
+        engine.step()
 
 
 # ---- generators of the model's own ------------------------------------------------------------------

@@ -436,6 +436,7 @@ class ModelBinding:
         self.device = device
         self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
         _refuse_compiled_holders(model, self.seq_name, self.blocks)
+        self.check_grad_hooks()
         others = sorted({str(s.param.dtype).removeprefix("torch.") for _, s in self.param_order
                          if s.param.dtype != torch.float32})
         if others:  # (a Hugging Face config with torch_dtype bfloat16 builds such a model)
@@ -485,6 +486,7 @@ class ModelBinding:
         blocks is asked for that this transformers version records out of reach
         (:meth:`RecordedOutputs.check`)."""
         self.check_requires_grad()
+        self.check_grad_hooks()
         for k in kwargs:
             self.recorded.check(k)
 
@@ -499,6 +501,20 @@ class ModelBinding:
                     f"engine lays out gradients and optimizer states by it, so it cannot change mid-run. To unfreeze "
                     f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
                     f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
+
+    def check_grad_hooks(self) -> None:
+        """Refuse a post-accumulate-grad hook on a streamed block's parameter: the gradient adds up
+        in the store's buffer, never in that parameter's ``.grad``, so the hook would never run.
+        (Hooks from ``param.register_hook`` run: :func:`grad_hooks`.)"""
+        for unit in self.blocks:
+            for slot in unit.params:
+                if slot.param._post_accumulate_grad_hooks:
+                    raise ConfigError(
+                        f"{slot.name} has a post-accumulate-grad hook (register_post_accumulate_grad_hook): the engine "
+                        f"adds its gradient up in its store, never in this parameter's .grad, so the hook would not run. "
+                        f"Remove it (handle.remove()). A hook from {slot.name.rsplit('.', 1)[-1]}.register_hook(fn) "
+                        f"does run, on each backward's gradient before it is added; the optimizer runs in "
+                        f"engine.step()")
 
     def grad_in_store(self, slot: ParamSlot) -> None:
         """Between the engine's calls a trainable parameter's ``.grad`` is a :class:`_GradInStore`
@@ -516,7 +532,9 @@ class ModelBinding:
         new: dict[int, nn.Parameter] = {}
         for unit in self.units:
             for slot in unit.params:
-                new[id(slot.param)] = nn.Parameter(self.placeholder(), requires_grad=slot.param.requires_grad)
+                p = new[id(slot.param)] = nn.Parameter(self.placeholder(), requires_grad=slot.param.requires_grad)
+                if slot.param._backward_hooks:  # the user's gradient hooks stay theirs (the same dict: their
+                    p._backward_hooks = slot.param._backward_hooks  # handles still remove them)
         for module in [self.model, *(u.module for u in self.blocks)]:
             for sub in module.modules():
                 for name, p in list(sub._parameters.items()):
@@ -614,48 +632,6 @@ class ModelBinding:
                 for name, buf in mod._buffers.items() if buf is not None]
 
     @staticmethod
-    def snapshot_attributes(unit: Unit) -> list[tuple[nn.Module, str, Any]]:
-        """The block's plain attributes (ints, floats, bools: a call counter, a schedule) before its
-        forward: a recompute must see them as the forward did (see :meth:`replay_attributes`)."""
-        return [(mod, name, value) for mod in unit.module.modules() for name, value in vars(mod).items()
-                if type(value) in (int, float, bool)]
-
-    @staticmethod
-    def tensor_attributes(unit: Unit) -> dict[tuple[int, str], int]:
-        """The ids of the tensors the block's modules hold as plain attributes (not parameters or
-        buffers) before its forward (see :meth:`set_tensors`)."""
-        return {(id(mod), name): id(v) for mod in unit.module.modules() for name, v in vars(mod).items()
-                if isinstance(v, torch.Tensor)}
-
-    @staticmethod
-    def set_tensors(unit: Unit, before: dict) -> list[tuple[tuple[nn.Module, str], torch.Tensor]]:
-        """The tensors requiring a gradient the forward set as attributes since ``before`` (a loss
-        term a layer keeps for the loop to add): ``((module, name), tensor)``, which the block's
-        node returns as outputs of its own (:mod:`~tiered_offload.engine.recorded_outputs`)."""
-        return [((mod, name), v) for mod in unit.module.modules() for name, v in vars(mod).items()
-                if isinstance(v, torch.Tensor) and v.requires_grad and before.get((id(mod), name)) != id(v)]
-
-    @staticmethod
-    def changed_attributes(snapshot) -> list[tuple[nn.Module, str, Any]]:
-        """Of a snapshot, the attributes the forward changed, with their old values."""
-        return [(mod, name, old) for mod, name, old in snapshot if mod.__dict__.get(name, old) is not old
-                and mod.__dict__.get(name, old) != old]
-
-    @staticmethod
-    @contextlib.contextmanager
-    def replay_attributes(changed) -> Iterator[None]:
-        """A recompute: the attributes its forward changed are as they were before it; afterwards
-        as the forward left them (the recompute's own changes are discarded, as buffers' are)."""
-        now = [(mod, name, mod.__dict__.get(name)) for mod, name, _ in changed]
-        try:
-            for mod, name, old in changed:
-                mod.__dict__[name] = old
-            yield
-        finally:
-            for mod, name, value in now:
-                mod.__dict__[name] = value
-
-    @staticmethod
     def changed_buffers(snapshot) -> list[tuple[nn.Module, str, torch.Tensor]]:
         """Of a snapshot, the buffers the forward changed (in place or by assignment), with their old values."""
         # kernels that update running statistics do not always bump the version counter: compare
@@ -711,6 +687,31 @@ def _warn_of_hooks(blocks: list[Unit]) -> None:
             "forward hooks on %s%s run again when the engine recomputes a block in backward (its forward again, as "
             "under torch.utils.checkpoint). A hook with a side effect (a count, a list of activations) can skip it "
             "while tiered_offload.recomputing() is true, to see each forward once", ", ".join(hooked[:3]), more)
+
+
+def grad_hooks(slot: ParamSlot) -> list:
+    """The hooks ``param.register_hook`` has put on ``slot``'s parameter, in their order, as they
+    are now (one registered or removed after the engine was built counts)."""
+    return list((slot.param._backward_hooks or {}).values())
+
+
+def hook_leaves(unit: Unit, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hooks the user put on the unit's parameters (``param.register_hook``) on the leaves
+    ``params`` that stand for them in a backward, in order: autograd runs them on each gradient
+    before adding it into the store's buffer, as PyTorch runs them before adding it into ``.grad``."""
+    for s_ in unit.trainable():
+        for hook in grad_hooks(s_):
+            params[s_.local_name].register_hook(hook)
+    return params
+
+
+def run_grad_hooks(grad: torch.Tensor, hooks: list) -> torch.Tensor:
+    """``grad`` through ``hooks`` in turn, each given what the one before returned (or its own
+    input, where it returned None): what autograd does before adding a gradient to ``.grad``."""
+    for hook in hooks:
+        out = hook(grad)
+        grad = grad if out is None else out
+    return grad
 
 
 def model_config(model: nn.Module) -> dict | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from offload_core.errors import ConfigError
+from tiered_offload.engine.binding import grad_hooks, run_grad_hooks
 
 __all__ = ["RepeatedCalls"]
 
@@ -78,8 +79,8 @@ class RepeatedCalls:
         """G += the calls' sum, as PyTorch's ``.grad += sum``; the sum and the counts dropped."""
         total = self._sums.pop(slot)
         for s_, view in zip(unit.trainable(), unit.grad_views(gflat)):
-            if s_.local_name in total:
-                view += total[s_.local_name]
+            if s_.local_name in total:  # (the parameter's own hooks on the sum, as autograd's accumulator runs them)
+                view += run_grad_hooks(total[s_.local_name], grad_hooks(s_))
         self.streamer.gradients_done(unit, gflat)
         self._calls.pop(slot, None)
         self._done.pop(slot, None)

@@ -25,7 +25,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import SavedActivations, autocast_state, recompute_context, replay_autocast
-from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
+from tiered_offload.engine.block_attributes import (changed_attributes, replay_attributes, set_tensors, snapshot_attributes,
+                                                   tensor_attributes)
+from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block, hook_leaves
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -60,18 +62,18 @@ class StreamedBlock(torch.autograd.Function):
         args, kwargs = _rebuild(spec, leaves, inputs)
         unit = engine.binding.blocks[index]
         snapshot = engine.binding.snapshot_buffers(unit)
-        attributes = engine.binding.snapshot_attributes(unit)
-        held = engine.binding.tensor_attributes(unit)
+        attributes = snapshot_attributes(unit.module)
+        held = tensor_attributes(unit.module)
         with (torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]),
               engine.binding.recorded.record(box["wanted"]) as extras):
             out = engine.run_block(index, args, kwargs, as_trained=True)
-        extras = [*extras, *engine.binding.set_tensors(unit, held)]
+        extras = [*extras, *set_tensors(unit.module, held)]
         box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
         # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
         # attributes sees them in the recompute as its forward saw them, and the recompute's updates
         # are discarded
         ctx.buffers_before = engine.binding.changed_buffers(snapshot)
-        ctx.rng["attributes"] = engine.binding.changed_attributes(attributes)
+        ctx.rng["attributes"] = changed_attributes(attributes)
         del snapshot
         out_leaves, out_spec = tree_flatten(out)
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
@@ -114,7 +116,7 @@ class StashedBlock(torch.autograd.Function):
             for s_ in unit.trainable():
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat)
-            held = engine.binding.tensor_attributes(unit)
+            held = tensor_attributes(unit.module)
             t0 = time.perf_counter()
             with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),
                   engine.binding.recorded.record(box["wanted"]) as extras,
@@ -129,7 +131,7 @@ class StashedBlock(torch.autograd.Function):
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
         keep_non_differentiable(ctx, out_leaves, returned)
-        extras = [*extras, *engine.binding.set_tensors(unit, held)]
+        extras = [*extras, *set_tensors(unit.module, held)]
         box["spec"], box["leaves"], box["extras"] = out_spec, returned, [k for k, _ in extras]
         returned_extras = tuple(t.detach() for _, t in extras)
         engine.seal(index, stash)
@@ -478,10 +480,10 @@ class BlockStreamer:
                 return self.run_block(index, args, kwargs)
         self.take_turn(("forward", index))
         if self.modes is None:
-            held = self.binding.tensor_attributes(self.binding.blocks[index])
+            held = tensor_attributes(self.binding.blocks[index].module)
             with recorded.record(recorded.wanted(), hand_out=True):
                 out = self.run_block_keeping_graph(index, args, kwargs)
-            self.keeps_tensors |= bool(self.binding.set_tensors(self.binding.blocks[index], held))
+            self.keeps_tensors |= bool(set_tensors(self.binding.blocks[index].module, held))
             return out
         self.drop_orphans()
         leaves, spec = tree_flatten((args, kwargs))
@@ -639,7 +641,7 @@ class BlockStreamer:
         flat, gflat, _ = self.full.acquire(unit, grad=True)
         # the block's modules hold the weights until the backward: a torch.utils.checkpoint inside
         # the block recomputes its part then, calling them
-        params = self.param_leaves(unit, flat, gflat)
+        params = hook_leaves(unit, self.param_leaves(unit, flat, gflat))
         bound = contextlib.ExitStack()
         bound.enter_context(_reparametrize_module(unit.module, params))
         self._held.append((unit, gflat, bound, params))
@@ -677,7 +679,7 @@ class BlockStreamer:
                 mod._buffers[name] = old.clone()
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
-                      OwnGenerators.replay(rng["own"]), self.binding.replay_attributes(rng["attributes"]),
+                      OwnGenerators.replay(rng["own"]), replay_attributes(rng["attributes"]),
                       recompute_context(), self.binding.recorded.record(rng.get("recorded", ())) as extras,
                       span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
@@ -703,8 +705,10 @@ class BlockStreamer:
         :mod:`~tiered_offload.engine.shared_inputs`)."""
         targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
         summed = gflat is not None and self.calls.repeated(unit)
-        if summed:
+        if summed:  # (the parameters' hooks then run on the calls' sum: RepeatedCalls)
             self.calls.before(unit, params)
+        else:
+            hook_leaves(unit, params)
         if pairs and targets:
             # the block's modules hold its weights meanwhile: a torch.utils.checkpoint inside the
             # block recomputes its part in this backward, calling those modules
