@@ -582,6 +582,64 @@ def test_a_tensor_a_block_keeps_as_an_attribute_trains_bitwise(tmp_path, activat
                  accumulate=2, fused=fused, config=EngineConfig(activations=activations))
 
 
+# ---- custom autograd Functions --------------------------------------------------------------------
+class ScaleOnCtx(torch.autograd.Function):
+    """``x * w``, keeping ``x`` and ``w`` on its ctx as attributes (not ``ctx.save_for_backward``):
+    PyTorch allows it, and saved-tensor hooks never see them."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.x, ctx.w = x, w
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.w, (g * ctx.x).sum_to_size(ctx.w.shape)
+
+
+class CtxMLP(MLP):
+    """Scales its input by a slice of a weight of its own through :class:`ScaleOnCtx`."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 2 * d))
+
+    def forward(self, x, route=None):
+        return super().forward(ScaleOnCtx.apply(x, self.scale[:x.shape[-1]]))
+
+
+@pytest.mark.parametrize("activations", ["keep", "offload"])
+def test_a_function_keeping_tensors_on_its_ctx_is_refused_where_its_graph_would_be_kept(tmp_path, activations):
+    """A custom autograd Function that keeps a weight's slice on its ctx as an attribute: in a kept
+    or offloaded graph the engine's store reuses that memory before the backward, so the weights
+    took other gradients (silently). Configured to keep the graphs, the engine now refuses the first
+    forward, naming the Function, the attribute and the fix."""
+    from test_finetune import lm_loss
+    from tiered_offload import EngineConfig
+    torch.manual_seed(0)
+    model = TinyLM(lambda d: CtxMLP(d), d=32, layers=4)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(0.6 * state),
+                config=EngineConfig(activations=activations)) as engine:
+        with pytest.raises(ConfigError, match=r"block.0.*ScaleOnCtx\.w.*save_for_backward.*activations='recompute'"):
+            lm_loss(engine, torch.randint(0, 64, (2, 9)))
+
+
+def test_a_function_keeping_tensors_on_its_ctx_is_recomputed_where_the_planner_would_keep_it(tmp_path):
+    """With ``activations="auto"`` and a budget that keeps every block's graph, the planner now
+    leaves such blocks recomputing (exact: the recompute builds the graph in the backward), and
+    the plan says why."""
+    made = []
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(lambda d: CtxMLP(d), d=32, layers=4)
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, steps=8, clip=1.0,
+                 host_fraction=0.8, inspect=lambda e: made.append((e.activation_modes, e.plan.summary())))
+    modes, plan = made[0]
+    assert modes == ["recompute"] * 4 and "ScaleOnCtx.w" in plan and "save_for_backward" in plan
+
+
 # ---- the user's hooks on parameters -----------------------------------------------------------------
 def hook_parameters(model):
     """Gradient hooks as users register them: a mask on the embedding's rows (the tokens a run

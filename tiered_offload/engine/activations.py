@@ -15,6 +15,13 @@ What is not copied:
 * tensors whose layout has gaps or overlaps (a slice of a larger tensor, an expanded one): kept
   by reference, as autograd would (rare; their bytes are counted in :attr:`kept_bytes`).
 
+What is never seen: a tensor a custom ``torch.autograd.Function`` keeps on its ``ctx`` as an
+attribute (``ctx.x = x``) instead of through ``ctx.save_for_backward`` (saved-tensor hooks do not
+see those; PyTorch's own note). Where that tensor is one the engine empties after the forward or
+lies in the store's memory, a kept graph would read other bytes in backward:
+:func:`kept_on_ctx` finds them, and such a block recomputes (or, configured to keep its graph,
+is refused).
+
 The copy keeps each tensor's strides, and the same tensor saved twice is stored once, so the
 backward computes with exactly the tensors the forward saved: the result is PyTorch's, bitwise.
 
@@ -269,6 +276,35 @@ def _orphaned(life: _Life) -> None:
     """Finalizer: the graph holding these activations was dropped without a backward."""
     if life.key is not None and not life.released:
         life.orphans.append(life.key)  # list.append is atomic; the streamer unregisters it later
+
+
+def kept_on_ctx(outputs, emptied, memory: torch.Tensor) -> list[str]:
+    """Where a custom autograd Function in the graph behind ``outputs`` keeps a tensor on its
+    ``ctx`` as an attribute (directly, or in a list, tuple or dict there) that is one of
+    ``outputs`` or ``emptied`` (the block's inputs and weight leaves, emptied after the forward),
+    or lies in ``memory``'s storage (a store arena, reused before the backward):
+    ``["Square.x", ...]`` (the Function's name and the attribute)."""
+    ids = {id(t) for t in [*outputs, *emptied]}
+    base = memory.untyped_storage().data_ptr()
+
+    def unsafe(t) -> bool:
+        return isinstance(t, torch.Tensor) and (id(t) in ids or t.untyped_storage().data_ptr() == base)
+    found, seen, nodes = [], set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    held = []  # (the nodes stay alive while walked: their ids stay theirs)
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        held.append(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            for name, value in vars(node).items():
+                values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                    else (value,)
+                if any(unsafe(t) for t in values):
+                    found.append(f"{type(node).__name__.removesuffix('Backward')}.{name}")
+        nodes.extend(fn for fn, _ in node.next_functions)
+    return found
 
 
 def autocast_state(device: torch.device) -> list[tuple[str, torch.dtype, bool]]:

@@ -167,7 +167,7 @@ class PlanMonitor:
         if len(measured) == 1 + self.PLAN_FROM:
             m = measured[self.PLAN_FROM]
             self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), not self.planner_chooses,
-                                   disk_room=self._disk_room())
+                                   disk_room=self._disk_room(), must_recompute=dict(self.streamer.held_on_ctx))
             advice = self._overlap_advice(m)
             if advice:
                 self._plan.reasons.append(advice[0])

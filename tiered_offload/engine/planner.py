@@ -250,7 +250,8 @@ def _off(measured: float, predicted: float | None) -> float:
 
 
 def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int], keep_room: int,
-              fixed: bool, copy_Bps: float = 4e9, disk_room: int | None = None) -> Plan:
+              fixed: bool, copy_Bps: float = 4e9, disk_room: int | None = None,
+              must_recompute: dict[int, str] | None = None) -> Plan:
     """Choose each block's activation mode from measurement ``m`` (see the module's cost model).
 
     Args:
@@ -262,6 +263,7 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         disk_room: free disk bytes the offloaded activations may take (None: unknown, no limit).
             A step's offloaded activations are on the disk together until its backward reads
             them back: blocks beyond the room are recomputed, a configured "offload" too.
+        must_recompute: blocks whose graph cannot be kept, and why (a custom Function's ctx).
     """
     n = len(m.forward_seconds)
     # every forward of the iteration saves its own activations (several micro-batches: several)
@@ -309,6 +311,8 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
         order = sorted(range(n), key=lambda i: -(m.forward_seconds[i] / max(1, moved[i])))
         best = cost(modes)[0]
         for i in order:
+            if i in (must_recompute or {}):
+                continue
             if m.graph_bytes[i] > room[i]:
                 too_big.append(i)
                 continue
@@ -327,6 +331,10 @@ def make_plan(base: Plan, m: StepMeasurement, rates: DiskRates, room: list[int],
                 kept += m.graph_bytes[i]
             elif modes[i] == "offload":
                 break
+    if must_recompute and not fixed:
+        reasons.append(f"recomputed because their graphs cannot be kept: {next(iter(must_recompute.values()))}"
+                       + (f" (also {', '.join(base.blocks[i] for i in sorted(must_recompute)[1:])})"
+                          if len(must_recompute) > 1 else ""))
     if too_big:
         worst = max(too_big, key=lambda i: m.graph_bytes[i] - room[i])
         reasons.append(f"recomputed because their activations exceed the room their backward has in the budget: "

@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import SavedActivations, autocast_state, recompute_context, replay_autocast
+from tiered_offload.engine.activations import (SavedActivations, autocast_state, kept_on_ctx, recompute_context,
+                                                replay_autocast)
 from tiered_offload.engine.block_attributes import (changed_attributes, replay_attributes, set_tensors, snapshot_attributes,
                                                    tensor_attributes)
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block, hook_leaves
@@ -132,6 +133,11 @@ class StashedBlock(torch.autograd.Function):
                     for x in out_leaves]
         keep_non_differentiable(ctx, out_leaves, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
+        on_ctx = kept_on_ctx([*(x for x in out_leaves if isinstance(x, torch.Tensor)), *(t for _, t in extras)],
+                             [*params.values(), *inputs], flat)
+        if on_ctx:
+            engine.discard(stash)
+            raise ConfigError(engine.kept_on_ctx_message(unit, on_ctx))
         box["spec"], box["leaves"], box["extras"] = out_spec, returned, [k for k, _ in extras]
         returned_extras = tuple(t.detach() for _, t in extras)
         engine.seal(index, stash)
@@ -204,6 +210,9 @@ class BlockStreamer:
         self.graph_bytes: dict[int, int] = {}
         """Per block, the bytes its saved tensors take when its graph is kept (measured by every
         forward: a recomputed block's too)."""
+        self.held_on_ctx: dict[int, str] = {}
+        """Per block whose graph a custom Function's ctx holds tensors of that keeping it would
+        empty or move (:func:`kept_on_ctx`): why it must recompute."""
         self.forward_seconds: dict[int, float] = {}
         """Per block, the compute time of its forwards since the engine last cleared it (no waiting
         for bytes included)."""
@@ -467,9 +476,21 @@ class BlockStreamer:
             self.count_forward(index, time.perf_counter() - t0)
             if counter is not None:
                 self.graph_bytes[index] = counter.pending_bytes()
+                outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+                on_ctx = kept_on_ctx(outs, [*params.values(), *tree_flatten((args, kwargs))[0]], flat)
+                if on_ctx:  # (the planner keeps it recomputing)
+                    self.held_on_ctx[index] = self.kept_on_ctx_message(unit, on_ctx)
             return out
         finally:
             self.release_weights(unit)
+
+    @staticmethod
+    def kept_on_ctx_message(unit: Unit, found: list[str]) -> str:
+        return (f"block {unit.name}: a custom autograd Function in it keeps tensors on its ctx as attributes "
+                f"({', '.join(found[:3])}) instead of through ctx.save_for_backward, where the engine cannot store "
+                f"them: a kept or offloaded graph of this block would give its backward other bytes. Save them with "
+                f"ctx.save_for_backward(...) (read ctx.saved_tensors), or let the block recompute: "
+                f"EngineConfig(activations='recompute'), or 'auto', which recomputes such a block")
 
     def block_forward(self, index: int, args, kwargs):
         """What block ``index``'s proxy runs: plainly without grad, else as a recomputed autograd
