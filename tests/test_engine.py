@@ -886,3 +886,32 @@ def test_storage_full_in_mid_training_is_a_clear_error():
         engine.close()  # it flushes, and the disk is still full: it may say so again
     except DiskFullError:
         pass
+
+
+@pytest.mark.parametrize("call", ["add_param_group", "state_dict", "load_state_dict", "GradScaler"])
+def test_what_the_engines_optimizer_cannot_honour_is_refused_naming_the_way(tmp_path, call):
+    """``engine.optimizer`` stands in for the optimizer (for LR schedulers). A new parameter group
+    was taken and never trained; ``state_dict()`` gave an empty state that a checkpoint saved as if
+    it were the optimizer's, and ``load_state_dict`` loaded into nothing (silently, each); a
+    ``GradScaler`` stopped with "No inf checks were recorded for this optimizer". Each is now a typed
+    error that names what to do; training goes on as PyTorch's after it."""
+    from offload_core.errors import TensorStateError
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (2, 17), generator=g)
+    if call == "add_param_group":
+        with pytest.raises(ConfigError, match=r"add_param_group.*export_safetensors.*init_from"):
+            engine.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    elif call == "state_dict":
+        with pytest.raises(TensorStateError, match=r"state_dict.*store.*Engine.resume"):
+            engine.optimizer.state_dict()
+    elif call == "load_state_dict":
+        with pytest.raises(TensorStateError, match=r"load_state_dict.*store.*Engine.resume"):
+            engine.optimizer.load_state_dict(opt.state_dict())
+    else:
+        scaler = torch.amp.GradScaler("cpu")
+        engine.backward(scaler.scale(plain_loss(engine, x)))
+        with pytest.raises(TensorStateError, match=r"GradScaler.*bfloat16"):
+            scaler.step(engine.optimizer)
+    assert len(engine.param_groups) == 1
+    _goes_on_as_pytorch(engine, ref, opt, g)

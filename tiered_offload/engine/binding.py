@@ -27,7 +27,7 @@ from offload_core.errors import ConfigError, ModelStructureError
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
 
-__all__ = ["ParamSlot", "Unit", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
+__all__ = ["ParamSlot", "Unit", "GradInStore", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
 
 
 @dataclass(eq=False)
@@ -253,7 +253,7 @@ def empty_init():
         nn.Module.register_parameter = original
 
 
-class _GradInStore(torch.Tensor):
+class GradInStore(torch.Tensor):
     """A parameter's ``.grad`` while the gradient lives in the store (see
     :meth:`ModelBinding.grad_in_store`): reading its values is a TensorStateError. What modules
     do to every parameter's ``.grad`` (``model.to()``, ``.float()``, a deep copy) still works."""
@@ -271,7 +271,8 @@ class _GradInStore(torch.Tensor):
         raise TensorStateError(
             "this parameter's gradient lives in the engine's store, not in .grad: clip with "
             "engine.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_ over model.parameters()), "
-            "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters()")
+            "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters(). A "
+            "torch.amp.GradScaler cannot unscale them: autocast to torch.bfloat16, which needs no loss scaling")
 
 
 def _weights_in_store(module, prefix, keep_vars) -> None:
@@ -517,11 +518,11 @@ class ModelBinding:
                         f"engine.step()")
 
     def grad_in_store(self, slot: ParamSlot) -> None:
-        """Between the engine's calls a trainable parameter's ``.grad`` is a :class:`_GradInStore`
+        """Between the engine's calls a trainable parameter's ``.grad`` is a :class:`GradInStore`
         (the parameter holds its placeholder): code that uses it (``clip_grad_norm_`` over
         ``model.parameters()``, a gradient norm for a log) gets an error that says where it is."""
         if slot.requires_grad:
-            slot.param.grad = torch.Tensor._make_subclass(_GradInStore, self.placeholder())
+            slot.param.grad = torch.Tensor._make_subclass(GradInStore, self.placeholder())
 
     def placeholder(self) -> torch.Tensor:
         """What an unbound parameter holds: no memory (its real value lives in the store)."""

@@ -26,13 +26,14 @@ from offload_core.errors import (
     ConfigError,
     ModelInputError,
     NonFiniteError,
+    TensorStateError,
     TieredOffloadError,
 )
 from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
-from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
+from tiered_offload.engine.binding import ModelBinding, Unit, GradInStore, empty_init
 from tiered_offload.engine.gradients import Gradients
 from tiered_offload.engine.initial_weights import load_initial_weights
 from tiered_offload.engine.micro_batches import forward_backward
@@ -562,17 +563,41 @@ def _close_open_engines() -> None:
 
 
 class _OptimizerView(torch.optim.Optimizer):
-    """Enough of ``torch.optim.Optimizer`` for LR schedulers: shared ``param_groups``, ``step``, ``zero_grad``."""
+    """Enough of ``torch.optim.Optimizer`` for LR schedulers: shared ``param_groups``, ``step``,
+    ``zero_grad``. What it cannot honour (a new group, its state, a ``GradScaler``) is refused."""
 
     def __init__(self, engine: Engine):
-        self._engine = engine
+        self._engine = None
         # one stand-in tensor per group: the view must look like an optimizer, but it holds no
-        # parameters (the engine's are in its store) and no state
+        # parameters (the engine's are in its store) and no state; their .grad says so when used
+        # (a GradScaler's unscale_)
         dummies = [torch.zeros(1, requires_grad=True) for _ in engine.param_groups]
         super().__init__([{"params": [d]} for d in dummies], dict(engine._spec.defaults))
         for group, dummy in zip(engine.param_groups, dummies):
             group["params"] = [dummy]
+            dummy.grad = torch.Tensor._make_subclass(GradInStore, torch.zeros(1))
         self.param_groups = engine.param_groups
+        self._engine = engine
+
+    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - refused once built
+        if self._engine is None:  # (the base class's __init__)
+            return super().add_param_group(param_group)
+        raise ConfigError("engine.optimizer.add_param_group: the engine lays its store out by the optimizer's "
+                          "groups when it is built, so a group cannot be added to it. To train more parameters: "
+                          "engine.export_safetensors(DIR), then build a new engine over the model with those "
+                          "parameters trainable and init_from=DIR (optimizer states start fresh)")
+
+    def state_dict(self):  # noqa: D102 - refused
+        raise TensorStateError(self._state_in_store("state_dict"))
+
+    def load_state_dict(self, state_dict) -> None:  # noqa: D102 - refused
+        raise TensorStateError(self._state_in_store("load_state_dict"))
+
+    @staticmethod
+    def _state_in_store(call: str) -> str:
+        return (f"engine.optimizer.{call}(): the optimizer's state (its moments, step counts) lives in the engine's "
+                f"store, not in this stand-in. A commit saves it with the weights (durable=True; engine.commit()) and "
+                f"Engine.resume(storage, model) restores it; engine.export_safetensors(DIR) exports the weights")
 
     def step(self, closure=None):  # noqa: D102 - forwards to the engine
         return self._engine.step()
