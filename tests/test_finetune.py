@@ -1184,6 +1184,46 @@ def test_eval_mode_is_honoured_and_leaves_the_training_untouched(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("mode", ["recompute", "offload", "fits"])
+@pytest.mark.parametrize("grad_off", ["inference_mode", "no_grad"])
+def test_an_evaluation_between_micro_batches_leaves_the_training_pytorchs(tmp_path, mode, grad_off):
+    """An evaluation forward between two micro-batches of a step (a validation loss, a metric),
+    under ``torch.no_grad()`` or ``torch.inference_mode()``: PyTorch's outputs bitwise, and the
+    training after it PyTorch's. Under inference mode the store's views of the bytes it loaded were
+    inference tensors, kept for reuse, and the next training forward stopped with "Setting
+    requires_grad=True on inference tensor" (reported as the batch's fault)."""
+    from tiered_offload import EngineConfig
+    torch.manual_seed(0)
+    ref = TinyLM(lambda d: MLP(d), d=32, layers=4)
+    model = copy.deepcopy(ref)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=2 * state if mode == "fits" else int(0.4 * state),
+                    config=EngineConfig(activations="auto" if mode == "fits" else mode))
+    assert (engine.activation_modes is None) == (mode == "fits")
+    off = getattr(torch, grad_off)
+    g = torch.Generator().manual_seed(1)
+    for step in batches(3, 2):
+        for ids, _ in step:
+            lm_loss(ref, ids).backward()
+            engine.backward(lm_loss(engine, ids))
+            held_out = torch.randint(0, VOCAB, (2, 9), generator=g)
+            for m in (ref, model):
+                m.eval()
+            with off():
+                assert torch.equal(lm_loss(engine, held_out), lm_loss(ref, held_out))
+            for m in (ref, model):
+                m.train()
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+        engine.zero_grad()
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 @pytest.mark.parametrize("loop", ["optimizer.zero_grad", "model.zero_grad"])
 def test_zero_grad_clears_what_pytorch_clears(tmp_path, loop):
     """``optimizer.zero_grad()`` clears the optimizer's parameters only: a trainable parameter left

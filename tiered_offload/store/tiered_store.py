@@ -654,8 +654,10 @@ class TieredStore(CopyChains, Prefetching):
         if offset is None:
             return None
         arena = self._arenas[tier]
-        raw = arena.view(offset, rec.nbytes)
-        data = raw.view(rec.dtype).view(rec.shape) if rec.nbytes else torch.empty(rec.shape, dtype=rec.dtype, device=arena.device)
+        with torch.inference_mode(False):  # a slot outlives a caller's inference mode: never an inference tensor
+            raw = arena.view(offset, rec.nbytes)
+            data = raw.view(rec.dtype).view(rec.shape) if rec.nbytes else torch.empty(rec.shape, dtype=rec.dtype,
+                                                                                       device=arena.device)
         slot = Slot(offset, data, raw)
         with self._lock:
             rec.slots[tier] = slot
