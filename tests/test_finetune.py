@@ -840,6 +840,19 @@ def test_a_checkpoint_inside_a_block_trains_bitwise_or_is_a_clear_error(tmp_path
                      config=config)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_a_model_wider_than_float32_is_refused_at_construction(tmp_path, dtype):
+    """A float64 (or complex) model was trained as float32 with an info line: other numbers than
+    PyTorch's training of the same model, at half its precision, without a warning. The engine's
+    state is fp32, so such a model is now refused when the engine is built, naming the parameters
+    and ``model.float()`` (the training it would give)."""
+    torch.manual_seed(0)
+    model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+    model.blocks[1].ffn.up.to(dtype)
+    with pytest.raises(ConfigError, match=r"blocks\.1\.ffn\.up\.weight.*(float64|complex64).*model\.float\(\)"):
+        Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=1 << 20)
+
+
 def test_a_bfloat16_model_trains_as_pytorch_after_model_float(tmp_path, caplog):
     """A model built in bfloat16 (Hugging Face's ``from_config`` honours a config's ``torch_dtype``,
     as Llama's say) is trained as float32: the engine's state is fp32. That is PyTorch's training of

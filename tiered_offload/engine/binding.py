@@ -438,6 +438,13 @@ class ModelBinding:
         self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
         _refuse_compiled_holders(model, self.seq_name, self.blocks)
         self.check_grad_hooks()
+        wide = [s for _, s in self.param_order if s.param.dtype == torch.float64 or s.param.dtype.is_complex]
+        if wide:
+            raise ConfigError(
+                f"{wide[0].name} is {str(wide[0].param.dtype).removeprefix('torch.')}"
+                + (f" (and {len(wide) - 1} more parameters)" if len(wide) > 1 else "")
+                + ": the engine's training state is fp32, which would drop precision (or a complex number's imaginary "
+                  "part) silently. Call model.float() before building the engine to train it in float32")
         others = sorted({str(s.param.dtype).removeprefix("torch.") for _, s in self.param_order
                          if s.param.dtype != torch.float32})
         if others:  # (a Hugging Face config with torch_dtype bfloat16 builds such a model)
