@@ -915,3 +915,35 @@ def test_what_the_engines_optimizer_cannot_honour_is_refused_naming_the_way(tmp_
             scaler.step(engine.optimizer)
     assert len(engine.param_groups) == 1
     _goes_on_as_pytorch(engine, ref, opt, g)
+
+
+@pytest.mark.parametrize("edit", ["nn.init", "clamp_ under no_grad", "new .data", "model.to(bfloat16)"])
+@pytest.mark.parametrize("where", ["blocks.1.qkv.weight", "ln_f.weight"])
+def test_a_weight_changed_between_the_engines_calls_is_refused_at_the_next_forward(tmp_path, edit, where):
+    """Between the engine's calls a parameter holds an empty placeholder (its weights are in the
+    store): ``nn.init`` on it, a weight constraint clamped in place after ``step()``, new
+    ``.data``: each was made to nothing and training went on as if it had not happened (silently);
+    ``model.to(torch.bfloat16)`` failed in a matmul, blamed on the batch. The next forward now
+    refuses each, naming the parameter and the way."""
+    from offload_core.errors import TensorStateError
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
+    model = engine.model
+    x = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    engine.backward(plain_loss(engine, x))
+    engine.step()
+    engine.zero_grad()
+    p = model.get_parameter(where)
+    with torch.no_grad():
+        if edit == "nn.init":
+            nn.init.normal_(p)
+        elif edit == "clamp_ under no_grad":
+            p.clamp_(-0.01, 0.01)
+        elif edit == "new .data":
+            p.data = torch.zeros(ref.get_parameter(where).shape)
+        else:
+            model.to(torch.bfloat16)
+    error, match = (ConfigError, r"bfloat16.*model.float\(\)") if edit == "model.to(bfloat16)" else \
+        (TensorStateError, rf"{where}.*changed after the engine was built.*init_from.*parametriz")
+    with pytest.raises(error, match=match):
+        engine(x[:, :-1])
+    engine.close()

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from offload_core.errors import ConfigError, ModelStructureError
+from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
 
@@ -53,6 +53,9 @@ class ParamSlot:
     """Optimizer steps applied to it so far (its ``step`` count in Adam's state)."""
     scalars: dict[str, float] = field(default_factory=dict)
     """Its optimizer's scalar state (NAdam's ``mu_product``...) after its last step ({}: none yet)."""
+    version: int = 0
+    """The parameter's autograd version when it last became a placeholder: an in-place change
+    since (an init, a clamp) was made to nothing (:meth:`ModelBinding.check_untouched`)."""
 
     @property
     def optimized(self) -> bool:
@@ -485,6 +488,7 @@ class ModelBinding:
         for unit in self.units:
             for slot in unit.params:
                 slot.param.data = self.placeholder()
+                slot.version = slot.param._version
                 self.grad_in_store(slot)
         self.move_buffers()
 
@@ -495,6 +499,7 @@ class ModelBinding:
         (:meth:`RecordedOutputs.check`)."""
         self.check_requires_grad()
         self.check_grad_hooks()
+        self.check_untouched(self.blocks)
         for k in kwargs:
             self.recorded.check(k)
 
@@ -509,6 +514,29 @@ class ModelBinding:
                     f"engine lays out gradients and optimizer states by it, so it cannot change mid-run. To unfreeze "
                     f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
                     f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
+
+    def check_untouched(self, units: list[Unit]) -> None:
+        """Refuse a change to the units' parameters since they became placeholders (between the
+        engine's calls): an in-place one (``nn.init``, a ``clamp_`` or ``copy_`` under no_grad), new
+        data (``param.data = ...``) or a dtype or device (``model.to(...)``). Each would be made to
+        an empty placeholder and lost, or make the next forward fail on mixed dtypes."""
+        for unit in units:
+            for slot in unit.params:
+                p = slot.param
+                if p.dtype != torch.float32 or p.device != self.device:
+                    raise ConfigError(
+                        f"{slot.name} is now {str(p.dtype).removeprefix('torch.')} on {p.device} (model.to(), .half() "
+                        f"after the engine was built): the engine keeps the training state in float32 on "
+                        f"{self.device}. Compute in lower precision with torch.autocast; model.float() puts it back")
+                if p.numel() or p._version != slot.version:
+                    slot.version = p._version  # (said once)
+                    raise TensorStateError(
+                        f"{slot.name} was changed after the engine was built (in place, or new .data): its weights "
+                        f"live in the engine's store, and the parameter holds an empty placeholder, so the change "
+                        f"was lost. Read weights with engine.named_parameters(); start from other weights with "
+                        f"init_from=DIR (an export) or by changing the model before the engine is built; a "
+                        f"constraint on the weights trains as in PyTorch as a torch.nn.utils.parametrize "
+                        f"parametrization")
 
     def check_grad_hooks(self) -> None:
         """Refuse a post-accumulate-grad hook on a streamed block's parameter: the gradient adds up

@@ -387,6 +387,7 @@ class BlockStreamer:
         """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its gradient buffer."""
         if self._rest_bound:
             return
+        self.binding.check_untouched([self.rest])
         self.micro_batches = 1
         self.pipeline.forward_reached(0)
         self.pipeline.wait(self.rest.name)
@@ -423,6 +424,7 @@ class BlockStreamer:
         for slot in self.rest.params:
             slot.param.grad = None
             slot.param.data = self.binding.placeholder()
+            slot.version = slot.param._version
             self.binding.grad_in_store(slot)
         self.full.release(self.rest, grad=True)
         self._rest_bound = False
