@@ -225,6 +225,25 @@ def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, c
     assert "no safetensors weights" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["empty", "blank lines", "a directory", "a number for the text"])
+def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, model_dir, case):
+    """An empty data file (or one of blank lines) stopped the run with "TypeError: object of type
+    'NoneType' has no len()"; a directory was "does not exist"; a text field holding a number was
+    "no text field 'text'; its keys are text". Each is now a ConfigError that says what it found."""
+    path = tmp_path / "train.jsonl"
+    if case == "a directory":
+        path.mkdir()
+        match = r"train.jsonl is a directory.*file"
+    elif case == "a number for the text":
+        path.write_text(json.dumps({"text": 5}) + "\n")
+        match = r"train.jsonl line 1: its field 'text' holds 5 \(int\), not a string"
+    else:
+        path.write_text("" if case == "empty" else "\n  \n\n")
+        match = r"train.jsonl holds no example.*data.format completion"
+    with pytest.raises(ConfigError, match=match):
+        train(write_config(tmp_path, model_dir, path), progress=False)
+
+
 def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert cli_main(["train", "--config", str(write_config(tmp_path, model_dir, data)), "--dry-run"]) == 0
     out = capsys.readouterr().out

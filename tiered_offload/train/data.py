@@ -89,6 +89,9 @@ def _examples(path: Path, fmt: str, field: str):
                                   f"{{\"role\": ..., \"content\": ...}} objects")
             yield messages, n
         elif fmt == "completion":
+            if field in row and not isinstance(row[field], str):
+                raise ConfigError(f"{path} line {n}: its field {field!r} holds {str(row[field])[:40]} "
+                                  f"({type(row[field]).__name__}), not a string")
             if not isinstance(row.get(field), str):
                 raise ConfigError(f"{path} line {n}: no text field {field!r} (data.field); its keys are "
                                   f"{', '.join(sorted(row)) or 'none'}")
@@ -164,6 +167,9 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     ``tokenizer`` once and cached under ``cache_root`` (keyed by the files, the tokenizer and the
     settings: a change re-tokenises)."""
     path = Path(data.path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"data.path {path} is a directory; name the data file in it (one file: JSON lines, or "
+                          f"text for data.format text)")
     if not path.is_file():
         raise ConfigError(f"data.path {path} does not exist")
     if max_positions is not None and data.max_seq_len > max_positions:
@@ -183,6 +189,9 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         encoded = [_encode(tokenizer, ex) for ex, _ in track(_examples(path, data.format, data.field),
                                                               desc=f"tokenising {path.name}", unit="example")]
+        if not encoded:
+            raise ConfigError(f"data.path {path} holds no example (it is empty, or blank lines only) for "
+                              f"data.format {data.format}")
         if data.eval_path:
             held = [_encode(tokenizer, ex) for ex, _ in _examples(Path(data.eval_path).expanduser(), data.format,
                                                                  data.field)]
