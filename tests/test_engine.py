@@ -947,3 +947,27 @@ def test_a_weight_changed_between_the_engines_calls_is_refused_at_the_next_forwa
     with pytest.raises(error, match=match):
         engine(x[:, :-1])
     engine.close()
+
+
+@pytest.mark.parametrize("first", [float("inf"), 0.5], ids=["measure-then-clip", "clip-twice"])
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_clipping_twice_in_a_step_is_pytorchs_twice(tmp_path, first, fits):
+    """Two ``clip_grad_norm_`` calls in one step (a norm measured for a log with ``inf``, then the
+    clip; or a helper that clips and a loop that clips again): PyTorch's second call sees the first
+    call's clipped gradients and scales them again. The engine's second call returned the norm
+    before any clipping and scaled the step by the product of the two factors: other norms and
+    other weights, silently. Now both calls return PyTorch's norms and the weights are its bits."""
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        plain_loss(ref, x).backward()
+        engine.backward(plain_loss(engine, x))
+        for max_norm in (first, 0.1):
+            expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            assert torch.equal(engine.clip_grad_norm_(max_norm), expected)
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+        engine.zero_grad()
+    _goes_on_as_pytorch(engine, ref, opt, g)

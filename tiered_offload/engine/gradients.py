@@ -54,14 +54,26 @@ class Gradients:
     # ---- clipping ----------------------------------------------------------------------------------
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """The global norm over the parameters that have a gradient; the scale it implies is kept
-        for the step (several calls multiply, as repeated in-place clipping would)."""
+        for the step. A second call sees the gradients as PyTorch's first in-place clipping left
+        them: a pending scale other than 1 is applied to every gradient buffer first (a pass over
+        them; a scale of 1, from a norm measured with ``inf`` or under the limit, changes no bit)."""
+        if self.scale is not None and float(self.scale) != 1.0:
+            self._scale_all(self.scale)
+        self.scale = None
         total = self.placement.grad_norm(self.store, self.schedule, self.binding.param_order,
                                          self.streamer.grad_norms, norm_type)
         if total is None:
             return torch.tensor(0.0)  # as torch: nothing to clip
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self.scale = coef if self.scale is None else self.scale * coef
+        self.scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
+
+    def _scale_all(self, scale: torch.Tensor) -> None:
+        """Every gradient buffer times ``scale``, in place (their cached norms go stale with them)."""
+        for unit in self.binding.units:
+            key = self.placement.grad_key(unit)
+            if key:
+                with self.store.hold(key, dirty=True) as grad:
+                    grad.mul_(scale.to(grad.device))
 
     def take_scale(self) -> torch.Tensor | None:
         """The step's scale (and it is used up); kept gradients are scaled now, as PyTorch leaves them."""
