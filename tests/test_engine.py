@@ -971,3 +971,22 @@ def test_clipping_twice_in_a_step_is_pytorchs_twice(tmp_path, first, fits):
         engine.step()
         engine.zero_grad()
     _goes_on_as_pytorch(engine, ref, opt, g)
+
+
+@pytest.mark.parametrize("where", ["a new head", "inside a block"])
+def test_a_parameter_added_after_the_engine_is_built_is_refused_naming_it(tmp_path, where):
+    """A module added or replaced after the engine was built (a new head, an adapter inside a block):
+    the engine lays its store out when it is built, so the new parameters ran as plain tensors
+    outside the budgets and were never trained, silently. The next forward now refuses them,
+    naming the parameter and the way."""
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
+    model = engine.model
+    if where == "a new head":
+        model.ln_f = nn.LayerNorm(32)
+        name = r"ln_f\.weight"
+    else:
+        model.blocks[2].fc.extra = nn.Parameter(torch.zeros(1))
+        name = r"blocks\.2\.fc\.extra"
+    with pytest.raises(ConfigError, match=rf"{name} was added after the engine was built.*before building"):
+        engine(torch.randint(0, 128, (2, 16)))
+    engine.close()

@@ -24,10 +24,13 @@ from torch import nn
 from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
+from tiered_offload.engine.parameter_guard import (GradInStore, check_grad_hooks, check_no_new_parameters,
+                                                  check_requires_grad, check_untouched, warn_of_forward_hooks,
+                                                  weights_in_store, weights_into_store)
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
 
-__all__ = ["ParamSlot", "Unit", "GradInStore", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
+__all__ = ["ParamSlot", "Unit", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
 
 
 @dataclass(eq=False)
@@ -55,7 +58,7 @@ class ParamSlot:
     """Its optimizer's scalar state (NAdam's ``mu_product``...) after its last step ({}: none yet)."""
     version: int = 0
     """The parameter's autograd version when it last became a placeholder: an in-place change
-    since (an init, a clamp) was made to nothing (:meth:`ModelBinding.check_untouched`)."""
+    since (an init, a clamp) was made to nothing (:func:`~tiered_offload.engine.parameter_guard.check_untouched`)."""
 
     @property
     def optimized(self) -> bool:
@@ -256,49 +259,6 @@ def empty_init():
         nn.Module.register_parameter = original
 
 
-class GradInStore(torch.Tensor):
-    """A parameter's ``.grad`` while the gradient lives in the store (see
-    :meth:`ModelBinding.grad_in_store`): reading its values is a TensorStateError. What modules
-    do to every parameter's ``.grad`` (``model.to()``, ``.float()``, a deep copy) still works."""
-
-    _MOVES = {"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "detach", "requires_grad_",
-              "_has_compatible_shallow_copy_type", "__deepcopy__", "__reduce_ex__", "__get__", "__set__", "clone",
-              "device", "dtype", "shape", "requires_grad", "is_sparse", "grad_fn", "is_leaf", "size", "dim",
-              "is_floating_point", "is_complex", "element_size", "numel", "nelement", "is_contiguous", "stride"}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in cls._MOVES:
-            return super().__torch_function__(func, types, args, kwargs or {})
-        from offload_core.errors import TensorStateError
-        raise TensorStateError(
-            "this parameter's gradient lives in the engine's store, not in .grad: clip with "
-            "engine.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_ over model.parameters()), "
-            "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters(). A "
-            "torch.amp.GradScaler cannot unscale them: autocast to torch.bfloat16, which needs no loss scaling")
-
-
-def _weights_in_store(module, prefix, keep_vars) -> None:
-    """``state_dict()`` of a model the engine streams (``torch.save(model.state_dict())``, Hugging
-    Face's ``save_pretrained``): its parameters are empty placeholders and its blocks stand-ins,
-    so what it would save is nothing of the training. Refused, naming the export."""
-    from offload_core.errors import TensorStateError
-    raise TensorStateError(
-        f"state_dict() of {type(module).__name__}: the weights live in the engine's store, the model holds "
-        f"empty placeholders. Save them with engine.export_safetensors(DIR) (safetensors shards, index and "
-        f"config.json: from_pretrained(DIR) loads them), or read them with engine.named_parameters()")
-
-
-def _weights_into_store(module, *_args) -> None:
-    """``load_state_dict()`` into a model the engine streams: the weights it would set are the
-    store's. Refused, naming the ways in."""
-    from offload_core.errors import TensorStateError
-    raise TensorStateError(
-        f"load_state_dict() into {type(module).__name__}: the weights live in the engine's store. Build the "
-        f"engine with init_from=DIR (safetensors) to start from other weights, or Engine.resume(DIR) to continue "
-        f"a saved training state")
-
-
 _CHECKPOINTING: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]]" = weakref.WeakKeyDictionary()
 
 
@@ -391,7 +351,6 @@ class _BlockProxy(nn.Module):
     def __reduce_ex__(self, protocol):
         """A copy (``copy.deepcopy(model)`` for an EMA or a frozen reference, ``torch.save(model)``)
         would hold stand-ins that run the engine's current weights: not a copy. Refused."""
-        from offload_core.errors import TensorStateError
         raise TensorStateError(
             f"copying or pickling a model the engine streams (block {self.index} is a stand-in that runs the engine's "
             f"current weights, so a copy would not be one): save the weights with engine.export_safetensors(DIR) and "
@@ -399,7 +358,7 @@ class _BlockProxy(nn.Module):
 
     def requires_grad_(self, requires_grad: bool = True) -> "_BlockProxy":
         """Changing which parameters train after the engine was built is refused (see
-        :meth:`ModelBinding.check_requires_grad`): the block's parameters live in the store."""
+        :func:`~tiered_offload.engine.parameter_guard.check_requires_grad`): the block's parameters live in the store."""
         raise ConfigError(f"requires_grad_({requires_grad}) on streamed block {self.index} after the engine was built; "
                           f"the engine lays out gradients and optimizer states by it, so it cannot change mid-run. "
                           f"Export (engine.export_safetensors), set requires_grad on a new model, and build a new "
@@ -440,7 +399,7 @@ class ModelBinding:
         self.device = device
         self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
         _refuse_compiled_holders(model, self.seq_name, self.blocks)
-        self.check_grad_hooks()
+        check_grad_hooks(self)
         wide = [s for _, s in self.param_order if s.param.dtype == torch.float64 or s.param.dtype.is_complex]
         if wide:
             raise ConfigError(
@@ -494,63 +453,15 @@ class ModelBinding:
 
     def check_call(self, *kwargs: dict) -> None:
         """Before a forward with keyword arguments ``kwargs`` (one dict per call): no
-        ``requires_grad`` changed (:meth:`check_requires_grad`), and no output recorded inside the
+        ``requires_grad`` changed (:func:`check_requires_grad`), and no output recorded inside the
         blocks is asked for that this transformers version records out of reach
         (:meth:`RecordedOutputs.check`)."""
-        self.check_requires_grad()
-        self.check_grad_hooks()
-        self.check_untouched(self.blocks)
+        check_requires_grad(self)
+        check_grad_hooks(self)
+        check_untouched(self, self.blocks)
+        check_no_new_parameters(self)
         for k in kwargs:
             self.recorded.check(k)
-
-    def check_requires_grad(self) -> None:
-        """Refuse a parameter whose ``requires_grad`` changed since the engine was built: the units'
-        layouts (which parameters have gradient and optimizer state) follow it, so a change cannot
-        be honoured in place, and ignoring it would train something else than PyTorch would."""
-        for _, slot in self.param_order:
-            if slot.param.requires_grad != slot.requires_grad:
-                raise ConfigError(
-                    f"{slot.name}.requires_grad changed to {slot.param.requires_grad} after the engine was built; the "
-                    f"engine lays out gradients and optimizer states by it, so it cannot change mid-run. To unfreeze "
-                    f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
-                    f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
-
-    def check_untouched(self, units: list[Unit]) -> None:
-        """Refuse a change to the units' parameters since they became placeholders (between the
-        engine's calls): an in-place one (``nn.init``, a ``clamp_`` or ``copy_`` under no_grad), new
-        data (``param.data = ...``) or a dtype or device (``model.to(...)``). Each would be made to
-        an empty placeholder and lost, or make the next forward fail on mixed dtypes."""
-        for unit in units:
-            for slot in unit.params:
-                p = slot.param
-                if p.dtype != torch.float32 or p.device != self.device:
-                    raise ConfigError(
-                        f"{slot.name} is now {str(p.dtype).removeprefix('torch.')} on {p.device} (model.to(), .half() "
-                        f"after the engine was built): the engine keeps the training state in float32 on "
-                        f"{self.device}. Compute in lower precision with torch.autocast; model.float() puts it back")
-                if p.numel() or p._version != slot.version:
-                    slot.version = p._version  # (said once)
-                    raise TensorStateError(
-                        f"{slot.name} was changed after the engine was built (in place, or new .data): its weights "
-                        f"live in the engine's store, and the parameter holds an empty placeholder, so the change "
-                        f"was lost. Read weights with engine.named_parameters(); start from other weights with "
-                        f"init_from=DIR (an export) or by changing the model before the engine is built; a "
-                        f"constraint on the weights trains as in PyTorch as a torch.nn.utils.parametrize "
-                        f"parametrization")
-
-    def check_grad_hooks(self) -> None:
-        """Refuse a post-accumulate-grad hook on a streamed block's parameter: the gradient adds up
-        in the store's buffer, never in that parameter's ``.grad``, so the hook would never run.
-        (Hooks from ``param.register_hook`` run: :func:`grad_hooks`.)"""
-        for unit in self.blocks:
-            for slot in unit.params:
-                if slot.param._post_accumulate_grad_hooks:
-                    raise ConfigError(
-                        f"{slot.name} has a post-accumulate-grad hook (register_post_accumulate_grad_hook): the engine "
-                        f"adds its gradient up in its store, never in this parameter's .grad, so the hook would not run. "
-                        f"Remove it (handle.remove()). A hook from {slot.name.rsplit('.', 1)[-1]}.register_hook(fn) "
-                        f"does run, on each backward's gradient before it is added; the optimizer runs in "
-                        f"engine.step()")
 
     def grad_in_store(self, slot: ParamSlot) -> None:
         """Between the engine's calls a trainable parameter's ``.grad`` is a :class:`GradInStore`
@@ -684,14 +595,14 @@ class ModelBinding:
                 zero_grad(set_to_none)
             self.model.zero_grad = model_zero_grad
         for module in self.model.modules():
-            module.register_state_dict_pre_hook(_weights_in_store)
-            module.register_load_state_dict_pre_hook(_weights_into_store)
+            module.register_state_dict_pre_hook(weights_in_store)
+            module.register_load_state_dict_pre_hook(weights_into_store)
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
         _forget_output_capture(self.model, self.blocks)
-        _warn_of_hooks(self.blocks)
+        warn_of_forward_hooks(self.blocks)
         self.recorded = RecordedOutputs(self.model, [u.module for u in self.blocks])  # (hooks of its own)
         for module in self.model.modules():  # an encoder-decoder's stacks have configs of their own
             cfg = getattr(module, "config", None)
@@ -709,45 +620,6 @@ def _forget_output_capture(model: nn.Module, blocks: list[Unit]) -> None:
                 del m._forward_hooks[hook_id]
         if getattr(m, "_output_capturing_hooks_installed", False):
             m._output_capturing_hooks_installed = False
-
-
-def _warn_of_hooks(blocks: list[Unit]) -> None:
-    """Say that the forward hooks on the blocks (or every module's) run again in a recompute."""
-    hooked = [u.qualname for u in blocks if any(m._forward_hooks or m._forward_pre_hooks for m in u.module.modules())]
-    every = torch.nn.modules.module
-    if getattr(every, "_global_forward_hooks", None) or getattr(every, "_global_forward_pre_hooks", None):
-        hooked = ["every module (a global hook)"]
-    if hooked:
-        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
-        logging.getLogger("tiered_offload").warning(
-            "forward hooks on %s%s run again when the engine recomputes a block in backward (its forward again, as "
-            "under torch.utils.checkpoint). A hook with a side effect (a count, a list of activations) can skip it "
-            "while tiered_offload.recomputing() is true, to see each forward once", ", ".join(hooked[:3]), more)
-
-
-def grad_hooks(slot: ParamSlot) -> list:
-    """The hooks ``param.register_hook`` has put on ``slot``'s parameter, in their order, as they
-    are now (one registered or removed after the engine was built counts)."""
-    return list((slot.param._backward_hooks or {}).values())
-
-
-def hook_leaves(unit: Unit, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The hooks the user put on the unit's parameters (``param.register_hook``) on the leaves
-    ``params`` that stand for them in a backward, in order: autograd runs them on each gradient
-    before adding it into the store's buffer, as PyTorch runs them before adding it into ``.grad``."""
-    for s_ in unit.trainable():
-        for hook in grad_hooks(s_):
-            params[s_.local_name].register_hook(hook)
-    return params
-
-
-def run_grad_hooks(grad: torch.Tensor, hooks: list) -> torch.Tensor:
-    """``grad`` through ``hooks`` in turn, each given what the one before returned (or its own
-    input, where it returned None): what autograd does before adding a gradient to ``.grad``."""
-    for hook in hooks:
-        out = hook(grad)
-        grad = grad if out is None else out
-    return grad
 
 
 def model_config(model: nn.Module) -> dict | None:

@@ -33,12 +33,13 @@ from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
-from tiered_offload.engine.binding import ModelBinding, Unit, GradInStore, empty_init
+from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
 from tiered_offload.engine.gradients import Gradients
 from tiered_offload.engine.initial_weights import load_initial_weights
 from tiered_offload.engine.micro_batches import forward_backward
 from tiered_offload.engine.optim_spec import OptimizerSpec, optimizer_for_resume, read_optimizer
 from tiered_offload.engine.optimizer_step import UnitUpdater
+from tiered_offload.engine.parameter_guard import GradInStore
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.plan_monitor import PlanMonitor
 from tiered_offload.engine.preflight import check_budgets, check_disk, measure_update_rates, optimizer_tier

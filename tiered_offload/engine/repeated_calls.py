@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from offload_core.errors import ConfigError
-from tiered_offload.engine.binding import grad_hooks, run_grad_hooks
+from tiered_offload.engine.parameter_guard import grad_hooks, run_grad_hooks
 
 __all__ = ["RepeatedCalls"]
 

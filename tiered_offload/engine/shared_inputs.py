@@ -118,7 +118,7 @@ class SharedInputs:
 def _outside_users(root) -> dict:
     """``{node: [(edge index, entry), ...]}``: the nodes of ``root``'s graph outside the streamed
     blocks that use a tensor a streamed block takes (its :class:`SharedInput`), by edge. A block's
-    node (:class:`~.streaming.StreamedBlock`, :class:`~.streaming.StashedBlock`) has the blocks'
+    node (:class:`~.block_nodes.StreamedBlock`, :class:`~.block_nodes.StashedBlock`) has the blocks'
     ``shared`` entries, its tensors' edges after the anchor's."""
     taken: dict[tuple[int, int], SharedInput] = {}
     edges: list[tuple[object, int, tuple[int, int]]] = []

@@ -1,0 +1,160 @@
+"""The autograd nodes a streamed block runs as: one node per block call, whose forward fetches the
+block's weights from the store and whose backward fetches them again.
+
+* :class:`StreamedBlock` (*recompute*): the block's graph is dropped after the forward; only its
+  inputs go into the store, with the RNG state, buffers and attributes its forward saw; the
+  backward recomputes it from them.
+* :class:`StashedBlock` (*keep* / *offload*): the block's graph is kept, what it saved moved into
+  the store (:class:`~tiered_offload.engine.activations.SavedActivations`); the backward points the
+  graph's leaves at the weights fetched again and runs it.
+
+Both take the :class:`~tiered_offload.engine.streaming.BlockStreamer` as ``engine`` and leave the
+work to it (fetching, the backward, the bookkeeping): what lives here is the node's own part,
+what it saves on its ``ctx`` and what it returns.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from offload_core.errors import ConfigError
+from tiered_offload.engine.activations import kept_on_ctx
+from tiered_offload.engine.binding import call_block
+from tiered_offload.engine.block_attributes import changed_attributes, set_tensors, snapshot_attributes, tensor_attributes
+from tiered_offload.engine.shared_inputs import keep_non_differentiable
+from tiered_offload.trace import span
+
+__all__ = ["StashedBlock", "StreamedBlock", "placeholder_of", "rebuild"]
+
+
+class StreamedBlock(torch.autograd.Function):
+    """A block as one autograd node: its graph dropped after the forward, rebuilt by
+    recomputation in backward. Its inputs (the checkpoint) go into the store, like saved
+    activations."""
+
+    @staticmethod
+    def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
+        ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
+        ctx.shared = box.pop("shared")
+        ctx.rng = engine.rng_state(index)
+        # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
+        # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
+        # the forward computes exactly what PyTorch's does and what the recompute will; the
+        # block's graph is let go as soon as its outputs are detached.
+        needs = ctx.needs_input_grad[6:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
+        args, kwargs = rebuild(spec, leaves, inputs)
+        unit = engine.binding.blocks[index]
+        snapshot = engine.binding.snapshot_buffers(unit)
+        attributes = snapshot_attributes(unit.module)
+        held = tensor_attributes(unit.module)
+        with (torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]),
+              engine.binding.recorded.record(box["wanted"]) as extras):
+            out = engine.run_block(index, args, kwargs, as_trained=True)
+        extras = [*extras, *set_tensors(unit.module, held)]
+        box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
+        # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
+        # attributes sees them in the recompute as its forward saw them, and the recompute's updates
+        # are discarded
+        ctx.buffers_before = engine.binding.changed_buffers(snapshot)
+        ctx.rng["attributes"] = changed_attributes(attributes)
+        del snapshot
+        out_leaves, out_spec = tree_flatten(out)
+        # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
+        ids = {id(t) for t in inputs}
+        returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
+                    for x in out_leaves]
+        keep_non_differentiable(ctx, out_leaves, returned)
+        del out, out_leaves
+        box["spec"], box["leaves"] = out_spec, returned
+        ctx.stash = engine.new_stash(None)
+        ctx.handles = [ctx.stash.pack(t) for t in tensors]
+        engine.seal(index, ctx.stash)
+        return tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        ctx.engine.take_turn(("backward", ctx.index))
+        needs = ctx.needs_input_grad[6:]
+        input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, ctx.stash, ctx.handles, needs,
+                                                grad_outputs, ctx.rng, ctx.buffers_before, ctx.shared)
+        return (None,) * 6 + tuple(input_grads)
+
+
+class StashedBlock(torch.autograd.Function):
+    """A block as one autograd node that keeps its graph: what the graph saved for backward is
+    moved into the store (:class:`SavedActivations`), and the weights it saved are resolved
+    against the weight buffer fetched again for the backward. No recomputation."""
+
+    @staticmethod
+    def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
+        ctx.engine, ctx.index, ctx.shared = engine, index, box.pop("shared")
+        needs = ctx.needs_input_grad[6:]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
+        args, kwargs = rebuild(spec, leaves, inputs)
+        unit = engine.binding.blocks[index]
+        flat = engine.fetch_for_forward(unit)
+        try:
+            params = {s_.local_name: flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
+                      .requires_grad_(s_.requires_grad) for s_ in unit.params}
+            for s_ in unit.trainable():
+                params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
+            stash = engine.new_stash(flat)
+            held = tensor_attributes(unit.module)
+            t0 = time.perf_counter()
+            with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),
+                  engine.binding.recorded.record(box["wanted"]) as extras,
+                  span(engine.tracer, f"forward {unit.name}", "compute")):
+                out = call_block(unit.module, params, args, kwargs)
+            engine.count_forward(index, time.perf_counter() - t0)
+        finally:
+            engine.release_weights(unit)
+        out_leaves, out_spec = tree_flatten(out)
+        del out
+        ids = {id(t) for t in inputs}
+        returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
+                    for x in out_leaves]
+        keep_non_differentiable(ctx, out_leaves, returned)
+        extras = [*extras, *set_tensors(unit.module, held)]
+        on_ctx = kept_on_ctx([*(x for x in out_leaves if isinstance(x, torch.Tensor)), *(t for _, t in extras)],
+                             [*params.values(), *inputs], flat)
+        if on_ctx:
+            engine.discard(stash)
+            raise ConfigError(engine.kept_on_ctx_message(unit, on_ctx))
+        box["spec"], box["leaves"], box["extras"] = out_spec, returned, [k for k, _ in extras]
+        returned_extras = tuple(t.detach() for _, t in extras)
+        engine.seal(index, stash)
+        # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
+        # (their values are in the store, or in the tensors returned)
+        ctx.outs = [x if x.requires_grad else None for x in [*(x for x in out_leaves if isinstance(x, torch.Tensor)),
+                                                              *(t for _, t in extras)]]
+        ctx.params, ctx.inputs, ctx.needs, ctx.stash = params, inputs, needs, stash
+        for t in [*params.values(), *inputs, *(o for o in ctx.outs if o is not None)]:
+            if not stash.holds(t):  # a tensor autograd saved by reference keeps its bytes
+                t.data = placeholder_of(t)
+        return tuple(x for x in returned if isinstance(x, torch.Tensor)) + returned_extras
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        ctx.engine.take_turn(("backward", ctx.index))
+        pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
+        input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs,
+                                                  ctx.shared)
+        ctx.outs = ctx.params = ctx.inputs = None
+        return (None,) * 6 + tuple(input_grads)
+
+
+def placeholder_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape, dtype and device that holds one element."""
+    return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+
+
+def rebuild(spec, leaves, tensors):
+    """``(args, kwargs)`` from a call's flattened ``spec`` and ``leaves`` with ``tensors`` in the
+    tensors' places."""
+    it = iter(tensors)
+    filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return tree_unflatten(filled, spec)

@@ -1,0 +1,174 @@
+"""What the user's code may do to the model's parameters while the engine holds their weights, and
+what it may not: the rules at the boundary between the model the user holds and the store.
+
+Between the engine's calls each parameter holds an empty placeholder (its weights are in the
+store, its ``.grad`` a :class:`GradInStore`):
+
+* **honoured**: gradient hooks (``param.register_hook``), put on the leaves that stand for a
+  streamed block's parameters in each backward (:func:`hook_leaves`; on a repeated block's summed
+  gradients, :func:`run_grad_hooks`); forward hooks run again in a recompute, which the engine says
+  at build time (:func:`warn_of_forward_hooks`);
+* **refused, naming the way**: a changed ``requires_grad`` (:func:`check_requires_grad`), a
+  post-accumulate-grad hook on a streamed block's parameter (:func:`check_grad_hooks`), a
+  parameter added after the engine was built (:func:`check_no_new_parameters`), a parameter
+  changed in place, given new ``.data`` or another dtype or device
+  (:func:`check_untouched`), reading a ``.grad`` (:class:`GradInStore`), and the model's
+  ``state_dict`` / ``load_state_dict`` (:func:`weights_in_store`, :func:`weights_into_store`).
+
+:meth:`~tiered_offload.engine.binding.ModelBinding.check_call` runs the checks before every forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from offload_core.errors import ConfigError, TensorStateError
+
+__all__ = ["GradInStore", "check_grad_hooks", "check_no_new_parameters", "check_requires_grad", "check_untouched", "grad_hooks", "hook_leaves",
+           "run_grad_hooks", "warn_of_forward_hooks", "weights_in_store", "weights_into_store"]
+
+
+class GradInStore(torch.Tensor):
+    """A parameter's ``.grad`` while the gradient lives in the store (see
+    :meth:`~tiered_offload.engine.binding.ModelBinding.grad_in_store`): reading its values is a TensorStateError. What modules
+    do to every parameter's ``.grad`` (``model.to()``, ``.float()``, a deep copy) still works."""
+
+    _MOVES = {"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "detach", "requires_grad_",
+              "_has_compatible_shallow_copy_type", "__deepcopy__", "__reduce_ex__", "__get__", "__set__", "clone",
+              "device", "dtype", "shape", "requires_grad", "is_sparse", "grad_fn", "is_leaf", "size", "dim",
+              "is_floating_point", "is_complex", "element_size", "numel", "nelement", "is_contiguous", "stride"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls._MOVES:
+            return super().__torch_function__(func, types, args, kwargs or {})
+        raise TensorStateError(
+            "this parameter's gradient lives in the engine's store, not in .grad: clip with "
+            "engine.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_ over model.parameters()), "
+            "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters(). A "
+            "torch.amp.GradScaler cannot unscale them: autocast to torch.bfloat16, which needs no loss scaling")
+
+
+def weights_in_store(module, prefix, keep_vars) -> None:
+    """``state_dict()`` of a model the engine streams (``torch.save(model.state_dict())``, Hugging
+    Face's ``save_pretrained``): its parameters are empty placeholders and its blocks stand-ins,
+    so what it would save is nothing of the training. Refused, naming the export."""
+    raise TensorStateError(
+        f"state_dict() of {type(module).__name__}: the weights live in the engine's store, the model holds "
+        f"empty placeholders. Save them with engine.export_safetensors(DIR) (safetensors shards, index and "
+        f"config.json: from_pretrained(DIR) loads them), or read them with engine.named_parameters()")
+
+
+def weights_into_store(module, *_args) -> None:
+    """``load_state_dict()`` into a model the engine streams: the weights it would set are the
+    store's. Refused, naming the ways in."""
+    raise TensorStateError(
+        f"load_state_dict() into {type(module).__name__}: the weights live in the engine's store. Build the "
+        f"engine with init_from=DIR (safetensors) to start from other weights, or Engine.resume(DIR) to continue "
+        f"a saved training state")
+
+
+def check_requires_grad(binding) -> None:
+    """Refuse a parameter whose ``requires_grad`` changed since the engine was built: the units'
+    layouts (which parameters have gradient and optimizer state) follow it, so a change cannot
+    be honoured in place, and ignoring it would train something else than PyTorch would."""
+    for _, slot in binding.param_order:
+        if slot.param.requires_grad != slot.requires_grad:
+            raise ConfigError(
+                f"{slot.name}.requires_grad changed to {slot.param.requires_grad} after the engine was built; the "
+                f"engine lays out gradients and optimizer states by it, so it cannot change mid-run. To unfreeze "
+                f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
+                f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
+
+def check_untouched(binding, units) -> None:
+    """Refuse a change to the units' parameters since they became placeholders (between the
+    engine's calls): an in-place one (``nn.init``, a ``clamp_`` or ``copy_`` under no_grad), new
+    data (``param.data = ...``) or a dtype or device (``model.to(...)``). Each would be made to
+    an empty placeholder and lost, or make the next forward fail on mixed dtypes."""
+    for unit in units:
+        for slot in unit.params:
+            p = slot.param
+            if p.dtype != torch.float32 or p.device != binding.device:
+                raise ConfigError(
+                    f"{slot.name} is now {str(p.dtype).removeprefix('torch.')} on {p.device} (model.to(), .half() "
+                    f"after the engine was built): the engine keeps the training state in float32 on "
+                    f"{binding.device}. Compute in lower precision with torch.autocast; model.float() puts it back")
+            if p.numel() or p._version != slot.version:
+                slot.version = p._version  # (said once)
+                raise TensorStateError(
+                    f"{slot.name} was changed after the engine was built (in place, or new .data): its weights "
+                    f"live in the engine's store, and the parameter holds an empty placeholder, so the change "
+                    f"was lost. Read weights with engine.named_parameters(); start from other weights with "
+                    f"init_from=DIR (an export) or by changing the model before the engine is built; a "
+                    f"constraint on the weights trains as in PyTorch as a torch.nn.utils.parametrize "
+                    f"parametrization")
+
+def check_no_new_parameters(binding) -> None:
+    """Refuse a parameter the model holds that the engine was not built with (a module added or
+    replaced since: a new head, an adapter): the store is laid out when the engine is built, so it
+    would run as a plain tensor outside the budgets and never be trained."""
+    known = {id(s.param) for _, s in binding.param_order}
+    named = [binding.model.named_parameters(), *(u.module.named_parameters(prefix=u.qualname) for u in binding.blocks)]
+    for name, p in (item for it in named for item in it):
+        if isinstance(p, torch.nn.Parameter) and id(p) not in known:
+            raise ConfigError(
+                f"{name} was added after the engine was built (a new or replaced module, an adapter, "
+                f"resize_token_embeddings): the engine lays its store out when it is built, so it would never train "
+                f"it. Change the model before building the engine; to keep what it trained: "
+                f"engine.export_safetensors(DIR), change the model, then a new engine with init_from=DIR")
+
+
+def check_grad_hooks(binding) -> None:
+    """Refuse a post-accumulate-grad hook on a streamed block's parameter: the gradient adds up
+    in the store's buffer, never in that parameter's ``.grad``, so the hook would never run.
+    (Hooks from ``param.register_hook`` run: :func:`grad_hooks`.)"""
+    for unit in binding.blocks:
+        for slot in unit.params:
+            if slot.param._post_accumulate_grad_hooks:
+                raise ConfigError(
+                    f"{slot.name} has a post-accumulate-grad hook (register_post_accumulate_grad_hook): the engine "
+                    f"adds its gradient up in its store, never in this parameter's .grad, so the hook would not run. "
+                    f"Remove it (handle.remove()). A hook from {slot.name.rsplit('.', 1)[-1]}.register_hook(fn) "
+                    f"does run, on each backward's gradient before it is added; the optimizer runs in "
+                    f"engine.step()")
+
+
+def warn_of_forward_hooks(blocks) -> None:
+    """Say that the forward hooks on the blocks (or every module's) run again in a recompute."""
+    hooked = [u.qualname for u in blocks if any(m._forward_hooks or m._forward_pre_hooks for m in u.module.modules())]
+    every = torch.nn.modules.module
+    if getattr(every, "_global_forward_hooks", None) or getattr(every, "_global_forward_pre_hooks", None):
+        hooked = ["every module (a global hook)"]
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        logging.getLogger("tiered_offload").warning(
+            "forward hooks on %s%s run again when the engine recomputes a block in backward (its forward again, as "
+            "under torch.utils.checkpoint). A hook with a side effect (a count, a list of activations) can skip it "
+            "while tiered_offload.recomputing() is true, to see each forward once", ", ".join(hooked[:3]), more)
+
+
+def grad_hooks(slot) -> list:
+    """The hooks ``param.register_hook`` has put on ``slot``'s parameter, in their order, as they
+    are now (one registered or removed after the engine was built counts)."""
+    return list((slot.param._backward_hooks or {}).values())
+
+
+def hook_leaves(unit, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hooks the user put on the unit's parameters (``param.register_hook``) on the leaves
+    ``params`` that stand for them in a backward, in order: autograd runs them on each gradient
+    before adding it into the store's buffer, as PyTorch runs them before adding it into ``.grad``."""
+    for s_ in unit.trainable():
+        for hook in grad_hooks(s_):
+            params[s_.local_name].register_hook(hook)
+    return params
+
+
+def run_grad_hooks(grad: torch.Tensor, hooks: list) -> torch.Tensor:
+    """``grad`` through ``hooks`` in turn, each given what the one before returned (or its own
+    input, where it returned None): what autograd does before adding a gradient to ``.grad``."""
+    for hook in hooks:
+        out = hook(grad)
+        grad = grad if out is None else out
+    return grad
