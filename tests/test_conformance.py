@@ -728,6 +728,39 @@ def test_a_post_accumulate_grad_hook_on_a_streamed_weight_is_refused_naming_it(t
         engine.step()
 
 
+class PenaltyMLP(MLP):
+    """Keeps a penalty on its own weights (an L2 term written out, as EWC and sparsity penalties
+    are) as an attribute for the loss."""
+
+    def forward(self, x, route=None):
+        self.penalty = sum(p.pow(2).sum() for p in self.parameters())
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_penalty_on_a_blocks_weights_is_trained_bitwise_as_an_attribute_its_forward_sets(tmp_path, activations):
+    """``model.parameters()`` of the engine's model lists the parameters outside the streamed blocks
+    only (a block is a stand-in; its weights are in the store), so a penalty summed over it leaves
+    the blocks' weights out. The README's way for a penalty on a block's weights: the block's forward
+    computes it and keeps it as an attribute, which trains bitwise as PyTorch's."""
+    from tiered_offload import EngineConfig
+    made = []
+
+    def make():
+        torch.manual_seed(0)
+        made.append(TinyLM(lambda d: PenaltyMLP(d), d=32, layers=4))
+        return made[-1]
+
+    def loss(model, ids, route=None):
+        from test_finetune import lm_loss
+        return lm_loss(model, ids, route) + 1e-3 * sum(b.ffn.penalty for b in made[-1].blocks)
+
+    def outside_the_blocks(engine):
+        assert {n.split(".")[0] for n, _ in engine.model.named_parameters()} == {"emb", "norm", "head"}
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=loss, clip=1.0,
+                 accumulate=2, config=EngineConfig(activations=activations), inspect=outside_the_blocks)
+
+
 # ---- generators of the model's own ------------------------------------------------------------------
 class OwnNoise(torch.nn.Module):
     """An MLP whose output is masked with numbers drawn from a generator other than PyTorch's
