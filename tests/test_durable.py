@@ -897,3 +897,25 @@ def test_import_converts_a_bf16_checkpoint_one_bounded_chunk_at_a_time(tmp_path)
     engine.close()
     for name, value in params:
         assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], value.float()), name
+
+
+def test_a_resume_with_other_hyperparameters_says_that_the_saved_ones_are_used(tmp_path, caplog):
+    """The script run again with another learning rate or weight decay: the resume takes the saved
+    hyperparameters, as ``optimizer.load_state_dict`` does, and ignored the new ones without a
+    word. Now it says so, naming each one, both values and how to change them; a resume with the
+    same ones (the scheduler's rate moved since) says nothing."""
+    import logging
+    engine = make_engine(tmp_path / "s")
+    train(engine, 2)
+    engine.close()
+    caplog.set_level(logging.WARNING, logger="tiered_offload")
+    make_engine(tmp_path / "s", resume=True).close()
+    assert not [r for r in caplog.records if "hyperparameters" in r.getMessage()]
+    model = make_model()
+    n = sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1, eps=1e-6), storage=tmp_path / "s",
+                host_memory=16 * n // 3, resume=True) as engine:
+        assert engine.param_groups[0]["weight_decay"] == 0.1 and engine.param_groups[0]["eps"] == 1e-8
+    said = [r.getMessage() for r in caplog.records if "hyperparameters" in r.getMessage()]
+    assert len(said) == 1 and "lr 0.003 (given 0.001)" in said[0] and "eps 1e-08 (given 1e-06)" in said[0]
+    assert "weight_decay" not in said[0] and "engine.param_groups" in said[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -147,6 +148,7 @@ class TrainState:
         """Restore what :meth:`state_dict` saved (the scheduler's part waits for :meth:`attach_scheduler`);
         ``where`` names the state in errors."""
         self.step_count = meta["step_count"]
+        _say_other_hyperparameters(self.param_groups, meta["param_groups"], where)
         for group, saved in zip(self.param_groups, meta["param_groups"]):
             group.update(hyper_from_json(saved, group))
         # a volatile engine's meta (never written) or format 2 holds them as JSON: no backend read
@@ -226,6 +228,30 @@ def saved_hyper(optimizer: type[torch.optim.Optimizer], saved: dict) -> dict:
     """A saved group's hyperparameters as ``optimizer``'s constructor arguments (JSON lists back to tuples)."""
     ctor = set(inspect.signature(optimizer).parameters) - {"params"}
     return {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in ctor}
+
+
+_SCHEDULED = {"base_momentum": ("betas", "momentum")}
+"""A key a scheduler keeps in a group -> the hyperparameters it moves (OneCycleLR, CyclicLR)."""
+
+
+def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str) -> None:
+    """Log where the optimizer given to a resume differs from the saved one, whose values the resume
+    takes (as ``optimizer.load_state_dict`` does): a script run again with a new learning rate would
+    otherwise train on with the old one without a word. A rate a scheduler moved is compared by its
+    base (``initial_lr``)."""
+    differ = []
+    for i, (g, s) in enumerate(zip(given, saved)):
+        s = hyper_from_json(s, g)
+        moved = {k for key, keys in _SCHEDULED.items() if key in s for k in keys}
+        for k, v in g.items():
+            was = s.get("initial_lr", s.get("lr")) if k == "lr" else s.get(k, v)
+            if k not in ("params", "initial_lr") and k not in moved and was != v:
+                differ.append(f"group {i}: {k} {was} (given {v})" if len(given) > 1 else f"{k} {was} (given {v})")
+    if differ:
+        logging.getLogger("tiered_offload").warning(
+            "tiered-offload: resuming %s with its saved hyperparameters, as optimizer.load_state_dict does, not the "
+            "ones given: %s. To change one for the rest of the run, set engine.param_groups[i][name] after the "
+            "resume (a scheduler's base rate: its base_lrs)", where, ", ".join(differ))
 
 
 def hyper_from_json(saved: dict, like: dict) -> dict:
