@@ -244,6 +244,27 @@ def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, mode
         train(write_config(tmp_path, model_dir, path), progress=False)
 
 
+def test_the_same_command_with_other_settings_says_what_it_changes(tmp_path, model_dir, data, caplog):
+    """Run again with another seed, micro-batch or learning rate, the command resumed and drew other
+    batches than the first run would have, without a word (and kept the saved learning rate). It
+    now says which settings differ from the ones the directory was trained with and that they
+    apply from the resumed step on; the engine says that the saved learning rate goes on. A longer
+    run (``max_steps``) and the same command again say nothing.""" 
+    import logging
+    caplog.set_level(logging.WARNING, logger="tiered_offload")
+    config = write_config(tmp_path, model_dir, data, train__max_steps=1, output__export_every=0)
+    train(config, progress=False)
+    train(config, ["train.max_steps=2"], progress=False)
+    assert not [r for r in caplog.records if "trained with other settings" in r.getMessage()]
+    train(config, ["train.max_steps=3", "train.seed=7", "train.micro_batch=2", "train.lr=0.02"], progress=False)
+    said = [r.getMessage() for r in caplog.records if "trained with other settings" in r.getMessage()]
+    assert len(said) == 1 and "train.seed 0 (now 7)" in said[0] and "train.micro_batch 4 (now 2)" in said[0]
+    assert "max_steps" not in said[0] and "from step 3 on" in said[0]
+    # the learning rate is the optimizer's, saved with the state: the resume keeps it, and says so
+    assert any("saved hyperparameters" in r.getMessage() and "lr 0.01 (given 0.02)" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert cli_main(["train", "--config", str(write_config(tmp_path, model_dir, data)), "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -127,6 +127,9 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
+        settings = _batch_settings(cfg, len(train_data))
+        if start:
+            _say_other_settings(engine.user_state.get("settings"), settings, location, start)
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
@@ -143,7 +146,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
                 losses = [loss.item() * t.grad_accum for loss in
                           engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
             norm = engine.clip_grad_norm_(t.clip) if t.clip else None
-            engine.user_state = {"micro_batches": (step + 1) * t.grad_accum}
+            engine.user_state = {"micro_batches": (step + 1) * t.grad_accum, "settings": settings}
             lr = engine.param_groups[0]["lr"]
             engine.step()
             engine.zero_grad()
@@ -185,6 +188,26 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         engine.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _batch_settings(cfg, sequences: int) -> dict:
+    """What decides a run's batches and its step besides the optimizer's hyperparameters (saved with
+    the state), saved in its user state so that a resume can tell a changed one."""
+    d, t = cfg.data, cfg.train
+    return {"data.path": str(d.path), "data.format": d.format, "data.field": d.field, "data.max_seq_len": d.max_seq_len,
+            "data.packing": d.packing, "data.eval_fraction": d.eval_fraction, "data: sequences": sequences,
+            "train.seed": t.seed, "train.micro_batch": t.micro_batch, "train.schedule": t.schedule,
+            "train.warmup_steps": t.warmup_steps, "train.clip": t.clip, "train.precision": t.precision}
+
+
+def _say_other_settings(saved: dict | None, now: dict, location: str, start: int) -> None:
+    """Log the settings of this command that differ from those ``location`` was trained with (none
+    saved: a run from before they were): they apply from the resumed step on."""
+    differ = [f"{k} {saved[k]} (now {v})" for k, v in now.items() if saved and k in saved and saved[k] != v]
+    if differ:
+        log.warning("tiered-offload: %s was trained with other settings: %s. They apply from step %d on: the batches "
+                    "and steps from here are not those of the run the first settings make (the same settings as "
+                    "before continue it exactly)", location, ", ".join(differ), start + 1)
 
 
 def _check_export_space(cfg, out: Path, params: int, directories: str, resuming: bool) -> None:
