@@ -990,3 +990,26 @@ def test_a_parameter_added_after_the_engine_is_built_is_refused_naming_it(tmp_pa
     with pytest.raises(ConfigError, match=rf"{name} was added after the engine was built.*before building"):
         engine(torch.randint(0, 128, (2, 16)))
     engine.close()
+
+
+@pytest.mark.parametrize("then_norm", [False, True], ids=["value", "value-then-norm"])
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_clip_grad_value_is_pytorchs(tmp_path, then_norm, fits):
+    """``torch.nn.utils.clip_grad_value_(model.parameters(), v)`` raised (the gradients are in the
+    store), and the engine had nothing in its place: a loop that clips by value could not move.
+    ``engine.clip_grad_value_(v)`` clamps every gradient as PyTorch does, before a norm clip too."""
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        plain_loss(ref, x).backward()
+        engine.backward(plain_loss(engine, x))
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+        engine.clip_grad_value_(1e-3)
+        if then_norm:
+            assert torch.equal(engine.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+        engine.zero_grad()
+    _goes_on_as_pytorch(engine, ref, opt, g)

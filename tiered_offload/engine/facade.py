@@ -377,6 +377,17 @@ class Engine(EngineViews):
 
     @_engine_time
     @_between_collectives
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient to ``[-clip_value, clip_value]``, as
+        ``torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)`` (a pass over them)."""
+        self._placement.set_phase(f"step {self.step_count + 1}, clipping")
+        self._streamer.unbind_rest()
+        self._await()
+        self._phase(Phase.CLIP)
+        self._gradients.clip_value(clip_value)
+
+    @_engine_time
+    @_between_collectives
     def step(self) -> bool:
         """Apply one optimizer update to every parameter that has a gradient. Returns False if the
         step was skipped (non-finite).
@@ -463,20 +474,6 @@ class Engine(EngineViews):
         return self._commits.wait()
 
     # ---- inspection and export ------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
-        self._streamer.unbind_rest()
-        self._await()
-        self._placement.set_phase(f"named_parameters() after step {self.step_count}")
-        yield from self._placement.parameters(self.store, self.units, self.binding.param_order)
-
-    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of every module buffer (BatchNorm statistics, counters), as
-        ``model.named_buffers()`` would give them, copied to the CPU."""
-        self._await()
-        for name, mod, attr, _ in self.binding.buffers:
-            yield name, mod._buffers[attr].detach().to("cpu", copy=True)
-
     def export_safetensors(self, out: str | os.PathLike, max_shard_size: int | str = "2GB") -> list:
         """Write the current weights as Hugging Face sharded safetensors in ``out``, streaming.
 

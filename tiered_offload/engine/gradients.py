@@ -67,6 +67,18 @@ class Gradients:
         self.scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
 
+    def clip_value(self, clip_value: float) -> None:
+        """Clamp every gradient buffer to ``[-clip_value, clip_value]`` in place, after a pending
+        norm clip's scale (PyTorch's would have scaled them already)."""
+        if self.scale is not None and float(self.scale) != 1.0:
+            self._scale_all(self.scale)
+        self.scale = None
+        for unit in self.binding.units:
+            key = self.placement.grad_key(unit)
+            if key:
+                with self.store.hold(key, dirty=True) as grad:
+                    grad.clamp_(-clip_value, clip_value)
+
     def _scale_all(self, scale: torch.Tensor) -> None:
         """Every gradient buffer times ``scale``, in place (their cached norms go stale with them)."""
         for unit in self.binding.units:

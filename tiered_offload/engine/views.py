@@ -1,12 +1,15 @@
 """What an :class:`~tiered_offload.engine.facade.Engine` tells about itself: its sizes (the state,
 the minimum budget, the commit window, the ranks), the training state besides tensors, the plan,
-``stats()``, and the step timeline. Read-only views over the parts the facade wires (a base
+``stats()``, the weights and buffers (copies, read one at a time) and the step timeline. Read-only views over the parts the facade wires (a base
 class of the engine: the split is by concern, the state stays the parts')."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Iterator
+
+import torch
 
 from offload_core.errors import TieredOffloadError
 from tiered_offload.checkpoint.session import JournalCommits
@@ -133,6 +136,21 @@ class EngineViews:
         """The store's counters (bytes per tier, hits, waits) and, per training step, the disk
         bytes read and written (per parameter too), the step time and the I/O bound."""
         return self._monitor.stats()
+
+    # ---- the weights and buffers, read -------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
+        self._streamer.unbind_rest()
+        self._await()
+        self._placement.set_phase(f"named_parameters() after step {self.step_count}")
+        yield from self._placement.parameters(self.store, self.units, self.binding.param_order)
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every module buffer (BatchNorm statistics, counters), as
+        ``model.named_buffers()`` would give them, copied to the CPU."""
+        self._await()
+        for name, mod, attr, _ in self.binding.buffers:
+            yield name, mod._buffers[attr].detach().to("cpu", copy=True)
 
     # ---- the timeline ---------------------------------------------------------------------
     def _attach_tracer(self, tracer: Tracer | None) -> None:
