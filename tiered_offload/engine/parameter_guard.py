@@ -46,7 +46,8 @@ class GradInStore(torch.Tensor):
             return super().__torch_function__(func, types, args, kwargs or {})
         raise TensorStateError(
             "this parameter's gradient lives in the engine's store, not in .grad: clip with "
-            "engine.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_ over model.parameters()), "
+            "engine.clip_grad_norm_(max_norm) or engine.clip_grad_value_(v) (not torch.nn.utils' over "
+            "model.parameters()), "
             "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters(). A "
             "torch.amp.GradScaler cannot unscale them: autocast to torch.bfloat16, which needs no loss scaling")
 
