@@ -799,6 +799,22 @@ def _goes_on_as_pytorch(engine, ref, opt, g):
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+def _steps_beside_pytorch(engine, ref, opt, clip):
+    """Three steps of the engine beside PyTorch's with ``clip(ref, engine)`` between the backward
+    and the step; then :func:`_goes_on_as_pytorch`."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        plain_loss(ref, x).backward()
+        engine.backward(plain_loss(engine, x))
+        clip(ref, engine)
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+        engine.zero_grad()
+    _goes_on_as_pytorch(engine, ref, opt, g)
+
+
 @pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
 def test_loss_backward_instead_of_engine_backward_is_a_clear_error(tmp_path, fits):
     """``loss.backward()`` (a PyTorch loop's habit) instead of ``engine.backward(loss)``: the
@@ -957,20 +973,11 @@ def test_clipping_twice_in_a_step_is_pytorchs_twice(tmp_path, first, fits):
     call's clipped gradients and scales them again. The engine's second call returned the norm
     before any clipping and scaled the step by the product of the two factors: other norms and
     other weights, silently. Now both calls return PyTorch's norms and the weights are its bits."""
-    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randint(0, 128, (2, 17), generator=g)
-        plain_loss(ref, x).backward()
-        engine.backward(plain_loss(engine, x))
+    def clip(ref, engine):
         for max_norm in (first, 0.1):
             expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
             assert torch.equal(engine.clip_grad_norm_(max_norm), expected)
-        opt.step()
-        opt.zero_grad()
-        engine.step()
-        engine.zero_grad()
-    _goes_on_as_pytorch(engine, ref, opt, g)
+    _steps_beside_pytorch(*_engine_beside_pytorch(tmp_path, fits), clip)
 
 
 @pytest.mark.parametrize("where", ["a new head", "inside a block"])
@@ -998,18 +1005,25 @@ def test_clip_grad_value_is_pytorchs(tmp_path, then_norm, fits):
     """``torch.nn.utils.clip_grad_value_(model.parameters(), v)`` raised (the gradients are in the
     store), and the engine had nothing in its place: a loop that clips by value could not move.
     ``engine.clip_grad_value_(v)`` clamps every gradient as PyTorch does, before a norm clip too."""
-    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randint(0, 128, (2, 17), generator=g)
-        plain_loss(ref, x).backward()
-        engine.backward(plain_loss(engine, x))
+    def clip(ref, engine):
         torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
         engine.clip_grad_value_(1e-3)
         if then_norm:
             assert torch.equal(engine.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
-        opt.step()
-        opt.zero_grad()
-        engine.step()
-        engine.zero_grad()
-    _goes_on_as_pytorch(engine, ref, opt, g)
+    _steps_beside_pytorch(*_engine_beside_pytorch(tmp_path, fits), clip)
+
+
+def test_a_device_named_with_or_without_its_index_trains(tmp_path):
+    """``device="cuda"`` gives placeholders on ``cuda:0``: the check for a parameter moved to another
+    device compared the two names and refused every forward. ``device="cpu:0"`` is the same case on
+    the CPU (tensors made there are on ``cpu``)."""
+    torch.manual_seed(0)
+    model = plain_gpt(4)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 3,
+                device="cpu:0") as engine:
+        for _ in range(2):
+            engine.backward(plain_loss(engine, torch.randint(0, 128, (2, 17))))
+            engine.step()
+            engine.zero_grad()
+        assert engine.step_count == 2

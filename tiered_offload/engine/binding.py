@@ -452,10 +452,11 @@ class ModelBinding:
         self.move_buffers()
 
     def check_call(self, *kwargs: dict) -> None:
-        """Before a forward with keyword arguments ``kwargs`` (one dict per call): no
-        ``requires_grad`` changed (:func:`check_requires_grad`), and no output recorded inside the
-        blocks is asked for that this transformers version records out of reach
-        (:meth:`RecordedOutputs.check`)."""
+        """Before a forward with keyword arguments ``kwargs`` (one dict per call): what user code
+        did to the parameters since the last call is allowed (:mod:`~tiered_offload.engine.parameter_guard`:
+        no ``requires_grad`` changed, no post-accumulate hook on a block's, no weight changed, no
+        parameter added), and no output recorded inside the blocks is asked for that this
+        transformers version records out of reach (:meth:`RecordedOutputs.check`)."""
         check_requires_grad(self)
         check_grad_hooks(self)
         check_untouched(self, self.blocks)

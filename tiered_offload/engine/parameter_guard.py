@@ -83,19 +83,21 @@ def check_requires_grad(binding) -> None:
                 f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
                 f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
 
+
 def check_untouched(binding, units) -> None:
     """Refuse a change to the units' parameters since they became placeholders (between the
     engine's calls): an in-place one (``nn.init``, a ``clamp_`` or ``copy_`` under no_grad), new
     data (``param.data = ...``) or a dtype or device (``model.to(...)``). Each would be made to
     an empty placeholder and lost, or make the next forward fail on mixed dtypes."""
+    home = binding.placeholder().device  # ("cuda" names cuda:0: compare with where placeholders are made)
     for unit in units:
         for slot in unit.params:
             p = slot.param
-            if p.dtype != torch.float32 or p.device != binding.device:
+            if p.dtype != torch.float32 or p.device != home:
                 raise ConfigError(
                     f"{slot.name} is now {str(p.dtype).removeprefix('torch.')} on {p.device} (model.to(), .half() "
                     f"after the engine was built): the engine keeps the training state in float32 on "
-                    f"{binding.device}. Compute in lower precision with torch.autocast; model.float() puts it back")
+                    f"{home}. Compute in lower precision with torch.autocast; model.float() puts it back")
             if p.numel() or p._version != slot.version:
                 slot.version = p._version  # (said once)
                 raise TensorStateError(
@@ -105,6 +107,7 @@ def check_untouched(binding, units) -> None:
                     f"init_from=DIR (an export) or by changing the model before the engine is built; a "
                     f"constraint on the weights trains as in PyTorch as a torch.nn.utils.parametrize "
                     f"parametrization")
+
 
 def check_no_new_parameters(binding) -> None:
     """Refuse a parameter the model holds that the engine was not built with (a module added or
