@@ -288,7 +288,12 @@ def kept_on_ctx(outputs, emptied, memory: torch.Tensor) -> list[str]:
     base = memory.untyped_storage().data_ptr()
 
     def unsafe(t) -> bool:
-        return isinstance(t, torch.Tensor) and (id(t) in ids or t.untyped_storage().data_ptr() == base)
+        if not isinstance(t, torch.Tensor):
+            return False
+        try:
+            return id(t) in ids or t.untyped_storage().data_ptr() == base
+        except (RuntimeError, NotImplementedError):  # a sparse or subclass tensor: no storage of the store's
+            return id(t) in ids
     found, seen, nodes = [], set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
     held = []  # (the nodes stay alive while walked: their ids stay theirs)
     while nodes:

@@ -43,13 +43,13 @@ class _Contents:
         self.entries = _entries(obj)
 
     def same(self, now) -> bool:
-        """Whether ``now`` is this object, holding the same entries (the same objects, in order)."""
+        """Whether ``now`` is this object, holding the same entries (the same objects, in order; an
+        equal one that is another object counts as a change, whose replay puts back the same value)."""
         if now is not self.obj:
             return False
         entries = _entries(now)
         return len(entries) == len(self.entries) and all(
-            (a[0] is b[0] or a[0] == b[0]) and a[1] is b[1] if isinstance(now, dict) else a is b
-            for a, b in zip(entries, self.entries))
+            a[0] is b[0] and a[1] is b[1] if isinstance(now, dict) else a is b for a, b in zip(entries, self.entries))
 
     def put(self, entries: list) -> None:
         """Make the object hold ``entries`` (in place)."""
