@@ -354,6 +354,9 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path):
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
     assert summary["runs_finished"] >= 1 and summary["runs_finished_identical"] == summary["runs_finished"], summary
+    # the README's bound on extra space is the state's files: offloaded activations spill to the disk
+    # only as far as the free space holds them, and more of them do when the disk is slow (a probe
+    # with a writer beside it: 0.32 with them, 0.24 without)
     assert summary["disk_overhead"] <= 0.25, summary
 
 

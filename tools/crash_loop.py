@@ -220,30 +220,39 @@ class _Output:
         return "".join(self._out), "".join(self._err)
 
 
-def _du(directory: Path) -> int:
-    total = 0
+def _du(directory: Path) -> tuple[int, int]:
+    """Bytes of the training state's files in ``directory``, and of the offloaded activations there
+    apart (the README's bound on extra space is the state's; activations spill only as far as the
+    free space holds them)."""
+    total = activations = 0
     for root, _dirs, files in os.walk(directory):
         if Path(root).name == ".tiered-offload":
             continue
         for f in files:
             try:
-                total += os.stat(os.path.join(root, f)).st_size
+                n = os.stat(os.path.join(root, f)).st_size
             except FileNotFoundError:
-                pass
-    return total
+                continue
+            if f.endswith("activations"):
+                activations += n
+            else:
+                total += n
+    return total, activations
 
 
-def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) -> tuple[Path, float, float, int, int, dict]:
+def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) -> tuple[Path, float, float, list, int, dict]:
     """An uninterrupted run: its weights file, its start-up time and duration, the peak disk usage
-    seen, the state's size, and a digest of the weights after every step."""
+    seen (``[the state's files, the offloaded activations]``: see :func:`_du`), the state's size, and
+    a digest of the weights after every step."""
     out = work / "reference.npz"
     d = work / "reference"
-    peak = [0]
+    peak = [0, 0]
     stop = threading.Event()
 
     def sample():
         while not stop.is_set():
-            peak[0] = max(peak[0], _du(d))
+            state_files, activations = _du(d)
+            peak[0], peak[1] = max(peak[0], state_files), max(peak[1], activations)
             time.sleep(0.002)
     t0 = time.perf_counter()
     proc = _launch(zygote, d, steps, layers, out, digests=True, **options)
@@ -271,7 +280,7 @@ def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) ->
     manifest = json.loads((d / ".tiered-offload" / "manifest.json").read_text().split(" ", 1)[1])
     weights_and_states = sum(t["nbytes"] for t in manifest["tensors"].values())
     state = weights_and_states // (1 + len(manifest["optimizer"]["states"])) * (2 + len(manifest["optimizer"]["states"]))
-    return out, boot, time.perf_counter() - t0, peak[0], state, digests
+    return out, boot, time.perf_counter() - t0, peak, state, digests
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -376,9 +385,9 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
 
 def _loop(zygote: Zygote, work: Path, kills: int, steps: int, layers: int, rng: random.Random, flip_bits: float,
           options: dict, log) -> dict:
-    ref_out, boot, duration, peak, state, ref_digests = reference(zygote, work, steps, layers, **options)
+    ref_out, boot, duration, (peak, spilled), state, ref_digests = reference(zygote, work, steps, layers, **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
-        f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%)")
+        f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%), offloaded activations at most {spilled} bytes")
     episode, done_kills, phases = 0, 0, {}
     resumes, identical_resumes, mismatches, resumed_at = 0, 0, [], set()
     finished, finished_identical = 0, 0
@@ -446,7 +455,8 @@ def _loop(zygote: Zygote, work: Path, kills: int, steps: int, layers: int, rng: 
             "resumes": resumes, "resumes_bitwise_identical": identical_resumes, "mismatched_resumes": mismatches,
             "identical": finished_identical == finished and not mismatches and not flips["bad"],
             "resumed_at_steps": sorted(resumed_at), "killed_after": phases, "state_bytes": state,
-            "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "uninterrupted_s": duration}
+            "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "activations_on_disk": spilled / state,
+            "uninterrupted_s": duration}
 
 
 def _flip_check(zygote: Zygote, d: Path, steps: int, layers: int, out: Path, options: dict, rng: random.Random, flips: dict,
@@ -540,7 +550,8 @@ def main() -> None:
               f"{summary['resumes_bitwise_identical']} of {summary['resumes']} starts resumed with weights bitwise "
               f"identical to the uninterrupted run's at that step; {summary['runs_finished_identical']} of "
               f"{summary['runs_finished']} runs ended bitwise identical to it; peak extra disk "
-              f"{100 * summary['disk_overhead']:.1f}% of the state")
+              f"{100 * summary['disk_overhead']:.1f}% of the state (and offloaded activations at most "
+              f"{100 * summary['activations_on_disk']:.1f}%)")
         if "bit_flips" in summary:
             f = summary["bit_flips"]
             print(f"{f['flipped']} bits flipped after a kill: {f['refused_typed']} starts refused with a typed error "
