@@ -1284,6 +1284,20 @@ def test_zero_grad_clears_what_pytorch_clears(tmp_path, loop):
     engine.close()
 
 
+def test_resize_token_embeddings_after_the_engine_is_built_is_refused_naming_the_way(tmp_path):
+    """Hugging Face's ``resize_token_embeddings`` after the engine was built (new tokens added to a
+    tokenizer mid-script) failed inside transformers with "ValueError: not enough values to unpack"
+    (it reads the embedding's placeholder). It is refused now, naming the way: resize first."""
+    model = make_llama()
+    with Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                host_memory=int(16 * sum(p.numel() for p in model.parameters()) * 0.4)) as engine:
+        with pytest.raises(ConfigError, match=r"resize_token_embeddings.*before building the engine"):
+            model.resize_token_embeddings(VOCAB + 8)
+        ids = torch.randint(0, VOCAB, (2, 9))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)  # training goes on
+        engine.step()
+
+
 def test_generate_between_training_steps_gives_pytorchs_tokens(tmp_path):
     """``model.generate()`` (greedy and sampled, with the key/value cache) on the engine's model gives
     the tokens PyTorch's gives on the same weights, and the training after it is PyTorch's."""

@@ -25,8 +25,8 @@ from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
 from tiered_offload.engine.parameter_guard import (GradInStore, check_grad_hooks, check_no_new_parameters,
-                                                  check_requires_grad, check_untouched, warn_of_forward_hooks,
-                                                  weights_in_store, weights_into_store)
+                                                  check_requires_grad, check_untouched, refuse_resizing,
+                                                  warn_of_forward_hooks, weights_in_store, weights_into_store)
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
 
@@ -595,6 +595,7 @@ class ModelBinding:
             def model_zero_grad(set_to_none: bool = True) -> None:  # a function: a deep copy shares it
                 zero_grad(set_to_none)
             self.model.zero_grad = model_zero_grad
+        refuse_resizing(self.model)
         for module in self.model.modules():
             module.register_state_dict_pre_hook(weights_in_store)
             module.register_load_state_dict_pre_hook(weights_into_store)

@@ -12,7 +12,8 @@ store, its ``.grad`` a :class:`GradInStore`):
   post-accumulate-grad hook on a streamed block's parameter (:func:`check_grad_hooks`), a
   parameter added after the engine was built (:func:`check_no_new_parameters`), a parameter
   changed in place, given new ``.data`` or another dtype or device
-  (:func:`check_untouched`), reading a ``.grad`` (:class:`GradInStore`), and the model's
+  (:func:`check_untouched`), Hugging Face's ``resize_token_embeddings`` (:func:`refuse_resizing`),
+  reading a ``.grad`` (:class:`GradInStore`), and the model's
   ``state_dict`` / ``load_state_dict`` (:func:`weights_in_store`, :func:`weights_into_store`).
 
 :meth:`~tiered_offload.engine.binding.ModelBinding.check_call` runs the checks before every forward.
@@ -26,8 +27,9 @@ import torch
 
 from offload_core.errors import ConfigError, TensorStateError
 
-__all__ = ["GradInStore", "check_grad_hooks", "check_no_new_parameters", "check_requires_grad", "check_untouched", "grad_hooks", "hook_leaves",
-           "run_grad_hooks", "warn_of_forward_hooks", "weights_in_store", "weights_into_store"]
+__all__ = ["GradInStore", "check_grad_hooks", "check_no_new_parameters", "check_requires_grad", "check_untouched",
+           "grad_hooks", "hook_leaves", "refuse_resizing", "run_grad_hooks", "warn_of_forward_hooks", "weights_in_store",
+           "weights_into_store"]
 
 
 class GradInStore(torch.Tensor):
@@ -122,6 +124,20 @@ def check_no_new_parameters(binding) -> None:
                 f"resize_token_embeddings): the engine lays its store out when it is built, so it would never train "
                 f"it. Change the model before building the engine; to keep what it trained: "
                 f"engine.export_safetensors(DIR), change the model, then a new engine with init_from=DIR")
+
+
+def refuse_resizing(model) -> None:
+    """A Hugging Face model's ``resize_token_embeddings`` becomes a refusal naming the way: it
+    replaces the embedding (a new parameter the store was not laid out for) and reads the old
+    one's placeholder on the way."""
+    if callable(getattr(model, "resize_token_embeddings", None)):
+        def resize_token_embeddings(*_args, **_kwargs):  # a function: a deep copy shares it
+            raise ConfigError(
+                f"{type(model).__name__}.resize_token_embeddings after the engine was built: the engine laid its "
+                f"store out for the embeddings it found. Resize (after adding tokens to the tokenizer) before "
+                f"building the engine; to keep what it trained: engine.export_safetensors(DIR), load it, resize, "
+                f"then a new engine with init_from=DIR")
+        model.resize_token_embeddings = resize_token_embeddings
 
 
 def check_grad_hooks(binding) -> None:
