@@ -11,7 +11,8 @@ commit itself) and restarts it until it finishes; then it starts over in a fresh
 ``--kills`` kills have landed. Every start prints a digest of the weights it resumed with, which
 must equal the uninterrupted run's at that step, and every finished run's weights must equal that
 run's final weights byte for byte. The driver also samples the disk usage of the uninterrupted run
-and reports the largest excess over the training state's size.
+and reports the largest excess of the state's files over the training state's size, and the most
+offloaded activations on the disk apart (they spill only as far as the free space holds them).
 
 Workers are forked from a *zygote*, a process that has imported torch and the library once (a
 fresh interpreter spends about 6 s on those imports, an optimizer's first construction included;
