@@ -2,6 +2,7 @@
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -1027,3 +1028,35 @@ def test_a_device_named_with_or_without_its_index_trains(tmp_path):
             engine.step()
             engine.zero_grad()
         assert engine.step_count == 2
+
+
+@pytest.mark.parametrize("call", ["a loss without a gradient", "a loss of several elements", "not a tensor",
+                                  "no micro-batch", "forward_backward under no_grad"])
+def test_what_engine_backward_cannot_take_is_a_typed_error_naming_it(tmp_path, call):
+    """A loss computed under ``torch.no_grad()`` (or from ``.detach()``) gave PyTorch's "element 0 of
+    tensors does not require grad"; the engine's own checks raised plain ``ValueError`` and
+    ``RuntimeError``. Each is now a :class:`TieredOffloadError` (still the builtin it was) that names
+    what was wrong, and training goes on as PyTorch's after it."""
+    from offload_core.errors import ModelInputError, TensorStateError, TieredOffloadError
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
+    x = torch.randint(0, 128, (2, 17))
+    with pytest.raises(TieredOffloadError) as caught:
+        if call == "a loss without a gradient":
+            with torch.no_grad():
+                loss = plain_loss(engine, x)
+            engine.backward(loss)
+        elif call == "a loss of several elements":
+            engine.backward(engine(x[:, :-1]))
+        elif call == "not a tensor":
+            engine.backward(3.0)
+        elif call == "no micro-batch":
+            engine.forward_backward([], lambda out, b: out.sum())
+        else:
+            with torch.no_grad():
+                engine.forward_backward([x[:, :-1]], lambda out, b: out.sum())
+    expected = {"a loss without a gradient": (ModelInputError, "does not require a gradient.*no_grad"),
+                "a loss of several elements": (ModelInputError, "scalar"), "not a tensor": (ModelInputError, "scalar"),
+                "no micro-batch": (ModelInputError, "at least one micro-batch"),
+                "forward_backward under no_grad": (TensorStateError, "outside torch.no_grad")}[call]
+    assert isinstance(caught.value, expected[0]) and re.search(expected[1], str(caught.value)), caught.value
+    _goes_on_as_pytorch(engine, ref, opt, torch.Generator().manual_seed(1))

@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from offload_core.errors import TensorStateError, TierCapacityError
+from offload_core.errors import ModelInputError, TensorStateError, TierCapacityError
 from tiered_offload.engine.activations import autocast_state, replay_autocast
 from tiered_offload.engine.rng_script import Expected, Recorder, RngScript, Streams, signature
 from tiered_offload.engine.schedule import Phase
@@ -284,9 +284,9 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     losses (detached), as the loop's ``loss.detach()``."""
     micro_batches = list(micro_batches)
     if not micro_batches:
-        raise ValueError("forward_backward needs at least one micro-batch")
+        raise ModelInputError("forward_backward needs at least one micro-batch")
     if not torch.is_grad_enabled():
-        raise RuntimeError("forward_backward computes gradients; call it outside torch.no_grad()")
+        raise TensorStateError("forward_backward computes gradients; call it outside torch.no_grad()")
     # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
     streamer = engine._streamer
     if len(micro_batches) == 1 or streamer.modes is None:
