@@ -640,6 +640,36 @@ def test_a_function_keeping_tensors_on_its_ctx_is_recomputed_where_the_planner_w
     assert modes == ["recompute"] * 4 and "ScaleOnCtx.w" in plan and "save_for_backward" in plan
 
 
+class InPlaceAfterSaveMLP(MLP):
+    """Changes in place a tensor its forward saved for backward: PyTorch's backward refuses it."""
+
+    def forward(self, x, route=None):
+        h = self.up(x)
+        g = h * h  # saves h
+        h.add_(1.0)
+        return self.down(g + h)
+
+
+def test_a_saved_tensor_changed_in_place_is_a_typed_error_as_pytorchs_backward_refuses_it(tmp_path):
+    """PyTorch's backward fails on a tensor saved for backward and then changed in place ("one of
+    the variables needed for gradient computation has been modified by an inplace operation").
+    With its graph kept, the engine sees it when the forward ends; it raised a plain RuntimeError,
+    now a ``TensorStateError`` (still a ``RuntimeError``) that says what to change."""
+    from offload_core.errors import TensorStateError
+    from tiered_offload import EngineConfig
+    from test_finetune import lm_loss
+    torch.manual_seed(0)
+    ref = TinyLM(lambda d: InPlaceAfterSaveMLP(d), d=32, layers=4)
+    ids = torch.randint(0, 64, (2, 9))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lm_loss(ref, ids).backward()
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    with Engine(ref, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(0.6 * state),
+                config=EngineConfig(activations="offload")) as engine:
+        with pytest.raises(TensorStateError, match="modified in place.*out-of-place"):
+            lm_loss(engine, ids)
+
+
 # ---- the user's hooks on parameters -----------------------------------------------------------------
 def hook_parameters(model):
     """Gradient hooks as users register them: a mask on the embedding's rows (the tokens a run

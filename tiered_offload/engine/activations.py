@@ -234,8 +234,8 @@ class SavedActivations:
             return
         for t, v in zip(self._copies, self._versions):
             if t._version != v:
-                raise RuntimeError("a tensor saved for backward was modified in place later in the same block's "
-                                   "forward; PyTorch would fail in backward too. Use an out-of-place operation")
+                raise TensorStateError("a tensor saved for backward was modified in place later in the same block's "
+                                       "forward; PyTorch would fail in backward too. Use an out-of-place operation")
         starts, self.nbytes = self._offsets()
         self._layout = list(zip(starts, self._handles))
         raw = store.create(key, (self.nbytes,), torch.uint8)
