@@ -324,12 +324,7 @@ class Engine(EngineViews):
     @_between_collectives
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ModelInputError("engine.backward needs a scalar tensor computed from the engine's output")
-        if not loss.requires_grad:
-            raise ModelInputError("the loss does not require a gradient: it was computed under torch.no_grad() or "
-                                  "torch.inference_mode(), or from detached tensors (.detach(), .item()); compute it "
-                                  "from the engine's output with gradients on")
+        _check_loss(loss)
         self._placement.set_phase(f"step {self.step_count + 1}, backward")
         # every rank backpropagates, or none does
         if not self._placement.all_agree(bool(torch.isfinite(loss.detach()).all()), "the losses' finiteness"):
@@ -536,6 +531,16 @@ class Engine(EngineViews):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_loss(loss) -> None:
+    """What ``engine.backward`` can take: a scalar tensor that requires a gradient."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ModelInputError("engine.backward needs a scalar tensor computed from the engine's output")
+    if not loss.requires_grad:
+        raise ModelInputError("the loss does not require a gradient: it was computed under torch.no_grad() or "
+                              "torch.inference_mode(), or from detached tensors (.detach(), .item()); compute it "
+                              "from the engine's output with gradients on")
 
 
 _open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
