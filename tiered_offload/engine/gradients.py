@@ -57,9 +57,7 @@ class Gradients:
         for the step. A second call sees the gradients as PyTorch's first in-place clipping left
         them: a pending scale other than 1 is applied to every gradient buffer first (a pass over
         them; a scale of 1, from a norm measured with ``inf`` or under the limit, changes no bit)."""
-        if self.scale is not None and float(self.scale) != 1.0:
-            self._scale_all(self.scale)
-        self.scale = None
+        self._settle_scale()
         total = self.placement.grad_norm(self.store, self.schedule, self.binding.param_order,
                                          self.streamer.grad_norms, norm_type)
         if total is None:
@@ -70,22 +68,23 @@ class Gradients:
     def clip_value(self, clip_value: float) -> None:
         """Clamp every gradient buffer to ``[-clip_value, clip_value]`` in place, after a pending
         norm clip's scale (PyTorch's would have scaled them already)."""
-        if self.scale is not None and float(self.scale) != 1.0:
-            self._scale_all(self.scale)
-        self.scale = None
-        for unit in self.binding.units:
-            key = self.placement.grad_key(unit)
-            if key:
-                with self.store.hold(key, dirty=True) as grad:
-                    grad.clamp_(-clip_value, clip_value)
+        self._settle_scale()
+        self._each_in_place(lambda grad: grad.clamp_(-clip_value, clip_value))
 
-    def _scale_all(self, scale: torch.Tensor) -> None:
-        """Every gradient buffer times ``scale``, in place (their cached norms go stale with them)."""
+    def _settle_scale(self) -> None:
+        """A pending clipping scale other than 1 applied to the gradients now, as PyTorch's in-place
+        clipping has left them for what comes next (a scale of 1 changes no bit: dropped)."""
+        scale, self.scale = self.scale, None
+        if scale is not None and float(scale) != 1.0:
+            self._each_in_place(lambda grad: grad.mul_(scale.to(grad.device)))
+
+    def _each_in_place(self, change) -> None:
+        """``change(grad)`` on every gradient buffer, in place (their cached norms go stale with them)."""
         for unit in self.binding.units:
             key = self.placement.grad_key(unit)
             if key:
                 with self.store.hold(key, dirty=True) as grad:
-                    grad.mul_(scale.to(grad.device))
+                    change(grad)
 
     def take_scale(self) -> torch.Tensor | None:
         """The step's scale (and it is used up); kept gradients are scaled now, as PyTorch leaves them."""
