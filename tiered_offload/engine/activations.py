@@ -41,7 +41,8 @@ import torch
 
 from offload_core.errors import TensorStateError
 
-__all__ = ["SavedActivations", "ALIGN", "autocast_state", "replay_autocast", "recomputing", "recompute_context"]
+__all__ = ["SavedActivations", "ALIGN", "autocast_state", "graph_nodes", "kept_on_ctx", "replay_autocast",
+           "recomputing", "recompute_context"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside the scratch buffer."""
@@ -294,22 +295,29 @@ def kept_on_ctx(outputs, emptied, memory: torch.Tensor) -> list[str]:
             return id(t) in ids or t.untyped_storage().data_ptr() == base
         except (RuntimeError, NotImplementedError):  # a sparse or subclass tensor: no storage of the store's
             return id(t) in ids
-    found, seen, nodes = [], set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
-    held = []  # (the nodes stay alive while walked: their ids stay theirs)
-    while nodes:
-        node = nodes.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        held.append(node)
+    found = []
+    for node in graph_nodes(t.grad_fn for t in outputs):
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             for name, value in vars(node).items():
                 values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
                     else (value,)
                 if any(unsafe(t) for t in values):
                     found.append(f"{type(node).__name__.removesuffix('Backward')}.{name}")
-        nodes.extend(fn for fn, _ in node.next_functions)
     return found
+
+
+def graph_nodes(roots):
+    """Every node of the autograd graph behind ``roots`` (``grad_fn`` s; None skipped), once each.
+    Every node's Python object is held through the walk: one let go would give its id to another."""
+    seen: dict[int, object] = {}
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        yield node
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
 
 
 def autocast_state(device: torch.device) -> list[tuple[str, torch.dtype, bool]]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from offload_core.errors import TensorStateError
+from tiered_offload.engine.activations import graph_nodes
 
 __all__ = ["SharedInputs", "SharedInput", "keep_non_differentiable"]
 
@@ -122,21 +123,13 @@ def _outside_users(root) -> dict:
     ``shared`` entries, its tensors' edges after the anchor's."""
     taken: dict[tuple[int, int], SharedInput] = {}
     edges: list[tuple[object, int, tuple[int, int]]] = []
-    # every node's Python object is held through the walk: one let go would give its id to another
-    seen: dict[int, object] = {}
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
+    for node in graph_nodes([root]):  # (holds the nodes alive while walked: the ids below stay theirs)
         nexts = node.next_functions
         shared = getattr(node, "shared", None) if isinstance(node, torch.autograd.function.BackwardCFunction) else None
         if shared is not None:
             taken.update(((id(fn), k), e) for (fn, k), e in zip(nexts[1:], shared) if e is not None and fn is not None)
         else:
             edges.extend((node, j, (id(fn), k)) for j, (fn, k) in enumerate(nexts) if fn is not None)
-        stack.extend(fn for fn, _ in nexts if fn is not None)
     users: dict = {}
     for node, j, key in edges:
         if key in taken:
