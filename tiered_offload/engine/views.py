@@ -1,7 +1,8 @@
 """What an :class:`~tiered_offload.engine.facade.Engine` tells about itself: its sizes (the state,
 the minimum budget, the commit window, the ranks), the training state besides tensors, the plan,
-``stats()``, the weights and buffers (copies, read one at a time) and the step timeline. Read-only views over the parts the facade wires (a base
-class of the engine: the split is by concern, the state stays the parts')."""
+``stats()``, the weights and buffers (copies, read one at a time) and the step timeline.
+Read-only views over the parts the facade wires (a base class of the engine: the split is by
+concern, the state stays the parts')."""
 
 from __future__ import annotations
 
