@@ -936,12 +936,13 @@ def test_what_the_engines_optimizer_cannot_honour_is_refused_naming_the_way(tmp_
 
 @pytest.mark.parametrize("edit", ["nn.init", "clamp_ under no_grad", "new .data", "model.to(bfloat16)"])
 @pytest.mark.parametrize("where", ["blocks.1.qkv.weight", "ln_f.weight"])
-def test_a_weight_changed_between_the_engines_calls_is_refused_at_the_next_forward(tmp_path, edit, where):
-    """Between the engine's calls a parameter holds an empty placeholder (its weights are in the
-    store): ``nn.init`` on it, a weight constraint clamped in place after ``step()``, new
-    ``.data``: each was made to nothing and training went on as if it had not happened (silently);
-    ``model.to(torch.bfloat16)`` failed in a matmul, blamed on the batch. The next forward now
-    refuses each, naming the parameter and the way."""
+def test_a_weight_changed_between_the_engines_calls_is_refused_naming_it(tmp_path, edit, where):
+    """Between the engine's calls a parameter holds a placeholder (its weights are in the store):
+    ``nn.init`` on it, a weight constraint clamped in place after ``step()``, new ``.data``: each
+    was made to nothing and training went on as if it had not happened (silently);
+    ``model.to(torch.bfloat16)`` failed in a matmul, blamed on the batch. An in-place change is now
+    refused where it is made, new data and another dtype at the next forward, each naming the
+    parameter and the way."""
     from offload_core.errors import TensorStateError
     engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
     model = engine.model
@@ -951,11 +952,13 @@ def test_a_weight_changed_between_the_engines_calls_is_refused_at_the_next_forwa
     engine.zero_grad()
     p = model.get_parameter(where)
     with torch.no_grad():
-        if edit == "nn.init":
-            nn.init.normal_(p)
-        elif edit == "clamp_ under no_grad":
-            p.clamp_(-0.01, 0.01)
-        elif edit == "new .data":
+        if edit in ("nn.init", "clamp_ under no_grad"):
+            with pytest.raises(TensorStateError, match=rf"{where}: (normal_|clamp_) changes its values.*lost.*"
+                                                         rf"init_from.*parametriz"):
+                nn.init.normal_(p) if edit == "nn.init" else p.clamp_(-0.01, 0.01)
+            engine.close()
+            return
+        if edit == "new .data":
             p.data = torch.zeros(ref.get_parameter(where).shape)
         else:
             model.to(torch.bfloat16)
@@ -964,6 +967,76 @@ def test_a_weight_changed_between_the_engines_calls_is_refused_at_the_next_forwa
     with pytest.raises(error, match=match):
         engine(x[:, :-1])
     engine.close()
+
+
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_model_parameters_lists_every_parameter_with_its_name_and_shape(tmp_path, fits):
+    """``model.parameters()`` of the engine's model listed the parameters outside the streamed
+    blocks only, each of shape ``[0]``: a parameter count (``sum(p.numel() ...)``, Hugging Face's
+    ``num_parameters()``, a "trainable parameters" log line) said 0, silently. It now lists every
+    parameter, by the names and in the order of the model before, each with its shape, dtype and
+    ``requires_grad``; its values stay in the store (next test)."""
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits)
+    ref.blocks[1].fc.weight.requires_grad_(False)
+    engine.model.blocks[1].fc.weight.requires_grad_(False)  # (refused at the next forward: only the listing here)
+    before = [(n, p.shape, p.dtype, p.requires_grad) for n, p in ref.named_parameters()]
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in engine.model.named_parameters()] == before
+    assert sum(p.numel() for p in engine.model.parameters()) == sum(p.numel() for p in ref.parameters())
+    assert all(isinstance(p, nn.Parameter) for p in engine.model.parameters())
+    engine.close()
+
+
+def test_moving_the_model_moves_placeholders_and_float_puts_it_back(tmp_path):
+    """``model.to(torch.bfloat16)`` between the engine's calls gives each parameter a placeholder of
+    that dtype (one element: nothing of the model's size is allocated); ``model.float()`` and a
+    ``model.to("cpu")`` that changes nothing put it back, and training goes on as PyTorch's."""
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
+    model = engine.model
+    model.to(torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(set(p.stride()) <= {0} for p in model.parameters())  # (expanded: one element each)
+    model.float()
+    model.to("cpu")
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+    _goes_on_as_pytorch(engine, ref, opt, torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("use", ["an L2 penalty over model.parameters()", "parameters_to_vector", "an EMA's copy",
+                                 "p.data", "the head's weight outside the forward", "print"])
+@pytest.mark.parametrize("when", ["between the calls", "after the forward"])
+def test_a_parameters_values_read_outside_the_engine_are_refused_naming_it(tmp_path, use, when):
+    """Between the engine's calls a parameter holds no values (they are in the store), and a
+    streamed block's never does outside the block's forward. An L2 penalty summed over
+    ``model.parameters()`` after the forward summed the rest's weights and left the blocks' out;
+    before it, it was 0. An EMA copying the parameters copied empty tensors, and the embedding's
+    weight read for a tied output outside the forward was empty too. Each went on silently. Each
+    is now a TensorStateError that names the parameter and the way; training goes on as
+    PyTorch's after it."""
+    from offload_core.errors import TensorStateError
+    engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
+    model = engine.model
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (2, 17), generator=g)
+    reads = {
+        "an L2 penalty over model.parameters()": lambda: sum(p.pow(2).sum() for p in model.parameters()),
+        "parameters_to_vector": lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
+        "an EMA's copy": lambda: {n: p.detach().clone() for n, p in model.named_parameters()},
+        "p.data": lambda: [p.data.norm() for p in model.parameters()],
+        "the head's weight outside the forward": lambda: x.float() @ model.blocks[0].qkv.weight[:17],
+        "print": lambda: [repr(p) for p in model.parameters()],
+    }
+    out = engine(x[:, :-1]) if when == "after the forward" else None
+    first = "blocks.0.qkv.weight" if use == "the head's weight outside the forward" else \
+        "tok.weight" if when == "between the calls" else "blocks.0.ln1.weight"
+    with pytest.raises(TensorStateError, match=rf"{re.escape(first)}.*store.*engine.named_parameters"):
+        reads[use]()
+    if out is not None:
+        engine.backward(F.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()))
+        plain_loss(ref, x).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.step()
+    _goes_on_as_pytorch(engine, ref, opt, g)
 
 
 @pytest.mark.parametrize("first", [float("inf"), 0.5], ids=["measure-then-clip", "clip-twice"])

@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
-from tiered_offload.engine.parameter_guard import (GradInStore, check_grad_hooks, check_no_new_parameters,
+from tiered_offload.engine.parameter_guard import (GradInStore, bind, unbind, check_grad_hooks, check_no_new_parameters,
                                                   check_requires_grad, check_untouched, refuse_resizing,
                                                   warn_of_forward_hooks, weights_in_store, weights_into_store)
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
@@ -59,6 +59,8 @@ class ParamSlot:
     version: int = 0
     """The parameter's autograd version when it last became a placeholder: an in-place change
     since (an init, a clamp) was made to nothing (:func:`~tiered_offload.engine.parameter_guard.check_untouched`)."""
+    held: torch.Tensor | None = None
+    """The placeholder it was last given (kept: new ``.data`` since is told by another address)."""
 
     @property
     def optimized(self) -> bool:
@@ -317,7 +319,8 @@ def closed_over(attr: str, value) -> list[tuple[str, Any]]:
 
 
 class _BlockProxy(nn.Module):
-    """Stands in the model's block sequence for block ``index``; the real block is not a submodule."""
+    """Stands in the model's block sequence for block ``index``; the real block is not a submodule,
+    its parameters are listed as the stand-in's (by their names in the block)."""
 
     def __init__(self, forward: Callable[[int, tuple, dict], Any], index: int, real: nn.Module):
         super().__init__()
@@ -338,8 +341,8 @@ class _BlockProxy(nn.Module):
     def __getattr__(self, name: str):
         """An attribute the stand-in does not have is the real block's: a model's forward may read
         its blocks' (``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first``, Gemma a
-        layer's ``self_attn.is_kv_shared_layer``). Its parameters read so are empty placeholders:
-        their values live in the store (``engine.named_parameters()``)."""
+        layer's ``self_attn.is_kv_shared_layer``). Its parameters read so are placeholders that
+        refuse reads of their values: those live in the store (``engine.named_parameters()``)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -441,15 +444,28 @@ class ModelBinding:
         return any(p.device.type == "meta" for p in self.model.parameters())
 
     def release_parameters(self) -> None:
-        """The store holds the weights now: parameters become empty (real, not meta) tensors."""
+        """The store holds the weights now: parameters become placeholders (real, not meta)."""
         if self.on_meta:
             self.replace_meta_parameters()
         for unit in self.units:
             for slot in unit.params:
-                slot.param.data = self.placeholder()
-                slot.version = slot.param._version
-                self.grad_in_store(slot)
+                self.hold_placeholder(slot)
         self.move_buffers()
+
+    def hold_placeholder(self, slot: ParamSlot) -> None:
+        """``slot``'s parameter gives up its weights (they are in the store): it holds a placeholder
+        of its shape, refuses reads of its values (:func:`~tiered_offload.engine.parameter_guard.unbind`),
+        and its ``.grad`` is a :class:`GradInStore`."""
+        slot.param.grad = None
+        slot.param.data = slot.held = self.placeholder(slot.shape)
+        slot.version = slot.param._version
+        unbind(slot.param, slot.name)
+        self.grad_in_store(slot)
+
+    def hold_weights(self, slot: ParamSlot, weights: torch.Tensor) -> None:
+        """``slot``'s parameter holds ``weights`` (a view of its unit's buffer) until :meth:`hold_placeholder`."""
+        bind(slot.param)
+        slot.param.data = weights
 
     def check_call(self, *kwargs: dict) -> None:
         """Before a forward with keyword arguments ``kwargs`` (one dict per call): what user code
@@ -469,18 +485,19 @@ class ModelBinding:
         (the parameter holds its placeholder): code that uses it (``clip_grad_norm_`` over
         ``model.parameters()``, a gradient norm for a log) gets an error that says where it is."""
         if slot.requires_grad:
-            slot.param.grad = torch.Tensor._make_subclass(GradInStore, self.placeholder())
+            slot.param.grad = torch.Tensor._make_subclass(GradInStore, self.placeholder(slot.shape))
 
-    def placeholder(self) -> torch.Tensor:
-        """What an unbound parameter holds: no memory (its real value lives in the store)."""
-        return torch.empty(0, device=self.device)
+    def placeholder(self, shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """What an unbound parameter holds: one element expanded to its shape (its real value lives
+        in the store), so that its shape and ``numel()`` are the parameter's."""
+        return torch.zeros((), device=self.device).expand(shape)
 
     def replace_meta_parameters(self) -> None:
         """Swap meta parameters for real (empty) ones: a meta tensor's data cannot be rebound later."""
         new: dict[int, nn.Parameter] = {}
         for unit in self.units:
             for slot in unit.params:
-                p = new[id(slot.param)] = nn.Parameter(self.placeholder(), requires_grad=slot.param.requires_grad)
+                p = new[id(slot.param)] = nn.Parameter(self.placeholder(slot.shape), requires_grad=slot.param.requires_grad)
                 if slot.param._backward_hooks:  # the user's gradient hooks stay theirs (the same dict: their
                     p._backward_hooks = slot.param._backward_hooks  # handles still remove them)
         for module in [self.model, *(u.module for u in self.blocks)]:
@@ -602,7 +619,10 @@ class ModelBinding:
         for unit in self.blocks:
             parent_name, _, attr = unit.qualname.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
+            proxy = parent._modules[attr] = _BlockProxy(forward, unit.index, unit.module)
+            # the block's parameters, listed where the block was (model.parameters(), a count):
+            # placeholders of their shapes whose values are the store's (parameter_guard.unbind)
+            proxy._parameters.update(unit.module.named_parameters())
         _forget_output_capture(self.model, self.blocks)
         warn_of_forward_hooks(self.blocks)
         self.recorded = RecordedOutputs(self.model, [u.module for u in self.blocks])  # (hooks of its own)

@@ -1,14 +1,19 @@
 """What the user's code may do to the model's parameters while the engine holds their weights, and
 what it may not: the rules at the boundary between the model the user holds and the store.
 
-Between the engine's calls each parameter holds an empty placeholder (its weights are in the
-store, its ``.grad`` a :class:`GradInStore`):
+Between the engine's calls each parameter holds a placeholder of its shape (one element, expanded;
+its weights are in the store, its ``.grad`` a :class:`GradInStore`), and a streamed block's does
+outside the block's forward too (the forward runs on leaves of the engine's own):
 
 * **honoured**: gradient hooks (``param.register_hook``), put on the leaves that stand for a
   streamed block's parameters in each backward (:func:`hook_leaves`; on a repeated block's summed
   gradients, :func:`run_grad_hooks`); forward hooks run again in a recompute, which the engine says
   at build time (:func:`warn_of_forward_hooks`);
-* **refused, naming the way**: a changed ``requires_grad`` (:func:`check_requires_grad`), a
+* **refused where it happens, naming the parameter**: reading or changing its values (an op on it,
+  ``.data``, a copy, ``print``: a penalty summed over ``model.parameters()``, an EMA, ``nn.init``):
+  :func:`unbind` gives it a class that says so (:class:`_Unbound`); its shape, dtype, ``requires_grad``,
+  hooks and ``.grad`` read as before, and ``model.to()`` moves its placeholder;
+* **refused at the next forward, naming the way**: a changed ``requires_grad`` (:func:`check_requires_grad`), a
   post-accumulate-grad hook on a streamed block's parameter (:func:`check_grad_hooks`), a
   parameter added after the engine was built (:func:`check_no_new_parameters`), a parameter
   changed in place, given new ``.data`` or another dtype or device
@@ -27,9 +32,28 @@ import torch
 
 from offload_core.errors import ConfigError, TensorStateError
 
-__all__ = ["GradInStore", "check_grad_hooks", "check_no_new_parameters", "check_requires_grad", "check_untouched",
-           "grad_hooks", "hook_leaves", "refuse_resizing", "run_grad_hooks", "warn_of_forward_hooks", "weights_in_store",
-           "weights_into_store"]
+__all__ = ["GradInStore", "bind", "check_grad_hooks", "check_no_new_parameters", "check_requires_grad", "check_untouched",
+           "grad_hooks", "hook_leaves", "refuse_resizing", "run_grad_hooks", "unbind", "warn_of_forward_hooks",
+           "weights_in_store", "weights_into_store"]
+
+
+_MOVES = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type"})
+"""Calls that give a tensor another dtype or device (``model.to()``, ``.half()``): on a placeholder
+they give a placeholder of that dtype or device, not the whole tensor materialised."""
+
+
+def _moved(func, args, kwargs):
+    """``func`` (one of :data:`_MOVES`) applied to the placeholder ``args[0]``: ``args[0]`` itself
+    where nothing changes (as PyTorch returns the tensor itself), else a placeholder of the new
+    dtype or device and the same shape (one element, expanded)."""
+    t = args[0]
+    one = torch._C._disabled_torch_function_impl(func, (torch.Tensor,), (torch.zeros((), dtype=t.dtype, device=t.device),
+                                                                         *args[1:]), kwargs)
+    if not isinstance(one, torch.Tensor) or (one.dtype == t.dtype and one.device == t.device):
+        return torch._C._disabled_torch_function_impl(func, (torch.Tensor,), args, kwargs)
+    if isinstance(t, _Unbound):  # (check_untouched tells this placeholder from new data)
+        t._tiered_offload_moved = one
+    return one.expand(t.shape)
 
 
 class GradInStore(torch.Tensor):
@@ -37,14 +61,18 @@ class GradInStore(torch.Tensor):
     :meth:`~tiered_offload.engine.binding.ModelBinding.grad_in_store`): reading its values is a TensorStateError. What modules
     do to every parameter's ``.grad`` (``model.to()``, ``.float()``, a deep copy) still works."""
 
-    _MOVES = {"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type", "detach", "requires_grad_",
-              "_has_compatible_shallow_copy_type", "__deepcopy__", "__reduce_ex__", "__get__", "__set__", "clone",
-              "device", "dtype", "shape", "requires_grad", "is_sparse", "grad_fn", "is_leaf", "size", "dim",
-              "is_floating_point", "is_complex", "element_size", "numel", "nelement", "is_contiguous", "stride"}
+    _ALLOWED = {"detach", "requires_grad_", "_has_compatible_shallow_copy_type", "__deepcopy__", "__reduce_ex__",
+                "__get__", "__set__", "clone", "device", "dtype", "shape", "requires_grad", "is_sparse", "grad_fn",
+                "is_leaf", "size", "dim", "is_floating_point", "is_complex", "element_size", "numel", "nelement",
+                "is_contiguous", "stride"}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in cls._MOVES:
+        name = getattr(func, "__name__", "")
+        if name in _MOVES or name == "clone":  # (a placeholder of the parameter's shape: nothing materialised)
+            moved = _moved(func, args, kwargs or {}) if name != "clone" else args[0].detach()
+            return moved if isinstance(moved, GradInStore) else torch.Tensor._make_subclass(GradInStore, moved)
+        if name in cls._ALLOWED:
             return super().__torch_function__(func, types, args, kwargs or {})
         raise TensorStateError(
             "this parameter's gradient lives in the engine's store, not in .grad: clip with "
@@ -52,6 +80,83 @@ class GradInStore(torch.Tensor):
             "model.parameters()), "
             "forget gradients with engine.zero_grad(), and read weights with engine.named_parameters(). A "
             "torch.amp.GradScaler cannot unscale them: autocast to torch.bfloat16, which needs no loss scaling")
+
+
+class _Unbound:
+    """Mixed into a parameter's class while it holds a placeholder (:func:`unbind`): its shape,
+    dtype, device, ``requires_grad``, hooks and ``.grad`` are as before, and ``model.to()`` moves
+    it; any read of its values (an op on it, ``.data``, a copy, ``print``) is a TensorStateError
+    that names it. The values are in the store, and the placeholder (one element, expanded to the
+    shape) would give zeros."""
+
+    _METHODS = frozenset({"__set__", "size", "dim", "numel", "nelement", "element_size", "is_floating_point",
+                          "is_complex", "is_contiguous", "stride", "data_ptr", "requires_grad_", "register_hook",
+                          "register_post_accumulate_grad_hook", "_has_compatible_shallow_copy_type", "get_device",
+                          "__hash__", "__len__"})
+    _PROPERTIES = frozenset({"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "_version",
+                             "ndim", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+                             "is_mps", "is_xpu", "is_nested", "itemsize", "nbytes", "_backward_hooks",
+                             "_post_accumulate_grad_hooks", "output_nr", "names", "_base", "is_mkldnn"})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            allowed = getattr(getattr(func, "__self__", None), "__name__", "") in cls._PROPERTIES
+        else:
+            allowed = name in cls._METHODS
+        if allowed:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        if name in _MOVES:
+            return _moved(func, args, kwargs)
+        what = getattr(getattr(func, "__self__", None), "__name__", "") if name == "__get__" else name
+        given = (*args, *kwargs.values())  # (nn.init passes the tensor by keyword)
+        held = next((a for a in (*given, *(x for a in given if isinstance(a, (list, tuple)) for x in a))
+                     if isinstance(a, _Unbound)), None)
+        raise TensorStateError(_unbound_use(getattr(held, "_tiered_offload_name", "a parameter"), what or str(func)))
+
+    def __deepcopy__(self, memo):
+        raise TensorStateError(_unbound_use(self._tiered_offload_name, "__deepcopy__"))
+
+    def __reduce_ex__(self, protocol):
+        raise TensorStateError(_unbound_use(self._tiered_offload_name, "__reduce_ex__"))
+
+
+def _unbound_use(name: str, what: str) -> str:
+    """The error for ``what`` (an op, ``data``) on the unbound parameter ``name``."""
+    where = ("outside the engine's calls (a streamed block's weights are there only inside its forward): they live in "
+             "the engine's store, and the parameter holds a placeholder of its shape")
+    if what in ("__deepcopy__", "__reduce_ex__", "__reduce__"):
+        return (f"{name}: a copy of it (copy.deepcopy, torch.save, pickle) {where}, so the copy would hold no weights. "
+                f"Read them with engine.named_parameters(); a copy of the model: engine.export_safetensors(DIR), "
+                f"then from_pretrained(DIR) (or init_from=DIR)")
+    if what.endswith("_") and not what.startswith("__"):
+        return (f"{name}: {what} changes its values {where}, so the change would be lost. Start from other weights "
+                f"with init_from=DIR (an export) or by changing the model before the engine is built; a "
+                f"constraint on the weights trains as in PyTorch as a torch.nn.utils.parametrize parametrization")
+    return (f"{name}: {what} reads its values {where}. Read weights with engine.named_parameters() (an EMA, a "
+            f"log); a penalty on a block's weights: compute it in the block's forward (README)")
+
+
+_UNBOUND: dict[type, type] = {}
+
+
+def unbind(param: torch.nn.Parameter, name: str) -> None:
+    """Make ``param`` (holding its placeholder) refuse reads of its values, naming it ``name``."""
+    cls = type(param)
+    if issubclass(cls, _Unbound):
+        return
+    if cls not in _UNBOUND:
+        _UNBOUND[cls] = type(f"Unbound{cls.__name__}", (_Unbound, cls), {"_tiered_offload_class": cls})
+    param._tiered_offload_name = name
+    param.__class__ = _UNBOUND[cls]
+
+
+def bind(param: torch.nn.Parameter) -> None:
+    """Give ``param`` its own class back (it is about to hold its weights)."""
+    if isinstance(param, _Unbound):
+        param.__class__ = type(param)._tiered_offload_class
 
 
 def weights_in_store(module, prefix, keep_vars) -> None:
@@ -100,7 +205,8 @@ def check_untouched(binding, units) -> None:
                     f"{slot.name} is now {str(p.dtype).removeprefix('torch.')} on {p.device} (model.to(), .half() "
                     f"after the engine was built): the engine keeps the training state in float32 on "
                     f"{home}. Compute in lower precision with torch.autocast; model.float() puts it back")
-            if p.numel() or p._version != slot.version:
+            moved = getattr(p, "_tiered_offload_moved", slot.held)  # (model.to(): a placeholder too)
+            if p.data_ptr() not in (slot.held.data_ptr(), moved.data_ptr()) or p._version != slot.version:
                 slot.version = p._version  # (said once)
                 raise TensorStateError(
                     f"{slot.name} was changed after the engine was built (in place, or new .data): its weights "

@@ -268,7 +268,7 @@ class BlockStreamer:
         rest = self.rest
         flat, gflat, _ = self.full.acquire(rest, grad=True)
         for slot in rest.params:
-            slot.param.data = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self.binding.hold_weights(slot, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
         if gflat is not None:
             self.point_rest_grads(gflat)
         self._rest_grad = gflat
@@ -296,10 +296,7 @@ class BlockStreamer:
             self.gradients_done(self.rest, self._rest_grad)
         self._backward_ran = False
         for slot in self.rest.params:
-            slot.param.grad = None
-            slot.param.data = self.binding.placeholder()
-            slot.version = slot.param._version
-            self.binding.grad_in_store(slot)
+            self.binding.hold_placeholder(slot)
         self.full.release(self.rest, grad=True)
         self._rest_bound = False
         self._rest_grad = None
