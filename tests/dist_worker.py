@@ -34,6 +34,10 @@ def build(cfg: dict):
     if cfg.get("frozen"):
         for p in model.blocks[1].parameters():  # a frozen block
             p.requires_grad_(False)
+    if cfg.get("hooks"):  # gradient hooks: a block's weight scaled, the embedding's upper rows masked
+        model.blocks[2].qkv.weight.register_hook(lambda g: g * 0.5)
+        rows = (torch.arange(VOCAB) < VOCAB // 2).float()[:, None]
+        model.tok.weight.register_hook(lambda g: g * rows)
     return model
 
 
@@ -161,6 +165,8 @@ def main() -> int:
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             engine.backward(loss)
             losses.append(loss.item())
+        if cfg.get("clip_value"):
+            engine.clip_grad_value_(cfg["clip_value"])
         if cfg.get("clip"):
             engine.clip_grad_norm_(cfg["clip"])
         engine.step()

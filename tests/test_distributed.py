@@ -88,6 +88,8 @@ def reference(world: int, cfg: dict):
             moe = cfg.get("model") == "moe"
             loss = sum(loss_of(model, batch(step, micro, r), moe) for r in range(world)) / world / cfg["accumulate"]
             loss.backward()
+        if cfg.get("clip_value"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), cfg["clip_value"])
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
@@ -132,6 +134,27 @@ def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
     assert sum(r["local_state_bytes"] for r in results) >= state
     # the ranks' losses are their own batches' (they differ), all finite
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+def test_sharded_gradient_hooks_and_clipping_by_value_match_one_process(fused, tmp_path):
+    """Gradient hooks on parameters (a block's weight scaled, the embedding's upper rows masked: each
+    rank's hooks run on its own gradients before they are reduced, as under DistributedDataParallel)
+    and ``clip_grad_value_`` before ``clip_grad_norm_`` (each rank clamps its slice of the reduced
+    gradients): the weights are one process's, up to the order of the ranks' sums (the test above)."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 3, "accumulate": 2, "clip": 0.5, "clip_value": 2e-3,
+           "hooks": True, "fused": fused}
+    model = build(cfg)
+    cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in model.parameters()) / 2)
+    got = launch(2, tmp_path, cfg)[0]["weights"]
+    expected = reference(2, cfg)
+    without = reference(2, dict(cfg, hooks=False, clip_value=None))
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+    # the hooks and the clamp changed what trained, far beyond that tolerance
+    for name in ("tok.weight", "blocks.2.qkv.weight", "blocks.4.fc.weight"):
+        assert (expected[name] - without[name]).abs().max() > 1e-3 * expected[name].abs().max(), name
 
 
 def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_the_loop(tmp_path):
