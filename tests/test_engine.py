@@ -1039,6 +1039,62 @@ def test_a_parameters_values_read_outside_the_engine_are_refused_naming_it(tmp_p
     _goes_on_as_pytorch(engine, ref, opt, g)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "keep", "offload", "fits"])
+def test_an_input_gradient_through_the_blocks_is_pytorchs_and_adds_to_no_weight(tmp_path, mode):
+    """``torch.autograd.grad(loss, inputs)`` through the streamed blocks (a saliency map, an
+    adversarial example: FGSM on the embeddings) was refused as "a gradient arrived outside
+    engine.backward", after the blocks had added their weights' gradients. PyTorch adds into no
+    ``.grad`` there. Now the blocks give the inputs' gradients alone, bitwise PyTorch's, and the
+    training step after it (a second forward, on the perturbed embeddings) is PyTorch's, bitwise.
+    A second backward through a streamed forward (``retain_graph=True``) is refused, typed."""
+    from offload_core.errors import TensorStateError
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    emb, noise = {}, {}
+
+    def perturb(module, args, out):  # the embeddings: kept for the gradient, perturbed if asked
+        emb["out"] = out
+        return out + noise["d"] if "d" in noise else out
+    for m in (ref, model):
+        m.tok.register_forward_hook(perturb)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=2 * state if mode == "fits" else state // 3,
+                    config=EngineConfig(activations="auto" if mode == "fits" else mode))
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        grads = []
+        for m in (ref, engine):
+            noise.clear()
+            gx, = torch.autograd.grad(plain_loss(m, x), emb["out"])
+            grads.append(gx)
+            noise["d"] = 0.01 * gx.sign()  # FGSM
+            loss = plain_loss(m, x)
+            if m is ref:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                engine.backward(loss)
+                engine.step()
+                engine.zero_grad()
+        assert torch.equal(grads[0], grads[1]), step
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+    noise.clear()
+    loss = plain_loss(engine, x)
+    torch.autograd.grad(loss, emb["out"], retain_graph=True)
+    if mode == "fits":  # PyTorch's own graph kept: a second backward through it is PyTorch's
+        engine.backward(loss)
+    else:
+        with pytest.raises(TensorStateError, match="second backward through one forward.*run the forward again"):
+            engine.backward(loss)
+    engine.close()
+
+
 @pytest.mark.parametrize("first", [float("inf"), 0.5], ids=["measure-then-clip", "clip-twice"])
 @pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
 def test_clipping_twice_in_a_step_is_pytorchs_twice(tmp_path, first, fits):

@@ -20,7 +20,7 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from offload_core.errors import ConfigError
+from offload_core.errors import ConfigError, TensorStateError
 from tiered_offload.engine.activations import kept_on_ctx
 from tiered_offload.engine.binding import call_block
 from tiered_offload.engine.block_attributes import changed_attributes, set_tensors, snapshot_attributes, tensor_attributes
@@ -77,6 +77,7 @@ class StreamedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        backward_once(ctx)
         ctx.engine.take_turn(("backward", ctx.index))
         needs = ctx.needs_input_grad[6:]
         input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, ctx.stash, ctx.handles, needs,
@@ -139,12 +140,28 @@ class StashedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        backward_once(ctx)
         ctx.engine.take_turn(("backward", ctx.index))
         pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
         input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs,
                                                   ctx.shared)
         ctx.outs = ctx.params = ctx.inputs = None
         return (None,) * 6 + tuple(input_grads)
+
+
+SECOND_BACKWARD = (
+    "a second backward through one forward: the engine keeps a forward's graph for one backward (it has no "
+    "retain_graph). Add the losses and call engine.backward(loss1 + loss2) once; for an input's gradient "
+    "(torch.autograd.grad) and then the training backward, run the forward again for the second; what a "
+    "backward added so far stays until engine.zero_grad()")
+
+
+def backward_once(ctx) -> None:
+    """Refuse a block node's second backward (a graph retained with ``retain_graph=True``): its
+    saved activations went with the first."""
+    if getattr(ctx, "backward_ran", False):
+        raise TensorStateError(SECOND_BACKWARD)
+    ctx.backward_ran = True
 
 
 def placeholder_of(t: torch.Tensor) -> torch.Tensor:

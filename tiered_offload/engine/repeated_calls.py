@@ -52,6 +52,13 @@ class RepeatedCalls:
         """Whether ``unit`` was called more than once since the last backward (of this micro-batch)."""
         return self._calls.get((self._context(), unit.index), 0) > 1
 
+    def consumed(self, unit) -> None:
+        """One call's backward ran adding into no gradient (``torch.autograd.grad``): that call no
+        longer counts."""
+        slot = (self._context(), unit.index)
+        if self._calls.get(slot, 0) > 0:
+            self._calls[slot] -= 1
+
     def before(self, unit, params: dict[str, torch.Tensor]) -> None:
         """Before one call's backward: the leaves' ``.grad`` is the sum so far (None for the first)."""
         if self.streamer.sharding is not None:

@@ -29,7 +29,7 @@ from tiered_offload.engine.activations import (SavedActivations, autocast_state,
                                                 replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
-from tiered_offload.engine.block_nodes import StashedBlock, StreamedBlock, placeholder_of, rebuild
+from tiered_offload.engine.block_nodes import SECOND_BACKWARD, StashedBlock, StreamedBlock, placeholder_of, rebuild
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -141,6 +141,7 @@ class BlockStreamer:
         # passed to every streamed block so autograd always records the block (and so calls its
         # backward for the weight gradients) even when none of its inputs requires grad
         self._anchor = torch.zeros((), requires_grad=True)
+        self._anchor_node = torch.autograd.graph.get_gradient_edge(self._anchor).node
         self._grad_hooks = [slot.param.register_post_accumulate_grad_hook(self.grad_arrived_hook(slot))
                             for slot in self.rest.params if slot.requires_grad]
 
@@ -196,10 +197,7 @@ class BlockStreamer:
         except RuntimeError as e:
             if "backward through the graph a second time" not in str(e):
                 raise
-            raise TensorStateError(
-                "a second backward through one forward: the engine keeps a forward's graph for one backward (it has "
-                "no retain_graph). Add the losses and call engine.backward(loss1 + loss2) once; what this one added "
-                "so far stays until engine.zero_grad()") from e
+            raise TensorStateError(SECOND_BACKWARD) from e
 
     def backward_done(self) -> None:
         """A backward on this thread succeeded: the summed calls' gradients go in (see
@@ -300,6 +298,19 @@ class BlockStreamer:
         self.full.release(self.rest, grad=True)
         self._rest_bound = False
         self._rest_grad = None
+
+    def adds_to_weights(self) -> bool:
+        """Whether the backward running now adds into gradients: ``engine.backward`` does (and
+        ``loss.backward()``, refused by :meth:`grad_arrived_hook`); ``torch.autograd.grad`` (an
+        input's gradient: a saliency map, an adversarial example) and a backward whose ``inputs=``
+        leave the weights out do not, as PyTorch adds into no ``.grad`` then. Told by whether
+        autograd will run the anchor's accumulator (every block node's input) in this backward."""
+        if self.in_backward:
+            return True
+        try:
+            return bool(torch._C._will_engine_execute_node(self._anchor_node))
+        except RuntimeError:  # (the anchor among autograd.grad's inputs: PyTorch does not say)
+            return False
 
     def grad_arrived_hook(self, slot: ParamSlot):
         """A hook autograd runs after accumulating into ``slot``'s gradient: from now on the
@@ -444,18 +455,18 @@ class BlockStreamer:
             self.modes[index] = "recompute"
 
     @contextlib.contextmanager
-    def backward_buffers(self, unit: Unit, stash: SavedActivations):
+    def backward_buffers(self, unit: Unit, stash: SavedActivations, grad: bool = True):
         """For a block's backward: its weight and gradient buffers and its saved activations,
         pinned together (one group, so a fragmented tier re-places them; where it has no hole for
         the activations beside them, those read apart), the activations resolvable through
-        ``stash``. Yields ``(weights, gradients or None)``; afterwards everything
-        is released and the activations forgotten."""
+        ``stash``. Yields ``(weights, gradients or None)`` (``grad=False``: no gradient buffer, a
+        backward that adds into none); afterwards everything is released and the activations forgotten."""
         self.pipeline.wait(unit.name)
         extra, apart = ([stash.key] if stash.key else []), []
         try:
             # what is pinned can split the tier's free room into holes too small for the activations
             # beside the block's buffers: then those as a group, the activations read apart
-            flat, gflat, got = self.full.acquire(unit, grad=True, extra=extra, apart=apart)
+            flat, gflat, got = self.full.acquire(unit, grad=grad, extra=extra, apart=apart)
             if apart:
                 extra = []  # not pinned: nothing to release
         except BaseException:
@@ -468,7 +479,7 @@ class BlockStreamer:
             stash.attach(got[0] if stash.key else None, flat)
             yield flat, gflat
         finally:
-            self.full.release(unit, grad=True, extra=extra)
+            self.full.release(unit, grad=grad, extra=extra)
             self.discard(stash)
 
     def discard(self, stash: SavedActivations) -> None:
@@ -476,6 +487,13 @@ class BlockStreamer:
         stash.release()
         if stash.key is not None and stash.key in self.store:
             self.store.unregister(stash.key)
+
+    def no_gradients(self, unit: Unit, weights: bool, n: int) -> list[None]:
+        """A block's backward with nothing to compute: ``n`` input gradients of None (a call
+        whose backward adds into no gradient no longer counts as one of the block's calls)."""
+        if not weights:
+            self.calls.consumed(unit)
+        return [None] * n
 
     def drop_orphans(self) -> None:
         """Unregister the scratch tensors of graphs dropped without a backward."""
@@ -490,15 +508,16 @@ class BlockStreamer:
         graph's leaves at them, and let autograd run the kept graph on the saved tensors."""
         unit = self.binding.blocks[index]
         diff_inputs = [x for x, n in zip(inputs, needs) if n]
-        if not unit.grad_key and not diff_inputs:
+        weights = self.adds_to_weights()
+        if not (unit.grad_key and weights) and not diff_inputs:
             self.discard(stash)
-            return [None] * len(inputs)
-        with self.backward_buffers(unit, stash) as (flat, gflat):
+            return self.no_gradients(unit, weights, len(inputs))
+        with self.backward_buffers(unit, stash, grad=weights) as (flat, gflat):
             try:
                 for s_ in unit.params:
                     leaf = params[s_.local_name]
                     leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                    if s_.requires_grad:
+                    if s_.requires_grad and weights:
                         leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                 self._backpropagate(unit, params, diff_inputs, pairs + SharedInputs.seeds(inputs, shared), gflat)
             finally:
@@ -519,6 +538,9 @@ class BlockStreamer:
             leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
             if s_.requires_grad:
                 leaf.requires_grad_(True)
+                if gflat is None:  # (a backward that adds into no gradient: torch.autograd.grad)
+                    params[s_.local_name] = leaf
+                    continue
                 leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                 leaf.register_post_accumulate_grad_hook(self.grad_arrived_hook(s_))
             params[s_.local_name] = leaf
@@ -557,10 +579,11 @@ class BlockStreamer:
         """Backward of a :class:`StreamedBlock`: run the block again from its stored inputs, with
         the RNG state and buffers its forward saw, and back-propagate through that."""
         unit = self.binding.blocks[index]
-        if not unit.grad_key and not any(needs):
+        weights = self.adds_to_weights()
+        if not (unit.grad_key and weights) and not any(needs):
             self.discard(stash)  # a frozen block whose input needs no gradient: nothing to do
-            return [None] * len(needs)
-        with self.backward_buffers(unit, stash) as (flat, gflat):
+            return self.no_gradients(unit, weights, len(needs))
+        with self.backward_buffers(unit, stash, grad=weights) as (flat, gflat):
             inputs = [stash.unpack(h).detach().requires_grad_(n) for h, n in zip(handles, needs)]
             diff_inputs = [x for x, n in zip(inputs, needs) if n]
             params = self.param_leaves(unit, flat, gflat)
@@ -597,11 +620,15 @@ class BlockStreamer:
         weights (their gradients accumulate into the store's buffer) and the inputs that need it
         (a pair may be an input and the gradient its other blocks gave it: see
         :mod:`~tiered_offload.engine.shared_inputs`)."""
-        targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
-        summed = gflat is not None and self.calls.repeated(unit)
+        if gflat is None:  # a backward that adds into no gradient: the inputs' alone
+            targets, summed = diff_inputs, False
+            self.calls.consumed(unit)
+        else:
+            targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
+            summed = self.calls.repeated(unit)
         if summed:  # (the parameters' hooks then run on the calls' sum: RepeatedCalls)
             self.calls.before(unit, params)
-        else:
+        elif gflat is not None:
             hook_leaves(unit, params)
         if pairs and targets:
             # the block's modules hold its weights meanwhile: a torch.utils.checkpoint inside the
