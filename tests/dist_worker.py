@@ -162,6 +162,11 @@ def main() -> int:
             if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
                 os._exit(17)
             ids, route = batch(step, micro, rank)
+            if cfg.get("input_grad"):  # an input's gradient first (saliency): it adds into no weight
+                emb = {}
+                handle = model.tok.register_forward_hook(lambda mod, args, out: emb.update(out=out))
+                torch.autograd.grad(loss_of(engine, (ids[:, :cut], route[:, :cut])), emb["out"])
+                handle.remove()
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             engine.backward(loss)
             losses.append(loss.item())

@@ -10,6 +10,7 @@ without a change here.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -232,6 +233,42 @@ def bart(dropout=0.1):
 def seq2seq_loss(model, ids, route=None):
     ids = ids % 64
     return model(input_ids=ids, labels=ids.flip(1)).loss
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_an_input_gradient_through_an_encoder_decoder_is_pytorchs(tmp_path, activations):
+    """``torch.autograd.grad`` of the loss for the decoder's embeddings through T5's streamed
+    stacks (the encoder's output and the position bias taken by several blocks): PyTorch's input
+    gradients, bitwise, no weight's gradient added, and the training step after it PyTorch's."""
+    from tiered_offload import Engine, EngineConfig
+    ref = t5(dropout=0.0)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 3,
+                    durable=False, config=EngineConfig(activations=activations))
+    saved = {}
+    for m in (ref, model):
+        m.get_decoder().embed_tokens.register_forward_hook(lambda mod, args, out: saved.update(e=out))
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randint(0, 64, (2, 9), generator=g)
+        grads = []
+        for m in (ref, engine):
+            grads.append(torch.autograd.grad(seq2seq_loss(m, x), saved["e"])[0])
+            loss = seq2seq_loss(m, x)
+            if m is ref:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                engine.backward(loss)
+                engine.step()
+                engine.zero_grad()
+        assert torch.equal(grads[0], grads[1]), step
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
 @pytest.mark.parametrize("make_model", [t5, bart], ids=["T5", "BART"])
