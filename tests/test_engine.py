@@ -1095,6 +1095,51 @@ def test_an_input_gradient_through_the_blocks_is_pytorchs_and_adds_to_no_weight(
     engine.close()
 
 
+@pytest.mark.parametrize("mode", ["recompute", "offload", "fits"])
+def test_a_gradient_penalty_through_the_blocks_is_pytorchs_or_refused_typed(tmp_path, mode):
+    """A gradient penalty (``torch.autograd.grad(..., create_graph=True)``: WGAN-GP, R1, input
+    smoothness) needs the blocks' backward itself differentiated. Through streamed blocks, their
+    input gradients came back without a graph, so the penalty added nothing to the weights'
+    gradients: silently PyTorch's loss without it. It is refused there, typed, before any block
+    adds anything; where the state fits (PyTorch's graphs kept) it trains as PyTorch's, bitwise."""
+    from offload_core.errors import TensorStateError
+    from test_finetune import MLP, VOCAB, TinyLM, lm_loss
+    torch.manual_seed(0)
+    ref = TinyLM(lambda d: MLP(d), d=32, layers=4)  # (MLPs: PyTorch's fused attention has no double backward)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=2 * state if mode == "fits" else state // 2,
+                    config=EngineConfig(activations="auto" if mode == "fits" else mode))
+    emb = {}
+    for m in (ref, model):
+        m.emb.register_forward_hook(lambda mod, args, out: emb.update(out=out))
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randint(0, VOCAB, (2, 9), generator=g)
+        for m in (ref, engine):
+            loss = lm_loss(m, x)
+            if m is engine and mode != "fits":
+                with pytest.raises(TensorStateError, match=r"create_graph.*gradient penalty.*Not supported.*fits"):
+                    torch.autograd.grad(loss, emb["out"], create_graph=True)
+                engine.close()
+                return
+            gx, = torch.autograd.grad(loss, emb["out"], create_graph=True)
+            total = loss + 0.1 * gx.pow(2).sum()
+            if m is ref:
+                total.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                engine.backward(total)
+                engine.step()
+                engine.zero_grad()
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 @pytest.mark.parametrize("first", [float("inf"), 0.5], ids=["measure-then-clip", "clip-twice"])
 @pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
 def test_clipping_twice_in_a_step_is_pytorchs_twice(tmp_path, first, fits):

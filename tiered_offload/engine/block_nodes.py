@@ -158,7 +158,16 @@ SECOND_BACKWARD = (
 
 def backward_once(ctx) -> None:
     """Refuse a block node's second backward (a graph retained with ``retain_graph=True``): its
-    saved activations went with the first."""
+    saved activations went with the first. And a backward that builds a graph of its own
+    (``create_graph=True``, a gradient penalty): autograd runs the node's backward with grad mode
+    on then, and the blocks' input gradients would come back without one, silently leaving the
+    penalty out of the weights' gradients."""
+    if torch.is_grad_enabled():
+        raise TensorStateError(
+            f"a backward with create_graph=True through streamed block {ctx.index} (a gradient penalty: WGAN-GP, "
+            f"R1): the engine's block nodes are not differentiable twice, so the penalty would not reach their "
+            f"weights. Not supported; a penalty on what the blocks output, or outside them, trains as in PyTorch, "
+            f"and so does this one where the whole state fits the budgets (PyTorch's graphs are kept)")
     if getattr(ctx, "backward_ran", False):
         raise TensorStateError(SECOND_BACKWARD)
     ctx.backward_ran = True
