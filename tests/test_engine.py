@@ -1040,7 +1040,7 @@ def test_a_parameters_values_read_outside_the_engine_are_refused_naming_it(tmp_p
 
 
 @pytest.mark.parametrize("mode", ["recompute", "keep", "offload", "fits"])
-def test_an_input_gradient_through_the_blocks_is_pytorchs_and_adds_to_no_weight(tmp_path, mode):
+def test_an_input_gradient_through_the_blocks_is_pytorchs_and_adds_to_no_weight(tmp_path, mode, monkeypatch):
     """``torch.autograd.grad(loss, inputs)`` through the streamed blocks (a saliency map, an
     adversarial example: FGSM on the embeddings) was refused as "a gradient arrived outside
     engine.backward", after the blocks had added their weights' gradients. PyTorch adds into no
@@ -1084,6 +1084,12 @@ def test_an_input_gradient_through_the_blocks_is_pytorchs_and_adds_to_no_weight(
         assert torch.equal(grads[0], grads[1]), step
     weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+    # input gradients alone, again and again (saliency maps): the engine keeps nothing of each
+    from tiered_offload.engine.shared_inputs import SharedInputs
+    monkeypatch.setattr(SharedInputs, "PRUNE_AT", 16)
+    for _ in range(12):
+        torch.autograd.grad(plain_loss(engine, x), emb["out"])
+    assert len(engine._streamer.shared._by_id) <= 16 + 4
     noise.clear()
     loss = plain_loss(engine, x)
     torch.autograd.grad(loss, emb["out"], retain_graph=True)

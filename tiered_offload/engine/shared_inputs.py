@@ -55,8 +55,15 @@ class SharedInputs:
     def __init__(self) -> None:
         self._by_id: dict[int, SharedInput] = {}
 
+    PRUNE_AT = 1024
+    """Entries held before those of tensors gone (and holding no sum) are dropped: forwards with
+    no ``engine.backward`` after them (``torch.autograd.grad`` of an input, run again and again
+    for saliency maps) leave theirs, which only :meth:`backward_done` clears."""
+
     def take(self, tensors: list[torch.Tensor]) -> list[SharedInput | None]:
         """A block's forward takes ``tensors``: one entry per tensor that requires a gradient."""
+        if len(self._by_id) > self.PRUNE_AT:
+            self._by_id = {k: e for k, e in self._by_id.items() if e.tensor() is not None or e.grad is not None}
         out: list[SharedInput | None] = []
         for t in tensors:
             if not t.requires_grad:
