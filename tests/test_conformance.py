@@ -240,6 +240,7 @@ def test_an_input_gradient_through_an_encoder_decoder_is_pytorchs(tmp_path, acti
     """``torch.autograd.grad`` of the loss for the decoder's embeddings through T5's streamed
     stacks (the encoder's output and the position bias taken by several blocks): PyTorch's input
     gradients, bitwise, no weight's gradient added, and the training step after it PyTorch's."""
+    from test_engine import one_step
     from tiered_offload import Engine, EngineConfig
     ref = t5(dropout=0.0)
     model = copy.deepcopy(ref)
@@ -256,15 +257,7 @@ def test_an_input_gradient_through_an_encoder_decoder_is_pytorchs(tmp_path, acti
         grads = []
         for m in (ref, engine):
             grads.append(torch.autograd.grad(seq2seq_loss(m, x), saved["e"])[0])
-            loss = seq2seq_loss(m, x)
-            if m is ref:
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            else:
-                engine.backward(loss)
-                engine.step()
-                engine.zero_grad()
+            one_step(m, seq2seq_loss(m, x), opt)
         assert torch.equal(grads[0], grads[1]), step
     weights = dict(engine.named_parameters())
     engine.close()

@@ -773,6 +773,18 @@ def test_the_models_own_gradient_calls_are_the_engines_or_a_clear_error(tmp_path
     engine.close()
 
 
+def one_step(model, loss, opt=None) -> None:
+    """One training step of ``loss``: on an engine (``model``), or on PyTorch's model with ``opt``."""
+    if isinstance(model, Engine):
+        model.backward(loss)
+        model.step()
+        model.zero_grad()
+    else:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _engine_beside_pytorch(tmp_path, fits):
     """An engine (its state streamed, or fitting the host budget) and the same model in PyTorch
     with its AdamW."""
@@ -1072,15 +1084,7 @@ def test_an_input_gradient_through_the_blocks_is_pytorchs_and_adds_to_no_weight(
             gx, = torch.autograd.grad(plain_loss(m, x), emb["out"])
             grads.append(gx)
             noise["d"] = 0.01 * gx.sign()  # FGSM
-            loss = plain_loss(m, x)
-            if m is ref:
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            else:
-                engine.backward(loss)
-                engine.step()
-                engine.zero_grad()
+            one_step(m, plain_loss(m, x), opt)
         assert torch.equal(grads[0], grads[1]), step
     weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
@@ -1132,15 +1136,7 @@ def test_a_gradient_penalty_through_the_blocks_is_pytorchs_or_refused_typed(tmp_
                 engine.close()
                 return
             gx, = torch.autograd.grad(loss, emb["out"], create_graph=True)
-            total = loss + 0.1 * gx.pow(2).sum()
-            if m is ref:
-                total.backward()
-                opt.step()
-                opt.zero_grad()
-            else:
-                engine.backward(total)
-                engine.step()
-                engine.zero_grad()
+            one_step(m, loss + 0.1 * gx.pow(2).sum(), opt)
     weights = dict(engine.named_parameters())
     engine.close()
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
