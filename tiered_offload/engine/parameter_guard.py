@@ -222,9 +222,11 @@ def check_no_new_parameters(binding) -> None:
     replaced since: a new head, an adapter): the store is laid out when the engine is built, so it
     would run as a plain tensor outside the budgets and never be trained."""
     known = {id(s.param) for _, s in binding.param_order}
-    named = [binding.model.named_parameters(), *(u.module.named_parameters(prefix=u.qualname) for u in binding.blocks)]
+    # (remove_duplicate=False: no set of tensors hashed; the ids are compared first, a cheap test)
+    named = [binding.model.named_parameters(remove_duplicate=False),
+             *(u.module.named_parameters(prefix=u.qualname, remove_duplicate=False) for u in binding.blocks)]
     for name, p in (item for it in named for item in it):
-        if isinstance(p, torch.nn.Parameter) and id(p) not in known:
+        if id(p) not in known and isinstance(p, torch.nn.Parameter):
             raise ConfigError(
                 f"{name} was added after the engine was built (a new or replaced module, an adapter, "
                 f"resize_token_embeddings): the engine lays its store out when it is built, so it would never train "
