@@ -24,8 +24,8 @@ from torch import nn
 from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
-from tiered_offload.engine.parameter_guard import (GradInStore, bind, unbind, check_grad_hooks, check_no_new_parameters,
-                                                  check_requires_grad, check_untouched, refuse_resizing,
+from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad_hooks, check_no_new_parameters,
+                                                  check_requires_grad, check_untouched, refuse_resizing, unbind,
                                                   warn_of_forward_hooks, weights_in_store, weights_into_store)
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
@@ -318,6 +318,12 @@ def closed_over(attr: str, value) -> list[tuple[str, Any]]:
     return out
 
 
+def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of ``shape`` that holds one element (zero), expanded: its shape and ``numel()`` are
+    a parameter's, its memory one element's."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
 class _BlockProxy(nn.Module):
     """Stands in the model's block sequence for block ``index``; the real block is not a submodule,
     its parameters are listed as the stand-in's (by their names in the block)."""
@@ -489,9 +495,8 @@ class ModelBinding:
             slot.param.grad = torch.Tensor._make_subclass(GradInStore, self.placeholder(slot.shape))
 
     def placeholder(self, shape: tuple[int, ...] = ()) -> torch.Tensor:
-        """What an unbound parameter holds: one element expanded to its shape (its real value lives
-        in the store), so that its shape and ``numel()`` are the parameter's."""
-        return torch.zeros((), device=self.device).expand(shape)
+        """What an unbound parameter holds (its real value lives in the store): :func:`placeholder`."""
+        return placeholder(shape, torch.float32, self.device)
 
     def replace_meta_parameters(self) -> None:
         """Swap meta parameters for real (empty) ones: a meta tensor's data cannot be rebound later."""

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError
 from tiered_offload.engine.activations import kept_on_ctx
-from tiered_offload.engine.binding import call_block
+from tiered_offload.engine.binding import call_block, placeholder
 from tiered_offload.engine.block_attributes import changed_attributes, set_tensors, snapshot_attributes, tensor_attributes
 from tiered_offload.engine.shared_inputs import keep_non_differentiable
 from tiered_offload.trace import span
@@ -175,7 +175,7 @@ def backward_once(ctx) -> None:
 
 def placeholder_of(t: torch.Tensor) -> torch.Tensor:
     """A tensor of ``t``'s shape, dtype and device that holds one element."""
-    return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return placeholder(t.shape, t.dtype, t.device)
 
 
 def rebuild(spec, leaves, tensors):

@@ -519,7 +519,8 @@ class BlockStreamer:
                     leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                     if s_.requires_grad and weights:
                         leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                self._backpropagate(unit, params, diff_inputs, pairs + SharedInputs.seeds(inputs, shared), gflat)
+                seeds = SharedInputs.seeds(inputs, shared)
+                self._backpropagate(unit, params, diff_inputs, pairs + seeds, gflat, weights)
             finally:
                 for leaf in params.values():
                     leaf.grad = None
@@ -611,24 +612,24 @@ class BlockStreamer:
                     mod.__dict__[name] = value
             outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)] + extras
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-            self._backpropagate(unit, params, diff_inputs, pairs + SharedInputs.seeds(inputs, shared), gflat)
+            seeds = SharedInputs.seeds(inputs, shared)
+            self._backpropagate(unit, params, diff_inputs, pairs + seeds, gflat, weights)
             return SharedInputs.settle(inputs, needs, shared)
 
     def _backpropagate(self, unit: Unit, params: dict[str, torch.Tensor], diff_inputs: list[torch.Tensor],
-                       pairs: list, gflat: torch.Tensor | None) -> None:
+                       pairs: list, gflat: torch.Tensor | None, weights: bool) -> None:
         """Back-propagate ``(output, gradient)`` pairs through a block's graph into its trainable
         weights (their gradients accumulate into the store's buffer) and the inputs that need it
         (a pair may be an input and the gradient its other blocks gave it: see
-        :mod:`~tiered_offload.engine.shared_inputs`)."""
-        if gflat is None:  # a backward that adds into no gradient: the inputs' alone
-            targets, summed = diff_inputs, False
+        :mod:`~tiered_offload.engine.shared_inputs`); ``weights=False``: the inputs' alone
+        (:meth:`adds_to_weights`)."""
+        if not weights:  # a backward that adds into no gradient (torch.autograd.grad): the inputs' alone
             self.calls.consumed(unit)
-        else:
-            targets = [params[s_.local_name] for s_ in unit.trainable()] + diff_inputs
-            summed = self.calls.repeated(unit)
+        targets = ([params[s_.local_name] for s_ in unit.trainable()] if weights else []) + diff_inputs
+        summed = gflat is not None and self.calls.repeated(unit)
         if summed:  # (the parameters' hooks then run on the calls' sum: RepeatedCalls)
             self.calls.before(unit, params)
-        elif gflat is not None:
+        elif weights:
             hook_leaves(unit, params)
         if pairs and targets:
             # the block's modules hold its weights meanwhile: a torch.utils.checkpoint inside the
