@@ -96,6 +96,9 @@ class DiskFullError(TieredOffloadError, OSError):
     def __str__(self) -> str:
         return self.strerror
 
+    def __reduce__(self):  # (its constructor takes keywords: copied and pickled through them)
+        return _disk_full, (self.strerror, self.path, self.needed_bytes, self.free_bytes)
+
 
 class StorageIOError(TieredOffloadError, OSError):
     """Any other operating-system error while reading or writing an extent; wraps the original."""
@@ -150,3 +153,7 @@ class CheckpointError(TieredOffloadError, ValueError):
 
 class DistributedError(TieredOffloadError, RuntimeError):
     """A collective between ranks failed or timed out, or the ranks disagree (model, optimizer, layout)."""
+
+
+def _disk_full(message: str, path: str | None, needed_bytes: int | None, free_bytes: int | None) -> DiskFullError:
+    return DiskFullError(message, path=path, needed_bytes=needed_bytes, free_bytes=free_bytes)

@@ -7,11 +7,12 @@ futures can be joined into one (a request split into chunks, or a chain of tier 
 
 from __future__ import annotations
 
+import copy
 import threading
 from concurrent.futures import Future
 from typing import Callable, Iterable
 
-__all__ = ["IOFuture", "completed", "failed", "gather", "chain"]
+__all__ = ["IOFuture", "completed", "detached", "failed", "gather", "chain"]
 
 
 class IOFuture:
@@ -49,6 +50,16 @@ def completed(nbytes: int = 0, description: str = "") -> IOFuture:
     f: Future = Future()
     f.set_result(nbytes)
     return IOFuture(f, description)
+
+
+def detached(error: BaseException) -> BaseException:
+    """``error`` again, of its type, message and attributes, without its traceback, cause and
+    context (the error itself where it cannot be copied). For a future that outlives the raise: a
+    traceback holds its frames, each frame its caller (``f_back``) and, once finished, its locals."""
+    try:
+        return copy.copy(error)
+    except Exception:  # noqa: BLE001 - an error type whose constructor its args do not fit
+        return error
 
 
 def failed(error: BaseException, description: str = "") -> IOFuture:

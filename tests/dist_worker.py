@@ -167,6 +167,8 @@ def main() -> int:
                 handle = model.tok.register_forward_hook(lambda mod, args, out: emb.update(out=out))
                 torch.autograd.grad(loss_of(engine, (ids[:, :cut], route[:, :cut])), emb["out"])
                 handle.remove()
+            if cfg.get("dropped_forward"):  # a loss logged without no_grad: its graph is dropped, never backward
+                loss_of(engine, (ids[:, :cut], route[:, :cut])).item()
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             engine.backward(loss)
             losses.append(loss.item())

@@ -862,6 +862,46 @@ def test_a_second_backward_through_one_forward_is_a_typed_error_naming_the_fix(t
     _goes_on_as_pytorch(engine, ref, opt, g)
 
 
+@pytest.mark.parametrize("activations", ["recompute", "keep", "offload"])
+def test_a_forward_dropped_without_a_backward_leaves_nothing_behind_at_once(tmp_path, activations):
+    """A loss computed with grad and never back-propagated (logged without ``no_grad``): its graph
+    goes when the loss does, by reference counting, and with it its saved activations in the store
+    (and its block calls: sharded, the next backward was refused as a block called twice,
+    ``test_distributed.py``). A kept graph of attention, whose transposed q, k, v views are kept
+    by reference, held its store tensor in a cycle through autograd's C++ objects: never freed,
+    one per block and forward. And a lookahead that found no room kept the forward's frames in its
+    future's error until the garbage collector ran. Training after them is PyTorch's, bitwise."""
+    import gc
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=state // 2, config=EngineConfig(activations=activations))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+
+    def saved() -> list[str]:
+        return [k for k in engine.store.keys() if "activations" in k]
+    gc.collect()
+    gc.disable()  # (what is freed must be freed without the collector)
+    try:
+        for _ in range(3):
+            x = torch.randint(0, 128, (2, 17), generator=g)
+            for _ in range(3):
+                plain_loss(engine, x).item()  # logged, never back-propagated
+            loss = plain_loss(engine, x)
+            assert len(saved()) == 4  # this forward's alone
+            one_step(engine, loss)
+            assert saved() == []
+            one_step(ref, plain_loss(ref, x), opt)
+    finally:
+        gc.enable()
+    assert engine.activation_modes == [activations] * 4
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
     """A second engine on the same model object (another run in a notebook, a resume that reuses
     the model): its blocks are the first engine's stand-ins. It said "no block sequence"; now it

@@ -199,6 +199,51 @@ def test_all_pinned_is_a_clear_error_not_a_hang():
     store.close()
 
 
+def test_an_operation_that_fails_to_start_keeps_no_callers_locals_alive():
+    """A load that finds no room raises; its future (another caller may wait on it) fails too. With
+    the same error object, the future held the traceback, the traceback the frames that held the
+    future: a cycle only the garbage collector frees, keeping every caller's locals (a forward's
+    graph) alive until it runs. The future's error is a copy, of the same type and message."""
+    import gc
+    import weakref
+    store = make_store(MemoryBackend(), host=64 * KiB, device=0)
+    for i in range(3):
+        store.register(f"t{i}", (8 * KiB,))
+    store.get("t0", "host")
+    store.get("t1", "host")
+
+    class Graph:  # what a caller's frame holds
+        pass
+
+    def caller(graph):
+        return store.prefetch("t2", "host")
+    graph = Graph()
+    alive = weakref.ref(graph)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(TierCapacityError, match="pinned"):
+            caller(graph)
+        del graph
+        assert alive() is None
+    finally:
+        gc.enable()
+    for key in ("t0", "t1"):
+        store.release(key, "host")
+    store.close()
+
+
+def test_typed_errors_copy_and_pickle_with_their_attributes():
+    """A typed error crosses processes (a rank's failure) and is copied for a future that outlives
+    its raise: ``DiskFullError``, whose constructor takes keywords, could be neither."""
+    import copy
+    import pickle
+    e = DiskFullError("no room for block.3/weight", path="/nvme/run", needed_bytes=5, free_bytes=2)
+    for c in (copy.copy(e), pickle.loads(pickle.dumps(e))):
+        assert type(c) is DiskFullError and str(c) == str(e) and c.errno == e.errno
+        assert (c.path, c.needed_bytes, c.free_bytes) == ("/nvme/run", 5, 2)
+
+
 def test_unknown_key_and_state_errors():
     store = make_store(MemoryBackend())
     with pytest.raises(UnknownTensorError):

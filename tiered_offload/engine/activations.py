@@ -80,6 +80,8 @@ class _Life:
     key: str | None = None
     released: bool = False
     orphans: list = field(default_factory=list)
+    call: int | None = None
+    """The block call whose node holds these activations (``RepeatedCalls.called``'s number)."""
 
 
 class SavedActivations:
@@ -87,12 +89,13 @@ class SavedActivations:
 
     Life cycle: :meth:`hooks` around the block's forward (with its weight buffer), :meth:`seal`
     into the store, then in backward :meth:`attach` (with the weight buffer fetched again),
-    autograd unpacks, :meth:`release`. If the graph is dropped without a backward, the scratch
-    key is put on ``orphans`` for the streamer to unregister (never from the garbage collector's
-    thread).
+    autograd unpacks, :meth:`release`. If the graph is dropped without a backward, its life (the
+    scratch key and the block call) is put on ``orphans`` for the streamer to unregister the key
+    and uncount the call (never from the garbage collector's thread).
     """
 
-    def __init__(self, weights: torch.Tensor | None, orphans: list, *, count_only: bool = False):
+    def __init__(self, weights: torch.Tensor | None, orphans: list, *, count_only: bool = False,
+                 call: int | None = None):
         self.inputs_only = weights is None
         """A recompute's checkpoint (the block's inputs), not a graph's saved tensors."""
         self.count_only = count_only
@@ -115,7 +118,7 @@ class SavedActivations:
         """Bytes of the scratch buffer."""
         self.kept_bytes = 0
         """Bytes kept by reference (not dense): outside the store's budget."""
-        self.life = _Life(orphans=orphans)
+        self.life = _Life(orphans=orphans, call=call)
         if not count_only:
             weakref.finalize(self, _orphaned, self.life)
 
@@ -127,9 +130,11 @@ class SavedActivations:
     def hooks(self):
         """The context manager that routes what autograd saves through :meth:`pack` / :meth:`unpack`.
 
-        The graph holds the unpack hook, and until :meth:`seal` this object holds the saved
-        tensors, whose ``grad_fn`` is the graph: a cycle through autograd's C++ objects that
-        Python's garbage collector cannot see. So the hook holds this object weakly (the block's
+        The graph holds both hooks (each saved tensor's), and this object holds saved tensors,
+        whose ``grad_fn`` is the graph: until :meth:`seal` its copies, and the tensors kept by
+        reference until the backward. That is a cycle through autograd's C++ objects that Python's
+        garbage collector cannot see, which would keep a graph dropped without a backward (and its
+        scratch tensor in the store) forever. So the hooks hold this object weakly (the block's
         autograd node holds it strongly)."""
         me = weakref.ref(self)
         if self.count_only:  # weakly too: the graph would hold the tensors this object holds
@@ -141,7 +146,7 @@ class SavedActivations:
                 raise TensorStateError("a block's saved activations were released before its backward; run the "
                                        "forward again")
             return owner.unpack(h)
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: me().pack(t), unpack)
 
     def _where(self, t: torch.Tensor) -> tuple[str, object]:
         """How :meth:`pack` files ``t``: ``("weight", element offset in the weight buffer)``,
@@ -275,8 +280,8 @@ def _never_unpacked(_h) -> torch.Tensor:
 
 def _orphaned(life: _Life) -> None:
     """Finalizer: the graph holding these activations was dropped without a backward."""
-    if life.key is not None and not life.released:
-        life.orphans.append(life.key)  # list.append is atomic; the streamer unregisters it later
+    if (life.key is not None or life.call is not None) and not life.released:
+        life.orphans.append(life)  # list.append is atomic; the streamer unregisters it later
 
 
 def kept_on_ctx(outputs, emptied, memory: torch.Tensor) -> list[str]:

@@ -70,7 +70,7 @@ class StreamedBlock(torch.autograd.Function):
         keep_non_differentiable(ctx, out_leaves, returned)
         del out, out_leaves
         box["spec"], box["leaves"] = out_spec, returned
-        ctx.stash = engine.new_stash(None)
+        ctx.stash = engine.new_stash(None, box["call"])
         ctx.handles = [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
         return tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
@@ -103,7 +103,7 @@ class StashedBlock(torch.autograd.Function):
                       .requires_grad_(s_.requires_grad) for s_ in unit.params}
             for s_ in unit.trainable():
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
-            stash = engine.new_stash(flat)
+            stash = engine.new_stash(flat, box["call"])
             held = tensor_attributes(unit.module)
             t0 = time.perf_counter()
             with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),

@@ -9,12 +9,15 @@ called more than once since the last backward (of its micro-batch, in ``forward_
 its calls' gradients apart: the first call's land in fresh tensors (as autograd makes them, outside
 the budgets like its other temporaries: one block's gradients), the next ones add into those, and
 the sum goes into G when the last call's backward is done (or, where a forward's graph was dropped
-without a backward, when the backward ends: :meth:`RepeatedCalls.flush`). Where the whole state
+without a backward and still held its node, when the backward ends: :meth:`RepeatedCalls.flush`).
+A call whose node was freed before the backward began no longer counts (:meth:`RepeatedCalls.dropped`). Where the whole state
 fits (PyTorch's graphs kept), a second call reuses the first's weight leaves instead
 (``BlockStreamer.run_block_keeping_graph``), and autograd sums them itself.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -37,16 +40,31 @@ class RepeatedCalls:
         """The same -> of those calls, the ones whose backward ran."""
         self._sums: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         """The same -> its calls' gradients summed so far, per parameter."""
+        self._tokens: dict[int, tuple[int, int]] = {}
+        """A call counted in ``_calls`` (its number) -> its slot, until the counts start again."""
+        self._numbers = itertools.count()
 
     def _context(self) -> int:
         turns = self.streamer.turns
         k = turns.index() if turns is not None else None
         return -1 if k is None else k
 
-    def called(self, index: int) -> None:
-        """Block ``index``'s forward made a node (with autograd)."""
+    def called(self, index: int) -> int:
+        """Block ``index``'s forward made a node (with autograd): the call's number, for
+        :meth:`dropped`."""
         slot = (self._context(), index)
         self._calls[slot] = self._calls.get(slot, 0) + 1
+        number = next(self._numbers)
+        self._tokens[number] = slot
+        return number
+
+    def dropped(self, number: int) -> None:
+        """Call ``number``'s node was freed without its backward (a loss logged without ``no_grad``,
+        ``torch.autograd.grad`` of a hidden state in the middle of the stack): it no longer counts,
+        unless the counts have started again since."""
+        slot = self._tokens.pop(number, None)
+        if slot is not None and self._calls.get(slot, 0) > 0:
+            self._calls[slot] -= 1
 
     def repeated(self, unit) -> bool:
         """Whether ``unit`` was called more than once since the last backward (of this micro-batch)."""
@@ -103,6 +121,8 @@ class RepeatedCalls:
         for table in (self._calls, self._done):
             for slot in [k for k in table if k[0] == me]:
                 del table[slot]
+        for number in [n for n, slot in self._tokens.items() if slot[0] == me]:
+            del self._tokens[number]
 
     def discard(self) -> None:
         """After a backward (every micro-batch's): forget the counts, and every sum not added (a
@@ -110,3 +130,4 @@ class RepeatedCalls:
         self._calls.clear()
         self._done.clear()
         self._sums.clear()
+        self._tokens.clear()

@@ -191,6 +191,7 @@ class BlockStreamer:
         """Around the autograd backward of ``loss``: the outside uses of the blocks' inputs in
         PyTorch's order (:meth:`SharedInputs.outside_uses`); a second backward through one forward
         is a :class:`TensorStateError` that says what to do instead."""
+        self.drop_orphans()  # (before the backward counts the blocks' calls)
         try:
             with self.shared.outside_uses(loss):
                 yield
@@ -395,7 +396,7 @@ class BlockStreamer:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         box: dict[str, Any] = {"shared": self.shared.take(tensors), "wanted": recorded.wanted()}
         node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
-        self.calls.called(index)
+        box["call"] = self.calls.called(index)
         outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
         it = iter(outs)
         out = tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
@@ -404,10 +405,10 @@ class BlockStreamer:
         return out
 
     # ---- saved activations in the store ---------------------------------------------------
-    def new_stash(self, weights: torch.Tensor | None) -> SavedActivations:
+    def new_stash(self, weights: torch.Tensor | None, call: int | None = None) -> SavedActivations:
         """A collector for what a block's forward saves (``weights``: its weight buffer; None: the
-        block's inputs, for a recompute)."""
-        return SavedActivations(weights, self._orphans)
+        block's inputs, for a recompute), for block call ``call``."""
+        return SavedActivations(weights, self._orphans, call=call)
 
     def seal(self, index: int, stash: SavedActivations) -> None:
         """Move a block's saved tensors into a scratch tensor of the store (``offload``: out of the
@@ -496,11 +497,14 @@ class BlockStreamer:
         return [None] * n
 
     def drop_orphans(self) -> None:
-        """Unregister the scratch tensors of graphs dropped without a backward."""
+        """Unregister the scratch tensors of graphs dropped without a backward; their block calls no
+        longer count."""
         while self._orphans:
-            key = self._orphans.pop()
-            if key in self.store:
-                self.store.unregister(key)
+            life = self._orphans.pop()
+            if life.key is not None and life.key in self.store:
+                self.store.unregister(life.key)
+            if life.call is not None:
+                self.calls.dropped(life.call)
 
     def stashed_backward(self, index: int, stash: SavedActivations, params: dict[str, torch.Tensor],
                          inputs: list[torch.Tensor], needs, pairs, shared) -> list[torch.Tensor | None]:

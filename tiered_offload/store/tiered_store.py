@@ -37,7 +37,7 @@ from typing import Iterable, Iterator
 import torch
 
 from offload_core.errors import TensorStateError, TierCapacityError, UnknownTensorError
-from offload_core.futures import IOFuture, chain, completed, gather
+from offload_core.futures import IOFuture, chain, completed, detached, gather
 from offload_core.sizes import format_size
 from storage_backends.base import StorageBackend, validate_key
 from tiered_offload.config import StoreConfig
@@ -623,11 +623,17 @@ class TieredStore(CopyChains, Prefetching):
             busy._future.set_result(result)
 
     def _run(self, rec: TensorRecord, busy: IOFuture, start) -> IOFuture:
-        """Start an operation's I/O; release ``rec`` when it completes (or fails to start)."""
+        """Start an operation's I/O; release ``rec`` when it completes (or fails to start).
+
+        An operation that fails to start raises its error here, and its future (which another
+        caller may wait on) fails with a copy without the traceback: the traceback holds the frames
+        that hold the future, and through them every caller's locals (a forward's graph). With the
+        error itself the future would make a cycle only the garbage collector frees, and a lookahead
+        that finds no room (routine) would keep a dropped forward's graph alive until it ran."""
         try:
             inner = start()
         except BaseException as e:
-            self._end(rec, busy, error=e)
+            self._end(rec, busy, error=detached(e))
             raise
         inner.add_done_callback(lambda f: self._end(rec, busy, result=0 if f.exception() else f.get(),
                                                     error=f.exception()))
