@@ -902,6 +902,41 @@ def test_a_forward_dropped_without_a_backward_leaves_nothing_behind_at_once(tmp_
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+@pytest.mark.filterwarnings("ignore:forward hooks")
+def test_a_forward_backward_pass_an_error_undid_leaves_nothing_behind(tmp_path):
+    """An error in a micro-batch's forward undoes ``forward_backward``'s pass, and the loop runs the
+    micro-batches (raising where the loop raises; here it does not: the error came once). The
+    threads' errors held the pass's frames, and those the list of errors, a cycle: the pass's
+    saved activations stayed in the store until the garbage collector ran."""
+    import gc
+    torch.manual_seed(0)
+    model = plain_gpt(4)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    armed = [True]
+
+    def fails_once(mod, args, out):
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("a transient error in block 2")
+    model.blocks[2].fc.register_forward_hook(fails_once)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 2,
+                    config=EngineConfig(activations="offload"))
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    gc.collect()
+    gc.disable()  # (what is freed must be freed without the collector)
+    try:
+        losses = engine.forward_backward([x, x], lambda out, b: out.pow(2).mean())
+        assert not armed[0] and len(losses) == 2
+        engine.step()
+        engine.zero_grad()
+        out = engine(x)
+        assert len([k for k in engine.store.keys() if "activations" in k]) == 4  # this forward's alone
+        del out
+    finally:
+        gc.enable()
+    engine.close()
+
+
 def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
     """A second engine on the same model object (another run in a notebook, a resume that reuses
     the model): its blocks are the first engine's stand-ins. It said "no block sequence"; now it

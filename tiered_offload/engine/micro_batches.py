@@ -425,12 +425,18 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
         streamer.own.pass_end(undone=not turns.backward_started)
         if rest_grads is not None:
             rest_grads.close()
+    # the threads' errors hold their frames, and the frames this list: a cycle that would keep the
+    # pass's graphs (and their saved activations in the store) until the garbage collector ran
+    first = interrupted or next((e for e in errors if e is not None), None)
+    errors.clear()
     if turns.backward_started:
         engine._phase(Phase.BACKWARD)
         try:
-            first = interrupted or next((e for e in errors if e is not None), None)
             if first is not None:
-                raise first
+                try:
+                    raise first
+                finally:  # (its traceback holds this frame)
+                    first = interrupted = None
             streamer.shared.backward_done()
             streams.set(turns.final)  # where the loop leaves the generators
         finally:
@@ -445,5 +451,8 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
         mod._buffers[attr] = tensor
     streams.set(start)
     if interrupted is not None:
-        raise interrupted
+        try:
+            raise interrupted
+        finally:
+            first = interrupted = None
     return None
