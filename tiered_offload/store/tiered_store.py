@@ -318,7 +318,7 @@ class TieredStore(CopyChains, Prefetching):
                     slot.pins += 1
                     self._stats.bytes_written[tier] += rec.nbytes
             except BaseException as e:
-                self._end(rec, busy, error=e)
+                self._end(rec, busy, error=detached(e))  # (see _run)
                 raise
             self._end(rec, busy, result=rec.nbytes)
         except BaseException:
@@ -457,7 +457,7 @@ class TieredStore(CopyChains, Prefetching):
                 rec.modified(tier)
                 self._stats.bytes_written[tier] += rec.nbytes
         except BaseException as e:
-            self._end(rec, busy, error=e)
+            self._end(rec, busy, error=detached(e))  # (see _run)
             raise
         self._end(rec, busy, result=rec.nbytes)
         self._accessed(key, tier)
