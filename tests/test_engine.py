@@ -937,6 +937,71 @@ def test_a_forward_backward_pass_an_error_undid_leaves_nothing_behind(tmp_path):
     engine.close()
 
 
+@pytest.mark.filterwarnings("ignore:forward hooks")
+@pytest.mark.parametrize("activations", ["keep", "offload"])
+def test_views_with_gaps_a_kept_graph_saves_go_into_the_store(tmp_path, activations):
+    """Attention's q, k and v sliced from one projection's output (GPT-2's fused qkv) are views
+    with gaps. A kept graph held them by reference, and with them that output's whole storage:
+    about a sixth of each block's saved activations stayed in memory outside the budget (on a GPU,
+    in its memory), never offloaded. They go into the store now, with the span of the storage
+    they cover together copied once, so the views keep their strides and places: training is
+    PyTorch's, bitwise."""
+    import weakref
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    outputs = []
+    for block in model.blocks:
+        block.qkv.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out.untyped_storage())))
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 2,
+                    config=EngineConfig(activations=activations))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        outputs.clear()
+        loss = plain_loss(engine, x)
+        assert len(outputs) == 4 and not any(o() is not None for o in outputs)  # none held outside the store
+        one_step(engine, loss)
+        one_step(ref, plain_loss(ref, x), opt)
+    assert engine.activation_modes == [activations] * 4
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
+def test_a_graph_the_store_has_no_room_for_stays_in_memory_this_once_bitwise(tmp_path, monkeypatch):
+    """A block's graph that the compute tier cannot take when it is sealed (what is pinned splits
+    it) stays in memory for its backward, as PyTorch keeps it, and the block recomputes from then
+    on: attention's views with gaps among its saved tensors, too."""
+    from offload_core.errors import TierCapacityError
+    from tiered_offload.store.tiered_store import TieredStore
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 2,
+                    config=EngineConfig(activations="keep"))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    create, full = TieredStore.create, [False]
+
+    def no_room_for_block_1(self, key, *args, **kwargs):
+        if full[0] and key.startswith("block.1/activations"):
+            raise TierCapacityError("no room (the test)")
+        return create(self, key, *args, **kwargs)
+    monkeypatch.setattr(TieredStore, "create", no_room_for_block_1)
+    for step in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        full[0] = step == 1
+        one_step(engine, plain_loss(engine, x))
+        one_step(ref, plain_loss(ref, x), opt)
+    assert engine.activation_modes == ["keep", "recompute", "keep", "keep"]
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
     """A second engine on the same model object (another run in a notebook, a resume that reuses
     the model): its blocks are the first engine's stand-ins. It said "no block sequence"; now it

@@ -12,8 +12,11 @@ What is not copied:
 
 * views of the block's own weights (a linear layer saves its weight): they are saved as a
   position in the weight buffer and resolved against the buffer fetched for the backward;
-* tensors whose layout has gaps or overlaps (a slice of a larger tensor, an expanded one): kept
-  by reference, as autograd would (rare; their bytes are counted in :attr:`kept_bytes`).
+* tensors whose layout has gaps or overlaps (q, k and v sliced from one projection's output, an
+  expanded tensor) are copied with the span of their storage they cover, the views of one storage
+  sharing one copy, so that they keep their strides and offsets relative to each other;
+* a tensor without storage (a subclass), sparse or quantized, or empty: kept by reference, as
+  autograd would (rare; their bytes are counted in :attr:`kept_bytes`).
 
 What is never seen: a tensor a custom ``torch.autograd.Function`` keeps on its ``ctx`` as an
 attribute (``ctx.x = x``) instead of through ``ctx.save_for_backward`` (saved-tensor hooks do not
@@ -65,12 +68,21 @@ class _Handle:
     """Where a saved tensor went."""
 
     kind: str
-    """``"weight"`` (a view of the weight buffer), ``"copy"`` (in the scratch buffer), ``"ref"`` (kept)."""
+    """``"weight"`` (a view of the weight buffer), ``"copy"`` (in the scratch buffer), ``"span"`` (one
+    with gaps, until :meth:`SavedActivations.seal` makes it a copy), ``"ref"`` (kept)."""
     index: int = 0
-    """copy: the stored tensor's number; ref: the kept tensor's number; weight: element offset."""
+    """copy: the stored tensor's number; span: its number among the spans; ref: the kept tensor's
+    number; weight: element offset."""
     shape: tuple = ()
     stride: tuple = ()
     dtype: torch.dtype | None = None
+    span: int = 0
+    """copy of a tensor with gaps: the elements from its first to its last (0: its numel)."""
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last in its storage."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 @dataclass(eq=False)
@@ -108,6 +120,8 @@ class SavedActivations:
         self._w_itemsize = weights.element_size() if weights is not None else 1
         self._copies: list[torch.Tensor] = []
         self._versions: list[int] = []
+        self._spans: list[tuple[torch.Tensor, _Handle | None, int]] = []
+        """Saved tensors with gaps: (tensor, handle, version), copied at seal by storage spans."""
         self._layout: list[tuple[int, _Handle]] = []
         self._seen: dict[tuple, _Handle] = {}
         self._kept: list[torch.Tensor] = []
@@ -162,9 +176,9 @@ class SavedActivations:
         sig = (ptr, t.dtype, tuple(t.shape), t.stride(), t.device)
         if sig in self._seen:
             return "seen", sig
-        if t.numel() == 0 or not _dense(t) or t.is_sparse or t.is_quantized:
+        if t.numel() == 0 or t.is_sparse or t.is_quantized:
             return "ref", sig
-        return "copy", sig
+        return ("copy" if _dense(t) else "span"), sig
 
     def _count(self, t: torch.Tensor) -> None:
         """count_only: what :meth:`seal` would store of ``t``; ``t`` held, not packed (never unpacked)."""
@@ -172,6 +186,9 @@ class SavedActivations:
         if kind == "copy":
             self._seen[sig] = None
             self._copies.append(t)
+        elif kind == "span":
+            self._seen[sig] = None
+            self._spans.append((t, None, 0))
 
     def pack(self, t: torch.Tensor) -> _Handle:
         kind, where = self._where(t)
@@ -181,6 +198,9 @@ class SavedActivations:
             return self._seen[where]
         if kind == "ref":
             handle = self._keep(t)
+        elif kind == "span":
+            handle = _Handle("span", len(self._spans), tuple(t.shape), t.stride(), t.dtype)
+            self._spans.append((t, handle, t._version))
         else:
             handle = _Handle("copy", len(self._copies), tuple(t.shape), t.stride(), t.dtype)
             self._copies.append(t)
@@ -210,54 +230,92 @@ class SavedActivations:
             if self.life.released:
                 raise TensorStateError("this forward's saved activations were used by a backward already; run a "
                                        "forward again before another backward (retain_graph is not supported)")
-            if self._copies:  # still in memory: the backward of a block that was never sealed
+            if h.kind == "span":  # still in memory: the backward of a block that was never sealed
+                return self._spans[h.index][0]
+            if self._copies:
                 return self._copies[h.index]
             raise TensorStateError("saved activations unpacked before attach(); this is a bug")
         return self._views[h.index]
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` itself (not a copy) is what a backward will unpack."""
-        return any(x is t for x in self._copies) or any(x is t for x in self._kept)
+        return (any(x is t for x in self._copies) or any(x is t for x in self._kept)
+                or any(x is t for x, _, _ in self._spans))
 
-    def _offsets(self) -> tuple[list[int], int]:
-        """Where each copied tensor starts in the scratch buffer, and the buffer's size."""
-        sizes = [t.numel() * t.element_size() for t in self._copies]
-        starts, offset = [], 0
-        for n in sizes:
+    def _storage_spans(self) -> list[tuple[int, int, list]]:
+        """The saved tensors with gaps grouped by the storage they view: ``(lo, hi, members)``, the
+        byte range of the storage they cover together and their ``(tensor, handle, version)``."""
+        groups: dict[tuple, list] = {}
+        for t, h, v in self._spans:
+            size = t.element_size()
+            lo = t.storage_offset() * size
+            g = groups.setdefault((t.untyped_storage().data_ptr(), t.device), [lo, lo, []])
+            g[0], g[1] = min(g[0], lo), max(g[1], lo + _span(t) * size)
+            g[2].append((t, h, v))
+        return [(lo, hi, members) for lo, hi, members in groups.values()]
+
+    def _offsets(self) -> tuple[list[int], list[tuple[int, int, int, list]], int]:
+        """Where each dense copy starts in the scratch buffer, each storage span ``(start, lo, hi,
+        members)``, and the buffer's size."""
+        starts, spans, offset = [], [], 0
+        for t in self._copies:
             offset = -(-offset // ALIGN) * ALIGN
             starts.append(offset)
-            offset += n
-        return starts, offset
+            offset += t.numel() * t.element_size()
+        for lo, hi, members in self._storage_spans():
+            offset = -(-offset // ALIGN) * ALIGN
+            spans.append((offset, lo, hi, members))
+            offset += hi - lo
+        return starts, spans, offset
 
     def pending_bytes(self) -> int:
         """Bytes the scratch tensor will take (before :meth:`seal`)."""
-        return self._offsets()[1]
+        return self._offsets()[2]
 
     def seal(self, store, key: str) -> None:
         """Copy the saved tensors into a new scratch tensor ``key`` of the store, and drop them."""
         self._weights = None
-        if not self._copies:
+        if not self._copies and not self._spans:
             return
-        for t, v in zip(self._copies, self._versions):
+        for t, v in [*zip(self._copies, self._versions), *((t, v) for t, _, v in self._spans)]:
             if t._version != v:
                 raise TensorStateError("a tensor saved for backward was modified in place later in the same block's "
                                        "forward; PyTorch would fail in backward too. Use an out-of-place operation")
-        starts, self.nbytes = self._offsets()
-        self._layout = list(zip(starts, self._handles))
-        raw = store.create(key, (self.nbytes,), torch.uint8)
-        self.life.key = key
+        starts, spans, nbytes = self._offsets()
+        layout = list(zip(starts, self._handles))
+        placed, kept = [], []
+        for start, lo, _, members in spans:  # each view at its place in its storage's copy
+            for t, h, _ in members:
+                where = t.storage_offset() * t.element_size() - lo
+                if where % t.element_size():  # (views of one storage with other dtypes, misaligned: kept)
+                    kept.append((t, h))
+                    continue
+                placed.append((h, len(layout)))
+                layout.append((start + where, _Handle("copy", len(layout), h.shape, h.stride, h.dtype, _span(t))))
+        raw = store.create(key, (nbytes,), torch.uint8)  # (may fail: then the handles stay as they are)
+        self.life.key, self.nbytes, self._layout = key, nbytes, layout
+        for h, index in placed:
+            h.kind, h.index, h.span = "copy", index, layout[index][1].span
+        for t, h in kept:
+            h.kind, h.index = "ref", self._keep(t).index
         try:
             for (start, h), t in zip(self._layout, self._copies):
                 self._view(raw, start, h).copy_(t)
+            for start, lo, hi, members in spans:
+                t = members[0][0]
+                src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+                raw[start:start + hi - lo].copy_(src)
         finally:
             store.release(key)
-        self._copies, self._versions, self._seen = [], [], {}
+        self._copies, self._versions, self._seen, self._spans = [], [], {}, []
 
     @staticmethod
     def _view(raw: torch.Tensor, start: int, h: _Handle) -> torch.Tensor:
-        n = 1
-        for s in h.shape:
-            n *= s
+        n = h.span
+        if not n:
+            n = 1
+            for s in h.shape:
+                n *= s
         typed = raw[start:start + n * torch.empty((), dtype=h.dtype).element_size()].view(h.dtype)
         return typed.as_strided(h.shape, h.stride)
 
@@ -270,7 +328,7 @@ class SavedActivations:
 
     def release(self) -> None:
         """The backward is done: forget the views and the tensors kept (the caller unregisters the key)."""
-        self._views, self._w_new, self._kept, self._copies = None, None, [], []
+        self._views, self._w_new, self._kept, self._copies, self._spans = None, None, [], [], []
         self.life.released = True
 
 
