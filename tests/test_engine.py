@@ -1002,6 +1002,37 @@ def test_a_graph_the_store_has_no_room_for_stays_in_memory_this_once_bitwise(tmp
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+@pytest.mark.parametrize("activations", ["recompute", "keep", None], ids=["recompute", "keep", "fits"])
+def test_a_forward_without_grad_before_the_backward_leaves_the_training_graph_whole(tmp_path, activations):
+    """A forward under ``no_grad`` between a training forward and its backward (a target from the
+    same model, old log-probabilities, a metric): it let go of the rest's weights, which the
+    training graph still needed, and the backward failed in PyTorch's kernels ("more than one
+    element of the written-to tensor refers to a single memory location"). The rest stays bound
+    now until that backward: PyTorch's, bitwise."""
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    config = EngineConfig(activations=activations) if activations else None
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=state // 2 if activations else 3 * state, config=config)
+    assert (engine.activation_modes is None) == (activations is None)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+
+    def loss_of(model, x):
+        out = model(x)
+        with torch.no_grad():
+            target = model(x).softmax(-1)
+        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 16), generator=g)
+        one_step(engine, loss_of(engine, x))
+        one_step(ref, loss_of(ref, x), opt)
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
     """A second engine on the same model object (another run in a notebook, a resume that reuses
     the model): its blocks are the first engine's stand-ins. It said "no block sequence"; now it

@@ -249,7 +249,7 @@ class Engine(EngineViews):
         # forward without grad has no backward to wait for, so it lets go of the rest after
         self._model_hooks = [
             model.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
-            model.register_forward_hook(lambda _m, _a, _o: None if torch.is_grad_enabled() else self._streamer.unbind_rest())]
+            model.register_forward_hook(lambda _m, _a, _o: self._streamer.forward_ended())]
         _close_at_exit(self)
 
     @classmethod

@@ -115,6 +115,9 @@ class BlockStreamer:
         self.gradients: dict[str, GradientStatus] = {u.name: GradientStatus() for u in binding.units}
         """Per unit, what is tracked of its gradient between calls."""
         self._rest_bound = False
+        self.graph_pending = False
+        """A forward with grad ran on the bound rest, and nothing has let go of the rest since (its
+        backward, a step, zero_grad): a forward without grad then leaves the rest bound."""
         self._backward_ran = False
         self._rest_grad: torch.Tensor | None = None
         self._held: list[tuple[Unit, torch.Tensor | None, contextlib.ExitStack, dict]] = []
@@ -273,6 +276,14 @@ class BlockStreamer:
         self._rest_grad = gflat
         self._rest_bound = True
 
+    def forward_ended(self) -> None:
+        """The model's forward returned: one without grad lets go of the rest, unless a forward with
+        grad still waits for its backward on it (a target computed from the same model)."""
+        if torch.is_grad_enabled():
+            self.graph_pending = self._rest_bound
+        elif not self.graph_pending:
+            self.unbind_rest()
+
     def rest_grad_buffer(self) -> torch.Tensor:
         """Sharded, while bound: the rest's full (gathered) gradient buffer."""
         return self.full.grads(self.rest)
@@ -297,7 +308,7 @@ class BlockStreamer:
         for slot in self.rest.params:
             self.binding.hold_placeholder(slot)
         self.full.release(self.rest, grad=True)
-        self._rest_bound = False
+        self._rest_bound = self.graph_pending = False
         self._rest_grad = None
 
     def adds_to_weights(self) -> bool:
