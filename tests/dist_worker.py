@@ -170,6 +170,8 @@ def main() -> int:
             if cfg.get("dropped_forward"):  # a loss logged without no_grad: its graph is dropped, never backward
                 loss_of(engine, (ids[:, :cut], route[:, :cut])).item()
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
+            if cfg.get("zero_grad_late") and micro == 0:  # PyTorch loops' other order: between forward and backward
+                engine.zero_grad()
             engine.backward(loss)
             losses.append(loss.item())
         if cfg.get("clip_value"):
@@ -177,7 +179,8 @@ def main() -> int:
         if cfg.get("clip"):
             engine.clip_grad_norm_(cfg["clip"])
         engine.step()
-        engine.zero_grad()
+        if not cfg.get("zero_grad_late"):
+            engine.zero_grad()
     weights = dict(engine.named_parameters())
     exported = [str(f) for f in engine.export_safetensors(out / "export")] if cfg.get("export") else []
     result = {"losses": losses, "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),

@@ -136,8 +136,10 @@ def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
 
 
-@pytest.mark.parametrize("fused,input_grad", [(False, False), (True, False), (False, True), (False, "dropped")],
-                         ids=["loop", "forward_backward", "loop-after-an-input-gradient", "loop-after-a-dropped-forward"])
+@pytest.mark.parametrize("fused,input_grad", [(False, False), (True, False), (False, True), (False, "dropped"),
+                                              (False, "zero_grad")],
+                         ids=["loop", "forward_backward", "loop-after-an-input-gradient", "loop-after-a-dropped-forward",
+                              "loop-zero-grad-between-forward-and-backward"])
 def test_sharded_gradient_hooks_and_clipping_by_value_match_one_process(fused, input_grad, tmp_path):
     """Gradient hooks on parameters (a block's weight scaled, the embedding's upper rows masked: each
     rank's hooks run on its own gradients before they are reduced, as under DistributedDataParallel)
@@ -146,9 +148,11 @@ def test_sharded_gradient_hooks_and_clipping_by_value_match_one_process(fused, i
     Also with ``torch.autograd.grad`` of an input before each micro-batch's backward: its block
     backwards gather the weights on every rank and reduce nothing, and it adds into no gradient.
     And after a forward whose graph is dropped without a backward (a loss logged without
-    ``no_grad``): its block calls do not count as calls of the next backward."""
+    ``no_grad``): its block calls do not count as calls of the next backward. And with
+    ``zero_grad()`` between a step's first forward and its backward."""
     cfg = {"layers": 6, "optimizer": "adamw", "steps": 3, "accumulate": 2, "clip": 0.5, "clip_value": 2e-3,
-           "hooks": True, "fused": fused, "input_grad": input_grad is True, "dropped_forward": input_grad == "dropped"}
+           "hooks": True, "fused": fused, "input_grad": input_grad is True, "dropped_forward": input_grad == "dropped",
+           "zero_grad_late": input_grad == "zero_grad"}
     model = build(cfg)
     cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in model.parameters()) / 2)
     got = launch(2, tmp_path, cfg)[0]["weights"]

@@ -1033,6 +1033,76 @@ def test_a_forward_without_grad_before_the_backward_leaves_the_training_graph_wh
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+@pytest.mark.parametrize("between", ["zero_grad", "zero_grad(set_to_none=False)", "named_parameters", "accumulating"])
+@pytest.mark.parametrize("activations", ["recompute", "keep", None], ids=["recompute", "keep", "fits"])
+def test_zero_grad_or_reading_the_weights_between_forward_and_backward_is_pytorchs(tmp_path, activations, between):
+    """``loss = model(x); optimizer.zero_grad(); loss.backward(); optimizer.step()``, PyTorch's
+    loops' other order, and the weights read (a norm logged) between the forward and the
+    backward: each let go of the rest's weights the training graph still held, and the backward
+    failed in PyTorch's kernels. With accumulation, the zero_grad after the first micro-batch's
+    forward zeroes what the step before left, not what this step has added. PyTorch's, bitwise."""
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    config = EngineConfig(activations=activations) if activations else None
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=state // 2 if activations else 3 * state, config=config)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xs = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(2 if between == "accumulating" else 1)]
+        for model, optimizer in ((engine, engine.optimizer), (ref, opt)):
+            backward = model.backward if model is engine else torch.Tensor.backward
+            for i, x in enumerate(xs):
+                loss = plain_loss(model, x)
+                if between == "named_parameters":
+                    norms = [w.norm() for _, w in (model.named_parameters())]
+                    assert len(norms) == len(list(ref.parameters()))
+                elif i == 0:
+                    optimizer.zero_grad(set_to_none=between != "zero_grad(set_to_none=False)")
+                backward(loss)
+            optimizer.step()
+            if between == "named_parameters":
+                optimizer.zero_grad()
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("between", ["another backward", "clip_grad_norm_", "step"])
+@pytest.mark.parametrize("activations", ["recompute", "keep", None], ids=["recompute", "keep", "fits"])
+def test_a_backward_after_the_engine_let_go_of_its_forwards_weights_is_refused(tmp_path, activations, between):
+    """Two forwards and a backward each (``l1 = model(a); l2 = model(b); l1.backward();
+    l2.backward()``), or ``clip_grad_norm_`` / ``step`` between a forward and its backward: the
+    engine lets go of the weights outside the blocks after those, and the second graph read
+    placeholders for them. With the embeddings and head frozen (a LoRA-style run) that was silent:
+    other gradients for every block. Now the backward is refused, typed, naming the fix; after
+    ``zero_grad()`` training goes on as PyTorch's."""
+    from offload_core.errors import TensorStateError
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    for name, p in ref.named_parameters():
+        p.requires_grad_(name.startswith("blocks."))
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    config = EngineConfig(activations=activations) if activations else None
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=state // 2 if activations else 3 * state, config=config)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (2, 17), generator=g)
+    loss = plain_loss(engine, x)
+    if between == "another backward":
+        engine.backward(plain_loss(engine, x))
+    elif between == "clip_grad_norm_":
+        engine.clip_grad_norm_(1.0)
+    else:
+        engine.step()
+    with pytest.raises(TensorStateError, match=r"let go of.*engine\.backward\(loss1 \+ loss2\)"):
+        engine.backward(loss)
+    del loss
+    _goes_on_as_pytorch(engine, ref, opt, g)
+
+
 def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
     """A second engine on the same model object (another run in a notebook, a resume that reuses
     the model): its blocks are the first engine's stand-ins. It said "no block sequence"; now it

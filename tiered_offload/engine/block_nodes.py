@@ -27,7 +27,7 @@ from tiered_offload.engine.block_attributes import changed_attributes, set_tenso
 from tiered_offload.engine.shared_inputs import keep_non_differentiable
 from tiered_offload.trace import span
 
-__all__ = ["StashedBlock", "StreamedBlock", "placeholder_of", "rebuild"]
+__all__ = ["LET_GO", "SECOND_BACKWARD", "StashedBlock", "StreamedBlock", "placeholder_of", "rebuild"]
 
 
 class StreamedBlock(torch.autograd.Function):
@@ -38,6 +38,7 @@ class StreamedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
         ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
+        ctx.binding = engine.rest_binding
         ctx.shared = box.pop("shared")
         ctx.rng = engine.rng_state(index)
         # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
@@ -78,6 +79,7 @@ class StreamedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         backward_once(ctx)
+        ctx.engine.check_whole(ctx.binding)
         ctx.engine.take_turn(("backward", ctx.index))
         needs = ctx.needs_input_grad[6:]
         input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, ctx.stash, ctx.handles, needs,
@@ -93,6 +95,7 @@ class StashedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine, index, spec, leaves, box, anchor, *tensors):
         ctx.engine, ctx.index, ctx.shared = engine, index, box.pop("shared")
+        ctx.binding = engine.rest_binding
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
         args, kwargs = rebuild(spec, leaves, inputs)
@@ -141,6 +144,7 @@ class StashedBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         backward_once(ctx)
+        ctx.engine.check_whole(ctx.binding)
         ctx.engine.take_turn(("backward", ctx.index))
         pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
         input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs,
@@ -154,6 +158,14 @@ SECOND_BACKWARD = (
     "retain_graph). Add the losses and call engine.backward(loss1 + loss2) once; for an input's gradient "
     "(torch.autograd.grad) and then the training backward, run the forward again for the second; what a "
     "backward added so far stays until engine.zero_grad()")
+
+
+LET_GO = (
+    "a second backward through one forward, or a backward through a forward whose weights outside the blocks "
+    "(embeddings, head) the engine has let go of since (engine.backward of another forward, clip_grad_norm_, step, "
+    "commit or export_safetensors between the forward and its backward): its graph would read placeholders for "
+    "them. Add the losses and call engine.backward(loss1 + loss2) once, or run the forward again after them; what "
+    "a backward added so far stays until engine.zero_grad()")
 
 
 def backward_once(ctx) -> None:

@@ -130,15 +130,25 @@ class Gradients:
         optimizer group: a unit lays those out first, so that is a prefix of its gradient buffer
         (zeroed in place; a whole buffer is forgotten without I/O). A unit the step in flight has
         not reached yet is zeroed right after its update. ``to_none`` (``zero_grad()``'s
-        ``set_to_none``): no parameter has a gradient after; else those that had keep one (zeros)."""
-        self.streamer.unbind_rest()
+        ``set_to_none``): no parameter has a gradient after; else those that had keep one (zeros).
+        Between a forward and its backward (``loss = model(x); optimizer.zero_grad();
+        loss.backward()``) the buffers that forward holds stay held, zeroed in place."""
+        bound = self.streamer.bound_gradients()
+        if not self.streamer.graph_pending:
+            self.streamer.unbind_rest()
         for unit in self.binding.units:
             key = self.placement.grad_key(unit)
             if not key:
                 continue
             layout = self.placement.layout(unit)
             upto = layout.state_numel if optimized_only else layout.grad_numel
-            if upto >= layout.grad_numel:
+            if unit.name in bound:
+                if upto > 0:
+                    bound[unit.name][:upto].zero_()
+                    self.store.mark_dirty(key)
+                if upto >= layout.grad_numel:
+                    self.streamer.gradients[unit.name].grads_finite = True
+            elif upto >= layout.grad_numel:
                 self.pipeline.after_update(unit.name, lambda key=key: self.store.zero(key))
                 self.streamer.gradients[unit.name].grads_finite = True
             elif upto > 0:

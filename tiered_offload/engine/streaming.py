@@ -29,7 +29,7 @@ from tiered_offload.engine.activations import (SavedActivations, autocast_state,
                                                 replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
-from tiered_offload.engine.block_nodes import SECOND_BACKWARD, StashedBlock, StreamedBlock, placeholder_of, rebuild
+from tiered_offload.engine.block_nodes import LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, placeholder_of, rebuild
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -115,6 +115,9 @@ class BlockStreamer:
         self.gradients: dict[str, GradientStatus] = {u.name: GradientStatus() for u in binding.units}
         """Per unit, what is tracked of its gradient between calls."""
         self._rest_bound = False
+        self.rest_binding = 0
+        """How many times the rest has been let go of: a forward's graph is whole while the rest is
+        bound and this number is the one its forward saw (:meth:`check_whole`)."""
         self.graph_pending = False
         """A forward with grad ran on the bound rest, and nothing has let go of the rest since (its
         backward, a step, zero_grad): a forward without grad then leaves the rest bound."""
@@ -194,6 +197,7 @@ class BlockStreamer:
         """Around the autograd backward of ``loss``: the outside uses of the blocks' inputs in
         PyTorch's order (:meth:`SharedInputs.outside_uses`); a second backward through one forward
         is a :class:`TensorStateError` that says what to do instead."""
+        self.check_whole()
         self.drop_orphans()  # (before the backward counts the blocks' calls)
         try:
             with self.shared.outside_uses(loss):
@@ -276,6 +280,13 @@ class BlockStreamer:
         self._rest_grad = gflat
         self._rest_bound = True
 
+    def check_whole(self, binding: int | None = None) -> None:
+        """Refuse a backward through a forward whose rest the engine has let go of since (its
+        parameters hold placeholders then, which the graph would read: silently other gradients
+        where the rest is frozen); ``binding``: the :attr:`rest_binding` the forward saw."""
+        if not self._rest_bound or (binding is not None and binding != self.rest_binding):
+            raise TensorStateError(LET_GO)
+
     def forward_ended(self) -> None:
         """The model's forward returned: one without grad lets go of the rest, unless a forward with
         grad still waits for its backward on it (a target computed from the same model)."""
@@ -283,6 +294,18 @@ class BlockStreamer:
             self.graph_pending = self._rest_bound
         elif not self.graph_pending:
             self.unbind_rest()
+
+    def bound_gradients(self) -> dict[str, torch.Tensor]:
+        """While a forward with grad waits for its backward (:attr:`graph_pending`): the store's
+        gradient buffers it holds pinned, by unit name (the rest's; where the whole state fits, the
+        blocks' kept for that backward), which ``zero_grad`` zeroes in place. Sharded, those are
+        scratch buffers, zeros until the backward: none."""
+        if not self.graph_pending or self.sharding is not None:
+            return {}
+        bound = {unit.name: g for unit, g, _, _ in self._held if g is not None}
+        if self._rest_grad is not None:
+            bound[self.rest.name] = self._rest_grad
+        return bound
 
     def rest_grad_buffer(self) -> torch.Tensor:
         """Sharded, while bound: the rest's full (gathered) gradient buffer."""
@@ -309,6 +332,7 @@ class BlockStreamer:
             self.binding.hold_placeholder(slot)
         self.full.release(self.rest, grad=True)
         self._rest_bound = self.graph_pending = False
+        self.rest_binding += 1
         self._rest_grad = None
 
     def adds_to_weights(self) -> bool:

@@ -141,7 +141,8 @@ class EngineViews:
     # ---- the weights and buffers, read -------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
-        self._streamer.unbind_rest()
+        if not self._streamer.graph_pending:  # (between a forward and its backward the rest stays bound)
+            self._streamer.unbind_rest()
         self._await()
         self._placement.set_phase(f"named_parameters() after step {self.step_count}")
         yield from self._placement.parameters(self.store, self.units, self.binding.param_order)
