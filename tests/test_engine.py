@@ -1002,6 +1002,23 @@ def test_a_graph_the_store_has_no_room_for_stays_in_memory_this_once_bitwise(tmp
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
 
 
+def _gpt_beside_pytorch(tmp_path, activations, frozen_rest=False):
+    """The tests' GPT on an engine (its blocks' ``activations`` at half the state's budget; None:
+    the whole state fits) and in PyTorch with its AdamW, and a generator for the batches;
+    ``frozen_rest``: only the blocks train (the embeddings and head frozen, a LoRA-style run)."""
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    for name, p in ref.named_parameters():
+        p.requires_grad_(name.startswith("blocks.") or not frozen_rest)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    config = EngineConfig(activations=activations) if activations else None
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=state // 2 if activations else 3 * state, config=config)
+    assert (engine.activation_modes is None) == (activations is None)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    return engine, ref, opt, torch.Generator().manual_seed(1)
+
+
 @pytest.mark.parametrize("activations", ["recompute", "keep", None], ids=["recompute", "keep", "fits"])
 def test_a_forward_without_grad_before_the_backward_leaves_the_training_graph_whole(tmp_path, activations):
     """A forward under ``no_grad`` between a training forward and its backward (a target from the
@@ -1009,15 +1026,7 @@ def test_a_forward_without_grad_before_the_backward_leaves_the_training_graph_wh
     training graph still needed, and the backward failed in PyTorch's kernels ("more than one
     element of the written-to tensor refers to a single memory location"). The rest stays bound
     now until that backward: PyTorch's, bitwise."""
-    torch.manual_seed(0)
-    ref = plain_gpt(4)
-    state = 16 * sum(p.numel() for p in ref.parameters())
-    config = EngineConfig(activations=activations) if activations else None
-    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
-                    host_memory=state // 2 if activations else 3 * state, config=config)
-    assert (engine.activation_modes is None) == (activations is None)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
+    engine, ref, opt, g = _gpt_beside_pytorch(tmp_path, activations)
 
     def loss_of(model, x):
         out = model(x)
@@ -1041,14 +1050,7 @@ def test_zero_grad_or_reading_the_weights_between_forward_and_backward_is_pytorc
     backward: each let go of the rest's weights the training graph still held, and the backward
     failed in PyTorch's kernels. With accumulation, the zero_grad after the first micro-batch's
     forward zeroes what the step before left, not what this step has added. PyTorch's, bitwise."""
-    torch.manual_seed(0)
-    ref = plain_gpt(4)
-    state = 16 * sum(p.numel() for p in ref.parameters())
-    config = EngineConfig(activations=activations) if activations else None
-    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
-                    host_memory=state // 2 if activations else 3 * state, config=config)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
+    engine, ref, opt, g = _gpt_beside_pytorch(tmp_path, activations)
     for _ in range(3):
         xs = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(2 if between == "accumulating" else 1)]
         for model, optimizer in ((engine, engine.optimizer), (ref, opt)):
@@ -1079,16 +1081,7 @@ def test_a_backward_after_the_engine_let_go_of_its_forwards_weights_is_refused(t
     other gradients for every block. Now the backward is refused, typed, naming the fix; after
     ``zero_grad()`` training goes on as PyTorch's."""
     from offload_core.errors import TensorStateError
-    torch.manual_seed(0)
-    ref = plain_gpt(4)
-    for name, p in ref.named_parameters():
-        p.requires_grad_(name.startswith("blocks."))
-    state = 16 * sum(p.numel() for p in ref.parameters())
-    config = EngineConfig(activations=activations) if activations else None
-    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
-                    host_memory=state // 2 if activations else 3 * state, config=config)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    g = torch.Generator().manual_seed(1)
+    engine, ref, opt, g = _gpt_beside_pytorch(tmp_path, activations, frozen_rest=True)
     x = torch.randint(0, 128, (2, 17), generator=g)
     loss = plain_loss(engine, x)
     if between == "another backward":
