@@ -246,7 +246,8 @@ class Engine(EngineViews):
             self.store.close(flush=False)
             raise
         # calls of the model itself (model.generate(), an evaluation loop) find its rest bound too; a
-        # forward without grad has no backward to wait for, so it lets go of the rest after
+        # forward without grad has no backward to wait for, so it lets go of the rest after (unless
+        # a forward with grad still waits for its backward: BlockStreamer.forward_ended)
         self._model_hooks = [
             model.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
             model.register_forward_hook(lambda _m, _a, _o: self._streamer.forward_ended())]
