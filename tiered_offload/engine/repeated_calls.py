@@ -10,9 +10,10 @@ its calls' gradients apart: the first call's land in fresh tensors (as autograd 
 the budgets like its other temporaries: one block's gradients), the next ones add into those, and
 the sum goes into G when the last call's backward is done (or, where a forward's graph was dropped
 without a backward and still held its node, when the backward ends: :meth:`RepeatedCalls.flush`).
-A call whose node was freed before the backward began no longer counts (:meth:`RepeatedCalls.dropped`). Where the whole state
-fits (PyTorch's graphs kept), a second call reuses the first's weight leaves instead
-(``BlockStreamer.run_block_keeping_graph``), and autograd sums them itself.
+A call whose node was freed before the backward began no longer counts
+(:meth:`RepeatedCalls.dropped`). Where the whole state fits (PyTorch's graphs kept), a second call
+reuses the first's weight leaves instead (``BlockStreamer.run_block_keeping_graph``), and autograd
+sums them itself.
 """
 
 from __future__ import annotations
