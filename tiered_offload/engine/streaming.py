@@ -29,7 +29,8 @@ from tiered_offload.engine.activations import (SavedActivations, autocast_state,
                                                 replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
-from tiered_offload.engine.block_nodes import LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, placeholder_of, rebuild
+from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, placeholder_of,
+                                                rebuild)
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
