@@ -131,7 +131,8 @@ class SavedActivations:
         self.nbytes = 0
         """Bytes of the scratch buffer."""
         self.kept_bytes = 0
-        """Bytes kept by reference (not dense): outside the store's budget."""
+        """Bytes kept by reference (no storage, sparse, quantized, a misaligned view): outside the
+        store's budget."""
         self.life = _Life(orphans=orphans, call=call)
         if not count_only:
             weakref.finalize(self, _orphaned, self.life)
