@@ -1108,6 +1108,93 @@ def test_a_model_an_engine_already_streams_is_refused_by_name(tmp_path):
         Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "b", host_memory=state // 2)
 
 
+def _distillation_pair(tmp_path, activations, teacher_trains=lambda name: True):
+    """A teacher (the tests' GPT, 6 blocks; its parameters whose name ``teacher_trains`` accepts
+    trainable) and a student (4 blocks), each on an engine of its own at half its state, and the
+    same two in PyTorch with the student's AdamW."""
+    torch.manual_seed(0)
+    teacher, student = plain_gpt(6), plain_gpt(4)
+    for name, p in teacher.named_parameters():
+        p.requires_grad_(teacher_trains(name))
+    engines = []
+    for name, model in (("teacher", teacher), ("student", student)):
+        state = 16 * sum(p.numel() for p in model.parameters())
+        engines.append(Engine(copy.deepcopy(model), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / name,
+                              host_memory=state // 2, config=EngineConfig(activations=activations)))
+    teacher.eval()
+    engines[0].eval()
+    return engines, teacher, student, torch.optim.AdamW(student.parameters(), lr=1e-2)
+
+
+def _distillation_loss(student, teacher, x):
+    logits = student(x[:, :-1])
+    soft = F.kl_div(logits.log_softmax(-1), teacher(x[:, :-1]).log_softmax(-1), log_target=True, reduction="batchmean")
+    return soft + F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("activations", ["recompute", "keep"])
+def test_a_teacher_on_its_own_engine_distils_into_a_student_bitwise(tmp_path, activations):
+    """Distillation with both models streamed, one engine each, in one process: the teacher's
+    outputs under ``no_grad`` in the student's loss; the student trains as PyTorch's, the teacher
+    is left as it was."""
+    (t_engine, s_engine), teacher, student, opt = _distillation_pair(tmp_path, activations)
+    before = {k: v.clone() for k, v in t_engine.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        with torch.no_grad():
+            soft = t_engine(x[:, :-1])
+        one_step(s_engine, _distillation_loss(s_engine, lambda _: soft, x))
+        with torch.no_grad():
+            soft = teacher(x[:, :-1])
+        one_step(student, _distillation_loss(student, lambda _: soft, x), opt)
+    weights = dict(s_engine.named_parameters())
+    assert all(torch.equal(weights[k], p) for k, p in student.named_parameters())
+    assert all(torch.equal(before[k], v) for k, v in t_engine.named_parameters())
+    t_engine.close()
+    s_engine.close()
+
+
+@pytest.mark.parametrize("activations", ["recompute", "keep"])
+@pytest.mark.parametrize("trains", ["everything", "blocks"])
+def test_a_backward_through_another_engines_forward_is_refused_naming_it(tmp_path, activations, trains):
+    """The teacher's outputs taken with grad: the student's backward reaches the teacher engine's
+    parameters. It was refused with the message for ``loss.backward()`` ("call engine.backward
+    instead"), which the user had called; now the message says that the loss runs through
+    another engine's forward and how to take its outputs. Then training goes on as PyTorch's."""
+    from offload_core.errors import TensorStateError
+    # the teacher's embeddings and head frozen: its blocks' gradients arrive first
+    trained = (lambda name: True) if trains == "everything" else (lambda name: name.startswith("blocks."))
+    (t_engine, s_engine), teacher, student, opt = _distillation_pair(tmp_path, activations, trained)
+    x = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(TensorStateError, match=r"another engine.*torch\.no_grad\(\)"):
+        s_engine.backward(_distillation_loss(s_engine, t_engine, x))
+    t_engine.zero_grad()
+    with torch.no_grad():  # the teacher still gives PyTorch's outputs
+        assert torch.equal(t_engine(x[:, :-1]), teacher(x[:, :-1]))
+    t_engine.close()
+    _goes_on_as_pytorch(s_engine, student, opt, torch.Generator().manual_seed(2))
+
+
+def test_engine_train_and_eval_switch_the_models_mode_as_pytorchs_do(tmp_path):
+    """``engine.eval()`` and ``engine.train()`` as ``nn.Module``'s (DeepSpeed's engine has them):
+    dropout off, then on again; each returns the engine."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, context=32, d_model=32, n_layers=4, n_heads=4, dropout=0.5))
+    ref = copy.deepcopy(model)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=state // 2)
+    x = torch.randint(0, 128, (2, 16))
+    assert engine.eval() is engine and not engine.training and not model.training
+    with torch.no_grad():
+        assert torch.equal(engine(x), ref.eval()(x))
+    assert engine.train() is engine and engine.training and all(m.training for m in model.modules())
+    with torch.no_grad():
+        assert not torch.equal(engine(x), ref(x))  # dropout on again
+    assert engine.train(False) is engine and not engine.training
+    engine.close()
+
+
 def test_nonfinite_skip_mode():
     engine = Engine(plain_gpt(2), storage="memory", host_memory="1MiB", on_nonfinite="skip")
     before = dict(engine.named_parameters())

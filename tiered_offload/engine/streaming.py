@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -48,6 +50,12 @@ log = logging.getLogger(__name__)
 
 
 ACTIVATION_MODES = ("keep", "offload", "recompute")
+
+_IN_BACKWARD: "weakref.WeakSet[BlockStreamer]" = weakref.WeakSet()
+"""The streamers whose engine runs a backward now, in any thread (changed under
+:data:`_IN_BACKWARD_LOCK`): a gradient reaching another engine's parameters then came through a
+graph that runs through two engines' forwards."""
+_IN_BACKWARD_LOCK = threading.Lock()
 """What a streamed block does with what its forward saves for backward (see :class:`BlockStreamer`)."""
 
 
@@ -137,9 +145,7 @@ class BlockStreamer:
         self.own = OwnGenerators([unit.module for unit in binding.blocks], binding.model,
                                  [g for _, g in binding.generator_slots()])
         """The generators of the model's own each block draws from (put back for a recompute)."""
-        self.in_backward = False
-        """Whether the engine runs a backward (``engine.backward``, ``forward_backward``): gradients
-        arriving outside one are refused (:meth:`grad_arrived_hook`)."""
+        self._in_backward = False
         self.keeps_tensors = False
         """Whether a block's forward sets tensors as attributes: ``forward_backward`` then runs the
         loop (each micro-batch's loss reads what its own forward set)."""
@@ -186,6 +192,18 @@ class BlockStreamer:
         interleaved = not inline and (self.overlap_step or self.defer_step)
         return schedule.access_sequence(phases, overlap=interleaved, repeat=self.micro_batches,
                                         activations=self.modes is not None)
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether the engine runs a backward (``engine.backward``, ``forward_backward``): gradients
+        arriving outside one are refused (:meth:`grad_arrived_hook`)."""
+        return self._in_backward
+
+    @in_backward.setter
+    def in_backward(self, value: bool) -> None:
+        self._in_backward = value
+        with _IN_BACKWARD_LOCK:
+            (_IN_BACKWARD.add if value else _IN_BACKWARD.discard)(self)
 
     def close(self) -> None:
         """Remove the hooks put on the model's parameters."""
@@ -356,6 +374,15 @@ class BlockStreamer:
         does around a backward (the rest's gradients into the store, the commit's order) would not
         run, and the step would use other gradients."""
         def arrived(_tensor) -> None:
+            with _IN_BACKWARD_LOCK:
+                another = not self.in_backward and any(other is not self for other in _IN_BACKWARD)
+            if another:
+                raise TensorStateError(
+                    f"a gradient of {slot.name} arrived while another engine's backward ran: that loss depends on "
+                    f"this engine's model through a forward taken with grad (a teacher's outputs in a student's "
+                    f"loss, say), and one backward cannot run through two engines. Take those outputs under "
+                    f"torch.no_grad() (or .detach() them); then engine.zero_grad() on both engines drops what "
+                    f"this backward added")
             if not self.in_backward:
                 raise TensorStateError(
                     f"a gradient of {slot.name} arrived outside engine.backward(loss): call engine.backward(loss) "

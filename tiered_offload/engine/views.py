@@ -24,7 +24,22 @@ __all__ = ["EngineViews"]
 
 
 class EngineViews:
-    """Sizes, state, plan, stats and tracing of an engine (a part of :class:`Engine`)."""
+    """The model's mode, sizes, state, plan, stats and tracing of an engine (a part of :class:`Engine`)."""
+
+    # ---- the model's mode -----------------------------------------------------------------
+    def train(self, mode: bool = True):
+        """The model's training mode (dropout on), as ``nn.Module.train``; returns the engine."""
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        """The model's evaluation mode (dropout off), as ``nn.Module.eval``; returns the engine."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        """Whether the model is in training mode."""
+        return self.model.training
 
     # ---- sizes ----------------------------------------------------------------------------
     def minimum_budget(self) -> int:
