@@ -122,6 +122,17 @@ def make_llama():
     return model
 
 
+def make_deberta():
+    """DeBERTa-v2 with relative attention: the encoder gives its relative-position embedding
+    weight, a parameter outside the blocks, to every block as an input."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        max_position_embeddings=32, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
 def hf_loss(model, ids, route=None):
     return model(input_ids=ids, labels=ids).loss
 
@@ -790,6 +801,11 @@ FUSED_CASES = {
     "gpt2-dropout-replays-the-loops-draws": (lambda: make_gpt2(dropout=0.1), dict(loss_fn=hf_loss)),
     "gpt2-dropout-device-tier-resume": (lambda: make_gpt2(dropout=0.1), dict(loss_fn=hf_loss, host_fraction=0.6,
                                                                              device_fraction=0.4, resume_at=2)),
+    # a parameter outside the blocks given to every block (DeBERTa's relative embeddings): each
+    # micro-batch's blocks add their gradients in one sum of its own, as the loop's backwards do
+    "deberta-a-parameter-given-to-every-block": (make_deberta, dict(loss_fn=hf_loss)),
+    "deberta-kept-offloaded-recomputed": (make_deberta, dict(loss_fn=hf_loss, config=EngineConfig(
+        activations=["keep", "offload", "recompute"] * 2), host_fraction=0.7)),
 }
 
 

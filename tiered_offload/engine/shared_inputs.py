@@ -13,7 +13,9 @@ So the blocks' backwards chain one running sum instead: each block's backward st
 gradient from the sum so far (a root of the block's own backward, so it is added first, as
 PyTorch's sum holds it when the block's uses arrive), and hands the new sum on; the last block to
 run its backward returns it to autograd, the others return nothing for that input. A tensor used
-by only one block (a hidden state passed from one block to the next) is returned as before.
+by only one block (a hidden state passed from one block to the next) is returned as before. In
+``forward_backward`` each micro-batch's blocks chain a sum of their own, also for a tensor that all
+of them take (a parameter outside the blocks given to every block), as the loop's backwards do.
 
 A block's input that code outside the streamed blocks also uses (a block's output the model adds
 again further on, a loss on ``output_hidden_states``) gets gradients from those uses too. PyTorch
@@ -53,15 +55,18 @@ class SharedInputs:
     """The block inputs of the forwards whose backward has not run (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, SharedInput] = {}
+        self._by_id: dict[tuple[int | None, int], SharedInput] = {}
 
     PRUNE_AT = 1024
     """Entries held before those of tensors gone (and holding no sum) are dropped: forwards with
     no ``engine.backward`` after them (``torch.autograd.grad`` of an input, run again and again
     for saliency maps) leave theirs, which only :meth:`backward_done` clears."""
 
-    def take(self, tensors: list[torch.Tensor]) -> list[SharedInput | None]:
-        """A block's forward takes ``tensors``: one entry per tensor that requires a gradient."""
+    def take(self, tensors: list[torch.Tensor], micro_batch: int | None = None) -> list[SharedInput | None]:
+        """A block's forward takes ``tensors``: one entry per tensor that requires a gradient. In
+        ``forward_backward`` each ``micro_batch`` has its own entries: a tensor every micro-batch's
+        blocks take (a parameter outside the blocks given to each, DeBERTa's relative embeddings)
+        gets a sum per micro-batch's backward, as the loop's backwards add them."""
         if len(self._by_id) > self.PRUNE_AT:
             self._by_id = {k: e for k, e in self._by_id.items() if e.tensor() is not None or e.grad is not None}
         out: list[SharedInput | None] = []
@@ -69,9 +74,10 @@ class SharedInputs:
             if not t.requires_grad:
                 out.append(None)
                 continue
-            entry = self._by_id.get(id(t))
+            key = (micro_batch, id(t))
+            entry = self._by_id.get(key)
             if entry is None or entry.tensor() is not t:
-                entry = self._by_id[id(t)] = SharedInput(weakref.ref(t))
+                entry = self._by_id[key] = SharedInput(weakref.ref(t))
             entry.users += 1
             out.append(entry)
         return out

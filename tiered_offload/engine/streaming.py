@@ -457,7 +457,8 @@ class BlockStreamer:
         self.drop_orphans()
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        box: dict[str, Any] = {"shared": self.shared.take(tensors), "wanted": recorded.wanted()}
+        micro_batch = self.turns.index() if self.turns is not None else None
+        box: dict[str, Any] = {"shared": self.shared.take(tensors, micro_batch), "wanted": recorded.wanted()}
         node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
         box["call"] = self.calls.called(index)
         outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
