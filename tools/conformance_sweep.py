@@ -1,0 +1,235 @@
+#!/usr/bin/env python
+"""Hugging Face architectures through the engine, each against plain PyTorch, bitwise.
+
+Every architecture below is built tiny (width 32, 3-8 layers, its own mechanisms on: relative
+attention, rotary, ALiBi, sliding windows, MoE routers, state-space layers, two towers, an
+encoder-decoder's two stacks) and trained 3 steps of 2 micro-batches with AdamW and clipping,
+state on disk at 0.4 of 16 bytes per parameter, once per activation mode (``recompute``, ``keep``,
+``offload``) and per way of running the micro-batches (the loop of ``engine.backward``, and
+``engine.forward_backward``). Each run must give PyTorch's losses and weights bit for bit (the
+harness of ``tests/test_finetune.py::check_parity``), or be refused with a typed error where this
+list expects one. It takes about half an hour on a 2-core machine, so the suite runs a few of
+these models (``tests/test_finetune.py``, ``tests/test_conformance.py``) and this sweep is the
+long check, for a new PyTorch or transformers version:
+
+    python tools/conformance_sweep.py                         # every architecture, every mode
+    python tools/conformance_sweep.py --only deberta-v2,t5 --modes recompute
+
+Prints a line per run and a summary; exits 1 if any run was neither bitwise nor the refusal expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+V = 64  # the tests' vocabulary (test_finetune.VOCAB)
+
+
+def _lm(model, ids, route=None):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _pixels(ids):
+    g = torch.Generator().manual_seed(int(ids.sum()))
+    return torch.randn(ids.shape[0], 3, 16, 16, generator=g)
+
+
+def _clip(model, ids, route=None):
+    return model(input_ids=ids, pixel_values=_pixels(ids), return_loss=True).loss
+
+
+def _vit(model, ids, route=None):
+    return model(pixel_values=_pixels(ids), labels=ids[:, 0] % 5).loss
+
+
+def _whisper(model, ids, route=None):
+    g = torch.Generator().manual_seed(int(ids.sum()))
+    return model(input_features=torch.randn(ids.shape[0], 8, 32, generator=g), labels=ids).loss
+
+
+def _classify(model, ids, route=None):
+    return model(input_ids=ids, attention_mask=(ids > 3).long(), labels=ids[:, 0] % 3).loss
+
+
+def cases(T) -> dict:
+    """name -> (config class, model class, config keywords, loss, expected refusal or None)."""
+    nc = dict(use_cache=False)  # the engine trains with the key/value cache off; so does the reference
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32, **nc)
+    enc = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+               max_position_embeddings=32)
+    s2s = dict(vocab_size=V, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, **nc)
+    t5 = dict(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4, decoder_start_token_id=0, **nc)
+    out = {
+        # decoder-only
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(small, tie_word_embeddings=False)),
+        "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(small, tie_word_embeddings=True)),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", small),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(small, head_dim=8)),
+        "mistral": ("MistralConfig", "MistralForCausalLM", small),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(small, head_dim=8)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(small, head_dim=8, sliding_window=4)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(small, head_dim=8, sliding_window=4)),
+        "phi": ("PhiConfig", "PhiForCausalLM", small),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(small, pad_token_id=0)),
+        "stablelm": ("StableLmConfig", "StableLmForCausalLM", small),
+        "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", small),
+        "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", small),
+        "granite": ("GraniteConfig", "GraniteForCausalLM", small),
+        "cohere": ("CohereConfig", "CohereForCausalLM", small),
+        "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", small),
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=32, n_layer=4, n_head=4, n_positions=32, **nc)),
+        "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(enc, num_hidden_layers=4, **nc)),
+        "gpt-neo": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(vocab_size=V, hidden_size=32, num_layers=4, num_heads=4,
+                                                              attention_types=[[["global", "local"], 2]], window_size=4,
+                                                              max_position_embeddings=32, **nc)),
+        "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=V, n_embd=32, n_layer=4, n_head=4, n_positions=32,
+                                                       rotary_dim=4, **nc)),
+        "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(vocab_size=V, n_embd=32, n_layer=4, n_head=4,
+                                                                n_positions=32, rotary_dim=4, **nc)),
+        "gpt-bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(vocab_size=V, n_embd=32, n_layer=4, n_head=4,
+                                                                          n_positions=32, **nc)),
+        "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=6,
+                                                    num_attention_heads=4, max_position_embeddings=32,
+                                                    word_embed_proj_dim=32, layerdrop=0.5, **nc)),
+        "falcon": ("FalconConfig", "FalconForCausalLM", dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
+                                                             num_attention_heads=4, **nc)),
+        "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=V, hidden_size=32, n_layer=4, n_head=4, **nc)),
+        "mpt": ("MptConfig", "MptForCausalLM", dict(vocab_size=V, d_model=32, n_layers=4, n_heads=4, max_seq_len=32,
+                                                    **nc)),
+        "xglm": ("XGLMConfig", "XGLMForCausalLM", dict(vocab_size=V, d_model=32, num_layers=4, attention_heads=4,
+                                                       ffn_dim=64, max_position_embeddings=32, **nc)),
+        "biogpt": ("BioGptConfig", "BioGptForCausalLM", dict(enc, num_hidden_layers=4, hidden_dropout_prob=0.0,
+                                                             attention_probs_dropout_prob=0.0, **nc)),
+        "xlnet": ("XLNetConfig", "XLNetLMHeadModel", dict(vocab_size=V, d_model=32, n_layer=4, n_head=4, d_inner=64,
+                                                          dropout=0.0, use_mems_train=False)),
+        # mixtures of experts
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(small, num_local_experts=4, num_experts_per_tok=2,
+                                                                output_router_logits=True)),
+        "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(small, moe_intermediate_size=16, num_experts=4,
+                                                                    shared_expert_intermediate_size=32,
+                                                                    num_experts_per_tok=2)),
+        "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(small, head_dim=8, moe_intermediate_size=16,
+                                                                    num_experts=4, num_experts_per_tok=2)),
+        # state-space and recurrent layers
+        "mamba": ("MambaConfig", "MambaForCausalLM", dict(vocab_size=V, hidden_size=32, state_size=8,
+                                                          num_hidden_layers=4, expand=2, conv_kernel=4, **nc)),
+        "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
+                                                             state_size=8, expand=2, num_heads=8, head_dim=8, n_groups=1,
+                                                             chunk_size=8, **nc)),
+        "falcon-mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(vocab_size=V, hidden_size=32, state_size=8,
+                                                                             num_hidden_layers=4, expand=2, **nc)),
+        "jamba": ("JambaConfig", "JambaForCausalLM", dict(small, num_experts=2, num_experts_per_tok=1,
+                                                          expert_layer_period=2, attn_layer_period=2, attn_layer_offset=1,
+                                                          mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)),
+        "rwkv": ("RwkvConfig", "RwkvForCausalLM", dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
+                                                       attention_hidden_size=32, intermediate_size=64, context_length=32,
+                                                       **nc)),
+        # encoders
+        "bert": ("BertConfig", "BertForMaskedLM", enc),
+        "bert-classifier": ("BertConfig", "BertForSequenceClassification", dict(enc, num_labels=3), _classify),
+        "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(enc, max_position_embeddings=40, pad_token_id=1)),
+        "electra": ("ElectraConfig", "ElectraForMaskedLM", dict(enc, embedding_size=16)),
+        "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM", dict(vocab_size=V, dim=32, hidden_dim=64,
+                                                                         n_layers=6, n_heads=4,
+                                                                         max_position_embeddings=32)),
+        "mpnet": ("MPNetConfig", "MPNetForMaskedLM", dict(enc, num_hidden_layers=4, max_position_embeddings=40)),
+        "deberta": ("DebertaConfig", "DebertaForMaskedLM", dict(enc, num_hidden_layers=4, relative_attention=True,
+                                                                pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0,
+                                                                attention_probs_dropout_prob=0.0)),
+        "deberta-v2": ("DebertaV2Config", "DebertaV2ForMaskedLM", dict(enc, relative_attention=True, position_buckets=8,
+                                                                       pos_att_type=["p2c", "c2p"])),
+        "albert": ("AlbertConfig", "AlbertForMaskedLM", dict(enc, embedding_size=16), _lm, "ModelStructureError"),
+        "vit": ("ViTConfig", "ViTForImageClassification", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                                               num_attention_heads=4, image_size=16, patch_size=4,
+                                                               num_labels=5), _vit),
+        # two towers, encoder-decoders
+        "clip": ("CLIPConfig", "CLIPModel", dict(
+            text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                             num_attention_heads=4, max_position_embeddings=32),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               image_size=16, patch_size=4), projection_dim=16), _clip),
+        "t5": ("T5Config", "T5ForConditionalGeneration", t5),
+        "t5-gated": ("T5Config", "T5ForConditionalGeneration", dict(t5, feed_forward_proj="gated-gelu")),
+        "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", t5),
+        "switch": ("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration",
+                   dict(t5, num_decoder_layers=4, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=2,
+                        pad_token_id=0, dropout_rate=0.0)),
+        "bart": ("BartConfig", "BartForConditionalGeneration", dict(s2s, encoder_layerdrop=0.5, decoder_layerdrop=0.5)),
+        "mbart": ("MBartConfig", "MBartForConditionalGeneration", dict(s2s, dropout=0.0)),
+        "marian": ("MarianConfig", "MarianMTModel", dict(s2s, decoder_start_token_id=0, pad_token_id=0, dropout=0.0)),
+        "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", dict(s2s, decoder_start_token_id=0)),
+        "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", dict(
+            vocab_size=V, d_model=32, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+            max_target_positions=32, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            suppress_tokens=[], begin_suppress_tokens=[], **nc), _whisper),
+    }
+    full = {}
+    for name, (config_cls, model_cls, kwargs, *rest) in out.items():  # the loss and refusal are optional
+        full[name] = (config_cls, model_cls, kwargs, rest[0] if rest else _lm, rest[1] if len(rest) > 1 else None)
+    return full
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated architectures (default: all)")
+    ap.add_argument("--modes", default="recompute,keep,offload", help="comma-separated activation modes")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers as T
+    from test_finetune import check_parity
+    from tiered_offload import EngineConfig
+    from tiered_offload.errors import TieredOffloadError
+
+    table = cases(T)
+    names = [n for n in args.only.split(",") if n] or list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        ap.error(f"unknown architectures {unknown}; known: {', '.join(table)}")
+    tally = {"bitwise": 0, "refused as expected": 0, "FAILED": 0}
+    t0 = time.perf_counter()
+    for name in names:
+        config_cls, model_cls, kwargs, loss, refusal = table[name]
+
+        def make():
+            torch.manual_seed(0)
+            return getattr(T, model_cls)(getattr(T, config_cls)(**kwargs))
+
+        def optimizer(model):
+            return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for mode in args.modes.split(","):
+            for fused in (False, True):
+                how = "forward_backward" if fused else "loop"
+                with tempfile.TemporaryDirectory(prefix=".sweep-", dir=ROOT, ignore_cleanup_errors=True) as d:
+                    try:
+                        check_parity(make, optimizer, Path(d), loss_fn=loss, steps=args.steps, accumulate=2, clip=1.0,
+                                     host_fraction=0.4, config=EngineConfig(activations=mode), fused=fused)
+                        result = "bitwise" if refusal is None else "FAILED"
+                        why = "" if refusal is None else f"trained where {refusal} was expected"
+                    except TieredOffloadError as e:
+                        result = "refused as expected" if type(e).__name__ == refusal else "FAILED"
+                        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    except AssertionError as e:
+                        result, why = "FAILED", str(e).splitlines()[0][:160]
+                tally[result] += 1
+                print(f"{name:16s} {mode:9s} {how:16s} {result}{'  ' + why if why else ''}", flush=True)
+    print(f"{len(names)} architectures, {sum(tally.values())} runs in {time.perf_counter() - t0:.0f} s: "
+          + ", ".join(f"{n} {k}" for k, n in tally.items()))
+    return 1 if tally["FAILED"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
