@@ -3,6 +3,7 @@ parameters outside the optimizer, experts that get no tokens; bitwise against in
 with the state on disk and a host budget below the state."""
 
 import copy
+import functools
 import inspect
 import re
 
@@ -275,6 +276,46 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
 
 
 # ---- frozen parameters ------------------------------------------------------------------------
+def _llama8():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, use_cache=False))
+
+
+def _peft_llama(modules_to_save=None):
+    """An 8-layer Llama with PEFT's LoRA on q and v (its adapter initialised at random)."""
+    peft = pytest.importorskip("peft")
+    base = _llama8()
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     init_lora_weights=False, modules_to_save=modules_to_save))
+
+
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]], ids=["lora", "lora-and-head"])
+def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model(tmp_path, modules_to_save):
+    """A PEFT model (LoRA on q and v; and with the head in ``modules_to_save``): its export has
+    PEFT's module names. With the base model's ``config.json`` beside them, ``from_pretrained``
+    took it for a plain model and returned a new, randomly initialised one (every weight reported
+    "MISSING"). The export now has no ``config.json`` for a PEFT model, so ``from_pretrained``
+    fails loudly, and ``init_from`` into the same PEFT model (the way to change what trains)
+    gives the trained weights bitwise."""
+    transformers = pytest.importorskip("transformers")
+    make = functools.partial(_peft_llama, modules_to_save)
+    optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
+    out = tmp_path / "export"
+    weights, _, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000,
+                                    inspect=lambda engine: engine.export_safetensors(out))
+    assert sorted(f.name for f in out.iterdir()) == ["model.safetensors"]
+    with pytest.raises((OSError, ValueError), match="config.json"):  # (transformers 5: "Unrecognized model")
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    model = make()
+    with Engine(model, optimizer(model), storage=tmp_path / "again", host_memory=200_000, init_from=out) as engine:
+        again = dict(engine.named_parameters())
+    assert list(again) == list(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+
+
 def test_frozen_embeddings_and_block_are_never_modified_and_cost_4_bytes(tmp_path):
     weights, ref, start, state = check_parity(
         lambda: make_gpt2(frozen=True), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),

@@ -651,7 +651,11 @@ def _forget_output_capture(model: nn.Module, blocks: list[Unit]) -> None:
 
 
 def model_config(model: nn.Module) -> dict | None:
-    """The model's Hugging Face configuration as JSON (for config.json next to an export), if it has one."""
+    """The model's Hugging Face configuration as JSON (for config.json next to an export), if it
+    has one. A PEFT model has none: its export has PEFT's parameter names, in which
+    ``from_pretrained`` would find none of the base model's (a randomly initialised model)."""
+    if isinstance(getattr(model, "peft_config", None), dict):
+        return None
     cfg = getattr(model, "config", None)
     to_json = getattr(cfg, "to_json_string", None)
     if not callable(to_json):
