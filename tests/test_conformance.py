@@ -235,6 +235,50 @@ def seq2seq_loss(model, ids, route=None):
     return model(input_ids=ids, labels=ids.flip(1)).loss
 
 
+def _saved_by_transformers(tmp_path, model):
+    """``model`` saved by ``save_pretrained``: transformers 5 writes some models' tensors under
+    older names or layouts (GPT-NeoX's head as ``embed_out``; Mixtral's experts one tensor each)
+    and converts them when ``from_pretrained`` loads them."""
+    model.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_init_from_reads_a_checkpoint_transformers_saves_under_older_names(tmp_path):
+    """GPT-NeoX's head is ``lm_head`` in the model and ``embed_out`` in what ``save_pretrained``
+    writes. ``init_from`` (and ``tiered-offload train`` with it) refused the directory ("1
+    parameter(s) missing (lm_head.weight)"); it now applies transformers' renamings of the names:
+    the weights ``from_pretrained`` gives, bitwise."""
+    transformers = pytest.importorskip("transformers")
+    from tiered_offload import Engine
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, max_position_embeddings=32, use_cache=False)
+    path = _saved_by_transformers(tmp_path, transformers.GPTNeoXForCausalLM(config))
+    expected = dict(transformers.GPTNeoXForCausalLM.from_pretrained(path).named_parameters())
+    torch.manual_seed(1)  # other initial weights: every one must come from the file
+    model = transformers.GPTNeoXForCausalLM(config)
+    with Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=256 << 10, init_from=path) as engine:
+        got = dict(engine.named_parameters())
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_init_from_names_a_checkpoint_whose_tensors_transformers_merges_when_it_loads(tmp_path):
+    """Mixtral's experts: saved one tensor per expert, merged into one per layer by
+    ``from_pretrained``. ``init_from`` does not convert tensors: refused, saying so and how to
+    get a checkpoint it reads, before anything is written."""
+    transformers = pytest.importorskip("transformers")
+    from offload_core.errors import CheckpointError
+    from tiered_offload import Engine
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32, use_cache=False)
+    path = _saved_by_transformers(tmp_path, transformers.MixtralForCausalLM(config))
+    with pytest.raises(CheckpointError, match=r"(?s)experts\.0\.w1.*converts.*from_pretrained.*save_file"):
+        Engine(transformers.MixtralForCausalLM(config), torch.optim.AdamW, {}, storage=tmp_path / "s",
+               host_memory=1 << 20, init_from=path)
+    assert not [f for f in (tmp_path / "s").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
+
+
 @pytest.mark.parametrize("activations", ["recompute", "offload"])
 def test_an_input_gradient_through_an_encoder_decoder_is_pytorchs(tmp_path, activations):
     """``torch.autograd.grad`` of the loss for the decoder's embeddings through T5's streamed

@@ -135,8 +135,17 @@ class PretrainedReader:
     def names(self) -> list[str]:
         return list(self.entries)
 
-    def check_covers(self, wanted: Iterable[tuple[str, tuple[int, ...]]]) -> None:
-        """Every ``(name, shape)`` must be present with that shape; report all that are not."""
+    def alias(self, aliases: dict[str, str]) -> None:
+        """Let each tensor ``aliases[new]`` be read as ``new`` too (a name the model has where the
+        file has an older one), unless the file has a tensor of that name itself."""
+        for new, old in aliases.items():
+            if new not in self.entries and old in self.entries:
+                self.entries[new] = self.entries[old]
+
+    def check_covers(self, wanted: Iterable[tuple[str, tuple[int, ...]]], converted: Iterable[str] = ()) -> None:
+        """Every ``(name, shape)`` must be present with that shape; report all that are not, and
+        the file's tensors that ``converted`` names (transformers merges or splits them when it
+        loads them, which this reader does not)."""
         missing, wrong = [], []
         wanted = list(wanted)
         for name, shape in wanted:
@@ -150,7 +159,8 @@ class PretrainedReader:
                 f"{self.source} does not fit this model: " + "; ".join(
                     ([f"{len(missing)} parameter(s) missing ({', '.join(missing[:5])}{'...' if len(missing) > 5 else ''})"]
                      if missing else []) + ([f"shape mismatch ({'; '.join(wrong[:5])})"] if wrong else []))
-                + ". Check that the checkpoint was saved from the same architecture and configuration")
+                + (_conversion_hint(sorted(converted)) if missing and converted else
+                   ". Check that the checkpoint was saved from the same architecture and configuration"))
         extra = set(self.entries) - {n for n, _ in wanted}
         if extra:
             log.info("%s: %d tensor(s) not used by the model (e.g. %s)", self.source, len(extra), sorted(extra)[:3])
@@ -177,6 +187,13 @@ class PretrainedReader:
 
     def close(self) -> None:
         pass
+
+
+def _conversion_hint(converted: list[str]) -> str:
+    return (f". {len(converted)} of its tensors ({', '.join(converted[:3])}{'...' if len(converted) > 3 else ''}) are "
+            f"in a layout transformers converts when from_pretrained loads them (several merged into one, or one "
+            f"split), which init_from does not do. Load the model with from_pretrained and write its "
+            f"named_parameters() with safetensors.torch.save_file(..., 'DIR/model.safetensors'), then pass init_from=DIR")
 
 
 def _read_exact(f, mv: memoryview, path: Path, name: str) -> None:
