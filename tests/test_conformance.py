@@ -243,39 +243,55 @@ def _saved_by_transformers(tmp_path, model):
     return tmp_path / "hf"
 
 
-def test_init_from_reads_a_checkpoint_transformers_saves_under_older_names(tmp_path):
-    """GPT-NeoX's head is ``lm_head`` in the model and ``embed_out`` in what ``save_pretrained``
-    writes. ``init_from`` (and ``tiered-offload train`` with it) refused the directory ("1
-    parameter(s) missing (lm_head.weight)"); it now applies transformers' renamings of the names:
-    the weights ``from_pretrained`` gives, bitwise."""
+def _saved_models(transformers):
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 max_position_embeddings=32, use_cache=False)
+    moe = dict(small, num_key_value_heads=2, num_experts_per_tok=2)
+    return {
+        "gpt-neox": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(**small)),
+        "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(**moe, num_local_experts=4)),
+        "qwen2-moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            **moe, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32)),
+    }
+
+
+@pytest.mark.parametrize("arch", ["gpt-neox", "mixtral", "qwen2-moe"])
+def test_init_from_reads_a_checkpoint_as_transformers_converts_it(tmp_path, arch):
+    """What ``save_pretrained`` writes is not always the model's names and layout in transformers
+    5: GPT-NeoX's head is ``lm_head`` in the model and ``embed_out`` in the file; an MoE's experts
+    are one tensor per layer in the model (``gate_up_proj``: the stacked ``w1`` and ``w3``, or
+    ``gate_proj`` and ``up_proj``) and one per expert in the file. ``init_from`` (and
+    ``tiered-offload train``) refused such a directory ("parameter(s) missing"); it now renames and
+    stacks as ``from_pretrained`` does, reading each expert's tensor into its place: the weights
+    ``from_pretrained`` gives, bitwise."""
     transformers = pytest.importorskip("transformers")
     from tiered_offload import Engine
+    cls, config = _saved_models(transformers)[arch]
     torch.manual_seed(0)
-    config = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                        num_attention_heads=4, max_position_embeddings=32, use_cache=False)
-    path = _saved_by_transformers(tmp_path, transformers.GPTNeoXForCausalLM(config))
-    expected = dict(transformers.GPTNeoXForCausalLM.from_pretrained(path).named_parameters())
+    path = _saved_by_transformers(tmp_path, cls(config))
+    expected = dict(cls.from_pretrained(path).named_parameters())
     torch.manual_seed(1)  # other initial weights: every one must come from the file
-    model = transformers.GPTNeoXForCausalLM(config)
-    with Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=256 << 10, init_from=path) as engine:
+    model = cls(config)
+    with Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20, init_from=path) as engine:
         got = dict(engine.named_parameters())
     assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def test_init_from_names_a_checkpoint_whose_tensors_transformers_merges_when_it_loads(tmp_path):
-    """Mixtral's experts: saved one tensor per expert, merged into one per layer by
-    ``from_pretrained``. ``init_from`` does not convert tensors: refused, saying so and how to
-    get a checkpoint it reads, before anything is written."""
+def test_init_from_names_the_tensors_it_cannot_convert(tmp_path):
+    """A Mixtral checkpoint one expert's tensor short: its layer's experts cannot be stacked.
+    Refused, naming the tensors and a way round, before anything is written."""
     transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
     from offload_core.errors import CheckpointError
     from tiered_offload import Engine
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=32, use_cache=False)
-    path = _saved_by_transformers(tmp_path, transformers.MixtralForCausalLM(config))
-    with pytest.raises(CheckpointError, match=r"(?s)experts\.0\.w1.*converts.*from_pretrained.*save_file"):
-        Engine(transformers.MixtralForCausalLM(config), torch.optim.AdamW, {}, storage=tmp_path / "s",
-               host_memory=1 << 20, init_from=path)
+    cls, config = _saved_models(transformers)["mixtral"]
+    path = _saved_by_transformers(tmp_path, cls(config))
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w1.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"(?s)layers\.1\..*experts\.0\.w1.*converts.*from_pretrained.*save_file"):
+        Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20, init_from=path)
     assert not [f for f in (tmp_path / "s").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
 
 

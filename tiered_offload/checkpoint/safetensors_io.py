@@ -117,6 +117,8 @@ class PretrainedReader:
         else:
             raise CheckpointError(f"pretrained weights {path} do not exist")
         self.entries: dict[str, tuple[Path, dict, int]] = {}
+        self.merged: dict[str, list[list[str]]] = {}
+        """Tensors of the model made of several of the file's (:meth:`merge`)."""
         headers: dict[Path, tuple[dict, int]] = {}
         shards = sorted(set(files.values())) if files else [path]
         for shard in shards:
@@ -142,6 +144,19 @@ class PretrainedReader:
             if new not in self.entries and old in self.entries:
                 self.entries[new] = self.entries[old]
 
+    def merge(self, merged: dict[str, list[list[str]]]) -> None:
+        """Let each ``merged[new]`` be read as tensor ``new``: per group of the file's tensors (one
+        per expert), those stacked along a new first dimension, and the groups' stacks concatenated
+        along the second (read in place, block by block, into the model's tensor)."""
+        self.merged = {new: groups for new, groups in merged.items()
+                       if new not in self.entries and all(n in self.entries for g in groups for n in g)}
+
+    def _merged_shape(self, groups: list[list[str]]) -> list[int] | None:
+        shapes = [[list(self.entries[n][1]["shape"]) for n in g] for g in groups]
+        if any(s != g[0] for g in shapes for s in g) or any(g[0][1:] != shapes[0][0][1:] for g in shapes):
+            return None  # the experts' tensors differ in shape: not a stack
+        return [len(groups[0]), sum(g[0][0] for g in shapes), *shapes[0][0][1:]]
+
     def check_covers(self, wanted: Iterable[tuple[str, tuple[int, ...]]], converted: Iterable[str] = ()) -> None:
         """Every ``(name, shape)`` must be present with that shape; report all that are not, and
         the file's tensors that ``converted`` names (transformers merges or splits them when it
@@ -150,7 +165,11 @@ class PretrainedReader:
         wanted = list(wanted)
         for name, shape in wanted:
             e = self.entries.get(name)
-            if e is None:
+            if e is None and name in self.merged:
+                got = self._merged_shape(self.merged[name])
+                if got != list(shape):
+                    wrong.append(f"{name}: the file's experts stacked {got} vs model {list(shape)}")
+            elif e is None:
                 missing.append(name)
             elif list(e[1]["shape"]) != list(shape):
                 wrong.append(f"{name}: file {e[1]['shape']} vs model {list(shape)}")
@@ -161,12 +180,20 @@ class PretrainedReader:
                      if missing else []) + ([f"shape mismatch ({'; '.join(wrong[:5])})"] if wrong else []))
                 + (_conversion_hint(sorted(converted)) if missing and converted else
                    ". Check that the checkpoint was saved from the same architecture and configuration"))
-        extra = set(self.entries) - {n for n, _ in wanted}
+        extra = set(self.entries) - {n for n, _ in wanted} - {n for g in self.merged.values() for s in g for n in s}
         if extra:
             log.info("%s: %d tensor(s) not used by the model (e.g. %s)", self.source, len(extra), sorted(extra)[:3])
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Read tensor ``name`` into ``out`` (a contiguous CPU tensor of its shape), converting the dtype."""
+        if name not in self.entries and name in self.merged:
+            offset = 0
+            for group in self.merged[name]:
+                rows = self.entries[group[0]][1]["shape"][0]
+                for expert, part in enumerate(group):
+                    self.read_into(part, out[expert, offset:offset + rows])
+                offset += rows
+            return
         path, info, start = self.entries[name]
         a, b = info["data_offsets"]
         dtype = info["torch_dtype"]
