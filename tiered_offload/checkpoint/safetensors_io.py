@@ -168,7 +168,8 @@ class PretrainedReader:
             if e is None and name in self.merged:
                 got = self._merged_shape(self.merged[name])
                 if got != list(shape):
-                    wrong.append(f"{name}: the file's experts stacked {got} vs model {list(shape)}")
+                    wrong.append(f"{name}: the file's experts stacked {got} vs model {list(shape)}" if got else
+                                 f"{name}: the file's experts for it differ in shape ({self.merged[name][0][0]}...)")
             elif e is None:
                 missing.append(name)
             elif list(e[1]["shape"]) != list(shape):

@@ -50,13 +50,13 @@ log = logging.getLogger(__name__)
 
 
 ACTIVATION_MODES = ("keep", "offload", "recompute")
+"""What a streamed block does with what its forward saves for backward (see :class:`BlockStreamer`)."""
 
 _IN_BACKWARD: "weakref.WeakSet[BlockStreamer]" = weakref.WeakSet()
 """The streamers whose engine runs a backward now, in any thread (changed under
 :data:`_IN_BACKWARD_LOCK`): a gradient reaching another engine's parameters then came through a
 graph that runs through two engines' forwards."""
 _IN_BACKWARD_LOCK = threading.Lock()
-"""What a streamed block does with what its forward saves for backward (see :class:`BlockStreamer`)."""
 
 
 class BlockStreamer:
@@ -374,16 +374,16 @@ class BlockStreamer:
         does around a backward (the rest's gradients into the store, the commit's order) would not
         run, and the step would use other gradients."""
         def arrived(_tensor) -> None:
-            with _IN_BACKWARD_LOCK:
-                another = not self.in_backward and any(other is not self for other in _IN_BACKWARD)
-            if another:
-                raise TensorStateError(
-                    f"a gradient of {slot.name} arrived while another engine's backward ran: that loss depends on "
-                    f"this engine's model through a forward taken with grad (a teacher's outputs in a student's "
-                    f"loss, say), and one backward cannot run through two engines. Take those outputs under "
-                    f"torch.no_grad() (or .detach() them); then engine.zero_grad() on both engines drops what "
-                    f"this backward added")
             if not self.in_backward:
+                with _IN_BACKWARD_LOCK:
+                    another = any(other is not self for other in _IN_BACKWARD)
+                if another:
+                    raise TensorStateError(
+                        f"a gradient of {slot.name} arrived while another engine's backward ran: that loss depends "
+                        f"on this engine's model through a forward taken with grad (a teacher's outputs in a "
+                        f"student's loss, say), and one backward cannot run through two engines. Take those outputs "
+                        f"under torch.no_grad() (or .detach() them); then engine.zero_grad() on both engines drops "
+                        f"what this backward added")
                 raise TensorStateError(
                     f"a gradient of {slot.name} arrived outside engine.backward(loss): call engine.backward(loss) "
                     f"(or engine.forward_backward) instead of loss.backward(), then engine.zero_grad() to drop "
