@@ -307,13 +307,41 @@ def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model
     out = tmp_path / "export"
     weights, _, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000,
                                     inspect=lambda engine: engine.export_safetensors(out))
-    assert sorted(f.name for f in out.iterdir()) == ["model.safetensors"]
-    with pytest.raises((OSError, ValueError), match="config.json"):  # (transformers 5: "Unrecognized model")
-        transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert "config.json" not in {f.name for f in out.iterdir()}
+    with pytest.raises((OSError, ValueError)):  # no config; the adapter's base model is not named
+        transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     model = make()
     with Engine(model, optimizer(model), storage=tmp_path / "again", host_memory=200_000, init_from=out) as engine:
         again = dict(engine.named_parameters())
     assert list(again) == list(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],
+                         ids=["lora", "lora-and-head", "dora"])
+def test_a_peft_models_export_holds_its_adapter_as_peft_saves_it(tmp_path, options):
+    """Beside the weights, a PEFT model's export holds its adapter as ``PeftModel.save_pretrained``
+    writes it (``adapter_model.safetensors``, ``adapter_config.json``): the keys peft's own
+    ``get_peft_model_state_dict`` gives, and ``PeftModel.from_pretrained`` on the base model gives
+    the trained adapter bitwise (trained as PyTorch trains it)."""
+    peft = pytest.importorskip("peft")
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    def make():
+        base = _llama8()
+        torch.manual_seed(1)
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False, **options))
+    optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
+    out = tmp_path / "export"
+    weights, ref, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000,
+                                      inspect=lambda engine: engine.export_safetensors(out))
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {f.name for f in out.iterdir()}
+    assert set(load_file(out / "adapter_model.safetensors")) == set(get_peft_model_state_dict(ref))
+    loaded = dict(peft.PeftModel.from_pretrained(_llama8(), out, local_files_only=True).named_parameters())
+    trained = [k for k, p in ref.named_parameters() if p.requires_grad]
+    assert trained and all(torch.equal(loaded[k], weights[k]) for k in trained)
+    assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in out.iterdir())
 
 
 def test_frozen_embeddings_and_block_are_never_modified_and_cost_4_bytes(tmp_path):

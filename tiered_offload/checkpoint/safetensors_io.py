@@ -257,15 +257,17 @@ class SafetensorsWriter:
     """
 
     def __init__(self, out_dir: str | os.PathLike, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 max_shard_size="2GB", metadata: dict | None = None):
+                 max_shard_size="2GB", metadata: dict | None = None, single_name: str = SINGLE_NAME):
         self.out = Path(out_dir)
         self.tensors = tensors
         self.shards = plan_shards(tensors, max_shard_size)
         self.metadata = {"format": "pt", **(metadata or {})}
+        self.single_name = single_name
+        """The file's name where one shard holds every tensor (a PEFT adapter's: ``adapter_model.safetensors``)."""
 
     def file_name(self, k: int) -> str:
         n = len(self.shards)
-        return SINGLE_NAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        return self.single_name if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
 
     def nbytes(self) -> int:
         """Bytes the export writes (tensor data; the headers add a few KiB)."""
@@ -328,6 +330,11 @@ class SafetensorsWriter:
             raise
 
     def _publish(self, written: list[Path], weight_map: dict, total: int) -> list[Path]:
+        if self.single_name != SINGLE_NAME:  # a file beside the model's (an adapter): only itself replaced
+            final = self.out / self.single_name
+            os.replace(written[0], final)
+            fsync_directory(self.out)
+            return [final]
         index = self.out / INDEX_NAME
         index.unlink(missing_ok=True)  # from here until the new index lands, nothing loads a mixed export
         if len(self.shards) > 1:

@@ -25,8 +25,9 @@ from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
 from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad_hooks, check_no_new_parameters,
-                                                  check_requires_grad, check_untouched, refuse_resizing, unbind,
-                                                  warn_of_forward_hooks, weights_in_store, weights_into_store)
+                                                  check_requires_grad, check_untouched, refuse_resizing,
+                                                  state_dict_names_only, unbind, warn_of_forward_hooks,
+                                                  weights_in_store, weights_into_store)
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
 
@@ -608,6 +609,24 @@ class ModelBinding:
         # kernels that update running statistics do not always bump the version counter: compare
         return [(mod, name, old) for mod, name, buf, version, old in snapshot
                 if mod._buffers.get(name) is not buf or buf._version != version or not torch.equal(buf, old)]
+
+    @contextlib.contextmanager
+    def real_blocks(self):
+        """The real blocks in the model's tree instead of their stand-ins, and ``state_dict()``
+        names only (its values are placeholders), for code that walks the model's modules for
+        their names: peft's ``get_peft_model_state_dict`` (``checkpoint/adapter.py``)."""
+        swapped = []
+        try:
+            for unit in self.blocks:
+                parent_name, _, attr = unit.qualname.rpartition(".")
+                parent = self.model.get_submodule(parent_name) if parent_name else self.model
+                swapped.append((parent, attr, parent._modules[attr]))
+                parent._modules[attr] = unit.module
+            with state_dict_names_only():
+                yield
+        finally:
+            for parent, attr, proxy in reversed(swapped):
+                parent._modules[attr] = proxy
 
     def install_proxies(self, forward: Callable[[int, tuple, dict], Any],
                         zero_grad: Callable[..., None] | None = None) -> None:

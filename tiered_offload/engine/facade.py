@@ -29,6 +29,7 @@ from offload_core.errors import (
     TensorStateError,
     TieredOffloadError,
 )
+from tiered_offload.checkpoint.adapter import export_adapter
 from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
@@ -483,16 +484,18 @@ class Engine(EngineViews):
         does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
 
         Sharded over ranks, every rank must call it: rank 0 writes the one model (with its own
-        module buffers), the others send their slices and get ``[]``.
+        module buffers), the others send their slices and get ``[]``. A PEFT model's export has its
+        adapter too, as its ``save_pretrained`` writes it (``checkpoint/adapter.py``), and no config.
         """
         self._streamer.unbind_rest()
         self._await()
         self._placement.set_phase(f"export_safetensors after step {self.step_count}")
         buffers = [(name, mod._buffers[attr].detach().cpu()) for name, mod, attr, persistent in self.binding.buffers
                    if persistent]
-        return export_weights(out, params=self.layout.describe()["params"], units=self.units, store=self.store,
-                              placement=self._placement, buffers=buffers, model_config=self.binding.model_config,
-                              step=self.step_count, max_shard_size=max_shard_size)
+        files = export_weights(out, params=self.layout.describe()["params"], units=self.units, store=self.store,
+                               placement=self._placement, buffers=buffers, model_config=self.binding.model_config,
+                               step=self.step_count, max_shard_size=max_shard_size)
+        return files + export_adapter(out, self.binding, self.store, self._placement)
 
     @property
     def optimizer(self) -> "_OptimizerView":

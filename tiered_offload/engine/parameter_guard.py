@@ -26,7 +26,9 @@ outside the block's forward too (the forward runs on leaves of the engine's own)
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 
 import torch
 
@@ -34,7 +36,7 @@ from offload_core.errors import ConfigError, TensorStateError
 
 __all__ = ["GradInStore", "bind", "check_grad_hooks", "check_no_new_parameters", "check_requires_grad", "check_untouched",
            "grad_hooks", "hook_leaves", "refuse_resizing", "run_grad_hooks", "unbind", "warn_of_forward_hooks",
-           "weights_in_store", "weights_into_store"]
+           "state_dict_names_only", "weights_in_store", "weights_into_store"]
 
 
 _MOVES = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type"})
@@ -104,8 +106,8 @@ class _Unbound:
         name = getattr(func, "__name__", "")
         if name == "__get__":
             allowed = getattr(getattr(func, "__self__", None), "__name__", "") in cls._PROPERTIES
-        else:
-            allowed = name in cls._METHODS
+        else:  # (state_dict's detach, where its keys alone are read: state_dict_names_only)
+            allowed = name in cls._METHODS or (name == "detach" and getattr(_NAMES_ONLY, "on", False))
         if allowed:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         if name in _MOVES:
@@ -159,10 +161,27 @@ def bind(param: torch.nn.Parameter) -> None:
         param.__class__ = type(param)._tiered_offload_class
 
 
+_NAMES_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def state_dict_names_only():
+    """Within it, on this thread, ``state_dict()`` of a streamed model works (and a placeholder's
+    ``detach``, which it calls): its values are placeholders, for code that reads its keys only
+    (peft's adapter keys for an export)."""
+    _NAMES_ONLY.on = True
+    try:
+        yield
+    finally:
+        _NAMES_ONLY.on = False
+
+
 def weights_in_store(module, prefix, keep_vars) -> None:
     """``state_dict()`` of a model the engine streams (``torch.save(model.state_dict())``, Hugging
     Face's ``save_pretrained``): its parameters are empty placeholders and its blocks stand-ins,
     so what it would save is nothing of the training. Refused, naming the export."""
+    if getattr(_NAMES_ONLY, "on", False):
+        return
     raise TensorStateError(
         f"state_dict() of {type(module).__name__}: the weights live in the engine's store, the model holds "
         f"empty placeholders. Save them with engine.export_safetensors(DIR) (safetensors shards, index and "
