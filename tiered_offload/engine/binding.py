@@ -24,6 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
+from tiered_offload.checkpoint.adapter import peft_adapter_name
 from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad_hooks, check_no_new_parameters,
                                                   check_requires_grad, check_untouched, refuse_resizing,
                                                   state_dict_names_only, unbind, warn_of_forward_hooks,
@@ -673,7 +674,7 @@ def model_config(model: nn.Module) -> dict | None:
     """The model's Hugging Face configuration as JSON (for config.json next to an export), if it
     has one. A PEFT model has none: its export has PEFT's parameter names, in which
     ``from_pretrained`` would find none of the base model's (a randomly initialised model)."""
-    if isinstance(getattr(model, "peft_config", None), dict):
+    if peft_adapter_name(model) is not None:  # (its export writes the adapter instead: checkpoint/adapter.py)
         return None
     cfg = getattr(model, "config", None)
     to_json = getattr(cfg, "to_json_string", None)
