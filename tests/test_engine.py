@@ -16,6 +16,7 @@ from offload_core.errors import (
     ModelInputError,
     ModelStructureError,
     NonFiniteError,
+    TensorStateError,
     TierCapacityError,
 )
 from storage_backends.memory import MemoryBackend
@@ -1192,6 +1193,75 @@ def test_engine_train_and_eval_switch_the_models_mode_as_pytorchs_do(tmp_path):
     with torch.no_grad():
         assert not torch.equal(engine(x), ref(x))  # dropout on again
     assert engine.train(False) is engine and not engine.training
+    engine.close()
+
+
+def test_model_apply_reaches_the_blocks_modules_as_pytorchs_does(tmp_path):
+    """``model.apply(fn)`` after the engine was built (turning dropout off for a phase, a user's
+    attribute on every attention module) reaches the modules inside the streamed blocks, in
+    PyTorch's order, and the engine's forward then computes what PyTorch's does. It reached the
+    blocks' stand-ins only: their dropout stayed on, silently."""
+    cfg = _transformers().GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                                     resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    torch.manual_seed(0)
+    model = _transformers().GPT2LMHeadModel(cfg)
+    ref = copy.deepcopy(model)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=state // 2)
+    seen = {"engine": [], "pytorch": []}
+
+    def no_dropout(into):
+        def fn(m):
+            seen[into].append(type(m).__name__)
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        return fn
+
+    assert model.apply(no_dropout("engine")) is model
+    ref.apply(no_dropout("pytorch"))
+    assert seen["engine"] == seen["pytorch"] and seen["engine"].count("Dropout") > 4
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert model.training and torch.equal(engine(x).logits, ref(x).logits)
+    engine.backward(hf_loss(engine, x))
+    hf_loss(ref, x).backward()
+    opt = torch.optim.AdamW(ref.parameters())
+    engine.step()
+    opt.step()
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+    with pytest.raises(TensorStateError, match=r"transformer\.h\.0\.attn\.c_attn\.weight: zero_"):
+        model.apply(lambda m: nn.init.zeros_(m.weight) if type(m).__name__ == "Conv1D" else None)
+    engine.close()
+
+
+def test_clip_grad_norm_takes_pytorchs_keywords(tmp_path):
+    """``engine.clip_grad_norm_`` takes ``torch.nn.utils.clip_grad_norm_``'s keywords, so a loop's
+    call ports as it is (it raised ``TypeError``): ``error_if_nonfinite=True`` refuses a non-finite
+    norm before anything is clipped, ``foreach`` changes no value."""
+    torch.manual_seed(0)
+    ref = plain_gpt(2)
+    engine = Engine(copy.deepcopy(ref), storage=tmp_path / "s", host_memory="1MiB")
+    x = torch.randint(0, 128, (2, 9))
+    engine.backward(torch.sqrt(engine(x).abs().sum() * 0))  # a finite loss, non-finite gradients
+    assert not torch.isfinite(engine.clip_grad_norm_(1.0, error_if_nonfinite=False))
+    with pytest.raises(NonFiniteError, match=r"total norm of order 2\.0.*non-finite.*error_if_nonfinite=False"):
+        engine.clip_grad_norm_(1.0, 2.0, error_if_nonfinite=True)
+    engine.zero_grad()
+    opt = torch.optim.AdamW(ref.parameters())
+    for foreach in (True, False, None):
+        engine.backward(plain_loss(engine, x))
+        plain_loss(ref, x).backward()
+        mine = engine.clip_grad_norm_(0.1, norm_type=2.0, error_if_nonfinite=True, foreach=foreach)
+        theirs = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type=2.0, error_if_nonfinite=True,
+                                                foreach=foreach)
+        assert torch.equal(mine, theirs)
+        engine.step()
+        opt.step()
+        engine.zero_grad()
+        opt.zero_grad()
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
     engine.close()
 
 

@@ -381,6 +381,13 @@ class _BlockProxy(nn.Module):
         self._set_real_mode(mode)
         return self
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> "_BlockProxy":
+        """``model.apply(fn)`` reaches the real block and its modules, in PyTorch's order (dropout
+        turned off, an attribute set, for the block's next forward). The stand-in keeps the block
+        out of the tree for walks like ``model.modules()``: Hugging Face hooks the modules found so."""
+        self.__dict__["_real"].apply(fn)
+        return self
+
     def forward(self, *args, **kwargs):
         return self._streamed_forward(self.index, args, kwargs)
 

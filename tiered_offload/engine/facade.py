@@ -362,19 +362,18 @@ class Engine(EngineViews):
     # ---- optimizer ----------------------------------------------------------------------
     @_engine_time
     @_between_collectives
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
         """Clip the global gradient norm over the parameters that have a gradient, as
-        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``.
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` (its keywords; ``foreach`` changes no value).
 
         Returns the total norm before clipping. The L2 norms of each unit come from the backward
-        that last changed its gradient (no pass over the gradients on disk), and the scaling is
-        applied in :meth:`step`, on the way through.
-        """
+        that last changed its gradient (no pass over the gradients on disk); the scaling is applied in :meth:`step`."""
         self._placement.set_phase(f"step {self.step_count + 1}, clipping")
         self._streamer.unbind_rest()
         self._await()
         self._phase(Phase.CLIP)
-        return self._gradients.clip(max_norm, norm_type)
+        return self._gradients.clip(max_norm, norm_type, error_if_nonfinite)
 
     @_engine_time
     @_between_collectives

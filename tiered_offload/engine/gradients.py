@@ -52,16 +52,23 @@ class Gradients:
         """A non-finite loss was seen with ``on_nonfinite="skip"``: the step is skipped."""
 
     # ---- clipping ----------------------------------------------------------------------------------
-    def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool = False) -> torch.Tensor:
         """The global norm over the parameters that have a gradient; the scale it implies is kept
         for the step. A second call sees the gradients as PyTorch's first in-place clipping left
         them: a pending scale other than 1 is applied to every gradient buffer first (a pass over
-        them; a scale of 1, from a norm measured with ``inf`` or under the limit, changes no bit)."""
+        them; a scale of 1, from a norm measured with ``inf`` or under the limit, changes no bit).
+        ``error_if_nonfinite``: a non-finite norm raises, as PyTorch's, and nothing is clipped."""
         self._settle_scale()
         total = self.placement.grad_norm(self.store, self.schedule, self.binding.param_order,
                                          self.streamer.grad_norms, norm_type)
         if total is None:
             return torch.tensor(0.0)  # as torch: nothing to clip
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise NonFiniteError(
+                f"the total norm of order {float(norm_type)} of the gradients is non-finite ({float(total)}), so it "
+                f"cannot be clipped; nothing was clipped (clip_grad_norm_(..., error_if_nonfinite=True), as "
+                f"PyTorch's). To scale the gradients by it anyway pass error_if_nonfinite=False (the step then "
+                f"raises NonFiniteError, or skips with on_nonfinite='skip'); engine.zero_grad() drops them")
         self.scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
 
