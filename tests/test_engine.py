@@ -1598,7 +1598,8 @@ def test_a_device_named_with_or_without_its_index_trains(tmp_path):
 
 
 @pytest.mark.parametrize("call", ["a loss without a gradient", "a loss of several elements", "not a tensor",
-                                  "no micro-batch", "forward_backward under no_grad"])
+                                  "no micro-batch", "forward_backward under no_grad",
+                                  "forward_backward, a loss without a gradient", "forward_backward, a tuple"])
 def test_what_engine_backward_cannot_take_is_a_typed_error_naming_it(tmp_path, call):
     """A loss computed under ``torch.no_grad()`` (or from ``.detach()``) gave PyTorch's "element 0 of
     tensors does not require grad"; the engine's own checks raised plain ``ValueError`` and
@@ -1618,12 +1619,19 @@ def test_what_engine_backward_cannot_take_is_a_typed_error_naming_it(tmp_path, c
             engine.backward(3.0)
         elif call == "no micro-batch":
             engine.forward_backward([], lambda out, b: out.sum())
+        elif call == "forward_backward, a loss without a gradient":  # (PyTorch's RuntimeError came through)
+            engine.forward_backward([x[:, :-1], x[:, 1:]], lambda out, b: out.sum().detach())
+        elif call == "forward_backward, a tuple":  # (a loss and what to log)
+            engine.forward_backward([x[:, :-1], x[:, 1:]], lambda out, b: (out.sum(), {"tokens": b.numel()}))
         else:
             with torch.no_grad():
                 engine.forward_backward([x[:, :-1]], lambda out, b: out.sum())
     expected = {"a loss without a gradient": (ModelInputError, "does not require a gradient.*no_grad"),
-                "a loss of several elements": (ModelInputError, "scalar"), "not a tensor": (ModelInputError, "scalar"),
+                "a loss of several elements": (ModelInputError, r"scalar.*got a tensor of shape \(2, 16, 128\)"),
+                "not a tensor": (ModelInputError, "scalar.*got a float"),
                 "no micro-batch": (ModelInputError, "at least one micro-batch"),
+                "forward_backward, a loss without a gradient": (ModelInputError, "does not require a gradient"),
+                "forward_backward, a tuple": (ModelInputError, r"scalar tensor.*loss_fn.*got a tuple"),
                 "forward_backward under no_grad": (TensorStateError, "outside torch.no_grad")}[call]
     assert isinstance(caught.value, expected[0]) and re.search(expected[1], str(caught.value)), caught.value
     _goes_on_as_pytorch(engine, ref, opt, torch.Generator().manual_seed(1))

@@ -539,7 +539,9 @@ class Engine(EngineViews):
 def _check_loss(loss) -> None:
     """What ``engine.backward`` can take: a scalar tensor that requires a gradient."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ModelInputError("engine.backward needs a scalar tensor computed from the engine's output")
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+        raise ModelInputError(f"engine.backward needs a scalar tensor computed from the engine's output (in "
+                              f"forward_backward: what loss_fn returns; keep what you log aside), got {got}")
     if not loss.requires_grad:
         raise ModelInputError("the loss does not require a gradient: it was computed under torch.no_grad() or "
                               "torch.inference_mode(), or from detached tensors (.detach(), .item()); compute it "

@@ -359,7 +359,8 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             turns.begin(k)
             with replay_autocast(autocast):
                 loss = loss_fn(engine.model(*inputs[k][0], **inputs[k][1]), micro_batches[k])
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not bool(torch.isfinite(loss.detach()).all()):
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad \
+                    or not bool(torch.isfinite(loss.detach()).all()):
                 if not sharded:
                     turns.stop()  # the loop raises (or skips) at this micro-batch: let it
                     raise _Undone()
