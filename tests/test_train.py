@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,6 +243,54 @@ def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, mode
         match = r"train.jsonl holds no example.*data.format completion"
     with pytest.raises(ConfigError, match=match):
         train(write_config(tmp_path, model_dir, path), progress=False)
+
+
+def test_a_json_string_holding_a_line_separator_is_one_example(tmp_path, model_dir):
+    """JSON allows U+2028, U+2029 and U+0085 unescaped in a string (``json.dumps(...,
+    ensure_ascii=False)``, common in scraped and multilingual text). The lines were split with
+    ``str.splitlines``, which also splits there: "line 1: not JSON". A line ends at a newline only."""
+    path = tmp_path / "train.jsonl"
+    texts = ["the cat\u2028sat on a mat", "dogs\x85ran around", "big\u2029red houses", "near green trees"]
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\r\n" for t in texts), encoding="utf-8")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", "data.packing=false",
+                             "data.max_seq_len=40", "data.eval_fraction=0", f"offload.storage={tmp_path / 's'}",
+                             "train.max_steps=1"])
+    train_data, _ = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+    assert len(train_data) == len(texts)
+    for row, text in zip(train_data.ids, texts):
+        assert [int(x) for x in row if x != tokenizer.pad_token_id] == tokenizer(text)["input_ids"] + [
+            tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_tokenising_holds_no_list_of_the_corpus_tokens(tmp_path, model_dir, packing, monkeypatch):
+    """The corpus is read a chunk at a time and its tokens go to files as they come: the memory
+    tokenising takes does not grow with the corpus (the text and a list of Python ints held ~70
+    bytes a token: tens of gigabytes for a corpus of a few hundred million tokens, on a machine
+    whose RAM the user has budgeted). Measured with ``tracemalloc``, chunks of 4 KiB for a corpus of
+    35-280 KiB: 8x the corpus adds under 2 bytes a token (an example's length, 8 bytes, remains)."""
+    import tracemalloc
+
+    from tiered_offload.train import data as data_module
+    monkeypatch.setattr(data_module, "CHUNK", 1 << 12)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    peaks, tokens = [], []
+    for n in (500, 4000):
+        path = tmp_path / f"train-{n}.jsonl"
+        path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(n, seed=n)))
+        cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", f"data.packing={packing}",
+                                 "data.max_seq_len=16", "data.eval_fraction=0.1", f"offload.storage={tmp_path / 's'}",
+                                 "train.max_steps=1"])
+        tracemalloc.start()
+        try:
+            train_data, eval_data = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        tokens.append(sum(int((np.asarray(d.labels) != IGNORE).sum()) for d in (train_data, eval_data)))
+    assert tokens[1] > 7 * tokens[0]
+    assert (peaks[1] - peaks[0]) / (tokens[1] - tokens[0]) < 2, (peaks, tokens)
 
 
 def test_the_same_command_with_other_settings_says_what_it_changes(tmp_path, model_dir, data, caplog):

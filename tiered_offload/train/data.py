@@ -1,6 +1,7 @@
-"""Training data for ``tiered-offload train``: read once, tokenised once, cached as memory-mapped
-arrays beside the run (a large corpus does not sit in RAM), served in a fixed, seeded order so
-that a step number alone says which sequences it trains on (a resume continues at the same one).
+"""Training data for ``tiered-offload train``: read and tokenised once, a chunk at a time (the
+tokens spooled to files as they come), cached as memory-mapped arrays beside the run (a large
+corpus never sits in RAM, as text or as tokens), served in a fixed, seeded order so that a step
+number alone says which sequences it trains on (a resume continues at the same one).
 
 Each example becomes token ids and a loss mask: every token for ``text`` and ``completion``, the
 response only for ``alpaca``, the assistant's turns only for ``chat`` (rendered with the
@@ -57,21 +58,48 @@ class Dataset:
         return int((np.asarray(self.labels[rows]) != IGNORE).sum())
 
 
-def _examples(path: Path, fmt: str, field: str):
-    """``(text or (prompt, response), line number)`` of every example of a data file."""
-    if fmt == "text":
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"data.path {path}: cannot read it as UTF-8 text ({e})") from None
-        for i, para in enumerate(p for p in text.split("\n\n") if p.strip()):
-            yield para, i + 1
-        return
+CHUNK = 1 << 20
+"""Characters of a data file read at a time, and tokens of packed sequences written at a time."""
+
+
+def _chunks(path: Path, what: str):
+    """The text of a UTF-8 file, :data:`CHUNK` characters at a time (newlines translated, as
+    ``read_text``): a corpus is read as it is tokenised, never whole."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, encoding="utf-8") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"data.path {path}: cannot read it as UTF-8 JSON lines ({e})") from None
-    for n, line in enumerate(lines, 1):
+        raise ConfigError(f"data.path {path}: cannot read it as UTF-8 {what} ({e})") from None
+
+
+def _lines(path: Path):
+    """``(line, number)`` of a JSON-lines file. A line ends at a newline only: JSON allows U+2028,
+    U+2029 and U+0085 unescaped in a string, where ``str.splitlines`` would split it."""
+    rest, n = "", 0
+    for chunk in _chunks(path, "JSON lines"):
+        *lines, rest = (rest + chunk).split("\n")
+        for line in lines:
+            n += 1
+            yield line, n
+    if rest:
+        yield rest, n + 1
+
+
+def _examples(path: Path, fmt: str, field: str):
+    """``(text or (prompt, response), line number)`` of every example of a data file, read as it goes."""
+    if fmt == "text":  # paragraphs: what text.split("\n\n") gives, a chunk at a time
+        rest, i = "", 0
+        for chunk in _chunks(path, "text"):
+            *paragraphs, rest = (rest + chunk).split("\n\n")
+            for para in paragraphs:
+                if para.strip():
+                    i += 1
+                    yield para, i
+        if rest.strip():
+            yield rest, i + 1
+        return
+    for line, n in _lines(path):
         if not line.strip():
             continue
         try:
@@ -130,24 +158,77 @@ def _encode(tokenizer, example) -> tuple[list[int], list[int]]:
     return ids, [1] * len(ids)
 
 
-def _sequences(encoded, length: int, packing: bool, pad: int):
-    """``(ids, labels, attention or None)`` arrays of ``length``-token sequences."""
-    if packing:
-        ids = np.fromiter((t for e, _ in encoded for t in e), dtype=np.int32)
-        mask = np.fromiter((m for _, ms in encoded for m in ms), dtype=np.int8)
-        n = len(ids) // length
-        ids, mask = ids[:n * length].reshape(n, length), mask[:n * length].reshape(n, length)
-        return ids, np.where(mask == 1, ids, IGNORE).astype(np.int32), None
-    n = len(encoded)
-    ids = np.full((n, length), pad, dtype=np.int32)
-    labels = np.full((n, length), IGNORE, dtype=np.int32)
-    attention = np.zeros((n, length), dtype=np.int8)
-    for i, (e, m) in enumerate(encoded):
-        e, m = e[:length], m[:length]
-        ids[i, :len(e)] = e
-        labels[i, :len(e)] = np.where(np.asarray(m) == 1, e, IGNORE)
-        attention[i, :len(e)] = 1
-    return ids, labels, attention
+class _Spool:
+    """The token ids (int32) and loss masks (int8) of a data file's examples, appended to two files
+    as they are tokenised, and each example's length (8 bytes an example in memory): a corpus of
+    hundreds of millions of tokens never sits in memory as lists of Python ints (~40 bytes a token)."""
+
+    def __init__(self, stem: Path):
+        self.paths = (stem.with_name(stem.name + ".ids"), stem.with_name(stem.name + ".mask"))
+        self._files = [open(p, "wb") for p in self.paths]
+        self.lengths: list[int] | np.ndarray = []
+
+    def add(self, encoded: tuple[list[int], list[int]]) -> None:
+        ids, mask = encoded
+        self._files[0].write(np.asarray(ids, dtype=np.int32).tobytes())
+        self._files[1].write(np.asarray(mask, dtype=np.int8).tobytes())
+        self.lengths.append(len(ids))
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self.lengths = np.asarray(self.lengths, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.ids, self.mask = (np.memmap(p, dtype=d, mode="r") if self.offsets[-1] else np.zeros(0, d)
+                               for p, d in zip(self.paths, (np.int32, np.int8)))
+
+    def remove(self) -> None:
+        self.ids = self.mask = None  # (the maps first)
+        for p in self.paths:
+            p.unlink(missing_ok=True)
+
+    def tokens(self, a: int, b: int) -> int:
+        return int(self.offsets[b] - self.offsets[a])
+
+
+def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool, pad: int, out: Path) -> int:
+    """Examples ``a:b`` of ``spool`` as ``length``-token sequences, written to ``out``'s
+    ``_ids.npy`` and ``_labels.npy`` (and ``_attention.npy`` without packing) a stretch at a time;
+    returns the number of sequences. With packing the examples (each ended by EOS) are
+    concatenated and cut; without, each is one sequence, truncated or padded."""
+    first, tokens = int(spool.offsets[a]), spool.tokens(a, b)
+    n = tokens // length if packing else b - a
+
+    def array(name: str, dtype, fill):
+        if n == 0:  # (a map of no bytes cannot be made)
+            np.save(out.with_name(f"{out.name}_{name}.npy"), np.full((0, length), fill, dtype=dtype))
+            return None
+        arr = np.lib.format.open_memmap(out.with_name(f"{out.name}_{name}.npy"), mode="w+", dtype=dtype,
+                                        shape=(n, length))
+        arr[:] = fill
+        return arr
+
+    ids, labels = array("ids", np.int32, pad), array("labels", np.int32, IGNORE)
+    attention = None if packing else array("attention", np.int8, 0)
+    if n and packing:
+        rows = max(1, CHUNK // length)
+        for r in range(0, n, rows):
+            s, e = first + r * length, first + min(n, r + rows) * length
+            t, m = spool.ids[s:e], spool.mask[s:e]
+            ids[r:r + rows] = t.reshape(-1, length)
+            labels[r:r + rows] = np.where(m == 1, t, IGNORE).reshape(-1, length)
+    elif n:
+        for row, i in enumerate(range(a, b)):
+            s = int(spool.offsets[i])
+            e = s + min(int(spool.lengths[i]), length)
+            t, m = spool.ids[s:e], spool.mask[s:e]
+            ids[row, :e - s] = t
+            labels[row, :e - s] = np.where(m == 1, t, IGNORE)
+            attention[row, :e - s] = 1
+    for arr in (ids, labels, attention):
+        if arr is not None:
+            arr.flush()
+    return n
 
 
 def _fingerprint(*parts) -> str:
@@ -187,29 +268,39 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     if not (cache / "done").exists():
         cache.mkdir(parents=True, exist_ok=True)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        encoded = [_encode(tokenizer, ex) for ex, _ in track(_examples(path, data.format, data.field),
-                                                              desc=f"tokenising {path.name}", unit="example")]
-        if not encoded:
-            raise ConfigError(f"data.path {path} holds no example (it is empty, or blank lines only) for "
-                              f"data.format {data.format}")
-        if data.eval_path:
-            held = [_encode(tokenizer, ex) for ex, _ in _examples(Path(data.eval_path).expanduser(), data.format,
-                                                                 data.field)]
-        else:
-            n_eval = int(math.floor(len(encoded) * data.eval_fraction))
-            encoded, held = (encoded[:len(encoded) - n_eval], encoded[len(encoded) - n_eval:]) if n_eval else (encoded, [])
-        for name, part in (("train", encoded), ("eval", held)):
-            if not part:
-                continue
-            ids, labels, attention = _sequences(part, data.max_seq_len, data.packing, pad)
-            if name == "train" and len(ids) == 0:
-                raise ConfigError(f"data.path {path}: {sum(len(e) for e, _ in part)} tokens make no sequence of "
-                                  f"data.max_seq_len {data.max_seq_len}; give more data or a shorter max_seq_len")
-            np.save(cache / f"{name}_ids.npy", ids)
-            np.save(cache / f"{name}_labels.npy", labels)
-            if attention is not None:
-                np.save(cache / f"{name}_attention.npy", attention)
-        (cache / "done").write_text(json.dumps({"data": str(path), "examples": len(encoded) + len(held)}))
+        spools = []
+        try:
+            for name, source, progress in (("train", path, True), ("eval", data.eval_path, False)):
+                if source is None:
+                    continue
+                spool = _Spool(cache / name)
+                spools.append(spool)
+                source = Path(source).expanduser()
+                examples = _examples(source, data.format, data.field)
+                for ex, _ in track(examples, desc=f"tokenising {source.name}", unit="example") if progress else examples:
+                    spool.add(_encode(tokenizer, ex))
+                spool.close()
+            count = len(spools[0].lengths)
+            if not count:
+                raise ConfigError(f"data.path {path} holds no example (it is empty, or blank lines only) for "
+                                  f"data.format {data.format}")
+            if data.eval_path:
+                parts = [("train", spools[0], 0, count), ("eval", spools[1], 0, len(spools[1].lengths))]
+            else:
+                n_eval = int(math.floor(count * data.eval_fraction))
+                parts = [("train", spools[0], 0, count - n_eval), ("eval", spools[0], count - n_eval, count)]
+            for name, spool, a, b in parts:
+                if a == b:
+                    continue
+                made = _write_sequences(spool, a, b, data.max_seq_len, data.packing, pad, cache / name)
+                if name == "train" and made == 0:
+                    raise ConfigError(f"data.path {path}: {spool.tokens(a, b)} tokens make no sequence of "
+                                      f"data.max_seq_len {data.max_seq_len}; give more data or a shorter max_seq_len")
+            examples = sum(len(sp.lengths) for sp in spools)
+        finally:
+            for spool in spools:
+                spool.remove()
+        (cache / "done").write_text(json.dumps({"data": str(path), "examples": examples}))
 
     def load(name: str) -> Dataset | None:
         if not (cache / f"{name}_ids.npy").exists():
