@@ -1308,13 +1308,14 @@ def test_storage_full_in_mid_training_is_a_clear_error():
         pass
 
 
-@pytest.mark.parametrize("call", ["add_param_group", "state_dict", "load_state_dict", "GradScaler"])
+@pytest.mark.parametrize("call", ["add_param_group", "state_dict", "load_state_dict", "GradScaler", "state[p]"])
 def test_what_the_engines_optimizer_cannot_honour_is_refused_naming_the_way(tmp_path, call):
     """``engine.optimizer`` stands in for the optimizer (for LR schedulers). A new parameter group
     was taken and never trained; ``state_dict()`` gave an empty state that a checkpoint saved as if
     it were the optimizer's, and ``load_state_dict`` loaded into nothing (silently, each); a
-    ``GradScaler`` stopped with "No inf checks were recorded for this optimizer". Each is now a typed
-    error that names what to do; training goes on as PyTorch's after it."""
+    ``GradScaler`` stopped with "No inf checks were recorded for this optimizer"; ``state[p]`` (a
+    moment read to log it) gave ``{}``. Each is now a typed error that names what to do; training
+    goes on as PyTorch's after it."""
     from offload_core.errors import TensorStateError
     engine, ref, opt = _engine_beside_pytorch(tmp_path, fits=False)
     g = torch.Generator().manual_seed(1)
@@ -1328,6 +1329,12 @@ def test_what_the_engines_optimizer_cannot_honour_is_refused_naming_the_way(tmp_
     elif call == "load_state_dict":
         with pytest.raises(TensorStateError, match=r"load_state_dict.*store.*Engine.resume"):
             engine.optimizer.load_state_dict(opt.state_dict())
+    elif call == "state[p]":
+        p = next(engine.model.parameters())
+        with pytest.raises(TensorStateError, match=r"engine\.optimizer\.state\[\.\.\.\]:.*store.*Engine.resume"):
+            engine.optimizer.state[p]["exp_avg"]
+        with pytest.raises(TensorStateError, match=r"engine\.optimizer\.state"):
+            len(engine.optimizer.state)
     else:
         scaler = torch.amp.GradScaler("cpu")
         engine.backward(scaler.scale(plain_loss(engine, x)))

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -574,6 +574,20 @@ def _close_open_engines() -> None:
             log.error("tiered-offload: closing an engine at exit failed: %s: %s", type(e).__name__, e)
 
 
+class _StateInStore(Mapping):
+    """``engine.optimizer.state``: the optimizer's state is in the store, so reading it here
+    (``state[p]["exp_avg"]`` to log a moment) is refused, where ``torch.optim``'s ``{}`` said nothing."""
+
+    def __getitem__(self, key):
+        raise TensorStateError(_OptimizerView._state_in_store("state[...]"))
+
+    def __iter__(self):
+        raise TensorStateError(_OptimizerView._state_in_store("state"))
+
+    def __len__(self) -> int:
+        raise TensorStateError(_OptimizerView._state_in_store("state"))
+
+
 class _OptimizerView(torch.optim.Optimizer):
     """Enough of ``torch.optim.Optimizer`` for LR schedulers: shared ``param_groups``, ``step``,
     ``zero_grad``. What it cannot honour (a new group, its state, a ``GradScaler``) is refused."""
@@ -589,6 +603,7 @@ class _OptimizerView(torch.optim.Optimizer):
             group["params"] = [dummy]
             dummy.grad = torch.Tensor._make_subclass(GradInStore, torch.zeros(1))
         self.param_groups = engine.param_groups
+        self.state = _StateInStore()
         self._engine = engine
 
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - refused once built
@@ -600,14 +615,14 @@ class _OptimizerView(torch.optim.Optimizer):
                           "parameters trainable and init_from=DIR (optimizer states start fresh)")
 
     def state_dict(self):  # noqa: D102 - refused
-        raise TensorStateError(self._state_in_store("state_dict"))
+        raise TensorStateError(self._state_in_store("state_dict()"))
 
     def load_state_dict(self, state_dict) -> None:  # noqa: D102 - refused
-        raise TensorStateError(self._state_in_store("load_state_dict"))
+        raise TensorStateError(self._state_in_store("load_state_dict()"))
 
     @staticmethod
     def _state_in_store(call: str) -> str:
-        return (f"engine.optimizer.{call}(): the optimizer's state (its moments, step counts) lives in the engine's "
+        return (f"engine.optimizer.{call}: the optimizer's state (its moments, step counts) lives in the engine's "
                 f"store, not in this stand-in. A commit saves it with the weights (durable=True; engine.commit()) and "
                 f"Engine.resume(storage, model) restores it; engine.export_safetensors(DIR) exports the weights")
 
