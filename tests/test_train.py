@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -229,12 +230,13 @@ def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, c
 @pytest.mark.parametrize("case", ["empty", "blank lines", "a directory", "a number for the text"])
 def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, model_dir, case):
     """An empty data file (or one of blank lines) stopped the run with "TypeError: object of type
-    'NoneType' has no len()"; a directory was "does not exist"; a text field holding a number was
-    "no text field 'text'; its keys are text". Each is now a ConfigError that says what it found."""
+    'NoneType' has no len()"; a directory was "does not exist" (now its data files are read: one
+    without any says what it looked for); a text field holding a number was "no text field 'text';
+    its keys are text". Each is now a ConfigError that says what it found."""
     path = tmp_path / "train.jsonl"
     if case == "a directory":
         path.mkdir()
-        match = r"train.jsonl is a directory.*file"
+        match = r"train.jsonl holds no data file \(\*\.jsonl, \*\.json\) for data.format completion"
     elif case == "a number for the text":
         path.write_text(json.dumps({"text": 5}) + "\n")
         match = r"train.jsonl line 1: its field 'text' holds 5 \(int\), not a string"
@@ -243,6 +245,72 @@ def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, mode
         match = r"train.jsonl holds no example.*data.format completion"
     with pytest.raises(ConfigError, match=match):
         train(write_config(tmp_path, model_dir, path), progress=False)
+
+
+def _prepared(tmp_path, model_dir, path, *settings):
+    """The training and evaluation datasets ``prepare_data`` makes of ``path`` (each call its own cache)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", "data.max_seq_len=16",
+                             f"offload.storage={tmp_path / 's'}", "train.max_steps=1", *settings])
+    return prepare_data(cfg.data, tokenizer, model_dir, Path(tempfile.mkdtemp(dir=tmp_path)), None)
+
+
+def _same(a, b) -> bool:
+    """Whether two ``(train, eval)`` pairs of datasets hold the same arrays."""
+    return all((da is None and db is None) or (da is not None and db is not None and all(
+        (x is None and y is None) or np.array_equal(x, y)
+        for x, y in ((da.ids, db.ids), (da.labels, db.labels), (da.attention, db.attention)))) for da, db in zip(a, b))
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_data_may_be_a_directory_or_a_glob_of_shards(tmp_path, model_dir, packing):
+    """A dataset in shards (``train-00000-of-00003.jsonl`` ...) is one corpus: ``data.path`` (and
+    ``data.eval_path``) may name a directory (its ``.jsonl`` / ``.json`` files, or ``.txt`` for
+    ``format: text``, in name order) or a glob; the sequences are those of the shards concatenated
+    in that order. Only one file was taken ("is a directory; name the data file in it"). An error
+    names the shard and its line."""
+    rows = [json.dumps({"text": s}) + "\n" for s in sentences(90, seed=3)]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        (shards / f"train-{i:05d}-of-00003.jsonl").write_text("".join(rows[30 * i:30 * (i + 1)]))
+    (shards / "README.md").write_text("# not data\n")
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(rows))
+    settings = (f"data.packing={packing}", "data.eval_fraction=0.1")
+    reference = _prepared(tmp_path, model_dir, whole, *settings)
+    assert len(reference[0]) > 0 and len(reference[1]) > 0
+    assert _same(_prepared(tmp_path, model_dir, shards, *settings), reference)
+    assert _same(_prepared(tmp_path, model_dir, shards / "train-*.jsonl", *settings), reference)
+    held = _prepared(tmp_path, model_dir, shards / "train-0000[01]-*.jsonl", f"data.packing={packing}",
+                     f"data.eval_path={shards / 'train-00002-*.jsonl'}")
+    first, last = (tmp_path / "first.jsonl", tmp_path / "last.jsonl")
+    first.write_text("".join(rows[:60]))
+    last.write_text("".join(rows[60:]))
+    assert _same(held, _prepared(tmp_path, model_dir, first, f"data.packing={packing}", f"data.eval_path={last}"))
+    (shards / "train-00001-of-00003.jsonl").write_text("".join(rows[30:40]) + "{not json\n")
+    with pytest.raises(ConfigError, match=r"train-00001-of-00003\.jsonl line 11: not JSON"):
+        _prepared(tmp_path, model_dir, shards, *settings)
+    with pytest.raises(ConfigError, match=r"data\.path .*nothing-\*\.jsonl matches no file"):
+        _prepared(tmp_path, model_dir, shards / "nothing-*.jsonl")
+    with pytest.raises(ConfigError, match=r"data\.path .*shards holds no data file \(\*\.txt\) for data\.format text"):
+        _prepared(tmp_path, model_dir, shards, "data.format=text")
+
+
+def test_a_json_array_file_is_read_as_its_examples(tmp_path, model_dir):
+    """Alpaca's own ``alpaca_data.json`` is one JSON array of objects, not JSON lines: it stopped
+    with "line 1: not JSON". A ``.json`` file that holds an array is read as its items."""
+    rows = [{"instruction": "say the word", "input": "cat", "output": "dogs ran"},
+            {"instruction": "repeat", "input": "", "output": "red houses"},
+            {"instruction": "name a color", "output": "green"}]
+    array, lines = tmp_path / "alpaca_data.json", tmp_path / "alpaca.jsonl"
+    array.write_text(json.dumps(rows, indent=4))
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = ("data.format=alpaca", "data.packing=false", "data.max_seq_len=400")
+    assert _same(_prepared(tmp_path, model_dir, array, *settings), _prepared(tmp_path, model_dir, lines, *settings))
+    array.write_text(json.dumps([*rows, ["not", "an", "object"]], indent=4))
+    with pytest.raises(ConfigError, match=r"alpaca_data\.json item 4: expected a JSON object, found list"):
+        _prepared(tmp_path, model_dir, array, *settings)
 
 
 def test_a_json_string_holding_a_line_separator_is_one_example(tmp_path, model_dir):

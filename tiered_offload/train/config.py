@@ -28,7 +28,9 @@ class ModelSection:
 @dataclass(kw_only=True)
 class DataSection:
     path: str = ""
-    """The training data: a ``.txt`` file (``format: text``) or a ``.jsonl`` file, one JSON object a line."""
+    """The training data: a ``.txt`` file (``format: text``), a ``.jsonl`` file (one JSON object a
+    line) or a ``.json`` file holding an array of them; or a directory of such files, or a glob (a
+    dataset's shards, read in name order as one corpus)."""
     format: str = "completion"
     """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s
     tokens), ``alpaca`` (.jsonl with instruction / input / output: the loss on the output only),
@@ -42,9 +44,9 @@ class DataSection:
     """Concatenate examples (each ended by the tokenizer's EOS) into full sequences; off: one example a
     sequence, truncated or padded."""
     eval_fraction: float = 0.0
-    """The share of examples held out for evaluation (0: none), the last ones of the file."""
+    """The share of examples held out for evaluation (0: none), the last ones of the file(s)."""
     eval_path: str | None = None
-    """A separate file for evaluation (instead of ``eval_fraction``), in the same format."""
+    """Separate evaluation data (instead of ``eval_fraction``), in the same format: a file, a directory or a glob."""
 
 
 @dataclass(kw_only=True)

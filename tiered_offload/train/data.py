@@ -13,6 +13,7 @@ into sequences of ``max_seq_len``; without, each example is one sequence, trunca
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
 import math
@@ -86,8 +87,67 @@ def _lines(path: Path):
         yield rest, n + 1
 
 
+SUFFIXES = {"text": (".txt",), "completion": (".jsonl", ".json"), "alpaca": (".jsonl", ".json"),
+            "chat": (".jsonl", ".json")}
+"""The data files a directory given as ``data.path`` holds, by ``data.format``."""
+
+
+def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
+    """The files ``data.path`` (or ``data.eval_path``, named by ``key``) names: a file; a directory's
+    data files (:data:`SUFFIXES`, not hidden); or a glob's matches; each in name order (a dataset's
+    shards, ``train-00000-of-00003.jsonl`` ..., as one corpus)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        suffixes = SUFFIXES.get(fmt, (".jsonl", ".json"))
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in suffixes and not p.name.startswith("."))
+        if not files:
+            raise ConfigError(f"{key} {path} holds no data file ({', '.join('*' + x for x in suffixes)}) for "
+                              f"data.format {fmt}; name a file, a directory of them, or a glob")
+        return files
+    if glob.has_magic(str(path)):
+        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+        if not files:
+            raise ConfigError(f"{key} {path} matches no file")
+        return files
+    raise ConfigError(f"{key} {path} does not exist")
+
+
+def _json_array(path: Path) -> bool:
+    """Whether ``path`` is a ``.json`` file holding one array (Alpaca's ``alpaca_data.json``)."""
+    if path.suffix != ".json":
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(1 << 12).lstrip().startswith("[")
+    except (OSError, UnicodeDecodeError):
+        return False  # (read as JSON lines, whose reader names the fault)
+
+
+def _rows(path: Path):
+    """``(JSON value, where)`` of each example of a JSON-lines file, or of a JSON array (read whole:
+    a corpus larger than memory belongs in JSON lines)."""
+    if _json_array(path):
+        try:
+            items = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"{path}: cannot read it as a JSON array ({e})") from None
+        for k, row in enumerate(items, 1):
+            yield row, f"{path} item {k}"
+        return
+    for line, n in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line), f"{path} line {n}"
+        except ValueError as e:
+            raise ConfigError(f"{path} line {n}: not JSON ({e})") from None
+
+
 def _examples(path: Path, fmt: str, field: str):
-    """``(text or (prompt, response), line number)`` of every example of a data file, read as it goes."""
+    """``(text or (prompt, response) or messages, where)`` of every example of a data file, read as
+    it goes."""
     if fmt == "text":  # paragraphs: what text.split("\n\n") gives, a chunk at a time
         rest, i = "", 0
         for chunk in _chunks(path, "text"):
@@ -95,45 +155,39 @@ def _examples(path: Path, fmt: str, field: str):
             for para in paragraphs:
                 if para.strip():
                     i += 1
-                    yield para, i
+                    yield para, f"{path} paragraph {i}"
         if rest.strip():
-            yield rest, i + 1
+            yield rest, f"{path} paragraph {i + 1}"
         return
-    for line, n in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise ConfigError(f"{path} line {n}: not JSON ({e})") from None
+    for row, where in _rows(path):
         if not isinstance(row, dict):
-            raise ConfigError(f"{path} line {n}: expected a JSON object, found {type(row).__name__}")
+            raise ConfigError(f"{where}: expected a JSON object, found {type(row).__name__}")
         if fmt == "chat":
             messages = row.get("messages")
             if not (isinstance(messages, list) and messages and all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages)):
-                raise ConfigError(f"{path} line {n}: a chat example needs 'messages': a list of "
+                raise ConfigError(f"{where}: a chat example needs 'messages': a list of "
                                   f"{{\"role\": ..., \"content\": ...}} objects")
-            yield messages, n
+            yield messages, where
         elif fmt == "completion":
             if field in row and not isinstance(row[field], str):
-                raise ConfigError(f"{path} line {n}: its field {field!r} holds {str(row[field])[:40]} "
+                raise ConfigError(f"{where}: its field {field!r} holds {str(row[field])[:40]} "
                                   f"({type(row[field]).__name__}), not a string")
             if not isinstance(row.get(field), str):
-                raise ConfigError(f"{path} line {n}: no text field {field!r} (data.field); its keys are "
+                raise ConfigError(f"{where}: no text field {field!r} (data.field); its keys are "
                                   f"{', '.join(sorted(row)) or 'none'}")
-            yield row[field], n
+            yield row[field], where
         else:  # alpaca
             for key in ("instruction", "output"):
                 if not isinstance(row.get(key), str):
-                    raise ConfigError(f"{path} line {n}: an alpaca example needs a text {key!r}; its keys are "
+                    raise ConfigError(f"{where}: an alpaca example needs a text {key!r}; its keys are "
                                       f"{', '.join(sorted(row)) or 'none'}")
             extra = row.get("input") or ""
             prompt = ALPACA_PROMPT.format(with_input=", paired with an input that provides further context" if extra
                                           else "", instruction=row["instruction"],
                                           input_block=f"### Input:\n{extra}\n\n" if extra else "")
-            yield (prompt, row["output"]), n
+            yield (prompt, row["output"]), where
 
 
 def _encode(tokenizer, example) -> tuple[list[int], list[int]]:
@@ -232,9 +286,12 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool, 
 
 
 def _fingerprint(*parts) -> str:
+    """A key of ``parts``: a file by its path, size and time; a list by its items."""
     h = hashlib.sha256()
     for p in parts:
-        if isinstance(p, Path) and p.exists():
+        if isinstance(p, list):
+            h.update(f"[{_fingerprint(*p)}]".encode())
+        elif isinstance(p, Path) and p.exists():
             st = p.stat()
             h.update(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
         else:
@@ -248,11 +305,9 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     ``tokenizer`` once and cached under ``cache_root`` (keyed by the files, the tokenizer and the
     settings: a change re-tokenises)."""
     path = Path(data.path).expanduser()
-    if path.is_dir():
-        raise ConfigError(f"data.path {path} is a directory; name the data file in it (one file: JSON lines, or "
-                          f"text for data.format text)")
-    if not path.is_file():
-        raise ConfigError(f"data.path {path} does not exist")
+    sources = [data_files(data.path, data.format)]
+    if data.eval_path:
+        sources.append(data_files(data.eval_path, data.format, "data.eval_path"))
     if max_positions is not None and data.max_seq_len > max_positions:
         raise ConfigError(f"data.max_seq_len {data.max_seq_len} is longer than the model's {max_positions} positions; "
                           f"lower data.max_seq_len to at most {max_positions}")
@@ -262,22 +317,21 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
                           f"data.format completion")
     tokenizer_files = sorted(p for p in tokenizer_dir.glob("*token*") if p.is_file())
     tokenizer_files += sorted(tokenizer_dir.glob("*.jinja"))
-    key = _fingerprint(path, data.format, data.field, data.max_seq_len, data.packing, data.eval_fraction,
-                       Path(data.eval_path) if data.eval_path else None, *tokenizer_files)
+    files = [f[0] if len(f) == 1 else f for f in sources]  # (one file: the key it had before shards were read)
+    key = _fingerprint(files[0], data.format, data.field, data.max_seq_len, data.packing, data.eval_fraction,
+                       files[1] if data.eval_path else None, *tokenizer_files)
     cache = cache_root / f"data-{key}"
     if not (cache / "done").exists():
         cache.mkdir(parents=True, exist_ok=True)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         spools = []
         try:
-            for name, source, progress in (("train", path, True), ("eval", data.eval_path, False)):
-                if source is None:
-                    continue
+            for name, part in zip(("train", "eval"), sources):
                 spool = _Spool(cache / name)
                 spools.append(spool)
-                source = Path(source).expanduser()
-                examples = _examples(source, data.format, data.field)
-                for ex, _ in track(examples, desc=f"tokenising {source.name}", unit="example") if progress else examples:
+                examples = (ex for f in part for ex in _examples(f, data.format, data.field))
+                desc = f"tokenising {part[0].name}" + (f" and {len(part) - 1} more" if len(part) > 1 else "")
+                for ex, _ in track(examples, desc=desc, unit="example") if name == "train" else examples:
                     spool.add(_encode(tokenizer, ex))
                 spool.close()
             count = len(spools[0].lengths)
