@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -356,6 +358,30 @@ def test_encoder_decoder_forward_backward_bitwise(tmp_path, make_model, monkeypa
     assert draws == (make_model is bart)
     assert as_loop == ([1] if draws else [])  # T5: no step ran the loop; BART: the first
 
+
+
+@pytest.mark.parametrize("name", ["llava", "mllama"])
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+def test_a_vision_language_model_streams_both_towers_bitwise(tmp_path, name, fused):
+    """A vision tower before a language model (LLaVA: CLIP's layers, then Llama's; Mllama: the
+    image read by cross-attention layers among the language model's): both block sequences stream,
+    and training is PyTorch's bitwise, by the loop and by ``forward_backward``. The definitions are
+    ``tools/conformance_sweep.py``'s (which also runs Qwen2-VL, Qwen2.5-VL and Gemma 3's)."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import conformance_sweep
+
+    config_cls, model_cls, kwargs, loss, _ = conformance_sweep.cases()[name]
+
+    def make():
+        torch.manual_seed(0)
+        return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+
+    def inspect(engine):
+        names = [u.qualname for u in engine.units if u.module is not None]
+        assert any("vision" in n for n in names) and any("language_model" in n for n in names), names
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=loss, accumulate=2,
+                 clip=1.0, host_fraction=0.4, fused=fused, inspect=inspect)
 
 class Memory(torch.nn.Module):
     """A block that reads a tensor every block shares (as a decoder reads the encoder's output),

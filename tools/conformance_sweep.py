@@ -3,7 +3,7 @@
 
 Every architecture below is built tiny (width 32, 3-8 layers, its own mechanisms on: relative
 attention, rotary, ALiBi, sliding windows, MoE routers, state-space layers, two towers, an
-encoder-decoder's two stacks) and trained 3 steps of 2 micro-batches with AdamW and clipping,
+encoder-decoder's two stacks, a vision tower before a language model) and trained 3 steps of 2 micro-batches with AdamW and clipping,
 state on disk at 0.4 of 16 bytes per parameter, once per activation mode (``recompute``, ``keep``,
 ``offload``) and per way of running the micro-batches (the loop of ``engine.backward``, and
 ``engine.forward_backward``). Each run must give PyTorch's losses and weights bit for bit (the
@@ -55,6 +55,44 @@ def _vit(model, ids, route=None):
 def _whisper(model, ids, route=None):
     g = torch.Generator().manual_seed(int(ids.sum()))
     return model(input_features=torch.randn(ids.shape[0], 8, 32, generator=g), labels=ids).loss
+
+
+IMAGE = V - 4  # the vision-language models' image token (and the three after it: video, vision start and end)
+
+
+def _llava(model, ids, route=None):
+    """16 image tokens (a 16x16 image in 4x4 patches) before the text; no loss on them."""
+    ids = ids % IMAGE
+    full = torch.cat([torch.full((ids.shape[0], 16), IMAGE), ids], 1)
+    return model(input_ids=full, pixel_values=_pixels(ids), labels=full.masked_fill(full == IMAGE, -100)).loss
+
+
+def _qwen_vl(model, ids, route=None):
+    """An image of 4x4 patches merged 2x2 (4 image tokens), between its start and end tokens."""
+    ids, b = ids % IMAGE, ids.shape[0]
+    full = torch.cat([torch.full((b, 1), IMAGE + 2), torch.full((b, 4), IMAGE), torch.full((b, 1), IMAGE + 3), ids], 1)
+    g = torch.Generator().manual_seed(int(ids.sum()))
+    return model(input_ids=full, pixel_values=torch.randn(b * 16, 24, generator=g),
+                 image_grid_thw=torch.tensor([[1, 4, 4]] * b), mm_token_type_ids=(full == IMAGE).long(),
+                 labels=full.masked_fill(full >= IMAGE, -100)).loss
+
+
+def _gemma3_vl(model, ids, route=None):
+    """A 16x16 image pooled to 4 tokens, between its start and end tokens."""
+    ids, b = ids % IMAGE, ids.shape[0]
+    full = torch.cat([torch.full((b, 1), IMAGE + 2), torch.full((b, 4), IMAGE), torch.full((b, 1), IMAGE + 3), ids], 1)
+    return model(input_ids=full, pixel_values=_pixels(ids), token_type_ids=(full == IMAGE).long(),
+                 labels=full.masked_fill(full >= IMAGE, -100)).loss
+
+
+def _mllama(model, ids, route=None):
+    """One image of one tile, which every text token attends to in the cross-attention layers."""
+    ids, b = ids % IMAGE, ids.shape[0]
+    full = torch.cat([torch.full((b, 1), IMAGE), ids], 1)
+    return model(input_ids=full, pixel_values=_pixels(ids)[:, None, None], labels=full.masked_fill(full == IMAGE, -100),
+                 aspect_ratio_ids=torch.ones(b, 1, dtype=torch.long),
+                 aspect_ratio_mask=torch.ones(b, 1, 1, dtype=torch.long),
+                 cross_attention_mask=torch.ones(b, full.shape[1], 1, 1, dtype=torch.long)).loss
 
 
 def _classify(model, ids, route=None):
@@ -161,6 +199,36 @@ def cases() -> dict:
                              num_attention_heads=4, max_position_embeddings=32),
             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                                image_size=16, patch_size=4), projection_dim=16), _clip),
+        # vision-language: a vision tower's blocks and the language model's
+        "llava": ("LlavaConfig", "LlavaForConditionalGeneration", dict(
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=3, num_attention_heads=4, image_size=16, patch_size=4),
+            text_config=dict(small, model_type="llama", max_position_embeddings=64), image_token_index=IMAGE,
+            vision_feature_layer=-2, image_seq_length=16), _llava),
+        **{name: (f"{cls}Config", f"{cls}ForConditionalGeneration", dict(
+            text_config=dict(small, max_position_embeddings=64,
+                             rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=1e4)),
+            vision_config=dict(depth=3, embed_dim=32, hidden_size=32, num_heads=4, patch_size=2, spatial_merge_size=2,
+                               temporal_patch_size=2, **extra),
+            image_token_id=IMAGE, video_token_id=IMAGE + 1, vision_start_token_id=IMAGE + 2,
+            vision_end_token_id=IMAGE + 3, **nc), _qwen_vl)
+           for name, cls, extra in [("qwen2-vl", "Qwen2VL", {}),
+                                    ("qwen2.5-vl", "Qwen2_5_VL", dict(out_hidden_size=32, intermediate_size=64,
+                                                                      fullatt_block_indexes=[2], window_size=4))]},
+        "gemma3-vl": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+            text_config=dict(small, head_dim=8, sliding_window=4, max_position_embeddings=64),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                               image_size=16, patch_size=4),
+            mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=IMAGE + 2, eoi_token_index=IMAGE + 3),
+            _gemma3_vl),
+        "mllama": ("MllamaConfig", "MllamaForConditionalGeneration", dict(
+            vision_config=dict(image_size=16, patch_size=4, num_hidden_layers=3, num_global_layers=2,
+                               intermediate_layers_indices=[0, 2], max_num_tiles=1, vision_output_dim=96,
+                               hidden_size=32, intermediate_size=64, attention_heads=4,
+                               supported_aspect_ratios=[[1, 1]]),
+            text_config=dict(small, num_hidden_layers=5, cross_attention_layers=[1, 3], max_position_embeddings=64,
+                             pad_token_id=0),
+            image_token_index=IMAGE), _mllama),
         "t5": ("T5Config", "T5ForConditionalGeneration", t5),
         "t5-gated": ("T5Config", "T5ForConditionalGeneration", dict(t5, feed_forward_proj="gated-gelu")),
         "umt5": ("UMT5Config", "UMT5ForConditionalGeneration", t5),
