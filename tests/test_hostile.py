@@ -98,6 +98,44 @@ def test_a_volatile_engine_locks_its_directory_too(tmp_path):
     make_engine(tmp_path / "v", durable=False).close()  # free again once it is closed
 
 
+def test_verify_and_export_beside_a_live_engine_are_refused_naming_it(tmp_path, capsys):
+    """``tiered-offload verify`` run beside a training run reported its tensors DAMAGED (the engine
+    had deleted the files of the steps it superseded) and said to restore them from a copy;
+    ``export`` said a step was in flight and to open the directory with the engine (found by
+    running them beside ``tiered-offload train``). Both are refused now, naming the engine's
+    process, and change nothing; ``inspect`` still shows the run and who holds it (the lock's
+    holder, not the last record in its file). Once the engine has closed, both work; a reader
+    opened before an engine committed again says so instead of reading gone files."""
+    live = make_engine(tmp_path / "s")
+    torch.manual_seed(1)
+    train(live, 2)
+    live.wait_committed()
+    before = extents(tmp_path / "s")
+    for command in (["verify", str(tmp_path / "s")], ["export", str(tmp_path / "s"), str(tmp_path / "out")]):
+        assert cli_main(command) == 2
+        err = capsys.readouterr().err
+        assert f"in use by process {os.getpid()}" in err and "Stop it" in err and "DAMAGED" not in err, err
+    assert extents(tmp_path / "s") == before and not (tmp_path / "out").exists()
+    assert cli_main(["inspect", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "step            2" in out and f"in use by       pid {os.getpid()}" in out, out
+    live.close()
+    lock = tmp_path / "s" / STATE_DIR / "lock"  # what a killed engine leaves: its record, no holder
+    lock.write_text(json.dumps({"pid": 2 ** 22 + 7, "host": "elsewhere", "since": "then", "command": "train.py"}))
+    assert cli_main(["inspect", str(tmp_path / "s")]) == 0
+    assert "in use by       nobody" in capsys.readouterr().out
+    assert cli_main(["verify", str(tmp_path / "s")]) == 0
+    assert "OK: every tensor matches" in capsys.readouterr().out
+    opened = StateDirectory(tmp_path / "s")
+    again = make_engine(tmp_path / "s", resume=True)
+    train(again, 3)
+    again.close()
+    with pytest.raises(CheckpointError, match=r"changed since it was opened.*cannot be verified as opened: open it again"):
+        opened.verify()
+    opened.close()
+    assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "out")]) == 0
+
+
 # ---- 2. a damaged journal ---------------------------------------------------------------------------
 def _cut_short_in_step_3(path: Path, monkeypatch) -> None:
     """A journal holding step 3's intent and two unit records (the process died in the update)."""

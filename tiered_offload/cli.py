@@ -121,7 +121,8 @@ def _state_command(args) -> int:
     from offload_core.sizes import format_size
     from tiered_offload.checkpoint.state_dir import open_state
     from tiered_offload import progress
-    with open_state(args.directory, stripes=args.stripe) as sd, progress.shown(not getattr(args, "json", False)):
+    with open_state(args.directory, stripes=args.stripe, live=args.command == "inspect") as sd, \
+            progress.shown(not getattr(args, "json", False)):
         if args.command == "export":
             files = sd.export(args.out, args.max_shard_size)
             for f in files:
@@ -151,7 +152,8 @@ def _state_command(args) -> int:
                   + f"  {r['directory']}")
         print(f"  step            {info['step']}" + (f"  (step {info['step_in_flight']['step']} in flight: "
                                                       f"{info['step_in_flight']['units_recorded']}/"
-                                                      f"{info['step_in_flight']['units']} units written; a resume finishes it)"
+                                                      f"{info['step_in_flight']['units']} units written; "
+                                                      f"{'its engine is writing it' if info['lock_holder'] else 'a resume finishes it'})"
                                                       if info["step_in_flight"] else ""))
         print(f"  parameters      {info['parameter_count']:,} in {info['parameters']} tensors, {len(info['units'])} units")
         print(f"  optimizer       {info['optimizer']['class']} (states: {', '.join(info['optimizer']['states']) or 'none'})"

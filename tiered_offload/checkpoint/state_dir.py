@@ -1,17 +1,23 @@
 """Offline access to a storage directory's committed state: inspect, verify, export.
 
 Works without the model: the manifest records every tensor's extent, checksum and layout, and
-every parameter's name, unit and offset. Reading never takes the directory's lock (the manifest
-is replaced atomically, so a reader sees one committed step), never unpickles anything, and
-reaches files only through the storage backend's key-to-file-name mapping, so no name in a
-manifest can point outside the directory.
+every parameter's name, unit and offset. A reader holds the directory's lock shared while it
+reads the state's files (a live engine rewrites and deletes them as it trains: one is refused,
+named), and reads the state it opened or none (an engine that committed since is named);
+``inspect`` alone reads beside a live engine (the manifest is replaced atomically: one committed
+step). Reading never unpickles anything, and reaches files only through the storage backend's
+key-to-file-name mapping, so no name in a manifest can point outside the directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
+import socket
+import sys
 import re
 import shutil
 from pathlib import Path
@@ -24,6 +30,7 @@ from offload_core.errors import (
     ExtentNotFoundError,
     InvalidKeyError,
     ShortReadError,
+    StorageLockedError,
 )
 from storage_backends.base import key_to_filename, validate_key
 from storage_backends.posix import PosixBackend
@@ -31,6 +38,7 @@ from tiered_offload.checkpoint.durable import (
     LOCK,
     STATE_DIR,
     StateFiles,
+    _dumps,
     _read_holder,
     manifest_checksum,
     read_committed,
@@ -48,12 +56,16 @@ _CHUNK = 16 << 20
 class StateDirectory:
     """A storage directory opened read-only."""
 
-    def __init__(self, path: str | os.PathLike, stripes: list | None = None):
+    def __init__(self, path: str | os.PathLike, stripes: list | None = None, live: bool = False):
         """``stripes``: the other directories of a state striped over several (the manifest lists
-        them, but a manifest never decides which directories are read: the caller names them)."""
+        them, but a manifest never decides which directories are read: the caller names them).
+        ``live``: open it beside a live engine too (to inspect it; its verify and export are refused)."""
         self.path = Path(path).expanduser().absolute()
         self.files = StateFiles(self.path / STATE_DIR)
-        state = read_committed(self.files) if self.path.is_dir() else None
+        self._opened = None
+        with contextlib.nullcontext() if live or not self.path.is_dir() else self._reading("read"):
+            state = read_committed(self.files) if self.path.is_dir() else None
+            self._opened = self._stamp()
         if state is None:
             raise CheckpointError(f"{self.path} holds no training state (no {self.files.manifest_path}); give the "
                                   f"storage directory an engine trained in")
@@ -87,6 +99,56 @@ class StateDirectory:
     def close(self) -> None:
         self.backend.close()
 
+    def _stamp(self) -> tuple:
+        """What an engine's commit changes: the manifest (replaced) and the journal (appended)."""
+        out = []
+        for p in (self.files.manifest_path, self.files.journal_path):
+            try:
+                st = p.stat()
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except FileNotFoundError:
+                out.append(None)
+        return tuple(out)
+
+    @contextlib.contextmanager
+    def _reading(self, what: str):  # what: "read", "verified", "exported"
+        """The directory's lock held shared while this reader reads the state's files, with this
+        process named in it (an engine started meanwhile says who holds it). Refused while an engine
+        holds it, or if one committed since this reader opened the state. A lock that cannot be
+        opened (read-only media, where no engine writes either) is not taken."""
+        path = self.path / STATE_DIR / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                who = (f"process {holder.get('pid')} on {holder.get('host')} ({holder.get('command')})" if holder
+                       else "another process")
+                raise StorageLockedError(
+                    f"{self.path} is in use by {who}: an engine rewrites and deletes the state's files as it trains, "
+                    f"so it cannot be {what} beside it. Stop it (Ctrl-C commits its step and exits) and run this "
+                    f"again, or export from the training script: engine.export_safetensors(DIR)") from None
+            if self._opened is not None and self._stamp() != self._opened:
+                raise CheckpointError(f"{self.path} changed since it was opened here (an engine committed in it "
+                                      f"since), so it cannot be {what} as opened: open it again")
+            previous = os.pread(fd, 4096, 0)
+            me = _dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv)[:200]})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me.encode(), 0)
+            try:
+                yield
+            finally:
+                if os.pread(fd, 4096, 0) == me.encode():  # (another reader's record stays)
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, previous, 0)
+        finally:
+            os.close(fd)  # releases the lock
+
     def __enter__(self) -> "StateDirectory":
         return self
 
@@ -115,6 +177,10 @@ class StateDirectory:
 
     def verify(self, progress=None) -> dict:
         """Check every tensor of the committed state against its checksum. Returns a report."""
+        with self._reading("verified"):
+            return self._verify(progress)
+
+    def _verify(self, progress=None) -> dict:
         bad, checked, nbytes = [], 0, 0
         metas = [m for m in [self.manifest["meta"], (self.intent or {}).get("meta")] if m and m.get("buffer_file")]
         for meta in {m["buffer_file"]["extent"]: m for m in metas}.values():  # each buffer extent once
@@ -167,8 +233,7 @@ class StateDirectory:
                             "unreferenced_files": sorted(f for f in files if f not in referenced)[:20],
                             "free_bytes": usage.free, "total_bytes": usage.total})
         intent = self.intent
-        with open(self.path / STATE_DIR / LOCK, "a+") as f:
-            holder = _read_holder(f.fileno())
+        holder = _live_holder(self.path / STATE_DIR / LOCK)
         return {
             "directory": str(self.path),
             "step": m["step"],
@@ -194,6 +259,10 @@ class StateDirectory:
 
     def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
         """Write the committed weights as Hugging Face sharded safetensors (plus config.json if recorded)."""
+        with self._reading("exported"):
+            return self._export(out, max_shard_size)
+
+    def _export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
         sharding = self.manifest.get("sharding")
         if sharding:
             raise CheckpointError(
@@ -299,20 +368,37 @@ def rank_directories(root: Path) -> list[tuple[int, int, Path]]:
     return found
 
 
-def open_state(path: str | os.PathLike, stripes: list | None = None):
+def _live_holder(lock: Path) -> dict | None:
+    """The record of the process that holds ``lock`` now; None if none does (a killed engine's
+    record stays in the file, but the kernel dropped its lock)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return _read_holder(fd) or {"pid": None, "host": None, "since": None}
+    finally:
+        os.close(fd)  # (releases the probe's lock)
+
+
+def open_state(path: str | os.PathLike, stripes: list | None = None, live: bool = False):
     """The right reader for ``path``: a :class:`StateDirectory`, or a :class:`ShardedStateDirectory`
-    for the shared root of a sharded run (which holds ``rank-R-of-W`` directories)."""
+    for the shared root of a sharded run (which holds ``rank-R-of-W`` directories). ``live``: to
+    inspect it beside a live engine."""
     root = Path(path).expanduser().absolute()
     if not (root / STATE_DIR / "manifest.json").exists() and rank_directories(root):
-        return ShardedStateDirectory(root, stripes)
-    return StateDirectory(root, stripes)
+        return ShardedStateDirectory(root, stripes, live)
+    return StateDirectory(root, stripes, live)
 
 
 class ShardedStateDirectory:
     """The shared root of a sharded run, read offline: every rank's directory, their slices
     gathered into one model on export."""
 
-    def __init__(self, root: str | os.PathLike, stripes: list | None = None):
+    def __init__(self, root: str | os.PathLike, stripes: list | None = None, live: bool = False):
         self.path = Path(root).expanduser().absolute()
         found = rank_directories(self.path)
         worlds = {w for _, w, _ in found}
@@ -330,7 +416,7 @@ class ShardedStateDirectory:
         self.ranks: list[StateDirectory] = []
         try:
             for r in range(world):
-                sd = StateDirectory(ranks[r])
+                sd = StateDirectory(ranks[r], live=live)
                 self.ranks.append(sd)
                 sharding = sd.manifest.get("sharding") or {}
                 if sharding != {"rank": r, "world_size": world}:
@@ -377,6 +463,12 @@ class ShardedStateDirectory:
     def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
         """Gather every rank's slices into one model (Hugging Face safetensors, config.json),
         after checking every slice against its checksum."""
+        with contextlib.ExitStack() as reading:
+            for sd in self.ranks:
+                reading.enter_context(sd._reading("exported"))
+            return self._export(out, max_shard_size)
+
+    def _export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
         steps = self.steps()
         in_flight = [r for r, sd in enumerate(self.ranks) if sd.intent is not None]
         if len(set(steps)) != 1 or in_flight:
