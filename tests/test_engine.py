@@ -1177,6 +1177,55 @@ def test_a_backward_through_another_engines_forward_is_refused_naming_it(tmp_pat
     _goes_on_as_pytorch(s_engine, student, opt, torch.Generator().manual_seed(2))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+def test_hooks_registered_after_the_engine_see_pytorchs_tensors(tmp_path, fused):
+    """Hooks a user puts on a block, and on a module inside one, after the engine was built
+    (gradient logging: ``register_full_backward_hook`` / ``_pre_hook``, ``register_forward_hook``)
+    see PyTorch's tensors, bitwise. Through ``forward_backward`` the calls come in the pass's order
+    (``engine/micro_batches.py``): a block's for every micro-batch before the next block's; in its
+    backward every micro-batch's output gradient, then every one's input gradient."""
+    import tiered_offload
+    torch.manual_seed(0)
+    ref = llama(4)
+    model = copy.deepcopy(ref)
+    n = sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory=8 * n)
+    calls = {"pytorch": [], "engine": []}
+
+    def hook(into, what):
+        def fn(module, *tensors):
+            if what == "forward" and tiered_offload.recomputing():  # (a recompute runs forward hooks again)
+                return
+            out = tensors[-1] if what == "forward" else tensors[-1][0]
+            calls[into].append((what, (out[0] if isinstance(out, tuple) else out).detach().clone()))
+        return fn
+    for into, m in (("pytorch", ref), ("engine", model)):
+        for where in (m.model.layers[2], m.model.layers[1].mlp.down_proj):
+            where.register_forward_hook(hook(into, "forward"))
+            where.register_full_backward_pre_hook(hook(into, "output gradient"))
+            where.register_full_backward_hook(hook(into, "input gradient"))
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(2)]
+    if fused:
+        engine.forward_backward([dict(input_ids=x, labels=x) for x in xs], lambda out, b: out.loss)
+    else:
+        for x in xs:
+            engine.backward(hf_loss(engine, x))
+    for x in xs:
+        hf_loss(ref, x).backward()
+    mine, theirs = calls["engine"], calls["pytorch"]
+    assert len(mine) == len(theirs) == 2 * 6
+    if fused:  # the loop's calls, in the pass's order: inner module, block; forward, then backward
+        per = [theirs[:6], theirs[6:]]  # the loop's: micro-batch 0's, then micro-batch 1's
+        order = [(0, 0), (1, 0), (0, 1), (1, 1),  # layer 1's down_proj, then block 2, each for both micro-batches
+                 (0, 2), (1, 2), (0, 3), (1, 3),  # block 2's output gradients, then its input gradients
+                 (0, 4), (0, 5), (1, 4), (1, 5)]  # down_proj's, inside block 1's turn for each micro-batch
+        theirs = [per[k][i] for k, i in order]
+    for (what, a), (same, b) in zip(mine, theirs):
+        assert what == same and torch.equal(a, b), what
+    engine.close()
+
+
 def test_engine_train_and_eval_switch_the_models_mode_as_pytorchs_do(tmp_path):
     """``engine.eval()`` and ``engine.train()`` as ``nn.Module``'s (DeepSpeed's engine has them):
     dropout off, then on again; each returns the engine."""

@@ -46,6 +46,12 @@ working set, the loop runs. A single micro-batch runs the loop, and so does an e
 whose whole state fits its compute tier: no block is read again, and the turns cost compute (on
 the 2-core development machine a pass of 4 was 16% slower than the loop there). Under ``torch.autocast`` the forwards and
 losses run in it and the backwards outside it, as PyTorch advises.
+
+What differs from the loop is the order of calls, not their values: a user's hook on a block
+(``register_forward_hook``, ``register_full_backward_hook``) runs for block 0 of every
+micro-batch, then block 1 ..., and in the backward for each micro-batch's output gradient first,
+then each one's input gradient (each call sees the loop's tensors, bitwise). A hook on a module
+inside a block runs in that block's turn, micro-batch by micro-batch.
 """
 
 from __future__ import annotations
