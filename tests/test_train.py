@@ -297,6 +297,22 @@ def test_the_data_may_be_a_directory_or_a_glob_of_shards(tmp_path, model_dir, pa
         _prepared(tmp_path, model_dir, shards, "data.format=text")
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "json", "txt"])
+def test_a_byte_order_mark_at_the_start_of_a_file_is_not_data(tmp_path, model_dir, kind):
+    """Files saved by Windows tools often start with a UTF-8 byte order mark. A JSON-lines file's
+    first line was "not JSON (Unexpected UTF-8 BOM)"; a text file's first example began with the
+    mark's token. The mark is dropped, as ``utf-8-sig`` does."""
+    texts = sentences(6, seed=5)
+    body = {"jsonl": "".join(json.dumps({"text": t}) + "\n" for t in texts),
+            "json": json.dumps([{"text": t} for t in texts]), "txt": "\n\n".join(texts)}[kind]
+    settings = ("data.packing=false", "data.eval_fraction=0") + (("data.format=text",) if kind == "txt" else ())
+    plain, marked = tmp_path / f"plain.{kind}", tmp_path / f"marked.{kind}"
+    plain.write_text(body, encoding="utf-8")
+    marked.write_text(body, encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert _same(_prepared(tmp_path, model_dir, marked, *settings), _prepared(tmp_path, model_dir, plain, *settings))
+
+
 def test_a_json_array_file_is_read_as_its_examples(tmp_path, model_dir):
     """Alpaca's own ``alpaca_data.json`` is one JSON array of objects, not JSON lines: it stopped
     with "line 1: not JSON". A ``.json`` file that holds an array is read as its items."""

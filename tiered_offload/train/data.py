@@ -65,9 +65,9 @@ CHUNK = 1 << 20
 
 def _chunks(path: Path, what: str):
     """The text of a UTF-8 file, :data:`CHUNK` characters at a time (newlines translated, as
-    ``read_text``): a corpus is read as it is tokenised, never whole."""
+    ``read_text``; a leading byte order mark dropped): a corpus is read as it is tokenised, never whole."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             while chunk := f.read(CHUNK):
                 yield chunk
     except (OSError, UnicodeDecodeError) as e:
@@ -119,7 +119,7 @@ def _json_array(path: Path) -> bool:
     if path.suffix != ".json":
         return False
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return f.read(1 << 12).lstrip().startswith("[")
     except (OSError, UnicodeDecodeError):
         return False  # (read as JSON lines, whose reader names the fault)
@@ -130,7 +130,7 @@ def _rows(path: Path):
     a corpus larger than memory belongs in JSON lines)."""
     if _json_array(path):
         try:
-            items = json.loads(path.read_text(encoding="utf-8"))
+            items = json.loads(path.read_text(encoding="utf-8-sig"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise ConfigError(f"{path}: cannot read it as a JSON array ({e})") from None
         for k, row in enumerate(items, 1):
