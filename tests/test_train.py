@@ -297,6 +297,30 @@ def test_the_data_may_be_a_directory_or_a_glob_of_shards(tmp_path, model_dir, pa
         _prepared(tmp_path, model_dir, shards, "data.format=text")
 
 
+def test_the_tokenised_data_of_other_settings_is_not_kept(tmp_path, model_dir, caplog):
+    """Each change of the data (a file edited, another max_seq_len) tokenises again into a cache of
+    its own beside the run, and the old ones stayed: the disk filled a little more every run (~9
+    bytes a token each). The run keeps the cache of its current data only, and says what it removed."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    path = tmp_path / "train.jsonl"
+    cache = tmp_path / "cache"
+
+    def prepare(n, length):
+        path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(n, seed=n)))
+        cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", f"data.max_seq_len={length}",
+                                 f"offload.storage={tmp_path / 's'}", "train.max_steps=1"])
+        train_data, _ = prepare_data(cfg.data, tokenizer, model_dir, cache, None)
+        return len(train_data)
+    first = prepare(40, 16)
+    assert len(list(cache.glob("data-*"))) == 1
+    with caplog.at_level("INFO", logger="tiered_offload"):
+        assert prepare(80, 16) > first  # the file grew
+    kept = list(cache.glob("data-*"))
+    assert len(kept) == 1 and "removed the tokenised data of other settings" in caplog.text, caplog.text
+    prepare(80, 8)
+    assert len(list(cache.glob("data-*"))) == 1 and not kept[0].exists()
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "json", "txt"])
 def test_a_byte_order_mark_at_the_start_of_a_file_is_not_data(tmp_path, model_dir, kind):
     """Files saved by Windows tools often start with a UTF-8 byte order mark. A JSON-lines file's

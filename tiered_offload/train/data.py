@@ -16,8 +16,10 @@ import functools
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,8 @@ import torch
 
 from offload_core.errors import ConfigError
 from tiered_offload.progress import track
+
+log = logging.getLogger("tiered_offload")
 
 __all__ = ["Dataset", "prepare_data", "ALPACA_PROMPT"]
 
@@ -355,6 +359,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
             for spool in spools:
                 spool.remove()
         (cache / "done").write_text(json.dumps({"data": str(path), "examples": examples}))
+    _remove_others(cache)
 
     def load(name: str) -> Dataset | None:
         if not (cache / f"{name}_ids.npy").exists():
@@ -363,6 +368,18 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
         return Dataset(np.load(cache / f"{name}_ids.npy", mmap_mode="r"), np.load(cache / f"{name}_labels.npy", mmap_mode="r"),
                        np.load(attention, mmap_mode="r") if attention.exists() else None)
     return load("train"), load("eval")
+
+
+def _remove_others(cache: Path) -> None:
+    """The tokenised data of other settings beside ``cache`` (the data edited, another
+    max_seq_len) goes: each is ~9 bytes a token, and a run reads only its current one."""
+    freed = 0
+    for other in cache.parent.glob("data-*"):
+        if other != cache and other.is_dir():
+            freed += sum(f.stat().st_size for f in other.iterdir() if f.is_file())
+            shutil.rmtree(other, ignore_errors=True)
+    if freed:
+        log.info("removed the tokenised data of other settings from %s (%.1f MiB)", cache.parent, freed / 2**20)
 
 
 @functools.lru_cache(maxsize=4)
