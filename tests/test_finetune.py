@@ -5,6 +5,7 @@ with the state on disk and a host budget below the state."""
 import copy
 import functools
 import inspect
+import math
 import re
 
 import pytest
@@ -314,6 +315,45 @@ def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model
     with Engine(model, optimizer(model), storage=tmp_path / "again", host_memory=200_000, init_from=out) as engine:
         again = dict(engine.named_parameters())
     assert list(again) == list(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("init", [True, "gaussian", False, "dora"])
+def test_a_peft_model_built_under_empty_init_starts_as_peft_initialises_it(tmp_path, init):
+    """LoRA on a model too large to build in memory: the base under ``empty_init()``, then
+    ``get_peft_model``. The engine initialised the adapter's ``lora_A`` / ``lora_B`` (``nn.Linear``s)
+    with the model's ``_init_weights``, so ``lora_B`` was not zero: training started from a model
+    other than the base, silently. The adapter now starts as PEFT's ``init_lora_weights`` makes it
+    (``lora_B`` zero; ``lora_A`` Kaiming-uniform, or Gaussian of std 1/r; ``False``: ``nn.Linear``'s
+    own). DoRA's magnitude, which PEFT computes from the base weights (not in memory), is refused
+    naming it (PiSSA and OLoRA stop in ``get_peft_model`` itself, on the meta device)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = _llama8().config
+    with empty_init():
+        base = transformers.LlamaForCausalLM(config)
+    options = {"use_dora": True} if init == "dora" else {"init_lora_weights": init}
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **options))
+    if init == "dora":
+        with pytest.raises(ConfigError, match=r"use_dora.*base weights.*not in memory"):
+            Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB")
+        return
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB") as engine:
+        weights = dict(engine.named_parameters())
+    a = [w for k, w in weights.items() if ".lora_A." in k]
+    b = [w for k, w in weights.items() if ".lora_B." in k]
+    assert len(a) == len(b) == 16
+    def kaiming(w):  # kaiming_uniform_(a=sqrt(5)), nn.Linear's own: within 1/sqrt(fan-in), and near it
+        bound = 1 / math.sqrt(w.shape[1])
+        return bound / 2 < w.abs().max() <= bound
+    if init is False:  # PEFT leaves both at nn.Linear's init
+        assert all(kaiming(w) for w in a + b)
+    else:
+        assert all(torch.count_nonzero(w) == 0 for w in b)
+        if init is True:
+            assert all(kaiming(w) for w in a)
+        else:  # normal of std 1/r
+            spread = torch.cat([w.flatten() for w in a]).std().item()
+            assert abs(spread - 1 / 4) < 0.03, spread
 
 
 @pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],

@@ -25,6 +25,7 @@ from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
 from tiered_offload.checkpoint.adapter import peft_adapter_name
+from tiered_offload.engine.adapter_init import adapter_initialisers
 from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad_hooks, check_no_new_parameters,
                                                   check_requires_grad, check_untouched, refuse_resizing,
                                                   state_dict_names_only, unbind, warn_of_forward_hooks,
@@ -525,14 +526,17 @@ class ModelBinding:
                 slot.param = new[id(slot.param)]
 
     def initialiser(self) -> Callable[[nn.Module], None]:
+        """How a module of an ``empty_init()`` model is initialised: the model's own ``_init_weights``
+        (Hugging Face) or each module's ``reset_parameters``; a PEFT adapter's as PEFT does."""
         hf_init = getattr(self.model, "_init_weights", None)
-        if callable(hf_init):
-            return hf_init
 
         def reset(module: nn.Module) -> None:
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
-        return reset
+        own = hf_init if callable(hf_init) else reset
+        adapters = adapter_initialisers([self.model, *(u.module for u in self.blocks)],
+                                        getattr(self.model, "peft_config", None))
+        return (lambda module: adapters.get(id(module), own)(module)) if adapters else own
 
     def initialise_unit(self, unit: Unit, flat: torch.Tensor, init: Callable[[nn.Module], None]) -> None:
         """Materialise the unit's modules on the CPU one at a time, initialise them, copy into ``flat``."""
