@@ -2,6 +2,7 @@
 parameters outside the optimizer, experts that get no tokens; bitwise against in-memory training
 with the state on disk and a host budget below the state."""
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -315,6 +316,52 @@ def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model
     with Engine(model, optimizer(model), storage=tmp_path / "again", host_memory=200_000, init_from=out) as engine:
         again = dict(engine.named_parameters())
     assert list(again) == list(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("on_meta", [True, False], ids=["empty_init", "on the CPU"])
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]], ids=["lora", "lora-and-head"])
+def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta, modules_to_save):
+    """LoRA on a pretrained model too large for memory: the base built under ``empty_init()``,
+    wrapped by ``get_peft_model``, its weights read from the pretrained directory with ``init_from``.
+    That was refused ("55 parameter(s) missing (base_model.model.model.embed_tokens.weight, ...)"):
+    PEFT renames the base's parameters (``base_model.model.`` before, ``.base_layer`` inside a
+    wrapped layer, ``modules_to_save`` copies) and adds the adapter's. The base's are now read
+    under their names in the file, the adapter's start as PEFT makes them (as the model holds them,
+    built on the CPU), and training is PyTorch's PEFT model's, bitwise."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    pretrained = tmp_path / "pretrained"
+    _llama8().save_pretrained(pretrained)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
+
+    def build():
+        config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+        with empty_init() if on_meta else contextlib.nullcontext():
+            base = transformers.LlamaForCausalLM(config)
+        return peft.get_peft_model(base, peft.LoraConfig(**lora))
+    model = build()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine = Engine(model, optimizer, storage=tmp_path / "s", host_memory=200_000, init_from=pretrained)
+    start = dict(engine.named_parameters())
+    ref = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(pretrained, local_files_only=True),
+                              peft.LoraConfig(**lora))
+    with torch.no_grad():  # the adapter's random start, the engine's (its base weights are read, not drawn)
+        for name, p in ref.named_parameters():
+            if ".lora_" in name:
+                p.copy_(start[name])
+    assert list(start) == [n for n, _ in ref.named_parameters()]
+    assert all(torch.equal(start[n], p) for n, p in ref.named_parameters()), "not the pretrained weights"
+    assert all(torch.count_nonzero(w) == 0 for n, w in start.items() if ".lora_B." in n)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in batches(3, 2):
+        for ids, _ in step:
+            engine.backward(hf_loss(engine, ids) / 2)
+            (hf_loss(ref, ids) / 2).backward()
+        engine.step(), opt.step()
+        engine.zero_grad(), opt.zero_grad()
+    trained = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
 
 
 @pytest.mark.parametrize("init", [True, "gaussian", False, "dora"])

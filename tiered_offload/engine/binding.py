@@ -538,11 +538,14 @@ class ModelBinding:
                                         getattr(self.model, "peft_config", None))
         return (lambda module: adapters.get(id(module), own)(module)) if adapters else own
 
-    def initialise_unit(self, unit: Unit, flat: torch.Tensor, init: Callable[[nn.Module], None]) -> None:
-        """Materialise the unit's modules on the CPU one at a time, initialise them, copy into ``flat``."""
+    def initialise_unit(self, unit: Unit, flat: torch.Tensor, init: Callable[[nn.Module], None],
+                        only: set[str] | None = None) -> None:
+        """Materialise the unit's modules on the CPU one at a time, initialise them, copy into ``flat``
+        (``only``: the parameters of these names, the others read from a file)."""
         # A tied parameter is initialised by the module that registered it first (the name
         # named_parameters() reports), as when the model is built eagerly and then tied.
-        by_name = {(s.local_name if unit.module is not None else s.name): s for s in unit.params}
+        by_name = {(s.local_name if unit.module is not None else s.name): s for s in unit.params
+                   if only is None or s.name in only}
         root = unit.module if unit.module is not None else self.model
         inside = set()
         if unit.module is None:  # the rest: skip modules inside the block sequence

@@ -15,33 +15,67 @@ __all__ = ["load_initial_weights", "transformers_names"]
 
 def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, init_from=None) -> None:
     """Register every unit's buffers (this process's share of them) and fill its weights."""
-    init = binding.initialiser() if binding.on_meta and init_from is None else None
-    reader = None
+    reader, fresh = None, set()
     if init_from is not None:
         reader = PretrainedReader(init_from)
-        aliases, merged, converted = transformers_names(binding.model, reader.names())
-        reader.alias(aliases)
-        reader.merge(merged)
-        reader.check_covers([(s.name, s.shape) for _, s in binding.param_order], converted)
+        fresh = _read_as_peft_base(binding, reader)
+    init = binding.initialiser() if binding.on_meta and (init_from is None or fresh) else None
     try:
         what = "reading init_from" if reader is not None else "placing the initial weights"
         for unit in track(binding.units, desc=what, unit="unit"):
-            placement.register(store, unit, state_kinds, lambda flat, unit=unit: _fill(binding, unit, flat, reader, init))
+            placement.register(store, unit, state_kinds,
+                               lambda flat, unit=unit: _fill(binding, unit, flat, reader, init, fresh))
     finally:
         if reader is not None:
             reader.close()
     binding.release_parameters()  # the model no longer holds the weights: the store does
 
 
-def _fill(binding: ModelBinding, unit, flat, reader, init) -> None:
-    """The unit's initial weights into ``flat``: read, initialised (a meta model) or copied."""
+def _read_as_peft_base(binding: ModelBinding, reader: PretrainedReader) -> set[str]:
+    """Let ``reader`` give each of the model's parameters under the name the file has for it (as
+    ``from_pretrained`` converts the file: :func:`transformers_names`), and check that it holds them
+    all. A PEFT model reads its base's checkpoint: ``base_model.model.`` and ``.base_layer`` (a wrapped
+    layer), ``modules_to_save.NAME`` / ``original_module`` (a copy to train) are not in the file's
+    names, and the adapter's parameters not in it start as PEFT makes them. Returns those (none
+    where the file has them: a PEFT model's own export read back)."""
+    names, params = reader.names(), [s for _, s in binding.param_order]
+    tuner = getattr(getattr(binding.model, "base_model", None), "model", None)
+    prefix = getattr(getattr(binding.model, "base_model", None), "prefix", None)
+    peft = isinstance(getattr(binding.model, "peft_config", None), dict) and tuner is not None and prefix
+    aliases, merged, converted = transformers_names(tuner if peft else binding.model, names)
+    fresh = set()
+    if peft:
+        in_file = set(names)
+        for slot in params:
+            parts = slot.name.split(".")
+            if slot.name in in_file or parts[:2] != ["base_model", "model"]:
+                continue
+            if any(part.startswith(prefix) for part in parts):
+                fresh.add(slot.name)  # the adapter's
+                continue
+            base = re.sub(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)", "", ".".join(parts[2:]))
+            if base in merged:
+                merged[slot.name] = merged[base]
+            else:
+                aliases[slot.name] = aliases.get(base, base)
+    reader.alias(aliases)
+    reader.merge(merged)
+    reader.check_covers([(s.name, s.shape) for s in params if s.name not in fresh], converted)
+    return fresh
+
+
+def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset()) -> None:
+    """The unit's initial weights into ``flat``: read, initialised (a meta model) or copied; with a
+    reader, the parameters in ``fresh`` as the model holds them or, on the meta device, initialised."""
+    unread = [s for s in unit.params if reader is None or s.name in fresh]
     if reader is not None:
         for slot in unit.params:
-            reader.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
-    elif binding.on_meta:
-        binding.initialise_unit(unit, flat, init)
+            if slot.name not in fresh:
+                reader.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+    if unread and binding.on_meta:
+        binding.initialise_unit(unit, flat, init, only=None if reader is None else {s.name for s in unread})
     else:
-        for slot in unit.params:
+        for slot in unread:
             flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
 
 
