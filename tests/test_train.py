@@ -72,7 +72,7 @@ def write_config(tmp_path: Path, model_dir: Path, data: Path, **over) -> Path:
            "output": {"dir": str(tmp_path / "out"), "export_every": 4, "keep": 1}}
     for key, value in over.items():
         section, name = key.split("__")
-        cfg[section][name] = value
+        cfg.setdefault(section, {})[name] = value
     import yaml
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "run.yaml"
@@ -178,6 +178,40 @@ def test_sigint_finishes_the_step_commits_and_the_next_run_continues(tmp_path, m
     assert summary["step"] == 40 and Path(summary["final"]).is_dir()
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "loss" in json.loads(x)]
     assert steps == list(range(1, 41))  # continued where it stopped, nothing repeated or skipped
+
+
+def test_lora_trains_an_adapter_on_the_frozen_model_and_exports_it_for_peft(tmp_path, model_dir, data):
+    """``lora: {r: 4}``: PEFT's LoRA on the model read from its directory (built under
+    ``empty_init``, the base's weights read into it), only the adapter trained. An export holds the
+    adapter alone (``adapter_model.safetensors``, ``adapter_config.json`` naming the model's
+    directory) and the tokenizer, not the frozen weights: ``PeftModel.from_pretrained`` puts it on
+    the base. The same command again continues."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    settings = dict(train__lr=0.05, output__export_every=0, lora__r=8)  # every linear layer (all-linear)
+    config = write_config(tmp_path, model_dir, data, train__max_steps=16, **settings)
+    records = []
+    summary = train(config, progress=False, on_step=lambda s, r: records.append(r))
+    first, last = sum(r["loss"] for r in records[:4]) / 4, sum(r["loss"] for r in records[-4:]) / 4
+    assert summary["step"] == 16 and last < first, (first, last)  # (an adapter on the fixture's random base learns slowly)
+    final = Path(summary["final"])
+    files = {f.name for f in final.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= files, files
+    assert not any(f.startswith("model") for f in files) and "config.json" not in files, files
+    adapter = load_file(final / "adapter_model.safetensors")
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    tuned = peft.PeftModel.from_pretrained(base, final)
+    held = dict(tuned.named_parameters())
+    assert all(torch.equal(held[k.replace(".weight", ".default.weight")], v) for k, v in adapter.items())
+    assert any(torch.count_nonzero(v) for k, v in adapter.items() if ".lora_B." in k)  # it trained
+    pretrained = dict(transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+                      .named_parameters())
+    assert all(torch.equal(held[f"base_model.model.{k}"], v) for k, v in pretrained.items()
+               if f"base_model.model.{k}" in held)  # the base untouched
+    summary = train(write_config(tmp_path, model_dir, data, train__max_steps=18, **settings), progress=False)
+    assert summary["step"] == 18
 
 
 def test_alpaca_puts_the_loss_on_the_responses_only(tmp_path, model_dir):

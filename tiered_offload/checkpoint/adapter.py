@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from offload_core.errors import ConfigError
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, iter_chunks
 
 __all__ = ["ADAPTER_FILE", "export_adapter", "peft_adapter_name"]
@@ -32,13 +33,16 @@ def peft_adapter_name(model) -> str | None:
     return name if isinstance(config, dict) and isinstance(name, str) and name in config else None
 
 
-def export_adapter(out: str | os.PathLike, binding, store, placement) -> list[Path]:
-    """Write the adapter of ``binding.model`` into ``out`` if it is a PEFT model (else nothing):
-    its trainable parameters read from ``store``, keyed and filtered by peft. Sharded, every rank
-    reads; the one that writes exports returns the files."""
+def export_adapter(out: str | os.PathLike, binding, store, placement, required: bool = False) -> list[Path]:
+    """Write the adapter of ``binding.model`` into ``out`` if it is a PEFT model (else nothing; or,
+    ``required``, a :class:`ConfigError`): its trainable parameters read from ``store``, keyed and
+    filtered by peft. Sharded, every rank reads; the one that writes exports returns the files."""
     model = binding.model
     name = peft_adapter_name(model)
     if name is None:
+        if required:
+            raise ConfigError(f"an adapter-only export of a {type(model).__name__}, which is not a PEFT model: it has "
+                              f"no adapter; export_safetensors(DIR) writes its weights")
         return []
     from peft.utils import get_peft_model_state_dict
     trained = [(unit, slot) for unit, slot in binding.param_order if slot.requires_grad]

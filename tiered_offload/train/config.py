@@ -1,5 +1,5 @@
 """The run configuration of ``tiered-offload train``: flat sections (model, data, train, offload,
-output), each a keyword-only dataclass with a docstring under every field, read from YAML and
+output, lora), each a keyword-only dataclass with a docstring under every field, read from YAML and
 ``section.key=value`` overrides; an unknown key or a bad value is a :class:`ConfigError` naming it.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from offload_core.errors import ConfigError
 
-__all__ = ["ModelSection", "DataSection", "TrainSection", "OffloadSection", "OutputSection", "RunConfig",
-           "load_config"]
+__all__ = ["ModelSection", "DataSection", "TrainSection", "OffloadSection", "OutputSection", "LoraSection",
+           "RunConfig", "load_config"]
 
 
 @dataclass(kw_only=True)
@@ -99,6 +99,23 @@ class OffloadSection:
 
 
 @dataclass(kw_only=True)
+class LoraSection:
+    r: int = 0
+    """LoRA's rank (PEFT's ``LoraConfig.r``); 0: no LoRA, every parameter trains. With LoRA the
+    model's weights stay frozen (4 bytes a parameter of state, streamed as the rest), only the
+    adapter trains, and the exports hold the adapter alone, for ``PeftModel.from_pretrained``."""
+    alpha: float = 16.0
+    """LoRA's scaling numerator (``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (``lora_dropout``)."""
+    targets: str | list[str] = "all-linear"
+    """The modules that get an adapter (``target_modules``): names (``[q_proj, v_proj]``) or
+    ``all-linear``."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full beside the adapter and saved with it (``[lm_head]``)."""
+
+
+@dataclass(kw_only=True)
 class OutputSection:
     dir: str = "./out"
     """Where exports (``step-N/``, ``final/``) and ``metrics.jsonl`` go."""
@@ -117,6 +134,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
     output: OutputSection = field(default_factory=OutputSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def validate(self) -> "RunConfig":
         """Check every value; a :class:`ConfigError` names the key and what to change."""
@@ -154,6 +172,10 @@ class RunConfig:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction!r}")
         if self.train.clip is not None and not (isinstance(self.train.clip, (int, float)) and self.train.clip > 0):
             raise ConfigError(f"train.clip must be a number > 0 or null, got {self.train.clip!r}")
+        if not isinstance(self.lora.r, int) or isinstance(self.lora.r, bool) or self.lora.r < 0:
+            raise ConfigError(f"lora.r must be an integer >= 0 (0: no LoRA), got {self.lora.r!r}")
+        if not (isinstance(self.lora.dropout, (int, float)) and 0 <= self.lora.dropout < 1):
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.lora.dropout!r}")
         if not self.offload.durable:
             raise ConfigError("offload.durable: false leaves nothing to resume from; the train command keeps it true")
         return self

@@ -64,8 +64,34 @@ def _storage_location(storage) -> str:
     return ",".join(str(s) for s in storage) if isinstance(storage, (list, tuple)) else str(storage)
 
 
-def _export(engine, model_dir: Path, out: Path) -> None:
-    engine.export_safetensors(out)
+def _build_model(cfg, hf_config, model_dir: Path):
+    """The model under ``empty_init()``; with ``lora.r``, PEFT's LoRA on it (the base frozen, the
+    adapter as PEFT initialises it; ``init_from`` reads the base's weights into it)."""
+    import transformers
+
+    from tiered_offload import empty_init
+    with empty_init():
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    if not cfg.lora.r:
+        return model
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("lora.r needs PEFT: pip install peft") from None
+    model.config._name_or_path = str(model_dir)  # the adapter's base_model_name_or_path
+    lora = cfg.lora
+    return peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                      target_modules=lora.targets, task_type="CAUSAL_LM",
+                                                      modules_to_save=lora.modules_to_save))
+
+
+def _sizes(model) -> tuple[int, int]:
+    """The model's parameters, and those that train."""
+    return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def _export(engine, model_dir: Path, out: Path, adapter_only: bool = False) -> None:
+    engine.export_safetensors(out, adapter_only=adapter_only)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out / name)
@@ -86,7 +112,7 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
 def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     import transformers
 
-    from tiered_offload import Engine, empty_init
+    from tiered_offload import Engine
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path)
     out = Path(cfg.output.dir).expanduser()
@@ -105,11 +131,11 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         return _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, location)
 
     torch.manual_seed(t.seed)
-    with empty_init():
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    _check_export_space(cfg, out, sum(p.numel() for p in model.parameters()), directories, resuming)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    model = _build_model(cfg, hf_config, model_dir)
+    _check_export_space(cfg, out, *_sizes(model), directories, resuming)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=t.lr)
     engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
@@ -168,7 +194,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
                                 tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
-                _export(engine, model_dir, out / f"step-{step + 1}")
+                _export(engine, model_dir, out / f"step-{step + 1}", adapter_only=bool(cfg.lora.r))
                 for old in sorted(out.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-cfg.output.keep]:
                     shutil.rmtree(old, ignore_errors=True)
         committed = engine.commit()
@@ -178,7 +204,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
             if eval_data is not None:
                 summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision)
                 metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
-            _export(engine, model_dir, out / "final")
+            _export(engine, model_dir, out / "final", adapter_only=bool(cfg.lora.r))
             summary["final"] = str(out / "final")
         return summary
     finally:
@@ -197,7 +223,8 @@ def _batch_settings(cfg, sequences: int) -> dict:
     return {"data.path": str(d.path), "data.format": d.format, "data.field": d.field, "data.max_seq_len": d.max_seq_len,
             "data.packing": d.packing, "data.eval_fraction": d.eval_fraction, "data: sequences": sequences,
             "train.seed": t.seed, "train.micro_batch": t.micro_batch, "train.schedule": t.schedule,
-            "train.warmup_steps": t.warmup_steps, "train.clip": t.clip, "train.precision": t.precision}
+            "train.warmup_steps": t.warmup_steps, "train.clip": t.clip, "train.precision": t.precision,
+            **({"lora.alpha": cfg.lora.alpha, "lora.dropout": cfg.lora.dropout} if cfg.lora.r else {})}
 
 
 def _say_other_settings(saved: dict | None, now: dict, location: str, start: int) -> None:
@@ -210,15 +237,16 @@ def _say_other_settings(saved: dict | None, now: dict, location: str, start: int
                     "before continue it exactly)", location, ", ".join(differ), start + 1)
 
 
-def _check_export_space(cfg, out: Path, params: int, directories: str, resuming: bool) -> None:
-    """Refuse a run whose exports (the ones kept and the final one, fp32) do not fit the output
-    directory's disk, counting the training state too where it shares that disk and is new."""
-    exports = 4 * params * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
+def _check_export_space(cfg, out: Path, params: int, trained: int, directories: str, resuming: bool) -> None:
+    """Refuse a run whose exports (the ones kept and the final one, fp32; with LoRA the adapter's
+    alone) do not fit the output directory's disk, counting the training state too (16 bytes a
+    trained parameter, 4 a frozen one) where it shares that disk and is new."""
+    exports = 4 * (trained if cfg.lora.r else params) * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
     free = shutil.disk_usage(out).free
     storage = Path(directories.split(",")[0]).expanduser()
     while not storage.exists():
         storage = storage.parent
-    state = 16 * params if not resuming and os.stat(storage).st_dev == os.stat(out).st_dev else 0
+    state = 4 * params + 12 * trained if not resuming and os.stat(storage).st_dev == os.stat(out).st_dev else 0
     if exports + state > free:
         raise DiskFullError(
             f"output.dir {out} needs {format_size(exports)} for the exports ({cfg.output.keep if cfg.output.export_every else 0}"
@@ -260,17 +288,18 @@ def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, 
     """What the run would do, without building or training anything."""
     import transformers
 
-    from tiered_offload import empty_init
-    with empty_init():
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    params = sum(p.numel() for p in model.parameters())
+    model = _build_model(cfg, hf_config, Path(cfg.model.path))
+    params, trained = _sizes(model)
     first = train_data.batch([0])
-    info = {"model": type(model).__name__, "parameters": params, "state_bytes": 16 * params,
+    info = {"model": type(model).__name__, "parameters": params, "trained": trained,
+            "state_bytes": 4 * params + 12 * trained,
             "train_sequences": len(train_data), "eval_sequences": 0 if eval_data is None else len(eval_data),
             "steps": total, "resumes": resuming, "storage": location, "host_memory": cfg.offload.host_memory,
             "device_memory": cfg.offload.device_memory,
             "first_sequence": tokenizer.decode(first["input_ids"][0][:64])}
-    print(f"model          {info['model']}, {params:,} parameters; training state {format_size(16 * params)}")
+    print(f"model          {info['model']}, {params:,} parameters" + (f" ({trained:,} trained: LoRA r={cfg.lora.r})"
+                                                                      if cfg.lora.r else "")
+          + f"; training state {format_size(info['state_bytes'])}")
     print(f"data           {info['train_sequences']} sequences of {cfg.data.max_seq_len} tokens"
           f" ({info['eval_sequences']} held out); {total} steps of {cfg.train.micro_batch} x {cfg.train.grad_accum}")
     print(f"storage        {location} ({'resumes its committed state' if resuming else 'a fresh run'}); host "
