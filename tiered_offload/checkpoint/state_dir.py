@@ -16,10 +16,10 @@ import fcntl
 import json
 import math
 import os
-import socket
-import sys
 import re
 import shutil
+import socket
+import sys
 from pathlib import Path
 
 import torch

@@ -8,8 +8,9 @@ started from a model other than the base, silently. PEFT's ``reset_lora_paramete
 ``get_peft_model`` built them, on the meta device, where it did nothing; here is what it does:
 ``lora_A`` Kaiming-uniform (``True``) or Gaussian of std ``1/r`` (``"gaussian"``), ``lora_B`` zero;
 ``False`` leaves both at ``nn.Linear``'s own initialisation. A method that computes the adapter
-from the base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA; DoRA's magnitude vector) cannot: those
-weights are not in memory. It is refused, naming the way round.
+from the base weights (DoRA's magnitude vector; PiSSA and OLoRA, at which ``get_peft_model``
+itself stops on the meta device) cannot: those weights are not in memory. It is refused, naming
+the way round.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import shutil
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,7 +225,7 @@ class _Spool:
     def __init__(self, stem: Path):
         self.paths = (stem.with_name(stem.name + ".ids"), stem.with_name(stem.name + ".mask"))
         self._files = [open(p, "wb") for p in self.paths]
-        self.lengths: list[int] | np.ndarray = []
+        self.lengths: array | np.ndarray = array("q")
 
     def add(self, encoded: tuple[list[int], list[int]]) -> None:
         ids, mask = encoded
@@ -235,12 +236,14 @@ class _Spool:
     def close(self) -> None:
         for f in self._files:
             f.close()
-        self.lengths = np.asarray(self.lengths, dtype=np.int64)
+        self.lengths = np.frombuffer(self.lengths, dtype=np.int64) if len(self.lengths) else np.zeros(0, np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         self.ids, self.mask = (np.memmap(p, dtype=d, mode="r") if self.offsets[-1] else np.zeros(0, d)
                                for p, d in zip(self.paths, (np.int32, np.int8)))
 
     def remove(self) -> None:
+        for f in self._files:  # (still open where tokenising stopped at an error)
+            f.close()
         self.ids = self.mask = None  # (the maps first)
         for p in self.paths:
             p.unlink(missing_ok=True)
@@ -257,7 +260,7 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool, 
     first, tokens = int(spool.offsets[a]), spool.tokens(a, b)
     n = tokens // length if packing else b - a
 
-    def array(name: str, dtype, fill):
+    def output(name: str, dtype, fill):
         if n == 0:  # (a map of no bytes cannot be made)
             np.save(out.with_name(f"{out.name}_{name}.npy"), np.full((0, length), fill, dtype=dtype))
             return None
@@ -266,8 +269,8 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool, 
         arr[:] = fill
         return arr
 
-    ids, labels = array("ids", np.int32, pad), array("labels", np.int32, IGNORE)
-    attention = None if packing else array("attention", np.int8, 0)
+    ids, labels = output("ids", np.int32, pad), output("labels", np.int32, IGNORE)
+    attention = None if packing else output("attention", np.int8, 0)
     if n and packing:
         rows = max(1, CHUNK // length)
         for r in range(0, n, rows):

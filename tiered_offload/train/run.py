@@ -286,8 +286,6 @@ def _evaluate(engine, model, data, micro_batch: int, precision: str = "fp32") ->
 
 def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, location) -> dict:
     """What the run would do, without building or training anything."""
-    import transformers
-
     model = _build_model(cfg, hf_config, Path(cfg.model.path))
     params, trained = _sizes(model)
     first = train_data.batch([0])
