@@ -214,6 +214,20 @@ def test_lora_trains_an_adapter_on_the_frozen_model_and_exports_it_for_peft(tmp_
     assert summary["step"] == 18
 
 
+@pytest.mark.parametrize("setting, match", [
+    ({"lora__targets": ["nope"]}, r"lora\.targets \['nope'\] matches no module of the model.*q_proj"),
+    ({"lora__modules_to_save": ["nope"]}, r"lora\.modules_to_save 'nope' matches no module of the model"),
+    ({"lora__alpha": "x"}, r"lora\.alpha must be a number > 0, got 'x'"),
+    ({"lora__targets": 5}, r"lora\.targets must be a module name, a list of them or all-linear, got 5"),
+], ids=["targets", "modules_to_save", "alpha", "targets' type"])
+def test_a_bad_lora_setting_is_refused_naming_it(tmp_path, model_dir, data, setting, match):
+    """PEFT's own errors came through untyped (``NoMatchingPeftModuleError``, ``TypeError``), and a
+    module to save that the model does not have was dropped without a word."""
+    pytest.importorskip("peft")
+    with pytest.raises(ConfigError, match=match):
+        train(write_config(tmp_path, model_dir, data, train__max_steps=1, lora__r=4, **setting), progress=False)
+
+
 def test_alpaca_puts_the_loss_on_the_responses_only(tmp_path, model_dir):
     path = tmp_path / "alpaca.jsonl"
     rows = [{"instruction": "say the word", "input": "cat", "output": "dogs ran"},

@@ -176,6 +176,15 @@ class RunConfig:
             raise ConfigError(f"lora.r must be an integer >= 0 (0: no LoRA), got {self.lora.r!r}")
         if not (isinstance(self.lora.dropout, (int, float)) and 0 <= self.lora.dropout < 1):
             raise ConfigError(f"lora.dropout must be in [0, 1), got {self.lora.dropout!r}")
+        if not (isinstance(self.lora.alpha, (int, float)) and not isinstance(self.lora.alpha, bool) and self.lora.alpha > 0):
+            raise ConfigError(f"lora.alpha must be a number > 0, got {self.lora.alpha!r}")
+        for key, value, none_ok in (("lora.targets", self.lora.targets, False),
+                                    ("lora.modules_to_save", self.lora.modules_to_save, True)):
+            names = [value] if isinstance(value, str) else value
+            if not ((none_ok and value is None) or (isinstance(names, list) and names
+                                                      and all(isinstance(n, str) and n for n in names))):
+                raise ConfigError(f"{key} must be a module name, a list of them" + (" or null" if none_ok else
+                                  " or all-linear") + f", got {value!r}")
         if not self.offload.durable:
             raise ConfigError("offload.durable: false leaves nothing to resume from; the train command keeps it true")
         return self

@@ -80,9 +80,17 @@ def _build_model(cfg, hf_config, model_dir: Path):
         raise ConfigError("lora.r needs PEFT: pip install peft") from None
     model.config._name_or_path = str(model_dir)  # the adapter's base_model_name_or_path
     lora = cfg.lora
-    return peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                      target_modules=lora.targets, task_type="CAUSAL_LM",
-                                                      modules_to_save=lora.modules_to_save))
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    for name in lora.modules_to_save or ():  # (PEFT drops one the model does not have, without a word)
+        if not any(n == name or n.endswith(f".{name}") for n, _ in model.named_modules()):
+            raise ConfigError(f"lora.modules_to_save {name!r} matches no module of the model (a name such as lm_head)")
+    try:
+        return peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                          target_modules=lora.targets, task_type="CAUSAL_LM",
+                                                          modules_to_save=lora.modules_to_save))
+    except ValueError as e:  # (PEFT's NoMatchingPeftModuleError is one)
+        raise ConfigError(f"lora.targets {lora.targets!r} matches no module of the model ({e}); its linear layers: "
+                          f"{', '.join(linear)}, or all-linear") from None
 
 
 def _sizes(model) -> tuple[int, int]:
