@@ -364,6 +364,27 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
     assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
 
 
+@pytest.mark.parametrize("targets", [["gate"], "all-linear"], ids=["router", "all-linear"])
+def test_lora_on_a_parameter_that_peft_reparametrizes_each_forward_is_refused(tmp_path, targets):
+    """PEFT puts LoRA on a module that is not a linear layer (an MoE's router, its stacked experts:
+    what ``all-linear`` picks on Mixtral) with a ``ParamWrapper``, which registers a parametrization
+    of the module's parameter in every forward and removes it after. Through the engine that was
+    PyTorch's with activations kept, but a recompute stopped with PyTorch's "modified by an inplace
+    operation" and ``forward_backward`` with "clone reads its values outside the engine's calls"
+    (probed). Refused when the engine is built, naming the module and the way round."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, use_cache=False))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+    with pytest.raises(ConfigError, match=r"layers\.0\.mlp\.gate.*ParamWrapper.*q_proj"):
+        Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB")
+    attention = peft.get_peft_model(_llama8(), peft.LoraConfig(r=4, target_modules="all-linear"))
+    Engine(attention, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "t", host_memory="8MiB").close()
+
+
 @pytest.mark.parametrize("init", [True, "gaussian", False, "dora"])
 def test_a_peft_model_built_under_empty_init_starts_as_peft_initialises_it(tmp_path, init):
     """LoRA on a model too large to build in memory: the base under ``empty_init()``, then

@@ -22,7 +22,7 @@ from torch import nn
 
 from offload_core.errors import ConfigError
 
-__all__ = ["adapter_initialisers"]
+__all__ = ["adapter_initialisers", "refuse_reparametrizing_adapters"]
 
 
 def adapter_initialisers(roots: Iterable[nn.Module], peft_config) -> dict[int, Callable[[nn.Module], None]]:
@@ -73,3 +73,18 @@ def _zeros(module: nn.Module) -> None:
     nn.init.zeros_(module.weight)
     if getattr(module, "bias", None) is not None:
         nn.init.zeros_(module.bias)
+
+
+def refuse_reparametrizing_adapters(model: nn.Module) -> None:
+    """Refuse PEFT's ``ParamWrapper`` (LoRA on a module that is not a linear layer: an MoE's router,
+    its stacked experts; what ``target_modules="all-linear"`` picks on Mixtral): it registers a
+    parametrization of the module's parameter in every forward and removes it after, which the
+    engine's recompute and ``forward_backward`` do not replay (a recompute stopped with PyTorch's
+    "modified by an inplace operation"). Call before the blocks are replaced by their stand-ins."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ParamWrapper" and type(module).__module__.startswith("peft."):
+            raise ConfigError(
+                f"{name} is a PEFT ParamWrapper (LoRA on a parameter of a {type(module.get_base_layer()).__name__}, "
+                f"re-parametrized in every forward), which the engine cannot recompute exactly. Put the adapter on "
+                f"linear layers only: target_modules such as [q_proj, k_proj, v_proj, o_proj] (in tiered-offload "
+                f"train, lora.targets)")
