@@ -18,7 +18,7 @@ def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, i
     reader, fresh = None, set()
     if init_from is not None:
         reader = PretrainedReader(init_from)
-        fresh = _read_as_peft_base(binding, reader)
+        fresh = _match_file_names(binding, reader)
     init = binding.initialiser() if binding.on_meta and (init_from is None or fresh) else None
     try:
         what = "reading init_from" if reader is not None else "placing the initial weights"
@@ -31,10 +31,10 @@ def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, i
     binding.release_parameters()  # the model no longer holds the weights: the store does
 
 
-def _read_as_peft_base(binding: ModelBinding, reader: PretrainedReader) -> set[str]:
+def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[str]:
     """Let ``reader`` give each of the model's parameters under the name the file has for it (as
     ``from_pretrained`` converts the file: :func:`transformers_names`), and check that it holds them
-    all. A PEFT model reads its base's checkpoint: ``base_model.model.`` and ``.base_layer`` (a wrapped
+    all. A PEFT model may read its base's checkpoint: ``base_model.model.`` and ``.base_layer`` (a wrapped
     layer), ``modules_to_save.NAME`` / ``original_module`` (a copy to train) are not in the file's
     names, and the adapter's parameters not in it start as PEFT makes them. Returns those (none
     where the file has them: a PEFT model's own export read back)."""
