@@ -452,6 +452,71 @@ def test_a_peft_models_export_holds_its_adapter_as_peft_saves_it(tmp_path, optio
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in out.iterdir())
 
 
+def _peft_gpt2():
+    """GPT-2 (tied head) with LoRA on its fused attention projection: a ``Conv1D``, whose weight is
+    stored transposed (PEFT's ``fan_in_fan_out``)."""
+    peft = pytest.importorskip("peft")
+    base = make_gpt2()
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                     init_lora_weights=False))
+
+
+@pytest.mark.parametrize("model", ["lora", "lora-and-head", "dora", "gpt2"])
+def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model):
+    """A LoRA run's weights for ``from_pretrained`` without PEFT (what most serving takes):
+    ``export_safetensors(out, merged=True)`` writes what ``model.merge_and_unload().save_pretrained(out)``
+    writes of the same model trained in memory: the base model's names (no ``base_model.model.``,
+    ``.base_layer``, adapter or ``original_module``; a trained ``modules_to_save`` copy in its
+    module's place; a tied head once), PEFT's own merge of each layer (DoRA's too; GPT-2's
+    transposed ``Conv1D``), bitwise, and ``config.json``, so ``from_pretrained`` loads it. It was not
+    possible: only the adapter, or the whole PEFT model under PEFT's names, could be exported."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    if model == "gpt2":
+        make = _peft_gpt2
+    else:
+        options = {"lora-and-head": {"modules_to_save": ["lm_head"]}, "dora": {"use_dora": True}}.get(model, {})
+
+        def make():
+            base = _llama8()
+            torch.manual_seed(1)
+            return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                             init_lora_weights=False, **options))
+    optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
+    out = tmp_path / "merged"
+    ids = torch.arange(8).view(1, 8)
+
+    def export(engine):  # the engine's model is left as it was: the same loss after as before
+        with torch.no_grad():
+            before = hf_loss(engine, ids)
+            engine.export_safetensors(out, merged=True)
+            assert torch.equal(hf_loss(engine, ids), before)
+    _, ref, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000, inspect=export)
+    merged = ref.merge_and_unload()
+    merged.save_pretrained(tmp_path / "reference")
+    expected, got = load_file(tmp_path / "reference" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected), [k for k in expected if not torch.equal(got[k], expected[k])]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, merged.eval()(ids).logits)
+
+
+def test_a_merged_export_of_what_has_no_adapter_to_merge_is_refused(tmp_path):
+    """``merged=True`` on a model that is not a PEFT model, or with ``adapter_only``, is refused naming the way."""
+    peft = pytest.importorskip("peft")
+    with Engine(make_llama(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB") as engine:
+        with pytest.raises(ConfigError, match=r"not a PEFT model.*export_safetensors\(DIR\)"):
+            engine.export_safetensors(tmp_path / "out", merged=True)
+    model = peft.get_peft_model(_llama8(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "t", host_memory="8MiB") as engine:
+        with pytest.raises(ConfigError, match="adapter_only.*merged"):
+            engine.export_safetensors(tmp_path / "out", merged=True, adapter_only=True)
+    assert not (tmp_path / "out").exists()
+
+
 def test_frozen_embeddings_and_block_are_never_modified_and_cost_4_bytes(tmp_path):
     weights, ref, start, state = check_parity(
         lambda: make_gpt2(frozen=True), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),

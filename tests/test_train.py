@@ -214,18 +214,43 @@ def test_lora_trains_an_adapter_on_the_frozen_model_and_exports_it_for_peft(tmp_
     assert summary["step"] == 18
 
 
+def test_lora_merged_exports_the_model_with_the_adapter_merged(tmp_path, model_dir, data):
+    """``lora: {r: 8, merged: true}``: the exports hold the model with the adapter merged into its
+    weights, under the base model's names with its ``config.json`` and tokenizer, for
+    ``from_pretrained`` without PEFT: bitwise what PEFT's ``merge_and_unload()`` makes of the
+    adapter the same run exports without ``merged``."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    settings = dict(train__lr=0.05, train__max_steps=4, output__export_every=0, lora__r=8)
+    merged = Path(train(write_config(tmp_path / "merged", model_dir, data, lora__merged=True, **settings),
+                        progress=False)["final"])
+    adapter = Path(train(write_config(tmp_path / "adapter", model_dir, data, **settings), progress=False)["final"])
+    files = {f.name for f in merged.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files and not any("adapter" in f for f in files)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    expected = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    got = load_file(merged / "model.safetensors")
+    assert set(got) <= set(expected) and all(torch.equal(v, expected[k]) for k, v in got.items())
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
+    assert any(not torch.equal(v, pretrained[k]) for k, v in got.items())  # the adapter is in it
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(merged, local_files_only=True)
+    assert all(torch.equal(p, got[k]) for k, p in loaded.state_dict().items() if k in got)
+
+
 @pytest.mark.parametrize("setting, match", [
     ({"lora__targets": ["nope"]}, r"lora\.targets \['nope'\] matches no module of the model.*q_proj"),
     ({"lora__modules_to_save": ["nope"]}, r"lora\.modules_to_save 'nope' matches no module of the model"),
     ({"lora__alpha": "x"}, r"lora\.alpha must be a number > 0, got 'x'"),
     ({"lora__targets": 5}, r"lora\.targets must be a module name, a list of them or all-linear, got 5"),
-], ids=["targets", "modules_to_save", "alpha", "targets' type"])
+    ({"lora__merged": "yes"}, r"lora\.merged must be true or false, got 'yes'"),
+    ({"lora__merged": True, "lora__r": 0}, r"lora\.merged: true merges an adapter.*lora\.r is 0"),
+], ids=["targets", "modules_to_save", "alpha", "targets' type", "merged's type", "merged without lora"])
 def test_a_bad_lora_setting_is_refused_naming_it(tmp_path, model_dir, data, setting, match):
     """PEFT's own errors came through untyped (``NoMatchingPeftModuleError``, ``TypeError``), and a
     module to save that the model does not have was dropped without a word."""
     pytest.importorskip("peft")
     with pytest.raises(ConfigError, match=match):
-        train(write_config(tmp_path, model_dir, data, train__max_steps=1, lora__r=4, **setting), progress=False)
+        train(write_config(tmp_path, model_dir, data, train__max_steps=1, **{"lora__r": 4, **setting}), progress=False)
 
 
 def test_alpaca_puts_the_loss_on_the_responses_only(tmp_path, model_dir):

@@ -8,19 +8,29 @@ the real blocks in the model's tree instead of the engine's stand-ins, on the en
 trainable parameters (a PEFT model trains its adapter and its ``modules_to_save`` only). A
 trainable parameter the adapter leaves out (one unfrozen by hand) would be lost without a word, as
 peft's own save loses it: the export says so.
+
+A merged export (:func:`merged_export`) is the model ``merge_and_unload()`` makes, as its
+``save_pretrained`` writes it: the base model's names, each tuner layer's base weights merged by
+peft's own ``merge`` on the engine's values, one unit at a time (the layer's parameters are lent
+to it as copies, so the model and the store are left as they were).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
 
 from offload_core.errors import ConfigError
 from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, iter_chunks
 
-__all__ = ["ADAPTER_FILE", "export_adapter", "peft_adapter_name"]
+__all__ = ["ADAPTER_FILE", "export_adapter", "merged_export", "peft_adapter_name"]
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +76,98 @@ def export_adapter(out: str | os.PathLike, binding, store, placement, required: 
     path = Path(out) / ADAPTER_CONFIG
     path.chmod(0o600)
     return [*files, path]
+
+
+def merged_export(binding, params: list[dict], buffers: list) -> tuple[list[dict], list, Callable, dict | None]:
+    """What a merged export of the PEFT model ``binding.model`` writes (``export_safetensors(merged=True)``):
+    ``params`` (the layout's entries) and ``buffers`` under the base model's names, those of the
+    adapter and of ``original_module`` left out; ``merge(unit, flat)``, the merged weights of the
+    tuner layers among the unit's parameters by those names; and the base model's config."""
+    model = binding.model
+    name = peft_adapter_name(model)
+    if name is None:
+        raise ConfigError(f"a merged export of a {type(model).__name__}, which is not a PEFT model: it has no adapter "
+                          f"to merge; export_safetensors(DIR) writes its weights")
+    if model.peft_config[name].is_prompt_learning:
+        raise ConfigError(f"a merged export of a {model.peft_config[name].peft_type} adapter, which has no weights to "
+                          f"merge (prompt learning); export_safetensors(DIR, adapter_only=True) writes it")
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+    with binding.real_blocks():
+        modules = dict(model.named_modules())
+    tuners = {q: m for q, m in modules.items() if isinstance(m, BaseTunerLayer)}
+    wrappers = {q for q, m in modules.items() if isinstance(m, AuxiliaryTrainingWrapper)}
+    base_prefix = "base_model.model."
+
+    def base_name(full: str) -> str | None:
+        """The name ``merge_and_unload()`` leaves ``full`` (a PEFT model's) under; None: it goes."""
+        for qual in _owners(full, tuners):
+            tail = full[len(qual) + 1:]
+            if not tail.startswith("base_layer."):
+                return None  # the adapter's
+            full = f"{qual}.{tail[len('base_layer.'):]}"
+        for qual in _owners(full, wrappers):
+            tail = full[len(qual) + 1:]
+            if not tail.startswith(f"modules_to_save.{name}."):
+                return None  # original_module, another adapter's copy
+            full = f"{qual}.{tail[len(f'modules_to_save.{name}.'):]}"
+        return full[len(base_prefix):] if full.startswith(base_prefix) else None
+
+    slots = {id(s.param): s for _, s in binding.param_order}
+    in_unit = {}  # unit name -> [(qual, layer)]
+    for qual, layer in tuners.items():
+        held = [s for p in layer.parameters() if (s := slots.get(id(p))) is not None]
+        units = {u.name for u, s in binding.param_order if s in held}
+        foreign = [s.name for s in held if not s.name.startswith(f"{qual}.")]
+        if foreign or len(units) > 1:
+            raise ConfigError(f"a merged export of {qual}, whose parameters are shared with another module "
+                              f"({', '.join(foreign or sorted(units))}): merge_and_unload would change both; export "
+                              f"the adapter (adapter_only=True) and merge it with peft")
+        if units:
+            in_unit.setdefault(units.pop(), []).append((qual, layer))
+
+    def merge(unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params}
+        merged = {}
+        for qual, layer in in_unit.get(unit.name, ()):
+            for local, value in _merge_layer(layer, name, qual, values).items():
+                merged[base_name(f"{qual}.{local}")] = value
+        return merged
+
+    renamed = [dict(p, name=n) for p in params if (n := base_name(p["name"])) is not None]
+    kept = [(n, t) for b, t in buffers if (n := base_name(b)) is not None]
+    base = model.get_base_model()
+    to_json = getattr(getattr(base, "config", None), "to_json_string", None)
+    return renamed, kept, merge, json.loads(to_json()) if callable(to_json) else None
+
+
+def _owners(full: str, quals) -> list[str]:
+    """The modules among ``quals`` that hold the parameter ``full``, innermost first."""
+    return sorted((q for q in quals if full.startswith(f"{q}.")), key=len, reverse=True)
+
+
+def _merge_layer(layer, adapter: str, qual: str, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's ``layer.merge`` run on copies of its parameters' ``values`` (by full name): the base
+    layer's parameters after it, by their names in ``layer``. The layer keeps its own parameters,
+    merged adapters and caches."""
+    lent = []
+    for mod_name, mod in layer.named_modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                local = f"{mod_name}.{attr}" if mod_name else attr
+                lent.append((mod, attr, p, local))
+    merged_before, caches = list(layer.merged_adapters), copy.copy(getattr(layer, "_caches", None))
+    try:
+        for mod, attr, p, local in lent:
+            mod._parameters[attr] = nn.Parameter(values[f"{qual}.{local}"].clone(), requires_grad=p.requires_grad)
+        with torch.no_grad():
+            layer.merge(adapter_names=[adapter])
+        base = layer.get_base_layer()
+        prefix = next(n for n, m in layer.named_modules() if m is base)
+        return {(f"{prefix}.{a}" if prefix else a): p.detach() for a, p in base._parameters.items() if p is not None}
+    finally:
+        for mod, attr, p, _ in lent:
+            mod._parameters[attr] = p
+        layer.merged_adapters[:] = merged_before
+        if caches is not None:
+            layer._caches = caches

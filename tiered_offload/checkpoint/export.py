@@ -18,8 +18,10 @@ __all__ = ["export_weights"]
 
 
 def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, placement, buffers: list,
-                   model_config: dict | None, step: int, max_shard_size) -> list:
-    """Write ``params`` (the layout's parameter entries) and the persistent ``buffers`` to ``out``.
+                   model_config: dict | None, step: int, max_shard_size, merge=None) -> list:
+    """Write ``params`` (the layout's parameter entries) and the persistent ``buffers`` to ``out``;
+    ``merge(unit, flat) -> {name: value}``: values that replace those of the unit's parameters
+    (a merged adapter's, :func:`~tiered_offload.checkpoint.adapter.merged_export`).
 
     Every process calls it; the one that :meth:`~Placement.writes_exports` writes and returns the
     files, the others take part in each unit's gather, in the order the export reads them (each
@@ -31,7 +33,7 @@ def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, 
         for key in sequence:
             placement.full_weights(store, by_key[key])
         return []
-    current = {"key": None, "flat": None}
+    current = {"key": None, "flat": None, "merged": {}}
     units_left = iter(sequence)
     with contextlib.ExitStack() as held:
         def fill(p: dict, write) -> None:
@@ -41,8 +43,10 @@ def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, 
                     raise DistributedError(f"export read {p['tensor']} where {key} was expected")
                 held.close()  # the previous unit's weights are no longer needed
                 current.update(key=key, flat=held.enter_context(placement.unit_weights(store, by_key[key])))
+                current["merged"] = merge(by_key[key], current["flat"]) if merge else {}
             n = math.prod(p["shape"])
-            for chunk in iter_chunks(current["flat"][p["offset"]:p["offset"] + n]):
+            value = current["merged"].get(p["name"])
+            for chunk in iter_chunks(current["flat"][p["offset"]:p["offset"] + n] if value is None else value):
                 write(chunk)
         files = export_params(out, params, fill, max_shard_size, {"step": str(step), "source": "tiered-offload"},
                               buffers)

@@ -29,8 +29,6 @@ from offload_core.errors import (
     TensorStateError,
     TieredOffloadError,
 )
-from tiered_offload.checkpoint.adapter import export_adapter
-from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
@@ -472,29 +470,6 @@ class Engine(EngineViews):
         ``commit_every`` > 1 it may be behind :attr:`step_count`: :meth:`commit` commits now)."""
         self._await()
         return self._commits.wait()
-
-    # ---- inspection and export ------------------------------------------------------------------
-    def export_safetensors(self, out: str | os.PathLike, max_shard_size: int | str = "2GB",
-                           adapter_only: bool = False) -> list:
-        """Write the current weights as Hugging Face sharded safetensors in ``out``, streaming.
-
-        ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
-        ``model.safetensors.index.json`` when larger than ``max_shard_size``), parameters under
-        their ``model.named_parameters()`` names (a tied weight once, as ``save_pretrained``
-        does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
-        Sharded over ranks, every rank must call it: rank 0 writes the one model (with its own
-        module buffers), the others send their slices and get ``[]``. A PEFT model's export has its
-        adapter too, as its ``save_pretrained`` writes it (``checkpoint/adapter.py``), and no config;
-        ``adapter_only``: that adapter alone (not the frozen weights)."""
-        self._streamer.unbind_rest()
-        self._await()
-        self._placement.set_phase(f"export_safetensors after step {self.step_count}")
-        buffers = [(name, mod._buffers[attr].detach().cpu()) for name, mod, attr, persistent in self.binding.buffers
-                   if persistent]
-        files = [] if adapter_only else export_weights(
-            out, params=self.layout.describe()["params"], units=self.units, store=self.store, placement=self._placement,
-            buffers=buffers, model_config=self.binding.model_config, step=self.step_count, max_shard_size=max_shard_size)
-        return files + export_adapter(out, self.binding, self.store, self._placement, required=adapter_only)
 
     @property
     def optimizer(self) -> "_OptimizerView":

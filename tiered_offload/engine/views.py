@@ -1,6 +1,6 @@
 """What an :class:`~tiered_offload.engine.facade.Engine` tells about itself: its sizes (the state,
 the minimum budget, the commit window, the ranks), the training state besides tensors, the plan,
-``stats()``, the weights and buffers (copies, read one at a time) and the step timeline.
+``stats()``, the weights and buffers (copies, read one at a time), their export and the step timeline.
 Read-only views over the parts the facade wires (a base class of the engine: the split is by
 concern, the state stays the parts')."""
 
@@ -12,7 +12,9 @@ from typing import Iterator
 
 import torch
 
-from offload_core.errors import TieredOffloadError
+from offload_core.errors import ConfigError, TieredOffloadError
+from tiered_offload.checkpoint.adapter import export_adapter, merged_export
+from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.session import JournalCommits
 from tiered_offload.engine.planner import Plan
 from tiered_offload.engine.schedule import FP32_BYTES
@@ -168,6 +170,38 @@ class EngineViews:
         self._await()
         for name, mod, attr, _ in self.binding.buffers:
             yield name, mod._buffers[attr].detach().to("cpu", copy=True)
+
+    # ---- export ---------------------------------------------------------------------------
+    def export_safetensors(self, out: str | os.PathLike, max_shard_size: int | str = "2GB",
+                           adapter_only: bool = False, merged: bool = False) -> list:
+        """Write the current weights as Hugging Face sharded safetensors in ``out``, streaming.
+
+        ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
+        ``model.safetensors.index.json`` when larger than ``max_shard_size``), parameters under
+        their ``model.named_parameters()`` names (a tied weight once, as ``save_pretrained``
+        does), and ``config.json`` when the model has a Hugging Face config. Returns the files.
+        Sharded over ranks, every rank must call it: rank 0 writes the one model (with its own
+        module buffers), the others send their slices and get ``[]``. A PEFT model's export has its
+        adapter too, as its ``save_pretrained`` writes it (``checkpoint/adapter.py``), and no config;
+        ``adapter_only``: that adapter alone (not the frozen weights); ``merged``: the base model
+        with the adapter merged into its weights and its config, as ``merge_and_unload()`` and
+        ``save_pretrained`` write it (for ``from_pretrained`` without PEFT)."""
+        if merged and adapter_only:
+            raise ConfigError("export_safetensors(adapter_only=True, merged=True): the adapter alone, or the model "
+                              "with it merged; pick one")
+        params, merge, config = self.layout.describe()["params"], None, self.binding.model_config
+        buffers = [(name, mod._buffers[attr].detach().cpu()) for name, mod, attr, persistent in self.binding.buffers
+                   if persistent]
+        if merged:
+            params, buffers, merge, config = merged_export(self.binding, params, buffers)
+        self._streamer.unbind_rest()
+        self._await()
+        self._placement.set_phase(f"export_safetensors after step {self.step_count}")
+        files = [] if adapter_only else export_weights(
+            out, params=params, units=self.units, store=self.store, placement=self._placement, buffers=buffers,
+            model_config=config, step=self.step_count, max_shard_size=max_shard_size, merge=merge)
+        return files + ([] if merged else export_adapter(out, self.binding, self.store, self._placement,
+                                                          required=adapter_only))
 
     # ---- the timeline ---------------------------------------------------------------------
     def _attach_tracer(self, tracer: Tracer | None) -> None:

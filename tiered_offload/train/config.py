@@ -113,6 +113,10 @@ class LoraSection:
     ``all-linear``."""
     modules_to_save: list[str] | None = None
     """Modules trained in full beside the adapter and saved with it (``[lm_head]``)."""
+    merged: bool = False
+    """The exports hold the model with the adapter merged into its weights (PEFT's
+    ``merge_and_unload()``: the base model's names and ``config.json``, for ``from_pretrained``
+    without PEFT) instead of the adapter alone."""
 
 
 @dataclass(kw_only=True)
@@ -185,6 +189,13 @@ class RunConfig:
                                                       and all(isinstance(n, str) and n for n in names))):
                 raise ConfigError(f"{key} must be a module name, a list of them" + (" or null" if none_ok else
                                   " or all-linear") + f", got {value!r}")
+        for key, value in (("data.packing", self.data.packing), ("offload.durable", self.offload.durable),
+                           ("lora.merged", self.lora.merged)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be true or false, got {value!r}")
+        if self.lora.merged and not self.lora.r:
+            raise ConfigError("lora.merged: true merges an adapter into the exports, and lora.r is 0 (no LoRA): set "
+                              "lora.r, or drop lora.merged")
         if not self.offload.durable:
             raise ConfigError("offload.durable: false leaves nothing to resume from; the train command keeps it true")
         return self

@@ -98,8 +98,9 @@ def _sizes(model) -> tuple[int, int]:
     return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
-def _export(engine, model_dir: Path, out: Path, adapter_only: bool = False) -> None:
-    engine.export_safetensors(out, adapter_only=adapter_only)
+def _export(engine, model_dir: Path, out: Path, lora) -> None:
+    """The weights (with LoRA: the adapter alone, or the model with it merged) and the tokenizer."""
+    engine.export_safetensors(out, adapter_only=bool(lora.r) and not lora.merged, merged=bool(lora.r) and lora.merged)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out / name)
@@ -202,7 +203,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
                                 tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
-                _export(engine, model_dir, out / f"step-{step + 1}", adapter_only=bool(cfg.lora.r))
+                _export(engine, model_dir, out / f"step-{step + 1}", cfg.lora)
                 for old in sorted(out.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-cfg.output.keep]:
                     shutil.rmtree(old, ignore_errors=True)
         committed = engine.commit()
@@ -212,7 +213,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
             if eval_data is not None:
                 summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision)
                 metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
-            _export(engine, model_dir, out / "final", adapter_only=bool(cfg.lora.r))
+            _export(engine, model_dir, out / "final", cfg.lora)
             summary["final"] = str(out / "final")
         return summary
     finally:
@@ -249,7 +250,7 @@ def _check_export_space(cfg, out: Path, params: int, trained: int, directories: 
     """Refuse a run whose exports (the ones kept and the final one, fp32; with LoRA the adapter's
     alone) do not fit the output directory's disk, counting the training state too (16 bytes a
     trained parameter, 4 a frozen one) where it shares that disk and is new."""
-    exports = 4 * (trained if cfg.lora.r else params) * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
+    exports = 4 * (trained if cfg.lora.r and not cfg.lora.merged else params) * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
     free = shutil.disk_usage(out).free
     storage = Path(directories.split(",")[0]).expanduser()
     while not storage.exists():
