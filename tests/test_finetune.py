@@ -505,8 +505,21 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
 
 
 def test_a_merged_export_of_what_has_no_adapter_to_merge_is_refused(tmp_path):
-    """``merged=True`` on a model that is not a PEFT model, or with ``adapter_only``, is refused naming the way."""
+    """``merged=True`` on a model that is not a PEFT model, or with ``adapter_only``, is refused
+    naming the way; so are an adapter peft cannot merge (``lora_bias`` on a layer without a bias:
+    peft's ``RuntimeError``) and LoRA on a head tied to the embeddings (the merge would change
+    both), before anything is written."""
     peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, use_cache=False))
+    for i, (lora, match) in enumerate((({"target_modules": ["q_proj"], "lora_bias": True}, r"self_attn\.q_proj: peft cannot merge"),
+                                       ({"target_modules": ["lm_head"]}, r"lm_head, whose parameters are shared.*embed_tokens"))):
+        model = peft.get_peft_model(copy.deepcopy(tied), peft.LoraConfig(r=4, **lora))
+        with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / f"u{i}", host_memory="8MiB") as engine:
+            with pytest.raises(ConfigError, match=match):
+                engine.export_safetensors(tmp_path / "out", merged=True)
     with Engine(make_llama(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB") as engine:
         with pytest.raises(ConfigError, match=r"not a PEFT model.*export_safetensors\(DIR\)"):
             engine.export_safetensors(tmp_path / "out", merged=True)
@@ -726,6 +739,33 @@ def test_the_minimum_budget_named_by_the_error_is_accepted_and_trains(tmp_path):
         Engine(make(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "a", host_memory="64KiB")
     figure = re.search(r"Raise host_memory to at least ([0-9.]+ [KMG]iB)", str(e.value)).group(1)
     check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), tmp_path, host=figure, steps=3, clip=1.0)
+
+
+def test_every_budget_the_engine_accepts_trains_where_its_tensors_are_small(tmp_path):
+    """A LoRA model's adapter is many tensors of a few KiB (each block's gradients, Adam's m and v),
+    each taking a 4 KiB-aligned block of the memory tier. The plan took the state for fitting by
+    its bytes (189 KiB in a 192 KiB budget) and kept every block's graph as plain PyTorch; its
+    aligned tensors needed 228 KiB, and the first forward died with ``TierCapacityError``. Every
+    budget from the minimum up now trains, PyTorch's bitwise: the state is kept whole only where
+    its tensors, as the tier stores them, fit."""
+    make = functools.partial(_peft_llama, None)
+    optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
+    ref = make()
+    start = copy.deepcopy(ref.state_dict())
+    data = batches(2, 1)
+    train(ref, optimizer(ref), data, hf_loss, None)
+    expected = dict(ref.named_parameters())
+    probe = make()
+    with Engine(probe, optimizer(probe), storage=tmp_path / "probe", host_memory="1MiB") as engine:
+        low, state = engine.minimum_budget(), engine.state_bytes()
+    # the minimum, between, and every 12 KiB from under the state's bytes past its aligned tensors' (1.2x here)
+    for i, budget in enumerate(sorted({low, (low + state) // 2, *range(state - 8192, int(1.25 * state), 12 * 1024)})):
+        model = make()
+        model.load_state_dict(start)
+        with Engine(model, optimizer(model), storage=tmp_path / str(i), host_memory=budget) as engine:
+            train_engine(engine, data, hf_loss, None, False)
+            weights = dict(engine.named_parameters())
+        assert all(torch.equal(weights[k], w) for k, w in expected.items()), budget
 
 
 # ---- module buffers ---------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ def merged_export(binding, params: list[dict], buffers: list) -> tuple[list[dict
                               f"the adapter (adapter_only=True) and merge it with peft")
         if units:
             in_unit.setdefault(units.pop(), []).append((qual, layer))
+            _merge_layer(layer, name, qual, {s.name: torch.empty(s.shape, device="meta") for s in held})  # peft's refusals, now
 
     def merge(unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         values = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params}
@@ -160,8 +161,12 @@ def _merge_layer(layer, adapter: str, qual: str, values: dict[str, torch.Tensor]
     try:
         for mod, attr, p, local in lent:
             mod._parameters[attr] = nn.Parameter(values[f"{qual}.{local}"].clone(), requires_grad=p.requires_grad)
-        with torch.no_grad():
-            layer.merge(adapter_names=[adapter])
+        try:
+            with torch.no_grad():
+                layer.merge(adapter_names=[adapter])
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            raise ConfigError(f"a merged export of {qual}: peft cannot merge its adapter ({e}); export the adapter "
+                              f"alone (adapter_only=True)") from None
         base = layer.get_base_layer()
         prefix = next(n for n, m in layer.named_modules() if m is base)
         return {(f"{prefix}.{a}" if prefix else a): p.detach() for a, p in base._parameters.items() if p is not None}

@@ -274,7 +274,7 @@ class Schedule:
         (the state does not fit ``capacity``) and the tier can hold a unit being updated while the
         forward holds the rest and a block. When everything fits, a background update would only
         compete for cores."""
-        if self.state_bytes() <= capacity:
+        if self.fits(capacity):
             return False
         return capacity >= self.overlap_budget(0)
 
@@ -283,7 +283,7 @@ class Schedule:
         it, on the forward's thread): there is disk traffic to save (the state does not fit
         ``capacity``) and the tier holds a unit's update beside what the forward pins then (the
         rest's weights and gradients)."""
-        return self.state_bytes() > capacity >= self.defer_budget()
+        return not self.fits(capacity) and capacity >= self.defer_budget()
 
     def defer_budget(self) -> int:
         """The smallest compute-tier budget at which the step can be deferred to the next forward."""
@@ -358,9 +358,19 @@ class Schedule:
                 link = 2 * max(0, weights + states + largest_grad - device)
         return {"disk_read": read, "disk_written": written, "link": link}
 
+    def resident_bytes(self) -> int:
+        """Compute-tier bytes of the whole training state held at once: each tensor (a unit's
+        weights, gradients, each piece of each state kind) as the tier stores it (aligned). Beyond
+        :meth:`state_bytes` by up to a block of alignment a tensor: much where the tensors are
+        small (a LoRA adapter's gradients and states, a few KiB a block)."""
+        kinds = len(self.state_kinds)
+        return sum(self._bytes(u.numel) + self._bytes(u.grad_numel) + kinds * sum(self._bytes(b - a) for a, b in u.pieces())
+                   for u in self.units)
+
     def fits(self, capacity: int) -> bool:
-        """Whether the whole training state fits ``capacity`` (nothing needs to go to disk)."""
-        return self.state_bytes() <= capacity
+        """Whether the whole training state fits ``capacity`` (nothing needs to go to disk), each
+        tensor as the tier stores it (:meth:`resident_bytes`)."""
+        return self.resident_bytes() <= capacity
 
     def commit_window(self) -> int:
         """Bytes of new weights and optimizer states that may coexist on disk with the committed
