@@ -220,7 +220,7 @@ class PlanMonitor:
         why = (f"the step does not overlap the next forward (it runs {how}): the {tier} budget ({format_size(cap)}) "
                f"cannot hold a unit being updated beside the forward, so reads and compute alternate; ")
         if self.schedule.fits(need):  # that much holds the whole state: nothing left to overlap
-            state = self.schedule.state_bytes()
+            state = self.schedule.resident_bytes()  # (its tensors as the tier stores them)
             return why + f"{tier}_memory >= {format_size(state)} ({state} bytes) holds the whole training state", state
         defer = self.schedule.defer_budget()
         sooner = (f"; {tier}_memory >= {format_size(defer)} ({defer} bytes) defers it to the next forward (one read of "

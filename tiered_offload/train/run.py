@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from offload_core.buffers import PAGE
 from offload_core.errors import ConfigError, DiskFullError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
@@ -330,10 +331,11 @@ def _plan_preview(model, cfg) -> dict:
     binding = ModelBinding(model, cfg.model.blocks, torch.device("cpu"), defaults.stream_modules_numel)
     spec = read_optimizer(torch.optim.AdamW, {"lr": cfg.train.lr}, model.parameters())
     binding.arrange(spec.group_of(), defaults.state_piece_numel)
-    schedule = Schedule(binding.units, tuple(spec.kinds), lambda n: n)
+    schedule = Schedule(binding.units, tuple(spec.kinds), lambda n: -(-n // PAGE) * PAGE)  # as the host tier stores them
     host = StoreConfig(host_budget_bytes=cfg.offload.host_memory, device="cpu").resolved().host_budget_bytes
     state, need = schedule.state_bytes(), schedule.working_set().need
-    beyond = max(0, state - host)
+    resident = schedule.resident_bytes()
+    beyond = 0 if schedule.fits(host // PAGE * PAGE) else resident - host
     # the engine's own floors (its plan shows the same): journal commits when the state exceeds the budget
     floors = schedule.floors(host, 0, update_on_host=True, journal=beyond > 0)
     lines = [f"{len(binding.blocks)} units streamed ({sum(u.in_sequence for u in binding.blocks)} of {binding.seq_name}, "
@@ -342,7 +344,8 @@ def _plan_preview(model, cfg) -> dict:
              + ("" if host >= need else " -- too small: raise offload.host_memory"),
              f"state {format_size(state)} " + ("fits the host budget: commits are snapshots, the disk only "
                                                "receives them" if beyond == 0 else
-                                               f"exceeds it by {format_size(beyond)}: a step reads at least "
+                                               f"exceeds it by {format_size(beyond)} (its tensors as the host tier "
+                                               f"stores them, aligned: {format_size(resident)}): a step reads at least "
                                                f"{format_size(floors['disk_read'])} and writes "
                                                f"{format_size(floors['disk_written'])} (journal commits)"),
              "step time: measured and planned after the second step (engine.plan, logged)"]
