@@ -279,6 +279,39 @@ def test_init_from_reads_a_checkpoint_as_transformers_converts_it(tmp_path, arch
     assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.parametrize("arch", ["gpt-neox", "mixtral", "qwen2-moe"])
+def test_an_export_is_what_save_pretrained_writes(tmp_path, arch):
+    """The other way: ``export_safetensors`` wrote the model's own names and layout (Mixtral's
+    ``mlp.experts.gate_up_proj``, one tensor a layer), which transformers 5 loads but transformers 4
+    and tools that read the checkpoint format (a serving engine's loader, converters) do not: the
+    format ``save_pretrained`` writes is one tensor per expert (``block_sparse_moe.experts.0.w1``).
+    An export is now that format, converted a unit at a time as ``save_pretrained`` converts it:
+    its tensors are ``save_pretrained``'s, bitwise, it loads, and ``init_from`` reads it back."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tiered_offload import Engine
+    cls, config = _saved_models(transformers)[arch]
+    torch.manual_seed(0)
+    model = cls(config)
+    expected = load_file(_saved_by_transformers(tmp_path, model) / "model.safetensors")
+    weights = dict(model.named_parameters())
+    with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20,
+                init_from=tmp_path / "hf") as engine:
+        engine.export_safetensors(tmp_path / "export", max_shard_size="40KB")
+    got = {}
+    for f in sorted((tmp_path / "export").glob("*.safetensors")):
+        got.update(load_file(f))
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))[:6]
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    loaded = dict(cls.from_pretrained(tmp_path / "export").named_parameters())
+    assert all(torch.equal(loaded[k], w) for k, w in weights.items())
+    with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "t", host_memory=1 << 20,
+                init_from=tmp_path / "export") as engine:
+        again = dict(engine.named_parameters())
+    assert all(torch.equal(again[k], w) for k, w in weights.items())
+
+
 def test_init_from_names_the_tensors_it_cannot_convert(tmp_path):
     """A Mixtral checkpoint one expert's tensor short: its layer's experts cannot be stacked.
     Refused, naming the tensors and a way round, before anything is written."""

@@ -199,7 +199,8 @@ class EngineViews:
         self._placement.set_phase(f"export_safetensors after step {self.step_count}")
         files = [] if adapter_only else export_weights(
             out, params=params, units=self.units, store=self.store, placement=self._placement, buffers=buffers,
-            model_config=config, step=self.step_count, max_shard_size=max_shard_size, merge=merge)
+            model_config=config, step=self.step_count, max_shard_size=max_shard_size, merge=merge,
+            model=self.model.get_base_model() if merged else None if self.binding.model_config is None else self.model)
         return files + ([] if merged else export_adapter(out, self.binding, self.store, self._placement,
                                                           required=adapter_only))
 
