@@ -286,11 +286,14 @@ def test_an_export_is_what_save_pretrained_writes(tmp_path, arch):
     and tools that read the checkpoint format (a serving engine's loader, converters) do not: the
     format ``save_pretrained`` writes is one tensor per expert (``block_sparse_moe.experts.0.w1``).
     An export is now that format, converted a unit at a time as ``save_pretrained`` converts it:
-    its tensors are ``save_pretrained``'s, bitwise, it loads, and ``init_from`` reads it back."""
+    its tensors are ``save_pretrained``'s, bitwise, it loads, and ``init_from`` reads it back. So is
+    ``tiered-offload export`` of the storage directory (the model built on the meta device from the
+    ``config.json`` the directory records)."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     from tiered_offload import Engine
+    from tiered_offload.cli import main as cli_main
     cls, config = _saved_models(transformers)[arch]
     torch.manual_seed(0)
     model = cls(config)
@@ -299,11 +302,13 @@ def test_an_export_is_what_save_pretrained_writes(tmp_path, arch):
     with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20,
                 init_from=tmp_path / "hf") as engine:
         engine.export_safetensors(tmp_path / "export", max_shard_size="40KB")
-    got = {}
-    for f in sorted((tmp_path / "export").glob("*.safetensors")):
-        got.update(load_file(f))
-    assert set(got) == set(expected), sorted(set(got) ^ set(expected))[:6]
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "offline"), "--max-shard-size", "40KB"]) == 0
+    for export in ("export", "offline"):
+        got = {}
+        for f in sorted((tmp_path / export).glob("*.safetensors")):
+            got.update(load_file(f))
+        assert set(got) == set(expected), (export, sorted(set(got) ^ set(expected))[:6])
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
     loaded = dict(cls.from_pretrained(tmp_path / "export").named_parameters())
     assert all(torch.equal(loaded[k], w) for k, w in weights.items())
     with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "t", host_memory=1 << 20,

@@ -44,7 +44,7 @@ from tiered_offload.checkpoint.durable import (
     read_committed,
 )
 from tiered_offload.checkpoint.buffer_file import load as load_buffers
-from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, exported_config, write_private
+from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, exported_config, iter_chunks, write_private
 from tiered_offload.progress import counter
 from tiered_offload.store.checksum import describe, hasher_for
 
@@ -288,12 +288,31 @@ class StateDirectory:
                                           f"{size} expected; the export was not written. Run `tiered-offload verify "
                                           f"{self.path}`")
         buf = torch.empty(_CHUNK, dtype=torch.uint8)
-        state = {"unit": None, "crc": 0, "pos": 0}
+        state = {"unit": None, "crc_unit": None, "crc": 0, "pos": 0, "converted": {}}
+        params, convert = _saved_format(self.manifest.get("model_config"), params)
 
         def fill(p: dict, write) -> None:
+            if convert is None:
+                return read_one(p, write)
+            if state["unit"] != p["tensor"]:  # a unit read whole, then converted as save_pretrained converts it
+                unit = sorted((q for q in self.manifest["params"] if q["tensor"] == p["tensor"]), key=lambda q: q["offset"])
+                flat = torch.empty(sum(math.prod(q["shape"]) for q in unit), dtype=torch.float32)
+                raw, at = flat.view(torch.uint8), [0]
+
+                def into(b) -> None:
+                    raw[at[0]:at[0] + len(b)].copy_(torch.frombuffer(b, dtype=torch.uint8))
+                    at[0] += len(b)
+                for q in unit:
+                    read_one(q, into)
+                state.update(unit=p["tensor"], converted=convert(
+                    {q["name"]: flat[q["offset"]:q["offset"] + math.prod(q["shape"])].view(q["shape"]) for q in unit}))
+            for chunk in iter_chunks(state["converted"][p["name"]]):
+                write(chunk)
+
+        def read_one(p: dict, write) -> None:
             extent, expected, size = self.extent_of(p["tensor"])
-            if state["unit"] != p["tensor"]:
-                state.update(unit=p["tensor"], crc=hasher_for(expected, self.checksum), pos=0)
+            if state["crc_unit"] != p["tensor"]:
+                state.update(crc_unit=p["tensor"], crc=hasher_for(expected, self.checksum), pos=0)
             start = p["offset"] * 4
             if start != state["pos"]:
                 raise CheckpointError(f"{self.files.manifest_path}: parameters of {p['tensor']} are not contiguous")
@@ -317,6 +336,23 @@ class StateDirectory:
         files = export_params(out, params, fill, max_shard_size,
                               {"step": str(self.manifest["step"]), "source": "tiered-offload"}, self.buffers())
         return files + _write_config(out, self.manifest.get("model_config"))
+
+
+def _saved_format(config: dict | None, params: list[dict]):
+    """:func:`~tiered_offload.checkpoint.export.saved_format` for the model ``config`` (the
+    directory's record of its ``config.json``) describes, built on the meta device."""
+    if not config or not config.get("architectures"):
+        return params, None
+    try:
+        import transformers
+        cfg = transformers.AutoConfig.for_model(**config)
+        cls = getattr(transformers, config["architectures"][0])
+        with torch.device("meta"):
+            model = cls(cfg)
+    except Exception:  # noqa: BLE001 - no transformers, or a model it does not know: the names as recorded
+        return params, None
+    from tiered_offload.checkpoint.export import saved_format
+    return saved_format(model, params)
 
 
 def _write_config(out, config: dict | None) -> list[Path]:
