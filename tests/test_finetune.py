@@ -319,20 +319,23 @@ def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model
 
 
 @pytest.mark.parametrize("on_meta", [True, False], ids=["empty_init", "on the CPU"])
-@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]], ids=["lora", "lora-and-head"])
-def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta, modules_to_save):
+@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],
+                         ids=["lora", "lora-and-head", "dora"])
+def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta, options):
     """LoRA on a pretrained model too large for memory: the base built under ``empty_init()``,
     wrapped by ``get_peft_model``, its weights read from the pretrained directory with ``init_from``.
     That was refused ("55 parameter(s) missing (base_model.model.model.embed_tokens.weight, ...)"):
     PEFT renames the base's parameters (``base_model.model.`` before, ``.base_layer`` inside a
     wrapped layer, ``modules_to_save`` copies) and adds the adapter's. The base's are now read
     under their names in the file, the adapter's start as PEFT makes them (as the model holds them,
-    built on the CPU), and training is PyTorch's PEFT model's, bitwise."""
+    built on the CPU), and training is PyTorch's PEFT model's, bitwise. DoRA's magnitude, which PEFT
+    computes from the base weights, is computed from the checkpoint's (it was the norm of the
+    weights the model was built with, silently; under ``empty_init`` it was refused)."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     pretrained = tmp_path / "pretrained"
     _llama8().save_pretrained(pretrained)
-    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **options)
 
     def build():
         config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
@@ -347,7 +350,7 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
                               peft.LoraConfig(**lora))
     with torch.no_grad():  # the adapter's random start, the engine's (its base weights are read, not drawn)
         for name, p in ref.named_parameters():
-            if ".lora_" in name:
+            if ".lora_A." in name or ".lora_B." in name:
                 p.copy_(start[name])
     assert list(start) == [n for n, _ in ref.named_parameters()]
     assert all(torch.equal(start[n], p) for n, p in ref.named_parameters()), "not the pretrained weights"
@@ -362,6 +365,20 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
     trained = dict(engine.named_parameters())
     engine.close()
     assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
+
+
+def test_init_from_into_an_adapter_computed_from_the_base_weights_is_refused(tmp_path):
+    """PiSSA and OLoRA compute the adapter, and a residual the base weights are replaced by, from
+    the base weights when ``get_peft_model`` builds the model: from the weights it was built with,
+    not the checkpoint ``init_from`` reads after. Training started from neither, silently; refused
+    naming the way round, before anything is written."""
+    peft = pytest.importorskip("peft")
+    pretrained = tmp_path / "pretrained"
+    _llama8().save_pretrained(pretrained)
+    model = peft.get_peft_model(_llama8(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="olora"))
+    with pytest.raises(ConfigError, match=r"init_lora_weights='olora'.*from_pretrained, then get_peft_model"):
+        Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB", init_from=pretrained)
+    assert not [f for f in (tmp_path / "s").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
 
 
 @pytest.mark.parametrize("targets", [["gate"], "all-linear"], ids=["router", "all-linear"])
@@ -392,8 +409,9 @@ def test_a_peft_model_built_under_empty_init_starts_as_peft_initialises_it(tmp_p
     with the model's ``_init_weights``, so ``lora_B`` was not zero: training started from a model
     other than the base, silently. The adapter now starts as PEFT's ``init_lora_weights`` makes it
     (``lora_B`` zero; ``lora_A`` Kaiming-uniform, or Gaussian of std 1/r; ``False``: ``nn.Linear``'s
-    own). DoRA's magnitude, which PEFT computes from the base weights (not in memory), is refused
-    naming it (PiSSA and OLoRA stop in ``get_peft_model`` itself, on the meta device)."""
+    own). DoRA's magnitude, which PEFT computes from the base weights (was refused: not in memory),
+    is computed from the base weights once they are initialised: their row norms (``lora_B`` is
+    zero). PiSSA and OLoRA stop in ``get_peft_model`` itself, on the meta device."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     config = _llama8().config
@@ -401,12 +419,15 @@ def test_a_peft_model_built_under_empty_init_starts_as_peft_initialises_it(tmp_p
         base = transformers.LlamaForCausalLM(config)
     options = {"use_dora": True} if init == "dora" else {"init_lora_weights": init}
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **options))
-    if init == "dora":
-        with pytest.raises(ConfigError, match=r"use_dora.*base weights.*not in memory"):
-            Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB")
-        return
     with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB") as engine:
         weights = dict(engine.named_parameters())
+    if init == "dora":
+        magnitudes = {k: w for k, w in weights.items() if ".lora_magnitude_vector." in k}
+        assert len(magnitudes) == 16
+        for k, w in magnitudes.items():
+            base = weights[k.split(".lora_magnitude_vector.")[0] + ".base_layer.weight"]
+            assert torch.equal(w, torch.linalg.norm(base, dim=1)), k
+        return
     a = [w for k, w in weights.items() if ".lora_A." in k]
     b = [w for k, w in weights.items() if ".lora_B." in k]
     assert len(a) == len(b) == 16

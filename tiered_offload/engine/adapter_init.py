@@ -1,5 +1,6 @@
 """A PEFT LoRA adapter's initial values, where its model was built under ``empty_init()`` (LoRA on
-a model too large to build in memory): as PEFT's ``init_lora_weights`` makes them.
+a model too large to build in memory) or its base weights are read by ``init_from``: as PEFT's
+``init_lora_weights`` makes them.
 
 The engine initialises an ``empty_init()`` model module by module with the model's own
 initialiser (a Hugging Face model's ``_init_weights``). An adapter's ``lora_A`` and ``lora_B`` are
@@ -7,10 +8,13 @@ initialiser (a Hugging Face model's ``_init_weights``). An adapter's ``lora_A`` 
 started from a model other than the base, silently. PEFT's ``reset_lora_parameters`` ran when
 ``get_peft_model`` built them, on the meta device, where it did nothing; here is what it does:
 ``lora_A`` Kaiming-uniform (``True``) or Gaussian of std ``1/r`` (``"gaussian"``), ``lora_B`` zero;
-``False`` leaves both at ``nn.Linear``'s own initialisation. A method that computes the adapter
-from the base weights (DoRA's magnitude vector; PiSSA and OLoRA, at which ``get_peft_model``
-itself stops on the meta device) cannot: those weights are not in memory. It is refused, naming
-the way round.
+``False`` leaves both at ``nn.Linear``'s own initialisation. DoRA's magnitude vector, which PEFT
+computes from the base weights (their row norms with the adapter's product added), is computed
+once the unit's base weights are read or initialised (:func:`dora_magnitudes`): with ``init_from``
+the model's own base weights, and the magnitude PEFT computed from them, are not the checkpoint's.
+A method that computes the adapter and a residual of the base weights from them (PiSSA, OLoRA,
+CorDA, LoftQ) is refused where the base weights are read or initialised after the model was built
+(``get_peft_model`` itself stops at them on the meta device), naming the way round.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
+import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
 
-__all__ = ["adapter_initialisers", "refuse_reparametrizing_adapters"]
+__all__ = ["adapter_initialisers", "dora_magnitudes", "refuse_inits_from_base_weights", "refuse_reparametrizing_adapters"]
 
 
 def adapter_initialisers(roots: Iterable[nn.Module], peft_config) -> dict[int, Callable[[nn.Module], None]]:
@@ -39,20 +44,64 @@ def adapter_initialisers(roots: Iterable[nn.Module], peft_config) -> dict[int, C
             for name, a in layer.lora_A.items():
                 config = peft_config.get(name)
                 init = getattr(config, "init_lora_weights", True)
-                if getattr(config, "use_dora", False):
-                    raise ConfigError(
-                        f"adapter {name!r} uses DoRA (use_dora=True), whose magnitude vector PEFT computes from the "
-                        f"base weights, which are not in memory under empty_init(). Build the PEFT model on the CPU, "
-                        f"or use plain LoRA")
-                if init is not True and init is not False and init != "gaussian":
-                    raise ConfigError(
-                        f"adapter {name!r}: init_lora_weights={init!r} computes the adapter from the base weights, which "
-                        f"are not in memory under empty_init(). Use init_lora_weights=True or 'gaussian', or build the "
-                        f"PEFT model on the CPU")
+                refuse_inits_from_base_weights({name: config}, "are not in memory under empty_init()")
                 out[id(a)] = _linear_default if init is False else _gaussian(layer.r[name]) if init == "gaussian" \
                     else _kaiming
                 out[id(layer.lora_B[name])] = _linear_default if init is False else _zeros
+            for dora in (getattr(layer, "lora_magnitude_vector", None) or {}).values():
+                out[id(dora)] = _zeros  # for now: dora_magnitudes computes it from the unit's base weights
     return out
+
+
+def refuse_inits_from_base_weights(peft_config, why: str) -> None:
+    """Refuse an adapter of ``peft_config`` (a PEFT model's, by adapter name) whose
+    ``init_lora_weights`` computes it and a residual of the base weights from them (PiSSA, OLoRA...):
+    the base weights the engine trains from ``why`` (are not in memory; are read after the model
+    was built)."""
+    for name, config in (peft_config.items() if isinstance(peft_config, dict) else ()):
+        init = getattr(config, "init_lora_weights", True)
+        if init is not True and init is not False and init != "gaussian":
+            raise ConfigError(
+                f"adapter {name!r}: init_lora_weights={init!r} computes the adapter (and a residual of the base "
+                f"weights) from the base weights, which {why}. Use init_lora_weights=True or 'gaussian', or build the "
+                f"PEFT model on the pretrained model (from_pretrained, then get_peft_model) without init_from")
+
+
+def dora_magnitudes(roots: Iterable[nn.Module], unit, flat: torch.Tensor, names: set[str] | None = None) -> None:
+    """DoRA's magnitude vector of each LoRA layer under ``roots`` whose magnitude is among the
+    unit's parameters (``names``: those of them; None: all), as PEFT computes it when it builds the
+    layer (its ``update_layer``: the row norms of the base weight plus the scaled adapter
+    product), from the values in the unit's weight buffer ``flat``, written there. PEFT's own code
+    runs on copies of those values lent to the layer, which keeps its own parameters."""
+    slots = {id(s.param): s for s in unit.params}
+
+    def value(p: torch.Tensor) -> torch.Tensor:
+        s = slots[id(p)]
+        return flat[s.offset:s.offset + s.numel].view(s.shape)
+    for root in roots:
+        for qual, layer in root.named_modules():
+            for adapter, dora in (getattr(layer, "lora_magnitude_vector", None) or {}).items():
+                magnitude = dora._parameters.get("weight")
+                s = slots.get(id(magnitude))
+                if s is None or (names is not None and s.name not in names):
+                    continue
+                base = layer.get_base_layer()
+                parts = [base.weight, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight] \
+                    if adapter in getattr(layer, "lora_A", {}) else []
+                if not parts or any(id(p) not in slots for p in parts):
+                    raise ConfigError(f"{qual}: DoRA's magnitude of adapter {adapter!r} is computed from the base "
+                                      f"weights and the adapter, which are not all in its unit; build the PEFT model on "
+                                      f"the pretrained model (from_pretrained, then get_peft_model) without init_from")
+                held = base._parameters["weight"]
+                base._parameters["weight"] = nn.Parameter(value(held).clone(), requires_grad=False)
+                try:
+                    with torch.no_grad():
+                        dora.update_layer(base_layer=base, lora_A=value(parts[1]).clone(), lora_B=value(parts[2]).clone(),
+                                          scaling=layer.scaling[adapter])
+                        value(magnitude).copy_(dora.weight)
+                finally:
+                    base._parameters["weight"] = held
+                    dora._parameters["weight"] = magnitude
 
 
 def _linear_default(module: nn.Module) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from tiered_offload.checkpoint.safetensors_io import PretrainedReader
+from tiered_offload.engine.adapter_init import dora_magnitudes, refuse_inits_from_base_weights
 from tiered_offload.engine.binding import ModelBinding
 from tiered_offload.progress import track
 
@@ -20,11 +21,13 @@ def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, i
         reader = PretrainedReader(init_from)
         fresh = _match_file_names(binding, reader)
     init = binding.initialiser() if binding.on_meta and (init_from is None or fresh) else None
+    # DoRA's magnitudes come from base weights the model did not hold when PEFT computed them
+    dora = _uses_dora(binding.model) and (bool(fresh) if reader is not None else binding.on_meta)
     try:
         what = "reading init_from" if reader is not None else "placing the initial weights"
         for unit in track(binding.units, desc=what, unit="unit"):
             placement.register(store, unit, state_kinds,
-                               lambda flat, unit=unit: _fill(binding, unit, flat, reader, init, fresh))
+                               lambda flat, unit=unit: _fill(binding, unit, flat, reader, init, fresh, dora))
     finally:
         if reader is not None:
             reader.close()
@@ -46,6 +49,8 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
     fresh = set()
     if peft:
         in_file = set(names)
+        if any(s.name not in in_file and any(p.startswith(prefix) for p in s.name.split(".")) for s in params):
+            refuse_inits_from_base_weights(binding.model.peft_config, "init_from reads after the model was built")
         for slot in params:
             parts = slot.name.split(".")
             if slot.name in in_file or parts[:2] != ["base_model", "model"]:
@@ -64,9 +69,15 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
     return fresh
 
 
-def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset()) -> None:
+def _uses_dora(model) -> bool:
+    config = getattr(model, "peft_config", None)
+    return isinstance(config, dict) and any(getattr(c, "use_dora", False) for c in config.values())
+
+
+def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset(), dora: bool = False) -> None:
     """The unit's initial weights into ``flat``: read, initialised (a meta model) or copied; with a
-    reader, the parameters in ``fresh`` as the model holds them or, on the meta device, initialised."""
+    reader, the parameters in ``fresh`` as the model holds them or, on the meta device, initialised;
+    ``dora``: then DoRA's magnitudes (those in ``fresh``, with a reader) from the weights in ``flat``."""
     unread = [s for s in unit.params if reader is None or s.name in fresh]
     if reader is not None:
         for slot in unit.params:
@@ -77,6 +88,9 @@ def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset()) ->
     else:
         for slot in unread:
             flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+    if dora:
+        dora_magnitudes([binding.model, *(u.module for u in binding.blocks)], unit, flat,
+                        set(fresh) if reader is not None else None)
 
 
 def transformers_names(model, names: list[str]) -> tuple[dict[str, str], dict[str, list[list[str]]], list[str]]:
