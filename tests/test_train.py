@@ -214,6 +214,27 @@ def test_lora_trains_an_adapter_on_the_frozen_model_and_exports_it_for_peft(tmp_
     assert summary["step"] == 18
 
 
+def test_dora_trains_its_magnitude_from_the_pretrained_weights(tmp_path, model_dir, data):
+    """``lora: {r: 8, dora: true}``: PEFT's DoRA, whose magnitude starts as the row norms of the
+    pretrained weights (read from the model's directory, not the ones the model was built with);
+    the export is the adapter with its magnitudes, which ``PeftModel.from_pretrained`` loads."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    settings = dict(train__lr=1e-3, train__warmup_steps=0, output__export_every=0, lora__r=8, lora__dora=True)
+    summary = train(write_config(tmp_path, model_dir, data, train__max_steps=3, **settings), progress=False)
+    adapter = load_file(Path(summary["final"]) / "adapter_model.safetensors")
+    magnitudes = {k: v for k, v in adapter.items() if "lora_magnitude_vector" in k}
+    assert magnitudes
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    tuned = dict(peft.PeftModel.from_pretrained(base, Path(summary["final"])).named_parameters())
+    assert all(torch.equal(tuned[f"{k}.default.weight"], v) for k, v in magnitudes.items())
+    pretrained = dict(transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+                      .named_parameters())
+    for k, v in magnitudes.items():  # the pretrained weights' norms, 3 steps of at most 1e-3 each from them
+        weight = pretrained[k.replace("base_model.model.", "").replace(".lora_magnitude_vector", ".weight")]
+        assert (v - torch.linalg.norm(weight, dim=1)).abs().max() <= 3.1e-3, k
+
+
 def test_lora_merged_exports_the_model_with_the_adapter_merged(tmp_path, model_dir, data):
     """``lora: {r: 8, merged: true}``: the exports hold the model with the adapter merged into its
     weights, under the base model's names with its ``config.json`` and tokenizer, for

@@ -113,6 +113,9 @@ class LoraSection:
     ``all-linear``."""
     modules_to_save: list[str] | None = None
     """Modules trained in full beside the adapter and saved with it (``[lm_head]``)."""
+    dora: bool = False
+    """DoRA (PEFT's ``use_dora``): a magnitude per output row beside the adapter, started from the
+    pretrained weights' norms."""
     merged: bool = False
     """The exports hold the model with the adapter merged into its weights (PEFT's
     ``merge_and_unload()``: the base model's names and ``config.json``, for ``from_pretrained``
@@ -190,7 +193,7 @@ class RunConfig:
                 raise ConfigError(f"{key} must be a module name, a list of them" + (" or null" if none_ok else
                                   " or all-linear") + f", got {value!r}")
         for key, value in (("data.packing", self.data.packing), ("offload.durable", self.offload.durable),
-                           ("lora.merged", self.lora.merged)):
+                           ("lora.merged", self.lora.merged), ("lora.dora", self.lora.dora)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
         if self.lora.merged and not self.lora.r:

@@ -88,7 +88,7 @@ def _build_model(cfg, hf_config, model_dir: Path):
     try:
         return peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                           target_modules=lora.targets, task_type="CAUSAL_LM",
-                                                          modules_to_save=lora.modules_to_save))
+                                                          modules_to_save=lora.modules_to_save, use_dora=lora.dora))
     except ValueError as e:  # (PEFT's NoMatchingPeftModuleError is one)
         raise ConfigError(f"lora.targets {lora.targets!r} matches no module of the model ({e}); its linear layers: "
                           f"{', '.join(linear)}, or all-linear") from None
