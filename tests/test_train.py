@@ -258,6 +258,25 @@ def test_lora_merged_exports_the_model_with_the_adapter_merged(tmp_path, model_d
     assert all(torch.equal(p, got[k]) for k, p in loaded.state_dict().items() if k in got)
 
 
+def test_a_changed_lora_layout_on_resume_is_refused_naming_the_setting(tmp_path, model_dir, data):
+    """What trains (``lora.r``, ``lora.targets``, ``lora.dora``, ``lora.modules_to_save``, LoRA on or
+    off) is the state's layout: a run continued with another was refused with the engine's
+    "manifest.json was written for another model or optimizer: its units differ (...)". It names the
+    setting, the value the run was trained with, and the ways on. ``lora.merged`` (exports only)
+    continues."""
+    pytest.importorskip("peft")
+    settings = dict(train__lr=1e-3, output__export_every=0, lora__r=4)
+    train(write_config(tmp_path, model_dir, data, train__max_steps=1, **settings), progress=False)
+    for change, match in (({"lora__r": 8}, r"lora\.r is 8, and .* was trained with 4"),
+                          ({"lora__dora": True}, r"lora\.dora is True, and .* was trained with False"),
+                          ({"lora__targets": ["q_proj"]}, r"lora\.targets is \['q_proj'\], and .* with 'all-linear'"),
+                          ({"lora__r": 0}, r"lora\.r is 0, and .* was trained with 4")):
+        with pytest.raises(ConfigError, match=match + r".*set it back, or train into another offload\.storage"):
+            train(write_config(tmp_path, model_dir, data, train__max_steps=2, **{**settings, **change}), progress=False)
+    assert train(write_config(tmp_path, model_dir, data, train__max_steps=2, lora__merged=True, **settings),
+                 progress=False)["step"] == 2
+
+
 @pytest.mark.parametrize("setting, match", [
     ({"lora__targets": ["nope"]}, r"lora\.targets \['nope'\] matches no module of the model.*q_proj"),
     ({"lora__modules_to_save": ["nope"]}, r"lora\.modules_to_save 'nope' matches no module of the model"),

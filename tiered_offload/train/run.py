@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from offload_core.buffers import PAGE
-from offload_core.errors import ConfigError, DiskFullError
+from offload_core.errors import CheckpointError, ConfigError, DiskFullError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.store.tiers import Tier
@@ -148,10 +148,15 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     no_decay = [p for p in trained if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=t.lr)
-    engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
-                    device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
-                    commit_every=cfg.offload.commit_every, resume=resuming,
-                    init_from=None if resuming else model_dir)
+    try:
+        engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
+                        device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
+                        commit_every=cfg.offload.commit_every, resume=resuming,
+                        init_from=None if resuming else model_dir)
+    except CheckpointError:
+        if resuming:
+            _refuse_another_layout(cfg, directories, location)
+        raise
     stop = {"signal": None}
     previous = {s: signal.signal(s, lambda n, _f: stop.update(signal=n)) for s in (signal.SIGINT, signal.SIGTERM)}
     metrics = open(out / "metrics.jsonl", "a")
@@ -226,21 +231,46 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
             signal.signal(s, handler)
 
 
+_LAYOUT = ("r", "targets", "dora", "modules_to_save")
+
+
+def _layout_settings(cfg) -> dict:
+    """The settings that decide which parameters train: the training state's layout."""
+    return {f"lora.{key}": getattr(cfg.lora, key) for key in _LAYOUT}
+
+
+def _refuse_another_layout(cfg, directories: str, location: str) -> None:
+    """Where the engine refused to resume ``location``'s state for another layout, name the layout
+    setting this command changed (from the settings the run saved; none saved: nothing to say)."""
+    try:
+        saved = StateFiles(state_directory(directories)).read_manifest()["meta"]["user_state"]["settings"]
+    except (TieredOffloadError, KeyError, TypeError):  # (another error, which the engine's says)
+        return
+    differ = [(k, v, saved[k]) for k, v in _layout_settings(cfg).items() if k in saved and saved[k] != v]
+    if differ:
+        raise ConfigError(", ".join(f"{k} is {v!r}, and {location} was trained with {was!r}" for k, v, was in differ)
+                          + ": which parameters train is the training state's layout; set it back, or train into "
+                            "another offload.storage (a new run from the model)") from None
+
+
 def _batch_settings(cfg, sequences: int) -> dict:
     """What decides a run's batches and its step besides the optimizer's hyperparameters (saved with
-    the state), saved in its user state so that a resume can tell a changed one."""
+    the state), saved in its user state so that a resume can tell a changed one; and its layout
+    (:func:`_layout_settings`), so that a resume that changed it is told which."""
     d, t = cfg.data, cfg.train
     return {"data.path": str(d.path), "data.format": d.format, "data.field": d.field, "data.max_seq_len": d.max_seq_len,
             "data.packing": d.packing, "data.eval_fraction": d.eval_fraction, "data: sequences": sequences,
             "train.seed": t.seed, "train.micro_batch": t.micro_batch, "train.schedule": t.schedule,
             "train.warmup_steps": t.warmup_steps, "train.clip": t.clip, "train.precision": t.precision,
-            **({"lora.alpha": cfg.lora.alpha, "lora.dropout": cfg.lora.dropout} if cfg.lora.r else {})}
+            **({"lora.alpha": cfg.lora.alpha, "lora.dropout": cfg.lora.dropout} if cfg.lora.r else {}),
+            **_layout_settings(cfg)}
 
 
 def _say_other_settings(saved: dict | None, now: dict, location: str, start: int) -> None:
     """Log the settings of this command that differ from those ``location`` was trained with (none
     saved: a run from before they were): they apply from the resumed step on."""
-    differ = [f"{k} {saved[k]} (now {v})" for k, v in now.items() if saved and k in saved and saved[k] != v]
+    differ = [f"{k} {saved[k]} (now {v})" for k, v in now.items()  # (another layout does not resume)
+              if saved and k in saved and saved[k] != v and k.removeprefix("lora.") not in _LAYOUT]
     if differ:
         log.warning("tiered-offload: %s was trained with other settings: %s. They apply from step %d on: the batches "
                     "and steps from here are not those of the run the first settings make (the same settings as "
