@@ -254,10 +254,14 @@ def _saved_models(transformers):
         "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(**moe, num_local_experts=4)),
         "qwen2-moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
             **moe, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32)),
+        "marian": (transformers.MarianMTModel, transformers.MarianConfig(  # sinusoidal positions, not saved
+            vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+            decoder_start_token_id=0, pad_token_id=0, use_cache=False)),
     }
 
 
-@pytest.mark.parametrize("arch", ["gpt-neox", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("arch", ["gpt-neox", "mixtral", "qwen2-moe", "marian"])
 def test_init_from_reads_a_checkpoint_as_transformers_converts_it(tmp_path, arch):
     """What ``save_pretrained`` writes is not always the model's names and layout in transformers
     5: GPT-NeoX's head is ``lm_head`` in the model and ``embed_out`` in the file; an MoE's experts
@@ -265,7 +269,8 @@ def test_init_from_reads_a_checkpoint_as_transformers_converts_it(tmp_path, arch
     ``gate_proj`` and ``up_proj``) and one per expert in the file. ``init_from`` (and
     ``tiered-offload train``) refused such a directory ("parameter(s) missing"); it now renames and
     stacks as ``from_pretrained`` does, reading each expert's tensor into its place: the weights
-    ``from_pretrained`` gives, bitwise."""
+    ``from_pretrained`` gives, bitwise. Marian's sinusoidal positions are not saved
+    (``_keys_to_ignore_on_save``): they were "2 parameter(s) missing"; they are the model's own."""
     transformers = pytest.importorskip("transformers")
     from tiered_offload import Engine
     cls, config = _saved_models(transformers)[arch]
@@ -279,7 +284,7 @@ def test_init_from_reads_a_checkpoint_as_transformers_converts_it(tmp_path, arch
     assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-@pytest.mark.parametrize("arch", ["gpt-neox", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("arch", ["gpt-neox", "mixtral", "qwen2-moe", "marian"])
 def test_an_export_is_what_save_pretrained_writes(tmp_path, arch):
     """The other way: ``export_safetensors`` wrote the model's own names and layout (Mixtral's
     ``mlp.experts.gate_up_proj``, one tensor a layer), which transformers 5 loads but transformers 4
@@ -288,7 +293,8 @@ def test_an_export_is_what_save_pretrained_writes(tmp_path, arch):
     An export is now that format, converted a unit at a time as ``save_pretrained`` converts it:
     its tensors are ``save_pretrained``'s, bitwise, it loads, and ``init_from`` reads it back. So is
     ``tiered-offload export`` of the storage directory (the model built on the meta device from the
-    ``config.json`` the directory records)."""
+    ``config.json`` the directory records). What ``save_pretrained`` does not save (Marian's
+    sinusoidal positions) is not exported either."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 

@@ -15,6 +15,12 @@ long check, for a new PyTorch or transformers version:
     python tools/conformance_sweep.py                         # every architecture, every mode
     python tools/conformance_sweep.py --only deberta-v2,t5 --modes recompute
 
+With ``--export``, each architecture's export instead: ``engine.export_safetensors`` of the model's
+weights against ``save_pretrained`` of the same model (every tensor, its name and bits), then
+``from_pretrained`` of the export (every parameter back):
+
+    python tools/conformance_sweep.py --export
+
 Prints a line per run and a summary; exits 1 if any run was neither bitwise nor the refusal expected.
 """
 
@@ -251,11 +257,43 @@ def cases() -> dict:
     return full
 
 
+def _export_differs(make, optimizer, d: Path, cls) -> str:
+    """How the engine's export of ``make()``'s weights differs from ``save_pretrained``'s ("": not),
+    and whether ``from_pretrained`` reads it back."""
+    from safetensors.torch import load_file
+
+    from tiered_offload import Engine
+
+    def tensors(directory: Path) -> dict:
+        out = {}
+        for f in sorted(directory.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+    model = make()
+    model.save_pretrained(d / "hf")
+    weights = {k: p.detach().clone() for k, p in model.named_parameters()}
+    state = 16 * sum(p.numel() for p in model.parameters())
+    model = make()
+    with Engine(model, optimizer(model), storage=d / "s", host_memory=int(0.4 * state)) as engine:
+        engine.export_safetensors(d / "ours")
+    expected, got = tensors(d / "hf"), tensors(d / "ours")
+    if set(got) != set(expected):
+        return (f"names: only the export's {sorted(set(got) - set(expected))[:3]}, only save_pretrained's "
+                f"{sorted(set(expected) - set(got))[:3]}")
+    differ = [k for k in expected if not torch.equal(got[k], expected[k])]
+    if differ:
+        return f"values differ: {differ[:3]}"
+    loaded = dict(cls.from_pretrained(d / "ours").named_parameters())
+    back = [k for k, w in weights.items() if k not in loaded or not torch.equal(loaded[k], w)]
+    return f"from_pretrained gives other values: {back[:3]}" if back else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated architectures (default: all)")
     ap.add_argument("--modes", default="recompute,keep,offload", help="comma-separated activation modes")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--export", action="store_true", help="each architecture's export against save_pretrained's")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers as T
@@ -279,6 +317,17 @@ def main(argv=None) -> int:
 
         def optimizer(model):
             return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        if args.export:
+            with tempfile.TemporaryDirectory(prefix=".sweep-", dir=ROOT, ignore_cleanup_errors=True) as d:
+                try:
+                    why = _export_differs(make, optimizer, Path(d), getattr(T, model_cls))
+                    result = "FAILED" if why or refusal is not None else "bitwise"
+                except TieredOffloadError as e:
+                    result = "refused as expected" if type(e).__name__ == refusal else "FAILED"
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            tally[result] += 1
+            print(f"{name:16s} export    {result}{'  ' + why if why else ''}", flush=True)
+            continue
         for mode in args.modes.split(","):
             for fused in (False, True):
                 how = "forward_backward" if fused else "loop"

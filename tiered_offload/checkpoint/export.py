@@ -37,15 +37,15 @@ def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, 
     unit once, in the order of its first parameter), and get ``[]``.
     """
     by_key = {u.weight_key: u for u in units}
+    unit_params = {}
+    for p in params:
+        unit_params.setdefault(p["tensor"], []).append(p)
+    params, convert = saved_format(model, params) if model is not None else (params, None)
     sequence = list(dict.fromkeys(p["tensor"] for p in params))
     if not placement.writes_exports():
         for key in sequence:
             placement.full_weights(store, by_key[key])
         return []
-    unit_params = {}
-    for p in params:
-        unit_params.setdefault(p["tensor"], []).append(p)
-    params, convert = saved_format(model, params) if model is not None else (params, None)
     current = {"key": None, "flat": None, "merged": {}}
     units_left = iter(sequence)
     with contextlib.ExitStack() as held:
@@ -80,6 +80,7 @@ def saved_format(model, params: list[dict]) -> tuple[list[dict], Callable[[dict]
     """``params`` (the layout's entries, named as ``model``'s parameters) as ``model.save_pretrained``
     names and lays them out, and ``convert({name: tensor}) -> {saved name: tensor}`` for one unit's
     tensors; ``(params, None)`` where it converts nothing (most models, another transformers).
+    Those it does not save (``_keys_to_ignore_on_save``: Marian's sinusoidal positions) are left out.
 
     transformers 5 keeps some models' tensors otherwise in memory than in their checkpoints (an
     MoE's experts stacked in one tensor a layer, ``gate_up_proj``; GPT-NeoX's head as
@@ -87,6 +88,8 @@ def saved_format(model, params: list[dict]) -> tuple[list[dict], Callable[[dict]
     tensors are reverted apart, as ``save_pretrained`` reverts an offloaded model's shard by shard
     (a conversion spans one layer's tensors). Where the units apart do not give what the whole model
     gives, the export keeps the model's own names (a warning says so)."""
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    params = [p for p in params if p["name"] not in ignored]
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:

@@ -39,8 +39,10 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
     ``from_pretrained`` converts the file: :func:`transformers_names`), and check that it holds them
     all. A PEFT model may read its base's checkpoint: ``base_model.model.`` and ``.base_layer`` (a wrapped
     layer), ``modules_to_save.NAME`` / ``original_module`` (a copy to train) are not in the file's
-    names, and the adapter's parameters not in it start as PEFT makes them. Returns those (none
-    where the file has them: a PEFT model's own export read back)."""
+    names, and the adapter's parameters not in it start as PEFT makes them. So do the parameters
+    ``save_pretrained`` does not save (``_keys_to_ignore_on_save``: Marian's sinusoidal positions)
+    where the file lacks them: as the model holds them, or initialised. Returns those (none where
+    the file has them: a PEFT model's own export read back)."""
     names, params = reader.names(), [s for _, s in binding.param_order]
     tuner = getattr(getattr(binding.model, "base_model", None), "model", None)
     prefix = getattr(getattr(binding.model, "base_model", None), "prefix", None)
@@ -63,6 +65,9 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
                 merged[slot.name] = merged[base]
             else:
                 aliases[slot.name] = aliases.get(base, base)
+    unsaved, in_file = set(getattr(tuner if peft else binding.model, "_keys_to_ignore_on_save", None) or ()), set(names)
+    fresh |= {s.name for s in params if s.name.removeprefix("base_model.model." if peft else "") in unsaved
+              and s.name not in aliases and s.name not in merged and s.name not in in_file}
     reader.alias(aliases)
     reader.merge(merged)
     reader.check_covers([(s.name, s.shape) for s in params if s.name not in fresh], converted)
