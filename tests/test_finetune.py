@@ -551,6 +551,41 @@ def test_a_merged_export_of_what_has_no_adapter_to_merge_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_an_export_in_a_lower_precision_is_save_pretrained_of_the_model_cast(tmp_path, dtype):
+    """The state trains in fp32; what is served is mostly bf16 (half the files). An export took fp32
+    only: a user converted after, reading every tensor again. ``export_safetensors(DIR, dtype=...)``
+    (and ``tiered-offload export --dtype``) writes what ``model.to(dtype).save_pretrained(DIR)``
+    writes of the same model trained in memory: every tensor cast as PyTorch casts it, bitwise, and
+    the config's dtype."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tiered_offload.cli import main as cli_main
+    out = tmp_path / "export"
+
+    def export(engine):
+        with pytest.raises(ConfigError, match=r"dtype torch\.int8.*bfloat16, float16 or float32"):
+            engine.export_safetensors(tmp_path / "bad", dtype=torch.int8)
+        engine.export_safetensors(out, dtype=dtype)
+    _, ref, _, _ = check_parity(make_llama, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path,
+                                loss_fn=hf_loss, inspect=export)
+    ref.to(dtype).save_pretrained(tmp_path / "reference")
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    assert cli_main(["export", str(tmp_path / "state"), str(tmp_path / "offline"), "--dtype", name]) == 0
+    expected = load_file(tmp_path / "reference" / "model.safetensors")
+    config = json.loads((tmp_path / "reference" / "config.json").read_text())
+    for export in (out, tmp_path / "offline"):
+        got = load_file(export / "model.safetensors")
+        assert set(got) == set(expected), export
+        assert all(got[k].dtype == dtype and torch.equal(got[k], expected[k]) for k in expected), export
+        assert json.loads((export / "config.json").read_text())["dtype"] == config["dtype"] == str(dtype)[6:]
+    with pytest.raises(SystemExit):  # argparse's choices
+        cli_main(["export", str(tmp_path / "state"), str(tmp_path / "bad"), "--dtype", "int8"])
+    assert not (tmp_path / "bad").exists()
+
+
 def test_frozen_embeddings_and_block_are_never_modified_and_cost_4_bytes(tmp_path):
     weights, ref, start, state = check_parity(
         lambda: make_gpt2(frozen=True), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),

@@ -214,6 +214,25 @@ def test_lora_trains_an_adapter_on_the_frozen_model_and_exports_it_for_peft(tmp_
     assert summary["step"] == 18
 
 
+def test_output_dtype_exports_the_trained_weights_cast(tmp_path, model_dir, data):
+    """``output.dtype: bf16``: the exports hold the fp32 state's weights cast to bf16 (half the
+    files; what is served), the config says so, and ``from_pretrained`` loads them. The same command
+    again with ``fp32`` writes the final export again: the bf16 one is it, cast."""
+    config = json.loads
+    bf16 = Path(train(write_config(tmp_path, model_dir, data, train__max_steps=2, output__dtype="bf16"),
+                      progress=False)["final"])
+    low = exported(bf16)
+    assert all(t.dtype == torch.bfloat16 for t in low.values())
+    assert config((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(bf16, local_files_only=True)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    full = exported(Path(train(write_config(tmp_path, model_dir, data, train__max_steps=2, output__dtype="fp32"),
+                               progress=False)["final"]))
+    assert list(full) == list(low) and all(torch.equal(full[k].to(torch.bfloat16), low[k]) for k in low)
+    with pytest.raises(ConfigError, match=r"output\.dtype must be one of fp32, bf16, fp16, got 'int8'"):
+        train(write_config(tmp_path, model_dir, data, train__max_steps=2, output__dtype="int8"), progress=False)
+
+
 def test_dora_trains_its_magnitude_from_the_pretrained_weights(tmp_path, model_dir, data):
     """``lora: {r: 8, dora: true}``: PEFT's DoRA, whose magnitude starts as the row norms of the
     pretrained weights (read from the model's directory, not the ones the model was built with);

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="another directory of a state striped over several (in order; repeat)")
     e.add_argument("out")
     e.add_argument("--max-shard-size", default="2GB", help="largest shard (default 2GB)")
+    e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="the weights' dtype in the files (default fp32, as trained; bf16 halves them)")
     return parser
 
 
@@ -124,7 +126,7 @@ def _state_command(args) -> int:
     with open_state(args.directory, stripes=args.stripe, live=args.command == "inspect") as sd, \
             progress.shown(not getattr(args, "json", False)):
         if args.command == "export":
-            files = sd.export(args.out, args.max_shard_size)
+            files = sd.export(args.out, args.max_shard_size, args.dtype)
             for f in files:
                 print(f)
             return 0

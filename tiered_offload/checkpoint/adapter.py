@@ -43,10 +43,11 @@ def peft_adapter_name(model) -> str | None:
     return name if isinstance(config, dict) and isinstance(name, str) and name in config else None
 
 
-def export_adapter(out: str | os.PathLike, binding, store, placement, required: bool = False) -> list[Path]:
+def export_adapter(out: str | os.PathLike, binding, store, placement, required: bool = False,
+                   dtype: torch.dtype = torch.float32) -> list[Path]:
     """Write the adapter of ``binding.model`` into ``out`` if it is a PEFT model (else nothing; or,
     ``required``, a :class:`ConfigError`): its trainable parameters read from ``store``, keyed and
-    filtered by peft. Sharded, every rank reads; the one that writes exports returns the files."""
+    filtered by peft, in ``dtype``. Sharded, every rank reads; the one that writes exports returns the files."""
     model = binding.model
     name = peft_adapter_name(model)
     if name is None:
@@ -67,8 +68,8 @@ def export_adapter(out: str | os.PathLike, binding, store, placement, required: 
                     "their modules in the config's modules_to_save", ADAPTER_FILE, name, len(left), left[:3])
     if not placement.writes_exports():
         return []
-    values = list(adapter.values())
-    files = SafetensorsWriter(out, [(k, t.dtype, tuple(t.shape)) for k, t in adapter.items()], max_shard_size=1 << 62,
+    values = [t.to(dtype) if t.is_floating_point() else t for t in adapter.values()]
+    files = SafetensorsWriter(out, [(k, t.dtype, tuple(t.shape)) for k, t in zip(adapter, values)], max_shard_size=1 << 62,
                               single_name=ADAPTER_FILE).write(lambda i, write: [write(c) for c in iter_chunks(values[i])])
     config = copy.deepcopy(model.peft_config[name])  # as PeftModel.save_pretrained writes it
     config.inference_mode = True

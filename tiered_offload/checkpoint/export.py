@@ -26,11 +26,13 @@ log = logging.getLogger(__name__)
 
 
 def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, placement, buffers: list,
-                   model_config: dict | None, step: int, max_shard_size, merge=None, model=None) -> list:
+                   model_config: dict | None, step: int, max_shard_size, merge=None, model=None,
+                   dtype: torch.dtype = torch.float32) -> list:
     """Write ``params`` (the layout's parameter entries) and the persistent ``buffers`` to ``out``;
     ``merge(unit, flat) -> {name: value}``: values that replace those of the unit's parameters
     (a merged adapter's, :func:`~tiered_offload.checkpoint.adapter.merged_export`); ``model``:
-    the Hugging Face model whose ``save_pretrained`` format they are written in (:func:`saved_format`).
+    the Hugging Face model whose ``save_pretrained`` format they are written in (:func:`saved_format`);
+    ``dtype``: the weights' (and floating buffers') in the files, cast as ``model.to(dtype)`` casts.
 
     Every process calls it; the one that :meth:`~Placement.writes_exports` writes and returns the
     files, the others take part in each unit's gather, in the order the export reads them (each
@@ -61,13 +63,13 @@ def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, 
                     current["merged"] = convert({q["name"]: current["merged"].get(q["name"], _view(current["flat"], q))
                                                  for q in unit_params[key]})
             value = current["merged"][p["name"]] if convert is not None else current["merged"].get(p["name"])
-            for chunk in iter_chunks(_view(current["flat"], p) if value is None else value):
+            for chunk in iter_chunks((_view(current["flat"], p) if value is None else value).to(dtype)):
                 write(chunk)
         files = export_params(out, params, fill, max_shard_size, {"step": str(step), "source": "tiered-offload"},
-                              buffers)
+                              buffers, dtype)
     if model_config is not None:
         path = Path(out) / "config.json"
-        write_private(path, json.dumps(exported_config(model_config), indent=2, sort_keys=True))
+        write_private(path, json.dumps(exported_config(model_config, dtype), indent=2, sort_keys=True))
         files.append(path)
     return files
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from offload_core.errors import CheckpointError, CorruptionError, DiskFullError
+from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError
 from tiered_offload.checkpoint.durable import fsync_directory
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from offload_core.sizes import parse_size
@@ -359,15 +359,45 @@ class SafetensorsWriter:
         return finals
 
 
-def exported_config(config: dict) -> dict:
-    """A model's Hugging Face ``config.json`` as an export writes it: the weights are fp32, so its
-    dtype says so (a bf16 source's ``"torch_dtype": "bfloat16"`` would make ``from_pretrained``
-    load the fp32 weights as bf16 without a word)."""
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                 "fp32": torch.float32, "float32": torch.float32}
+
+
+def export_dtype(dtype) -> torch.dtype:
+    """The dtype an export writes its weights in: ``torch.bfloat16`` / ``float16`` / ``float32`` or
+    their names (``"bf16"``, ``"bfloat16"``...); anything else is a :class:`ConfigError`."""
+    found = EXPORT_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if found not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ConfigError(f"dtype {dtype}: an export's weights are bfloat16, float16 or float32 (the state trains in "
+                          f"float32; torch.bfloat16 halves the files)")
+    return found
+
+
+def exported_config(config: dict, dtype: torch.dtype = torch.float32) -> dict:
+    """A model's Hugging Face ``config.json`` as an export writes it: its dtype is the export's
+    (fp32 unless asked: a bf16 source's ``"torch_dtype": "bfloat16"`` would make
+    ``from_pretrained`` load fp32 weights as bf16 without a word)."""
     out = dict(config)
+    name = str(dtype).removeprefix("torch.")
     for key in ("torch_dtype", "dtype"):
-        if key in out:
-            out[key] = "float32"
+        if key in out or (key == "dtype" and dtype != torch.float32):
+            out[key] = name
     return out
+
+
+def cast_bytes(write: Callable, dtype: torch.dtype) -> Callable:
+    """``write`` taking float32 bytes, written as ``dtype`` (each value cast as PyTorch casts it)."""
+    if dtype == torch.float32:
+        return write
+
+    def cast(b) -> None:
+        write(tensor_bytes(byte_tensor(b).view(torch.float32).to(dtype)))
+    return cast
+
+
+def byte_tensor(b) -> torch.Tensor:
+    """The bytes ``b`` (a writable buffer: without a copy) as a uint8 tensor."""
+    return torch.frombuffer(b if isinstance(b, memoryview) and not b.readonly else bytearray(b), dtype=torch.uint8)
 
 
 def write_private(path: Path, text: str, *, sync: bool = False) -> None:

@@ -44,7 +44,8 @@ from tiered_offload.checkpoint.durable import (
     read_committed,
 )
 from tiered_offload.checkpoint.buffer_file import load as load_buffers
-from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, exported_config, iter_chunks, write_private
+from tiered_offload.checkpoint.safetensors_io import (SafetensorsWriter, byte_tensor, cast_bytes, export_dtype,
+                                                      exported_config, iter_chunks, write_private)
 from tiered_offload.progress import counter
 from tiered_offload.store.checksum import describe, hasher_for
 
@@ -257,12 +258,14 @@ class StateDirectory:
                       for u in m["units"]],
         }
 
-    def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
-        """Write the committed weights as Hugging Face sharded safetensors (plus config.json if recorded)."""
+    def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
+        """Write the committed weights as Hugging Face sharded safetensors (plus config.json if
+        recorded), in ``save_pretrained``'s format and ``dtype``."""
+        dtype = export_dtype(dtype)
         with self._reading("exported"):
-            return self._export(out, max_shard_size)
+            return self._export(out, max_shard_size, dtype)
 
-    def _export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
+    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
         sharding = self.manifest.get("sharding")
         if sharding:
             raise CheckpointError(
@@ -288,26 +291,7 @@ class StateDirectory:
                                           f"{size} expected; the export was not written. Run `tiered-offload verify "
                                           f"{self.path}`")
         buf = torch.empty(_CHUNK, dtype=torch.uint8)
-        state = {"unit": None, "crc_unit": None, "crc": 0, "pos": 0, "converted": {}}
-        params, convert = _saved_format(self.manifest.get("model_config"), params)
-
-        def fill(p: dict, write) -> None:
-            if convert is None:
-                return read_one(p, write)
-            if state["unit"] != p["tensor"]:  # a unit read whole, then converted as save_pretrained converts it
-                unit = sorted((q for q in self.manifest["params"] if q["tensor"] == p["tensor"]), key=lambda q: q["offset"])
-                flat = torch.empty(sum(math.prod(q["shape"]) for q in unit), dtype=torch.float32)
-                raw, at = flat.view(torch.uint8), [0]
-
-                def into(b) -> None:
-                    raw[at[0]:at[0] + len(b)].copy_(torch.frombuffer(b, dtype=torch.uint8))
-                    at[0] += len(b)
-                for q in unit:
-                    read_one(q, into)
-                state.update(unit=p["tensor"], converted=convert(
-                    {q["name"]: flat[q["offset"]:q["offset"] + math.prod(q["shape"])].view(q["shape"]) for q in unit}))
-            for chunk in iter_chunks(state["converted"][p["name"]]):
-                write(chunk)
+        state = {"crc_unit": None, "crc": 0, "pos": 0}
 
         def read_one(p: dict, write) -> None:
             extent, expected, size = self.extent_of(p["tensor"])
@@ -333,9 +317,8 @@ class StateDirectory:
                 raise CorruptionError(f"{self.backend.describe(extent)} (tensor {p['tensor']!r}) does not match its "
                                       f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
 
-        files = export_params(out, params, fill, max_shard_size,
-                              {"step": str(self.manifest["step"]), "source": "tiered-offload"}, self.buffers())
-        return files + _write_config(out, self.manifest.get("model_config"))
+        return _export_model(out, params, read_one, max_shard_size, {"step": str(self.manifest["step"])},
+                             self.buffers(), self.manifest.get("model_config"), dtype)
 
 
 def _saved_format(config: dict | None, params: list[dict]):
@@ -355,26 +338,52 @@ def _saved_format(config: dict | None, params: list[dict]):
     return saved_format(model, params)
 
 
-def _write_config(out, config: dict | None) -> list[Path]:
-    """The model's Hugging Face ``config.json`` beside an export (as exported: fp32), if it has one."""
+def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict, buffers, config: dict | None,
+                  dtype: torch.dtype) -> list[Path]:
+    """Export a directory's model: ``read(p, write)`` gives parameter ``p``'s float32 bytes; written
+    in ``save_pretrained``'s format for the model ``config`` describes (:func:`_saved_format`: where
+    it converts, a unit is read whole, then converted) and in ``dtype``; then ``config.json``."""
+    saved, convert = _saved_format(config, params)
+    state = {"unit": None, "converted": {}}
+
+    def fill(p: dict, write) -> None:
+        if convert is None:
+            return read(p, cast_bytes(write, dtype))
+        if state["unit"] != p["tensor"]:
+            unit = sorted((q for q in params if q["tensor"] == p["tensor"]), key=lambda q: q["offset"])
+            flat = torch.empty(sum(math.prod(q["shape"]) for q in unit), dtype=torch.float32)
+            raw, at = flat.view(torch.uint8), [0]
+
+            def into(b) -> None:
+                raw[at[0]:at[0] + len(b)].copy_(byte_tensor(b))
+                at[0] += len(b)
+            for q in unit:
+                read(q, into)
+            state.update(unit=p["tensor"], converted=convert(
+                {q["name"]: flat[q["offset"]:q["offset"] + math.prod(q["shape"])].view(q["shape"]) for q in unit}))
+        for chunk in iter_chunks(state["converted"][p["name"]].to(dtype)):
+            write(chunk)
+    files = export_params(out, saved, fill, max_shard_size, {**metadata, "source": "tiered-offload"}, buffers, dtype)
     if config is None:
-        return []
+        return files
     path = Path(out) / "config.json"
-    write_private(path, json.dumps(exported_config(config), indent=2, sort_keys=True))
-    return [path]
+    write_private(path, json.dumps(exported_config(config, dtype), indent=2, sort_keys=True))
+    return [*files, path]
 
 
 def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
-                  buffers: list[tuple[str, torch.Tensor]] = ()) -> list[Path]:
-    """Export parameters in unit order (each unit's bytes read front to back, once), then the
-    model's persistent buffers."""
+                  buffers: list[tuple[str, torch.Tensor]] = (), dtype: torch.dtype = torch.float32) -> list[Path]:
+    """Export parameters in unit order (each unit's bytes read front to back, once; ``fill`` writes
+    them in ``dtype``), then the model's persistent buffers (floating ones in ``dtype``, as
+    ``model.to(dtype)`` casts them)."""
+    buffers = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in buffers]
     order = sorted(range(len(params)), key=lambda i: (params[i]["tensor"], params[i]["offset"]))
     # keep units in the order they first appear in the model, parameters in buffer order
     first = {}
     for i, p in enumerate(params):
         first.setdefault(p["tensor"], i)
     order.sort(key=lambda i: (first[params[i]["tensor"]], params[i]["offset"]))
-    tensors = [(params[i]["name"], torch.float32, tuple(params[i]["shape"])) for i in order]
+    tensors = [(params[i]["name"], dtype, tuple(params[i]["shape"])) for i in order]
     tensors += [(name, t.dtype, tuple(t.shape)) for name, t in buffers]
 
     def fill_one(k: int, write) -> None:
@@ -496,15 +505,16 @@ class ShardedStateDirectory:
                 "bytes_checked": sum(r["bytes_checked"] for r in reports),
                 "damaged": [d for r in reports for d in r["damaged"]], "ok": all(r["ok"] for r in reports)}
 
-    def export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
-        """Gather every rank's slices into one model (Hugging Face safetensors, config.json),
-        after checking every slice against its checksum."""
+    def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
+        """Gather every rank's slices into one model (Hugging Face safetensors, config.json, in
+        ``save_pretrained``'s format and ``dtype``), after checking every slice against its checksum."""
+        dtype = export_dtype(dtype)
         with contextlib.ExitStack() as reading:
             for sd in self.ranks:
                 reading.enter_context(sd._reading("exported"))
-            return self._export(out, max_shard_size)
+            return self._export(out, max_shard_size, dtype)
 
-    def _export(self, out: str | os.PathLike, max_shard_size="2GB") -> list[Path]:
+    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
         steps = self.steps()
         in_flight = [r for r, sd in enumerate(self.ranks) if sd.intent is not None]
         if len(set(steps)) != 1 or in_flight:
@@ -539,6 +549,5 @@ class ShardedStateDirectory:
                         self.ranks[r].read_range(extent, start + a, piece)
                         write(piece.numpy().data)
                 lo = end
-        files = export_params(out, self.manifest["params"], fill, max_shard_size,
-                              {"step": str(steps[0]), "source": "tiered-offload"}, self.ranks[0].buffers())
-        return files + _write_config(out, self.manifest.get("model_config"))
+        return _export_model(out, self.manifest["params"], fill, max_shard_size, {"step": str(steps[0])},
+                             self.ranks[0].buffers(), self.manifest.get("model_config"), dtype)

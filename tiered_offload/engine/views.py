@@ -15,6 +15,7 @@ import torch
 from offload_core.errors import ConfigError, TieredOffloadError
 from tiered_offload.checkpoint.adapter import export_adapter, merged_export
 from tiered_offload.checkpoint.export import export_weights
+from tiered_offload.checkpoint.safetensors_io import export_dtype
 from tiered_offload.checkpoint.session import JournalCommits
 from tiered_offload.engine.planner import Plan
 from tiered_offload.engine.schedule import FP32_BYTES
@@ -173,7 +174,7 @@ class EngineViews:
 
     # ---- export ---------------------------------------------------------------------------
     def export_safetensors(self, out: str | os.PathLike, max_shard_size: int | str = "2GB",
-                           adapter_only: bool = False, merged: bool = False) -> list:
+                           adapter_only: bool = False, merged: bool = False, dtype=torch.float32) -> list:
         """Write the current weights as Hugging Face sharded safetensors in ``out``, streaming.
 
         ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
@@ -185,7 +186,10 @@ class EngineViews:
         adapter too, as its ``save_pretrained`` writes it (``checkpoint/adapter.py``), and no config;
         ``adapter_only``: that adapter alone (not the frozen weights); ``merged``: the base model
         with the adapter merged into its weights and its config, as ``merge_and_unload()`` and
-        ``save_pretrained`` write it (for ``from_pretrained`` without PEFT)."""
+        ``save_pretrained`` write it (for ``from_pretrained`` without PEFT). The files are what
+        ``save_pretrained`` writes (transformers' own conversions reverted: ``checkpoint/export.py``),
+        in ``dtype`` (``torch.bfloat16``, ``"bf16"``...: as ``model.to(dtype).save_pretrained`` writes them)."""
+        dtype = export_dtype(dtype)
         if merged and adapter_only:
             raise ConfigError("export_safetensors(adapter_only=True, merged=True): the adapter alone, or the model "
                               "with it merged; pick one")
@@ -199,10 +203,10 @@ class EngineViews:
         self._placement.set_phase(f"export_safetensors after step {self.step_count}")
         files = [] if adapter_only else export_weights(
             out, params=params, units=self.units, store=self.store, placement=self._placement, buffers=buffers,
-            model_config=config, step=self.step_count, max_shard_size=max_shard_size, merge=merge,
+            model_config=config, step=self.step_count, max_shard_size=max_shard_size, merge=merge, dtype=dtype,
             model=self.model.get_base_model() if merged else None if self.binding.model_config is None else self.model)
         return files + ([] if merged else export_adapter(out, self.binding, self.store, self._placement,
-                                                          required=adapter_only))
+                                                          required=adapter_only, dtype=dtype))
 
     # ---- the timeline ---------------------------------------------------------------------
     def _attach_tracer(self, tracer: Tracer | None) -> None:

@@ -130,6 +130,9 @@ class OutputSection:
     """Export every this many steps (0: only the final export)."""
     keep: int = 2
     """How many ``step-N`` exports to keep (the oldest go)."""
+    dtype: str = "fp32"
+    """The exported weights' dtype: ``fp32`` (as trained), ``bf16`` or ``fp16`` (half the files; what
+    is mostly served), cast from the fp32 state as ``model.to(dtype)`` casts."""
 
 
 @dataclass(kw_only=True)
@@ -152,6 +155,7 @@ class RunConfig:
         _choice("data.format", self.data.format, ("text", "completion", "alpaca", "chat"))
         _choice("train.schedule", self.train.schedule, ("constant", "linear", "cosine"))
         _choice("train.precision", self.train.precision, ("fp32", "bf16-autocast"))
+        _choice("output.dtype", self.output.dtype, ("fp32", "bf16", "fp16"))
         for key, value, lo in (("data.max_seq_len", self.data.max_seq_len, 2), ("train.micro_batch", self.train.micro_batch, 1),
                                ("train.grad_accum", self.train.grad_accum, 1), ("train.warmup_steps", self.train.warmup_steps, 0),
                                ("train.eval_every", self.train.eval_every, 0), ("offload.commit_every", self.offload.commit_every, 1),

@@ -99,9 +99,12 @@ def _sizes(model) -> tuple[int, int]:
     return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
-def _export(engine, model_dir: Path, out: Path, lora) -> None:
-    """The weights (with LoRA: the adapter alone, or the model with it merged) and the tokenizer."""
-    engine.export_safetensors(out, adapter_only=bool(lora.r) and not lora.merged, merged=bool(lora.r) and lora.merged)
+def _export(engine, model_dir: Path, out: Path, cfg) -> None:
+    """The weights (with LoRA: the adapter alone, or the model with it merged) in ``output.dtype``,
+    and the tokenizer."""
+    lora = cfg.lora
+    engine.export_safetensors(out, adapter_only=bool(lora.r) and not lora.merged, merged=bool(lora.r) and lora.merged,
+                              dtype=cfg.output.dtype)
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out / name)
@@ -209,7 +212,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
                                 tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
-                _export(engine, model_dir, out / f"step-{step + 1}", cfg.lora)
+                _export(engine, model_dir, out / f"step-{step + 1}", cfg)
                 for old in sorted(out.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-cfg.output.keep]:
                     shutil.rmtree(old, ignore_errors=True)
         committed = engine.commit()
@@ -219,7 +222,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
             if eval_data is not None:
                 summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision)
                 metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
-            _export(engine, model_dir, out / "final", cfg.lora)
+            _export(engine, model_dir, out / "final", cfg)
             summary["final"] = str(out / "final")
         return summary
     finally:
@@ -281,7 +284,7 @@ def _check_export_space(cfg, out: Path, params: int, trained: int, directories: 
     """Refuse a run whose exports (the ones kept and the final one, fp32; with LoRA the adapter's
     alone) do not fit the output directory's disk, counting the training state too (16 bytes a
     trained parameter, 4 a frozen one) where it shares that disk and is new."""
-    exports = 4 * (trained if cfg.lora.r and not cfg.lora.merged else params) * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
+    exports = (4 if cfg.output.dtype == "fp32" else 2) * (trained if cfg.lora.r and not cfg.lora.merged else params) * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
     free = shutil.disk_usage(out).free
     storage = Path(directories.split(",")[0]).expanduser()
     while not storage.exists():
