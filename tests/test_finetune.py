@@ -286,13 +286,15 @@ def _llama8():
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, use_cache=False))
 
 
-def _peft_llama(modules_to_save=None):
-    """An 8-layer Llama with PEFT's LoRA on q and v (its adapter initialised at random)."""
+def _peft_llama(modules_to_save=None, **options):
+    """An 8-layer Llama with PEFT's LoRA on q and v (its adapter initialised at random); ``options``:
+    more of ``LoraConfig``'s."""
     peft = pytest.importorskip("peft")
     base = _llama8()
     torch.manual_seed(1)
     return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     init_lora_weights=False, modules_to_save=modules_to_save))
+                                                     init_lora_weights=False, modules_to_save=modules_to_save,
+                                                     **options))
 
 
 @pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]], ids=["lora", "lora-and-head"])
@@ -455,12 +457,7 @@ def test_a_peft_models_export_holds_its_adapter_as_peft_saves_it(tmp_path, optio
     peft = pytest.importorskip("peft")
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
-
-    def make():
-        base = _llama8()
-        torch.manual_seed(1)
-        return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                         init_lora_weights=False, **options))
+    make = functools.partial(_peft_llama, **options)
     optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
     out = tmp_path / "export"
     weights, ref, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000,
@@ -492,19 +489,11 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
     module's place; a tied head once), PEFT's own merge of each layer (DoRA's too; GPT-2's
     transposed ``Conv1D``), bitwise, and ``config.json``, so ``from_pretrained`` loads it. It was not
     possible: only the adapter, or the whole PEFT model under PEFT's names, could be exported."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
-    if model == "gpt2":
-        make = _peft_gpt2
-    else:
-        options = {"lora-and-head": {"modules_to_save": ["lm_head"]}, "dora": {"use_dora": True}}.get(model, {})
-
-        def make():
-            base = _llama8()
-            torch.manual_seed(1)
-            return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                             init_lora_weights=False, **options))
+    options = {"lora-and-head": {"modules_to_save": ["lm_head"]}, "dora": {"use_dora": True}}.get(model, {})
+    make = _peft_gpt2 if model == "gpt2" else functools.partial(_peft_llama, **options)
     optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
     out = tmp_path / "merged"
     ids = torch.arange(8).view(1, 8)
