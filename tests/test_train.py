@@ -148,7 +148,7 @@ def test_a_model_with_dropout_runs_its_micro_batches_through_each_block_together
     model.save_pretrained(dropout)
     transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(dropout)
     calls = []
-    loop, vertical = micro_batches._loop, micro_batches._vertical
+    loop = micro_batches._loop
     monkeypatch.setattr(micro_batches, "_loop", lambda *a: calls.append("loop") or loop(*a))
     fused = train(write_config(tmp_path / "a", dropout, data, train__max_steps=4), progress=False)
     assert calls == ["loop"]

@@ -28,7 +28,6 @@ import contextlib
 import threading
 from typing import Iterator
 
-import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
