@@ -58,7 +58,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def state_budget(model_dir: Path) -> int:
     """Six tenths of the training state: it streams through the disk."""
-    n = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(model_dir)).num_parameters()
+    n = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir)).num_parameters()
     return 16 * n * 6 // 10
 
 
@@ -252,6 +252,32 @@ def test_dora_trains_its_magnitude_from_the_pretrained_weights(tmp_path, model_d
     for k, v in magnitudes.items():  # the pretrained weights' norms, 3 steps of at most 1e-3 each from them
         weight = pretrained[k.replace("base_model.model.", "").replace(".lora_magnitude_vector", ".weight")]
         assert (v - torch.linalg.norm(weight, dim=1)).abs().max() <= 3.1e-3, k
+
+
+def test_lora_on_an_moe_model_puts_the_adapter_on_its_linear_layers(tmp_path, model_dir, data, caplog):
+    """``lora.targets: all-linear`` (the default) on an MoE in transformers 5: PEFT puts LoRA on the
+    router and the stacked experts through its ``ParamWrapper``, which the engine refuses, so the
+    default stopped every MoE run. It now means the model's linear layers (attention, a shared
+    expert), and the log says which modules get no adapter; the export loads with PEFT."""
+    peft = pytest.importorskip("peft")
+    moe = tmp_path / "tiny-mixtral"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.save_pretrained(moe)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)).save_pretrained(moe)
+    with caplog.at_level("INFO", logger="tiered_offload"):
+        summary = train(write_config(tmp_path, moe, data, train__max_steps=2, output__export_every=0, lora__r=4),
+                        progress=False)
+    assert summary["step"] == 2
+    assert any("mlp.experts" in r.getMessage() and "no adapter" in r.getMessage() for r in caplog.records)
+    adapter = Path(summary["final"])
+    tuned = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(moe), adapter)
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in tuned.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj"}, wrapped
 
 
 def test_lora_merged_exports_the_model_with_the_adapter_merged(tmp_path, model_dir, data):

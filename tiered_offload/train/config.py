@@ -110,7 +110,8 @@ class LoraSection:
     """Dropout on the adapter's input (``lora_dropout``)."""
     targets: str | list[str] = "all-linear"
     """The modules that get an adapter (``target_modules``): names (``[q_proj, v_proj]``) or
-    ``all-linear``."""
+    ``all-linear`` (every linear layer but the head; on an MoE not its router and stacked experts,
+    which PEFT would re-parametrize in every forward: the log names them)."""
     modules_to_save: list[str] | None = None
     """Modules trained in full beside the adapter and saved with it (``[lm_head]``)."""
     dora: bool = False

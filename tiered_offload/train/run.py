@@ -85,13 +85,29 @@ def _build_model(cfg, hf_config, model_dir: Path):
     for name in lora.modules_to_save or ():  # (PEFT drops one the model does not have, without a word)
         if not any(n == name or n.endswith(f".{name}") for n, _ in model.named_modules()):
             raise ConfigError(f"lora.modules_to_save {name!r} matches no module of the model (a name such as lm_head)")
-    try:
-        return peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                          target_modules=lora.targets, task_type="CAUSAL_LM",
-                                                          modules_to_save=lora.modules_to_save, use_dora=lora.dora))
-    except ValueError as e:  # (PEFT's NoMatchingPeftModuleError is one)
-        raise ConfigError(f"lora.targets {lora.targets!r} matches no module of the model ({e}); its linear layers: "
-                          f"{', '.join(linear)}, or all-linear") from None
+    def wrap(model, targets):
+        try:
+            return peft.get_peft_model(model, peft.LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                task_type="CAUSAL_LM", modules_to_save=lora.modules_to_save, use_dora=lora.dora))
+        except ValueError as e:  # (PEFT's NoMatchingPeftModuleError is one)
+            raise ConfigError(f"lora.targets {lora.targets!r} matches no module of the model ({e}); its linear "
+                              f"layers: {', '.join(linear)}, or all-linear") from None
+    tuned = wrap(model, lora.targets)
+    wrapped = [n for n, m in tuned.named_modules() if type(m).__name__ == "ParamWrapper"]
+    if lora.targets != "all-linear" or not wrapped:
+        return tuned
+    # PEFT's all-linear also puts LoRA on an MoE's router and stacked experts (ParamWrapper, which
+    # the engine refuses: engine/adapter_init.py): all-linear here is the linear layers PEFT wrapped
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in tuned.named_modules()
+                    if hasattr(m, "lora_A") and type(m).__name__ != "ParamWrapper"})
+    log.info("tiered-offload: lora.targets all-linear: the adapter goes on %s; %s (an MoE's router and stacked "
+             "experts, which PEFT re-parametrizes in every forward) get no adapter", ", ".join(names),
+             ", ".join(n.removeprefix("base_model.model.") for n in wrapped[:4]) + (" ..." if len(wrapped) > 4 else ""))
+    with empty_init():
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    model.config._name_or_path = str(model_dir)
+    return wrap(model, names)
 
 
 def _sizes(model) -> tuple[int, int]:
