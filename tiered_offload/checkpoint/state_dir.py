@@ -342,7 +342,8 @@ def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict,
                   dtype: torch.dtype) -> list[Path]:
     """Export a directory's model: ``read(p, write)`` gives parameter ``p``'s float32 bytes; written
     in ``save_pretrained``'s format for the model ``config`` describes (:func:`_saved_format`: where
-    it converts, a unit is read whole, then converted) and in ``dtype``; then ``config.json``."""
+    it converts, a unit is read whole into memory, then converted: an MoE's block, a few GB for the
+    largest ones) and in ``dtype``; then ``config.json``."""
     saved, convert = _saved_format(config, params)
     state = {"unit": None, "converted": {}}
 
