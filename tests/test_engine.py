@@ -1284,6 +1284,32 @@ def test_model_apply_reaches_the_blocks_modules_as_pytorchs_does(tmp_path):
     engine.close()
 
 
+def test_a_walk_over_model_modules_reaches_the_blocks_modules_as_pytorchs_does(tmp_path):
+    """TRL's ``disable_dropout_in_model`` and the like: ``for m in model.modules(): if isinstance(m,
+    nn.Dropout): m.p = 0``, after the engine was built. The walk stopped at the blocks' stand-ins, so
+    every block's dropout stayed on, silently. ``model.modules()`` / ``named_modules()`` now reach
+    the modules inside the blocks under PyTorch's names (the stand-in where the block is), and the
+    engine computes what PyTorch does; the parameters and buffers listed are PyTorch's."""
+    cfg = _transformers().GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                                     resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    torch.manual_seed(0)
+    model = _transformers().GPT2LMHeadModel(cfg)
+    ref = copy.deepcopy(model)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=state // 2)
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in ref.named_buffers()]
+    for walked in (model, ref):
+        for m in walked.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert model.training and torch.equal(engine(x).logits, ref(x).logits)
+    engine.close()
+
+
 def test_clip_grad_norm_takes_pytorchs_keywords(tmp_path):
     """``engine.clip_grad_norm_`` takes ``torch.nn.utils.clip_grad_norm_``'s keywords, so a loop's
     call ports as it is (it raised ``TypeError``): ``error_if_nonfinite=True`` refuses a non-finite

@@ -389,6 +389,17 @@ class _BlockProxy(nn.Module):
         self.__dict__["_real"].apply(fn)
         return self
 
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """The stand-in where the block is, then the modules inside the real block under their names
+        in the model, as PyTorch's walk gives them: ``model.modules()`` reaches a block's dropout
+        (TRL's ``disable_dropout_in_model``), its attention modules (a hook registered on each). The
+        block stays out of ``children()`` (``state_dict``, ``to``), whose tensors live in the store."""
+        yield from super().named_modules(memo, prefix, remove_duplicate)
+        real = self.__dict__["_real"]
+        for name, module in real.named_modules(memo, prefix, remove_duplicate):
+            if module is not real:
+                yield name, module
+
     def forward(self, *args, **kwargs):
         return self._streamed_forward(self.index, args, kwargs)
 
