@@ -1245,18 +1245,23 @@ def test_engine_train_and_eval_switch_the_models_mode_as_pytorchs_do(tmp_path):
     engine.close()
 
 
-def test_model_apply_reaches_the_blocks_modules_as_pytorchs_does(tmp_path):
-    """``model.apply(fn)`` after the engine was built (turning dropout off for a phase, a user's
-    attribute on every attention module) reaches the modules inside the streamed blocks, in
-    PyTorch's order, and the engine's forward then computes what PyTorch's does. It reached the
-    blocks' stand-ins only: their dropout stayed on, silently."""
+def _gpt2_with_dropout_streamed(tmp_path):
+    """A GPT-2 with dropout 0.5 everywhere, a copy of it, and an engine streaming the first at half the state."""
     cfg = _transformers().GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=4,
                                      resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
     torch.manual_seed(0)
     model = _transformers().GPT2LMHeadModel(cfg)
     ref = copy.deepcopy(model)
     state = 16 * sum(p.numel() for p in model.parameters())
-    engine = Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=state // 2)
+    return model, ref, Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=state // 2)
+
+
+def test_model_apply_reaches_the_blocks_modules_as_pytorchs_does(tmp_path):
+    """``model.apply(fn)`` after the engine was built (turning dropout off for a phase, a user's
+    attribute on every attention module) reaches the modules inside the streamed blocks, in
+    PyTorch's order, and the engine's forward then computes what PyTorch's does. It reached the
+    blocks' stand-ins only: their dropout stayed on, silently."""
+    model, ref, engine = _gpt2_with_dropout_streamed(tmp_path)
     seen = {"engine": [], "pytorch": []}
 
     def no_dropout(into):
@@ -1290,13 +1295,7 @@ def test_a_walk_over_model_modules_reaches_the_blocks_modules_as_pytorchs_does(t
     every block's dropout stayed on, silently. ``model.modules()`` / ``named_modules()`` now reach
     the modules inside the blocks under PyTorch's names (the stand-in where the block is), and the
     engine computes what PyTorch does; the parameters and buffers listed are PyTorch's."""
-    cfg = _transformers().GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=4,
-                                     resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
-    torch.manual_seed(0)
-    model = _transformers().GPT2LMHeadModel(cfg)
-    ref = copy.deepcopy(model)
-    state = 16 * sum(p.numel() for p in model.parameters())
-    engine = Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=state // 2)
+    model, ref, engine = _gpt2_with_dropout_streamed(tmp_path)
     assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert [n for n, _ in model.named_buffers()] == [n for n, _ in ref.named_buffers()]
