@@ -114,11 +114,11 @@ def merged_export(binding, params: list[dict], buffers: list) -> tuple[list[dict
             full = f"{qual}.{tail[len(f'modules_to_save.{name}.'):]}"
         return full[len(base_prefix):] if full.startswith(base_prefix) else None
 
-    slots = {id(s.param): s for _, s in binding.param_order}
+    slots = {id(s.param): (u.name, s) for u, s in binding.param_order}
     in_unit = {}  # unit name -> [(qual, layer)]
     for qual, layer in tuners.items():
-        held = [s for p in layer.parameters() if (s := slots.get(id(p))) is not None]
-        units = {u.name for u, s in binding.param_order if s in held}
+        found = [slots[id(p)] for p in layer.parameters() if id(p) in slots]
+        held, units = [s for _, s in found], {u for u, _ in found}
         foreign = [s.name for s in held if not s.name.startswith(f"{qual}.")]
         if foreign or len(units) > 1:
             raise ConfigError(f"a merged export of {qual}, whose parameters are shared with another module "

@@ -27,7 +27,7 @@ from torch import nn
 
 from offload_core.errors import ConfigError
 
-__all__ = ["adapter_initialisers", "dora_magnitudes", "refuse_inits_from_base_weights", "refuse_reparametrizing_adapters"]
+__all__ = ["adapter_initialisers", "dora_layers", "dora_magnitudes", "refuse_inits_from_base_weights", "refuse_reparametrizing_adapters"]
 
 
 def adapter_initialisers(roots: Iterable[nn.Module], peft_config) -> dict[int, Callable[[nn.Module], None]]:
@@ -67,10 +67,22 @@ def refuse_inits_from_base_weights(peft_config, why: str) -> None:
                 f"PEFT model on the pretrained model (from_pretrained, then get_peft_model) without init_from")
 
 
-def dora_magnitudes(roots: Iterable[nn.Module], unit, flat: torch.Tensor, names: set[str] | None = None) -> None:
-    """DoRA's magnitude vector of each LoRA layer under ``roots`` whose magnitude is among the
-    unit's parameters (``names``: those of them; None: all), as PEFT computes it when it builds the
-    layer (its ``update_layer``: the row norms of the base weight plus the scaled adapter
+def dora_layers(roots: Iterable[nn.Module]) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """``(name, LoRA layer, adapter, DoRA layer)`` for each DoRA magnitude under ``roots``, once each."""
+    found, seen = [], set()
+    for root in roots:
+        for qual, layer in root.named_modules():
+            for adapter, dora in (getattr(layer, "lora_magnitude_vector", None) or {}).items():
+                if id(dora) not in seen:
+                    seen.add(id(dora))
+                    found.append((qual, layer, adapter, dora))
+    return found
+
+
+def dora_magnitudes(layers, unit, flat: torch.Tensor, names: set[str] | None = None) -> None:
+    """DoRA's magnitude vector of each of ``layers`` (:func:`dora_layers`) whose magnitude is among
+    the unit's parameters (``names``: those of them; None: all), as PEFT computes it when it builds
+    the layer (its ``update_layer``: the row norms of the base weight plus the scaled adapter
     product), from the values in the unit's weight buffer ``flat``, written there. PEFT's own code
     runs on copies of those values lent to the layer, which keeps its own parameters."""
     slots = {id(s.param): s for s in unit.params}
@@ -78,30 +90,28 @@ def dora_magnitudes(roots: Iterable[nn.Module], unit, flat: torch.Tensor, names:
     def value(p: torch.Tensor) -> torch.Tensor:
         s = slots[id(p)]
         return flat[s.offset:s.offset + s.numel].view(s.shape)
-    for root in roots:
-        for qual, layer in root.named_modules():
-            for adapter, dora in (getattr(layer, "lora_magnitude_vector", None) or {}).items():
-                magnitude = dora._parameters.get("weight")
-                s = slots.get(id(magnitude))
-                if s is None or (names is not None and s.name not in names):
-                    continue
-                base = layer.get_base_layer()
-                parts = [base.weight, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight] \
-                    if adapter in getattr(layer, "lora_A", {}) else []
-                if not parts or any(id(p) not in slots for p in parts):
-                    raise ConfigError(f"{qual}: DoRA's magnitude of adapter {adapter!r} is computed from the base "
-                                      f"weights and the adapter, which are not all in its unit; build the PEFT model on "
-                                      f"the pretrained model (from_pretrained, then get_peft_model) without init_from")
-                held = base._parameters["weight"]
-                base._parameters["weight"] = nn.Parameter(value(held).clone(), requires_grad=False)
-                try:
-                    with torch.no_grad():
-                        dora.update_layer(base_layer=base, lora_A=value(parts[1]).clone(), lora_B=value(parts[2]).clone(),
-                                          scaling=layer.scaling[adapter])
-                        value(magnitude).copy_(dora.weight)
-                finally:
-                    base._parameters["weight"] = held
-                    dora._parameters["weight"] = magnitude
+    for qual, layer, adapter, dora in layers:
+        magnitude = dora._parameters.get("weight")
+        s = slots.get(id(magnitude))
+        if s is None or (names is not None and s.name not in names):
+            continue
+        base = layer.get_base_layer()
+        parts = [base.weight, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight] \
+            if adapter in getattr(layer, "lora_A", {}) else []
+        if not parts or any(id(p) not in slots for p in parts):
+            raise ConfigError(f"{qual}: DoRA's magnitude of adapter {adapter!r} is computed from the base weights and "
+                              f"the adapter, which are not all in its unit; build the PEFT model on the pretrained "
+                              f"model (from_pretrained, then get_peft_model) without init_from")
+        held = base._parameters["weight"]
+        base._parameters["weight"] = nn.Parameter(value(held).clone(), requires_grad=False)
+        try:
+            with torch.no_grad():
+                dora.update_layer(base_layer=base, lora_A=value(parts[1]).clone(), lora_B=value(parts[2]).clone(),
+                                  scaling=layer.scaling[adapter])
+                value(magnitude).copy_(dora.weight)
+        finally:
+            base._parameters["weight"] = held
+            dora._parameters["weight"] = magnitude
 
 
 def _linear_default(module: nn.Module) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from tiered_offload.checkpoint.safetensors_io import PretrainedReader
-from tiered_offload.engine.adapter_init import dora_magnitudes, refuse_inits_from_base_weights
+from tiered_offload.engine.adapter_init import dora_layers, dora_magnitudes, refuse_inits_from_base_weights
 from tiered_offload.engine.binding import ModelBinding
 from tiered_offload.progress import track
 
@@ -22,7 +22,8 @@ def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, i
         fresh = _match_file_names(binding, reader)
     init = binding.initialiser() if binding.on_meta and (init_from is None or fresh) else None
     # DoRA's magnitudes come from base weights the model did not hold when PEFT computed them
-    dora = _uses_dora(binding.model) and (bool(fresh) if reader is not None else binding.on_meta)
+    recomputed = bool(fresh) if reader is not None else binding.on_meta
+    dora = dora_layers([binding.model, *(u.module for u in binding.blocks)]) if recomputed else []
     try:
         what = "reading init_from" if reader is not None else "placing the initial weights"
         for unit in track(binding.units, desc=what, unit="unit"):
@@ -74,15 +75,11 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
     return fresh
 
 
-def _uses_dora(model) -> bool:
-    config = getattr(model, "peft_config", None)
-    return isinstance(config, dict) and any(getattr(c, "use_dora", False) for c in config.values())
-
-
-def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset(), dora: bool = False) -> None:
+def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset(), dora=()) -> None:
     """The unit's initial weights into ``flat``: read, initialised (a meta model) or copied; with a
     reader, the parameters in ``fresh`` as the model holds them or, on the meta device, initialised;
-    ``dora``: then DoRA's magnitudes (those in ``fresh``, with a reader) from the weights in ``flat``."""
+    ``dora`` (:func:`dora_layers`): then their magnitudes (those in ``fresh``, with a reader) from
+    the weights in ``flat``."""
     unread = [s for s in unit.params if reader is None or s.name in fresh]
     if reader is not None:
         for slot in unit.params:
@@ -94,8 +91,7 @@ def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset(), do
         for slot in unread:
             flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
     if dora:
-        dora_magnitudes([binding.model, *(u.module for u in binding.blocks)], unit, flat,
-                        set(fresh) if reader is not None else None)
+        dora_magnitudes(dora, unit, flat, set(fresh) if reader is not None else None)
 
 
 def transformers_names(model, names: list[str]) -> tuple[dict[str, str], dict[str, list[list[str]]], list[str]]:
