@@ -29,6 +29,7 @@ from offload_core.errors import (
     TensorStateError,
     TieredOffloadError,
 )
+from tiered_offload.checkpoint.adapter import peft_adapter_name
 from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
@@ -246,10 +247,12 @@ class Engine(EngineViews):
             raise
         # calls of the model itself (model.generate(), an evaluation loop) find its rest bound too; a
         # forward without grad has no backward to wait for, so it lets go of the rest after (unless
-        # a forward with grad still waits for its backward: BlockStreamer.forward_ended)
-        self._model_hooks = [
-            model.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
-            model.register_forward_hook(lambda _m, _a, _o: self._streamer.forward_ended())]
+        # a forward with grad still waits for its backward: BlockStreamer.forward_ended). A PEFT
+        # model's generate() calls its base model's forward, not its own: that one's calls too
+        called = {id(m): m for m in (model, model.get_base_model() if peft_adapter_name(model) else model)}
+        self._model_hooks = [hook for m in called.values() for hook in (
+            m.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
+            m.register_forward_hook(lambda _m, _a, _o: self._streamer.forward_ended()))]
         _close_at_exit(self)
 
     @classmethod
