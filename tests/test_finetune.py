@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload_core.errors import CheckpointError, ConfigError, TierCapacityError
+from offload_core.errors import CheckpointError, ConfigError, TensorStateError, TierCapacityError
 from tiered_offload import Engine, EngineConfig, Tier, empty_init
 
 VOCAB = 64
@@ -516,7 +516,7 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
 
 def test_a_merged_export_of_what_has_no_adapter_to_merge_is_refused(tmp_path):
     """``merged=True`` on a model that is not a PEFT model, or with ``adapter_only``, is refused
-    naming the way; so are an adapter peft cannot merge (``lora_bias`` on a layer without a bias:
+    naming the way (and PEFT's own ``save_pretrained`` names both); so are an adapter peft cannot merge (``lora_bias`` on a layer without a bias:
     peft's ``RuntimeError``) and LoRA on a head tied to the embeddings (the merge would change
     both), before anything is written."""
     peft = pytest.importorskip("peft")
@@ -537,6 +537,8 @@ def test_a_merged_export_of_what_has_no_adapter_to_merge_is_refused(tmp_path):
     with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "t", host_memory="8MiB") as engine:
         with pytest.raises(ConfigError, match="adapter_only.*merged"):
             engine.export_safetensors(tmp_path / "out", merged=True, adapter_only=True)
+        with pytest.raises(TensorStateError, match=r"save_pretrained.*adapter_only=True.*merged=True"):
+            model.save_pretrained(tmp_path / "peft")  # (PEFT's: the adapter) names the engine's two ways
     assert not (tmp_path / "out").exists()
 
 
@@ -1222,7 +1224,6 @@ def test_saving_the_models_own_state_dict_is_a_clear_error(tmp_path):
     ``save_pretrained`` silently saved nothing of the training. Now both raise, naming
     ``engine.export_safetensors``; that export loads back into a fresh model. Loading weights
     into it raises too, naming ``init_from``."""
-    from offload_core.errors import TensorStateError
     transformers = pytest.importorskip("transformers")
     model = make_gpt2()
     state = 16 * sum(p.numel() for p in model.parameters())

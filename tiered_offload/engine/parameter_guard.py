@@ -182,6 +182,12 @@ def weights_in_store(module, prefix, keep_vars) -> None:
     so what it would save is nothing of the training. Refused, naming the export."""
     if getattr(_NAMES_ONLY, "on", False):
         return
+    if isinstance(getattr(module, "peft_config", None), dict):  # PEFT's save_pretrained: its adapter
+        raise TensorStateError(
+            f"state_dict() of {type(module).__name__} (PEFT's save_pretrained): the weights live in the engine's "
+            f"store, the model holds empty placeholders. engine.export_safetensors(DIR, adapter_only=True) writes "
+            f"what PeftModel.save_pretrained writes; engine.export_safetensors(DIR, merged=True) the model with the "
+            f"adapter merged (for from_pretrained)")
     raise TensorStateError(
         f"state_dict() of {type(module).__name__}: the weights live in the engine's store, the model holds "
         f"empty placeholders. Save them with engine.export_safetensors(DIR) (safetensors shards, index and "
