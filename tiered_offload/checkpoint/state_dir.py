@@ -346,12 +346,15 @@ def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict,
     largest ones) and in ``dtype``; then ``config.json``."""
     saved, convert = _saved_format(config, params)
     state = {"unit": None, "converted": {}}
+    by_unit: dict[str, list[dict]] = {}
+    for q in params if convert is not None else ():
+        by_unit.setdefault(q["tensor"], []).append(q)
 
     def fill(p: dict, write) -> None:
         if convert is None:
             return read(p, cast_bytes(write, dtype))
         if state["unit"] != p["tensor"]:
-            unit = sorted((q for q in params if q["tensor"] == p["tensor"]), key=lambda q: q["offset"])
+            unit = sorted(by_unit[p["tensor"]], key=lambda q: q["offset"])
             flat = torch.empty(sum(math.prod(q["shape"]) for q in unit), dtype=torch.float32)
             raw, at = flat.view(torch.uint8), [0]
 

@@ -300,7 +300,8 @@ def _check_export_space(cfg, out: Path, params: int, trained: int, directories: 
     """Refuse a run whose exports (the ones kept and the final one, fp32; with LoRA the adapter's
     alone) do not fit the output directory's disk, counting the training state too (16 bytes a
     trained parameter, 4 a frozen one) where it shares that disk and is new."""
-    exports = (4 if cfg.output.dtype == "fp32" else 2) * (trained if cfg.lora.r and not cfg.lora.merged else params) * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
+    per_export = (4 if cfg.output.dtype == "fp32" else 2) * (trained if cfg.lora.r and not cfg.lora.merged else params)
+    exports = per_export * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
     free = shutil.disk_usage(out).free
     storage = Path(directories.split(",")[0]).expanduser()
     while not storage.exists():
