@@ -123,6 +123,52 @@ def _fragment(engine, backwards: int) -> None:
     engine.store.get_group = fragmented
 
 
+def _no_room_after_ahead(engine) -> None:
+    """In backward, once the block below is gathered ahead, the host tier has no room left until
+    the running block's gradients are reduced: its gradient slice out of memory until then (as
+    when the lookahead had not brought it in yet, or pinned copies split the free room into holes
+    too small for it)."""
+    from offload_core.errors import TierCapacityError
+    from tiered_offload import Tier
+    store, streamer = engine.store, engine._streamer
+    full, blocks, fillers = streamer.full, streamer.binding.blocks, []
+    ahead, reduce = full.gather_ahead, engine._placement.sharding.reduce_gradients
+
+    def fill() -> None:
+        for size in (1 << 16, 1 << 14, 1 << 12):
+            while True:
+                key = f"filler/{len(fillers)}"
+                store.register(key, (size,), torch.uint8, scratch=True)
+                try:
+                    store.get(key, "host")
+                except TierCapacityError:
+                    store.unregister(key)
+                    break
+                fillers.append(key)
+
+    def no_room(unit):
+        i = blocks.index(unit) + 1
+        running = full._full.get(blocks[i].name) if i < len(blocks) else None
+        if running is None or running.grads is None:  # not the backward of the block above
+            return ahead(unit)
+        key = engine._placement.grad_key(blocks[i])
+        got = store.residency(key).get(Tier.HOST) if key else None
+        if got is not None and not store.record(key).slots[Tier.HOST].pins:
+            store.evict(key, "host").get()
+        ahead(unit)
+        fill()
+
+    def reduced(*args, **kwargs):
+        try:
+            return reduce(*args, **kwargs)
+        finally:
+            while fillers:
+                key = fillers.pop()
+                store.release(key, "host")
+                store.unregister(key)
+    full.gather_ahead, engine._placement.sharding.reduce_gradients = no_room, reduced
+
+
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
@@ -141,6 +187,8 @@ def main() -> int:
         micro_batches._RestGradients.open = lambda self, schedule: False
     if cfg.get("fragmented_on_rank") == rank:  # its tier too fragmented for a block's activations beside it
         _fragment(engine, backwards=3)
+    if cfg.get("no_room_after_ahead"):
+        _no_room_after_ahead(engine)
     if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
         _kill_during_update(engine, *cfg["kill"][1:])
     losses = []

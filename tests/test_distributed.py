@@ -136,6 +136,25 @@ def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+def test_a_blocks_gradient_reduce_finds_its_slice_held_whatever_the_backward_pinned_since(fused, tmp_path):
+    """Each block's backward gathers the block below ahead; then its gradients are reduced into
+    its stored slice. That slice used to be placed only then: where the lookahead had not brought
+    it in and the gather ahead had taken (or split) the room, the reduce died mid-step with a
+    TierCapacityError (a CI run, 3 ranks, 1 in several hundred). Now it is pinned with the block's
+    full buffers. Here the host tier is left with no room at all between the gather ahead and the
+    reduce: training goes on, bitwise the run without that squeeze."""
+    cfg = {"layers": 6, "optimizer": "sgd", "steps": 2, "accumulate": 2, "clip": 0.5, "fused": fused,
+           "activations": ["offload", "keep", "recompute"] * 2}
+    model = build(cfg)
+    cfg["host_memory"] = int(0.9 * 4 * 3 * sum(p.numel() for p in model.parameters()) / 2)
+    squeezed = launch(2, tmp_path / "squeezed", dict(cfg, no_room_after_ahead=True))
+    plain = launch(2, tmp_path / "plain", cfg)
+    assert squeezed[0]["gathered_ahead"] > 0
+    assert squeezed[0]["losses"] == plain[0]["losses"] and squeezed[1]["losses"] == plain[1]["losses"]
+    assert all(torch.equal(w, plain[0]["weights"][k]) for k, w in squeezed[0]["weights"].items())
+
+
 @pytest.mark.parametrize("fused,input_grad", [(False, False), (True, False), (False, True), (False, "dropped"),
                                               (False, "zero_grad")],
                          ids=["loop", "forward_backward", "loop-after-an-input-gradient", "loop-after-a-dropped-forward",

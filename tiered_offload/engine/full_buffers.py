@@ -4,7 +4,8 @@ from the ranks' slices into scratch tensors of the store.
 Unsharded, :meth:`FullBuffers.acquire` pins the unit's weight (and gradient) buffers in the
 compute tier and :meth:`~FullBuffers.release` unpins them. Sharded, the first user all-gathers
 the weights into a full scratch buffer (and registers a zeroed full gradient buffer that backward
-adds into and :meth:`BlockStreamer.gradients_done` reduce-scatters); later users while it is in
+adds into and :meth:`BlockStreamer.gradients_done` reduce-scatters into the stored slice of the
+gradients, pinned with it so the reduce never waits for room); later users while it is in
 use share them; the last one frees them. A gather can start ahead of its block
 (:meth:`~FullBuffers.gather_ahead`), asynchronously, and its acquire waits for it.
 
@@ -38,6 +39,8 @@ class _Gathered:
     """The full gradient buffer backward adds into (reduce-scattered when the unit is done)."""
     users: int
     """Forwards, backwards, a gather ahead and a pass holding them (freed at zero)."""
+    grad_slice: torch.Tensor | None = None
+    """This rank's stored slice of the gradients, pinned with ``grads`` (the reduce adds into it)."""
 
 
 class FullBuffers:
@@ -68,6 +71,11 @@ class FullBuffers:
     def grads(self, unit: Unit) -> torch.Tensor | None:
         """Sharded, while ``unit`` is in use: its full gradient buffer."""
         return self._full[unit.name].grads
+
+    def grad_slices(self) -> dict[str, torch.Tensor]:
+        """Sharded: the stored gradient slices pinned now, by unit name (``zero_grad`` between a
+        forward and its backward zeroes them in place)."""
+        return {name: e.grad_slice for name, e in self._full.items() if e.grads is not None and e.grad_slice is not None}
 
     def gather_ahead(self, unit: Unit) -> None:
         """Start the all-gather of ``unit``'s weights now (asynchronously): its :meth:`acquire`
@@ -145,34 +153,39 @@ class FullBuffers:
             new_grad = gk and entry.grads is None
             if new_grad:
                 self.store.register(gkey, (n,), scratch=True)  # zeros
-            got = self._pin([wkey, *([gkey] if gk else [])], extra, apart)
+            gkeys = self._grad_keys(unit) if gk else []
+            got = self._pin([wkey, *gkeys], extra, apart)
             entry.users += 1
             if new_grad:
                 entry.grads = got[1]
-            full, gfull, extras = entry.weights, entry.grads, got[1 + bool(gk):]
+            if len(gkeys) == 2:
+                entry.grad_slice = got[2]
+            full, gfull, extras = entry.weights, entry.grads, got[1 + len(gkeys):]
         else:
-            # the slice, the full weights and (zeroed) gradients and the extras, placed as one group
+            # the slice, the full weights and (zeroed) gradients, the gradients' slice and the
+            # extras, placed as one group
             self.store.register(wkey, (n,), scratch=True)
             if gk:
                 self.store.register(gkey, (n,), scratch=True)
+            gkeys = self._grad_keys(unit) if gk else []
             try:
-                got = self._pin([unit.weight_key, wkey, *([gkey] if gk else [])], extra, apart)
+                got = self._pin([unit.weight_key, wkey, *gkeys], extra, apart)
             except BaseException:
                 self._forget_full(unit)
                 raise
             shard, full = got[0], got[1]
-            gfull, extras = (got[2] if gk else None), got[2 + bool(gk):]
+            gfull, extras = (got[2] if gk else None), got[2 + len(gkeys):]
             try:
                 sharding.gather(full, shard, f"{unit.name}'s weights")
                 self.store.mark_dirty(wkey)
             except BaseException:
-                for key in [wkey, *([gkey] if gk else []), *(k for k in extra if k not in (apart or ()))]:
+                for key in [wkey, *gkeys, *(k for k in extra if k not in (apart or ()))]:
                     self.store.release(key)
                 self._forget_full(unit)
                 raise
             finally:
                 self.store.release(unit.weight_key)
-            self._full[unit.name] = _Gathered(full, gfull, 1)
+            self._full[unit.name] = _Gathered(full, gfull, 1, got[3] if len(gkeys) == 2 else None)
         self._hold(unit, bool(gk))
         if ahead:  # the gather ahead hands its use over to this caller
             self.release(unit, grad=False, handover=True)
@@ -205,14 +218,21 @@ class FullBuffers:
             self.store.release(key)
         entry = self._full[unit.name]
         entry.users -= 1
-        keys = [unit.key("weight.full"), *([unit.key("grad.full")] if entry.grads is not None and gk else [])]
-        for key in keys:
+        for key in [unit.key("weight.full"), *(self._grad_keys(unit) if entry.grads is not None and gk else [])]:
             self.store.release(key)
         if entry.users == 0:
             del self._full[unit.name]
             self._forget_full(unit)
         if not handover:
             self._let_go(unit)
+
+    def _grad_keys(self, unit: Unit) -> list[str]:
+        """Sharded: the full gradient buffer and this rank's stored slice of the gradients (if it
+        has one), pinned together: the reduce at the end of the unit's backward adds into the slice
+        without finding room for it then (what the backward pinned since, a gather ahead of the
+        next block among them, could have taken or split that room)."""
+        grad_slice = self.sharding.layout(unit).grad_key
+        return [unit.key("grad.full"), *([grad_slice] if grad_slice else [])]
 
     def _forget_full(self, unit: Unit) -> None:
         for key in (unit.key("weight.full"), unit.key("grad.full")):
@@ -236,7 +256,7 @@ class FullBuffers:
         if self.turns is None or unit.name in self._held_for_pass or unit is self.binding.rest:
             return
         entry = self._full[unit.name]
-        keys = [unit.key("weight.full"), *([unit.key("grad.full")] if grad and entry.grads is not None else [])]
+        keys = [unit.key("weight.full"), *(self._grad_keys(unit) if grad and entry.grads is not None else [])]
         self.store.get_group(keys)  # pinned once more, for the pass
         entry.users += 1
         self._held_for_pass[unit.name] = (unit, grad and entry.grads is not None)

@@ -317,10 +317,12 @@ class BlockStreamer:
     def bound_gradients(self) -> dict[str, torch.Tensor]:
         """While a forward with grad waits for its backward (:attr:`graph_pending`): the store's
         gradient buffers it holds pinned, by unit name (the rest's; where the whole state fits, the
-        blocks' kept for that backward), which ``zero_grad`` zeroes in place. Sharded, those are
-        scratch buffers, zeros until the backward: none."""
-        if not self.graph_pending or self.sharding is not None:
+        blocks' kept for that backward), which ``zero_grad`` zeroes in place. Sharded: the stored
+        slices pinned beside the full buffers (those are scratch, zeros until the backward)."""
+        if not self.graph_pending:
             return {}
+        if self.sharding is not None:
+            return self.full.grad_slices()
         bound = {unit.name: g for unit, g, _, _ in self._held if g is not None}
         if self._rest_grad is not None:
             bound[self.rest.name] = self._rest_grad
