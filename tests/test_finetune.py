@@ -1792,3 +1792,59 @@ def test_outputs_recorded_inside_the_blocks_are_refused_where_transformers_has_n
             engine(input_ids=ids, labels=ids, output_router_logits=True)
         with pytest.raises(ConfigError, match="output_attentions records the outputs of MixtralAttention"):
             engine(input_ids=ids, output_attentions=True)
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["reference-without-grad", "both-with-grad"])
+@pytest.mark.parametrize("fits", [False, True], ids=["streams", "fits"])
+def test_a_peft_models_disabled_adapter_forward_gives_pytorchs_values_between_steps(tmp_path, fits, with_grad):
+    """DPO's reference log-probabilities with PEFT (TRL's way): the same model under ``with
+    model.disable_adapter():`` (without grad), then the policy's forward with the adapter; or both
+    with grad, in one loss. The losses and the trained weights are PyTorch's, bitwise."""
+    from test_engine import one_step
+    ref = _peft_llama()
+    model = copy.deepcopy(ref)
+    state = sum((16 if p.requires_grad else 4) * p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=int(state * (4 if fits else 0.6)))
+    assert (engine.state_bytes() <= engine.store.capacity("host")) == fits
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(0, VOCAB, (2, 9), generator=g)
+        losses = []
+        for m in (model, ref):
+            with (torch.enable_grad() if with_grad else torch.no_grad()), m.disable_adapter():
+                base = m(input_ids=x, labels=x).loss
+            loss = m(input_ids=x, labels=x).loss - 0.5 * base
+            losses.append((base.item(), loss.item()))
+            if m is model:
+                one_step(engine, loss)
+            else:
+                one_step(ref, loss, opt)
+        assert losses[0] == losses[1]
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], v.detach()) for k, v in ref.named_parameters())
+    engine.close()
+
+
+@pytest.mark.parametrize("call", ["merge_adapter", "merge_and_unload"])
+def test_peft_merge_on_the_engines_model_is_refused_naming_the_merged_export(tmp_path, call):
+    """PEFT's ``merge_adapter()`` / ``merge_and_unload()`` on the engine's model would write merged
+    weights into parameters that hold placeholders: refused (it was, as any read of a streamed
+    weight, with a message about EMAs and penalties), naming ``export_safetensors(DIR,
+    merged=True)``; nothing changed, training goes on as PyTorch's."""
+    from test_engine import one_step
+    ref = _peft_llama()
+    model = copy.deepcopy(ref)
+    state = sum((16 if p.requires_grad else 4) * p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(state * 0.6))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(TensorStateError, match=r"PEFT's merge.*export_safetensors\(DIR, merged=True\)"):
+        getattr(model, call)()
+    for _ in range(2):
+        one_step(engine, model(input_ids=x, labels=x).loss)
+        one_step(ref, ref(input_ids=x, labels=x).loss, opt)
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], v.detach()) for k, v in ref.named_parameters())
+    engine.close()

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 
 import torch
@@ -133,12 +135,31 @@ def _unbound_use(name: str, what: str) -> str:
         return (f"{name}: a copy of it (copy.deepcopy, torch.save, pickle) {where}, so the copy would hold no weights. "
                 f"Read them with engine.named_parameters(); a copy of the model: engine.export_safetensors(DIR), "
                 f"then from_pretrained(DIR) (or init_from=DIR)")
+    if _in_peft_merge():
+        return (f"{name}: PEFT's merge (merge_adapter, merge_and_unload) reads it {where}, and would write merged "
+                f"weights into placeholders. The model with the adapter merged: engine.export_safetensors(DIR, "
+                f"merged=True) writes what merge_and_unload().save_pretrained(DIR) writes; the adapter alone: "
+                f"adapter_only=True. Training goes on unmerged")
     if what.endswith("_") and not what.startswith("__"):
         return (f"{name}: {what} changes its values {where}, so the change would be lost. Start from other weights "
                 f"with init_from=DIR (an export) or by changing the model before the engine is built; a "
                 f"constraint on the weights trains as in PyTorch as a torch.nn.utils.parametrize parametrization")
     return (f"{name}: {what} reads its values {where}. Read weights with engine.named_parameters() (an EMA, a "
             f"log); a penalty on a block's weights: compute it in the block's forward (README)")
+
+
+_PEFT_MERGES = frozenset({"merge", "merge_adapter", "merge_and_unload", "_unload_and_optionally_merge"})
+
+
+def _in_peft_merge() -> bool:
+    """Whether PEFT's merge of an adapter into its base layer is on this thread's stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _PEFT_MERGES and f"{os.sep}peft{os.sep}" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _UNBOUND: dict[type, type] = {}
