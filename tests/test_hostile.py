@@ -257,6 +257,9 @@ MANIFEST_MUTATIONS = {
     "a generator's state a list": lambda m: m["meta"]["rng"].update(own={"blocks.0.gen": [1, 2]}),
     "deep nesting": lambda m: json.dumps(m)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",
     "duplicate keys": lambda m: json.dumps(m)[:-1] + ', "step": 1}',
+    "an adapter's parameter that is not one": lambda m: m.update(peft={"adapter": "default", "config": {},
+                                                                       "keys": [["nowhere.weight", "x.weight"]]}),
+    "an adapter's keys a mapping": lambda m: m.update(peft={"adapter": "default", "config": {}, "keys": {"a": "b"}}),
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -301,6 +302,37 @@ def test_lora_merged_exports_the_model_with_the_adapter_merged(tmp_path, model_d
     assert any(not torch.equal(v, pretrained[k]) for k, v in got.items())  # the adapter is in it
     loaded = transformers.AutoModelForCausalLM.from_pretrained(merged, local_files_only=True)
     assert all(torch.equal(p, got[k]) for k, p in loaded.state_dict().items() if k in got)
+
+
+def test_the_export_command_writes_a_lora_runs_adapter_as_the_run_exports_it(tmp_path, model_dir, data, capsys):
+    """A LoRA run stopped before its final export (or an export of another step): ``tiered-offload
+    export RUN OUT`` wrote the whole PEFT model under PEFT's names and no adapter, neither what
+    ``PeftModel.from_pretrained`` nor what ``from_pretrained`` loads. The run's directory records
+    its adapter (PEFT's config and which parameters make it, under which keys), and the command
+    writes the adapter files the run's own export writes, bitwise; ``--adapter-only`` those alone.
+    A directory without an adapter refuses ``--adapter-only``, naming the plain export."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    settings = dict(train__lr=0.05, train__max_steps=4, output__export_every=0, lora__r=8)
+    final = Path(train(write_config(tmp_path, model_dir, data, **settings), progress=False)["final"])
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "all")]) == 0
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    for out in (tmp_path / "all", tmp_path / "adapter"):
+        got, want = load_file(out / "adapter_model.safetensors"), load_file(final / "adapter_model.safetensors")
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+        assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
+            (final / "adapter_config.json").read_text())
+    assert {f.name for f in (tmp_path / "adapter").iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    tuned = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    held = dict(tuned.named_parameters())
+    assert all(torch.equal(held[k.replace(".weight", ".default.weight")], v) for k, v in got.items())
+    full = train(write_config(tmp_path / "full", model_dir, data, **dict(settings, lora__r=0)), progress=False)
+    assert full["step"] == 4
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "full" / "run"), str(tmp_path / "x"), "--adapter-only"]) == 2
+    assert re.search(r"no adapter.*tiered-offload export .* without --adapter-only", capsys.readouterr().err)
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_changed_lora_layout_on_resume_is_refused_naming_the_setting(tmp_path, model_dir, data):

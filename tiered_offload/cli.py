@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-size", default="2GB", help="largest shard (default 2GB)")
     e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="the weights' dtype in the files (default fp32, as trained; bf16 halves them)")
+    e.add_argument("--adapter-only", action="store_true",
+                   help="a PEFT run: its adapter alone (adapter_model.safetensors, adapter_config.json), for "
+                        "PeftModel.from_pretrained")
     return parser
 
 
@@ -126,7 +129,7 @@ def _state_command(args) -> int:
     with open_state(args.directory, stripes=args.stripe, live=args.command == "inspect") as sd, \
             progress.shown(not getattr(args, "json", False)):
         if args.command == "export":
-            files = sd.export(args.out, args.max_shard_size, args.dtype)
+            files = sd.export(args.out, args.max_shard_size, args.dtype, adapter_only=args.adapter_only)
             for f in files:
                 print(f)
             return 0

@@ -21,6 +21,7 @@ import copy
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +29,10 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
-from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, iter_chunks
+from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, iter_chunks, write_private
 
-__all__ = ["ADAPTER_FILE", "export_adapter", "merged_export", "peft_adapter_name"]
+__all__ = ["ADAPTER_FILE", "adapter_config", "adapter_record", "export_adapter", "merged_export",
+           "peft_adapter_name", "write_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,9 @@ def export_adapter(out: str | os.PathLike, binding, store, placement, required: 
             raise ConfigError(f"an adapter-only export of a {type(model).__name__}, which is not a PEFT model: it has "
                               f"no adapter; export_safetensors(DIR) writes its weights")
         return []
-    from peft.utils import get_peft_model_state_dict
     trained = [(unit, slot) for unit, slot in binding.param_order if slot.requires_grad]
     weights = dict(placement.parameters(store, binding.units, trained))
-    with binding.real_blocks():
-        adapter = get_peft_model_state_dict(model, state_dict=weights, adapter_name=name)
+    adapter = _peft_state(binding, name, weights)
     kept = {id(t) for t in adapter.values()}
     left = [n for n, t in weights.items() if id(t) not in kept]
     if left:
@@ -68,14 +68,58 @@ def export_adapter(out: str | os.PathLike, binding, store, placement, required: 
                     "their modules in the config's modules_to_save", ADAPTER_FILE, name, len(left), left[:3])
     if not placement.writes_exports():
         return []
-    values = [t.to(dtype) if t.is_floating_point() else t for t in adapter.values()]
-    files = SafetensorsWriter(out, [(k, t.dtype, tuple(t.shape)) for k, t in zip(adapter, values)], max_shard_size=1 << 62,
-                              single_name=ADAPTER_FILE).write(lambda i, write: [write(c) for c in iter_chunks(values[i])])
-    config = copy.deepcopy(model.peft_config[name])  # as PeftModel.save_pretrained writes it
+    return write_adapter(out, list(adapter.items()), adapter_config(model, name), dtype)
+
+
+def _peft_state(binding, name: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's ``get_peft_model_state_dict`` of adapter ``name`` on ``weights`` (the trainable
+    parameters' values, by name), with the real blocks in the model's tree: ``{key: value}``."""
+    from peft.utils import get_peft_model_state_dict
+    with binding.real_blocks():
+        return get_peft_model_state_dict(binding.model, state_dict=weights, adapter_name=name)
+
+
+def adapter_config(model, name: str) -> dict:
+    """``adapter_config.json`` of adapter ``name``, as ``PeftModel.save_pretrained`` writes it."""
+    config = copy.deepcopy(model.peft_config[name])
     config.inference_mode = True
-    config.save_pretrained(str(out))
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        return json.loads((Path(tmp) / ADAPTER_CONFIG).read_text())
+
+
+def adapter_record(binding) -> dict | None:
+    """What a directory records of a PEFT model's adapter, for ``tiered-offload export`` to write it
+    without the model (:func:`write_adapter`): its ``adapter_config.json`` and which parameters make
+    it, under which keys of its file. None for another model (or one peft cannot key on shapes alone)."""
+    name = peft_adapter_name(binding.model)
+    if name is None:
+        return None
+    weights = {slot.name: torch.empty(slot.shape, device="meta") for _, slot in binding.param_order if slot.requires_grad}
+    names = {id(t): n for n, t in weights.items()}
+    try:
+        adapter = _peft_state(binding, name, weights)
+        made = [key for key, t in adapter.items() if id(t) not in names]
+        if made:
+            raise ValueError(f"peft makes {made[:3]} of its own")
+        keys = [[names[id(t)], key] for key, t in adapter.items()]  # in the file's order (a list: JSON keeps it)
+        return {"adapter": name, "config": adapter_config(binding.model, name), "keys": keys}
+    except Exception as e:  # noqa: BLE001 - the directory's export then holds the weights alone (it says so)
+        log.warning("the storage directory does not record adapter %r (%s): `tiered-offload export` of it writes the "
+                    "weights under peft's names, not the adapter", name, e)
+        return None
+
+
+def write_adapter(out: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]], config: dict,
+                  dtype: torch.dtype = torch.float32) -> list[Path]:
+    """``adapter_model.safetensors`` of ``tensors`` (key, value; floating ones in ``dtype``) and
+    ``adapter_config.json`` of ``config``, in ``out``."""
+    values = [t.to(dtype) if t.is_floating_point() else t for _, t in tensors]
+    files = SafetensorsWriter(out, [(k, t.dtype, tuple(t.shape)) for (k, _), t in zip(tensors, values)],
+                              max_shard_size=1 << 62, single_name=ADAPTER_FILE).write(
+        lambda i, write: [write(c) for c in iter_chunks(values[i])])
     path = Path(out) / ADAPTER_CONFIG
-    path.chmod(0o600)
+    write_private(path, json.dumps(config, indent=2, sort_keys=True))
     return [*files, path]
 
 

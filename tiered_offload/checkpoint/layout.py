@@ -134,9 +134,11 @@ class StateLayout:
                 f"rebuilds them)")
 
     # ---- the whole manifest ------------------------------------------------------------------------
-    def manifest(self, step: int, committed: dict, meta: dict, *, checksum: str, backend, model_config) -> dict:
+    def manifest(self, step: int, committed: dict, meta: dict, *, checksum: str, backend, model_config,
+                 peft: dict | None = None) -> dict:
         """The manifest of the committed state after ``step``: every durable tensor's extent and
-        checksum (``committed``: key -> ``(extent, crc)`` or None), the step's meta, the storage."""
+        checksum (``committed``: key -> ``(extent, crc)`` or None), the step's meta, the storage, the
+        model's config and (a PEFT model) what makes its adapter (``checkpoint/adapter.py``)."""
         tensors = {}
         for unit in self.units:
             shapes = self.placement.shapes(unit, self.state_kinds)
@@ -145,15 +147,15 @@ class StateLayout:
                 tensors[key] = {"extent": ref and ref[0], "crc": ref and ref[1], "dtype": "float32",
                                 "shape": [shapes[key]], "nbytes": shapes[key] * FP32_BYTES, "offset": 0}
         return {"format": FORMAT, "checksum": checksum, "step": step, "tensors": tensors, "meta": meta,
-                "model_config": model_config,
+                "model_config": model_config, **({"peft": peft} if peft is not None else {}),
                 "storage": {"backend": backend.name, "directories": [str(d) for d in backend.directories],
                             "stripe_bytes": backend.stripe_bytes},
                 **self.describe()}
 
-    def describer(self, store, model_config) -> Callable[[int, dict, dict], dict]:
+    def describer(self, store, model_config, peft: dict | None = None) -> Callable[[int, dict, dict], dict]:
         """``fn(step, committed, meta) -> manifest`` for the commit protocol, over ``store``'s backend."""
         return lambda step, committed, meta: self.manifest(step, committed, meta, checksum=store.checksum,
-                                                           backend=store.backend, model_config=model_config)
+                                                           backend=store.backend, model_config=model_config, peft=peft)
 
     # ---- adopting a committed state -------------------------------------------------------------------
     def keys(self) -> set[str]:

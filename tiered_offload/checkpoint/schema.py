@@ -252,6 +252,17 @@ def _check_manifest(m: Any) -> None:
         _str(d, f"storage.directories[{i}]")
     _opt(_int, storage.get("stripe_bytes"), "storage.stripe_bytes", 1, 2 ** 40)
     _opt(_obj, m.get("model_config"), "model_config")
+    if m.get("peft") is not None:  # a PEFT model's adapter: its config, and which parameters make it (keys in its file)
+        peft = _obj(m["peft"], "peft")
+        _str(_field(peft, "adapter", "peft"), "peft.adapter")
+        _obj(_field(peft, "config", "peft"), "peft.config")
+        names = {p.get("name") for p in m["params"]}
+        for i, pair in enumerate(_list(_field(peft, "keys", "peft"), "peft.keys")):
+            if len(_list(pair, f"peft.keys[{i}]")) != 2:
+                raise _Fail(f"peft.keys[{i}]", "is not [parameter name, key in the adapter's file]")
+            _str(pair[1], f"peft.keys[{i}][1]")
+            if _str(pair[0], f"peft.keys[{i}][0]") not in names:
+                raise _Fail(f"peft.keys[{i}]", f"{pair[0]!r} names no parameter of the manifest")
     if m.get("sharding") is not None:
         sh = _obj(m["sharding"], "sharding")
         world = _int(_field(sh, "world_size", "sharding"), "sharding.world_size", 1, 2 ** 20)

@@ -255,12 +255,13 @@ class Commits:
 NoCommits = Commits
 
 
-def commits_for(train_state, store, layout, model_config, *, durable: bool, snapshot: bool, every: int) -> Commits:
+def commits_for(train_state, store, layout, model_config, *, durable: bool, snapshot: bool, every: int,
+                peft: dict | None = None) -> Commits:
     """The commit strategy of an engine: none (scratch storage), snapshots (``snapshot``: the state
     fits in memory, or ``every`` > 1) or the journal."""
     if not durable:
         return NoCommits(train_state, store)
-    session = CheckpointSession(store, layout.describer(store, model_config))
+    session = CheckpointSession(store, layout.describer(store, model_config, peft))
     return SnapshotCommits(train_state, session, every) if snapshot else JournalCommits(train_state, session)
 
 

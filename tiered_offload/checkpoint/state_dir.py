@@ -26,6 +26,7 @@ import torch
 
 from offload_core.errors import (
     CheckpointError,
+    ConfigError,
     CorruptionError,
     ExtentNotFoundError,
     InvalidKeyError,
@@ -258,14 +259,17 @@ class StateDirectory:
                       for u in m["units"]],
         }
 
-    def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
+    def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32, *,
+               adapter_only: bool = False) -> list[Path]:
         """Write the committed weights as Hugging Face sharded safetensors (plus config.json if
-        recorded), in ``save_pretrained``'s format and ``dtype``."""
+        recorded), in ``save_pretrained``'s format and ``dtype``; a PEFT model's adapter beside them
+        as the engine's export writes it (``adapter_only``: that alone)."""
         dtype = export_dtype(dtype)
         with self._reading("exported"):
-            return self._export(out, max_shard_size, dtype)
+            return self._export(out, max_shard_size, dtype, adapter_only)
 
-    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
+    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32,
+                adapter_only: bool = False) -> list[Path]:
         sharding = self.manifest.get("sharding")
         if sharding:
             raise CheckpointError(
@@ -318,7 +322,18 @@ class StateDirectory:
                                       f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
 
         return _export_model(out, params, read_one, max_shard_size, {"step": str(self.manifest["step"])},
-                             self.buffers(), self.manifest.get("model_config"), dtype)
+                             self.buffers(), self.manifest.get("model_config"), dtype,
+                             _adapter(self.manifest, self.path, adapter_only))
+
+
+def _adapter(manifest: dict, path: Path, adapter_only: bool) -> tuple[dict | None, bool]:
+    """A directory's record of its PEFT adapter (None: no PEFT model), and ``adapter_only`` (refused
+    without one)."""
+    peft = manifest.get("peft")
+    if adapter_only and peft is None:
+        raise ConfigError(f"{path} holds no adapter (its model is not a PEFT model, or an older version trained it): "
+                          f"`tiered-offload export {path} OUT` without --adapter-only writes its weights")
+    return peft, adapter_only
 
 
 def _saved_format(config: dict | None, params: list[dict]):
@@ -339,11 +354,18 @@ def _saved_format(config: dict | None, params: list[dict]):
 
 
 def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict, buffers, config: dict | None,
-                  dtype: torch.dtype) -> list[Path]:
+                  dtype: torch.dtype, adapter: tuple[dict | None, bool] = (None, False)) -> list[Path]:
     """Export a directory's model: ``read(p, write)`` gives parameter ``p``'s float32 bytes; written
     in ``save_pretrained``'s format for the model ``config`` describes (:func:`_saved_format`: where
     it converts, a unit is read whole into memory, then converted: an MoE's block, a few GB for the
     largest ones) and in ``dtype``; then ``config.json``."""
+    peft, adapter_only = adapter
+    if peft is not None:  # the adapter's tensors kept as they are read
+        read, captured = _capturing(read, {name for name, _ in peft["keys"]})
+    if adapter_only:  # every unit read still (each is checked against its checksum as a whole)
+        for i in _unit_order(params):
+            read(params[i], lambda b: None)
+        return _write_adapter(out, peft, captured, dtype)
     saved, convert = _saved_format(config, params)
     state = {"unit": None, "converted": {}}
     by_unit: dict[str, list[dict]] = {}
@@ -368,11 +390,44 @@ def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict,
         for chunk in iter_chunks(state["converted"][p["name"]].to(dtype)):
             write(chunk)
     files = export_params(out, saved, fill, max_shard_size, {**metadata, "source": "tiered-offload"}, buffers, dtype)
+    if peft is not None:
+        files += _write_adapter(out, peft, captured, dtype)
     if config is None:
         return files
     path = Path(out) / "config.json"
     write_private(path, json.dumps(exported_config(config, dtype), indent=2, sort_keys=True))
     return [*files, path]
+
+
+def _capturing(read, names):
+    """``read`` that also keeps the float32 values of the parameters ``names``, and where they go."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def reading(p: dict, write) -> None:
+        if p["name"] not in names:
+            return read(p, write)
+        parts = []
+
+        def both(b) -> None:
+            parts.append(bytes(b))  # (a buffer the reader reuses)
+            write(b)
+        read(p, both)
+        captured[p["name"]] = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.float32).view(p["shape"])
+    return reading, captured
+
+
+def _write_adapter(out, peft: dict, captured: dict[str, torch.Tensor], dtype: torch.dtype) -> list[Path]:
+    from tiered_offload.checkpoint.adapter import write_adapter
+    return write_adapter(out, [(key, captured[name]) for name, key in peft["keys"]], peft["config"], dtype)
+
+
+def _unit_order(params: list[dict]) -> list[int]:
+    """The parameters' indices, units in the order they first appear, each unit's by offset (the
+    order an export reads them in: each unit's bytes front to back)."""
+    first = {}
+    for i, p in enumerate(params):
+        first.setdefault(p["tensor"], i)
+    return sorted(range(len(params)), key=lambda i: (first[params[i]["tensor"]], params[i]["offset"]))
 
 
 def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
@@ -381,12 +436,7 @@ def export_params(out, params: list[dict], fill, max_shard_size, metadata: dict,
     them in ``dtype``), then the model's persistent buffers (floating ones in ``dtype``, as
     ``model.to(dtype)`` casts them)."""
     buffers = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in buffers]
-    order = sorted(range(len(params)), key=lambda i: (params[i]["tensor"], params[i]["offset"]))
-    # keep units in the order they first appear in the model, parameters in buffer order
-    first = {}
-    for i, p in enumerate(params):
-        first.setdefault(p["tensor"], i)
-    order.sort(key=lambda i: (first[params[i]["tensor"]], params[i]["offset"]))
+    order = _unit_order(params)  # units in the order they first appear in the model, parameters in buffer order
     tensors = [(params[i]["name"], dtype, tuple(params[i]["shape"])) for i in order]
     tensors += [(name, t.dtype, tuple(t.shape)) for name, t in buffers]
 
@@ -509,16 +559,19 @@ class ShardedStateDirectory:
                 "bytes_checked": sum(r["bytes_checked"] for r in reports),
                 "damaged": [d for r in reports for d in r["damaged"]], "ok": all(r["ok"] for r in reports)}
 
-    def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
+    def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32, *,
+               adapter_only: bool = False) -> list[Path]:
         """Gather every rank's slices into one model (Hugging Face safetensors, config.json, in
-        ``save_pretrained``'s format and ``dtype``), after checking every slice against its checksum."""
+        ``save_pretrained``'s format and ``dtype``; a PEFT model's adapter beside it, or
+        ``adapter_only``), after checking every slice against its checksum."""
         dtype = export_dtype(dtype)
         with contextlib.ExitStack() as reading:
             for sd in self.ranks:
                 reading.enter_context(sd._reading("exported"))
-            return self._export(out, max_shard_size, dtype)
+            return self._export(out, max_shard_size, dtype, adapter_only)
 
-    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32) -> list[Path]:
+    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32,
+                adapter_only: bool = False) -> list[Path]:
         steps = self.steps()
         in_flight = [r for r, sd in enumerate(self.ranks) if sd.intent is not None]
         if len(set(steps)) != 1 or in_flight:
@@ -554,4 +607,5 @@ class ShardedStateDirectory:
                         write(piece.numpy().data)
                 lo = end
         return _export_model(out, self.manifest["params"], fill, max_shard_size, {"step": str(steps[0])},
-                             self.ranks[0].buffers(), self.manifest.get("model_config"), dtype)
+                             self.ranks[0].buffers(), self.manifest.get("model_config"), dtype,
+                             _adapter(self.manifest, self.path, adapter_only))

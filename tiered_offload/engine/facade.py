@@ -29,7 +29,7 @@ from offload_core.errors import (
     TensorStateError,
     TieredOffloadError,
 )
-from tiered_offload.checkpoint.adapter import peft_adapter_name
+from tiered_offload.checkpoint.adapter import adapter_record, peft_adapter_name
 from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
 from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
@@ -195,7 +195,8 @@ class Engine(EngineViews):
         snapshot = self._placement.world == 1 and (
             commit_every > 1 or self.schedule.fits(self.store.capacity(self.store.compute_tier)))
         self._commits: Commits = commits_for(self.train_state, self.store, self.layout, self.binding.model_config,
-                                             durable=self.durable, snapshot=snapshot, every=commit_every)
+                                             durable=self.durable, snapshot=snapshot, every=commit_every,
+                                             peft=adapter_record(self.binding) if self.durable else None)
         """How a step becomes durable: no commits, the journal, or snapshots."""
         try:
             self._open_state(resume, init_from)
