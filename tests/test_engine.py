@@ -3,6 +3,7 @@
 import copy
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -557,6 +558,53 @@ def test_lr_change_through_param_groups(tmp_path):
     after = dict(engine.named_parameters())
     # lr 0 and weight decay scaled by lr: nothing may move
     assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.close()
+
+
+@pytest.mark.parametrize("how", ["scheduler-built-before", "scheduler-built-after", "lr-set", "its-step"])
+def test_the_optimizer_given_to_the_engine_is_its_optimizer(tmp_path, how):
+    """``opt = AdamW(model.parameters()); engine = Engine(model, opt)``, then PyTorch's habits on
+    ``opt``: an LR scheduler over it (built before or after the engine; ``get_cosine_schedule_with_warmup
+    (opt)``), a learning rate set in ``opt.param_groups``, ``opt.step()`` / ``opt.zero_grad()``.
+    The engine read the hyperparameters once and kept its own groups: every one of those was
+    ignored without a word, and the model trained at the first learning rate. Now ``opt`` becomes
+    the engine's optimizer (``engine.optimizer is opt``, still an AdamW): the weights are PyTorch's,
+    bitwise; its state is refused, typed, as ``engine.optimizer``'s."""
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    schedule = lambda s: 1.0 / (1 + s)  # noqa: E731
+    mine = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = how in ("scheduler-built-before", "its-step")  # (the last: PyTorch's loop whole, on opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(mine, schedule) if before else None
+    engine = Engine(model, mine, storage=tmp_path / "s", host_memory=4 * 16 * sum(p.numel() for p in ref.parameters()) // 10)
+    if how == "scheduler-built-after":
+        sched = torch.optim.lr_scheduler.LambdaLR(mine, schedule)
+    assert engine.optimizer is mine and isinstance(mine, torch.optim.AdamW)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if sched is not None else None
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a scheduler stepped "before optimizer.step()" warns)
+        for i in range(4):
+            x = torch.randint(0, 128, (2, 17), generator=g)
+            if how == "lr-set":
+                for o in (mine, opt):
+                    o.param_groups[0]["lr"] = 1e-2 / (1 + i)
+            engine.backward(plain_loss(engine, x))
+            mine.step() if how == "its-step" else engine.step()
+            mine.zero_grad() if how == "its-step" else engine.zero_grad()
+            plain_loss(ref, x).backward()
+            opt.step()
+            opt.zero_grad()
+            for s in (sched, ref_sched):
+                if s is not None:
+                    s.step()
+    assert mine.param_groups[0]["lr"] == opt.param_groups[0]["lr"] != 1e-2
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], v.detach()) for k, v in ref.named_parameters())
+    with pytest.raises(TensorStateError, match="lives in the engine's store"):
+        mine.state_dict()
     engine.close()
 
 

@@ -254,6 +254,8 @@ class Engine(EngineViews):
         self._model_hooks = [hook for m in called.values() for hook in (
             m.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
             m.register_forward_hook(lambda _m, _a, _o: self._streamer.forward_ended()))]
+        if isinstance(optimizer, torch.optim.Optimizer):  # the one it was built from: its optimizer from now on
+            self._optimizer_view = _OptimizerView.adopt(optimizer, self)
         _close_at_exit(self)
 
     @classmethod
@@ -567,6 +569,10 @@ class _StateInStore(Mapping):
         raise TensorStateError(_OptimizerView._state_in_store("state"))
 
 
+_ADOPTED: dict[type, type] = {}
+"""An optimizer class -> the engine's view that is still one (:meth:`_OptimizerView.adopt`)."""
+
+
 class _OptimizerView(torch.optim.Optimizer):
     """Enough of ``torch.optim.Optimizer`` for LR schedulers: shared ``param_groups``, ``step``,
     ``zero_grad``. What it cannot honour (a new group, its state, a ``GradScaler``) is refused."""
@@ -584,6 +590,31 @@ class _OptimizerView(torch.optim.Optimizer):
         self.param_groups = engine.param_groups
         self.state = _StateInStore()
         self._engine = engine
+
+    @classmethod
+    def adopt(cls, optimizer: torch.optim.Optimizer, engine: Engine) -> "_OptimizerView":
+        """Make ``optimizer`` (the instance the engine was built from) the engine's view, still an
+        instance of its class: the learning rates set in its ``param_groups`` and an LR scheduler
+        built over it (before or after the engine) reach the engine's groups, and its ``step()`` is
+        ``engine.step()``. (Keeping the engine's own copy of its groups left all of those without
+        effect, without a word.) Its parameters and state stay the engine's."""
+        scheduled = hasattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched")
+        view = cls(engine)
+        optimizer.__dict__.clear()
+        optimizer.__dict__.update(view.__dict__)
+        kind = type(optimizer)
+        if kind not in _ADOPTED:
+            _ADOPTED[kind] = type(f"Engine{kind.__name__}", (cls, kind), {"__module__": cls.__module__})
+        optimizer.__class__ = _ADOPTED[kind]
+        if scheduled:  # a scheduler built over it first checks that its step() is the one it wrapped
+            me = weakref.ref(optimizer)
+
+            @functools.wraps(cls.step)
+            def step(*args, **kwargs):
+                return cls.step(me(), *args, **kwargs)
+            step._wrapped_by_lr_sched = True
+            optimizer.step = step
+        return optimizer
 
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - refused once built
         if self._engine is None:  # (the base class's __init__)
