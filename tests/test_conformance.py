@@ -1164,6 +1164,30 @@ def test_a_compiled_model_around_the_blocks_is_refused_naming_the_fix(tmp_path, 
         Engine(model, torch.optim.AdamW, storage=tmp_path, host_memory=1 << 30)
 
 
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_model_compiled_after_the_engine_was_built_is_refused_naming_the_fix(tmp_path, how):
+    """Compiled after the engine was built, dynamo stopped in the first call on a parameter's
+    placeholder, with a message about reading weights for an EMA. It now names the per-block
+    compile that works (the error still comes through dynamo's own, which wraps it); training
+    then goes on uncompiled."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+    engine = Engine(model, torch.optim.AdamW, storage=tmp_path, host_memory=1 << 30)
+    ids = torch.randint(0, 64, (2, 8))
+    compiled = torch.compile(model, backend="eager") if how == "torch.compile(model)" else model
+    if how == "model.compile()":
+        model.compile(backend="eager")
+    with pytest.raises(Exception, match=r"torch\.compile traces a model the engine streams.*block\.compile\(\)") as got:
+        compiled(ids)
+    assert "TensorStateError" in str(got.value)  # (dynamo's InternalTorchDynamoError around it)
+    if how == "model.compile()":
+        model._compiled_call_impl = None
+    engine.backward(model(ids).float().pow(2).mean())
+    engine.step()
+    engine.close()
+
+
 # ---- mixed precision ------------------------------------------------------------------------------
 @pytest.mark.parametrize("activations", ["recompute", "offload", "auto"])
 def test_autocast_bf16_trains_bitwise_as_pytorch_under_autocast(tmp_path, activations):

@@ -135,6 +135,10 @@ def _unbound_use(name: str, what: str) -> str:
         return (f"{name}: a copy of it (copy.deepcopy, torch.save, pickle) {where}, so the copy would hold no weights. "
                 f"Read them with engine.named_parameters(); a copy of the model: engine.export_safetensors(DIR), "
                 f"then from_pretrained(DIR) (or init_from=DIR)")
+    if _on_stack(f"{os.sep}torch{os.sep}_dynamo{os.sep}"):
+        return (f"{name}: torch.compile traces a model the engine streams ({what} on its placeholder; the weights "
+                f"live in the engine's store). Compile each block instead, before building the engine (for block in "
+                f"model.<blocks>: block.compile(): bitwise as PyTorch), and call the model itself")
     if _in_peft_merge():
         return (f"{name}: PEFT's merge (merge_adapter, merge_and_unload) reads it {where}, and would write merged "
                 f"weights into placeholders. The model with the adapter merged: engine.export_safetensors(DIR, "
@@ -153,10 +157,15 @@ _PEFT_MERGES = frozenset({"merge", "merge_adapter", "merge_and_unload", "_unload
 
 def _in_peft_merge() -> bool:
     """Whether PEFT's merge of an adapter into its base layer is on this thread's stack."""
+    return _on_stack(f"{os.sep}peft{os.sep}", _PEFT_MERGES)
+
+
+def _on_stack(path: str, names: frozenset[str] | None = None) -> bool:
+    """Whether a function from a file under ``path`` (one of ``names``, if given) is on this thread's stack."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_name in _PEFT_MERGES and f"{os.sep}peft{os.sep}" in code.co_filename:
+        if path in code.co_filename and (names is None or code.co_name in names):
             return True
         frame = frame.f_back
     return False
