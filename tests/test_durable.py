@@ -1,6 +1,7 @@
 """Durable training state: resume, crash safety, full disk, locking, integrity, safety, import/export."""
 
 import json
+import logging
 import os
 import re
 import select
@@ -922,3 +923,29 @@ def test_a_resume_with_other_hyperparameters_says_that_the_saved_ones_are_used(t
     said = [r.getMessage() for r in caplog.records if "hyperparameters" in r.getMessage()]
     assert len(said) == 1 and "lr 0.003 (given 0.001)" in said[0] and "eps 1e-08 (given 1e-06)" in said[0]
     assert "weight_decay" not in said[0] and "engine.param_groups" in said[0]
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_scheduler_a_durable_run_does_not_save_is_warned_of(tmp_path, caplog, attached):
+    """A scheduler stepped by the user (``sched.step()``, PyTorch's way) and not attached: the
+    directory saves the learning rates but not the scheduler's position, so a resume's new
+    scheduler starts its schedule again (its first step resets the rate), without a word. The
+    first step says so, naming ``attach_scheduler``; an attached one is saved and says nothing."""
+    model = make_model()
+    engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3), storage=tmp_path / "s",
+                    host_memory=16 * sum(p.numel() for p in model.parameters()) // 3)
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1 / (s + 1))
+    if attached:
+        engine.attach_scheduler(sched)
+    with caplog.at_level(logging.WARNING, logger="tiered_offload"):
+        for _ in range(2):
+            x = torch.randint(0, 128, (2, 17))
+            engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+            engine.step()
+            engine.zero_grad()
+            if not attached:
+                sched.step()
+    warned = [r.getMessage() for r in caplog.records if "attach_scheduler" in r.getMessage()]
+    assert len(warned) == (0 if attached else 1), warned
+    assert attached or "restarts" in warned[0]
+    engine.close()

@@ -416,6 +416,7 @@ class Engine(EngineViews):
         scale = self._gradients.take_scale()
         if self._optimizer_view is not None:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
+            _warn_of_a_scheduler_not_saved(self)
         updates = self.train_state.advance(
             (lambda group, count, scalars: self._spec.next_scalars(hypers[group], count, scalars))
             if self._spec.scalars else None)
@@ -515,6 +516,19 @@ class Engine(EngineViews):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warn_of_a_scheduler_not_saved(engine: Engine) -> None:
+    """Once: a scheduler built over ``engine.optimizer`` (its ``step`` wrapped) that a durable run
+    does not save (not attached): a resume would start its schedule again."""
+    view = engine._optimizer_view
+    if (engine.durable and engine.train_state.scheduler is None and not getattr(view, "_told_of_scheduler", False)
+            and hasattr(view.__dict__.get("step"), "_wrapped_by_lr_sched")):
+        view._told_of_scheduler = True
+        log.warning("a learning-rate scheduler is built over the engine's optimizer but not attached: the storage "
+                    "directory saves the learning rates, not the scheduler's position, so a resume restarts its "
+                    "schedule. engine.attach_scheduler(scheduler) saves it (then the engine steps it: call "
+                    "engine.step() only)")
 
 
 def _check_loss(loss) -> None:
