@@ -949,3 +949,34 @@ def test_a_scheduler_a_durable_run_does_not_save_is_warned_of(tmp_path, caplog, 
     assert len(warned) == (0 if attached else 1), warned
     assert attached or "restarts" in warned[0]
     engine.close()
+
+
+def test_a_loop_on_the_optimizer_passed_in_resumes_exactly(tmp_path):
+    """PyTorch's loop on the optimizer passed in (``opt.step()``, ``opt.zero_grad()``), with a
+    scheduler built over it before the engine and attached: stopped after 2 steps and run again
+    with a new optimizer and scheduler, it ends as the run never stopped (losses, learning rate,
+    weights, bitwise)."""
+    def run(storage, steps, resume):
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / (s + 2))
+        engine = Engine(model, opt, storage=storage, host_memory=16 * sum(p.numel() for p in model.parameters()) // 3,
+                        resume=resume)
+        engine.attach_scheduler(sched)
+        g = torch.Generator().manual_seed(5)
+        batches = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(steps)]
+        losses = []
+        while engine.step_count < steps:
+            x = batches[engine.step_count]
+            loss = F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        result = losses, weights(engine), opt.param_groups[0]["lr"]
+        engine.close()
+        return result
+    losses, whole, lr = run(tmp_path / "a", 5, False)
+    first = run(tmp_path / "b", 2, False)[0]
+    rest, resumed, lr_resumed = run(tmp_path / "b", 5, True)
+    assert losses == first + rest and lr == lr_resumed != 3e-3 and same(whole, resumed)
