@@ -34,6 +34,10 @@ def build(cfg: dict):
     if cfg.get("frozen"):
         for p in model.blocks[1].parameters():  # a frozen block
             p.requires_grad_(False)
+    if cfg.get("lora"):  # PEFT's LoRA on the blocks' qkv and fc (its adapter initialised at random)
+        import peft
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["qkv", "fc"], init_lora_weights=False))
     if cfg.get("hooks"):  # gradient hooks: a block's weight scaled, the embedding's upper rows masked
         model.blocks[2].qkv.weight.register_hook(lambda g: g * 0.5)
         rows = (torch.arange(VOCAB) < VOCAB // 2).float()[:, None]

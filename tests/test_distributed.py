@@ -358,6 +358,22 @@ def test_resuming_with_another_number_of_ranks_is_refused(tmp_path):
         assert code != 0 and "re-sharding is not supported" in log, log[-2000:]
 
 
+def test_the_export_command_gathers_a_sharded_lora_runs_adapter(tmp_path):
+    """``tiered-offload export ROOT OUT --adapter-only`` of a sharded PEFT run: the adapter the
+    ranks trained, gathered from their slices, as the engine's own export wrote it (bitwise)."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from tiered_offload.cli import main as cli_main
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 2, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "durable": True, "lora": True, "export": True}
+    launch(2, tmp_path, cfg)
+    assert cli_main(["export", str(tmp_path / "state"), str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    live, offline = (load_file(d / "adapter_model.safetensors") for d in (tmp_path / "export", tmp_path / "adapter"))
+    assert list(live) == list(offline) and all(torch.equal(live[k], offline[k]) for k in live)
+    assert any(torch.count_nonzero(v) for k, v in live.items() if "lora_B" in k)
+    assert (tmp_path / "export" / "adapter_config.json").read_text() == (tmp_path / "adapter" / "adapter_config.json").read_text()
+
+
 def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command(tmp_path, capsys):
     """inspect lists the ranks, verify checks every slice, export gathers the slices into the model
     the ranks trained; one rank's directory is not exported as if it were a model; one process

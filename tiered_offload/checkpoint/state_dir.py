@@ -358,7 +358,8 @@ def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict,
     """Export a directory's model: ``read(p, write)`` gives parameter ``p``'s float32 bytes; written
     in ``save_pretrained``'s format for the model ``config`` describes (:func:`_saved_format`: where
     it converts, a unit is read whole into memory, then converted: an MoE's block, a few GB for the
-    largest ones) and in ``dtype``; then ``config.json``."""
+    largest ones) and in ``dtype``; then ``config.json``. ``adapter``: a PEFT model's record of its
+    adapter (:func:`_adapter`), whose files are written beside, and whether they are written alone."""
     peft, adapter_only = adapter
     if peft is not None:  # the adapter's tensors kept as they are read
         read, captured = _capturing(read, {name for name, _ in peft["keys"]})
