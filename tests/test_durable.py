@@ -980,3 +980,27 @@ def test_a_loop_on_the_optimizer_passed_in_resumes_exactly(tmp_path):
     first = run(tmp_path / "b", 2, False)[0]
     rest, resumed, lr_resumed = run(tmp_path / "b", 5, True)
     assert losses == first + rest and lr == lr_resumed != 3e-3 and same(whole, resumed)
+
+
+def test_an_attached_scheduler_stepped_again_by_the_caller_is_refused(tmp_path):
+    """``engine.attach_scheduler(sched)`` and PyTorch's habit ``sched.step()`` after each step: the
+    schedule ran twice as fast without a word (the engine steps an attached scheduler itself).
+    The next ``engine.step()`` refuses, naming the fix, before it changes anything."""
+    model = make_model()
+    engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3), storage=tmp_path / "s",
+                    host_memory=16 * sum(p.numel() for p in model.parameters()) // 3)
+    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1 / (s + 1))
+    engine.attach_scheduler(sched)
+    x = torch.randint(0, 128, (2, 17))
+
+    def step():
+        engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+        engine.step()
+        engine.zero_grad()
+    step()  # the engine steps the scheduler: fine
+    sched.step()  # and so does the caller
+    before, lr = weights(engine), engine.optimizer.param_groups[0]["lr"]
+    with pytest.raises(ConfigError, match=r"stepped outside the engine.*call engine\.step\(\) only"):
+        step()
+    assert engine.step_count == 1 and same(before, weights(engine))
+    engine.close()

@@ -408,6 +408,7 @@ class Engine(EngineViews):
         self._streamer.unbind_rest()
         self._await()
         self._placement.set_phase(f"step {self.step_count + 1}, step")
+        self.train_state.check_scheduler()
         if not self._gradients.usable(self.on_nonfinite):
             return False
         self._phase(Phase.STEP)

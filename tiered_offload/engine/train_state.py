@@ -55,6 +55,8 @@ class TrainState:
         """JSON-serialisable values saved with every step (a data loader's position...)."""
         self.scheduler = None
         """The learning-rate scheduler the engine steps after each optimizer step (attach_scheduler)."""
+        self._scheduler_epoch = None
+        """The attached scheduler's ``last_epoch`` where the engine left it (:meth:`check_scheduler`)."""
         self.param_order = param_order
         self.buffers: list = []
         self.generators: list[tuple[str, torch.Generator]] = []
@@ -95,7 +97,18 @@ class TrainState:
         self.step_count += 1
         if self.scheduler is not None:
             self.scheduler.step()
+            self._scheduler_epoch = getattr(self.scheduler, "last_epoch", None)
         return updates
+
+    def check_scheduler(self) -> None:
+        """Refuse a step whose attached scheduler the caller stepped too (PyTorch's ``sched.step()``
+        after ``optimizer.step()``): its schedule would run ahead without a word."""
+        epoch = getattr(self.scheduler, "last_epoch", None)
+        if self.scheduler is not None and epoch is not None and epoch != self._scheduler_epoch:
+            raise ConfigError(f"the attached {type(self.scheduler).__name__} was stepped outside the engine (at "
+                              f"{epoch}, the engine left it at {self._scheduler_epoch}): the engine steps an attached "
+                              f"scheduler after each step, so its schedule would run ahead. Remove the "
+                              f"scheduler.step() call and call engine.step() only")
 
     def replayed_updates(self, meta: dict, no_grad) -> StepUpdates:
         """For a step a resume finishes (its state after is ``meta``; the slots hold the state before
@@ -201,6 +214,7 @@ class TrainState:
             # start (LambdaLR, warm-ups); loading its state does not undo that: the saved ones do
             for group, saved in zip(self.param_groups, self._resumed_param_groups):
                 group.update(hyper_from_json(saved, group))
+        self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
 
 
 def jsonable(value, what: str):
