@@ -2,6 +2,7 @@
 
 import copy
 import math
+import pickle
 import re
 import warnings
 
@@ -603,8 +604,9 @@ def test_the_optimizer_given_to_the_engine_is_its_optimizer(tmp_path, how):
     assert mine.param_groups[0]["lr"] == opt.param_groups[0]["lr"] != 1e-2
     weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], v.detach()) for k, v in ref.named_parameters())
-    with pytest.raises(TensorStateError, match="lives in the engine's store"):
-        mine.state_dict()
+    for copying in (lambda o: o.state_dict(), copy.deepcopy, pickle.dumps):  # (a checkpoint of it holds nothing)
+        with pytest.raises(TensorStateError, match="lives in the engine's store"):
+            copying(mine)
     engine.close()
 
 

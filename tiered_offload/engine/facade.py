@@ -645,11 +645,18 @@ class _OptimizerView(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:  # noqa: D102 - refused
         raise TensorStateError(self._state_in_store("load_state_dict()"))
 
+    def __deepcopy__(self, memo):  # noqa: D105 - refused
+        raise TensorStateError(self._state_in_store("", "a copy of engine.optimizer (copy.deepcopy)"))
+
+    def __reduce_ex__(self, protocol):  # noqa: D105 - refused
+        raise TensorStateError(self._state_in_store("", "a copy of engine.optimizer (pickle, torch.save)"))
+
     @staticmethod
-    def _state_in_store(call: str) -> str:
-        return (f"engine.optimizer.{call}: the optimizer's state (its moments, step counts) lives in the engine's "
-                f"store, not in this stand-in. A commit saves it with the weights (durable=True; engine.commit()) and "
-                f"Engine.resume(storage, model) restores it; engine.export_safetensors(DIR) exports the weights")
+    def _state_in_store(call: str, what: str | None = None) -> str:
+        return (f"{what or f'engine.optimizer.{call}'}: the optimizer's state (its moments, step counts) lives in "
+                f"the engine's store, not in this stand-in. A commit saves it with the weights (durable=True; "
+                f"engine.commit()) and Engine.resume(storage, model) restores it; engine.export_safetensors(DIR) "
+                f"exports the weights")
 
     def step(self, closure=None):  # noqa: D102 - forwards to the engine
         return self._engine.step()
