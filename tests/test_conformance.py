@@ -11,6 +11,7 @@ without a change here.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -223,13 +224,14 @@ def t5(dropout=0.1):
         dropout_rate=dropout, decoder_start_token_id=0, pad_token_id=0, use_cache=False))
 
 
-def bart(dropout=0.1):
+def bart(dropout=0.1, layerdrop=0.0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=64, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        dropout=dropout, attention_dropout=0.0, activation_dropout=0.0, use_cache=False))
+        dropout=dropout, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+        encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop))
 
 
 def seq2seq_loss(model, ids, route=None):
@@ -388,15 +390,17 @@ def test_encoder_decoder_trains_bitwise_at_a_third_of_its_state(tmp_path, make_m
 def test_encoder_decoder_forward_backward_bitwise(tmp_path, make_model, monkeypatch):
     """forward_backward over 3 micro-batches through both stacks (the encoder's output read by
     every decoder block of every micro-batch, chained per micro-batch): bitwise as PyTorch's loop.
-    BART's stacks draw a random number before each layer in training (LayerDrop's ``torch.rand``,
-    at ``layerdrop=0`` too, in transformers 5.x): its first step runs the loop, which learns the
-    draws, and the second draws the loop's numbers with the micro-batches side by side."""
+    BART's stacks draw a random number before each layer in training with LayerDrop on
+    (``torch.rand``; transformers before 5.25 at ``layerdrop=0`` too; here 1e-9, which draws and
+    drops nothing): its first step runs the loop, which learns the draws, and the second draws the
+    loop's numbers with the micro-batches side by side."""
     from tiered_offload.engine import micro_batches
     as_loop, loop = [], micro_batches._loop
     monkeypatch.setattr(micro_batches, "_loop", lambda *a: as_loop.append(1) or loop(*a))
-    check_parity(lambda: make_model(dropout=0.0), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path,
+    make = functools.partial(make_model, dropout=0.0, **({"layerdrop": 1e-9} if make_model is bart else {}))
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path,
                  loss_fn=seq2seq_loss, clip=1.0, host_fraction=1 / 3, accumulate=3, steps=2, fused=True)
-    model, before = make_model(dropout=0.0).train(), torch.get_rng_state()
+    model, before = make().train(), torch.get_rng_state()
     seq2seq_loss(model, torch.arange(8).view(1, 8))
     draws = not torch.equal(before, torch.get_rng_state())
     assert draws == (make_model is bart)
