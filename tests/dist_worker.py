@@ -28,6 +28,17 @@ def build(cfg: dict):
     if cfg.get("model") == "moe":  # top-1 mixture of experts (tests/test_finetune.py's), see batch()
         from test_finetune import make_moe
         return make_moe()
+    if cfg.get("model") == "llama":  # a Hugging Face model (its config recorded), PEFT's LoRA on q and v
+        import peft
+        import transformers
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=cfg["layers"],
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+            tie_word_embeddings=False, use_cache=False))
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights=False))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, context=CONTEXT, d_model=32, n_layers=cfg["layers"], n_heads=4,
                           dropout=cfg.get("dropout", 0.0)))
@@ -82,7 +93,8 @@ def loss_of(model, x, moe: bool = False) -> torch.Tensor:
     if moe:
         logits = model(ids, route)
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    logits = model(ids[:, :-1])
+    out = model(ids[:, :-1])
+    logits = getattr(out, "logits", out)  # (a Hugging Face model's output)
     return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
@@ -234,7 +246,8 @@ def main() -> int:
         if not cfg.get("zero_grad_late"):
             engine.zero_grad()
     weights = dict(engine.named_parameters())
-    exported = [str(f) for f in engine.export_safetensors(out / "export")] if cfg.get("export") else []
+    exported = [str(f) for f in engine.export_safetensors(out / "export", merged=cfg.get("export") == "merged")
+                ] if cfg.get("export") else []
     result = {"losses": losses, "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
               "host_budget": engine.store.capacity("host"), "weights": weights if rank == 0 else None,
               "directory": str(engine.store.backend.location), "exported": exported,

@@ -5,6 +5,7 @@ batches. The ranks fork from a zygote that imported torch once (tools/zygote.py:
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -372,6 +373,30 @@ def test_the_export_command_gathers_a_sharded_lora_runs_adapter(tmp_path):
     assert list(live) == list(offline) and all(torch.equal(live[k], offline[k]) for k in live)
     assert any(torch.count_nonzero(v) for k, v in live.items() if "lora_B" in k)
     assert (tmp_path / "export" / "adapter_config.json").read_text() == (tmp_path / "adapter" / "adapter_config.json").read_text()
+
+
+def test_the_export_command_merges_a_sharded_lora_runs_adapter_as_the_ranks_merge_it(tmp_path, capsys):
+    """``tiered-offload export ROOT OUT --merged`` of a sharded PEFT run of a Hugging Face model:
+    the base model with the adapter merged, gathered from the ranks' slices, bitwise the ranks'
+    own merged export (``export_safetensors(merged=True)``), with its ``config.json``. A sharded
+    LoRA run of a model without a Hugging Face config cannot be rebuilt to merge: refused, naming
+    the adapter export."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from tiered_offload.cli import main as cli_main
+    cfg = {"layers": 3, "optimizer": "adamw", "steps": 2, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "durable": True, "model": "llama", "export": "merged"}
+    launch(2, tmp_path, cfg)
+    assert cli_main(["export", str(tmp_path / "state"), str(tmp_path / "merged"), "--merged"]) == 0
+    live, offline = (load_file(d / "model.safetensors") for d in (tmp_path / "export", tmp_path / "merged"))
+    assert list(live) == list(offline) and all(torch.equal(live[k], offline[k]) for k in live)
+    assert "model.layers.0.self_attn.q_proj.weight" in live and not any("lora" in k for k in live)
+    assert (tmp_path / "export" / "config.json").read_text() == (tmp_path / "merged" / "config.json").read_text()
+    launch(2, tmp_path / "gpt", dict(cfg, model=None, lora=True, export=None))
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "gpt" / "state"), str(tmp_path / "x"), "--merged"]) == 2
+    assert re.search(r"does not record its base model's config.json.*--adapter-only", capsys.readouterr().err)
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command(tmp_path, capsys):

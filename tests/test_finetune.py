@@ -512,6 +512,13 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, merged.eval()(ids).logits)
+    # the same from the storage directory, without the engine (`tiered-offload export --merged`)
+    from tiered_offload.checkpoint.state_dir import StateDirectory
+    with StateDirectory(tmp_path / "state") as sd:
+        sd.export(tmp_path / "offline", merged=True)
+    offline = load_file(tmp_path / "offline" / "model.safetensors")
+    assert list(offline) == list(got) and all(torch.equal(offline[k], got[k]) for k in got)
+    assert (tmp_path / "offline" / "config.json").read_text() == (out / "config.json").read_text()
 
 
 def test_a_merged_export_of_what_has_no_adapter_to_merge_is_refused(tmp_path):

@@ -260,6 +260,8 @@ MANIFEST_MUTATIONS = {
     "an adapter's parameter that is not one": lambda m: m.update(peft={"adapter": "default", "config": {},
                                                                        "keys": [["nowhere.weight", "x.weight"]]}),
     "an adapter's keys a mapping": lambda m: m.update(peft={"adapter": "default", "config": {}, "keys": {"a": "b"}}),
+    "an adapter's base config a list": lambda m: m.update(peft={"adapter": "default", "config": {}, "keys": [],
+                                                                "base_config": ["LlamaForCausalLM"]}),
 }
 
 

@@ -335,6 +335,48 @@ def test_the_export_command_writes_a_lora_runs_adapter_as_the_run_exports_it(tmp
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("lora", [dict(lora__r=8), dict(lora__r=4, lora__dora=True, lora__modules_to_save=["lm_head"])],
+                         ids=["lora", "dora-head"])
+def test_the_export_command_merges_a_lora_runs_adapter_as_peft_merges_it(tmp_path, model_dir, data, capsys, lora):
+    """A LoRA run exported its adapter; the user wants the model with it merged, for serving with
+    ``from_pretrained`` (a model larger than memory, which PEFT's ``merge_and_unload()`` cannot
+    hold). ``tiered-offload export RUN OUT --merged`` streams it from the directory: bitwise what
+    ``PeftModel.from_pretrained(base, adapter).merge_and_unload()`` holds, under the base model's
+    names with its ``config.json``, which ``from_pretrained`` loads. ``--merged`` with
+    ``--adapter-only``, or of a run without an adapter, is refused, naming what to run."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    settings = dict(train__lr=0.05, train__max_steps=3, output__export_every=0, **lora)
+    final = Path(train(write_config(tmp_path, model_dir, data, **settings), progress=False)["final"])
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--merged"]) == 0
+    assert {f.name for f in (tmp_path / "merged").iterdir()} == {"model.safetensors", "config.json"}
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    expected = peft.PeftModel.from_pretrained(base, final).merge_and_unload().state_dict()
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(got) <= set(expected) and all(torch.equal(v, expected[k]) for k, v in got.items())
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
+    assert any(not torch.equal(v, pretrained[k]) for k, v in got.items())  # the adapter is in it
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    assert all(torch.equal(p, expected[k]) for k, p in loaded.state_dict().items())
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "x"), "--merged", "--adapter-only"]) == 2
+    assert re.search(r"--merged.*--adapter-only.*one", capsys.readouterr().err)
+    from test_hostile import rewrite_manifest  # a class transformers has, which is no model; an older version's record
+    rewrite_manifest(tmp_path / "run", lambda m: m["peft"]["base_config"].update(architectures=["AutoTokenizer"]))
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "x"), "--merged"]) == 2
+    assert re.search(r"could not be rebuilt.*names no transformers model class.*--adapter-only", capsys.readouterr().err)
+    rewrite_manifest(tmp_path / "run", lambda m: m["peft"].pop("base_config") and None)
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "x"), "--merged"]) == 2
+    assert re.search(r"does not record its base model's config.json.*--adapter-only", capsys.readouterr().err)
+    full = train(write_config(tmp_path / "full", model_dir, data, **dict(settings, lora__r=0, lora__dora=False,
+                                                                        lora__modules_to_save=None)), progress=False)
+    assert full["step"] == 3
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "full" / "run"), str(tmp_path / "x"), "--merged"]) == 2
+    assert re.search(r"no adapter.*tiered-offload export .* without --merged", capsys.readouterr().err)
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_changed_lora_layout_on_resume_is_refused_naming_the_setting(tmp_path, model_dir, data):
     """What trains (``lora.r``, ``lora.targets``, ``lora.dora``, ``lora.modules_to_save``, LoRA on or
     off) is the state's layout: a run continued with another was refused with the engine's

@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--adapter-only", action="store_true",
                    help="a PEFT run: its adapter alone (adapter_model.safetensors, adapter_config.json), for "
                         "PeftModel.from_pretrained")
+    e.add_argument("--merged", action="store_true",
+                   help="a PEFT run: the model with its adapter merged into the weights (as PEFT's "
+                        "merge_and_unload() saves it, with the base model's config.json), for from_pretrained; "
+                        "streamed, one unit in memory at a time")
     return parser
 
 
@@ -129,7 +133,8 @@ def _state_command(args) -> int:
     with open_state(args.directory, stripes=args.stripe, live=args.command == "inspect") as sd, \
             progress.shown(not getattr(args, "json", False)):
         if args.command == "export":
-            files = sd.export(args.out, args.max_shard_size, args.dtype, adapter_only=args.adapter_only)
+            files = sd.export(args.out, args.max_shard_size, args.dtype, adapter_only=args.adapter_only,
+                              merged=args.merged)
             for f in files:
                 print(f)
             return 0

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -29,10 +30,10 @@ import torch
 from torch import nn
 
 from offload_core.errors import ConfigError
-from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, iter_chunks, write_private
+from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, config_json, iter_chunks, write_private
 
 __all__ = ["ADAPTER_FILE", "adapter_config", "adapter_record", "export_adapter", "merged_export",
-           "peft_adapter_name", "write_adapter"]
+           "offline_merge", "peft_adapter_name", "write_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ def adapter_config(model, name: str) -> dict:
 def adapter_record(binding) -> dict | None:
     """What a directory records of a PEFT model's adapter, for ``tiered-offload export`` to write it
     without the model (:func:`write_adapter`): its ``adapter_config.json`` and which parameters make
-    it, under which keys of its file. None for another model (or one peft cannot key on shapes alone)."""
+    it, under which keys of its file; and the base model's ``config.json`` (where it has one), from
+    which a merged export rebuilds the model (:func:`offline_merge`). None for another model (or one
+    peft cannot key on shapes alone)."""
     name = peft_adapter_name(binding.model)
     if name is None:
         return None
@@ -103,7 +106,9 @@ def adapter_record(binding) -> dict | None:
         if made:
             raise ValueError(f"peft makes {made[:3]} of its own")
         keys = [[names[id(t)], key] for key, t in adapter.items()]  # in the file's order (a list: JSON keeps it)
-        return {"adapter": name, "config": adapter_config(binding.model, name), "keys": keys}
+        base = _base_config(binding.model)  # (for a merged export: the model rebuilt on meta, offline_merge)
+        return {"adapter": name, "config": adapter_config(binding.model, name), "keys": keys,
+                **({"base_config": base} if base is not None else {})}
     except Exception as e:  # noqa: BLE001 - the directory's export then holds the weights alone (it says so)
         log.warning("the storage directory does not record adapter %r (%s): `tiered-offload export` of it writes the "
                     "weights under peft's names, not the adapter", name, e)
@@ -129,6 +134,66 @@ def merged_export(binding, params: list[dict], buffers: list) -> tuple[list[dict
     adapter and of ``original_module`` left out; ``merge(unit, flat)``, the merged weights of the
     tuner layers among the unit's parameters by those names; and the base model's config."""
     model = binding.model
+    with binding.real_blocks():
+        slots = {id(s.param): (u.name, s.name, s.shape) for u, s in binding.param_order}
+        base_name, merge_values = _merge_plan(model, slots)
+
+    def merge(unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return merge_values(unit.name, {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params})
+
+    renamed = [dict(p, name=n) for p in params if (n := base_name(p["name"])) is not None]
+    kept = [(n, t) for b, t in buffers if (n := base_name(b)) is not None]
+    return renamed, kept, merge, _base_config(model)
+
+
+def offline_merge(record: dict, params: list[dict], where: str) -> tuple[nn.Module, list[dict], Callable, Callable]:
+    """A merged export of a storage directory's PEFT model without the engine: from the directory's
+    ``record`` of its adapter (:func:`adapter_record`), the PEFT model rebuilt on the meta device
+    (the base model from its recorded ``config.json``, the adapter from its config), checked
+    against the directory's ``params`` (the manifest's entries). Returns the base model (on meta),
+    ``params`` under its names (as :func:`merged_export`), ``base_name`` (for the buffers) and
+    ``merge(unit tensor, values by name)``. ``where`` names the directory in the errors."""
+    config = record.get("base_config")
+    if not config or not config.get("architectures"):
+        raise ConfigError(f"{where} does not record its base model's config.json (an older version trained it, or "
+                          f"the base model is not a Hugging Face model), so the model cannot be rebuilt to merge the "
+                          f"adapter: export it with --adapter-only and merge it with peft (merge_and_unload)")
+    try:
+        import peft
+        from tiered_offload.checkpoint.export import meta_model
+        base = meta_model(config)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*base_model_name_or_path")  # (the base has no path: on meta)
+            model = peft.get_peft_model(base, peft.PeftConfig.from_peft_type(**record["config"]),
+                                        adapter_name=record["adapter"], low_cpu_mem_usage=True)
+    except Exception as e:  # noqa: BLE001 - no peft or transformers, or one that does not know the model
+        raise ConfigError(f"{where}: the model with its adapter could not be rebuilt from the recorded configs "
+                          f"({type(e).__name__}: {e}); export it with --adapter-only and merge it with peft") from None
+    by_name = {p["name"]: p for p in params}
+    built = dict(model.named_parameters())
+    differ = sorted(set(built) ^ set(by_name)) + [n for n, p in by_name.items()
+                                                  if n in built and list(built[n].shape) != list(p["shape"])]
+    if differ:
+        raise ConfigError(f"{where}: the model rebuilt from the recorded configs does not hold the directory's "
+                          f"parameters (it differs in {len(differ)}, e.g. {differ[:3]}); export it with --adapter-only "
+                          f"and merge it with peft")
+    owner = {id(p): (by_name[n]["tensor"], n, tuple(p.shape)) for n, p in built.items()}
+    base_name, merge = _merge_plan(model, owner)
+    return base, [dict(p, name=n) for p in params if (n := base_name(p["name"])) is not None], base_name, merge
+
+
+def _base_config(model) -> dict | None:
+    """A PEFT model's base model's ``config.json`` (None where it has none)."""
+    return config_json(model.get_base_model())
+
+
+def _merge_plan(model, owner: dict[int, tuple[str, str, tuple]]) -> tuple[Callable, Callable]:
+    """How the PEFT model ``model`` (its real modules in its tree) is merged, its parameters' ``owner``
+    given (``id(parameter) -> (unit, name, shape)``; a parameter without one is not stored):
+    ``base_name(name)``, the name ``merge_and_unload()`` leaves a parameter or buffer under (None: it
+    goes), and ``merge(unit, values)``, the merged weights of the tuner layers among the unit's
+    parameters (``values``: by name) under those names. peft's refusals come here, before a file is
+    written."""
     name = peft_adapter_name(model)
     if name is None:
         raise ConfigError(f"a merged export of a {type(model).__name__}, which is not a PEFT model: it has no adapter "
@@ -138,14 +203,12 @@ def merged_export(binding, params: list[dict], buffers: list) -> tuple[list[dict
                           f"merge (prompt learning); export_safetensors(DIR, adapter_only=True) writes it")
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
-    with binding.real_blocks():
-        modules = dict(model.named_modules())
+    modules = dict(model.named_modules())
     tuners = {q: m for q, m in modules.items() if isinstance(m, BaseTunerLayer)}
     wrappers = {q for q, m in modules.items() if isinstance(m, AuxiliaryTrainingWrapper)}
     base_prefix = "base_model.model."
 
     def base_name(full: str) -> str | None:
-        """The name ``merge_and_unload()`` leaves ``full`` (a PEFT model's) under; None: it goes."""
         for qual in _owners(full, tuners):
             tail = full[len(qual) + 1:]
             if not tail.startswith("base_layer."):
@@ -158,33 +221,26 @@ def merged_export(binding, params: list[dict], buffers: list) -> tuple[list[dict
             full = f"{qual}.{tail[len(f'modules_to_save.{name}.'):]}"
         return full[len(base_prefix):] if full.startswith(base_prefix) else None
 
-    slots = {id(s.param): (u.name, s) for u, s in binding.param_order}
-    in_unit = {}  # unit name -> [(qual, layer)]
+    in_unit = {}  # unit -> [(qual, layer)]
     for qual, layer in tuners.items():
-        found = [slots[id(p)] for p in layer.parameters() if id(p) in slots]
-        held, units = [s for _, s in found], {u for u, _ in found}
-        foreign = [s.name for s in held if not s.name.startswith(f"{qual}.")]
+        found = [owner[id(p)] for p in layer.parameters() if id(p) in owner]
+        units = {u for u, _, _ in found}
+        foreign = [n for _, n, _ in found if not n.startswith(f"{qual}.")]
         if foreign or len(units) > 1:
             raise ConfigError(f"a merged export of {qual}, whose parameters are shared with another module "
                               f"({', '.join(foreign or sorted(units))}): merge_and_unload would change both; export "
                               f"the adapter (adapter_only=True) and merge it with peft")
         if units:
             in_unit.setdefault(units.pop(), []).append((qual, layer))
-            _merge_layer(layer, name, qual, {s.name: torch.empty(s.shape, device="meta") for s in held})  # peft's refusals, now
+            _merge_layer(layer, name, qual, {n: torch.empty(shape, device="meta") for _, n, shape in found})  # peft's refusals, now
 
-    def merge(unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        values = {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params}
+    def merge(unit, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         merged = {}
-        for qual, layer in in_unit.get(unit.name, ()):
+        for qual, layer in in_unit.get(unit, ()):
             for local, value in _merge_layer(layer, name, qual, values).items():
                 merged[base_name(f"{qual}.{local}")] = value
         return merged
-
-    renamed = [dict(p, name=n) for p in params if (n := base_name(p["name"])) is not None]
-    kept = [(n, t) for b, t in buffers if (n := base_name(b)) is not None]
-    base = model.get_base_model()
-    to_json = getattr(getattr(base, "config", None), "to_json_string", None)
-    return renamed, kept, merge, json.loads(to_json()) if callable(to_json) else None
+    return base_name, merge
 
 
 def _owners(full: str, quals) -> list[str]:

@@ -20,7 +20,7 @@ from offload_core.errors import DistributedError
 from tiered_offload.checkpoint.safetensors_io import exported_config, iter_chunks, write_private
 from tiered_offload.checkpoint.state_dir import export_params
 
-__all__ = ["export_weights", "saved_format"]
+__all__ = ["export_weights", "meta_model", "saved_format"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,19 @@ def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, 
 
 def _view(flat: torch.Tensor, p: dict) -> torch.Tensor:
     return flat[p["offset"]:p["offset"] + math.prod(p["shape"])].view(p["shape"])
+
+
+def meta_model(config: dict) -> torch.nn.Module:
+    """The Hugging Face model a ``config.json``'s JSON describes (its first ``architectures``), built
+    on the meta device (no memory, no weights). Raises what transformers raises for one it does
+    not know, and ``ValueError`` where the name is not one of its model classes."""
+    import transformers
+    names = config.get("architectures")
+    cls = getattr(transformers, names[0], None) if isinstance(names, list) and names and isinstance(names[0], str) else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(f"architectures {names!r} names no transformers model class")
+    with torch.device("meta"):
+        return cls(transformers.AutoConfig.for_model(**config))
 
 
 def saved_format(model, params: list[dict]) -> tuple[list[dict], Callable[[dict], dict] | None]:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -371,6 +372,23 @@ def export_dtype(dtype) -> torch.dtype:
         raise ConfigError(f"dtype {dtype}: an export's weights are bfloat16, float16 or float32 (the state trains in "
                           f"float32; torch.bfloat16 halves the files)")
     return found
+
+
+def config_json(model) -> dict | None:
+    """``model``'s Hugging Face config as ``save_pretrained`` writes it to ``config.json`` (its class
+    in ``architectures``, which ``save_pretrained`` sets, and by which an export without the model
+    rebuilds it); None for a model without one."""
+    to_json = getattr(getattr(model, "config", None), "to_json_string", None)
+    if not callable(to_json):
+        return None
+    try:
+        config = json.loads(to_json())
+    except (TypeError, ValueError):
+        return None
+    pretrained = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    if isinstance(config, dict) and pretrained is not None and isinstance(model, pretrained):
+        config["architectures"] = [type(model).__name__]
+    return config
 
 
 def exported_config(config: dict, dtype: torch.dtype = torch.float32) -> dict:

@@ -256,6 +256,7 @@ def _check_manifest(m: Any) -> None:
         peft = _obj(m["peft"], "peft")
         _str(_field(peft, "adapter", "peft"), "peft.adapter")
         _obj(_field(peft, "config", "peft"), "peft.config")
+        _opt(_obj, peft.get("base_config"), "peft.base_config")
         names = {p.get("name") for p in m["params"]}
         for i, pair in enumerate(_list(_field(peft, "keys", "peft"), "peft.keys")):
             if len(_list(pair, f"peft.keys[{i}]")) != 2:

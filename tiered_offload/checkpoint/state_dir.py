@@ -260,16 +260,17 @@ class StateDirectory:
         }
 
     def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32, *,
-               adapter_only: bool = False) -> list[Path]:
+               adapter_only: bool = False, merged: bool = False) -> list[Path]:
         """Write the committed weights as Hugging Face sharded safetensors (plus config.json if
         recorded), in ``save_pretrained``'s format and ``dtype``; a PEFT model's adapter beside them
-        as the engine's export writes it (``adapter_only``: that alone)."""
+        as the engine's export writes it (``adapter_only``: that alone; ``merged``: the base model
+        with the adapter merged, as ``merge_and_unload().save_pretrained`` writes it)."""
         dtype = export_dtype(dtype)
+        adapter = _adapter(self.manifest, self.path, adapter_only, merged)
         with self._reading("exported"):
-            return self._export(out, max_shard_size, dtype, adapter_only)
+            return self._export(out, max_shard_size, dtype, adapter)
 
-    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32,
-                adapter_only: bool = False) -> list[Path]:
+    def _export(self, out: str | os.PathLike, max_shard_size, dtype, adapter: dict) -> list[Path]:
         sharding = self.manifest.get("sharding")
         if sharding:
             raise CheckpointError(
@@ -322,18 +323,21 @@ class StateDirectory:
                                       f"checksum; the export was not written. Run `tiered-offload verify {self.path}`")
 
         return _export_model(out, params, read_one, max_shard_size, {"step": str(self.manifest["step"])},
-                             self.buffers(), self.manifest.get("model_config"), dtype,
-                             _adapter(self.manifest, self.path, adapter_only))
+                             self.buffers(), self.manifest.get("model_config"), dtype, adapter)
 
 
-def _adapter(manifest: dict, path: Path, adapter_only: bool) -> tuple[dict | None, bool]:
-    """A directory's record of its PEFT adapter (None: no PEFT model), and ``adapter_only`` (refused
-    without one)."""
+def _adapter(manifest: dict, path: Path, adapter_only: bool, merged: bool) -> dict:
+    """What an export of a directory does with its PEFT adapter: ``peft``, its record (None: no
+    PEFT model); ``only``, the adapter alone; ``merged``, the model with it merged (both refused
+    without one); ``where``, the directory."""
     peft = manifest.get("peft")
-    if adapter_only and peft is None:
-        raise ConfigError(f"{path} holds no adapter (its model is not a PEFT model, or an older version trained it): "
-                          f"`tiered-offload export {path} OUT` without --adapter-only writes its weights")
-    return peft, adapter_only
+    if adapter_only and merged:
+        raise ConfigError("--merged writes the model with the adapter merged, --adapter-only the adapter alone; pick one")
+    for asked, flag in ((adapter_only, "--adapter-only"), (merged, "--merged")):
+        if asked and peft is None:
+            raise ConfigError(f"{path} holds no adapter (its model is not a PEFT model, or an older version trained "
+                              f"it): `tiered-offload export {path} OUT` without {flag} writes its weights")
+    return {"peft": peft, "only": adapter_only, "merged": merged, "where": str(path)}
 
 
 def _saved_format(config: dict | None, params: list[dict]):
@@ -341,40 +345,44 @@ def _saved_format(config: dict | None, params: list[dict]):
     directory's record of its ``config.json``) describes, built on the meta device."""
     if not config or not config.get("architectures"):
         return params, None
+    from tiered_offload.checkpoint.export import meta_model, saved_format
     try:
-        import transformers
-        cfg = transformers.AutoConfig.for_model(**config)
-        cls = getattr(transformers, config["architectures"][0])
-        with torch.device("meta"):
-            model = cls(cfg)
+        model = meta_model(config)
     except Exception:  # noqa: BLE001 - no transformers, or a model it does not know: the names as recorded
         return params, None
-    from tiered_offload.checkpoint.export import saved_format
     return saved_format(model, params)
 
 
 def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict, buffers, config: dict | None,
-                  dtype: torch.dtype, adapter: tuple[dict | None, bool] = (None, False)) -> list[Path]:
+                  dtype: torch.dtype, adapter: dict) -> list[Path]:
     """Export a directory's model: ``read(p, write)`` gives parameter ``p``'s float32 bytes; written
     in ``save_pretrained``'s format for the model ``config`` describes (:func:`_saved_format`: where
     it converts, a unit is read whole into memory, then converted: an MoE's block, a few GB for the
-    largest ones) and in ``dtype``; then ``config.json``. ``adapter``: a PEFT model's record of its
-    adapter (:func:`_adapter`), whose files are written beside, and whether they are written alone."""
-    peft, adapter_only = adapter
-    if peft is not None:  # the adapter's tensors kept as they are read
+    largest ones) and in ``dtype``; then ``config.json``. ``adapter`` (:func:`_adapter`): a PEFT
+    model's adapter files are written beside, or alone; or the model is written with the adapter
+    merged (each unit read whole, its tuner layers merged by peft: ``adapter.offline_merge``)."""
+    peft, merge = adapter["peft"], None
+    if peft is not None and not adapter["merged"]:  # the adapter's tensors kept as they are read
         read, captured = _capturing(read, {name for name, _ in peft["keys"]})
-    if adapter_only:  # every unit read still (each is checked against its checksum as a whole)
+    if adapter["only"]:  # every unit read still (each is checked against its checksum as a whole)
         for i in _unit_order(params):
             read(params[i], lambda b: None)
         return _write_adapter(out, peft, captured, dtype)
-    saved, convert = _saved_format(config, params)
+    if adapter["merged"]:
+        from tiered_offload.checkpoint.adapter import offline_merge
+        from tiered_offload.checkpoint.export import saved_format
+        base, renamed, base_name, merge = offline_merge(peft, params, adapter["where"])
+        buffers = [(n, t) for b, t in buffers if (n := base_name(b)) is not None]
+        (saved, convert), config = saved_format(base, renamed), peft["base_config"]
+    else:
+        saved, convert = _saved_format(config, params)
     state = {"unit": None, "converted": {}}
     by_unit: dict[str, list[dict]] = {}
-    for q in params if convert is not None else ():
+    for q in params if convert is not None or merge is not None else ():
         by_unit.setdefault(q["tensor"], []).append(q)
 
     def fill(p: dict, write) -> None:
-        if convert is None:
+        if not by_unit:
             return read(p, cast_bytes(write, dtype))
         if state["unit"] != p["tensor"]:
             unit = sorted(by_unit[p["tensor"]], key=lambda q: q["offset"])
@@ -386,12 +394,15 @@ def _export_model(out, params: list[dict], read, max_shard_size, metadata: dict,
                 at[0] += len(b)
             for q in unit:
                 read(q, into)
-            state.update(unit=p["tensor"], converted=convert(
-                {q["name"]: flat[q["offset"]:q["offset"] + math.prod(q["shape"])].view(q["shape"]) for q in unit}))
+            tensors = {q["name"]: flat[q["offset"]:q["offset"] + math.prod(q["shape"])].view(q["shape"]) for q in unit}
+            if merge is not None:  # under the base model's names, the tuner layers' weights merged
+                merged = merge(p["tensor"], tensors)
+                tensors = {n: merged.get(n, t) for q, t in tensors.items() if (n := base_name(q)) is not None}
+            state.update(unit=p["tensor"], converted=convert(tensors) if convert is not None else tensors)
         for chunk in iter_chunks(state["converted"][p["name"]].to(dtype)):
             write(chunk)
     files = export_params(out, saved, fill, max_shard_size, {**metadata, "source": "tiered-offload"}, buffers, dtype)
-    if peft is not None:
+    if peft is not None and merge is None:
         files += _write_adapter(out, peft, captured, dtype)
     if config is None:
         return files
@@ -561,18 +572,18 @@ class ShardedStateDirectory:
                 "damaged": [d for r in reports for d in r["damaged"]], "ok": all(r["ok"] for r in reports)}
 
     def export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32, *,
-               adapter_only: bool = False) -> list[Path]:
+               adapter_only: bool = False, merged: bool = False) -> list[Path]:
         """Gather every rank's slices into one model (Hugging Face safetensors, config.json, in
         ``save_pretrained``'s format and ``dtype``; a PEFT model's adapter beside it, or
-        ``adapter_only``), after checking every slice against its checksum."""
+        ``adapter_only``, or ``merged`` into it), after checking every slice against its checksum."""
         dtype = export_dtype(dtype)
+        adapter = _adapter(self.manifest, self.path, adapter_only, merged)
         with contextlib.ExitStack() as reading:
             for sd in self.ranks:
                 reading.enter_context(sd._reading("exported"))
-            return self._export(out, max_shard_size, dtype, adapter_only)
+            return self._export(out, max_shard_size, dtype, adapter)
 
-    def _export(self, out: str | os.PathLike, max_shard_size="2GB", dtype=torch.float32,
-                adapter_only: bool = False) -> list[Path]:
+    def _export(self, out: str | os.PathLike, max_shard_size, dtype, adapter: dict) -> list[Path]:
         steps = self.steps()
         in_flight = [r for r, sd in enumerate(self.ranks) if sd.intent is not None]
         if len(set(steps)) != 1 or in_flight:
@@ -608,5 +619,4 @@ class ShardedStateDirectory:
                         write(piece.numpy().data)
                 lo = end
         return _export_model(out, self.manifest["params"], fill, max_shard_size, {"step": str(steps[0])},
-                             self.ranks[0].buffers(), self.manifest.get("model_config"), dtype,
-                             _adapter(self.manifest, self.path, adapter_only))
+                             self.ranks[0].buffers(), self.manifest.get("model_config"), dtype, adapter)

@@ -10,7 +10,6 @@ back. Blocks are the members of the model's block sequence (an ``nn.ModuleList``
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import types
@@ -25,6 +24,7 @@ from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
 from tiered_offload.checkpoint.adapter import peft_adapter_name
+from tiered_offload.checkpoint.safetensors_io import config_json
 from tiered_offload.engine.adapter_init import adapter_initialisers, refuse_reparametrizing_adapters
 from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad_hooks, check_no_new_parameters,
                                                   check_requires_grad, check_untouched, refuse_resizing,
@@ -702,14 +702,7 @@ def model_config(model: nn.Module) -> dict | None:
     ``from_pretrained`` would find none of the base model's (a randomly initialised model)."""
     if peft_adapter_name(model) is not None:  # (its export writes the adapter instead: checkpoint/adapter.py)
         return None
-    cfg = getattr(model, "config", None)
-    to_json = getattr(cfg, "to_json_string", None)
-    if not callable(to_json):
-        return None
-    try:
-        return json.loads(to_json())
-    except (TypeError, ValueError):
-        return None
+    return config_json(model)
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
