@@ -297,7 +297,15 @@ def _peft_llama(modules_to_save=None, **options):
                                                      **options))
 
 
-@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"]], ids=["lora", "lora-and-head"])
+def _peft_llama_norm_trained():
+    """``_peft_llama`` with the final norm unfrozen by hand: trained, in the export's weights, not
+    in its adapter file."""
+    model = _peft_llama()
+    model.base_model.model.model.norm.weight.requires_grad_(True)
+    return model
+
+
+@pytest.mark.parametrize("modules_to_save", [None, ["lm_head"], "norm"], ids=["lora", "lora-and-head", "lora-and-norm"])
 def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model(tmp_path, modules_to_save):
     """A PEFT model (LoRA on q and v; and with the head in ``modules_to_save``): its export has
     PEFT's module names. With the base model's ``config.json`` beside them, ``from_pretrained``
@@ -306,7 +314,7 @@ def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model
     fails loudly, and ``init_from`` into the same PEFT model (the way to change what trains)
     gives the trained weights bitwise."""
     transformers = pytest.importorskip("transformers")
-    make = functools.partial(_peft_llama, modules_to_save)
+    make = _peft_llama_norm_trained if modules_to_save == "norm" else functools.partial(_peft_llama, modules_to_save)
     optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
     out = tmp_path / "export"
     weights, _, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000,
@@ -367,6 +375,80 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
     trained = dict(engine.named_parameters())
     engine.close()
     assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
+
+
+@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],
+                         ids=["lora", "lora-and-head", "dora"])
+def test_init_from_a_base_and_a_saved_adapter_continues_training_the_adapter(tmp_path, options):
+    """The second stage of a LoRA recipe (SFT's adapter, then DPO or more data on it), or a run
+    whose storage directory is gone: the base too large for memory, the adapter a directory PEFT's
+    ``save_pretrained`` wrote. ``init_from=[BASE, ADAPTER]`` reads the base's weights from the
+    checkpoint and the adapter's (DoRA's magnitudes, a ``modules_to_save`` copy) from the adapter
+    file, under PEFT's keys: training is PyTorch's ``PeftModel.from_pretrained(base, ADAPTER,
+    is_trainable=True)``, bitwise. Before, only the base could be read (the adapter started fresh)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    pretrained, adapter = tmp_path / "pretrained", tmp_path / "adapter"
+    _llama8().save_pretrained(pretrained)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **options)
+    first = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(pretrained, local_files_only=True),
+                                peft.LoraConfig(**lora))
+    opt = torch.optim.AdamW([p for p in first.parameters() if p.requires_grad], lr=1e-2)
+    for step in batches(2, 1, seed=5):  # the first stage, in memory
+        for ids, _ in step:
+            hf_loss(first, ids).backward()
+        opt.step(), opt.zero_grad()
+    first.save_pretrained(adapter)
+
+    config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+    with empty_init():
+        base = transformers.LlamaForCausalLM(config)
+    model = peft.get_peft_model(base, peft.LoraConfig(**lora))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine = Engine(model, optimizer, storage=tmp_path / "s", host_memory=200_000, init_from=[pretrained, adapter])
+    ref = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(pretrained, local_files_only=True),
+                                         adapter, is_trainable=True)
+    start = dict(engine.named_parameters())
+    assert list(start) == [n for n, _ in ref.named_parameters()]
+    assert all(torch.equal(start[n], p) for n, p in ref.named_parameters()), "not the base and the adapter saved"
+    assert any(torch.count_nonzero(w) for n, w in start.items() if ".lora_B." in n)  # the trained adapter
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in batches(3, 2):
+        for ids, _ in step:
+            engine.backward(hf_loss(engine, ids) / 2)
+            (hf_loss(ref, ids) / 2).backward()
+        engine.step(), opt.step()
+        engine.zero_grad(), opt.zero_grad()
+    trained = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
+
+
+def test_init_from_an_adapter_that_does_not_match_the_model_is_refused(tmp_path):
+    """An adapter saved with another configuration (a LoRA alpha that scales it otherwise: its
+    tensors fit, the training would not be the adapter's), one missing a layer the model has, or
+    an adapter alone into a model whose base weights are not there (built under ``empty_init``):
+    refused naming what differs, before anything is written."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    pretrained, adapter = tmp_path / "pretrained", tmp_path / "adapter"
+    _llama8().save_pretrained(pretrained)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    peft.get_peft_model(_llama8(), peft.LoraConfig(**lora)).save_pretrained(adapter)
+    config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+
+    def build(**over):
+        with empty_init():
+            return peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(**dict(lora, **over)))
+    cases = [(dict(lora_alpha=16), [pretrained, adapter], r"lora_alpha: 8 in the file, 16 in the model"),
+             (dict(target_modules=["q_proj", "v_proj", "k_proj"]), [pretrained, adapter], r"target_modules"),
+             ({}, [adapter], r"only an adapter.*base.*init_from=\[BASE, "),
+             ({}, [adapter, adapter], r"two adapters")]
+    for i, (over, init_from, message) in enumerate(cases):
+        with pytest.raises(ConfigError, match=message):
+            Engine(build(**over), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / f"s{i}", host_memory="8MiB",
+                   init_from=init_from)
+        assert not [f for f in (tmp_path / f"s{i}").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
 
 
 def test_init_from_into_an_adapter_computed_from_the_base_weights_is_refused(tmp_path):

@@ -377,6 +377,36 @@ def test_the_export_command_merges_a_lora_runs_adapter_as_peft_merges_it(tmp_pat
     assert not (tmp_path / "x").exists()
 
 
+def test_lora_adapter_starts_a_second_stage_from_a_saved_adapter(tmp_path, model_dir, data, monkeypatch):
+    """``lora.adapter: DIR`` (a first run's exported adapter): the second run's adapter starts as
+    the saved one, read with the base (``init_from=[BASE, ADAPTER]``), not as PEFT initialises it,
+    and trains on. Settings other than those it was trained with, or a directory that holds no
+    adapter, are refused naming what differs."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from tiered_offload import Engine
+    settings = dict(train__lr=0.05, train__max_steps=3, output__export_every=0, lora__r=8)
+    first = Path(train(write_config(tmp_path / "first", model_dir, data, **settings), progress=False)["final"])
+    started = {}
+    built = Engine.__init__
+
+    def recording(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        started.update(self.named_parameters())
+    monkeypatch.setattr(Engine, "__init__", recording)
+    second = train(write_config(tmp_path / "second", model_dir, data, lora__adapter=str(first), **settings),
+                   progress=False)
+    saved = load_file(first / "adapter_model.safetensors")
+    assert saved and all(torch.equal(started[k.replace(".weight", ".default.weight")], v) for k, v in saved.items())
+    tuned = load_file(Path(second["final"]) / "adapter_model.safetensors")
+    assert list(tuned) == list(saved) and any(not torch.equal(tuned[k], saved[k]) for k in saved)  # trained on
+    with pytest.raises(ConfigError, match=r"lora.adapter .* was trained with lora.alpha 16.0 \(this run: 32\)"):
+        train(write_config(tmp_path / "third", model_dir, data, lora__adapter=str(first), **dict(settings, lora__alpha=32)),
+              progress=False)
+    with pytest.raises(ConfigError, match=r"lora.adapter .* holds no adapter_config.json"):
+        train(write_config(tmp_path / "fourth", model_dir, data, lora__adapter=str(model_dir), **settings), progress=False)
+
+
 def test_a_changed_lora_layout_on_resume_is_refused_naming_the_setting(tmp_path, model_dir, data):
     """What trains (``lora.r``, ``lora.targets``, ``lora.dora``, ``lora.modules_to_save``, LoRA on or
     off) is the state's layout: a run continued with another was refused with the engine's

@@ -29,11 +29,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from offload_core.errors import ConfigError
-from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, config_json, iter_chunks, write_private
+from offload_core.errors import CheckpointError, ConfigError
+from tiered_offload.checkpoint.safetensors_io import (PretrainedReader, SafetensorsWriter, config_json, iter_chunks,
+                                                      write_private)
 
-__all__ = ["ADAPTER_FILE", "adapter_config", "adapter_record", "export_adapter", "merged_export",
-           "offline_merge", "peft_adapter_name", "write_adapter"]
+__all__ = ["ADAPTER_FILE", "adapter_config", "adapter_record", "export_adapter",
+           "adapter_differences", "is_adapter_directory", "merged_export", "offline_merge", "peft_adapter_name", "saved_adapter",
+           "write_adapter"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,73 @@ def adapter_record(binding) -> dict | None:
         log.warning("the storage directory does not record adapter %r (%s): `tiered-offload export` of it writes the "
                     "weights under peft's names, not the adapter", name, e)
         return None
+
+
+def is_adapter_directory(path) -> bool:
+    """Whether ``path`` is a directory ``PeftModel.save_pretrained`` wrote: it holds
+    ``adapter_config.json`` and no model (an engine's export of a PEFT model holds both: the whole
+    model, which ``init_from`` reads as a checkpoint)."""
+    path = Path(path)
+    return (path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "model.safetensors").exists()
+            and not any(path.glob("*.safetensors.index.json")))
+
+
+_CONFIG_IGNORED = frozenset({"auto_mapping", "base_model_name_or_path", "inference_mode", "peft_version", "revision",
+                             "task_type", "lora_dropout"})  # (where it was saved from, what for; how it trains)
+
+
+def saved_adapter(binding, path) -> tuple[PretrainedReader, set[str]]:
+    """The adapter ``PeftModel.save_pretrained`` wrote in ``path``, read into ``binding.model``'s
+    (``init_from=[BASE, ADAPTER]``): a reader that gives each of the adapter's parameters under its
+    name in the model (the file's keys are peft's ``get_peft_model_state_dict``'s, as
+    :func:`adapter_record` finds them), and those names. Its config must be the model's adapter's
+    (but for where it was saved from and whether it trains): a LoRA alpha or a target that differs
+    would train another adapter on the same tensors."""
+    name, path = peft_adapter_name(binding.model), Path(path)
+    if name is None:
+        raise ConfigError(f"init_from names the PEFT adapter {path}, and the model is a "
+                          f"{type(binding.model).__name__}, not a PEFT model: wrap it with peft.get_peft_model("
+                          f"model, peft.PeftConfig.from_pretrained({str(path)!r})) first")
+    differ = adapter_differences(binding.model, path)
+    if differ:
+        raise ConfigError(f"{path / ADAPTER_CONFIG} is not the model's adapter {name!r} (" + "; ".join(
+            f"{k}: {saved!r} in the file, {own!r} in the model" for k, saved, own in differ[:4]) + "): its tensors "
+            f"would train as another adapter. Build the model's adapter from the saved one: "
+            f"peft.get_peft_model(base, peft.PeftConfig.from_pretrained({str(path)!r}))")
+    if not (path / ADAPTER_FILE).is_file():
+        raise CheckpointError(f"{path} holds {ADAPTER_CONFIG} but no {ADAPTER_FILE} (an adapter saved as pickled "
+                              f"adapter_model.bin is not read: save it again with safe_serialization)")
+    weights = {slot.name: torch.empty(slot.shape, device="meta") for _, slot in binding.param_order}
+    names = {id(t): n for n, t in weights.items()}
+    keys = {names[id(t)]: key for key, t in _peft_state(binding, name, weights).items() if id(t) in names}
+    reader = PretrainedReader(path / ADAPTER_FILE)
+    reader.alias(keys)
+    reader.check_covers([(n, weights[n].shape) for n in keys])
+    return reader, set(keys)
+
+
+def adapter_differences(model, path) -> list[tuple[str, object, object]]:
+    """How the adapter config ``PeftModel.save_pretrained`` wrote in ``path`` differs from the PEFT
+    ``model``'s active adapter's, in what changes what its tensors mean: ``(key, saved, model's)``."""
+    from tiered_offload.checkpoint.schema import parse_json
+    path = Path(path)
+    try:
+        saved = parse_json((path / ADAPTER_CONFIG).read_bytes(), path / ADAPTER_CONFIG)
+    except OSError as e:
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} cannot be read: {e}") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} is not a JSON object, as PEFT writes it")
+    own = adapter_config(model, peft_adapter_name(model))
+    return [(k, _plain(saved.get(k)), _plain(own.get(k))) for k in sorted(set(saved) | set(own))
+            if k not in _CONFIG_IGNORED and _plain(saved.get(k)) != _plain(own.get(k))]
+
+
+def _plain(value):
+    """A config value compared as its meaning: peft keeps ``target_modules`` (and other lists) as
+    sets, which JSON writes in no fixed order."""
+    if isinstance(value, list) and all(isinstance(v, (str, int)) for v in value):
+        return sorted(value, key=repr)
+    return value
 
 
 def write_adapter(out: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]], config: dict,

@@ -121,7 +121,9 @@ class Engine(EngineViews):
         resume: continue the training state in ``storage`` (True: it must hold one; ``"auto"``:
             if it holds one, else start fresh). False refuses a directory that holds a state.
         init_from: a safetensors file, or a directory of safetensors shards with its index, to
-            load the weights from (Hugging Face parameter names), streamed one tensor at a time.
+            load the weights from (Hugging Face parameter names), streamed one tensor at a time;
+            for a PEFT model, ``[BASE, ADAPTER]``: the base's checkpoint and a directory its
+            ``save_pretrained`` wrote, whose adapter the training continues.
         config: tuning knobs (:class:`~tiered_offload.config.EngineConfig`).
         trace: write a step timeline (Chrome / Perfetto trace JSON) of the whole run to this file
             at :meth:`close`; :meth:`tracing` records a stretch of it instead.
@@ -136,7 +138,7 @@ class Engine(EngineViews):
                  device_memory: int | str = "auto", *, blocks: str | None = None, device: str = "auto",
                  on_nonfinite: str = "raise", recompute: bool | str = "auto", store_config: dict | None = None,
                  durable: bool | None = None, commit_every: int = 1, resume: bool | str = False,
-                 init_from: str | os.PathLike | None = None, config: EngineConfig | None = None,
+                 init_from: str | os.PathLike | list | None = None, config: EngineConfig | None = None,
                  trace: str | os.PathLike | None = None, process_group=None):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from offload_core.errors import ConfigError
+from tiered_offload.checkpoint.adapter import is_adapter_directory, saved_adapter
 from tiered_offload.checkpoint.safetensors_io import PretrainedReader
 from tiered_offload.engine.adapter_init import dora_layers, dora_magnitudes, refuse_inits_from_base_weights
 from tiered_offload.engine.binding import ModelBinding
@@ -16,23 +18,49 @@ __all__ = ["load_initial_weights", "transformers_names"]
 
 def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, init_from=None) -> None:
     """Register every unit's buffers (this process's share of them) and fill its weights."""
-    reader, fresh = None, set()
-    if init_from is not None:
-        reader = PretrainedReader(init_from)
+    base, adapter_dir = _sources(binding, init_from)
+    reader, fresh, adapter, from_adapter = None, set(), None, frozenset()
+    if base is not None:
+        reader = PretrainedReader(base)
         fresh = _match_file_names(binding, reader)
-    init = binding.initialiser() if binding.on_meta and (init_from is None or fresh) else None
+    if adapter_dir is not None:  # the adapter's parameters read from it, not started as PEFT makes them
+        adapter, from_adapter = saved_adapter(binding, adapter_dir)
+        fresh -= from_adapter
+    init = binding.initialiser() if binding.on_meta and (reader is None or fresh) else None
     # DoRA's magnitudes come from base weights the model did not hold when PEFT computed them
     recomputed = bool(fresh) if reader is not None else binding.on_meta
     dora = dora_layers([binding.model, *(u.module for u in binding.blocks)]) if recomputed else []
     try:
-        what = "reading init_from" if reader is not None else "placing the initial weights"
+        what = "reading init_from" if init_from is not None else "placing the initial weights"
         for unit in track(binding.units, desc=what, unit="unit"):
-            placement.register(store, unit, state_kinds,
-                               lambda flat, unit=unit: _fill(binding, unit, flat, reader, init, fresh, dora))
+            placement.register(store, unit, state_kinds, lambda flat, unit=unit: _fill(
+                binding, unit, flat, reader, init, fresh, dora, adapter, from_adapter))
     finally:
-        if reader is not None:
-            reader.close()
+        for r in (reader, adapter):
+            if r is not None:
+                r.close()
     binding.release_parameters()  # the model no longer holds the weights: the store does
+
+
+def _sources(binding: ModelBinding, init_from) -> tuple:
+    """``init_from`` (a checkpoint; or a list: a checkpoint and a directory PEFT's
+    ``save_pretrained`` wrote, told apart by its ``adapter_config.json``) as ``(checkpoint,
+    adapter directory)``, either None."""
+    if init_from is None:
+        return None, None
+    paths = list(init_from) if isinstance(init_from, (list, tuple)) else [init_from]
+    adapters = [p for p in paths if is_adapter_directory(p)]
+    bases = [p for p in paths if not is_adapter_directory(p)]
+    if len(adapters) > 1 or len(bases) > 1 or not paths:
+        raise ConfigError(f"init_from={[str(p) for p in paths]}: " + (
+            "two adapters" if len(adapters) > 1 else "two checkpoints" if len(bases) > 1 else "nothing") +
+            "; init_from takes a checkpoint, or [BASE, ADAPTER] (a PEFT model's base checkpoint and the directory "
+            "its save_pretrained wrote)")
+    if adapters and not bases and binding.on_meta:
+        raise ConfigError(f"init_from names only an adapter ({adapters[0]}), and the model was built without its "
+                          f"base weights (on the meta device, or under empty_init): pass the base checkpoint too, "
+                          f"init_from=[BASE, {str(adapters[0])!r}]")
+    return (bases or [None])[0], (adapters or [None])[0]
 
 
 def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[str]:
@@ -75,16 +103,18 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
     return fresh
 
 
-def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset(), dora=()) -> None:
+def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset(), dora=(), adapter=None,
+          from_adapter=frozenset()) -> None:
     """The unit's initial weights into ``flat``: read, initialised (a meta model) or copied; with a
     reader, the parameters in ``fresh`` as the model holds them or, on the meta device, initialised;
-    ``dora`` (:func:`dora_layers`): then their magnitudes (those in ``fresh``, with a reader) from
-    the weights in ``flat``."""
-    unread = [s for s in unit.params if reader is None or s.name in fresh]
-    if reader is not None:
-        for slot in unit.params:
-            if slot.name not in fresh:
-                reader.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+    those in ``from_adapter`` read by ``adapter`` (a saved PEFT adapter's); ``dora``
+    (:func:`dora_layers`): then their magnitudes (those in ``fresh``, with a reader) from the
+    weights in ``flat``."""
+    unread = [s for s in unit.params if s.name not in from_adapter and (reader is None or s.name in fresh)]
+    for slot in unit.params:
+        source = adapter if slot.name in from_adapter else reader if slot.name not in fresh else None
+        if source is not None:
+            source.read_into(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
     if unread and binding.on_meta:
         binding.initialise_unit(unit, flat, init, only=None if reader is None else {s.name for s in unread})
     else:

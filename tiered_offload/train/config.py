@@ -121,6 +121,10 @@ class LoraSection:
     """The exports hold the model with the adapter merged into its weights (PEFT's
     ``merge_and_unload()``: the base model's names and ``config.json``, for ``from_pretrained``
     without PEFT) instead of the adapter alone."""
+    adapter: str | None = None
+    """Start the adapter from one ``PeftModel.save_pretrained`` wrote (an earlier run's export:
+    SFT's adapter for a second stage) instead of PEFT's initialisation; the settings above must be
+    those it was trained with (its ``adapter_config.json``; a difference is refused, named)."""
 
 
 @dataclass(kw_only=True)
@@ -201,6 +205,15 @@ class RunConfig:
                            ("lora.merged", self.lora.merged), ("lora.dora", self.lora.dora)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
+        if self.lora.adapter is not None:
+            if not isinstance(self.lora.adapter, str) or not self.lora.adapter:
+                raise ConfigError(f"lora.adapter must be a directory, got {self.lora.adapter!r}")
+            if not self.lora.r:
+                raise ConfigError("lora.adapter starts the adapter from a saved one, and lora.r is 0 (no LoRA): set "
+                                  "lora's r, alpha and targets as that adapter was trained (its adapter_config.json)")
+            if not (Path(self.lora.adapter).expanduser() / "adapter_config.json").is_file():
+                raise ConfigError(f"lora.adapter {self.lora.adapter} holds no adapter_config.json: not a directory "
+                                  f"PeftModel.save_pretrained wrote (a LoRA run's export with lora.merged false)")
         if self.lora.merged and not self.lora.r:
             raise ConfigError("lora.merged: true merges an adapter into the exports, and lora.r is 0 (no LoRA): set "
                               "lora.r, or drop lora.merged")

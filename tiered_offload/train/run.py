@@ -110,6 +110,20 @@ def _build_model(cfg, hf_config, model_dir: Path):
     return wrap(model, names)
 
 
+_LORA_SETTINGS = {"r": "lora.r", "lora_alpha": "lora.alpha", "target_modules": "lora.targets",
+                  "modules_to_save": "lora.modules_to_save", "use_dora": "lora.dora"}
+
+
+def _check_adapter(model, adapter: str) -> None:
+    """``lora.adapter`` was trained with this run's LoRA settings (else refused, naming them)."""
+    from tiered_offload.checkpoint.adapter import adapter_differences
+    differ = adapter_differences(model, Path(adapter).expanduser())
+    if differ:
+        raise ConfigError(f"lora.adapter {adapter} was trained with " + ", ".join(
+            f"{_LORA_SETTINGS.get(k, k)} {saved!r} (this run: {own!r})" for k, saved, own in differ) +
+            "; set lora's settings as it was trained (its adapter_config.json), or drop lora.adapter")
+
+
 def _sizes(model) -> tuple[int, int]:
     """The model's parameters, and those that train."""
     return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -167,11 +181,14 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     no_decay = [p for p in trained if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=t.lr)
+    if cfg.lora.adapter and not resuming:
+        _check_adapter(model, cfg.lora.adapter)
     try:
         engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
                         device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
                         commit_every=cfg.offload.commit_every, resume=resuming,
-                        init_from=None if resuming else model_dir)
+                        init_from=None if resuming else [model_dir, *([Path(cfg.lora.adapter).expanduser()]
+                                                                      if cfg.lora.adapter else [])])
     except CheckpointError:
         if resuming:
             _refuse_another_layout(cfg, directories, location)
