@@ -451,6 +451,44 @@ def test_init_from_an_adapter_that_does_not_match_the_model_is_refused(tmp_path)
         assert not [f for f in (tmp_path / f"s{i}").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
 
 
+def test_a_damaged_saved_adapter_is_a_typed_error_naming_its_file(tmp_path):
+    """``init_from=[BASE, ADAPTER]`` with an adapter directory that is not what PEFT writes (its
+    config not JSON, nested without end, not an object; its tensors cut short, a header that lies,
+    missing): a typed error naming the file, before anything is written; no hang."""
+    from offload_core.errors import CheckpointError, CorruptionError, TieredOffloadError
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    pretrained = tmp_path / "pretrained"
+    _llama8().save_pretrained(pretrained)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+
+    def damaged(name, change):
+        d = tmp_path / name
+        peft.get_peft_model(_llama8(), peft.LoraConfig(**lora)).save_pretrained(d)
+        change(d / "adapter_config.json", d / "adapter_model.safetensors")
+        return d
+    cases = {
+        "config not JSON": (lambda c, w: c.write_text("{r: 4"), CorruptionError, "adapter_config.json"),
+        "config nested": (lambda c, w: c.write_text("[" * 100_000 + "]" * 100_000), CorruptionError, "adapter_config.json"),
+        "config a list": (lambda c, w: c.write_text("[]"), CheckpointError, "adapter_config.json"),
+        "config huge": (lambda c, w: c.write_bytes(b" " * (17 << 20)), CheckpointError, "adapter_config.json"),
+        "tensors cut short": (lambda c, w: w.write_bytes(w.read_bytes()[:-64]), CheckpointError, "adapter_model.safetensors"),
+        "a header that lies": (lambda c, w: w.write_bytes((1 << 40).to_bytes(8, "little") + w.read_bytes()[8:]),
+                               CheckpointError, "adapter_model.safetensors"),
+        "tensors missing": (lambda c, w: w.unlink(), CheckpointError, "adapter_model.safetensors"),
+    }
+    for i, (name, (change, error, file)) in enumerate(cases.items()):
+        adapter = damaged(f"a{i}", change)
+        with empty_init():
+            model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(**lora))
+        with pytest.raises(TieredOffloadError, match=file) as got:
+            Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / f"s{i}", host_memory="8MiB",
+                   init_from=[pretrained, adapter])
+        assert isinstance(got.value, error), (name, got.value)
+        assert not [f for f in (tmp_path / f"s{i}").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
+
+
 def test_init_from_into_an_adapter_computed_from_the_base_weights_is_refused(tmp_path):
     """PiSSA and OLoRA compute the adapter, and a residual the base weights are replaced by, from
     the base weights when ``get_peft_model`` builds the model: from the weights it was built with,

@@ -126,6 +126,7 @@ def is_adapter_directory(path) -> bool:
             and not any(path.glob("*.safetensors.index.json")))
 
 
+_CONFIG_LIMIT = 16 << 20
 _CONFIG_IGNORED = frozenset({"auto_mapping", "base_model_name_or_path", "inference_mode", "peft_version", "revision",
                              "task_type", "lora_dropout"})  # (where it was saved from, what for; how it trains)
 
@@ -165,12 +166,18 @@ def adapter_differences(model, path) -> list[tuple[str, object, object]]:
     ``model``'s active adapter's, in what changes what its tensors mean: ``(key, saved, model's)``."""
     from tiered_offload.checkpoint.schema import parse_json
     path = Path(path)
+    redo = "save the adapter again with PeftModel.save_pretrained"
     try:
-        saved = parse_json((path / ADAPTER_CONFIG).read_bytes(), path / ADAPTER_CONFIG)
+        with open(path / ADAPTER_CONFIG, "rb") as f:
+            data = f.read(_CONFIG_LIMIT + 1)
+        if len(data) > _CONFIG_LIMIT:
+            raise CheckpointError(f"{path / ADAPTER_CONFIG} is larger than {_CONFIG_LIMIT >> 20} MiB; PEFT writes a "
+                                  f"few KB; {redo}")
     except OSError as e:
         raise CheckpointError(f"{path / ADAPTER_CONFIG} cannot be read: {e}") from None
+    saved = parse_json(data, path / ADAPTER_CONFIG, redo=redo)
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{path / ADAPTER_CONFIG} is not a JSON object, as PEFT writes it")
+        raise CheckpointError(f"{path / ADAPTER_CONFIG} is not a JSON object, as PEFT writes it; {redo}")
     own = adapter_config(model, peft_adapter_name(model))
     return [(k, _plain(saved.get(k)), _plain(own.get(k))) for k in sorted(set(saved) | set(own))
             if k not in _CONFIG_IGNORED and _plain(saved.get(k)) != _plain(own.get(k))]

@@ -40,22 +40,23 @@ class _Fail(Exception):
         super().__init__(f"{where}: {why}")
 
 
-def parse_json(data: bytes | str, path: Path | str, what: str = "") -> Any:
+def parse_json(data: bytes | str, path: Path | str, what: str = "", redo: str = _REDO) -> Any:
     """JSON from a state file: not UTF-8, not JSON, duplicate keys or nesting beyond
-    :data:`MAX_DEPTH` are a :class:`CorruptionError` naming ``path`` (and ``what``: a line)."""
+    :data:`MAX_DEPTH` are a :class:`CorruptionError` naming ``path`` (and ``what``: a line),
+    saying ``redo`` (what to do; a state directory's default)."""
     where = f"{path}{what}"
     try:
         text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     except UnicodeDecodeError as e:
-        raise CorruptionError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}); {_REDO}") from None
+        raise CorruptionError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}); {redo}") from None
     if _depth(text) > MAX_DEPTH:
-        raise CorruptionError(f"{where} nests deeper than {MAX_DEPTH} levels; no state file does. {_REDO}")
+        raise CorruptionError(f"{where} nests deeper than {MAX_DEPTH} levels; no state file does. {redo}")
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except _Fail as e:
-        raise CorruptionError(f"{where}: {e}; {_REDO}") from None
+        raise CorruptionError(f"{where}: {e}; {redo}") from None
     except (ValueError, RecursionError) as e:
-        raise CorruptionError(f"{where} is not valid JSON ({e}); {_REDO}") from None
+        raise CorruptionError(f"{where} is not valid JSON ({e}); {redo}") from None
 
 
 def _depth(text: str) -> int:
