@@ -400,9 +400,10 @@ def test_lora_adapter_starts_a_second_stage_from_a_saved_adapter(tmp_path, model
     assert saved and all(torch.equal(started[k.replace(".weight", ".default.weight")], v) for k, v in saved.items())
     tuned = load_file(Path(second["final"]) / "adapter_model.safetensors")
     assert list(tuned) == list(saved) and any(not torch.equal(tuned[k], saved[k]) for k in saved)  # trained on
-    with pytest.raises(ConfigError, match=r"lora.adapter .* was trained with lora.alpha 16.0 \(this run: 32\)"):
-        train(write_config(tmp_path / "third", model_dir, data, lora__adapter=str(first), **dict(settings, lora__alpha=32)),
-              progress=False)
+    for dry_run in (True, False):
+        with pytest.raises(ConfigError, match=r"lora.adapter .* was trained with lora.alpha 16.0 \(this run: 32\)"):
+            train(write_config(tmp_path / "third", model_dir, data, lora__adapter=str(first),
+                               **dict(settings, lora__alpha=32)), progress=False, dry_run=dry_run)
     with pytest.raises(ConfigError, match=r"lora.adapter .* holds no adapter_config.json"):
         train(write_config(tmp_path / "fourth", model_dir, data, lora__adapter=str(model_dir), **settings), progress=False)
 

@@ -364,6 +364,8 @@ def _evaluate(engine, model, data, micro_batch: int, precision: str = "fp32") ->
 def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, location) -> dict:
     """What the run would do, without building or training anything."""
     model = _build_model(cfg, hf_config, Path(cfg.model.path))
+    if cfg.lora.adapter and not resuming:
+        _check_adapter(model, cfg.lora.adapter)
     params, trained = _sizes(model)
     first = train_data.batch([0])
     info = {"model": type(model).__name__, "parameters": params, "trained": trained,
@@ -372,8 +374,10 @@ def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, 
             "steps": total, "resumes": resuming, "storage": location, "host_memory": cfg.offload.host_memory,
             "device_memory": cfg.offload.device_memory,
             "first_sequence": tokenizer.decode(first["input_ids"][0][:64])}
-    print(f"model          {info['model']}, {params:,} parameters" + (f" ({trained:,} trained: LoRA r={cfg.lora.r})"
-                                                                      if cfg.lora.r else "")
+    print(f"model          {info['model']}, {params:,} parameters" + (f" ({trained:,} trained: LoRA r={cfg.lora.r}"
+                                                                       + (f", from {cfg.lora.adapter}" if
+                                                                          cfg.lora.adapter and not resuming else "")
+                                                                       + ")" if cfg.lora.r else "")
           + f"; training state {format_size(info['state_bytes'])}")
     print(f"data           {info['train_sequences']} sequences of {cfg.data.max_seq_len} tokens"
           f" ({info['eval_sequences']} held out); {total} steps of {cfg.train.micro_batch} x {cfg.train.grad_accum}")
