@@ -328,6 +328,21 @@ def test_a_peft_models_export_resumes_bitwise_and_is_not_taken_for_a_plain_model
     assert list(again) == list(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
 
 
+def _trains_as(engine, ref) -> None:
+    """Three steps of two micro-batches through ``engine`` and PyTorch's AdamW on ``ref`` in memory:
+    the engine's weights after them are ``ref``'s, bitwise. Closes the engine."""
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in batches(3, 2):
+        for ids, _ in step:
+            engine.backward(hf_loss(engine, ids) / 2)
+            (hf_loss(ref, ids) / 2).backward()
+        engine.step(), opt.step()
+        engine.zero_grad(), opt.zero_grad()
+    trained = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
+
+
 @pytest.mark.parametrize("on_meta", [True, False], ids=["empty_init", "on the CPU"])
 @pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],
                          ids=["lora", "lora-and-head", "dora"])
@@ -365,16 +380,7 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
     assert list(start) == [n for n, _ in ref.named_parameters()]
     assert all(torch.equal(start[n], p) for n, p in ref.named_parameters()), "not the pretrained weights"
     assert all(torch.count_nonzero(w) == 0 for n, w in start.items() if ".lora_B." in n)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    for step in batches(3, 2):
-        for ids, _ in step:
-            engine.backward(hf_loss(engine, ids) / 2)
-            (hf_loss(ref, ids) / 2).backward()
-        engine.step(), opt.step()
-        engine.zero_grad(), opt.zero_grad()
-    trained = dict(engine.named_parameters())
-    engine.close()
-    assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
+    _trains_as(engine, ref)
 
 
 @pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],
@@ -412,16 +418,7 @@ def test_init_from_a_base_and_a_saved_adapter_continues_training_the_adapter(tmp
     assert list(start) == [n for n, _ in ref.named_parameters()]
     assert all(torch.equal(start[n], p) for n, p in ref.named_parameters()), "not the base and the adapter saved"
     assert any(torch.count_nonzero(w) for n, w in start.items() if ".lora_B." in n)  # the trained adapter
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    for step in batches(3, 2):
-        for ids, _ in step:
-            engine.backward(hf_loss(engine, ids) / 2)
-            (hf_loss(ref, ids) / 2).backward()
-        engine.step(), opt.step()
-        engine.zero_grad(), opt.zero_grad()
-    trained = dict(engine.named_parameters())
-    engine.close()
-    assert all(torch.equal(trained[n], p) for n, p in ref.named_parameters()), "not PyTorch's training"
+    _trains_as(engine, ref)
 
 
 def test_init_from_an_adapter_that_does_not_match_the_model_is_refused(tmp_path):
