@@ -194,6 +194,7 @@ def main() -> int:
     durable = cfg.get("durable", False)
     engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
                     resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
+                    init_from=cfg.get("init_from"),
                     config=EngineConfig(activations=cfg.get("activations_by_rank", {}).get(str(rank),
                                                                                          cfg.get("activations", "auto"))))
     if cfg.get("scheduler"):  # stepped by the engine; its state is saved with every step

@@ -399,6 +399,29 @@ def test_the_export_command_merges_a_sharded_lora_runs_adapter_as_the_ranks_merg
     assert not (tmp_path / "x").exists()
 
 
+def test_a_sharded_peft_model_starts_from_a_base_and_a_saved_adapter(tmp_path):
+    """``init_from=[BASE, ADAPTER]`` on 2 ranks: each rank reads its slices of the base's weights
+    and of the saved adapter's; the weights the ranks start from (gathered) are
+    ``PeftModel.from_pretrained(base, ADAPTER)``'s, bitwise."""
+    peft = pytest.importorskip("peft")
+    import dist_worker
+    cfg = {"layers": 3, "optimizer": "adamw", "steps": 0, "accumulate": 1, "clip": None, "host_memory": "64MiB",
+           "model": "llama"}
+    tuned = dist_worker.build(cfg)
+    with torch.no_grad():  # a trained adapter and base, not the worker's own start
+        for p in tuned.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    tuned.save_pretrained(tmp_path / "adapter")
+    tuned.unload().save_pretrained(tmp_path / "base")  # (the base without PEFT's layers)
+    results = launch(2, tmp_path, dict(cfg, init_from=[str(tmp_path / "base"), str(tmp_path / "adapter")]))
+    import transformers
+    expected = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", local_files_only=True), tmp_path / "adapter")
+    weights = results[0]["weights"]
+    assert list(weights) == [n for n, _ in expected.named_parameters()]
+    assert all(torch.equal(weights[n], p) for n, p in expected.named_parameters())
+
+
 def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command(tmp_path, capsys):
     """inspect lists the ranks, verify checks every slice, export gathers the slices into the model
     the ranks trained; one rank's directory is not exported as if it were a model; one process
