@@ -33,8 +33,8 @@ from offload_core.errors import CheckpointError, ConfigError
 from tiered_offload.checkpoint.safetensors_io import (PretrainedReader, SafetensorsWriter, config_json, iter_chunks,
                                                       write_private)
 
-__all__ = ["ADAPTER_FILE", "adapter_config", "adapter_record", "export_adapter",
-           "adapter_differences", "is_adapter_directory", "merged_export", "offline_merge", "peft_adapter_name", "saved_adapter",
+__all__ = ["ADAPTER_FILE", "adapter_config", "adapter_differences", "adapter_record", "export_adapter",
+           "is_adapter_directory", "merged_export", "offline_merge", "peft_adapter_name", "saved_adapter",
            "write_adapter"]
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,8 @@ def saved_adapter(binding, path) -> tuple[PretrainedReader, set[str]]:
     (``init_from=[BASE, ADAPTER]``): a reader that gives each of the adapter's parameters under its
     name in the model (the file's keys are peft's ``get_peft_model_state_dict``'s, as
     :func:`adapter_record` finds them), and those names. Its config must be the model's adapter's
-    (but for where it was saved from and whether it trains): a LoRA alpha or a target that differs
-    would train another adapter on the same tensors."""
+    (but for where it was saved from, what for, and its dropout: :func:`adapter_differences`): a
+    LoRA alpha or a target that differs would train another adapter on the same tensors."""
     name, path = peft_adapter_name(binding.model), Path(path)
     if name is None:
         raise ConfigError(f"init_from names the PEFT adapter {path}, and the model is a "
@@ -285,6 +285,7 @@ def _merge_plan(model, owner: dict[int, tuple[str, str, tuple]]) -> tuple[Callab
     base_prefix = "base_model.model."
 
     def base_name(full: str) -> str | None:
+        """The name ``merge_and_unload()`` leaves ``full`` (a PEFT model's) under; None: it goes."""
         for qual in _owners(full, tuners):
             tail = full[len(qual) + 1:]
             if not tail.startswith("base_layer."):
