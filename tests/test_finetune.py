@@ -437,7 +437,8 @@ def test_init_from_an_adapter_that_does_not_match_the_model_is_refused(tmp_path)
     def build(**over):
         with empty_init():
             return peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(**dict(lora, **over)))
-    cases = [(dict(lora_alpha=16), [pretrained, adapter], r"lora_alpha: 8 in the file, 16 in the model"),
+    cases = [(dict(lora_alpha=16), [pretrained, adapter],
+              r"lora_alpha: 8 in the file, 16 in the model.*config.inference_mode = False; model = peft.get_peft_model"),
              (dict(target_modules=["q_proj", "v_proj", "k_proj"]), [pretrained, adapter], r"target_modules"),
              ({}, [adapter], r"only an adapter.*base.*init_from=\[BASE, "),
              ({}, [adapter, adapter], r"two adapters")]
@@ -446,6 +447,11 @@ def test_init_from_an_adapter_that_does_not_match_the_model_is_refused(tmp_path)
             Engine(build(**over), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / f"s{i}", host_memory="8MiB",
                    init_from=init_from)
         assert not [f for f in (tmp_path / f"s{i}").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
+    with empty_init():
+        plain = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ConfigError, match=r"not a PEFT model: wrap it first, config = peft.PeftConfig.from_pretrained"):
+        Engine(plain, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "plain", host_memory="8MiB",
+               init_from=[pretrained, adapter])
 
 
 def test_a_damaged_saved_adapter_is_a_typed_error_naming_its_file(tmp_path):

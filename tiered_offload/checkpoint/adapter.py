@@ -141,14 +141,12 @@ def saved_adapter(binding, path) -> tuple[PretrainedReader, set[str]]:
     name, path = peft_adapter_name(binding.model), Path(path)
     if name is None:
         raise ConfigError(f"init_from names the PEFT adapter {path}, and the model is a "
-                          f"{type(binding.model).__name__}, not a PEFT model: wrap it with peft.get_peft_model("
-                          f"model, peft.PeftConfig.from_pretrained({str(path)!r})) first")
+                          f"{type(binding.model).__name__}, not a PEFT model: wrap it first, {_wrap_as_saved(path)}")
     differ = adapter_differences(binding.model, path)
     if differ:
         raise ConfigError(f"{path / ADAPTER_CONFIG} is not the model's adapter {name!r} (" + "; ".join(
             f"{k}: {saved!r} in the file, {own!r} in the model" for k, saved, own in differ[:4]) + "): its tensors "
-            f"would train as another adapter. Build the model's adapter from the saved one: "
-            f"peft.get_peft_model(base, peft.PeftConfig.from_pretrained({str(path)!r}))")
+            f"would train as another adapter. Build the model's adapter from the saved one: {_wrap_as_saved(path)}")
     if not (path / ADAPTER_FILE).is_file():
         raise CheckpointError(f"{path} holds {ADAPTER_CONFIG} but no {ADAPTER_FILE} (an adapter saved as pickled "
                               f"adapter_model.bin is not read: save it again with safe_serialization)")
@@ -159,6 +157,12 @@ def saved_adapter(binding, path) -> tuple[PretrainedReader, set[str]]:
     reader.alias(keys)
     reader.check_covers([(n, weights[n].shape) for n in keys])
     return reader, set(keys)
+
+
+def _wrap_as_saved(path: Path) -> str:
+    """How to give a model the adapter saved in ``path``, trainable (peft saves it for inference)."""
+    return (f"config = peft.PeftConfig.from_pretrained({str(path)!r}); config.inference_mode = False; "
+            f"model = peft.get_peft_model(model, config)")
 
 
 def adapter_differences(model, path) -> list[tuple[str, object, object]]:
