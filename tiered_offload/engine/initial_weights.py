@@ -49,8 +49,9 @@ def _sources(binding: ModelBinding, init_from) -> tuple:
     if init_from is None:
         return None, None
     paths = list(init_from) if isinstance(init_from, (list, tuple)) else [init_from]
-    adapters = [p for p in paths if is_adapter_directory(p)]
-    bases = [p for p in paths if not is_adapter_directory(p)]
+    is_adapter = [is_adapter_directory(p) for p in paths]
+    adapters = [p for p, a in zip(paths, is_adapter) if a]
+    bases = [p for p, a in zip(paths, is_adapter) if not a]
     if len(adapters) > 1 or len(bases) > 1 or not paths:
         raise ConfigError(f"init_from={[str(p) for p in paths]}: " + (
             "two adapters" if len(adapters) > 1 else "two checkpoints" if len(bases) > 1 else "nothing") +

@@ -374,10 +374,9 @@ def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, 
             "steps": total, "resumes": resuming, "storage": location, "host_memory": cfg.offload.host_memory,
             "device_memory": cfg.offload.device_memory,
             "first_sequence": tokenizer.decode(first["input_ids"][0][:64])}
+    start = f", from {cfg.lora.adapter}" if cfg.lora.adapter and not resuming else ""
     print(f"model          {info['model']}, {params:,} parameters" + (f" ({trained:,} trained: LoRA r={cfg.lora.r}"
-                                                                       + (f", from {cfg.lora.adapter}" if
-                                                                          cfg.lora.adapter and not resuming else "")
-                                                                       + ")" if cfg.lora.r else "")
+                                                                      f"{start})" if cfg.lora.r else "")
           + f"; training state {format_size(info['state_bytes'])}")
     print(f"data           {info['train_sequences']} sequences of {cfg.data.max_seq_len} tokens"
           f" ({info['eval_sequences']} held out); {total} steps of {cfg.train.micro_batch} x {cfg.train.grad_accum}")
