@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import json
 import math
 import re
 
@@ -616,7 +617,12 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
     options = {"lora-and-head": {"modules_to_save": ["lm_head"]}, "dora": {"use_dora": True}}.get(model, {})
-    make = _peft_gpt2 if model == "gpt2" else functools.partial(_peft_llama, **options)
+    built = _peft_gpt2 if model == "gpt2" else functools.partial(_peft_llama, **options)
+
+    def make():  # the key/value cache on, as a pretrained model's config has it (the engine trains without)
+        tuned = built()
+        tuned.get_base_model().config.use_cache = True
+        return tuned
     optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
     out = tmp_path / "merged"
     ids = torch.arange(8).view(1, 8)
@@ -635,6 +641,9 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, merged.eval()(ids).logits)
+    config, reference = (json.loads((d / "config.json").read_text()) for d in (out, tmp_path / "reference"))
+    assert {k: (v, config.get(k)) for k, v in reference.items()  # (save_pretrained names float32; an export not)
+            if config.get(k) != v and k != "dtype"} == {}, "not the model's config"
     # the same from the storage directory, without the engine (`tiered-offload export --merged`)
     from tiered_offload.checkpoint.state_dir import StateDirectory
     with StateDirectory(tmp_path / "state") as sd:

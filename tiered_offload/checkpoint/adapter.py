@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError, ConfigError
-from tiered_offload.checkpoint.safetensors_io import (PretrainedReader, SafetensorsWriter, config_json, iter_chunks,
-                                                      write_private)
+from tiered_offload.checkpoint.safetensors_io import PretrainedReader, SafetensorsWriter, iter_chunks, write_private
 
 __all__ = ["ADAPTER_FILE", "adapter_config", "adapter_differences", "adapter_record", "export_adapter",
            "is_adapter_directory", "merged_export", "offline_merge", "peft_adapter_name", "saved_adapter",
@@ -108,7 +107,7 @@ def adapter_record(binding) -> dict | None:
         if made:
             raise ValueError(f"peft makes {made[:3]} of its own")
         keys = [[names[id(t)], key] for key, t in adapter.items()]  # in the file's order (a list: JSON keeps it)
-        base = _base_config(binding.model)  # (for a merged export: the model rebuilt on meta, offline_merge)
+        base = binding.base_config  # (for a merged export: the model rebuilt on meta, offline_merge)
         return {"adapter": name, "config": adapter_config(binding.model, name), "keys": keys,
                 **({"base_config": base} if base is not None else {})}
     except Exception as e:  # noqa: BLE001 - the directory's export then holds the weights alone (it says so)
@@ -223,7 +222,7 @@ def merged_export(binding, params: list[dict], buffers: list) -> tuple[list[dict
 
     renamed = [dict(p, name=n) for p in params if (n := base_name(p["name"])) is not None]
     kept = [(n, t) for b, t in buffers if (n := base_name(b)) is not None]
-    return renamed, kept, merge, _base_config(model)
+    return renamed, kept, merge, binding.base_config
 
 
 def offline_merge(record: dict, params: list[dict], where: str) -> tuple[nn.Module, list[dict], Callable, Callable]:
@@ -260,11 +259,6 @@ def offline_merge(record: dict, params: list[dict], where: str) -> tuple[nn.Modu
     owner = {id(p): (by_name[n]["tensor"], n, tuple(p.shape)) for n, p in built.items()}
     base_name, merge = _merge_plan(model, owner)
     return base, [dict(p, name=n) for p in params if (n := base_name(p["name"])) is not None], base_name, merge
-
-
-def _base_config(model) -> dict | None:
-    """A PEFT model's base model's ``config.json`` (None where it has none)."""
-    return config_json(model.get_base_model())
 
 
 def _merge_plan(model, owner: dict[int, tuple[str, str, tuple]]) -> tuple[Callable, Callable]:

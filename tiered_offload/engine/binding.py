@@ -447,6 +447,9 @@ class ModelBinding:
         self.units: list[Unit] = [*self.blocks, self.rest]
         self.model_config = model_config(model)
         """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
+        self.base_config = config_json(model.get_base_model()) if peft_adapter_name(model) is not None else None
+        """A PEFT model's base model's configuration, as it was before the engine turned its key/value
+        cache off (for a merged export's config.json), or None."""
         self.buffers: list[tuple[str, nn.Module, str, bool]] = []
         """``(name, module, attribute, persistent)`` of every buffer, once the proxies are in place."""
         self.recorded: RecordedOutputs | None = None
