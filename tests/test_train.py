@@ -499,7 +499,7 @@ def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, mode
     path = tmp_path / "train.jsonl"
     if case == "a directory":
         path.mkdir()
-        match = r"train.jsonl holds no data file \(\*\.jsonl, \*\.json\) for data.format completion"
+        match = r"train.jsonl holds no data file \(\*\.jsonl, \*\.json, \*\.parquet\) for data.format completion"
     elif case == "a number for the text":
         path.write_text(json.dumps({"text": 5}) + "\n")
         match = r"train.jsonl line 1: its field 'text' holds 5 \(int\), not a string"
@@ -632,6 +632,94 @@ def test_a_json_string_holding_a_line_separator_is_one_example(tmp_path, model_d
     for row, text in zip(train_data.ids, texts):
         assert [int(x) for x in row if x != tokenizer.pad_token_id] == tokenizer(text)["input_ids"] + [
             tokenizer.eos_token_id]
+
+
+def _chat_model(tmp_path, model_dir) -> Path:
+    """A copy of the model directory whose tokenizer has :data:`CHAT_TEMPLATE`."""
+    chat_dir = tmp_path / "chat-model"
+    chat_dir.mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        (chat_dir / f.name).write_bytes(f.read_bytes())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(chat_dir)
+    return chat_dir
+
+
+PARQUET_ROWS = {
+    "completion": [{"text": s, "id": i} for i, s in enumerate(sentences(40, seed=7))],
+    "alpaca": [{"instruction": f"say {a}", "input": None if i % 3 else b, "output": c}
+               for i, (a, b, c) in enumerate(zip(sentences(12, 1), sentences(12, 2), sentences(12, 3)))],
+    "chat": [{"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]}
+             for a, b in zip(sentences(12, 4), sentences(12, 5))]}
+
+
+@pytest.mark.parametrize("fmt", ["completion", "alpaca", "chat"])
+def test_a_parquet_file_or_a_directory_of_them_is_read_as_its_rows(tmp_path, model_dir, fmt):
+    """The Hugging Face Hub keeps datasets as Parquet (``data/train-00000-of-00002.parquet``, and
+    every dataset's ``refs/convert/parquet``): ``data.path`` named one and the run stopped with
+    "cannot read it as UTF-8 JSON lines". A Parquet file is read a row group at a time (never
+    whole), each row an example as a JSON-lines line is; a directory of them is one corpus. The
+    sequences are those of the same rows in JSON lines."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    rows = PARQUET_ROWS[fmt]
+    model = _chat_model(tmp_path, model_dir) if fmt == "chat" else model_dir
+    lines = tmp_path / "train.jsonl"
+    lines.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in rows))
+    one = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), one, row_group_size=5)
+    shards = tmp_path / "data"
+    shards.mkdir()
+    half = len(rows) // 2
+    for i, part in enumerate((rows[:half], rows[half:])):
+        pq.write_table(pa.Table.from_pylist(part), shards / f"train-{i:05d}-of-00002.parquet", row_group_size=4)
+    settings = (f"data.format={fmt}", "data.packing=false", "data.max_seq_len=400", "data.eval_fraction=0.2")
+    reference = _prepared(tmp_path, model, lines, *settings)
+    assert len(reference[0]) > 0 and len(reference[1]) > 0
+    assert _same(_prepared(tmp_path, model, one, *settings), reference)
+    assert _same(_prepared(tmp_path, model, shards, *settings), reference)
+
+
+@pytest.mark.parametrize("case", ["no such column", "a null text", "cut short", "not parquet", "a page damaged",
+                                  "format text", "no pyarrow"])
+def test_a_parquet_file_that_cannot_be_read_is_a_typed_error_naming_it(tmp_path, model_dir, case, monkeypatch):
+    """Each is a ConfigError naming the file (and the row or column) and what to do, before any
+    training: not pyarrow's own exception out of the middle of tokenising."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    path = tmp_path / "train-00000-of-00001.parquet"
+    rows = [{"text": s} for s in sentences(200, seed=8)]
+    settings = ["data.packing=false", "data.max_seq_len=400"]
+    if case == "no such column":
+        pq.write_table(pa.Table.from_pylist([{"content": r["text"], "id": 1} for r in rows]), path)
+        match = r"train-00000-of-00001\.parquet: no column 'text' \(data\.field\); its columns are content, id"
+    elif case == "a null text":
+        pq.write_table(pa.Table.from_pylist([*rows[:3], {"text": None}, *rows[3:]]), path, row_group_size=2)
+        match = r"train-00000-of-00001\.parquet row 4: its field 'text' is null"
+    elif case == "format text":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        settings.append("data.format=text")
+        match = (r"train-00000-of-00001\.parquet is a Parquet file: data\.format text reads \.txt files; its rows "
+                 r"train with data\.format completion")
+    elif case == "no pyarrow":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        monkeypatch.setitem(sys.modules, "pyarrow", None)
+        monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+        match = r"train-00000-of-00001\.parquet is a Parquet file, and reading one needs pyarrow: pip install pyarrow"
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=50)
+        body = path.read_bytes()
+        if case == "cut short":
+            body = body[:len(body) // 2]
+        elif case == "not parquet":
+            body = b"<html>404: not found</html>\n" * 10
+        else:
+            body = body[:200] + bytes(range(256)) * 4 + body[200 + 1024:]
+        path.write_bytes(body)
+        match = r"train-00000-of-00001\.parquet: cannot read it as Parquet \(.*\); download it again"
+    with pytest.raises(ConfigError, match=match):
+        _prepared(tmp_path, model_dir, path, *settings)
 
 
 @pytest.mark.parametrize("packing", [True, False])

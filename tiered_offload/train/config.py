@@ -29,7 +29,8 @@ class ModelSection:
 class DataSection:
     path: str = ""
     """The training data: a ``.txt`` file (``format: text``), a ``.jsonl`` file (one JSON object a
-    line) or a ``.json`` file holding an array of them; or a directory of such files, or a glob (a
+    line), a ``.json`` file holding an array of them, or a ``.parquet`` file (a row an example, its
+    columns the keys; needs ``pip install pyarrow``); or a directory of such files, or a glob (a
     dataset's shards, read in name order as one corpus)."""
     format: str = "completion"
     """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s

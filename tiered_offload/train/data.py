@@ -92,8 +92,8 @@ def _lines(path: Path):
         yield rest, n + 1
 
 
-SUFFIXES = {"text": (".txt",), "completion": (".jsonl", ".json"), "alpaca": (".jsonl", ".json"),
-            "chat": (".jsonl", ".json")}
+SUFFIXES = {"text": (".txt",), "completion": (".jsonl", ".json", ".parquet"), "alpaca": (".jsonl", ".json", ".parquet"),
+            "chat": (".jsonl", ".json", ".parquet")}
 """The data files a directory given as ``data.path`` holds, by ``data.format``."""
 
 
@@ -130,9 +130,42 @@ def _json_array(path: Path) -> bool:
         return False  # (read as JSON lines, whose reader names the fault)
 
 
-def _rows(path: Path):
-    """``(JSON value, where)`` of each example of a JSON-lines file, or of a JSON array (read whole:
-    a corpus larger than memory belongs in JSON lines)."""
+COLUMNS = {"completion": ((), ()), "alpaca": (("instruction", "output"), ("input",)), "chat": (("messages",), ())}
+"""The columns each format reads from a Parquet file: (required, optional); ``completion`` reads ``data.field``."""
+
+
+def _parquet_rows(path: Path, fmt: str, field: str):
+    """``(row, where)`` of each row of a Parquet file (a dict of the columns ``fmt`` reads), a
+    batch of a row group at a time: the file is never read whole."""
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{path} is a Parquet file, and reading one needs pyarrow: pip install pyarrow "
+                          f"(or convert it to JSON lines)") from None
+    required, optional = COLUMNS[fmt] if fmt != "completion" else ((field,), ())
+    try:
+        with pq.ParquetFile(path) as parquet:
+            names = parquet.schema_arrow.names
+            missing = [c for c in required if c not in names]
+            if missing:
+                what = f"{missing[0]!r} (data.field)" if fmt == "completion" else ", ".join(map(repr, missing))
+                raise ConfigError(f"{path}: no column {what}; its columns are {', '.join(names) or 'none'}")
+            k = 0
+            for batch in parquet.iter_batches(batch_size=1024, columns=[c for c in (*required, *optional) if c in names]):
+                for row in batch.to_pylist():
+                    k += 1
+                    yield row, f"{path} row {k}"
+    except (OSError, ValueError, pyarrow.ArrowException) as e:
+        raise ConfigError(f"{path}: cannot read it as Parquet ({e}); download it again") from None
+
+
+def _rows(path: Path, fmt: str, field: str):
+    """``(JSON value, where)`` of each example of a JSON-lines file, of a JSON array (read whole:
+    a corpus larger than memory belongs in JSON lines) or of a Parquet file."""
+    if path.suffix == ".parquet":
+        yield from _parquet_rows(path, fmt, field)
+        return
     if _json_array(path):
         try:
             items = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -153,6 +186,9 @@ def _rows(path: Path):
 def _examples(path: Path, fmt: str, field: str):
     """``(text or (prompt, response) or messages, where)`` of every example of a data file, read as
     it goes."""
+    if fmt == "text" and path.suffix == ".parquet":
+        raise ConfigError(f"{path} is a Parquet file: data.format text reads .txt files; its rows train with "
+                          f"data.format completion (data.field: the column of the text)")
     if fmt == "text":  # paragraphs: what text.split("\n\n") gives, a chunk at a time
         rest, i = "", 0
         for chunk in _chunks(path, "text"):
@@ -164,7 +200,7 @@ def _examples(path: Path, fmt: str, field: str):
         if rest.strip():
             yield rest, f"{path} paragraph {i + 1}"
         return
-    for row, where in _rows(path):
+    for row, where in _rows(path, fmt, field):
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object, found {type(row).__name__}")
         if fmt == "chat":
@@ -176,6 +212,8 @@ def _examples(path: Path, fmt: str, field: str):
                                   f"{{\"role\": ..., \"content\": ...}} objects")
             yield messages, where
         elif fmt == "completion":
+            if field in row and row[field] is None:
+                raise ConfigError(f"{where}: its field {field!r} is null; drop the example or give it a text")
             if field in row and not isinstance(row[field], str):
                 raise ConfigError(f"{where}: its field {field!r} holds {str(row[field])[:40]} "
                                   f"({type(row[field]).__name__}), not a string")
