@@ -12,6 +12,7 @@ into sequences of ``max_seq_len``; without, each example is one sequence, trunca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -65,7 +66,8 @@ class Dataset:
 
 
 CHUNK = 1 << 20
-"""Characters of a data file read at a time, and tokens of packed sequences written at a time."""
+"""Characters of a data file read at a time, of examples tokenised together, and tokens of packed
+sequences written at a time."""
 
 
 def _chunks(path: Path, what: str):
@@ -233,26 +235,63 @@ def _examples(path: Path, fmt: str, field: str):
             yield (prompt, row["output"]), where
 
 
-def _encode(tokenizer, example) -> tuple[list[int], list[int]]:
-    """Token ids and a loss mask (1: the token carries loss) of one example, EOS-terminated."""
+def _size(example) -> int:
+    """An example's characters (what a batch is measured in)."""
+    if isinstance(example, str):
+        return len(example)
+    if isinstance(example, tuple):
+        return sum(map(len, example))
+    return sum(len(m["content"]) for m in example)
+
+
+def _batches(examples, chars: int):
+    """Lists of consecutive ``examples`` of about ``chars`` characters each (an example longer
+    than that alone)."""
+    batch, size = [], 0
+    for ex in examples:
+        batch.append(ex)
+        size += _size(ex)
+        if size >= chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
+    """Token ids and a loss mask (1: the token carries loss) of each example of ``batch`` (all of
+    one kind), EOS-terminated; the tokenizer's calls take the whole batch (a fast tokenizer's
+    threads share it), and give each example the tokens it has alone."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if isinstance(example, list):  # a conversation: the loss on the assistant's turns only
+    if isinstance(batch[0], list):  # conversations: the loss on the assistant's turns only
         def render(messages, prompt=False):
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
-        text = render(example)
-        spans = [(len(render(example[:i], prompt=True)), len(render(example[:i + 1])))
-                 for i, m in enumerate(example) if m["role"] == "assistant"]
+        texts = [render(ex) for ex in batch]
+        spans = [[(len(render(ex[:i], prompt=True)), len(render(ex[:i + 1])))
+                  for i, m in enumerate(ex) if m["role"] == "assistant"] for ex in batch]
         # by characters: a token that straddles the prompt's end ("Ġsat") belongs to the reply
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [int(any(a < e and b > s for s, e in spans)) for a, b in encoded["offset_mapping"]]
-        return list(encoded["input_ids"]), mask
-    if isinstance(example, tuple):
-        prompt, response = example
-        p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        r = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
-        return p + r, [0] * len(p) + [1] * len(r)
-    ids = tokenizer(example, add_special_tokens=True)["input_ids"] + eos
-    return ids, [1] * len(ids)
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [(list(ids), [int(any(a < e and b > s for s, e in sp)) for a, b in offsets])
+                for ids, offsets, sp in zip(encoded["input_ids"], encoded["offset_mapping"], spans)]
+    if isinstance(batch[0], tuple):
+        prompts = tokenizer([p for p, _ in batch], add_special_tokens=True)["input_ids"]
+        responses = tokenizer([r for _, r in batch], add_special_tokens=False)["input_ids"]
+        return [(p + r + eos, [0] * len(p) + [1] * (len(r) + len(eos))) for p, r in zip(prompts, responses)]
+    return [(ids + eos, [1] * (len(ids) + len(eos))) for ids in tokenizer(batch, add_special_tokens=True)["input_ids"]]
+
+
+@contextlib.contextmanager
+def _parallel_tokenizer():
+    """A fast tokenizer's threads for the batches, unless the user set ``TOKENIZERS_PARALLELISM``;
+    off again after (set: a process forked later is not warned that they ran)."""
+    if "TOKENIZERS_PARALLELISM" in os.environ:
+        yield
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 class _Spool:
@@ -376,8 +415,11 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
                 spools.append(spool)
                 examples = (ex for f in part for ex in _examples(f, data.format, data.field))
                 desc = f"tokenising {part[0].name}" + (f" and {len(part) - 1} more" if len(part) > 1 else "")
-                for ex, _ in track(examples, desc=desc, unit="example") if name == "train" else examples:
-                    spool.add(_encode(tokenizer, ex))
+                tracked = track(examples, desc=desc, unit="example") if name == "train" else examples
+                with _parallel_tokenizer():
+                    for batch in _batches((ex for ex, _ in tracked), CHUNK):
+                        for encoded in _encode(tokenizer, batch):
+                            spool.add(encoded)
                 spool.close()
             count = len(spools[0].lengths)
             if not count:
@@ -436,6 +478,3 @@ def micro_batch_rows(n: int, seed: int, index: int, size: int) -> list[int]:
         epoch, at = divmod(k, n)
         rows.append(int(order(n, seed, epoch)[at]))
     return rows
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenising runs before any fork; keep the library quiet

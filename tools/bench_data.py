@@ -1,0 +1,117 @@
+"""Tokenising throughput of ``tiered-offload train``'s data preparation: batched (the fast
+tokenizer's threads sharing each batch) against one example at a time with the tokenizer's
+threads off (how it tokenised before the twenty-third session).
+
+A byte-level BPE tokenizer (a vocabulary of 8,000) is trained here on generated text; the corpus
+is JSON lines of ``--examples`` examples of 20-400 words (``completion``), or conversations of
+four turns (``chat``). Rounds alternate the two ways, each preparing the data into a fresh cache
+(tokenising, spooling, writing the sequences), so the machine's noise hits them alike. Prints
+each way's median tokens per second and their ratio, and checks that both made the same arrays.
+
+    python tools/bench_data.py --examples 20000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def words(rng: random.Random, n: int) -> str:
+    syllables = ["ka", "to", "ri", "mel", "ons", "tra", "vi", "du", "pe", "sal", "qu", "ex", "ar", "lin"]
+    return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(n))
+
+
+def build(directory: Path, examples: int, fmt: str) -> tuple[Path, Path]:
+    import tokenizers
+    import transformers
+    rng = random.Random(0)
+    texts = [words(rng, rng.randint(20, 400)) for _ in range(examples)]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(texts[:2000], tokenizers.trainers.BpeTrainer(
+        vocab_size=8000, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    model = directory / "tokenizer"
+    fast.save_pretrained(model)
+    path = directory / "train.jsonl"
+    with open(path, "w") as f:
+        for i, t in enumerate(texts):
+            if fmt == "chat":
+                turns = [t, texts[i - 1], texts[i - 2][:200], texts[i - 3]]
+                row = {"messages": [{"role": ("user", "assistant")[k % 2], "content": c} for k, c in enumerate(turns)]}
+            else:
+                row = {"text": t}
+            f.write(json.dumps(row) + "\n")
+    return model, path
+
+
+def prepare(model: Path, path: Path, fmt: str, cache: Path, one_at_a_time: bool):
+    import transformers
+
+    from tiered_offload.train import data as data_module
+    from tiered_offload.train import load_config
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    cfg = load_config(None, [f"model.path={model}", f"data.path={path}", f"data.format={fmt}", "data.max_seq_len=512",
+                             f"offload.storage={cache / 's'}", "train.max_steps=1"])
+    with mock.patch.dict(os.environ):
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        if one_at_a_time:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        alone = mock.patch.object(data_module, "_batches", lambda examples, chars: ([ex] for ex in examples))
+        with alone if one_at_a_time else contextlib.nullcontext():
+            start = time.perf_counter()
+            train_data, _ = data_module.prepare_data(cfg.data, tokenizer, model, cache, None)
+            return time.perf_counter() - start, train_data
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", type=int, default=20000)
+    ap.add_argument("--format", choices=["completion", "chat"], default="completion")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model, path = build(Path(tmp), args.examples, args.format)
+        times: dict[str, list[float]] = {"batched": [], "one at a time": []}
+        made = {}
+        for r in range(args.rounds):
+            for way in (("batched", "one at a time") if r % 2 == 0 else ("one at a time", "batched")):
+                seconds, data = prepare(model, path, args.format, Path(tmp) / f"cache-{r}-{way[0]}",
+                                        way == "one at a time")
+                times[way].append(seconds)
+                made[way] = (np.asarray(data.ids), np.asarray(data.labels))
+        tokens = int((made["batched"][1] != -100).sum())
+        same = all(np.array_equal(a, b) for a, b in zip(made["batched"], made["one at a time"]))
+        result = {"examples": args.examples, "format": args.format, "cores": os.cpu_count(), "tokens_with_loss": tokens,
+                  "same_arrays": same}
+        for way, ts in times.items():
+            result[f"{way} s"] = round(statistics.median(ts), 2)
+        result["speedup"] = round(statistics.median(times["one at a time"]) / statistics.median(times["batched"]), 2)
+        print(json.dumps(result, indent=1))
+        if not same:
+            sys.exit("the two ways made different arrays")
+
+
+if __name__ == "__main__":
+    main()
