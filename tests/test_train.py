@@ -124,6 +124,75 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
             assert torch.equal(engine(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("schedule", [dict(train__schedule="cosine"),
+                                      dict(train__schedule="linear", train__betas=[0.9, 0.95], train__eps=1e-6,
+                                           train__min_lr=2e-3, train__weight_decay=0.1)], ids=["defaults", "adam-settings"])
+def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule):
+    """The recipe the command runs, written out in plain PyTorch on the model ``from_pretrained``
+    loads: the same micro-batches in the same order, the loss averaged over the accumulation,
+    AdamW with weight decay on the matrices only, the warm-up and schedule (``train.min_lr``: the
+    floor a linear or cosine decay ends at), clipping. Its losses and final weights are the run's,
+    bitwise (the engine streams the state through the disk; the evaluations between steps change
+    nothing)."""
+    from tiered_offload.train.data import micro_batch_rows
+    from tiered_offload.train.run import lr_factor
+    config = write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=0, **schedule)
+    records = []
+    summary = train(config, progress=False, on_step=lambda s, r: records.append(r))
+    cfg = load_config(config, [])
+    t = cfg.train
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    train_data, _ = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "reference-cache", None)
+    torch.manual_seed(t.seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.use_cache = False
+    model.train()
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
+                                   {"params": vectors, "weight_decay": 0.0}], lr=t.lr,
+                                  betas=tuple(schedule.get("train__betas", (0.9, 0.999))),
+                                  eps=schedule.get("train__eps", 1e-8))
+    floor = schedule.get("train__min_lr", 0.0) / t.lr
+
+    def factor(s):  # the warm-up from 0 to the peak, then the decay from the peak to the floor
+        if s < t.warmup_steps:
+            return (s + 1) / (t.warmup_steps + 1)
+        return floor + (1 - floor) * lr_factor(s, t.max_steps, t.warmup_steps, t.schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    for step, record in enumerate(records):
+        losses = []
+        for micro in range(t.grad_accum):
+            batch = train_data.batch(micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro,
+                                                      t.micro_batch))
+            loss = model(**batch).loss / t.grad_accum
+            loss.backward()
+            losses.append(loss.item() * t.grad_accum)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
+        assert (record["loss"], record["grad_norm"], record["lr"]) == (
+            sum(losses) / len(losses), float(norm), optimizer.param_groups[0]["lr"]), step
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    final = exported(Path(summary["final"]))
+    assert set(final) == set(model.state_dict()) and all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("setting, match", [
+    ("train.betas=[0.9]", r"train\.betas must be two numbers in \[0, 1\) \(\[beta1, beta2\]\), got \[0\.9\]"),
+    ("train.betas=[0.9,1.0]", r"train\.betas must be two numbers in \[0, 1\)"),
+    ("train.betas=0.9", r"train\.betas must be two numbers"),
+    ("train.eps=0", r"train\.eps must be > 0, got 0\.0"),
+    ("train.eps=tiny", r"train\.eps must be a number, got 'tiny'"),
+    ("train.min_lr=0.1", r"train\.min_lr must be in \[0, train\.lr 2e-05\], got 0\.1"),
+    ("train.min_lr=-1", r"train\.min_lr must be in \[0, train\.lr")])
+def test_a_bad_optimizer_setting_is_refused_naming_it(tmp_path, setting, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["model.path=m", "data.path=d", f"offload.storage={tmp_path}", "train.max_steps=1", setting])
+    assert load_config(None, ["model.path=m", "data.path=d", f"offload.storage={tmp_path}", "train.max_steps=1",
+                              "train.betas=[0.9,0.95]", "train.eps=1e-6", "train.min_lr=2e-6"]).train.betas == [0.9, 0.95]
+
+
 def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data):
     reference = train(write_config(tmp_path / "a", model_dir, data), progress=False)
     config = write_config(tmp_path / "b", model_dir, data)

@@ -66,8 +66,16 @@ class TrainSection:
     """``constant``, ``linear`` (to 0) or ``cosine`` (to 0), after ``warmup_steps`` of linear warm-up."""
     warmup_steps: int = 0
     """Steps of linear warm-up from 0 to ``lr``."""
+    min_lr: float = 0.0
+    """The learning rate a ``linear`` or ``cosine`` schedule ends at (0: it decays to zero; a tenth of
+    ``lr`` is a common floor)."""
     weight_decay: float = 0.0
     """AdamW's decoupled weight decay, on matrices only (biases and norms are not decayed)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's ``(beta1, beta2)``: the decay rates of its running mean of the gradients and of their
+    squares (``[0.9, 0.95]`` is common for large language models)."""
+    eps: float = 1e-8
+    """AdamW's ``eps``, added to the denominator."""
     clip: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping)."""
     seed: int = 0
@@ -173,6 +181,7 @@ class RunConfig:
         if self.train.max_steps is not None and (not isinstance(self.train.max_steps, int) or self.train.max_steps < 1):
             raise ConfigError(f"train.max_steps must be an integer >= 1, got {self.train.max_steps!r}")
         for key, value in (("train.lr", self.train.lr), ("train.weight_decay", self.train.weight_decay),
+                           ("train.min_lr", self.train.min_lr), ("train.eps", self.train.eps),
                            ("data.eval_fraction", self.data.eval_fraction)):
             if isinstance(value, str):
                 try:
@@ -181,10 +190,19 @@ class RunConfig:
                     raise ConfigError(f"{key} must be a number, got {value!r}") from None
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ConfigError(f"{key} must be a number, got {value!r}")
-        self.train.lr, self.train.weight_decay = float(self.train.lr), float(self.train.weight_decay)
+        t = self.train
+        t.lr, t.weight_decay, t.min_lr, t.eps = float(t.lr), float(t.weight_decay), float(t.min_lr), float(t.eps)
         self.data.eval_fraction = float(self.data.eval_fraction)
-        if not self.train.lr > 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.train.lr!r}")
+        if not t.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {t.lr!r}")
+        if not 0 <= t.min_lr <= t.lr:
+            raise ConfigError(f"train.min_lr must be in [0, train.lr {t.lr}], got {t.min_lr!r}")
+        if not t.eps > 0:
+            raise ConfigError(f"train.eps must be > 0, got {t.eps!r}")
+        if not (isinstance(t.betas, list) and len(t.betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in t.betas)):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1) ([beta1, beta2]), got {t.betas!r}")
+        t.betas = [float(b) for b in t.betas]
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction!r}")
         if self.train.clip is not None and not (isinstance(self.train.clip, (int, float)) and self.train.clip > 0):

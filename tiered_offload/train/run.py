@@ -39,16 +39,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """Copied from the model directory into every export, so the export is a complete model directory."""
 
 
-def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
-    """The learning rate of step ``step`` (0-based) as a share of the peak."""
+def lr_factor(step: int, total: int, warmup: int, schedule: str, floor: float = 0.0) -> float:
+    """The learning rate of step ``step`` (0-based) as a share of the peak: a linear warm-up from 0,
+    then the schedule's decay from the peak to ``floor`` (``train.min_lr`` as a share of it)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if schedule == "constant":
         return 1.0
     progress = (step - warmup) / max(1, total - warmup)
     if schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        decay = max(0.0, 1.0 - progress)
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return floor + (1 - floor) * decay if floor else decay
 
 
 def _model_dir(path: str) -> Path:
@@ -180,7 +183,8 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     decay = [p for p in trained if p.ndim >= 2]
     no_decay = [p for p in trained if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=t.lr)
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas),
+                                  eps=t.eps)
     if cfg.lora.adapter and not resuming:
         _check_adapter(model, cfg.lora.adapter)
     try:
@@ -199,7 +203,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     bar = None
     try:
         engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(
-            engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule)))
+            engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule, t.min_lr / t.lr)))
         start = engine.step_count
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
@@ -297,7 +301,7 @@ def _batch_settings(cfg, sequences: int) -> dict:
     return {"data.path": str(d.path), "data.format": d.format, "data.field": d.field, "data.max_seq_len": d.max_seq_len,
             "data.packing": d.packing, "data.eval_fraction": d.eval_fraction, "data: sequences": sequences,
             "train.seed": t.seed, "train.micro_batch": t.micro_batch, "train.schedule": t.schedule,
-            "train.warmup_steps": t.warmup_steps, "train.clip": t.clip, "train.precision": t.precision,
+            "train.warmup_steps": t.warmup_steps, "train.min_lr": t.min_lr, "train.clip": t.clip, "train.precision": t.precision,
             **({"lora.alpha": cfg.lora.alpha, "lora.dropout": cfg.lora.dropout} if cfg.lora.r else {}),
             **_layout_settings(cfg)}
 
