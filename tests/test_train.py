@@ -530,6 +530,61 @@ def test_alpaca_puts_the_loss_on_the_responses_only(tmp_path, model_dir):
         assert "### Response:" in tokenizer.decode(ids)
 
 
+def _hub_cache(root: Path, model_dir: Path, repo: str) -> Path:
+    """``model_dir`` laid out as huggingface_hub's cache keeps a downloaded repository: files in
+    ``blobs/`` by hash, a snapshot of links to them, ``refs/main`` naming it; returns the snapshot."""
+    import hashlib
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    blobs, snapshot = repo_dir / "blobs", repo_dir / "snapshots" / ("5" * 40)
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        (blobs / digest).write_bytes(f.read_bytes())
+        os.symlink(os.path.join("..", "..", "blobs", digest), snapshot / f.name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text("5" * 40)
+    return snapshot
+
+
+def test_model_path_may_be_a_hub_id_or_a_snapshot_in_the_hub_cache(tmp_path, model_dir, data, monkeypatch):
+    """``model.path: owner/name`` stopped with "is not a Hugging Face model directory": a user had
+    to find the snapshot under ``~/.cache/huggingface/hub`` (whose files are links into
+    ``blobs/``). An id that is not a local path is read as ``from_pretrained`` reads it, through
+    huggingface_hub's cache (downloaded there if missing: the config, the safetensors weights, the
+    tokenizer's files, nothing else); the run is the local directory's, bitwise. Offline and not
+    cached, the error says so and what to do."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    snapshot = _hub_cache(cache, model_dir, "acme/tiny-llama")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    runs = {}
+    for name, path in (("local", model_dir), ("snapshot", snapshot), ("id", "acme/tiny-llama")):
+        summary = train(write_config(tmp_path / name, path, data, train__max_steps=2, output__export_every=0),
+                        progress=False)
+        runs[name] = exported(Path(summary["final"]))
+    assert all(torch.equal(runs["local"][k], runs[name][k]) for name in ("snapshot", "id") for k in runs["local"])
+    # a dry run reads the config and the tokenizer, not the weights
+    bare = tmp_path / "bare-model"
+    bare.mkdir()
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (bare / f.name).write_bytes(f.read_bytes())
+    _hub_cache(cache, bare, "acme/no-weights")
+    config = write_config(tmp_path / "dry", model_dir, data)
+    assert train(config, ["model.path=acme/no-weights"], dry_run=True)["model"]
+    with pytest.raises(ConfigError, match=r"model\.path .*models--acme--no-weights.* holds no safetensors weights"):
+        train(config, ["model.path=acme/no-weights"], progress=False)
+    with pytest.raises(ConfigError, match=r"model\.path acme/other is not a local directory, and the Hugging Face "
+                                          r"Hub gave no model of that id \(.*\): download it .*or name its directory"):
+        train(write_config(tmp_path / "other", model_dir, data), ["model.path=acme/other"], progress=False)
+    with pytest.raises(ConfigError, match=r"model\.path .*no-such-dir does not exist"):
+        train(write_config(tmp_path / "missing", model_dir, data), [f"model.path={tmp_path / 'no-such-dir'}"],
+              progress=False)
+
+
 def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import re
 import signal
 import time
 from pathlib import Path
@@ -54,11 +55,32 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, floor: float = 
     return floor + (1 - floor) * decay if floor else decay
 
 
-def _model_dir(path: str) -> Path:
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+"""What a Hub id's repository gives ``train``: the config, the safetensors weights, the tokenizer's
+files (top level only: no ``original/`` checkpoint, no ``.bin`` copies, no ONNX)."""
+
+
+def _model_dir(path: str, dry_run: bool = False) -> Path:
+    """The local directory ``model.path`` names: a directory, or a Hugging Face Hub id (``owner/name``,
+    not a local path) resolved through huggingface_hub's cache as ``from_pretrained`` resolves it
+    (for a dry run without the weights: it reads the config and the tokenizer only)."""
     directory = Path(path).expanduser()
+    hub = not directory.exists()
+    if hub:
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+            raise ConfigError(f"model.path {directory} does not exist")
+        try:
+            import huggingface_hub
+            wanted = [p for p in HUB_FILES if not (dry_run and p == "*.safetensors")]
+            directory = Path(huggingface_hub.snapshot_download(str(path), allow_patterns=wanted, ignore_patterns=["*/*"]))
+        except Exception as e:  # (no network, not cached, no such repository, gated, no huggingface_hub)
+            raise ConfigError(f"model.path {path} is not a local directory, and the Hugging Face Hub gave no model of "
+                              f"that id ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): download it "
+                              f"(hf download {path}; a gated model: hf auth login first), or name its directory") from None
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path {directory} is not a Hugging Face model directory (no config.json)")
-    if not ((directory / "model.safetensors").is_file() or list(directory.glob("*.safetensors.index.json"))):
+    weights = (directory / "model.safetensors").is_file() or list(directory.glob("*.safetensors.index.json"))
+    if not weights and not (hub and dry_run):
         raise ConfigError(f"model.path {directory} holds no safetensors weights (model.safetensors, or shards with "
                           f"model.safetensors.index.json); save the model with save_pretrained(safe_serialization=True)")
     return directory
@@ -160,7 +182,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
 
     from tiered_offload import Engine
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
-    model_dir = _model_dir(cfg.model.path)
+    model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     hf_config = transformers.AutoConfig.from_pretrained(model_dir)
