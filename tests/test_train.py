@@ -806,7 +806,38 @@ def test_a_parquet_file_or_a_directory_of_them_is_read_as_its_rows(tmp_path, mod
     assert _same(_prepared(tmp_path, model, shards, *settings), reference)
 
 
-@pytest.mark.parametrize("case", ["no such column", "a null text", "cut short", "not parquet", "a page damaged",
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_chat_reads_sharegpts_conversations_as_messages(tmp_path, model_dir, kind):
+    """Many chat datasets (ShareGPT's layout: OpenHermes, SlimOrca...) hold ``conversations``, each
+    turn ``{"from": "human" | "gpt" | "system", "value": ...}``: the run stopped with "a chat example
+    needs 'messages'". They are read as messages (human: user, gpt: assistant); the sequences are
+    those of the same conversations in ``messages``. A turn from anyone else is named."""
+    model = _chat_model(tmp_path, model_dir)
+    rows = PARQUET_ROWS["chat"]
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    shared = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in
+                                 [{"role": "system", "content": "be brief"}, *r["messages"]]]} for r in rows]
+    plain = [{"messages": [{"role": "system", "content": "be brief"}, *r["messages"]]} for r in rows]
+    settings = ("data.format=chat", "data.packing=false", "data.max_seq_len=400")
+    lines = tmp_path / "plain.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in plain))
+    path = tmp_path / f"sharegpt.{kind}"
+    if kind == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet")
+        import pyarrow as pa
+        pq.write_table(pa.Table.from_pylist(shared), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in shared))
+    assert _same(_prepared(tmp_path, model, path, *settings), _prepared(tmp_path, model, lines, *settings))
+    if kind == "jsonl":
+        shared[3]["conversations"][1]["from"] = "bard"
+        path.write_text("".join(json.dumps(r) + "\n" for r in shared))
+        with pytest.raises(ConfigError, match=r"sharegpt\.jsonl line 4: turn 2 is from 'bard'; a ShareGPT turn is "
+                                              r"from human, gpt or system"):
+            _prepared(tmp_path, model, path, *settings)
+
+
+@pytest.mark.parametrize("case", ["no such column", "no conversation column", "a null text", "cut short", "not parquet", "a page damaged",
                                   "format text", "no pyarrow"])
 def test_a_parquet_file_that_cannot_be_read_is_a_typed_error_naming_it(tmp_path, model_dir, case, monkeypatch):
     """Each is a ConfigError naming the file (and the row or column) and what to do, before any
@@ -819,6 +850,11 @@ def test_a_parquet_file_that_cannot_be_read_is_a_typed_error_naming_it(tmp_path,
     if case == "no such column":
         pq.write_table(pa.Table.from_pylist([{"content": r["text"], "id": 1} for r in rows]), path)
         match = r"train-00000-of-00001\.parquet: no column 'text' \(data\.field\); its columns are content, id"
+    elif case == "no conversation column":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        settings.append("data.format=chat")
+        model_dir = _chat_model(tmp_path, model_dir)
+        match = r"train-00000-of-00001\.parquet: no column 'messages' \(or 'conversations'\); its columns are text$"
     elif case == "a null text":
         pq.write_table(pa.Table.from_pylist([*rows[:3], {"text": None}, *rows[3:]]), path, row_group_size=2)
         match = r"train-00000-of-00001\.parquet row 4: its field 'text' is null"
@@ -840,11 +876,15 @@ def test_a_parquet_file_that_cannot_be_read_is_a_typed_error_naming_it(tmp_path,
         elif case == "not parquet":
             body = b"<html>404: not found</html>\n" * 10
         else:
-            body = body[:200] + bytes(range(256)) * 4 + body[200 + 1024:]
+            middle = len(body) // 2  # (in the third of four row groups)
+            body = body[:middle] + bytes(range(256)) * 4 + body[middle + 1024:]
         path.write_bytes(body)
-        match = r"train-00000-of-00001\.parquet: cannot read it as Parquet \(.*\); download it again"
-    with pytest.raises(ConfigError, match=match):
+        match = (r"train-00000-of-00001\.parquet: cannot read "
+                 + (r"its row group 3 of 4 \(rows 101-150\)" if case == "a page damaged" else "it")
+                 + r" as Parquet \(.*\); download it again")
+    with pytest.raises(ConfigError, match=match) as error:
         _prepared(tmp_path, model_dir, path, *settings)
+    assert str(error.value).count(path.name) == 1, error.value  # (said once: not wrapped in another message)
 
 
 def _one_at_a_time(tokenizer, example) -> tuple[list[int], list[int]]:

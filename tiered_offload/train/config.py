@@ -36,8 +36,9 @@ class DataSection:
     format: str = "completion"
     """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s
     tokens), ``alpaca`` (.jsonl with instruction / input / output: the loss on the output only),
-    ``chat`` (.jsonl with ``messages``: role / content, rendered with the tokenizer's chat template;
-    the loss on the assistant's turns only)."""
+    ``chat`` (.jsonl with ``messages``: role / content, or ShareGPT's ``conversations``: from
+    human / gpt / system, value; rendered with the tokenizer's chat template; the loss on the
+    assistant's turns only)."""
     field: str = "text"
     """The JSON field holding the text (``completion``)."""
     max_seq_len: int = 512

@@ -132,13 +132,15 @@ def _json_array(path: Path) -> bool:
         return False  # (read as JSON lines, whose reader names the fault)
 
 
-COLUMNS = {"completion": ((), ()), "alpaca": (("instruction", "output"), ("input",)), "chat": (("messages",), ())}
-"""The columns each format reads from a Parquet file: (required, optional); ``completion`` reads ``data.field``."""
+COLUMNS = {"completion": ((), ()), "alpaca": (("instruction", "output"), ("input",)),
+           "chat": ((), ("messages", "conversations"))}
+"""The columns each format reads from a Parquet file: (required, optional); ``completion`` reads
+``data.field``, ``chat`` one of its two."""
 
 
 def _parquet_rows(path: Path, fmt: str, field: str):
-    """``(row, where)`` of each row of a Parquet file (a dict of the columns ``fmt`` reads), a
-    batch of a row group at a time: the file is never read whole."""
+    """``(row, where)`` of each row of a Parquet file (a dict of the columns ``fmt`` reads), a row
+    group at a time: the file is never read whole."""
     try:
         import pyarrow
         import pyarrow.parquet as pq
@@ -146,20 +148,33 @@ def _parquet_rows(path: Path, fmt: str, field: str):
         raise ConfigError(f"{path} is a Parquet file, and reading one needs pyarrow: pip install pyarrow "
                           f"(or convert it to JSON lines)") from None
     required, optional = COLUMNS[fmt] if fmt != "completion" else ((field,), ())
+    unreadable = (OSError, pyarrow.ArrowException, ValueError)
     try:
-        with pq.ParquetFile(path) as parquet:
-            names = parquet.schema_arrow.names
-            missing = [c for c in required if c not in names]
-            if missing:
-                what = f"{missing[0]!r} (data.field)" if fmt == "completion" else ", ".join(map(repr, missing))
-                raise ConfigError(f"{path}: no column {what}; its columns are {', '.join(names) or 'none'}")
-            k = 0
-            for batch in parquet.iter_batches(batch_size=1024, columns=[c for c in (*required, *optional) if c in names]):
-                for row in batch.to_pylist():
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+    except unreadable as e:
+        raise ConfigError(f"{path}: cannot read it as Parquet ({e}); download it again") from None
+    with parquet:
+        missing = ", ".join(repr(c) for c in required if c not in names)
+        if fmt == "completion" and missing:
+            missing += " (data.field)"
+        elif fmt == "chat" and not set(optional) & set(names):
+            missing = "'messages' (or 'conversations')"
+        if missing:
+            raise ConfigError(f"{path}: no column {missing}; its columns are {', '.join(names) or 'none'}")
+        columns = [c for c in (*required, *optional) if c in names]
+        k = 0
+        for i in range(parquet.num_row_groups):
+            count = parquet.metadata.row_group(i).num_rows
+            try:
+                group = parquet.read_row_group(i, columns=columns)
+            except unreadable as e:
+                raise ConfigError(f"{path}: cannot read its row group {i + 1} of {parquet.num_row_groups} (rows {k + 1}-"
+                                  f"{k + count}) as Parquet ({e}); download it again") from None
+            for rows in group.to_batches(max_chunksize=1024):
+                for row in rows.to_pylist():
                     k += 1
                     yield row, f"{path} row {k}"
-    except (OSError, ValueError, pyarrow.ArrowException) as e:
-        raise ConfigError(f"{path}: cannot read it as Parquet ({e}); download it again") from None
 
 
 def _rows(path: Path, fmt: str, field: str):
@@ -185,6 +200,22 @@ def _rows(path: Path, fmt: str, field: str):
             raise ConfigError(f"{path} line {n}: not JSON ({e})") from None
 
 
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+"""A ShareGPT turn's ``from`` -> the role of a message."""
+
+
+def _sharegpt(turns, where: str) -> list:
+    """ShareGPT's ``conversations`` (``{"from": ..., "value": ...}`` turns) as messages; other
+    shapes are left to the messages' own check."""
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t for t in turns):
+        return turns
+    for i, turn in enumerate(turns, 1):
+        if turn["from"] not in SHAREGPT_ROLES:
+            raise ConfigError(f"{where}: turn {i} is from {turn['from']!r}; a ShareGPT turn is from human, gpt or "
+                              f"system (or write the example as 'messages' with roles its chat template takes)")
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
+
+
 def _examples(path: Path, fmt: str, field: str):
     """``(text or (prompt, response) or messages, where)`` of every example of a data file, read as
     it goes."""
@@ -207,6 +238,8 @@ def _examples(path: Path, fmt: str, field: str):
             raise ConfigError(f"{where}: expected a JSON object, found {type(row).__name__}")
         if fmt == "chat":
             messages = row.get("messages")
+            if messages is None and row.get("conversations") is not None:
+                messages = _sharegpt(row["conversations"], where)
             if not (isinstance(messages, list) and messages and all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages)):
