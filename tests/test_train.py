@@ -530,6 +530,35 @@ def test_alpaca_puts_the_loss_on_the_responses_only(tmp_path, model_dir):
         assert "### Response:" in tokenizer.decode(ids)
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_prompt_completion_puts_the_loss_on_the_completions_only(tmp_path, model_dir, kind):
+    """TRL's prompt-completion layout (``{"prompt": ..., "completion": ...}``, no template): the
+    prompt's tokens (with the tokenizer's special tokens) carry no loss, the completion's and EOS do."""
+    rows = [{"prompt": "the cat sat", "completion": " on a mat"}, {"prompt": "dogs", "completion": " ran around"},
+            {"prompt": "", "completion": "big red houses"}]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    path = tmp_path / f"train.{kind}"
+    if kind == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet")
+        import pyarrow as pa
+        pq.write_table(pa.Table.from_pylist([{**r, "source": "x"} for r in rows]), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train_data, _ = _prepared(tmp_path, model_dir, path, "data.format=prompt-completion", "data.packing=false",
+                              "data.max_seq_len=40", "data.eval_fraction=0")
+    for i, row in enumerate(rows):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        n = len(prompt) + len(completion)
+        assert [int(x) for x in train_data.ids[i][:n]] == prompt + completion
+        assert [int(x) for x in train_data.labels[i][:n]] == [IGNORE] * len(prompt) + completion
+    if kind == "jsonl":
+        path.write_text(json.dumps({"prompt": "x"}) + "\n")
+        with pytest.raises(ConfigError, match=r"train\.jsonl line 1: a prompt-completion example needs a text "
+                                              r"'completion'; its keys are prompt"):
+            _prepared(tmp_path, model_dir, path, "data.format=prompt-completion")
+
+
 def _hub_cache(root: Path, model_dir: Path, repo: str) -> Path:
     """``model_dir`` laid out as huggingface_hub's cache keeps a downloaded repository: files in
     ``blobs/`` by hash, a snapshot of links to them, ``refs/main`` naming it; returns the snapshot."""

@@ -35,7 +35,9 @@ class DataSection:
     dataset's shards, read in name order as one corpus)."""
     format: str = "completion"
     """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s
-    tokens), ``alpaca`` (.jsonl with instruction / input / output: the loss on the output only),
+    tokens), ``prompt-completion`` (.jsonl with prompt / completion, TRL's layout without a
+    template: the loss on the completion only), ``alpaca`` (.jsonl with instruction / input /
+    output: the loss on the output only),
     ``chat`` (.jsonl with ``messages``: role / content, or ShareGPT's ``conversations``: from
     human / gpt / system, value; rendered with the tokenizer's chat template; the loss on the
     assistant's turns only)."""
@@ -168,7 +170,7 @@ class RunConfig:
         for key, value in need:
             if not value:
                 raise ConfigError(f"{key} is required")
-        _choice("data.format", self.data.format, ("text", "completion", "alpaca", "chat"))
+        _choice("data.format", self.data.format, ("text", "completion", "prompt-completion", "alpaca", "chat"))
         _choice("train.schedule", self.train.schedule, ("constant", "linear", "cosine"))
         _choice("train.precision", self.train.precision, ("fp32", "bf16-autocast"))
         _choice("output.dtype", self.output.dtype, ("fp32", "bf16", "fp16"))

@@ -94,9 +94,10 @@ def _lines(path: Path):
         yield rest, n + 1
 
 
-SUFFIXES = {"text": (".txt",), "completion": (".jsonl", ".json", ".parquet"), "alpaca": (".jsonl", ".json", ".parquet"),
-            "chat": (".jsonl", ".json", ".parquet")}
-"""The data files a directory given as ``data.path`` holds, by ``data.format``."""
+SUFFIXES = {"text": (".txt",)}
+"""The data files a directory given as ``data.path`` holds, by ``data.format`` (the others: JSON
+lines, a JSON array, Parquet)."""
+ROWS = (".jsonl", ".json", ".parquet")
 
 
 def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
@@ -107,7 +108,7 @@ def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        suffixes = SUFFIXES.get(fmt, (".jsonl", ".json"))
+        suffixes = SUFFIXES.get(fmt, ROWS)
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in suffixes and not p.name.startswith("."))
         if not files:
             raise ConfigError(f"{key} {path} holds no data file ({', '.join('*' + x for x in suffixes)}) for "
@@ -132,8 +133,8 @@ def _json_array(path: Path) -> bool:
         return False  # (read as JSON lines, whose reader names the fault)
 
 
-COLUMNS = {"completion": ((), ()), "alpaca": (("instruction", "output"), ("input",)),
-           "chat": ((), ("messages", "conversations"))}
+COLUMNS = {"completion": ((), ()), "prompt-completion": (("prompt", "completion"), ()),
+           "alpaca": (("instruction", "output"), ("input",)), "chat": ((), ("messages", "conversations"))}
 """The columns each format reads from a Parquet file: (required, optional); ``completion`` reads
 ``data.field``, ``chat`` one of its two."""
 
@@ -256,6 +257,12 @@ def _examples(path: Path, fmt: str, field: str):
                 raise ConfigError(f"{where}: no text field {field!r} (data.field); its keys are "
                                   f"{', '.join(sorted(row)) or 'none'}")
             yield row[field], where
+        elif fmt == "prompt-completion":
+            for key in ("prompt", "completion"):
+                if not isinstance(row.get(key), str):
+                    raise ConfigError(f"{where}: a prompt-completion example needs a text {key!r}; its keys are "
+                                      f"{', '.join(sorted(row)) or 'none'}")
+            yield (row["prompt"], row["completion"]), where
         else:  # alpaca
             for key in ("instruction", "output"):
                 if not isinstance(row.get(key), str):
