@@ -614,6 +614,52 @@ def test_model_path_may_be_a_hub_id_or_a_snapshot_in_the_hub_cache(tmp_path, mod
               progress=False)
 
 
+@pytest.mark.parametrize("case", ["an encoder-decoder", "an unknown model type", "the repository's own code", "config.json not JSON",
+                                  "no tokenizer"])
+def test_a_model_directory_train_cannot_use_is_one_line_naming_it(tmp_path, model_dir, data, capsys, case):
+    """``train`` fine-tunes causal language models. A T5 directory stopped with
+    transformers' "Unrecognized configuration class" and a traceback listing 200 classes; a model
+    type this transformers does not know, a damaged config.json and a directory without a
+    tokenizer stopped with tracebacks too; a model of the repository's own code had transformers
+    ask whether to run it, and wait. Each is now one line naming the directory and what to
+    do, exit status 2, for the dry run too."""
+    import shutil
+    d = tmp_path / "model"
+    if case == "an encoder-decoder":
+        transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=320, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)).save_pretrained(d)
+        match = (r"model\.path .*model holds a t5 model \(T5ForConditionalGeneration\), and train fine-tunes causal "
+                 r"language models \(AutoModelForCausalLM: .*\); train it through the API \(tiered_offload\.Engine\)")
+    else:
+        shutil.copytree(model_dir, d)
+        if case == "an unknown model type":
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**config, "model_type": "llama-from-the-future"}))
+            match = (r"model\.path .*model: transformers .* cannot read its config.json .*llama-from-the-future.*; "
+                     r"upgrade transformers")
+        elif case == "the repository's own code":  # (transformers asked "run the custom code? [y/N]" and waited)
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**config, "model_type": "acme-lm",
+                                                       "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig"}}))
+            match = r"model\.path .*model: .*\(model_type 'acme-lm': .*\); its model is code of the repository's own"
+        elif case == "config.json not JSON":
+            (d / "config.json").write_text('{"model_type": "llama", ')
+            match = r"model\.path .*model: transformers .* cannot read its config.json .*; save the model again"
+        else:
+            for f in d.glob("*token*"):
+                f.unlink()
+            match = r"model\.path .*model holds no tokenizer .*; save the tokenizer beside the model"
+    if case == "an encoder-decoder":
+        for f in model_dir.glob("*token*"):
+            shutil.copy(f, d / f.name)
+    config = write_config(tmp_path, model_dir, data)
+    capsys.readouterr()
+    for dry_run in ((), ("--dry-run",)):
+        assert cli_main(["train", "--config", str(config), "--no-progress", *dry_run, f"model.path={d}"]) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and len(err.strip().splitlines()) == 1, err
+
+
 def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -14,8 +14,8 @@ import json
 import logging
 import math
 import os
-import shutil
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -90,14 +90,60 @@ def _storage_location(storage) -> str:
     return ",".join(str(s) for s in storage) if isinstance(storage, (list, tuple)) else str(storage)
 
 
-def _build_model(cfg, hf_config, model_dir: Path):
-    """The model under ``empty_init()``; with ``lora.r``, PEFT's LoRA on it (the base frozen, the
-    adapter as PEFT initialises it; ``init_from`` reads the base's weights into it)."""
+def _config_and_tokenizer(model_dir: Path):
+    """The model's config and tokenizer, as transformers reads them; what it cannot read is a
+    :class:`ConfigError` naming the directory and what to do."""
+    import transformers
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"model.path {model_dir}: transformers {transformers.__version__} cannot read its config.json "
+                          f"({e}); save the model again") from None
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # (never a prompt)
+    except (OSError, ValueError, KeyError) as e:
+        if raw.get("model_type") in transformers.CONFIG_MAPPING:
+            advice = "save the model again"
+        elif "auto_map" in raw:
+            advice = ("its model is code of the repository's own (auto_map), which train does not run (no "
+                      "trust_remote_code): train it through the API (tiered_offload.Engine), or use a transformers "
+                      "that has the architecture")
+        else:
+            advice = "upgrade transformers (pip install -U transformers), or save the model with a transformers that knows it"
+        raise ConfigError(f"model.path {model_dir}: transformers {transformers.__version__} cannot read its config.json "
+                          f"(model_type {raw.get('model_type')!r}: {_first_line(e)}); {advice}") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model.path {model_dir} holds no tokenizer transformers can load ({_first_line(e)}); save "
+                          f"the tokenizer beside the model (tokenizer.save_pretrained(DIR))") from None
+    return hf_config, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _causal_lm(hf_config, model_dir: Path):
+    """The causal language model of ``hf_config`` under ``empty_init()`` (no memory for its weights)."""
     import transformers
 
     from tiered_offload import empty_init
+    if type(hf_config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        kind = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+        raise ConfigError(f"model.path {model_dir} holds a {hf_config.model_type} model ({kind}), and train fine-tunes "
+                          f"causal language models (AutoModelForCausalLM: GPT-2, Llama, Qwen, Mistral, Gemma...); train "
+                          f"it through the API (tiered_offload.Engine) with a loop of your own")
     with empty_init():
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        return transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
+def _build_model(cfg, hf_config, model_dir: Path):
+    """The model under ``empty_init()``; with ``lora.r``, PEFT's LoRA on it (the base frozen, the
+    adapter as PEFT initialises it; ``init_from`` reads the base's weights into it)."""
+    model = _causal_lm(hf_config, model_dir)
     if not cfg.lora.r:
         return model
     try:
@@ -129,8 +175,7 @@ def _build_model(cfg, hf_config, model_dir: Path):
     log.info("tiered-offload: lora.targets all-linear: the adapter goes on %s; %s (an MoE's router and stacked "
              "experts, which PEFT re-parametrizes in every forward) get no adapter", ", ".join(names),
              ", ".join(n.removeprefix("base_model.model.") for n in wrapped[:4]) + (" ..." if len(wrapped) > 4 else ""))
-    with empty_init():
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    model = _causal_lm(hf_config, model_dir)
     model.config._name_or_path = str(model_dir)
     return wrap(model, names)
 
@@ -178,15 +223,12 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
 
 
 def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
-    import transformers
-
     from tiered_offload import Engine
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    hf_config = transformers.AutoConfig.from_pretrained(model_dir)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf_config, tokenizer = _config_and_tokenizer(model_dir)
     train_data, eval_data = prepare_data(cfg.data, tokenizer, model_dir, out / ".cache",
                                          getattr(hf_config, "max_position_embeddings", None))
     t = cfg.train
