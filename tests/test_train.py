@@ -193,6 +193,53 @@ def test_a_bad_optimizer_setting_is_refused_naming_it(tmp_path, setting, match):
                               "train.betas=[0.9,0.95]", "train.eps=1e-6", "train.min_lr=2e-6"]).train.betas == [0.9, 0.95]
 
 
+def _of_type(value, annotation: str) -> bool:
+    """Whether ``value`` is of the config field type ``annotation`` (``str | list[str]``, ``int | None`` ...)."""
+    checks = {"str": lambda v: isinstance(v, str), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "bool": lambda v: isinstance(v, bool), "None": lambda v: v is None,
+              "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+              "list[float]": lambda v: isinstance(v, list) and all(
+                  isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)}
+    return any(checks[a.strip()](value) for a in annotation.split("|"))
+
+
+WRONG = ["abc", "", -1, 0, 1.5, True, None, [1], ["a", "b"], [0.9, 0.95], {"a": 1}]
+
+
+def test_every_setting_of_the_wrong_type_is_refused_naming_its_key(tmp_path):
+    """A YAML value of the wrong type (``seed: null``, ``epochs: two``, ``path: [a, b]``,
+    ``max_steps: true``) passed the checks and stopped the run later with a TypeError from deep
+    inside (or trained with it: ``seed: 1.5``). Every key, every value: a ConfigError naming the
+    key, or a value of the field's type."""
+    import dataclasses
+
+    import yaml
+
+    from tiered_offload.train.config import _section_types
+    required = {"model": {"path": "m"}, "data": {"path": "d"}, "offload": {"storage": str(tmp_path / "s")},
+                "train": {"max_steps": 1}}
+    path = tmp_path / "run.yaml"
+    accepted = []
+    for section, cls in _section_types().items():
+        for f in dataclasses.fields(cls):
+            for value in WRONG:
+                raw = {k: dict(v) for k, v in required.items()}
+                raw.setdefault(section, {})[f.name] = value
+                path.write_text(yaml.safe_dump(raw))
+                key = f"{section}.{f.name}"
+                try:
+                    cfg = load_config(path)
+                except ConfigError as e:
+                    assert key in str(e) or (key == "train.max_steps" and "train.epochs" in str(e)), (key, value, e)
+                    continue
+                got = getattr(getattr(cfg, section), f.name)
+                assert _of_type(got, str(f.type)), (key, value, got)
+                accepted.append((key, value))
+    assert ("train.seed", 1.5) not in accepted and ("train.epochs", -1) not in accepted
+    assert ("train.epochs", 1.5) in accepted and ("offload.storage", ["a", "b"]) in accepted
+
+
 def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data):
     reference = train(write_config(tmp_path / "a", model_dir, data), progress=False)
     config = write_config(tmp_path / "b", model_dir, data)

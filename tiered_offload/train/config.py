@@ -242,7 +242,36 @@ class RunConfig:
                               "lora.r, or drop lora.merged")
         if not self.offload.durable:
             raise ConfigError("offload.durable: false leaves nothing to resume from; the train command keeps it true")
+        if self.train.epochs is not None and not (_is_a("float", self.train.epochs) and self.train.epochs > 0):
+            raise ConfigError(f"train.epochs must be a number > 0 (passes over the data), got {self.train.epochs!r}")
+        if not (_is_a("int", self.train.seed) and self.train.seed >= 0):
+            raise ConfigError(f"train.seed must be an integer >= 0, got {self.train.seed!r}")
+        for section in dataclasses.fields(self):  # what the checks above leave: each value of its field's type
+            values = getattr(self, section.name)
+            for f in dataclasses.fields(values):
+                kinds = [k.strip() for k in str(f.type).split("|")]
+                value = getattr(values, f.name)
+                if not any(_is_a(k, value) for k in kinds):
+                    raise ConfigError(f"{section.name}.{f.name} must be {' or '.join(_KINDS[k][1] for k in kinds)}, "
+                                      f"got {value!r}")
         return self
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_KINDS = {"str": (lambda v: isinstance(v, str), "a text"),
+          "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+          "float": (_number, "a number"), "bool": (lambda v: isinstance(v, bool), "true or false"),
+          "None": (lambda v: v is None, "null"),
+          "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of texts"),
+          "list[float]": (lambda v: isinstance(v, list) and all(_number(x) for x in v), "a list of numbers")}
+"""A config field's type (its annotation's parts) -> (whether a value is of it, its name in an error)."""
+
+
+def _is_a(kind: str, value) -> bool:
+    return _KINDS[kind][0](value)
 
 
 def _choice(key: str, value, allowed) -> None:
