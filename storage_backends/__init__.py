@@ -187,6 +187,11 @@ def resolve_storage(storage) -> StorageSpec:
         return StorageSpec("auto", os.fspath(storage))
     name, location, options = parse_spec(str(storage))
     if name not in available_backends() and name != "auto":
+        if location and location.startswith(("/", ".", "~")):  # a backend's name mistyped, not a directory
+            raise UnknownBackendError(
+                f"storage {str(storage)!r} names no storage backend {name!r}; they are "
+                f"{', '.join(available_backends())} (or auto). A directory whose name holds a colon: pass it as a "
+                f"pathlib.Path")
         return StorageSpec("auto", str(storage))  # a directory whose name holds a colon
     return StorageSpec(name, location, options)
 

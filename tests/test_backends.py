@@ -2,6 +2,8 @@
 
 import errno
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -381,6 +383,23 @@ def test_zarr_zip_is_refused_for_training_with_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="zip archive only appends"):
         TieredStore(f"zarr:{tmp_path / 'other.zip'}", host_budget_bytes="1MiB", device_budget_bytes=0).open()
     assert ZarrBackend(str(tmp_path / "dir")).supports_rewrite
+
+
+def test_a_spec_naming_no_backend_before_a_path_is_refused_naming_them(tmp_path, monkeypatch):
+    """``storage="zarrr:/mnt/state"`` (a backend's name mistyped) was read as a directory whose name
+    holds a colon: the state went to ``./zarrr:/mnt/state`` under the working directory, and a
+    resume from the intended spec found nothing. A spec whose unknown name stands before a path is
+    refused, naming the backends; a directory with a colon in its name stays one (``run:1``, or any
+    path given as a ``Path``)."""
+    from storage_backends import resolve_storage
+    monkeypatch.chdir(tmp_path)
+    for spec in ("zarrr:/mnt/state", "posx:./state", "memroy:~/state"):
+        with pytest.raises(UnknownBackendError, match=rf"storage {re.escape(repr(spec))} names no storage backend "
+                                                     rf"{spec.split(':')[0]!r}; they are .*posix.*zarr.*pathlib\.Path"):
+            resolve_storage(spec)
+    assert not list(tmp_path.iterdir())
+    assert resolve_storage("run:1").location == "run:1"
+    assert resolve_storage(Path("zarrr:") / "state").location == str(Path("zarrr:") / "state")
 
 
 def test_storage_argument_is_read_in_one_place(tmp_path):

@@ -707,6 +707,28 @@ def test_a_model_directory_train_cannot_use_is_one_line_naming_it(tmp_path, mode
         assert re.search(match, err) and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("case", ["output.dir a file", "an unknown backend"])
+def test_an_output_or_backend_train_cannot_use_is_named_before_anything_runs(tmp_path, model_dir, data, capsys, case):
+    """``output.dir`` naming a file stopped with a FileExistsError traceback. ``offload.backend:
+    nope`` trained into a directory named ``nope:/...`` under the working directory (a storage spec
+    whose name is no backend is read as a directory with a colon in its name). Both are now one
+    line naming the setting, for the dry run too, and nothing is written."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    if case == "output.dir a file":
+        setting, match = f"output.dir={f}", r"output\.dir .*a-file is a file, not a directory"
+    else:
+        setting, match = "offload.backend=nope", r"offload\.backend 'nope' is no storage backend here; they are .*posix"
+    config = write_config(tmp_path, model_dir, data)
+    capsys.readouterr()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for dry_run in ((), ("--dry-run",)):
+        assert cli_main(["train", "--config", str(config), "--no-progress", *dry_run, setting]) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not Path("nope:").exists()
+
+
 def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()

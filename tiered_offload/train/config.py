@@ -254,6 +254,12 @@ class RunConfig:
                 if not any(_is_a(k, value) for k in kinds):
                     raise ConfigError(f"{section.name}.{f.name} must be {' or '.join(_KINDS[k][1] for k in kinds)}, "
                                       f"got {value!r}")
+        if self.offload.backend is not None:  # (a spec of no backend's name is read as a directory with a colon)
+            from storage_backends import available_backends
+            names = available_backends()
+            if self.offload.backend not in (*names, "auto"):
+                raise ConfigError(f"offload.backend {self.offload.backend!r} is no storage backend here; they are "
+                                  f"{', '.join(names)}, or auto (a plugin's package adds its own)")
         return self
 
 

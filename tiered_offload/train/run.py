@@ -227,7 +227,13 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir {out} is a file, not a directory; name a directory (for the exports and "
+                          f"metrics.jsonl)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"output.dir {out}: cannot create it ({e.strerror or e}); name a directory you can write") from None
     hf_config, tokenizer = _config_and_tokenizer(model_dir)
     train_data, eval_data = prepare_data(cfg.data, tokenizer, model_dir, out / ".cache",
                                          getattr(hf_config, "max_position_embeddings", None))
