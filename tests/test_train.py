@@ -642,6 +642,11 @@ def test_model_path_may_be_a_hub_id_or_a_snapshot_in_the_hub_cache(tmp_path, mod
                         progress=False)
         runs[name] = exported(Path(summary["final"]))
     assert all(torch.equal(runs["local"][k], runs[name][k]) for name in ("snapshot", "id") for k in runs["local"])
+    # a LoRA adapter trained from an id names the id as its base, as PEFT's own does
+    summary = train(write_config(tmp_path / "lora", "acme/tiny-llama", data, train__max_steps=1, output__export_every=0,
+                                 lora__r=4), progress=False)
+    adapter = json.loads((Path(summary["final"]) / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "acme/tiny-llama"
     # a dry run reads the config and the tokenizer, not the weights
     bare = tmp_path / "bare-model"
     bare.mkdir()

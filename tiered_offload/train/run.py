@@ -75,7 +75,7 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
             directory = Path(huggingface_hub.snapshot_download(str(path), allow_patterns=wanted, ignore_patterns=["*/*"]))
         except Exception as e:  # (no network, not cached, no such repository, gated, no huggingface_hub)
             raise ConfigError(f"model.path {path} is not a local directory, and the Hugging Face Hub gave no model of "
-                              f"that id ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): download it "
+                              f"that id ({type(e).__name__}: {_first_line(e)}): download it "
                               f"(hf download {path}; a gated model: hf auth login first), or name its directory") from None
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path {directory} is not a Hugging Face model directory (no config.json)")
@@ -142,7 +142,9 @@ def _causal_lm(hf_config, model_dir: Path):
 
 def _build_model(cfg, hf_config, model_dir: Path):
     """The model under ``empty_init()``; with ``lora.r``, PEFT's LoRA on it (the base frozen, the
-    adapter as PEFT initialises it; ``init_from`` reads the base's weights into it)."""
+    adapter as PEFT initialises it; ``init_from`` reads the base's weights into it). The adapter's
+    ``base_model_name_or_path`` is the directory, or the Hub id that named it."""
+    base = cfg.model.path if not Path(cfg.model.path).expanduser().exists() else str(model_dir)
     model = _causal_lm(hf_config, model_dir)
     if not cfg.lora.r:
         return model
@@ -150,7 +152,7 @@ def _build_model(cfg, hf_config, model_dir: Path):
         import peft
     except ImportError:
         raise ConfigError("lora.r needs PEFT: pip install peft") from None
-    model.config._name_or_path = str(model_dir)  # the adapter's base_model_name_or_path
+    model.config._name_or_path = model.name_or_path = base  # (PEFT's base_model_name_or_path is the latter)
     lora = cfg.lora
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     for name in lora.modules_to_save or ():  # (PEFT drops one the model does not have, without a word)
@@ -176,7 +178,7 @@ def _build_model(cfg, hf_config, model_dir: Path):
              "experts, which PEFT re-parametrizes in every forward) get no adapter", ", ".join(names),
              ", ".join(n.removeprefix("base_model.model.") for n in wrapped[:4]) + (" ..." if len(wrapped) > 4 else ""))
     model = _causal_lm(hf_config, model_dir)
-    model.config._name_or_path = str(model_dir)
+    model.config._name_or_path = model.name_or_path = base
     return wrap(model, names)
 
 
@@ -244,7 +246,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
     resuming = StateFiles(state_directory(directories)).manifest_path.exists()  # the same command continues
     if dry_run:
-        return _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, location)
+        return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
 
     torch.manual_seed(t.seed)
     model = _build_model(cfg, hf_config, model_dir)
@@ -435,9 +437,9 @@ def _evaluate(engine, model, data, micro_batch: int, precision: str = "fp32") ->
     return total / max(1, count)
 
 
-def _dry_run(cfg, hf_config, tokenizer, train_data, eval_data, total, resuming, location) -> dict:
+def _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location) -> dict:
     """What the run would do, without building or training anything."""
-    model = _build_model(cfg, hf_config, Path(cfg.model.path))
+    model = _build_model(cfg, hf_config, model_dir)
     if cfg.lora.adapter and not resuming:
         _check_adapter(model, cfg.lora.adapter)
     params, trained = _sizes(model)
