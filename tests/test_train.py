@@ -240,18 +240,30 @@ def test_every_setting_of_the_wrong_type_is_refused_naming_its_key(tmp_path):
     assert ("train.epochs", 1.5) in accepted and ("offload.storage", ["a", "b"]) in accepted
 
 
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data):
-    reference = train(write_config(tmp_path / "a", model_dir, data), progress=False)
-    config = write_config(tmp_path / "b", model_dir, data)
+    """Also the metrics: the steps a crash lost after the last commit (here 4 and 5) are trained
+    again, and ``metrics.jsonl`` held their first records too (step 4, 5, then 4, 5 again: a plot
+    of the loss doubled back). The resumed run drops the records after the step it resumes from, so
+    the file is the uninterrupted run's, record for record (times and disk bytes aside)."""
+    reference = train(write_config(tmp_path / "a", model_dir, data, offload__commit_every=3), progress=False)
+    config = write_config(tmp_path / "b", model_dir, data, offload__commit_every=3)
     script = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT)!r})\n"
               f"from tiered_offload.train import train\n"
               f"train({str(config)!r}, progress=False, on_step=lambda s, r: s == 5 and os.kill(os.getpid(), signal.SIGKILL))\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    assert [r["step"] for r in _records(tmp_path / "b" / "out")][-2:] == [4, 5]  # (3 committed)
     summary = train(config, progress=False)  # the same command again
     assert summary["step"] == 8
     a, b = exported(Path(reference["final"])), exported(Path(summary["final"]))
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    kept = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss")
+    assert [{k: r[k] for k in kept if k in r} for r in _records(tmp_path / "b" / "out")] == [
+        {k: r[k] for k in kept if k in r} for r in _records(tmp_path / "a" / "out")]
 
 
 def test_a_model_with_dropout_runs_its_micro_batches_through_each_block_together(tmp_path, model_dir, data,

@@ -271,12 +271,13 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         raise
     stop = {"signal": None}
     previous = {s: signal.signal(s, lambda n, _f: stop.update(signal=n)) for s in (signal.SIGINT, signal.SIGTERM)}
-    metrics = open(out / "metrics.jsonl", "a")
+    metrics = None
     bar = None
     try:
         engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule, t.min_lr / t.lr)))
         start = engine.step_count
+        metrics = _metrics_from(out / "metrics.jsonl", start)
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
@@ -337,13 +338,40 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     finally:
         if bar is not None:
             bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         engine.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
 _LAYOUT = ("r", "targets", "dora", "modules_to_save")
+
+
+def _metrics_from(path: Path, start: int):
+    """``metrics.jsonl`` opened to append the steps after ``start``: the records of later steps (a
+    crash's after its last commit, trained again now; an earlier run's, when this one starts over)
+    and a line a kill cut short are dropped first (the file rewritten and swapped in whole), so the
+    file is the run's history, a record a step."""
+    if path.exists():
+        kept, dropped = [], 0
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+                keep = record["step"] <= start
+            except (ValueError, TypeError, KeyError):
+                keep = False
+            if keep:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            log.warning("tiered-offload: %s: dropped %d record(s) after step %d (steps trained again from the last "
+                        "commit, or an earlier run's)", path, dropped, start)
+            temporary = path.with_name(path.name + ".tmp")
+            temporary.write_text("".join(line + "\n" for line in kept))
+            os.replace(temporary, path)
+    return open(path, "a")
 
 
 def _layout_settings(cfg) -> dict:
