@@ -618,18 +618,20 @@ def test_prompt_completion_puts_the_loss_on_the_completions_only(tmp_path, model
             _prepared(tmp_path, model_dir, path, "data.format=prompt-completion")
 
 
-def _hub_cache(root: Path, model_dir: Path, repo: str) -> Path:
-    """``model_dir`` laid out as huggingface_hub's cache keeps a downloaded repository: files in
+def _hub_cache(root: Path, directory: Path, repo: str, kind: str = "models") -> Path:
+    """``directory`` laid out as huggingface_hub's cache keeps a downloaded repository: files in
     ``blobs/`` by hash, a snapshot of links to them, ``refs/main`` naming it; returns the snapshot."""
     import hashlib
-    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    repo_dir = root / (f"{kind}--" + repo.replace("/", "--"))
     blobs, snapshot = repo_dir / "blobs", repo_dir / "snapshots" / ("5" * 40)
     blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
-    for f in model_dir.iterdir():
+    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
         digest = hashlib.sha256(f.read_bytes()).hexdigest()
         (blobs / digest).write_bytes(f.read_bytes())
-        os.symlink(os.path.join("..", "..", "blobs", digest), snapshot / f.name)
+        link = snapshot / f.relative_to(directory)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blobs / digest, link.parent), link)
     (repo_dir / "refs").mkdir()
     (repo_dir / "refs" / "main").write_text("5" * 40)
     return snapshot
@@ -744,6 +746,42 @@ def test_an_output_or_backend_train_cannot_use_is_named_before_anything_runs(tmp
         err = capsys.readouterr().err
         assert re.search(match, err) and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before and not Path("nope:").exists()
+
+
+def test_data_path_may_name_a_hub_datasets_files(tmp_path, model_dir, monkeypatch):
+    """``data.path: hf://datasets/OWNER/NAME/PATH`` (the Hub's own file URLs, as pandas and DuckDB
+    read them; PATH a file or a glob, ``@REVISION`` after the name) reads those files of the
+    dataset through huggingface_hub's cache, downloading only them; the sequences are those of the
+    same files on the local disk. A dataset the Hub does not give, or a spec without PATH, is a
+    ConfigError saying what to write."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    dataset = tmp_path / "dataset"
+    (dataset / "data").mkdir(parents=True)
+    rows = PARQUET_ROWS["completion"]
+    for i, part in enumerate((rows[:20], rows[20:])):
+        pq.write_table(pa.Table.from_pylist(part), dataset / "data" / f"train-{i:05d}-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:5]), dataset / "data" / "test-00000-of-00001.parquet")
+    cache = tmp_path / "hub"
+    _hub_cache(cache, dataset, "acme/stories", kind="datasets")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    settings = ("data.packing=false", "data.max_seq_len=40", "data.eval_fraction=0")
+    local = _prepared(tmp_path, model_dir, dataset / "data" / "train-*.parquet", *settings)
+    assert len(local[0]) == len(rows)
+    for spec in ("hf://datasets/acme/stories/data/train-*.parquet", "hf://datasets/acme/stories@main/data/train-*.parquet"):
+        assert _same(_prepared(tmp_path, model_dir, spec, *settings), local)
+    held = _prepared(tmp_path, model_dir, "hf://datasets/acme/stories/data/train-*.parquet", *settings,
+                     "data.eval_path=hf://datasets/acme/stories/data/test-00000-of-00001.parquet")
+    assert len(held[1]) == 5
+    with pytest.raises(ConfigError, match=r"data\.path hf://datasets/acme/other/x\.parquet: the Hugging Face Hub gave no "
+                                          r"dataset acme/other \(.*\); download it \(hf download --repo-type dataset"):
+        _prepared(tmp_path, model_dir, "hf://datasets/acme/other/x.parquet")
+    with pytest.raises(ConfigError, match=r"data\.path hf://datasets/acme/stories: write hf://datasets/OWNER/NAME/PATH"):
+        _prepared(tmp_path, model_dir, "hf://datasets/acme/stories")
+    with pytest.raises(ConfigError, match=r"data\.path hf://datasets/acme/stories/data/valid-\*\.parquet matches no file"):
+        _prepared(tmp_path, model_dir, "hf://datasets/acme/stories/data/valid-*.parquet")
 
 
 def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, capsys):

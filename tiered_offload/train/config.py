@@ -32,7 +32,9 @@ class DataSection:
     """The training data: a ``.txt`` file (``format: text``), a ``.jsonl`` file (one JSON object a
     line), a ``.json`` file holding an array of them, or a ``.parquet`` file (a row an example, its
     columns the keys; needs ``pip install pyarrow``); or a directory of such files, or a glob (a
-    dataset's shards, read in name order as one corpus)."""
+    dataset's shards, read in name order as one corpus); or ``hf://datasets/OWNER/NAME/PATH`` (a
+    Hugging Face Hub dataset's files, PATH a file or a glob; ``NAME@REVISION``), read through
+    huggingface_hub's cache."""
     format: str = "completion"
     """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s
     tokens), ``prompt-completion`` (.jsonl with prompt / completion, TRL's layout without a

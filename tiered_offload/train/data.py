@@ -100,11 +100,37 @@ lines, a JSON array, Parquet)."""
 ROWS = (".jsonl", ".json", ".parquet")
 
 
+HUB_DATASETS = "hf://datasets/"
+
+
+def _hub_dataset(spec: str, key: str) -> Path:
+    """The local path of ``hf://datasets/OWNER/NAME[@REVISION]/PATH`` (PATH a file or a glob of the
+    dataset): its files fetched through huggingface_hub's cache (only those PATH matches)."""
+    owner, _, rest = spec[len(HUB_DATASETS):].partition("/")
+    name, _, pattern = rest.partition("/")
+    name, _, revision = name.partition("@")
+    if not (owner and name and pattern):
+        raise ConfigError(f"{key} {spec}: write hf://datasets/OWNER/NAME/PATH, PATH a file or a glob of the dataset "
+                          f"(data/train-*.parquet)")
+    repo = f"{owner}/{name}"
+    try:
+        import huggingface_hub
+        local = huggingface_hub.snapshot_download(repo, repo_type="dataset", revision=revision or None,
+                                                  allow_patterns=[pattern])
+    except Exception as e:  # (no network, not cached, no such dataset, gated, no huggingface_hub)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{key} {spec}: the Hugging Face Hub gave no dataset {repo} ({type(e).__name__}: {first}); "
+                          f"download it (hf download --repo-type dataset {repo}) and name its files, or check the "
+                          f"id") from None
+    return Path(local) / pattern
+
+
 def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
     """The files ``data.path`` (or ``data.eval_path``, named by ``key``) names: a file; a directory's
     data files (:data:`SUFFIXES`, not hidden); or a glob's matches; each in name order (a dataset's
-    shards, ``train-00000-of-00003.jsonl`` ..., as one corpus)."""
-    path = Path(spec).expanduser()
+    shards, ``train-00000-of-00003.jsonl`` ..., as one corpus); a Hub dataset's files
+    (``hf://datasets/OWNER/NAME/PATH``) through huggingface_hub's cache."""
+    path = _hub_dataset(spec, key) if str(spec).startswith(HUB_DATASETS) else Path(spec).expanduser()
     if path.is_file():
         return [path]
     if path.is_dir():
@@ -117,9 +143,9 @@ def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
     if glob.has_magic(str(path)):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
         if not files:
-            raise ConfigError(f"{key} {path} matches no file")
+            raise ConfigError(f"{key} {spec if str(spec).startswith(HUB_DATASETS) else path} matches no file")
         return files
-    raise ConfigError(f"{key} {path} does not exist")
+    raise ConfigError(f"{key} {spec if str(spec).startswith(HUB_DATASETS) else path} does not exist")
 
 
 def _json_array(path: Path) -> bool:
@@ -428,7 +454,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     """The training (and evaluation) sequences of ``data`` (a :class:`DataSection`), tokenised with
     ``tokenizer`` once and cached under ``cache_root`` (keyed by the files, the tokenizer and the
     settings: a change re-tokenises)."""
-    path = Path(data.path).expanduser()
+    path = data.path if str(data.path).startswith(HUB_DATASETS) else Path(data.path).expanduser()  # (as named)
     sources = [data_files(data.path, data.format)]
     if data.eval_path:
         sources.append(data_files(data.eval_path, data.format, "data.eval_path"))
