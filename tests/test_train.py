@@ -178,6 +178,19 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
     assert set(final) == set(model.state_dict()) and all(torch.equal(final[k], v) for k, v in model.state_dict().items())
 
 
+def test_the_example_configuration_reads_as_it_says():
+    """``tiered_offload_examples/finetune.yaml`` is what the README runs: every key in it is one
+    ``train`` knows, of its type, and the commented Hub dataset line reads too."""
+    import yaml
+    example = ROOT / "tiered_offload_examples" / "finetune.yaml"
+    cfg = load_config(example)
+    assert cfg.model.path == "./Llama-3.2-1B" and cfg.train.betas == [0.9, 0.999] and cfg.offload.durable
+    commented = [line.split("(or a Hub dataset's files: ", 1)[1].rsplit(")", 1)[0]
+                 for line in example.read_text().splitlines() if "hf://datasets/" in line]
+    assert commented and load_config(example, [f"data.path={yaml.safe_load(commented[0])['path']}",
+                                               "data.format=alpaca"]).data.path.startswith("hf://datasets/")
+
+
 @pytest.mark.parametrize("setting, match", [
     ("train.betas=[0.9]", r"train\.betas must be two numbers in \[0, 1\) \(\[beta1, beta2\]\), got \[0\.9\]"),
     ("train.betas=[0.9,1.0]", r"train\.betas must be two numbers in \[0, 1\)"),
