@@ -279,12 +279,12 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
 
 
 # ---- frozen parameters ------------------------------------------------------------------------
-def _llama8():
+def _llama8(tied: bool = False):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False, use_cache=False))
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied, use_cache=False))
 
 
 def _peft_llama(modules_to_save=None, **options):
@@ -345,8 +345,9 @@ def _trains_as(engine, ref) -> None:
 
 
 @pytest.mark.parametrize("on_meta", [True, False], ids=["empty_init", "on the CPU"])
-@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],
-                         ids=["lora", "lora-and-head", "dora"])
+@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True},
+                                     {"modules_to_save": ["lm_head"], "tied": True}],
+                         ids=["lora", "lora-and-head", "dora", "lora-and-tied-head"])
 def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta, options):
     """LoRA on a pretrained model too large for memory: the base built under ``empty_init()``,
     wrapped by ``get_peft_model``, its weights read from the pretrained directory with ``init_from``.
@@ -356,11 +357,15 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
     under their names in the file, the adapter's start as PEFT makes them (as the model holds them,
     built on the CPU), and training is PyTorch's PEFT model's, bitwise. DoRA's magnitude, which PEFT
     computes from the base weights, is computed from the checkpoint's (it was the norm of the
-    weights the model was built with, silently; under ``empty_init`` it was refused)."""
+    weights the model was built with, silently; under ``empty_init`` it was refused). A head tied to
+    the embeddings (Llama 3.2, Qwen 2.5) and trained as a ``modules_to_save`` copy was refused
+    ("1 parameter(s) missing (base_model.model.lm_head.modules_to_save.default.weight)": the file
+    holds the tied tensor once, as the embeddings); the copy starts from them, as PEFT's does."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     pretrained = tmp_path / "pretrained"
-    _llama8().save_pretrained(pretrained)
+    options = dict(options)
+    _llama8(tied=options.pop("tied", False)).save_pretrained(pretrained)
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **options)
 
     def build():

@@ -83,6 +83,7 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
         in_file = set(names)
         if any(s.name not in in_file and any(p.startswith(prefix) for p in s.name.split(".")) for s in params):
             refuse_inits_from_base_weights(binding.model.peft_config, "init_from reads after the model was built")
+        tied = _tied_names(tuner)
         for slot in params:
             parts = slot.name.split(".")
             if slot.name in in_file or parts[:2] != ["base_model", "model"]:
@@ -90,7 +91,10 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
             if any(part.startswith(prefix) for part in parts):
                 fresh.add(slot.name)  # the adapter's
                 continue
-            base = re.sub(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)", "", ".".join(parts[2:]))
+            inner = ".".join(parts[2:])
+            base = re.sub(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)", "", inner)
+            if base not in in_file and base not in aliases:  # a copy of a tied weight: the file has it once
+                base = tied.get(re.sub(r"\.modules_to_save\.[^.]+(?=\.)", ".original_module", inner), base)
             if base in merged:
                 merged[slot.name] = merged[base]
             else:
@@ -102,6 +106,18 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
     reader.merge(merged)
     reader.check_covers([(s.name, s.shape) for s in params if s.name not in fresh], converted)
     return fresh
+
+
+def _tied_names(model) -> dict[str, str]:
+    """``{name: first name}`` of each parameter ``model`` holds under more than one name (a head tied
+    to the embeddings): the file ``save_pretrained`` wrote has it once, under the first."""
+    first, tied = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
 
 
 def _fill(binding: ModelBinding, unit, flat, reader, init, fresh=frozenset(), dora=(), adapter=None,
