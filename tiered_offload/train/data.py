@@ -311,12 +311,12 @@ def _size(example) -> int:
 
 
 def _batches(examples, chars: int):
-    """Lists of consecutive ``examples`` of about ``chars`` characters each (an example longer
-    than that alone)."""
+    """Lists of consecutive ``(example, where)`` of about ``chars`` characters each (an example
+    longer than that alone)."""
     batch, size = [], 0
     for ex in examples:
         batch.append(ex)
-        size += _size(ex)
+        size += _size(ex[0])
         if size >= chars:
             yield batch
             batch, size = [], 0
@@ -325,25 +325,46 @@ def _batches(examples, chars: int):
 
 
 def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
-    """Token ids and a loss mask (1: the token carries loss) of each example of ``batch`` (all of
-    one kind), EOS-terminated; the tokenizer's calls take the whole batch (a fast tokenizer's
-    threads share it), and give each example the tokens it has alone."""
+    """Token ids and a loss mask (1: the token carries loss) of each ``(example, where)`` of ``batch``
+    (all of one kind), EOS-terminated; the tokenizer's calls take the whole batch (a fast
+    tokenizer's threads share it), and give each example the tokens it has alone."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if isinstance(batch[0], list):  # conversations: the loss on the assistant's turns only
-        def render(messages, prompt=False):
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
-        texts = [render(ex) for ex in batch]
-        spans = [[(len(render(ex[:i], prompt=True)), len(render(ex[:i + 1])))
-                  for i, m in enumerate(ex) if m["role"] == "assistant"] for ex in batch]
+    examples = [ex for ex, _ in batch]
+    if isinstance(examples[0], list):  # conversations: the loss on the assistant's turns only
+        texts = [tokenizer.apply_chat_template(ex, tokenize=False) for ex in examples]
+        spans = [_assistant_spans(tokenizer, ex, text, where) for (ex, where), text in zip(batch, texts)]
         # by characters: a token that straddles the prompt's end ("Ġsat") belongs to the reply
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return [(list(ids), [int(any(a < e and b > s for s, e in sp)) for a, b in offsets])
                 for ids, offsets, sp in zip(encoded["input_ids"], encoded["offset_mapping"], spans)]
-    if isinstance(batch[0], tuple):
-        prompts = tokenizer([p for p, _ in batch], add_special_tokens=True)["input_ids"]
-        responses = tokenizer([r for _, r in batch], add_special_tokens=False)["input_ids"]
+    if isinstance(examples[0], tuple):
+        prompts = tokenizer([p for p, _ in examples], add_special_tokens=True)["input_ids"]
+        responses = tokenizer([r for _, r in examples], add_special_tokens=False)["input_ids"]
         return [(p + r + eos, [0] * len(p) + [1] * (len(r) + len(eos))) for p, r in zip(prompts, responses)]
-    return [(ids + eos, [1] * (len(ids) + len(eos))) for ids in tokenizer(batch, add_special_tokens=True)["input_ids"]]
+    return [(ids + eos, [1] * (len(ids) + len(eos))) for ids in tokenizer(examples, add_special_tokens=True)["input_ids"]]
+
+
+def _assistant_spans(tokenizer, messages: list, text: str, where: str) -> list[tuple[int, int]]:
+    """The characters of ``text`` (the whole conversation rendered) that are the assistant's turns:
+    each from the end of the conversation rendered up to it with the generation prompt, to the end
+    of it rendered up to and with the turn. Both renderings must begin ``text``: a template that
+    renders a turn otherwise as the conversation's last (an end it gives the last turn only;
+    earlier turns rewritten) is refused, as its lengths would point into other text."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (text.startswith(prompt) and text.startswith(upto)):
+            raise ConfigError(f"{where}: the tokenizer's chat template renders turn {i + 1} (assistant) otherwise inside "
+                              f"the conversation than as its last (it ends the last turn its own way, or rewrites earlier "
+                              f"turns, as Qwen3's drops their reasoning), so the turn's tokens cannot be found for the "
+                              f"loss; train such conversations "
+                              f"one assistant turn each, as data.format prompt-completion, or with a template that "
+                              f"renders a conversation's beginning as the whole conversation begins")
+        spans.append((len(prompt), len(upto)))
+    return spans
 
 
 @contextlib.contextmanager
@@ -483,7 +504,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
                 desc = f"tokenising {part[0].name}" + (f" and {len(part) - 1} more" if len(part) > 1 else "")
                 tracked = track(examples, desc=desc, unit="example") if name == "train" else examples
                 with _parallel_tokenizer():
-                    for batch in _batches((ex for ex, _ in tracked), CHUNK):
+                    for batch in _batches(tracked, CHUNK):
                         for encoded in _encode(tokenizer, batch):
                             spool.add(encoded)
                 spool.close()
