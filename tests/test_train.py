@@ -1252,14 +1252,32 @@ def test_chat_puts_the_loss_on_the_assistant_turns_only(tmp_path, model_dir):
     assert "the cat" not in text and "and dogs" not in text and "user" not in text
 
 
-@pytest.mark.parametrize("template", ["an end of its own", "earlier turns rewritten"])
+def _template(content: str, end: str = "", marks: bool = False) -> str:
+    """:data:`CHAT_TEMPLATE` with ``content`` rendering a message's text and ``end`` after the last
+    message; ``marks``: the assistant's text and end in ``{% generation %}``."""
+    assistant = f"{content}</s>"
+    if marks:
+        assistant = "{% generation %}" + assistant + "{% endgeneration %}"
+    return ("{% for m in messages %}<s>{{ m['role'] }}: {% if m['role'] == 'assistant' %}" + assistant
+            + "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}" + end
+            + "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+TEMPLATES = {"an end of its own": ("{{ m['content'] }}", "{% if not add_generation_prompt %}<s>end</s>{% endif %}"),
+             "earlier turns rewritten": ("{% if not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+                                         "{% else %}{{ m['content'] }}{% endif %}", "")}
+
+
+@pytest.mark.parametrize("template", list(TEMPLATES))
 def test_a_chat_template_that_renders_a_last_turn_otherwise_is_refused_not_masked_wrong(tmp_path, model_dir, template):
     """The assistant's turns are found by rendering the conversation up to each of them. A template
     that renders a turn otherwise when it is the last (one that ends the conversation with text of
     its own; Qwen3's, which drops the reasoning of earlier turns) made those lengths point into
     other text: the loss fell on the wrong tokens, silently ("</s><s>user: a" carried loss, "nd
     dogs" of the user's turn). Each turn's renderings must now begin the whole conversation's, or
-    the example is refused, naming it and the turn."""
+    the example is refused, naming it and the turn. A template that marks the assistant's text
+    (``{% generation %}``, as TRL's assistant-only loss asks) says where each turn is: its marks
+    make the mask."""
     chat_dir = _chat_model(tmp_path, model_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
     conversation = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "<think>red</think>sat on"},
@@ -1267,13 +1285,7 @@ def test_a_chat_template_that_renders_a_last_turn_otherwise_is_refused_not_maske
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": conversation}) + "\n")
     settings = ("data.format=chat", "data.packing=false", "data.max_seq_len=400", "data.eval_fraction=0")
-    if template == "an end of its own":
-        tokenizer.chat_template = CHAT_TEMPLATE.replace(
-            "{% endfor %}", "{% endfor %}{% if not add_generation_prompt %}<s>end</s>{% endif %}")
-    else:
-        tokenizer.chat_template = CHAT_TEMPLATE.replace(
-            "{{ m['content'] }}", "{% if m['role'] == 'assistant' and not loop.last %}"
-            "{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}")
+    tokenizer.chat_template = _template(*TEMPLATES[template])
     tokenizer.save_pretrained(chat_dir)
     with pytest.raises(ConfigError, match=r"chat\.jsonl line 1: the tokenizer's chat template renders turn 2 "
                                           r"\(assistant\) otherwise inside the conversation than as its last"):
@@ -1282,6 +1294,16 @@ def test_a_chat_template_that_renders_a_last_turn_otherwise_is_refused_not_maske
     train_data, _ = _prepared(tmp_path, chat_dir, path, *settings)
     text = tokenizer.decode([int(x) for x in train_data.labels[0] if x != IGNORE])
     assert "ran around" in text and "dogs" not in text, text
+    tokenizer.chat_template = _template(*TEMPLATES[template], marks=True)
+    tokenizer.save_pretrained(chat_dir)
+    path.write_text(json.dumps({"messages": conversation}) + "\n")
+    train_data, _ = _prepared(tmp_path, chat_dir, path, *settings)
+    whole = tokenizer.apply_chat_template(conversation, tokenize=False)
+    ids = [int(x) for x in train_data.ids[0] if x != tokenizer.pad_token_id]
+    assert ids == tokenizer(whole, add_special_tokens=False)["input_ids"]
+    text = tokenizer.decode([int(x) for x in train_data.labels[0] if x != IGNORE])
+    reply = "sat on" if template == "earlier turns rewritten" else "<think>red</think>sat on"
+    assert text.replace(" ", "") == f"{reply}</s>ranaround</s>".replace(" ", ""), (text, whole)  # (decode's spaces)
 
 
 def test_a_disk_that_cannot_hold_the_exports_is_refused_before_training(tmp_path, model_dir, data, monkeypatch, capsys):

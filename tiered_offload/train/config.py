@@ -42,7 +42,8 @@ class DataSection:
     output: the loss on the output only),
     ``chat`` (.jsonl with ``messages``: role / content, or ShareGPT's ``conversations``: from
     human / gpt / system, value; rendered with the tokenizer's chat template; the loss on the
-    assistant's turns only)."""
+    assistant's turns only, found by rendering each conversation up to them, or by the template's
+    ``{% generation %}`` marks)."""
     field: str = "text"
     """The JSON field holding the text (``completion``)."""
     max_seq_len: int = 512

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from array import array
 from dataclasses import dataclass
@@ -324,12 +325,20 @@ def _batches(examples, chars: int):
         yield batch
 
 
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A chat template's mark around the assistant's text (transformers' ``return_assistant_tokens_mask``)."""
+
+
 def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
     """Token ids and a loss mask (1: the token carries loss) of each ``(example, where)`` of ``batch``
     (all of one kind), EOS-terminated; the tokenizer's calls take the whole batch (a fast
     tokenizer's threads share it), and give each example the tokens it has alone."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     examples = [ex for ex, _ in batch]
+    if isinstance(examples[0], list) and GENERATION_MARK.search(tokenizer.chat_template or ""):
+        out = [tokenizer.apply_chat_template(ex, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+               for ex in examples]  # the template's marks say where the assistant's text is
+        return [(list(o["input_ids"]), [int(k) for k in o["assistant_masks"]]) for o in out]
     if isinstance(examples[0], list):  # conversations: the loss on the assistant's turns only
         texts = [tokenizer.apply_chat_template(ex, tokenize=False) for ex in examples]
         spans = [_assistant_spans(tokenizer, ex, text, where) for (ex, where), text in zip(batch, texts)]
@@ -349,7 +358,8 @@ def _assistant_spans(tokenizer, messages: list, text: str, where: str) -> list[t
     each from the end of the conversation rendered up to it with the generation prompt, to the end
     of it rendered up to and with the turn. Both renderings must begin ``text``: a template that
     renders a turn otherwise as the conversation's last (an end it gives the last turn only;
-    earlier turns rewritten) is refused, as its lengths would point into other text."""
+    earlier turns rewritten) is refused, as its lengths would point into other text (one that marks
+    the assistant's text, :data:`GENERATION_MARK`, does not come here)."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -360,9 +370,9 @@ def _assistant_spans(tokenizer, messages: list, text: str, where: str) -> list[t
             raise ConfigError(f"{where}: the tokenizer's chat template renders turn {i + 1} (assistant) otherwise inside "
                               f"the conversation than as its last (it ends the last turn its own way, or rewrites earlier "
                               f"turns, as Qwen3's drops their reasoning), so the turn's tokens cannot be found for the "
-                              f"loss; train such conversations "
-                              f"one assistant turn each, as data.format prompt-completion, or with a template that "
-                              f"renders a conversation's beginning as the whole conversation begins")
+                              f"loss; mark the assistant's text in the template ({{% generation %}} ... "
+                              f"{{% endgeneration %}}), or train such conversations one assistant turn each, as "
+                              f"data.format prompt-completion")
         spans.append((len(prompt), len(upto)))
     return spans
 
