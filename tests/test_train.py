@@ -1306,6 +1306,29 @@ def test_a_chat_template_that_renders_a_last_turn_otherwise_is_refused_not_maske
     assert text.replace(" ", "") == f"{reply}</s>ranaround</s>".replace(" ", ""), (text, whole)  # (decode's spaces)
 
 
+@pytest.mark.parametrize("marks", [False, True], ids=["rendered", "marked"])
+def test_a_conversation_the_chat_template_refuses_is_named(tmp_path, model_dir, marks):
+    """Mistral's and Llama 2's templates raise on a conversation whose roles do not alternate (or
+    that holds a system message): a jinja2 TemplateError traceback from the middle of tokenising,
+    with nothing saying which example. It is now a ConfigError naming the example and the
+    template's own words."""
+    chat_dir = _chat_model(tmp_path, model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+              "{% endfor %}")
+    tokenizer.chat_template = strict + (_template("{{ m['content'] }}", marks=True) if marks else CHAT_TEMPLATE)
+    tokenizer.save_pretrained(chat_dir)
+    good = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on"}]
+    bad = [{"role": "user", "content": "the cat"}, {"role": "user", "content": "sat on"},
+           {"role": "assistant", "content": "a mat"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": good}) + "\n" + json.dumps({"messages": bad}) + "\n")
+    with pytest.raises(ConfigError, match=r"chat\.jsonl line 2: the tokenizer's chat template refuses this "
+                                          r"conversation \(Conversation roles must alternate"):
+        _prepared(tmp_path, chat_dir, path, "data.format=chat", "data.packing=false", "data.max_seq_len=400")
+
+
 def test_a_disk_that_cannot_hold_the_exports_is_refused_before_training(tmp_path, model_dir, data, monkeypatch, capsys):
     """The exports kept plus the final one (and the state, on the same disk) must fit: refused up
     front with the figures, nothing trained."""

@@ -131,7 +131,8 @@ def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
     data files (:data:`SUFFIXES`, not hidden); or a glob's matches; each in name order (a dataset's
     shards, ``train-00000-of-00003.jsonl`` ..., as one corpus); a Hub dataset's files
     (``hf://datasets/OWNER/NAME/PATH``) through huggingface_hub's cache."""
-    path = _hub_dataset(spec, key) if str(spec).startswith(HUB_DATASETS) else Path(spec).expanduser()
+    hub = str(spec).startswith(HUB_DATASETS)
+    path = _hub_dataset(spec, key) if hub else Path(spec).expanduser()
     if path.is_file():
         return [path]
     if path.is_dir():
@@ -144,9 +145,9 @@ def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
     if glob.has_magic(str(path)):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
         if not files:
-            raise ConfigError(f"{key} {spec if str(spec).startswith(HUB_DATASETS) else path} matches no file")
+            raise ConfigError(f"{key} {spec if hub else path} matches no file")
         return files
-    raise ConfigError(f"{key} {spec if str(spec).startswith(HUB_DATASETS) else path} does not exist")
+    raise ConfigError(f"{key} {spec if hub else path} does not exist")
 
 
 def _json_array(path: Path) -> bool:
@@ -336,11 +337,11 @@ def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     examples = [ex for ex, _ in batch]
     if isinstance(examples[0], list) and GENERATION_MARK.search(tokenizer.chat_template or ""):
-        out = [tokenizer.apply_chat_template(ex, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-               for ex in examples]  # the template's marks say where the assistant's text is
+        out = [_render(tokenizer, ex, where, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+               for ex, where in batch]  # the template's marks say where the assistant's text is
         return [(list(o["input_ids"]), [int(k) for k in o["assistant_masks"]]) for o in out]
     if isinstance(examples[0], list):  # conversations: the loss on the assistant's turns only
-        texts = [tokenizer.apply_chat_template(ex, tokenize=False) for ex in examples]
+        texts = [_render(tokenizer, ex, where) for ex, where in batch]
         spans = [_assistant_spans(tokenizer, ex, text, where) for (ex, where), text in zip(batch, texts)]
         # by characters: a token that straddles the prompt's end ("Ġsat") belongs to the reply
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
@@ -351,6 +352,17 @@ def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
         responses = tokenizer([r for _, r in examples], add_special_tokens=False)["input_ids"]
         return [(p + r + eos, [0] * len(p) + [1] * (len(r) + len(eos))) for p, r in zip(prompts, responses)]
     return [(ids + eos, [1] * (len(ids) + len(eos))) for ids in tokenizer(examples, add_special_tokens=True)["input_ids"]]
+
+
+def _render(tokenizer, messages: list, where: str, **options):
+    """``apply_chat_template`` (as text, unless ``options`` say otherwise); a conversation the
+    template refuses (it raises: roles that do not alternate, a system message it does not take)
+    is a :class:`ConfigError` naming the example."""
+    try:
+        return tokenizer.apply_chat_template(messages, **{"tokenize": False, **options})
+    except Exception as e:  # (jinja2's TemplateError from raise_exception, or what the template's code raised)
+        raise ConfigError(f"{where}: the tokenizer's chat template refuses this conversation ({e}); change the "
+                          f"example, or the template (tokenizer.chat_template)") from None
 
 
 def _assistant_spans(tokenizer, messages: list, text: str, where: str) -> list[tuple[int, int]]:
@@ -364,8 +376,8 @@ def _assistant_spans(tokenizer, messages: list, text: str, where: str) -> list[t
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        prompt = _render(tokenizer, messages[:i], where, add_generation_prompt=True)
+        upto = _render(tokenizer, messages[:i + 1], where)
         if not (text.startswith(prompt) and text.startswith(upto)):
             raise ConfigError(f"{where}: the tokenizer's chat template renders turn {i + 1} (assistant) otherwise inside "
                               f"the conversation than as its last (it ends the last turn its own way, or rewrites earlier "
