@@ -39,11 +39,10 @@ class DataSection:
     """``text`` (plain text, the loss on every token), ``completion`` (.jsonl, the loss on ``field``'s
     tokens), ``prompt-completion`` (.jsonl with prompt / completion, TRL's layout without a
     template: the loss on the completion only), ``alpaca`` (.jsonl with instruction / input /
-    output: the loss on the output only),
-    ``chat`` (.jsonl with ``messages``: role / content, or ShareGPT's ``conversations``: from
-    human / gpt / system, value; rendered with the tokenizer's chat template; the loss on the
-    assistant's turns only, found by rendering each conversation up to them, or by the template's
-    ``{% generation %}`` marks)."""
+    output: the loss on the output only), ``chat`` (.jsonl with ``messages``: role / content, or
+    ShareGPT's ``conversations``: from human / gpt / system, value; rendered with the tokenizer's
+    chat template; the loss on the assistant's turns only, found by rendering each conversation up
+    to them, or by the template's ``{% generation %}`` marks)."""
     field: str = "text"
     """The JSON field holding the text (``completion``)."""
     max_seq_len: int = 512
@@ -206,8 +205,7 @@ class RunConfig:
             raise ConfigError(f"train.min_lr must be in [0, train.lr {t.lr}], got {t.min_lr!r}")
         if not t.eps > 0:
             raise ConfigError(f"train.eps must be > 0, got {t.eps!r}")
-        if not (isinstance(t.betas, list) and len(t.betas) == 2 and all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in t.betas)):
+        if not (isinstance(t.betas, list) and len(t.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in t.betas)):
             raise ConfigError(f"train.betas must be two numbers in [0, 1) ([beta1, beta2]), got {t.betas!r}")
         t.betas = [float(b) for b in t.betas]
         if not 0 <= self.data.eval_fraction < 1:
