@@ -6,7 +6,7 @@ A byte-level BPE tokenizer (a vocabulary of 8,000) is trained here on generated 
 is JSON lines of ``--examples`` examples of 20-400 words (``completion``), or conversations of
 four turns (``chat``). Rounds alternate the two ways, each preparing the data into a fresh cache
 (tokenising, spooling, writing the sequences), so the machine's noise hits them alike. Prints
-each way's median tokens per second and their ratio, and checks that both made the same arrays.
+each way's median seconds and their ratio (the speedup), and checks that both made the same arrays.
 
     python tools/bench_data.py --examples 20000 --rounds 3
 """
