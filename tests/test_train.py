@@ -1207,6 +1207,32 @@ def test_the_same_command_with_other_settings_says_what_it_changes(tmp_path, mod
                for r in caplog.records)
 
 
+def test_data_edited_since_the_last_run_is_named_when_the_run_resumes(tmp_path, model_dir, caplog):
+    """The data file edited between two runs of the same command (an example fixed, the same number
+    of them): the resumed run trained on other sequences than the first run would have, without a
+    word (only a changed count was named). The tokenised data's content is now part of the saved
+    settings: a change is named as the other settings are. A file copied or touched, its content
+    the same, says nothing."""
+    import logging
+    import shutil
+    caplog.set_level(logging.WARNING, logger="tiered_offload")
+    path = tmp_path / "train.jsonl"
+    rows = sentences(120, seed=11)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    config = write_config(tmp_path, model_dir, path, train__max_steps=1, output__export_every=0, data__packing=False)
+    train(config, progress=False)
+    copy = tmp_path / "copy.jsonl"
+    shutil.copyfile(path, copy)
+    os.replace(copy, path)  # (another inode, another time: re-tokenised, the same content)
+    train(config, ["train.max_steps=2"], progress=False)
+    assert not [r for r in caplog.records if "trained with other settings" in r.getMessage()]
+    rows[5] = rows[6]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    train(config, ["train.max_steps=3"], progress=False)
+    said = [r.getMessage() for r in caplog.records if "trained with other settings" in r.getMessage()]
+    assert len(said) == 1 and re.search(r"data: content [0-9a-f]{12} \(now [0-9a-f]{12}\)", said[0]), said
+
+
 def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert cli_main(["train", "--config", str(write_config(tmp_path, model_dir, data)), "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -50,6 +50,9 @@ class Dataset:
     ids: np.ndarray
     labels: np.ndarray
     attention: np.ndarray | None
+    content: str | None = None
+    """A hash of the tokenised data, training and evaluation sequences together (:func:`_content`):
+    the same for the same sequences, whatever the files' names and times."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -550,16 +553,40 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
         finally:
             for spool in spools:
                 spool.remove()
-        (cache / "done").write_text(json.dumps({"data": str(path), "examples": examples}))
+        _write_done(cache, {"data": str(path), "examples": examples, "content": _content(cache)})
     _remove_others(cache)
+    try:
+        done = json.loads((cache / "done").read_text())
+        content = done["content"]
+    except (OSError, ValueError, KeyError, TypeError):  # (a cache from before the hash was kept)
+        content = _content(cache)
+        _write_done(cache, {"data": str(path), "content": content})
 
     def load(name: str) -> Dataset | None:
         if not (cache / f"{name}_ids.npy").exists():
             return None
         attention = cache / f"{name}_attention.npy"
         return Dataset(np.load(cache / f"{name}_ids.npy", mmap_mode="r"), np.load(cache / f"{name}_labels.npy", mmap_mode="r"),
-                       np.load(attention, mmap_mode="r") if attention.exists() else None)
+                       np.load(attention, mmap_mode="r") if attention.exists() else None, content)
     return load("train"), load("eval")
+
+
+def _content(cache: Path) -> str:
+    """A hash of the tokenised sequences in ``cache`` (its arrays' files, read a stretch at a time)."""
+    h = hashlib.sha256()
+    for f in sorted(cache.glob("*.npy")):
+        h.update(f.name.encode())
+        with open(f, "rb") as stream:
+            while block := stream.read(CHUNK * 16):
+                h.update(block)
+    return h.hexdigest()[:12]
+
+
+def _write_done(cache: Path, record: dict) -> None:
+    """The mark that ``cache`` holds finished data, written whole (a temporary file swapped in)."""
+    temporary = cache / "done.tmp"
+    temporary.write_text(json.dumps(record))
+    os.replace(temporary, cache / "done")
 
 
 def _remove_others(cache: Path) -> None:

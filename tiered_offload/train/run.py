@@ -281,7 +281,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
-        settings = _batch_settings(cfg, len(train_data))
+        settings = _batch_settings(cfg, train_data)
         if start:
             _say_other_settings(engine.user_state.get("settings"), settings, location, start)
         if progress:
@@ -393,13 +393,14 @@ def _refuse_another_layout(cfg, directories: str, location: str) -> None:
                             "another offload.storage (a new run from the model)") from None
 
 
-def _batch_settings(cfg, sequences: int) -> dict:
+def _batch_settings(cfg, train_data) -> dict:
     """What decides a run's batches and its step besides the optimizer's hyperparameters (saved with
     the state), saved in its user state so that a resume can tell a changed one; and its layout
     (:func:`_layout_settings`), so that a resume that changed it is told which."""
     d, t = cfg.data, cfg.train
     return {"data.path": str(d.path), "data.format": d.format, "data.field": d.field, "data.max_seq_len": d.max_seq_len,
-            "data.packing": d.packing, "data.eval_fraction": d.eval_fraction, "data: sequences": sequences,
+            "data.packing": d.packing, "data.eval_fraction": d.eval_fraction, "data: sequences": len(train_data),
+            "data: content": train_data.content,
             "train.seed": t.seed, "train.micro_batch": t.micro_batch, "train.schedule": t.schedule,
             "train.warmup_steps": t.warmup_steps, "train.min_lr": t.min_lr, "train.clip": t.clip, "train.precision": t.precision,
             **({"lora.alpha": cfg.lora.alpha, "lora.dropout": cfg.lora.dropout} if cfg.lora.r else {}),
