@@ -35,10 +35,11 @@ def build(cfg: dict):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=cfg["layers"],
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-            tie_word_embeddings=False, use_cache=False))
+            tie_word_embeddings=bool(cfg.get("tied")), use_cache=False))
         torch.manual_seed(1)
         return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                          init_lora_weights=False))
+                                                          init_lora_weights=False,
+                                                          modules_to_save=cfg.get("modules_to_save")))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, context=CONTEXT, d_model=32, n_layers=cfg["layers"], n_heads=4,
                           dropout=cfg.get("dropout", 0.0)))

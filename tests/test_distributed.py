@@ -421,6 +421,37 @@ def test_a_sharded_peft_model_starts_from_a_base_and_a_saved_adapter(tmp_path):
     assert all(torch.equal(weights[n], p) for n, p in expected.named_parameters())
 
 
+def test_a_sharded_peft_model_with_a_tied_heads_copy_starts_from_the_tied_tensor(tmp_path):
+    """LoRA with the head in ``modules_to_save`` on a model whose head is tied to the embeddings,
+    from the base's checkpoint alone on 2 ranks: the copy's slices are read from the tensor the
+    file holds once (the embeddings), as one process reads it; the start is PEFT's on
+    ``from_pretrained``'s model, bitwise."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    import dist_worker
+    cfg = {"layers": 3, "optimizer": "adamw", "steps": 0, "accumulate": 1, "clip": None, "host_memory": "64MiB",
+           "model": "llama", "tied": True, "modules_to_save": ["lm_head"]}
+    torch.manual_seed(0)  # the worker's base, saved as save_pretrained saves a tied head: once, as the embeddings
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=dist_worker.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=dist_worker.CONTEXT, tie_word_embeddings=True,
+        use_cache=False)).save_pretrained(tmp_path / "base")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "base" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    results = launch(2, tmp_path, dict(cfg, init_from=[str(tmp_path / "base")]))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", local_files_only=True)
+    torch.manual_seed(1)  # (the adapter's start, as the worker draws it)
+    expected = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False, modules_to_save=["lm_head"]))
+    weights = results[0]["weights"]
+    assert list(weights) == [n for n, _ in expected.named_parameters()]
+    assert all(torch.equal(weights[n], p) for n, p in expected.named_parameters())
+    copy = "base_model.model.lm_head.modules_to_save.default.weight"
+    assert torch.equal(weights[copy], base.model.embed_tokens.weight)
+
+
 def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command(tmp_path, capsys):
     """inspect lists the ranks, verify checks every slice, export gathers the slices into the model
     the ranks trained; one rank's directory is not exported as if it were a model; one process
