@@ -107,6 +107,11 @@ ROWS = (".jsonl", ".json", ".parquet")
 HUB_DATASETS = "hf://datasets/"
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line (its type's name where it has none)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def _hub_dataset(spec: str, key: str) -> Path:
     """The local path of ``hf://datasets/OWNER/NAME[@REVISION]/PATH`` (PATH a file or a glob of the
     dataset): its files fetched through huggingface_hub's cache (only those PATH matches)."""
@@ -122,8 +127,7 @@ def _hub_dataset(spec: str, key: str) -> Path:
         local = huggingface_hub.snapshot_download(repo, repo_type="dataset", revision=revision or None,
                                                   allow_patterns=[pattern])
     except Exception as e:  # (no network, not cached, no such dataset, gated, no huggingface_hub)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{key} {spec}: the Hugging Face Hub gave no dataset {repo} ({type(e).__name__}: {first}); "
+        raise ConfigError(f"{key} {spec}: the Hugging Face Hub gave no dataset {repo} ({type(e).__name__}: {first_line(e)}); "
                           f"download it (hf download --repo-type dataset {repo}) and name its files, or check the "
                           f"id") from None
     return Path(local) / pattern

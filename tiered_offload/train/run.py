@@ -28,7 +28,7 @@ from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
-from tiered_offload.train.data import micro_batch_rows, prepare_data
+from tiered_offload.train.data import first_line, micro_batch_rows, prepare_data
 
 __all__ = ["train", "lr_factor"]
 
@@ -75,7 +75,7 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
             directory = Path(huggingface_hub.snapshot_download(str(path), allow_patterns=wanted, ignore_patterns=["*/*"]))
         except Exception as e:  # (no network, not cached, no such repository, gated, no huggingface_hub)
             raise ConfigError(f"model.path {path} is not a local directory, and the Hugging Face Hub gave no model of "
-                              f"that id ({type(e).__name__}: {_first_line(e)}): download it "
+                              f"that id ({type(e).__name__}: {first_line(e)}): download it "
                               f"(hf download {path}; a gated model: hf auth login first), or name its directory") from None
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path {directory} is not a Hugging Face model directory (no config.json)")
@@ -113,17 +113,13 @@ def _config_and_tokenizer(model_dir: Path):
         else:
             advice = "upgrade transformers (pip install -U transformers), or save the model with a transformers that knows it"
         raise ConfigError(f"model.path {model_dir}: transformers {transformers.__version__} cannot read its config.json "
-                          f"(model_type {raw.get('model_type')!r}: {_first_line(e)}); {advice}") from None
+                          f"(model_type {raw.get('model_type')!r}: {first_line(e)}); {advice}") from None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"model.path {model_dir} holds no tokenizer transformers can load ({_first_line(e)}); save "
+        raise ConfigError(f"model.path {model_dir} holds no tokenizer transformers can load ({first_line(e)}); save "
                           f"the tokenizer beside the model (tokenizer.save_pretrained(DIR))") from None
     return hf_config, tokenizer
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _causal_lm(hf_config, model_dir: Path):
