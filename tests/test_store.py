@@ -620,6 +620,40 @@ def test_a_copy_the_lookahead_moves_down_leaves_the_device_at_once():
     store.close()
 
 
+def test_a_copy_the_lookahead_writes_out_leaves_the_device_and_goes_down_once():
+    """A dirty device victim the host tier has no room for is written to the disk (through the
+    host tier) and then gives up its device room, as a copy moved down does. Regression: it stayed
+    on the device, clean; the host tier gave up its own copy first (the device held one), and the
+    next time the device wanted the room the same bytes went down again: a gradient crossed the
+    link twice (``test_engine.py::test_the_update_on_the_host_moves_no_bytes_twice_over_the_link``
+    failed on a CI machine, 1.31x the gradients down)."""
+    store = make_store(MemoryBackend(threads=0), host=64 * KiB, device=32 * KiB, policy="lookahead", prefetch_depth=2)
+    for k in ("a", "c", "h1", "h2", "h3"):
+        store.register(k, (4 * KiB,), data=torch.full((4 * KiB,), float(len(k))))
+    store.register("b", (4 * KiB,))  # zeros: made on the device, no host copy
+    store.flush()
+    for k in ("h1", "h2", "h3", "c"):  # the host tier full, of tensors only it holds
+        with store.hold(k, "host"):
+            pass
+    store.write("a", torch.full((4 * KiB,), 5.0), "device")  # a: its new bytes only on the device
+    store.declare_access_sequence(["b", "c", "a"], tier="device")
+    with store.hold("b", "device"):  # the lookahead wants c: the device is full, a is written out
+        pass
+    store._wait_idle()
+    r = store.residency("a")
+    assert r[Tier.DEVICE] == CopyState.ABSENT and r[Tier.DISK] == CopyState.CLEAN, r
+    with store.hold("h1", "host"):  # (the host room a's copy took)
+        pass
+    store.evict("h2", "host").get()  # room in the host tier
+    for k in ("c", "a", "b", "c", "a"):
+        with store.hold(k, "device"):
+            pass
+    store._wait_idle()
+    assert store.stats.bytes_by_route["device->host:other"] == 16 * KiB  # a's one version, down once
+    assert torch.equal(store.read("a"), torch.full((4 * KiB,), 5.0))
+    store.close()
+
+
 def test_the_lookahead_leaves_a_tensor_alone_until_its_rewrite():
     """``rewrite_due``: the device tier's lookahead does not fetch bytes that will be rewritten in
     the host tier before the device uses them (the update on the host), and does once they are.

@@ -143,8 +143,10 @@ class CopyChains:
             version = rec.version
         further = self._policies[Tier.HOST].next_use(rec.key)
         if self._ensure_slot(rec, Tier.HOST, block=False, further_than=further) is None:
-            if not clean:
-                return self._start_write_back(rec, Tier.DISK)
+            if not clean:  # written out, it leaves the device as a copy moved down does
+                fut = self._start_write_back(rec, Tier.DISK)
+                fut.add_done_callback(lambda f: self._drop_device_copy(rec) if f.exception() is None else None)
+                return fut
             self._drop_device_copy(rec)
             return completed(0, f"drop {rec.key} from the device")
         fut = self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
