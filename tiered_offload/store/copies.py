@@ -136,8 +136,10 @@ class CopyChains:
 
         It takes host room that is free or that nothing needed sooner occupies. Where there is
         none, a dirty copy is written to the disk instead (through the host tier, like any write-back
-        without GPUDirect), and a ``clean`` one (the disk holds it too) is simply dropped: the
-        returned future is then already done.
+        without GPUDirect) and then leaves the device too, and a ``clean`` one (the disk holds it
+        too) is simply dropped: the returned future is then already done. Either way the device
+        copy goes (a copy left there went down again later: the host tier gives up its own copy
+        first where the device holds one).
         """
         with self._lock:
             version = rec.version
