@@ -1333,6 +1333,48 @@ def test_a_chat_template_that_renders_a_last_turn_otherwise_is_refused_not_maske
 
 
 @pytest.mark.parametrize("marks", [False, True], ids=["rendered", "marked"])
+def test_chat_turns_each_trains_every_assistant_turn_as_its_own_last(tmp_path, model_dir, marks):
+    """``data.chat_turns: each``: an example per assistant turn, the conversation up to it, the
+    loss on that turn only, the earlier turns rendered as the template renders history. So a
+    template that renders a turn otherwise as the last (Qwen3's drops earlier turns' reasoning),
+    whose conversations ``all`` refuses without ``{% generation %}`` marks, trains on what the
+    model sees and says at inference: each sequence is the template's rendering of the
+    conversation up to the turn, the loss on what follows the generation prompt."""
+    chat_dir = _chat_model(tmp_path, model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    tokenizer.chat_template = _template(*TEMPLATES["earlier turns rewritten"], marks=marks)
+    tokenizer.save_pretrained(chat_dir)
+    conversation = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "<think>red</think>sat on"},
+                    {"role": "user", "content": "and dogs"}, {"role": "assistant", "content": "ran around"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": conversation}) + "\n"
+                    + json.dumps({"messages": conversation[:1]}) + "\n")  # no assistant turn: no example
+    settings = ("data.format=chat", "data.packing=false", "data.max_seq_len=400", "data.eval_fraction=0")
+    train_data, _ = _prepared(tmp_path, chat_dir, path, *settings, "data.chat_turns=each")
+    assert len(train_data) == 2
+    for row, (upto, reply) in enumerate([(2, "<think>red</think>sat on</s>"), (4, "ran around</s>")]):
+        ids = [int(x) for x in train_data.ids[row] if x != tokenizer.pad_token_id]
+        whole = tokenizer.apply_chat_template(conversation[:upto], tokenize=False)
+        assert ids == tokenizer(whole, add_special_tokens=False)["input_ids"], row
+        text = tokenizer.decode([int(x) for x in train_data.labels[row] if x != IGNORE])
+        assert text.replace(" ", "") == reply.replace(" ", ""), (row, text)  # (decode's spaces)
+    if not marks:  # the whole conversation at once cannot be masked with this template
+        with pytest.raises(ConfigError, match=r"chat\.jsonl line 1: .* or set data\.chat_turns: each"):
+            _prepared(tmp_path, chat_dir, path, *settings)
+    # a generation prompt that is not how the template begins the turn: no tokens to point at
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("{% if add_generation_prompt %}<s>assistant: ",
+                                                    "{% if add_generation_prompt %}<s>bot: ")
+    tokenizer.save_pretrained(chat_dir)
+    with pytest.raises(ConfigError, match=r"chat\.jsonl line 1 turn 2: the tokenizer's chat template does not begin "
+                                          r"the conversation with turn 2 \(assistant\) as it renders"):
+        _prepared(tmp_path, chat_dir, path, *settings, "data.chat_turns=each")
+    with pytest.raises(ConfigError, match=r"data\.chat_turns applies to data\.format chat"):
+        _prepared(tmp_path, chat_dir, path, "data.format=completion", "data.chat_turns=each")
+    with pytest.raises(ConfigError, match=r"data\.chat_turns must be one of"):
+        _prepared(tmp_path, chat_dir, path, *settings, "data.chat_turns=some")
+
+
+@pytest.mark.parametrize("marks", [False, True], ids=["rendered", "marked"])
 def test_a_conversation_the_chat_template_refuses_is_named(tmp_path, model_dir, marks):
     """Mistral's and Llama 2's templates raise on a conversation whose roles do not alternate (or
     that holds a system message): a jinja2 TemplateError traceback from the middle of tokenising,

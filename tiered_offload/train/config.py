@@ -45,6 +45,11 @@ class DataSection:
     to them, or by the template's ``{% generation %}`` marks)."""
     field: str = "text"
     """The JSON field holding the text (``completion``)."""
+    chat_turns: str = "all"
+    """``chat``: ``all`` (an example a conversation, the loss on every assistant turn) or ``each``
+    (an example per assistant turn: the conversation up to it, the loss on that turn only, the
+    earlier turns rendered as the template renders history; for a template that rewrites earlier
+    turns, as Qwen3's drops their reasoning, and has no ``{% generation %}`` marks)."""
     max_seq_len: int = 512
     """Tokens per training sequence (at most the model's positions)."""
     packing: bool = True
@@ -173,6 +178,9 @@ class RunConfig:
             if not value:
                 raise ConfigError(f"{key} is required")
         _choice("data.format", self.data.format, ("text", "completion", "prompt-completion", "alpaca", "chat"))
+        _choice("data.chat_turns", self.data.chat_turns, ("all", "each"))
+        if self.data.chat_turns != "all" and self.data.format != "chat":
+            raise ConfigError(f"data.chat_turns applies to data.format chat, not {self.data.format}; drop it")
         _choice("train.schedule", self.train.schedule, ("constant", "linear", "cosine"))
         _choice("train.precision", self.train.precision, ("fp32", "bf16-autocast"))
         _choice("output.dtype", self.output.dtype, ("fp32", "bf16", "fp16"))

@@ -252,9 +252,13 @@ def _sharegpt(turns, where: str) -> list:
     return [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
 
 
-def _examples(path: Path, fmt: str, field: str):
+class LastTurn(list):
+    """A conversation whose loss is on its last turn (an assistant's) only: ``data.chat_turns: each``."""
+
+
+def _examples(path: Path, fmt: str, field: str, turns: str = "all"):
     """``(text or (prompt, response) or messages, where)`` of every example of a data file, read as
-    it goes."""
+    it goes; ``turns``: ``data.chat_turns`` (``each``: a :class:`LastTurn` per assistant turn)."""
     if fmt == "text" and path.suffix == ".parquet":
         raise ConfigError(f"{path} is a Parquet file: data.format text reads .txt files; its rows train with "
                           f"data.format completion (data.field: the column of the text)")
@@ -281,7 +285,12 @@ def _examples(path: Path, fmt: str, field: str):
                     for m in messages)):
                 raise ConfigError(f"{where}: a chat example needs 'messages': a list of "
                                   f"{{\"role\": ..., \"content\": ...}} objects")
-            yield messages, where
+            if turns == "each":
+                for i, m in enumerate(messages):
+                    if m["role"] == "assistant":
+                        yield LastTurn(messages[:i + 1]), f"{where} turn {i + 1}"
+            else:
+                yield messages, where
         elif fmt == "completion":
             if field in row and row[field] is None:
                 raise ConfigError(f"{where}: its field {field!r} is null; drop the example or give it a text")
@@ -343,13 +352,15 @@ def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
     tokenizer's threads share it), and give each example the tokens it has alone."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     examples = [ex for ex, _ in batch]
-    if isinstance(examples[0], list) and GENERATION_MARK.search(tokenizer.chat_template or ""):
+    if isinstance(examples[0], list) and not isinstance(examples[0], LastTurn) \
+            and GENERATION_MARK.search(tokenizer.chat_template or ""):
         out = [_render(tokenizer, ex, where, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
                for ex, where in batch]  # the template's marks say where the assistant's text is
         return [(list(o["input_ids"]), [int(k) for k in o["assistant_masks"]]) for o in out]
     if isinstance(examples[0], list):  # conversations: the loss on the assistant's turns only
         texts = [_render(tokenizer, ex, where) for ex, where in batch]
-        spans = [_assistant_spans(tokenizer, ex, text, where) for (ex, where), text in zip(batch, texts)]
+        spans = [_assistant_spans(tokenizer, ex, text, where, last_only=isinstance(ex, LastTurn))
+                 for (ex, where), text in zip(batch, texts)]
         # by characters: a token that straddles the prompt's end ("Ġsat") belongs to the reply
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return [(list(ids), [int(any(a < e and b > s for s, e in sp)) for a, b in offsets])
@@ -372,26 +383,32 @@ def _render(tokenizer, messages: list, where: str, **options):
                           f"example, or the template (tokenizer.chat_template)") from None
 
 
-def _assistant_spans(tokenizer, messages: list, text: str, where: str) -> list[tuple[int, int]]:
+def _assistant_spans(tokenizer, messages: list, text: str, where: str, last_only: bool = False) -> list[tuple[int, int]]:
     """The characters of ``text`` (the whole conversation rendered) that are the assistant's turns:
     each from the end of the conversation rendered up to it with the generation prompt, to the end
     of it rendered up to and with the turn. Both renderings must begin ``text``: a template that
     renders a turn otherwise as the conversation's last (an end it gives the last turn only;
     earlier turns rewritten) is refused, as its lengths would point into other text (one that marks
-    the assistant's text, :data:`GENERATION_MARK`, does not come here)."""
+    the assistant's text, :data:`GENERATION_MARK`, does not come here). ``last_only``: the last
+    turn's (what the model says after the generation prompt), which any template renders as the last."""
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or (last_only and i < len(messages) - 1):
             continue
         prompt = _render(tokenizer, messages[:i], where, add_generation_prompt=True)
         upto = _render(tokenizer, messages[:i + 1], where)
+        if last_only and not text.startswith(prompt):  # (the turn's own rendering is the text)
+            raise ConfigError(f"{where}: the tokenizer's chat template does not begin the conversation with turn {i + 1} "
+                              f"(assistant) as it renders the conversation before it with the generation prompt, so "
+                              f"the turn's tokens cannot be found for the loss; mark the assistant's text in the "
+                              f"template ({{% generation %}} ... {{% endgeneration %}}) and set data.chat_turns: all")
         if not (text.startswith(prompt) and text.startswith(upto)):
             raise ConfigError(f"{where}: the tokenizer's chat template renders turn {i + 1} (assistant) otherwise inside "
                               f"the conversation than as its last (it ends the last turn its own way, or rewrites earlier "
                               f"turns, as Qwen3's drops their reasoning), so the turn's tokens cannot be found for the "
                               f"loss; mark the assistant's text in the template ({{% generation %}} ... "
-                              f"{{% endgeneration %}}), or train such conversations one assistant turn each, as "
-                              f"data.format prompt-completion")
+                              f"{{% endgeneration %}}), or set data.chat_turns: each (an example per assistant turn, "
+                              f"the loss on that turn)")
         spans.append((len(prompt), len(upto)))
     return spans
 
@@ -519,7 +536,8 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     tokenizer_files += sorted(tokenizer_dir.glob("*.jinja"))
     files = [f[0] if len(f) == 1 else f for f in sources]  # (one file: the key it had before shards were read)
     key = _fingerprint(files[0], data.format, data.field, data.max_seq_len, data.packing, data.eval_fraction,
-                       files[1] if data.eval_path else None, *tokenizer_files)
+                       files[1] if data.eval_path else None, *tokenizer_files,
+                       *([f"chat_turns={data.chat_turns}"] if data.chat_turns != "all" else []))
     cache = cache_root / f"data-{key}"
     if not (cache / "done").exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -529,7 +547,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
             for name, part in zip(("train", "eval"), sources):
                 spool = _Spool(cache / name)
                 spools.append(spool)
-                examples = (ex for f in part for ex in _examples(f, data.format, data.field))
+                examples = (ex for f in part for ex in _examples(f, data.format, data.field, data.chat_turns))
                 desc = f"tokenising {part[0].name}" + (f" and {len(part) - 1} more" if len(part) > 1 else "")
                 tracked = track(examples, desc=desc, unit="example") if name == "train" else examples
                 with _parallel_tokenizer():

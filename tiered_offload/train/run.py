@@ -394,7 +394,8 @@ def _batch_settings(cfg, train_data) -> dict:
     the state), saved in its user state so that a resume can tell a changed one; and its layout
     (:func:`_layout_settings`), so that a resume that changed it is told which."""
     d, t = cfg.data, cfg.train
-    return {"data.path": str(d.path), "data.format": d.format, "data.field": d.field, "data.max_seq_len": d.max_seq_len,
+    return {"data.path": str(d.path), "data.format": d.format, "data.field": d.field, "data.chat_turns": d.chat_turns,
+            "data.max_seq_len": d.max_seq_len,
             "data.packing": d.packing, "data.eval_fraction": d.eval_fraction, "data: sequences": len(train_data),
             "data: content": train_data.content,
             "train.seed": t.seed, "train.micro_batch": t.micro_batch, "train.schedule": t.schedule,
