@@ -693,6 +693,35 @@ def test_model_path_may_be_a_hub_id_or_a_snapshot_in_the_hub_cache(tmp_path, mod
               progress=False)
 
 
+def test_model_path_may_pin_a_hub_revision_or_be_an_hf_url(tmp_path, model_dir, data, monkeypatch):
+    """``model.path: owner/name@REVISION`` (a commit, branch or tag: a run that can be repeated
+    when the repository moves on) and ``hf://owner/name`` (as ``data.path`` names a Hub dataset)
+    stopped with "does not exist". Both are read through huggingface_hub's cache, bitwise the
+    local directory's run; a LoRA adapter names the id as its base and the revision as PEFT's
+    ``revision``; a revision the cache and the Hub do not have is named."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    _hub_cache(cache, model_dir, "acme/tiny-llama")
+    commit = "5" * 40  # the snapshot _hub_cache lays out
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    runs = {}
+    for name, path in (("local", model_dir), ("commit", f"acme/tiny-llama@{commit}"), ("url", "hf://acme/tiny-llama"),
+                       ("url-branch", "hf://acme/tiny-llama@main")):
+        summary = train(write_config(tmp_path / name, model_dir, data, train__max_steps=2, output__export_every=0),
+                        [f"model.path={path}"], progress=False)
+        runs[name] = exported(Path(summary["final"]))
+    assert all(torch.equal(runs["local"][k], runs[name][k]) for name in runs for k in runs["local"])
+    summary = train(write_config(tmp_path / "lora", model_dir, data, train__max_steps=1, output__export_every=0,
+                                 lora__r=4), [f"model.path=hf://acme/tiny-llama@{commit}"], progress=False)
+    adapter = json.loads((Path(summary["final"]) / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "acme/tiny-llama" and adapter["revision"] == commit, adapter
+    with pytest.raises(ConfigError, match=r"model\.path acme/tiny-llama@v9 is not a local directory, and the Hugging "
+                                          r"Face Hub gave no model of that id at revision v9 \("):
+        train(write_config(tmp_path / "other", model_dir, data), ["model.path=acme/tiny-llama@v9"], progress=False)
+
+
 @pytest.mark.parametrize("case", ["an encoder-decoder", "an unknown model type", "the repository's own code", "config.json not JSON",
                                   "no tokenizer"])
 def test_a_model_directory_train_cannot_use_is_one_line_naming_it(tmp_path, model_dir, data, capsys, case):

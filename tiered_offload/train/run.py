@@ -60,23 +60,41 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktok
 files (top level only: no ``original/`` checkpoint, no ``.bin`` copies, no ONNX)."""
 
 
+HUB_MODEL = re.compile(r"(?:hf://)?([\w.-]+/[\w.-]+)(?:@([\w./-]+))?")
+"""A Hub model ``model.path`` names (one that is no local path): ``owner/name`` or ``hf://owner/name``,
+either with ``@REVISION`` (a commit, branch or tag)."""
+
+
+def _hub_model(path: str) -> tuple[str, str | None] | None:
+    """``(repository id, revision or None)`` of a ``model.path`` that is no local path and names a
+    Hub model (:data:`HUB_MODEL`); None otherwise."""
+    if Path(path).expanduser().exists():
+        return None
+    match = HUB_MODEL.fullmatch(str(path))
+    return (match[1], match[2]) if match else None
+
+
 def _model_dir(path: str, dry_run: bool = False) -> Path:
-    """The local directory ``model.path`` names: a directory, or a Hugging Face Hub id (``owner/name``,
-    not a local path) resolved through huggingface_hub's cache as ``from_pretrained`` resolves it
+    """The local directory ``model.path`` names: a directory, or a Hugging Face Hub model
+    (:data:`HUB_MODEL`) resolved through huggingface_hub's cache as ``from_pretrained`` resolves it
     (for a dry run without the weights: it reads the config and the tokenizer only)."""
     directory = Path(path).expanduser()
     hub = not directory.exists()
     if hub:
-        if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        if _hub_model(path) is None:
             raise ConfigError(f"model.path {directory} does not exist")
+        repo, revision = _hub_model(path)
         try:
             import huggingface_hub
             wanted = [p for p in HUB_FILES if not (dry_run and p == "*.safetensors")]
-            directory = Path(huggingface_hub.snapshot_download(str(path), allow_patterns=wanted, ignore_patterns=["*/*"]))
-        except Exception as e:  # (no network, not cached, no such repository, gated, no huggingface_hub)
+            directory = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=wanted,
+                                                               ignore_patterns=["*/*"]))
+        except Exception as e:  # (no network, not cached, no such repository or revision, gated, no huggingface_hub)
+            at = f" at revision {revision}" if revision else ""
             raise ConfigError(f"model.path {path} is not a local directory, and the Hugging Face Hub gave no model of "
-                              f"that id ({type(e).__name__}: {first_line(e)}): download it "
-                              f"(hf download {path}; a gated model: hf auth login first), or name its directory") from None
+                              f"that id{at} ({type(e).__name__}: {first_line(e)}): download it (hf download {repo}"
+                              f"{f' --revision {revision}' if revision else ''}; a gated model: hf auth login first), "
+                              f"or name its directory") from None
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path {directory} is not a Hugging Face model directory (no config.json)")
     weights = (directory / "model.safetensors").is_file() or list(directory.glob("*.safetensors.index.json"))
@@ -139,8 +157,9 @@ def _causal_lm(hf_config, model_dir: Path):
 def _build_model(cfg, hf_config, model_dir: Path):
     """The model under ``empty_init()``; with ``lora.r``, PEFT's LoRA on it (the base frozen, the
     adapter as PEFT initialises it; ``init_from`` reads the base's weights into it). The adapter's
-    ``base_model_name_or_path`` is the directory, or the Hub id that named it."""
-    base = cfg.model.path if not Path(cfg.model.path).expanduser().exists() else str(model_dir)
+    ``base_model_name_or_path`` is the directory, or the Hub id that named it (and its ``revision``
+    the revision named)."""
+    base, revision = _hub_model(cfg.model.path) or (str(model_dir), None)
     model = _causal_lm(hf_config, model_dir)
     if not cfg.lora.r:
         return model
@@ -158,7 +177,7 @@ def _build_model(cfg, hf_config, model_dir: Path):
         try:
             return peft.get_peft_model(model, peft.LoraConfig(
                 r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                task_type="CAUSAL_LM", modules_to_save=lora.modules_to_save, use_dora=lora.dora))
+                task_type="CAUSAL_LM", modules_to_save=lora.modules_to_save, use_dora=lora.dora, revision=revision))
         except ValueError as e:  # (PEFT's NoMatchingPeftModuleError is one)
             raise ConfigError(f"lora.targets {lora.targets!r} matches no module of the model ({e}); its linear "
                               f"layers: {', '.join(linear)}, or all-linear") from None
