@@ -1403,6 +1403,26 @@ def test_chat_turns_each_trains_every_assistant_turn_as_its_own_last(tmp_path, m
         _prepared(tmp_path, chat_dir, path, *settings, "data.chat_turns=some")
 
 
+def test_chat_turns_each_keeps_a_conversations_turns_on_one_side_of_the_evaluation_split(tmp_path, model_dir):
+    """With ``data.chat_turns: each`` a conversation's turns are examples in a row, each one's text
+    beginning the next's; ``eval_fraction`` holds out the last examples, and cut between two turns
+    of one conversation the evaluation scored text the training had trained on. The split moves to
+    the next conversation's start: each conversation's turns are all on one side."""
+    chat_dir = _chat_model(tmp_path, model_dir)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"},
+        {"role": "user", "content": f"r{i}"}, {"role": "assistant", "content": f"b{i}"}]}) + "\n" for i in range(3)))
+    settings = ("data.format=chat", "data.packing=false", "data.max_seq_len=400", "data.chat_turns=each")
+    train_data, eval_data = _prepared(tmp_path, chat_dir, path, *settings, "data.eval_fraction=0.5")
+    assert (len(train_data), len(eval_data)) == (4, 2)  # 3 of 6 held out would split the second conversation
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    assert all("2" in tokenizer.decode([int(x) for x in row if x != tokenizer.pad_token_id]) for row in eval_data.ids)
+    assert not any("2" in tokenizer.decode([int(x) for x in row if x != tokenizer.pad_token_id]) for row in train_data.ids)
+    train_data, eval_data = _prepared(tmp_path, chat_dir, path, *settings, "data.eval_fraction=0.34")
+    assert (len(train_data), len(eval_data)) == (4, 2)  # 2 of 6: at a conversation's start already
+
+
 @pytest.mark.parametrize("marks", [False, True], ids=["rendered", "marked"])
 def test_a_conversation_the_chat_template_refuses_is_named(tmp_path, model_dir, marks):
     """Mistral's and Llama 2's templates raise on a conversation whose roles do not alternate (or

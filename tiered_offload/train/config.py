@@ -50,7 +50,8 @@ class DataSection:
     """``chat``: ``all`` (an example a conversation, the loss on every assistant turn) or ``each``
     (an example per assistant turn: the conversation up to it, the loss on that turn only, the
     earlier turns rendered as the template renders history; for a template that rewrites earlier
-    turns, as Qwen3's drops their reasoning, and has no ``{% generation %}`` marks)."""
+    turns, as Qwen3's drops their reasoning, and has no ``{% generation %}`` marks); ``eval_fraction``
+    then holds out whole conversations."""
     max_seq_len: int = 512
     """Tokens per training sequence (at most the model's positions)."""
     packing: bool = True

@@ -436,12 +436,23 @@ class _Spool:
         self.paths = (stem.with_name(stem.name + ".ids"), stem.with_name(stem.name + ".mask"))
         self._files = [open(p, "wb") for p in self.paths]
         self.lengths: array | np.ndarray = array("q")
+        self.continuing = set()
+        """The examples that continue the one before (a conversation's later turns, ``data.chat_turns: each``)."""
 
-    def add(self, encoded: tuple[list[int], list[int]]) -> None:
+    def add(self, encoded: tuple[list[int], list[int]], continues: bool = False) -> None:
         ids, mask = encoded
         self._files[0].write(np.asarray(ids, dtype=np.int32).tobytes())
         self._files[1].write(np.asarray(mask, dtype=np.int8).tobytes())
+        if continues:
+            self.continuing.add(len(self.lengths))
         self.lengths.append(len(ids))
+
+    def boundary(self, i: int) -> int:
+        """The first example from ``i`` on that continues none before it (an evaluation split there
+        leaves no conversation on both sides)."""
+        while i in self.continuing:
+            i += 1
+        return i
 
     def close(self) -> None:
         for f in self._files:
@@ -552,8 +563,9 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
                 tracked = track(examples, desc=desc, unit="example") if name == "train" else examples
                 with _parallel_tokenizer():
                     for batch in _batches(tracked, CHUNK):
-                        for encoded in _encode(tokenizer, batch):
-                            spool.add(encoded)
+                        for (ex, _), encoded in zip(batch, _encode(tokenizer, batch)):
+                            spool.add(encoded, continues=isinstance(ex, LastTurn) and any(
+                                m["role"] == "assistant" for m in ex[:-1]))  # (a conversation's later turn)
                 spool.close()
             count = len(spools[0].lengths)
             if not count:
@@ -562,8 +574,8 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
             if data.eval_path:
                 parts = [("train", spools[0], 0, count), ("eval", spools[1], 0, len(spools[1].lengths))]
             else:
-                n_eval = int(math.floor(count * data.eval_fraction))
-                parts = [("train", spools[0], 0, count - n_eval), ("eval", spools[0], count - n_eval, count)]
+                cut = spools[0].boundary(count - int(math.floor(count * data.eval_fraction)))
+                parts = [("train", spools[0], 0, cut), ("eval", spools[0], cut, count)]
             for name, spool, a, b in parts:
                 if a == b:
                     continue
