@@ -109,9 +109,8 @@ def _dumps(obj: Any) -> str:
 class DirectoryLock:
     """One process per storage directory: an ``flock`` held for the engine's lifetime.
 
-    The kernel drops the lock when its holder dies, however it dies, so a lock file left by a
-    dead process is never mistaken for a live owner (and no PID-reuse guessing is needed). The
-    file names the holder, for the error a second process gets.
+    The kernel drops the lock when its holder dies, however it dies, so a lock file left by a dead
+    process is never mistaken for a live owner (no PID-reuse guessing). The file names the holder.
     """
 
     def __init__(self, state_dir: Path):
@@ -586,8 +585,7 @@ class Committer:
                 raise self._error
 
     def unit_updated(self, unit: str, futures: list, size: int) -> None:
-        """``unit``'s new weights and states (``size`` bytes) are being written (``futures``):
-        record them once durable."""
+        """``unit``'s new weights and states (``size`` bytes) are being written (``futures``): record them once durable."""
         with self._lock:
             self._in_window[unit] = size
         self._pool.submit(self._record_when_durable, unit, futures)
@@ -609,8 +607,7 @@ class Committer:
             self.files.append(record)
             with self._lock:
                 garbage = self._record_unit(unit, record["tensors"])
-            # the superseded extents go before the window admits another unit: deleted after, they
-            # were still on disk beside its new ones (1.27x the state with deletes of 50 ms)
+            # the superseded extents go before the unit leaves the window (after, they met the next unit's)
             self._delete(garbage)
             with self._lock:
                 self._waiting.discard(unit)
