@@ -255,6 +255,11 @@ def _sharegpt(turns, where: str) -> list:
 class LastTurn(list):
     """A conversation whose loss is on its last turn (an assistant's) only: ``data.chat_turns: each``."""
 
+    @property
+    def continues(self) -> bool:
+        """Whether an assistant turn comes before the last (the example of that turn is this one's beginning)."""
+        return any(m["role"] == "assistant" for m in self[:-1])
+
 
 def _examples(path: Path, fmt: str, field: str, turns: str = "all"):
     """``(text or (prompt, response) or messages, where)`` of every example of a data file, read as
@@ -564,8 +569,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
                 with _parallel_tokenizer():
                     for batch in _batches(tracked, CHUNK):
                         for (ex, _), encoded in zip(batch, _encode(tokenizer, batch)):
-                            spool.add(encoded, continues=isinstance(ex, LastTurn) and any(
-                                m["role"] == "assistant" for m in ex[:-1]))  # (a conversation's later turn)
+                            spool.add(encoded, continues=isinstance(ex, LastTurn) and ex.continues)
                 spool.close()
             count = len(spools[0].lengths)
             if not count:

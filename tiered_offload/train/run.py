@@ -81,9 +81,10 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
     directory = Path(path).expanduser()
     hub = not directory.exists()
     if hub:
-        if _hub_model(path) is None:
+        named = _hub_model(path)
+        if named is None:
             raise ConfigError(f"model.path {directory} does not exist")
-        repo, revision = _hub_model(path)
+        repo, revision = named
         try:
             import huggingface_hub
             wanted = [p for p in HUB_FILES if not (dry_run and p == "*.safetensors")]
