@@ -1423,6 +1423,51 @@ def test_chat_turns_each_keeps_a_conversations_turns_on_one_side_of_the_evaluati
     assert (len(train_data), len(eval_data)) == (4, 2)  # 2 of 6: at a conversation's start already
 
 
+TOOL_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"
+                 "{% for m in messages %}<s>{{ m['role'] }}: {% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+                 "<call>{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}</call>{% endfor %}"
+                 "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+@pytest.mark.parametrize("turns", ["all", "each"])
+def test_chat_with_tool_calls_trains_on_the_assistants_calls_and_answers(tmp_path, model_dir, turns):
+    """An agent's conversation: an assistant turn that calls a tool (``tool_calls``, its content
+    null), the tool's result (role ``tool``), the answer; and the row's ``tools`` (their schemas),
+    which the template renders. It was refused ("a chat example needs 'messages'": a null
+    content). Now the messages and tools go to the chat template as they are, and the loss is on
+    the assistant's turns, the calls included, not on the tool's result. A template that renders no
+    tool calls is refused for such an example, naming it."""
+    chat_dir = _chat_model(tmp_path, model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(chat_dir)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    conversation = [{"role": "user", "content": "two and three"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "five"}, {"role": "assistant", "content": "it is five"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": conversation, "tools": tools}) + "\n")
+    settings = ("data.format=chat", "data.packing=false", "data.max_seq_len=400", "data.eval_fraction=0",
+                f"data.chat_turns={turns}")
+    train_data, _ = _prepared(tmp_path, chat_dir, path, *settings)
+    rows = [(4, '<call>add {"a": 2, "b": 3}</call></s>it is five</s>')] if turns == "all" else \
+        [(2, '<call>add {"a": 2, "b": 3}</call></s>'), (4, "it is five</s>")]
+    assert len(train_data) == len(rows)
+    for row, (upto, reply) in enumerate(rows):
+        whole = tokenizer.apply_chat_template(conversation[:upto], tools=tools, tokenize=False)
+        assert whole.startswith("<tools>add;</tools>")
+        ids = [int(x) for x in train_data.ids[row] if x != tokenizer.pad_token_id]
+        assert ids == tokenizer(whole, add_special_tokens=False)["input_ids"], row
+        text = tokenizer.decode([int(x) for x in train_data.labels[row] if x != IGNORE])
+        assert text.replace(" ", "") == reply.replace(" ", ""), (row, text)  # (decode's spaces)
+    tokenizer.chat_template = CHAT_TEMPLATE  # renders content only: a call would be "None"
+    tokenizer.save_pretrained(chat_dir)
+    with pytest.raises(ConfigError, match=r"chat\.jsonl line 1( turn 2)?: .*tool.* the tokenizer's chat template renders no tool"):
+        _prepared(tmp_path, chat_dir, path, *settings)
+
+
 @pytest.mark.parametrize("marks", [False, True], ids=["rendered", "marked"])
 def test_a_conversation_the_chat_template_refuses_is_named(tmp_path, model_dir, marks):
     """Mistral's and Llama 2's templates raise on a conversation whose roles do not alternate (or

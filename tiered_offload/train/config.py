@@ -43,7 +43,8 @@ class DataSection:
     output: the loss on the output only), ``chat`` (.jsonl with ``messages``: role / content, or
     ShareGPT's ``conversations``: from human / gpt / system, value; rendered with the tokenizer's
     chat template; the loss on the assistant's turns only, found by rendering each conversation up
-    to them, or by the template's ``{% generation %}`` marks)."""
+    to them, or by the template's ``{% generation %}`` marks; an agent's turns too: ``tool_calls``,
+    role ``tool``, and the row's ``tools`` schemas, passed to the template as they are)."""
     field: str = "text"
     """The JSON field holding the text (``completion``)."""
     chat_turns: str = "all"

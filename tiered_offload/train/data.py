@@ -252,7 +252,20 @@ def _sharegpt(turns, where: str) -> list:
     return [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
 
 
-class LastTurn(list):
+class Conversation(list):
+    """A chat example's messages, and the tool schemas its row gives its template (``tools``)."""
+
+    def __init__(self, messages, tools: list | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the template must render tools or tool calls for it."""
+        return bool(self.tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in self)
+
+
+class LastTurn(Conversation):
     """A conversation whose loss is on its last turn (an assistant's) only: ``data.chat_turns: each``."""
 
     @property
@@ -286,16 +299,22 @@ def _examples(path: Path, fmt: str, field: str, turns: str = "all"):
             if messages is None and row.get("conversations") is not None:
                 messages = _sharegpt(row["conversations"], where)
             if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or (
+                        m.get("content") is None and isinstance(m.get("tool_calls"), list) and m["tool_calls"]))
                     for m in messages)):
                 raise ConfigError(f"{where}: a chat example needs 'messages': a list of "
-                                  f"{{\"role\": ..., \"content\": ...}} objects")
+                                  f"{{\"role\": ..., \"content\": ...}} objects (a null content only beside "
+                                  f"'tool_calls')")
+            tools = row.get("tools")
+            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise ConfigError(f"{where}: 'tools' must be a list of tool schemas (JSON objects), as the chat "
+                                  f"template takes them")
             if turns == "each":
                 for i, m in enumerate(messages):
                     if m["role"] == "assistant":
-                        yield LastTurn(messages[:i + 1]), f"{where} turn {i + 1}"
+                        yield LastTurn(messages[:i + 1], tools), f"{where} turn {i + 1}"
             else:
-                yield messages, where
+                yield Conversation(messages, tools), where
         elif fmt == "completion":
             if field in row and row[field] is None:
                 raise ConfigError(f"{where}: its field {field!r} is null; drop the example or give it a text")
@@ -330,7 +349,7 @@ def _size(example) -> int:
         return len(example)
     if isinstance(example, tuple):
         return sum(map(len, example))
-    return sum(len(m["content"]) for m in example)
+    return sum(len(m["content"] or "") + len(str(m.get("tool_calls") or "")) for m in example)
 
 
 def _batches(examples, chars: int):
@@ -357,6 +376,11 @@ def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
     tokenizer's threads share it), and give each example the tokens it has alone."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     examples = [ex for ex, _ in batch]
+    for ex, where in batch:
+        if isinstance(ex, Conversation) and ex.uses_tools and "tool" not in (tokenizer.chat_template or ""):
+            raise ConfigError(f"{where}: the example has tools or tool calls, and the tokenizer's chat template renders "
+                              f"no tool calls (it names no 'tool'); use the model's own template if it was trained "
+                              f"for tools, or drop such examples")
     if isinstance(examples[0], list) and not isinstance(examples[0], LastTurn) \
             and GENERATION_MARK.search(tokenizer.chat_template or ""):
         out = [_render(tokenizer, ex, where, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -377,12 +401,13 @@ def _encode(tokenizer, batch: list) -> list[tuple[list[int], list[int]]]:
     return [(ids + eos, [1] * (len(ids) + len(eos))) for ids in tokenizer(examples, add_special_tokens=True)["input_ids"]]
 
 
-def _render(tokenizer, messages: list, where: str, **options):
-    """``apply_chat_template`` (as text, unless ``options`` say otherwise); a conversation the
-    template refuses (it raises: roles that do not alternate, a system message it does not take)
-    is a :class:`ConfigError` naming the example."""
+def _render(tokenizer, messages: list, where: str, tools: list | None = None, **options):
+    """``apply_chat_template`` (as text, unless ``options`` say otherwise), with ``tools`` (default:
+    a :class:`Conversation`'s); a conversation the template refuses (it raises: roles that do not
+    alternate, a system message it does not take) is a :class:`ConfigError` naming the example."""
+    tools = tools if tools is not None else getattr(messages, "tools", None)
     try:
-        return tokenizer.apply_chat_template(messages, **{"tokenize": False, **options})
+        return tokenizer.apply_chat_template(list(messages), **{"tokenize": False, "tools": tools, **options})
     except Exception as e:  # (jinja2's TemplateError from raise_exception, or what the template's code raised)
         raise ConfigError(f"{where}: the tokenizer's chat template refuses this conversation ({e}); change the "
                           f"example, or the template (tokenizer.chat_template)") from None
@@ -396,12 +421,12 @@ def _assistant_spans(tokenizer, messages: list, text: str, where: str, last_only
     earlier turns rewritten) is refused, as its lengths would point into other text (one that marks
     the assistant's text, :data:`GENERATION_MARK`, does not come here). ``last_only``: the last
     turn's (what the model says after the generation prompt), which any template renders as the last."""
-    spans = []
+    spans, tools = [], getattr(messages, "tools", None)
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or (last_only and i < len(messages) - 1):
             continue
-        prompt = _render(tokenizer, messages[:i], where, add_generation_prompt=True)
-        upto = _render(tokenizer, messages[:i + 1], where)
+        prompt = _render(tokenizer, messages[:i], where, tools, add_generation_prompt=True)
+        upto = _render(tokenizer, messages[:i + 1], where, tools)
         if last_only and not text.startswith(prompt):  # (the turn's own rendering is the text)
             raise ConfigError(f"{where}: the tokenizer's chat template does not begin the conversation with turn {i + 1} "
                               f"(assistant) as it renders the conversation before it with the generation prompt, so "
