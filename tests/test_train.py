@@ -1447,6 +1447,8 @@ def test_chat_with_tool_calls_trains_on_the_assistants_calls_and_answers(tmp_pat
     conversation = [{"role": "user", "content": "two and three"},
                     {"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "content": "five"}, {"role": "assistant", "content": "it is five"}]
+    if turns == "each":
+        del conversation[1]["content"]  # (or no content at all)
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": conversation, "tools": tools}) + "\n")
     settings = ("data.format=chat", "data.packing=false", "data.max_seq_len=400", "data.eval_fraction=0",

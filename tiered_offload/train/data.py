@@ -349,7 +349,7 @@ def _size(example) -> int:
         return len(example)
     if isinstance(example, tuple):
         return sum(map(len, example))
-    return sum(len(m["content"] or "") + len(str(m.get("tool_calls") or "")) for m in example)
+    return sum(len(m.get("content") or "") + len(str(m.get("tool_calls") or "")) for m in example)
 
 
 def _batches(examples, chars: int):
