@@ -126,7 +126,8 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
 
 @pytest.mark.parametrize("schedule", [dict(train__schedule="cosine"),
                                       dict(train__schedule="linear", train__betas=[0.9, 0.95], train__eps=1e-6,
-                                           train__min_lr=2e-3, train__weight_decay=0.1)], ids=["defaults", "adam-settings"])
+                                           train__min_lr=2e-3, train__weight_decay=0.1),
+                                      dict(data__packing="documents")], ids=["defaults", "adam-settings", "documents"])
 def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule):
     """The recipe the command runs, written out in plain PyTorch on the model ``from_pretrained``
     loads: the same micro-batches in the same order, the loss averaged over the accumulation,
@@ -924,6 +925,96 @@ def test_the_data_may_be_a_directory_or_a_glob_of_shards(tmp_path, model_dir, pa
         _prepared(tmp_path, model_dir, shards / "nothing-*.jsonl")
     with pytest.raises(ConfigError, match=r"data\.path .*shards holds no data file \(\*\.txt\) for data\.format text"):
         _prepared(tmp_path, model_dir, shards, "data.format=text")
+
+
+def _documents(data, pad: int = 3) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every example in ``data`` packed as documents: a stretch whose
+    position ids count up from 0 (the padding after the last example, all pad tokens, left out)."""
+    out = []
+    for row, (ids, positions) in enumerate(zip(data.ids, data.positions)):
+        starts = [int(i) for i in np.flatnonzero(positions == 0)] + [len(positions)]
+        assert all((positions[a:b] == np.arange(b - a)).all() for a, b in zip(starts, starts[1:]))
+        out += [(row, a, b) for a, b in zip(starts, starts[1:]) if not (ids[a:b] == pad).all()]
+    return out
+
+
+def test_packing_documents_puts_whole_examples_in_sequences_that_attend_only_to_themselves(tmp_path, model_dir):
+    """``data.packing: documents``: every example whole in one sequence (best fit, longest first), its
+    position ids from 0, its first token no target (nothing of it is in view before it), the padding
+    after the last one its own stretch; Hugging Face's attention reads the restarting position ids
+    as separate documents, so each example's logits are those it has alone. ``packing: true`` cuts
+    examples across sequences, and each attends to the ones before it: its logits are others."""
+    g = torch.Generator().manual_seed(3)
+    words = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(n),), generator=g))
+             for n in torch.randint(1, 12, (60,), generator=g)]
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps({"prompt": w[: len(w) // 2], "completion": w[len(w) // 2:]}) + "\n"
+                            for w in words))
+    settings = ("data.format=prompt-completion", "data.max_seq_len=40", "data.eval_fraction=0")
+    alone, _ = _prepared(tmp_path, model_dir, path, "data.packing=false", *settings)
+    packed, _ = _prepared(tmp_path, model_dir, path, "data.packing=documents", *settings)
+    assert alone.positions is None and len(packed) < len(alone) / 2, (len(packed), len(alone))
+    examples = sorted((tuple(ids[m == 1]), tuple(np.concatenate([[IGNORE], lab[m == 1][1:]])))
+                      for ids, lab, m in zip(alone.ids, alone.labels, alone.attention))
+    found = sorted((tuple(packed.ids[r, a:b]), tuple(packed.labels[r, a:b])) for r, a, b in _documents(packed))
+    assert found == examples  # each example once, whole, its first token no target
+    assert all((packed.labels[r, b:] == IGNORE).all() for r, b in
+               ((r, max(e for q, _, e in _documents(packed) if q == r)) for r in range(len(packed))))
+    batch = packed.batch([0, 1])
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.config.use_cache = False  # (as the engine trains it: with a cache, transformers reads no documents)
+    row = max(range(len(packed)), key=lambda r: sum(q == r for q, _, _ in _documents(packed)))
+    spans = [(a, b) for q, a, b in _documents(packed) if q == row]
+    assert len(spans) >= 3
+    ids = torch.tensor(np.asarray(packed.ids[row:row + 1]), dtype=torch.long)
+    with torch.no_grad():
+        together = model(input_ids=ids, position_ids=torch.tensor(np.asarray(packed.positions[row:row + 1]),
+                                                                  dtype=torch.long)).logits[0]
+        attending = model(input_ids=ids).logits[0]
+        for a, b in spans:
+            own = model(input_ids=ids[:, a:b]).logits[0]
+            torch.testing.assert_close(together[a:b], own, rtol=1e-5, atol=1e-5)
+        a, b = spans[-1]
+        assert not torch.allclose(attending[a:b], model(input_ids=ids[:, a:b]).logits[0], atol=1e-3)
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["opt", "mamba"])
+def test_packing_documents_with_a_model_whose_attention_ignores_position_ids_is_refused(tmp_path, model_dir, data,
+                                                                                         kind):
+    """A model whose forward builds no attention mask from the position ids (OPT's masks and
+    positions come from the attention mask; a state-space model carries its state from one
+    example into the next) would train each example on the ones before it: refused at the first
+    step, naming the model and the setting, with nothing trained."""
+    other = tmp_path / f"tiny-{kind}"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.save_pretrained(other)
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    if kind == "opt":
+        model = transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, word_embed_proj_dim=32, **special))
+    else:
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(
+            vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, **special))
+    model.save_pretrained(other)
+    records = []
+    config = write_config(tmp_path, other, data, train__max_steps=2, output__export_every=0,
+                          data__packing="documents")
+    with pytest.raises(ConfigError, match=rf"data.packing: documents.*{type(model).__name__}.*packing: true or false"):
+        train(config, progress=False, on_step=lambda s, r: records.append(r))
+    assert records == []
+    again = train(write_config(tmp_path, other, data, train__max_steps=2, output__export_every=0), progress=False)
+    fresh = train(write_config(tmp_path / "fresh", other, data, train__max_steps=2, output__export_every=0),
+                  progress=False)
+    assert again["step"] == 2 and _same_weights(exported(Path(again["final"])), exported(Path(fresh["final"])))
 
 
 def test_the_tokenised_data_of_other_settings_is_not_kept(tmp_path, model_dir, caplog):

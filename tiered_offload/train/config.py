@@ -55,8 +55,10 @@ class DataSection:
     then holds out whole conversations."""
     max_seq_len: int = 512
     """Tokens per training sequence (at most the model's positions)."""
-    packing: bool = True
-    """Concatenate examples (each ended by the tokenizer's EOS) into full sequences; off: one example a
+    packing: bool | str = True
+    """Concatenate examples (each ended by the tokenizer's EOS) into full sequences, cut where full;
+    ``documents``: each example whole in one sequence (best fit), attending to itself only (position
+    ids from 0 per example; a model whose attention ignores them is refused); off: one example a
     sequence, truncated or padded."""
     eval_fraction: float = 0.0
     """The share of examples held out for evaluation (0: none), the last ones of the file(s)."""
@@ -236,7 +238,9 @@ class RunConfig:
                                                       and all(isinstance(n, str) and n for n in names))):
                 raise ConfigError(f"{key} must be a module name, a list of them" + (" or null" if none_ok else
                                   " or all-linear") + f", got {value!r}")
-        for key, value in (("data.packing", self.data.packing), ("offload.durable", self.offload.durable),
+        if not (isinstance(self.data.packing, bool) or self.data.packing == "documents"):
+            raise ConfigError(f"data.packing must be true, false or documents, got {self.data.packing!r}")
+        for key, value in (("offload.durable", self.offload.durable),
                            ("lora.merged", self.lora.merged), ("lora.dora", self.lora.dora)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key} must be true or false, got {value!r}")

@@ -6,7 +6,8 @@ number alone says which sequences it trains on (a resume continues at the same o
 Each example becomes token ids and a loss mask: every token for ``text`` and ``completion``, the
 response only for ``alpaca``, the assistant's turns only for ``chat`` (rendered with the
 tokenizer's chat template). With packing, examples (each ended by EOS) are concatenated and cut
-into sequences of ``max_seq_len``; without, each example is one sequence, truncated or padded
+into sequences of ``max_seq_len`` (``documents``: placed whole, each attending to itself only:
+:mod:`tiered_offload.train.packing`); without, each example is one sequence, truncated or padded
 (padding is masked out of the loss and of attention).
 """
 
@@ -31,6 +32,7 @@ import torch
 
 from offload_core.errors import ConfigError
 from tiered_offload.progress import track
+from tiered_offload.train.packing import DOCUMENTS, write_documents
 
 log = logging.getLogger("tiered_offload")
 
@@ -53,6 +55,8 @@ class Dataset:
     content: str | None = None
     """A hash of the tokenised data, training and evaluation sequences together (:func:`_content`):
     the same for the same sequences, whatever the files' names and times."""
+    positions: np.ndarray | None = None
+    """Each token's position in its example (``data.packing: documents``), given as ``position_ids``."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -62,6 +66,8 @@ class Dataset:
                "labels": torch.from_numpy(np.asarray(self.labels[rows], dtype=np.int64))}
         if self.attention is not None:
             out["attention_mask"] = torch.from_numpy(np.asarray(self.attention[rows], dtype=np.int64))
+        if self.positions is not None:
+            out["position_ids"] = torch.from_numpy(np.asarray(self.positions[rows], dtype=np.int64))
         return out
 
     def tokens(self, rows: list[int]) -> int:
@@ -503,23 +509,27 @@ class _Spool:
         return int(self.offsets[b] - self.offsets[a])
 
 
-def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool, pad: int, out: Path) -> int:
+def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool | str, pad: int, out: Path) -> int:
     """Examples ``a:b`` of ``spool`` as ``length``-token sequences, written to ``out``'s
     ``_ids.npy`` and ``_labels.npy`` (and ``_attention.npy`` without packing) a stretch at a time;
     returns the number of sequences. With packing the examples (each ended by EOS) are
-    concatenated and cut; without, each is one sequence, truncated or padded."""
+    concatenated and cut (``documents``: placed whole, with ``_positions.npy``); without, each is
+    one sequence, truncated or padded."""
     first, tokens = int(spool.offsets[a]), spool.tokens(a, b)
     n = tokens // length if packing else b - a
 
-    def output(name: str, dtype, fill):
-        if n == 0:  # (a map of no bytes cannot be made)
+    def output(name: str, dtype, fill, count: int | None = None):
+        count = n if count is None else count
+        if count == 0:  # (a map of no bytes cannot be made)
             np.save(out.with_name(f"{out.name}_{name}.npy"), np.full((0, length), fill, dtype=dtype))
             return None
         arr = np.lib.format.open_memmap(out.with_name(f"{out.name}_{name}.npy"), mode="w+", dtype=dtype,
-                                        shape=(n, length))
+                                        shape=(count, length))
         arr[:] = fill
         return arr
 
+    if packing == DOCUMENTS:
+        return write_documents(spool, a, b, length, pad, output, IGNORE)
     ids, labels = output("ids", np.int32, pad), output("labels", np.int32, IGNORE)
     attention = None if packing else output("attention", np.int8, 0)
     if n and packing:
@@ -628,9 +638,10 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     def load(name: str) -> Dataset | None:
         if not (cache / f"{name}_ids.npy").exists():
             return None
-        attention = cache / f"{name}_attention.npy"
+        attention, positions = cache / f"{name}_attention.npy", cache / f"{name}_positions.npy"
         return Dataset(np.load(cache / f"{name}_ids.npy", mmap_mode="r"), np.load(cache / f"{name}_labels.npy", mmap_mode="r"),
-                       np.load(attention, mmap_mode="r") if attention.exists() else None, content)
+                       np.load(attention, mmap_mode="r") if attention.exists() else None, content,
+                       np.load(positions, mmap_mode="r") if positions.exists() else None)
     return load("train"), load("eval")
 
 

@@ -10,6 +10,7 @@ and return; the data position is the step count (a fixed, seeded order), saved w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
 from tiered_offload.train.data import first_line, micro_batch_rows, prepare_data
+from tiered_offload.train.packing import DOCUMENTS, documents_seen
 
 __all__ = ["train", "lr_factor"]
 
@@ -303,7 +305,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-        moved = _disk_bytes(engine)
+        moved, checked_documents = _disk_bytes(engine), False
         while engine.step_count < total and stop["signal"] is None:
             t0 = time.perf_counter()
             step = engine.step_count
@@ -312,9 +314,11 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
                 rows = micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro, t.micro_batch)
                 batches.append(train_data.batch(rows))
                 tokens += train_data.tokens(rows)
-            with _precision(t.precision, engine):  # the forwards in it, the backwards outside
+            checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
+            with _precision(t.precision, engine), checked or contextlib.nullcontext():  # (the backwards outside)
                 losses = [loss.item() * t.grad_accum for loss in
                           engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
+            checked_documents = True  # (the model's first step in this process: before it is taken)
             norm = engine.clip_grad_norm_(t.clip) if t.clip else None
             engine.user_state = {"micro_batches": (step + 1) * t.grad_accum, "settings": settings}
             lr = engine.param_groups[0]["lr"]
@@ -461,8 +465,6 @@ def _disk_bytes(engine) -> tuple[int, int]:
 
 def _precision(precision: str, engine):
     """The context the forward runs in: nothing for fp32, bfloat16 autocast for ``bf16-autocast``."""
-    import contextlib
-
     if precision == "bf16-autocast":
         return torch.autocast(engine.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
