@@ -9,6 +9,13 @@ four turns (``chat``). Rounds alternate the two ways, each preparing the data in
 each way's median seconds and their ratio (the speedup), and checks that both made the same arrays.
 
     python tools/bench_data.py --examples 20000 --rounds 3
+
+``--packing`` prepares the same corpus instead with ``data.packing`` false, true and ``documents``
+and prints, for each, the sequences it makes (a step's compute is per sequence), the share of
+their positions that are padding, the tokens that carry loss and the preparation time; and checks
+that ``documents`` holds every example whole, as ``false`` does (up to its first token, no target there).
+
+    python tools/bench_data.py --examples 20000 --packing --max-seq-len 2048
 """
 
 from __future__ import annotations
@@ -66,13 +73,15 @@ def build(directory: Path, examples: int, fmt: str) -> tuple[Path, Path]:
     return model, path
 
 
-def prepare(model: Path, path: Path, fmt: str, cache: Path, one_at_a_time: bool):
+def prepare(model: Path, path: Path, fmt: str, cache: Path, one_at_a_time: bool, packing: str = "true",
+            length: int = 512):
     import transformers
 
     from tiered_offload.train import data as data_module
     from tiered_offload.train import load_config
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    cfg = load_config(None, [f"model.path={model}", f"data.path={path}", f"data.format={fmt}", "data.max_seq_len=512",
+    cfg = load_config(None, [f"model.path={model}", f"data.path={path}", f"data.format={fmt}", f"data.max_seq_len={length}",
+                             f"data.packing={packing}",
                              f"offload.storage={cache / 's'}", "train.max_steps=1"])
     with mock.patch.dict(os.environ):
         os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -90,7 +99,11 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=20000)
     ap.add_argument("--format", choices=["completion", "chat"], default="completion")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--packing", action="store_true", help="compare data.packing false, true and documents")
     args = ap.parse_args()
+    if args.packing:
+        return packings(args)
     with tempfile.TemporaryDirectory() as tmp:
         model, path = build(Path(tmp), args.examples, args.format)
         times: dict[str, list[float]] = {"batched": [], "one at a time": []}
@@ -111,6 +124,46 @@ def main() -> None:
         print(json.dumps(result, indent=1))
         if not same:
             sys.exit("the two ways made different arrays")
+
+
+def _stretches(ids: np.ndarray, positions: np.ndarray, pad: int):
+    """``(start, end, padding?)`` of each stretch of one ``documents`` sequence (positions from 0)."""
+    starts = [int(i) for i in np.flatnonzero(positions == 0)] + [len(positions)]
+    return [(a, b, bool((ids[a:b] == pad).all())) for a, b in zip(starts, starts[1:])]
+
+
+def packings(args) -> None:
+    import collections
+
+    import transformers
+    with tempfile.TemporaryDirectory() as tmp:
+        model, path = build(Path(tmp), args.examples, args.format)
+        pad = transformers.AutoTokenizer.from_pretrained(model).pad_token_id
+        result, made = {"examples": args.examples, "format": args.format, "max_seq_len": args.max_seq_len}, {}
+        for packing in ("false", "true", "documents"):
+            seconds, data = prepare(model, path, args.format, Path(tmp) / f"cache-{packing}", False, packing,
+                                    args.max_seq_len)
+            ids = np.asarray(data.ids)
+            if data.attention is not None:
+                padding = 1 - float(np.asarray(data.attention).mean())
+            elif data.positions is not None:
+                padding = sum(b - a for row, pos in zip(ids, np.asarray(data.positions))
+                              for a, b, is_pad in _stretches(row, pos, pad) if is_pad) / ids.size
+            else:
+                padding = 0.0
+            made[packing] = data
+            result[packing] = {"sequences": len(data), "padding": round(padding, 4),
+                               "tokens_with_loss": int((np.asarray(data.labels) != -100).sum()),
+                               "seconds": round(seconds, 2)}
+        alone, docs = made["false"], made["documents"]
+        whole = collections.Counter(tuple(i[m == 1]) for i, m in zip(np.asarray(alone.ids), np.asarray(alone.attention)))
+        found = collections.Counter(tuple(row[a:b]) for row, pos in zip(np.asarray(docs.ids), np.asarray(docs.positions))
+                                    for a, b, is_pad in _stretches(row, pos, pad) if not is_pad)
+        result["documents hold every example whole"] = found == whole
+        result["sequences documents / false"] = round(len(docs) / len(alone), 3)
+        print(json.dumps(result, indent=1))
+        if found != whole:
+            sys.exit("documents did not hold each example whole once")
 
 
 if __name__ == "__main__":
