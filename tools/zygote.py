@@ -62,8 +62,10 @@ class Zygote:
         with self._cond:  # its imports are not a worker's start-up (a caller may time that)
             self._cond.wait_for(lambda: self._ready or self._closed, timeout=ready_timeout)
         if not self._ready:
+            gone = self._closed
             self.close()
-            raise RuntimeError(f"the zygote did not get ready in {ready_timeout:.0f} s (exit {self.proc.poll()})")
+            raise RuntimeError(f"the zygote exited (code {self.proc.poll()}) before it was ready: its error is above"
+                               if gone else f"the zygote did not get ready in {ready_timeout:.0f} s")
 
     def _listen(self) -> None:
         while True:
