@@ -303,6 +303,92 @@ def test_a_model_with_dropout_runs_its_micro_batches_through_each_block_together
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _torchrun_command(config: Path, world: int, *overrides: str) -> list[str]:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+            "127.0.0.1", "--master_port", str(port), "-m", "tiered_offload", "train", "--config", str(config),
+            "--no-progress", *overrides]
+
+
+def _torchrun(config: Path, world: int, *overrides: str, timeout: float = 300) -> str:
+    done = subprocess.run(_torchrun_command(config, world, *overrides), env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+
+
+def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all(tmp_path, model_dir, data):
+    """``torchrun --nproc_per_node 2 -m tiered_offload train``: the state sharded over the ranks
+    (each its slice in ``storage/rank-R-of-2``), each rank its own micro-batches of every step (the
+    step's sequences those of one process accumulating twice as many), the gradients averaged: one
+    process's run with ``grad_accum`` doubled, to rounding (the ranks add in another order). The
+    metrics (rank 0's file) are the ranks' means, the evaluation covers every held-out sequence
+    once, the export is the one model, and the same command again resumes every rank."""
+    sharded = write_config(tmp_path / "ranks", model_dir, data, train__max_steps=2, output__export_every=0,
+                           train__grad_accum=1, train__eval_every=2)
+    _torchrun(sharded, 2)
+    _torchrun(sharded, 2, "train.max_steps=4")
+    assert sorted(p.name for p in (tmp_path / "ranks" / "run").glob("rank-*")) == ["rank-0-of-2", "rank-1-of-2"]
+    one = write_config(tmp_path / "one", model_dir, data, train__max_steps=4, output__export_every=0,
+                       train__grad_accum=2, train__eval_every=2)
+    train(one, progress=False)
+    ranks, alone = _records(tmp_path / "ranks" / "out"), _records(tmp_path / "one" / "out")
+    ranks, alone = ([r for r in rs if "loss" in r] + rs[-1:] for rs in (ranks, alone))  # (steps; the final evaluation)
+    assert [r["step"] for r in ranks] == [r["step"] for r in alone] == [1, 2, 3, 4, 4]
+    for a, b in zip(ranks, alone):
+        for key in ("loss", "grad_norm", "lr", "eval_loss"):
+            assert (key in a) == (key in b) and (key not in a or a[key] == pytest.approx(b[key], rel=1e-5)), (key, a, b)
+        assert a.get("tokens") == b.get("tokens")
+    got, want = exported(tmp_path / "ranks" / "out" / "final"), exported(tmp_path / "one" / "out" / "final")
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+    assert (tmp_path / "ranks" / "out" / "final" / "tokenizer.json").is_file()
+    refused = subprocess.run(_torchrun_command(sharded, 3, "train.max_steps=6"), capture_output=True, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)  # (nothing started over)
+    assert refused.returncode != 0 and refused.stderr.count("another number of ranks (rank-0-of-2") == 3, \
+        refused.stderr[-3000:]
+
+
+def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, model_dir):
+    """Local rank 0 tokenises while the others wait; where it fails (here: no example), the others
+    do not wait on: each says the same error and the command exits."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    done = subprocess.run(_torchrun_command(write_config(tmp_path, model_dir, empty), 2),
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert done.stderr.count(f"data.path {empty} holds no example") == 2, done.stderr[-3000:]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, model_dir, data):
+    """SIGINT to one rank of a torchrun (a scheduler's SIGTERM may also reach one first): every rank
+    finishes the same step, commits and exits 0 (one rank stopping alone would leave the others
+    waiting in the next step's collectives); rank 0 says where it stopped, and the same command
+    continues there."""
+    config = write_config(tmp_path, model_dir, data, train__max_steps=400, output__export_every=0,
+                          train__grad_accum=1, train__eval_every=0)
+    proc = subprocess.Popen(_torchrun_command(config, 2), env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = tmp_path / "out" / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    rank_1 = [c for c in children if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{c}/environ").read_bytes()]
+    os.kill(rank_1[0], signal.SIGINT)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output[-4000:]
+    stopped = [int(m) for m in re.findall(r"stopped at step (\d+) \(committed\)", output)]
+    steps = [r["step"] for r in _records(tmp_path / "out")]
+    assert len(stopped) == 1 and steps == list(range(1, stopped[0] + 1)) and stopped[0] < 400, (stopped, steps)
+    _torchrun(config, 2, f"train.max_steps={stopped[0] + 1}")
+    assert [r["step"] for r in _records(tmp_path / "out") if "loss" in r] == list(range(1, stopped[0] + 2))
+
+
 def test_sigint_finishes_the_step_commits_and_the_next_run_continues(tmp_path, model_dir, data):
     config = write_config(tmp_path, model_dir, data, train__max_steps=40, output__export_every=0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))

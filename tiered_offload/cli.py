@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from offload_core.errors import TieredOffloadError
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from tiered_offload.train import train
             summary = train(args.config, args.overrides, dry_run=args.dry_run, progress=not args.no_progress)
+            if os.environ.get("RANK", "0") != "0":  # (under torchrun: rank 0 says it)
+                return 0
             if summary.get("stopped"):
                 print(f"stopped at step {summary['step']} (committed); run the same command to continue")
             elif not args.dry_run:

@@ -47,6 +47,11 @@ __all__ = ["Sharding", "ShardLayout", "distributed_group", "Placement", "Local",
 
 log = logging.getLogger("tiered_offload")
 
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""The collectives into and from one flat tensor (their ``*_single`` names since torch 2.13, which
+deprecates the ``*_tensor`` ones with a warning per process)."""
+
 _TRACE = bool(os.environ.get("TIERED_OFFLOAD_TRACE_COLLECTIVES"))
 """Print every collective each rank issues, numbered, to stderr (to find ranks that diverge)."""
 
@@ -183,13 +188,13 @@ class Sharding:
     def gather(self, full: torch.Tensor, shard: torch.Tensor, what: str, *, wait: bool = True):
         """All-gather every rank's ``shard`` (``C`` elements) into ``full`` (``W*C`` elements);
         ``wait=False``: return the collective in flight (finish it with :meth:`wait`)."""
-        work = self._call(f"all-gather of {what}", dist.all_gather_into_tensor, full, shard, wait=wait)
+        work = self._call(f"all-gather of {what}", _ALL_GATHER, full, shard, wait=wait)
         self.bytes["all_gather"] += full.numel() * full.element_size()
         return work
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, what: str) -> None:
         """``out`` (``C`` elements) = this rank's slice of the mean over ranks of ``full`` (``W*C``)."""
-        self._call(f"reduce-scatter of {what}", dist.reduce_scatter_tensor, out, full, op=dist.ReduceOp.AVG)
+        self._call(f"reduce-scatter of {what}", _REDUCE_SCATTER, out, full, op=dist.ReduceOp.AVG)
         self.bytes["reduce_scatter"] += full.numel() * full.element_size()
 
     def reduce_gradients(self, unit, gfull: torch.Tensor, store, status) -> None:

@@ -69,9 +69,10 @@ class DataSection:
 @dataclass(kw_only=True)
 class TrainSection:
     micro_batch: int = 4
-    """Sequences per forward and backward."""
+    """Sequences per forward and backward (of each rank, under torchrun)."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step (of each rank, under torchrun: a step trains ``micro_batch *
+    grad_accum * ranks`` sequences)."""
     max_steps: int | None = None
     """Optimizer steps to train (or ``epochs``)."""
     epochs: float | None = None

@@ -31,6 +31,7 @@ from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
 from tiered_offload.train.data import first_line, micro_batch_rows, prepare_data
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
+from tiered_offload.train.ranks import Ranks
 
 __all__ = ["train", "lr_factor"]
 
@@ -219,14 +220,14 @@ def _sizes(model) -> tuple[int, int]:
     return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
-def _export(engine, model_dir: Path, out: Path, cfg) -> None:
+def _export(engine, model_dir: Path, out: Path, cfg, ranks: Ranks) -> None:
     """The weights (with LoRA: the adapter alone, or the model with it merged) in ``output.dtype``,
-    and the tokenizer."""
+    and the tokenizer (every rank calls it: rank 0 writes)."""
     lora = cfg.lora
     engine.export_safetensors(out, adapter_only=bool(lora.r) and not lora.merged, merged=bool(lora.r) and lora.merged,
                               dtype=cfg.output.dtype)
     for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file():
+        if ranks.first and (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out / name)
 
 
@@ -238,11 +239,11 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     for the training and for the long steps before it (tokenising, placing the weights) and the
     exports."""
     from tiered_offload import progress as bars
-    with bars.shown(progress and not dry_run):
-        return _train(config, overrides, dry_run, progress, on_step)
+    with Ranks() as ranks, bars.shown(progress and not dry_run and ranks.first):
+        return _train(config, overrides, dry_run, progress and ranks.first, on_step, ranks)
 
 
-def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
+def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ranks) -> dict:
     from tiered_offload import Engine
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path, dry_run)
@@ -255,14 +256,20 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
     except OSError as e:
         raise ConfigError(f"output.dir {out}: cannot create it ({e.strerror or e}); name a directory you can write") from None
     hf_config, tokenizer = _config_and_tokenizer(model_dir)
-    train_data, eval_data = prepare_data(cfg.data, tokenizer, model_dir, out / ".cache",
-                                         getattr(hf_config, "max_position_embeddings", None))
+    train_data, eval_data = ranks.once_per_machine(lambda: prepare_data(
+        cfg.data, tokenizer, model_dir, out / ".cache", getattr(hf_config, "max_position_embeddings", None)))
     t = cfg.train
-    per_step = t.micro_batch * t.grad_accum
+    per_step = t.micro_batch * t.grad_accum * ranks.world
     total = t.max_steps or max(1, math.ceil(t.epochs * len(train_data) / per_step))
     directories = _storage_location(cfg.offload.storage)
     location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
-    resuming = StateFiles(state_directory(directories)).manifest_path.exists()  # the same command continues
+    own = directories if ranks.world == 1 else ",".join(  # (this rank's directories: engine/sharding.py)
+        str(Path(d) / f"rank-{ranks.rank}-of-{ranks.world}") for d in directories.split(","))
+    resuming = StateFiles(state_directory(own)).manifest_path.exists()  # the same command continues
+    resuming = ranks.sums([float(resuming)])[0] > 0  # (every rank, where one has a committed state)
+    root = Path(directories.split(",")[0]).expanduser()
+    resuming |= ranks.world > 1 and any(  # (another number of ranks' state: the engine refuses it, naming them)
+        p.name.split("-of-")[-1] != str(ranks.world) for p in root.glob("rank-*-of-*"))
     if dry_run:
         return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
 
@@ -285,7 +292,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
                                                                       if cfg.lora.adapter else [])])
     except CheckpointError:
         if resuming:
-            _refuse_another_layout(cfg, directories, location)
+            _refuse_another_layout(cfg, own, location)
         raise
     stop = {"signal": None}
     previous = {s: signal.signal(s, lambda n, _f: stop.update(signal=n)) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -295,7 +302,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule, t.min_lr / t.lr)))
         start = engine.step_count
-        metrics = _metrics_from(out / "metrics.jsonl", start)
+        metrics = _metrics_from(out / "metrics.jsonl", start) if ranks.first else None
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
@@ -305,13 +312,17 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-        moved, checked_documents = _disk_bytes(engine), False
-        while engine.step_count < total and stop["signal"] is None:
+        moved, checked_documents, agreed = _disk_bytes(engine), False, False
+
+        def stopping() -> bool:  # one process: now; ranks: as they agreed after the last step (below)
+            return stop["signal"] is not None if ranks.world == 1 else agreed
+        while engine.step_count < total and not stopping():
             t0 = time.perf_counter()
             step = engine.step_count
             batches, tokens = [], 0
             for micro in range(t.grad_accum):
-                rows = micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro, t.micro_batch)
+                rows = micro_batch_rows(len(train_data), t.seed, ranks.micro_batch(step, micro, t.grad_accum),
+                                        t.micro_batch)
                 batches.append(train_data.batch(rows))
                 tokens += train_data.tokens(rows)
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
@@ -324,35 +335,39 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step) -> dict:
             lr = engine.param_groups[0]["lr"]
             engine.step()
             engine.zero_grad()
-            seconds = time.perf_counter() - t0
-            record = {"step": step + 1, "loss": sum(losses) / len(losses), "lr": lr,
-                      "grad_norm": None if norm is None else float(norm), "tokens": tokens,
+            now = _disk_bytes(engine)
+            loss, tokens, read, written, stops = ranks.sums([sum(losses) / len(losses), tokens, now[0] - moved[0],
+                                                              now[1] - moved[1], stop["signal"] is not None])
+            agreed, moved, seconds = stops > 0, now, time.perf_counter() - t0
+            record = {"step": step + 1, "loss": loss / ranks.world, "lr": lr,
+                      "grad_norm": None if norm is None else float(norm), "tokens": int(tokens),
                       "tokens_per_s": tokens / seconds if seconds > 0 else None, "seconds": seconds}
             if eval_data is not None and t.eval_every and (step + 1) % t.eval_every == 0:
-                record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision)
-            now = _disk_bytes(engine)
-            record["disk_read_bytes"], record["disk_written_bytes"] = now[0] - moved[0], now[1] - moved[1]
-            moved = now
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if on_step is not None:
+                record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
+            record["disk_read_bytes"], record["disk_written_bytes"] = int(read), int(written)
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            if on_step is not None and ranks.first:
                 on_step(step + 1, record)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
                                 tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
-                _export(engine, model_dir, out / f"step-{step + 1}", cfg)
-                for old in sorted(out.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-cfg.output.keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+                _export(engine, model_dir, out / f"step-{step + 1}", cfg, ranks)
+                old = sorted(out.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-cfg.output.keep]
+                for directory in old if ranks.first else ():
+                    shutil.rmtree(directory, ignore_errors=True)
         committed = engine.commit()
-        summary = {"step": engine.step_count, "committed": committed, "stopped": stop["signal"] is not None,
+        summary = {"step": engine.step_count, "committed": committed, "stopped": stopping(),
                    "final": None, "state_bytes": engine.state_bytes()}
-        if stop["signal"] is None:
+        if not summary["stopped"]:
             if eval_data is not None:
-                summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision)
-                metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
-            _export(engine, model_dir, out / "final", cfg)
+                summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
+                if metrics is not None:
+                    metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
+            _export(engine, model_dir, out / "final", cfg, ranks)
             summary["final"] = str(out / "final")
         return summary
     finally:
@@ -470,18 +485,19 @@ def _precision(precision: str, engine):
     return contextlib.nullcontext()
 
 
-def _evaluate(engine, model, data, micro_batch: int, precision: str = "fp32") -> float:
-    """The mean loss over the evaluation sequences (dropout off, no gradient, training untouched)."""
+def _evaluate(engine, model, data, micro_batch: int, precision: str, ranks: Ranks) -> float:
+    """The mean loss over the evaluation sequences (dropout off, no gradient, training untouched;
+    the ranks split them: :meth:`Ranks.eval_rows`)."""
     model.eval()
     total, count = 0.0, 0
     try:
         with torch.no_grad(), _precision(precision, engine):
-            for a in range(0, len(data), micro_batch):
-                rows = list(range(a, min(len(data), a + micro_batch)))
-                total += float(engine(**data.batch(rows)).loss) * len(rows)
-                count += len(rows)
+            for rows in ranks.eval_rows(len(data), micro_batch):
+                loss = float(engine(**data.batch(rows or [0])).loss)
+                total, count = total + loss * len(rows), count + len(rows)
     finally:
         model.train()
+    total, count = ranks.sums([total, count])
     return total / max(1, count)
 
 
