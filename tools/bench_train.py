@@ -40,7 +40,9 @@ optimizer step of each and the ratios: reads of 4 fused / reads of one, and the 
 With ``--dropout 0.1`` every forward draws random numbers: the first ``forward_backward`` of
 an engine runs the loop and learns the draws, the later ones draw the loop's numbers block by block.
 Its warm-up round runs each engine until its plan is final (made, checked, revised if it did not
-earn its disk bytes), so the timed rounds measure the plan the run keeps.
+earn its disk bytes), so the timed rounds measure the plan the run keeps. ``--disk-rate MB/S``
+holds the disk runs' storage to that rate (``tools/slow_disk.py``: a disk-bound machine, the GPU's
+case, on this compute-bound one); the floor is then their bytes at that rate.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from storage_backends.posix import PosixBackend
 from tiered_offload import Engine, EngineConfig, Tier
 from tiered_offload.engine.plan_monitor import PlanMonitor
 from tiered_offload_examples.models import GPT, GPTConfig
+from slow_disk import SlowDisk  # (tools/)
 
 
 def _modes(modes) -> str:
@@ -208,6 +211,8 @@ def main() -> int:  # noqa: C901 - a script
                          "advises at a quarter of it (the least at which the step overlaps the next forward)")
     ap.add_argument("--volatile", action="store_true", help="also run the host and disk configurations with durable=False")
     ap.add_argument("--commit-every", type=int, default=1, help="commit the durable runs every N steps")
+    ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
+                    help="with --accumulate: hold the disk runs' storage to this rate (tools/slow_disk.py)")
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
     ap.add_argument("--accumulate", type=int, default=0, metavar="N",
                     help="compare N micro-batches per step as a loop of backwards and through forward_backward")
@@ -302,7 +307,11 @@ def accumulate(args) -> int:
     state = 16 * cfg.n_params()
 
     def make(name, host, micro, fused, activations="auto"):
-        engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, name),
+        storage = os.path.join(directory, name)
+        if args.disk_rate and name != "memory":
+            os.makedirs(storage, exist_ok=True)
+            storage = SlowDisk(storage, args.disk_rate * 1e6)
+        engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=storage,
                         host_memory=host, durable=False, config=EngineConfig(activations=activations))
         engines.append(engine)
 
@@ -321,6 +330,8 @@ def accumulate(args) -> int:
         return Config(name, step, finish=engine.wait_committed, engine=engine)
     with _engines(args, directory) as engines:
         write_rate, read_rate = disk_rates(directory)
+        if args.disk_rate:  # one device for reads and writes: the floor is all the bytes at the rate
+            write_rate = read_rate = args.disk_rate * 1e6
         host = _disk_budget(args, base, g, directory)
         configs = [make("memory", 2 * state, 1, False), make("one", host, 1, False),
                    make("loop", host, n, False), make("fused", host, n, True),
