@@ -11,6 +11,7 @@ and return; the data position is the step count (a fixed, seeded order), saved w
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import math
@@ -271,7 +272,8 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
     resuming |= ranks.world > 1 and any(  # (another number of ranks' state: the engine refuses it, naming them)
         p.name.split("-of-")[-1] != str(ranks.world) for p in root.glob("rank-*-of-*"))
     if dry_run:
-        return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
+        with contextlib.redirect_stdout(io.StringIO()) if not ranks.first else contextlib.nullcontext():
+            return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
 
     torch.manual_seed(t.seed)
     model = _build_model(cfg, hf_config, model_dir)
