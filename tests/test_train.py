@@ -344,8 +344,8 @@ def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all
         assert a.get("tokens") == b.get("tokens")
     got, want = exported(tmp_path / "ranks" / "out" / "final"), exported(tmp_path / "one" / "out" / "final")
     assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+    have, w = (torch.cat([d[k].flatten() for k in sorted(want)]) for d in (got, want))
+    assert ((have - w).norm() / w.norm()).item() <= 1e-6 and ((have - w).abs().max() / w.abs().max()).item() <= 1e-6
     assert (tmp_path / "ranks" / "out" / "final" / "tokenizer.json").is_file()
     refused = subprocess.run(_torchrun_command(sharded, 3, "train.max_steps=6"), capture_output=True, text=True,
                              env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)  # (nothing started over)
