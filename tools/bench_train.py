@@ -40,9 +40,11 @@ optimizer step of each and the ratios: reads of 4 fused / reads of one, and the 
 With ``--dropout 0.1`` every forward draws random numbers: the first ``forward_backward`` of
 an engine runs the loop and learns the draws, the later ones draw the loop's numbers block by block.
 Its warm-up round runs each engine until its plan is final (made, checked, revised if it did not
-earn its disk bytes), so the timed rounds measure the plan the run keeps. ``--disk-rate MB/S``
-holds the disk runs' storage to that rate (``tools/slow_disk.py``: a disk-bound machine, the GPU's
-case, on this compute-bound one); the floor is then their bytes at that rate.
+earn its disk bytes), so the timed rounds measure the plan the run keeps.
+
+``--disk-rate MB/S`` (the default mode and ``--accumulate``) holds the storage of the runs whose
+state is on disk to that rate (``tools/slow_disk.py``: a disk-bound machine, the GPU's case, on
+this compute-bound one); the I/O bounds are then their bytes at that rate.
 """
 
 from __future__ import annotations
@@ -162,6 +164,16 @@ def _plain(base) -> Config:
     return Config("plain", ref_step)
 
 
+def _storage(args, directory: str, name: str):
+    """A configuration's storage: its directory, held to ``--disk-rate`` where given (the runs whose
+    state is on disk; those that hold it in memory write only their commits)."""
+    path = os.path.join(directory, name)
+    if not args.disk_rate or name in ("memory", "host", "compute", "host-volatile"):
+        return path
+    os.makedirs(path, exist_ok=True)
+    return SlowDisk(path, args.disk_rate * 1e6)
+
+
 def _disk_budget(args, base, g, directory) -> int:
     """The disk run's host budget: ``--host-fraction`` of the state, or (``advised``) what the plan
     of an engine at a quarter of the state (or the minimum budget, if larger) advises: the least
@@ -212,7 +224,7 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--volatile", action="store_true", help="also run the host and disk configurations with durable=False")
     ap.add_argument("--commit-every", type=int, default=1, help="commit the durable runs every N steps")
     ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
-                    help="with --accumulate: hold the disk runs' storage to this rate (tools/slow_disk.py)")
+                    help="hold the disk runs' storage to this rate (tools/slow_disk.py): a disk-bound machine")
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
     ap.add_argument("--accumulate", type=int, default=0, metavar="N",
                     help="compare N micro-batches per step as a loop of backwards and through forward_backward")
@@ -226,7 +238,7 @@ def main() -> int:  # noqa: C901 - a script
     cfg, base, g, directory = _setup(args)
     with _engines(args, directory) as engines:
         def engine_config(name, host_budget, recompute="auto", durable=True, activations="auto", trace=None):
-            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, name),
+            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=_storage(args, directory, name),
                             host_memory=host_budget, recompute=recompute, durable=durable,
                             commit_every=args.commit_every if durable else 1,
                             config=EngineConfig(activations=activations), trace=trace)
@@ -269,6 +281,8 @@ def main() -> int:  # noqa: C901 - a script
             e.close()
         engines.clear()
         w_rate, r_rate = disk_rates(directory)  # with nothing else on the disk
+        if args.disk_rate:  # one device for reads and writes: the floor is all the bytes at the rate
+            w_rate = r_rate = args.disk_rate * 1e6
     med = {c.name: statistics.median(c.per_step) for c in configs}
     rd, wr = statistics.median(disk.moved["read"]), statistics.median(disk.moved["written"])
     io_bound = rd / r_rate + wr / w_rate
@@ -307,11 +321,7 @@ def accumulate(args) -> int:
     state = 16 * cfg.n_params()
 
     def make(name, host, micro, fused, activations="auto"):
-        storage = os.path.join(directory, name)
-        if args.disk_rate and name != "memory":
-            os.makedirs(storage, exist_ok=True)
-            storage = SlowDisk(storage, args.disk_rate * 1e6)
-        engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=storage,
+        engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=_storage(args, directory, name),
                         host_memory=host, durable=False, config=EngineConfig(activations=activations))
         engines.append(engine)
 

@@ -82,7 +82,7 @@ def write_documents(spool, a: int, b: int, length: int, pad: int, output, ignore
     if not n:
         return 0
     used = np.zeros(n, dtype=np.int64)
-    for i in np.argsort(where, kind="stable"):  # each sequence's examples in the order they were placed
+    for i in np.argsort(where, kind="stable"):  # each sequence's examples in the data's order
         row, k = int(where[i]), int(lengths[i])
         s, p = int(spool.offsets[a + i]), int(used[row])
         t, m = spool.ids[s:s + k], spool.mask[s:s + k]
