@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import signal
@@ -1068,6 +1069,23 @@ def test_packing_documents_puts_whole_examples_in_sequences_that_attend_only_to_
 
 def _same_weights(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_best_fit_places_every_example_in_a_sequence_that_holds_it():
+    """The placement ``data.packing: documents`` uses: every example in one sequence, none over the
+    length, within best-fit decreasing's bound of the fewest possible (11/9 of it, plus one), the
+    same for the same lengths; lengths equal to the capacity or of a single token included."""
+    from tiered_offload.train.packing import best_fit
+    rng = np.random.default_rng(0)
+    cases = ((64, rng.integers(1, 65, 500)), (8, np.array([8, 1, 7, 8, 2, 6, 3, 5, 4])),
+             (2048, np.minimum(rng.lognormal(5.5, 1.0, 5000).astype(int) + 1, 2048)))
+    for capacity, lengths in cases:
+        where = best_fit(lengths, capacity)
+        used = np.bincount(where, weights=lengths)
+        fewest = math.ceil(lengths.sum() / capacity)
+        assert len(where) == len(lengths) and used.max() <= capacity and (used > 0).all()
+        assert len(used) <= 11 * fewest / 9 + 1, (len(used), fewest)
+        assert np.array_equal(where, best_fit(lengths.copy(), capacity))
 
 
 @pytest.mark.parametrize("kind", ["opt", "mamba"])
