@@ -52,6 +52,8 @@ class Ranks:
         if self.world > 1:
             import torch.distributed as dist
             if not dist.is_initialized():
+                if torch.cuda.is_available():  # (before NCCL's first use: each rank its own GPU, not GPU 0)
+                    torch.cuda.set_device(self.local)
                 dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
                 self._joined = True
         return self
