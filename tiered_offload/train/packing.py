@@ -110,9 +110,16 @@ def documents_seen(model):
     it where the model built no attention mask from them (transformers' ``masking_utils`` never
     looked for packed sequences), naming the model; a forward that refuses the position ids is
     refused the same way."""
-    from transformers import masking_utils
-
-    found = masking_utils.find_packed_sequence_indices
+    import transformers
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    found = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if found is None:  # (transformers before its masking utilities read packed sequences)
+        raise ConfigError(f"data.packing: documents needs transformers whose masking utilities read packed sequences "
+                          f"from the position ids (find_packed_sequence_indices), and {transformers.__version__} has "
+                          f"none: upgrade transformers, or use data.packing true or false")
     calls = []
 
     def watched(position_ids):

@@ -38,9 +38,11 @@ class Ranks:
     it at the end where it joined it)."""
 
     def __init__(self):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0")) if self.world > 1 else 0
-        self.local = int(os.environ.get("LOCAL_RANK", "0")) if self.world > 1 else 0
+        import torch.distributed as dist
+        joined = dist.is_available() and dist.is_initialized()  # (a caller's own group: the engine shards over it)
+        self.world = dist.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = (dist.get_rank() if joined else int(os.environ.get("RANK", "0"))) if self.world > 1 else 0
+        self.local = int(os.environ.get("LOCAL_RANK", self.rank)) if self.world > 1 else 0
         self._joined = False
 
     @property
