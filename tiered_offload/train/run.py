@@ -6,6 +6,7 @@ committed state (the default: the same command again continues), train with Adam
 clipping and gradient accumulation, evaluate, write metrics, and export Hugging Face directories
 that ``from_pretrained`` loads as they are. SIGINT / SIGTERM finish the current step, commit it,
 and return; the data position is the step count (a fixed, seeded order), saved with every step.
+Under torchrun the ranks share the run (:mod:`tiered_offload.train.ranks`).
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
           progress: bool = True, on_step=None) -> dict:
     """Run (or continue) the fine-tuning ``config`` describes; returns a summary (``step``,
     ``stopped``: a signal ended it early, ``final``: the final export's directory).
-    ``on_step(step, record)`` is called after every step (tests, dashboards). ``progress``: a bar
+    ``on_step(step, record)`` is called after every step (tests, dashboards; under torchrun, on rank 0,
+    with the ranks' record: :mod:`tiered_offload.train.ranks`). ``progress``: a bar
     for the training and for the long steps before it (tokenising, placing the weights) and the
     exports."""
     from tiered_offload import progress as bars
