@@ -3,6 +3,7 @@ checked against the steps measured after it."""
 
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -158,14 +159,16 @@ def test_a_plan_that_moves_more_bytes_must_measure_faster_or_it_goes_back():
 
 
 # ---- the engine's plan ------------------------------------------------------------------------------
-def _engine(tmp_path, host=0.8, **config):
+def _engine(tmp_path, host=0.8, device=0.0, **config):
+    """``device``: a device tier of CPU memory of that fraction of the state (the GPU's tiers)."""
     from tiered_offload import Engine, EngineConfig
     from tiered_offload_examples.models import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4))
     n = sum(p.numel() for p in model.parameters())
     return Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory=int(16 * n * host),
-                  durable=False, config=EngineConfig(**config))
+                  durable=False, config=EngineConfig(**config),
+                  store_config={"device_budget_bytes": int(16 * n * device)} if device else None)
 
 
 def _reference(calls):
@@ -276,6 +279,120 @@ def test_the_engine_goes_back_to_recomputing_when_the_plan_does_not_earn_its_byt
     weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], v) for k, v in ref.named_parameters())
     engine.close()
+
+
+# ---- the step mode, measured ------------------------------------------------------------------------
+def test_the_step_mode_that_moves_more_bytes_must_measure_faster_to_be_kept():
+    """Overlapped, the update writes each unit's weights and the forward may read them back; deferred,
+    the forward uses the weights the update just wrote, on its own thread. The plan keeps the
+    mode that measured faster, and the one moving more bytes only if it earned them
+    (``Plan.EARN``), as for activations."""
+    steps = lambda seconds, moved: [measured(seconds=seconds, read=moved // 2, written=moved // 2)  # noqa: E731
+                                    for _ in range(3)]
+    plan = base()
+    plan.overlap_step = True
+    why = plan.choose_step_mode(steps(3.76, 807 * MiB), steps(3.28, 747 * MiB))  # the disk-bound probe's figures
+    assert plan.defer_step and not plan.overlap_step
+    assert "deferred" in why and "3.280 s" in why and "3.760 s" in why and "13% faster" in why, why
+    assert plan.measured_step_s == 3.28 and plan.measured_read + plan.measured_written == 747 * MiB
+    # overlapped 3% faster for 8% more bytes: not earned
+    assert "deferred" in plan.choose_step_mode(steps(3.18, 807 * MiB), steps(3.28, 747 * MiB))
+    assert plan.defer_step
+    # overlapped 10% faster: kept, though it moves more
+    why = plan.choose_step_mode(steps(2.95, 807 * MiB), steps(3.28, 747 * MiB))
+    assert plan.overlap_step and not plan.defer_step and "overlapped" in why and plan.measured_step_s == 2.95
+    # the same bytes: the faster one
+    plan.choose_step_mode(steps(3.0, 800 * MiB), steps(3.1, 800 * MiB))
+    assert plan.overlap_step
+    plan.choose_step_mode(steps(3.1, 800 * MiB), steps(3.0, 800 * MiB))
+    assert plan.defer_step
+    assert "step deferred to the next forward" in plan.summary()
+
+
+def _slow_when(monkeypatch, background: bool, seconds=0.05):
+    """Steps in one mode (``background``: overlapped; else deferred) take ``seconds`` longer, inside
+    the engine's time: what a machine where that mode is the slower one measures."""
+    import time
+    from tiered_offload.engine.pipeline import UpdatePipeline
+    original = UpdatePipeline.run
+
+    def run(self, names, update, *, background, then=None, deferred=False):
+        if background == slow_background and (background or deferred):
+            time.sleep(seconds)
+        return original(self, names, update, background=background, then=then, deferred=deferred)
+    slow_background = background
+    monkeypatch.setattr(UpdatePipeline, "run", run)
+
+
+@pytest.mark.parametrize("device", [0.0, 0.6], ids=["host", "device-tier"])
+def test_a_disk_bound_overlapped_step_is_deferred_when_deferring_measures_faster(tmp_path, monkeypatch, caplog, device):
+    """At a budget where the step overlaps the next forward, and the disk is busy for most of a step,
+    the engine tries the step deferred once its plan is final, and keeps the faster mode (on a
+    300 MB/s disk at 0.34x the state, deferring ran 13% faster and moved 7.5% fewer bytes). The
+    numbers are the same in both modes: training stays bitwise PyTorch's across the changes."""
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    caplog.set_level(logging.INFO, logger="tiered_offload")
+    monkeypatch.setattr(PlanMonitor, "_disk_bound", lambda self, steps: True)
+    monkeypatch.setattr(Plan, "unearned", lambda *_: None)  # (a revision would try the mode 3 steps later)
+    _slow_when(monkeypatch, background=True)
+    engine = _engine(tmp_path, host=0.8, device=device)
+    assert engine.overlap_step and not engine.defer_step
+    _train(engine, PlanMonitor.FINAL_AFTER - PlanMonitor.CHECK_AFTER - 1)
+    assert engine.overlap_step  # the plan made; it is checked, and the trial begins, at the next step
+    _train(engine, 1)
+    assert engine.defer_step and not engine.overlap_step
+    assert any("trying the step deferred" in r.getMessage() for r in caplog.records)
+    _train(engine, PlanMonitor.CHECK_AFTER)
+    assert engine.defer_step and not engine.overlap_step and engine.plan.defer_step
+    assert any(r.startswith("step deferred to the next forward, measured") for r in engine.plan.reasons), \
+        engine.plan.reasons
+    assert "deferred to the next forward" in engine.plan.summary()
+    _train(engine, 2)
+    weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
+    engine.close()
+    ref = _reference((PlanMonitor.FINAL_AFTER - PlanMonitor.CHECK_AFTER - 1, 1, PlanMonitor.CHECK_AFTER, 2))
+    assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
+
+
+def test_a_step_that_overlaps_faster_goes_back_to_overlapping(tmp_path, monkeypatch):
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    monkeypatch.setattr(PlanMonitor, "_disk_bound", lambda self, steps: True)
+    monkeypatch.setattr(Plan, "unearned", lambda *_: None)  # (a revision would try the mode 3 steps later)
+    _slow_when(monkeypatch, background=False)
+    engine = _engine(tmp_path, host=0.8)
+    _train(engine, PlanMonitor.FINAL_AFTER - PlanMonitor.CHECK_AFTER)
+    assert engine.defer_step
+    _train(engine, PlanMonitor.CHECK_AFTER)
+    assert engine.overlap_step and not engine.defer_step and engine.plan.overlap_step
+    assert any(r.startswith("step overlapped with the next forward, measured") for r in engine.plan.reasons)
+    _train(engine, 4)  # tried once: it stays
+    assert engine.overlap_step
+    weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
+    engine.close()
+    ref = _reference((PlanMonitor.FINAL_AFTER - PlanMonitor.CHECK_AFTER, PlanMonitor.CHECK_AFTER, 4))
+    assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
+
+
+def test_a_configured_or_compute_bound_step_mode_is_not_tried(tmp_path, monkeypatch):
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    monkeypatch.setattr(PlanMonitor, "_disk_bound", lambda self, steps: True)
+    configured = _engine(tmp_path / "a", host=0.8, overlap_step=True)
+    _train(configured, PlanMonitor.FINAL_AFTER + 1)
+    assert configured.overlap_step and not configured.plan.defer_step
+    configured.close()
+    monkeypatch.setattr(PlanMonitor, "_disk_bound", lambda self, steps: False)
+    compute_bound = _engine(tmp_path / "b", host=0.8)
+    _train(compute_bound, PlanMonitor.FINAL_AFTER + 1)
+    assert compute_bound.overlap_step and not any("step deferred" in r for r in compute_bound.plan.reasons)
+    compute_bound.close()
+
+
+def test_disk_bound_means_the_disk_busy_most_of_the_step():
+    from types import SimpleNamespace
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    me = SimpleNamespace(DISK_BOUND=PlanMonitor.DISK_BOUND, _busy=PlanMonitor._busy)
+    steps = lambda busy: [measured(seconds=1.0, busy=busy) for _ in range(3)]  # noqa: E731
+    assert PlanMonitor._disk_bound(me, steps(0.9)) and not PlanMonitor._disk_bound(me, steps(0.6))
 
 
 def test_a_prediction_far_from_the_measured_steps_is_reported(tmp_path, caplog):

@@ -150,11 +150,12 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
             step = {"s": dt, "loss": value, "disk_read": d("bytes_read", Tier.DISK), "disk_written": d("bytes_written", Tier.DISK),
                     "into_device": d("bytes_written", Tier.DEVICE), "out_of_device": d("bytes_read", Tier.DEVICE),
                     "io_wait_s": s1.io_wait_seconds - s0.io_wait_seconds,
-                    "disk_busy_s": s1.disk_busy_seconds - s0.disk_busy_seconds}
+                    "disk_busy_s": s1.disk_busy_seconds - s0.disk_busy_seconds,
+                    "step_mode": engine.step_mode}  # (where the disk bounds it, the plan tries both)
             out["steps"].append(step)
             print(f"  engine step {i}: {dt:.2f} s, loss {value:.4f}, disk read {format_size(step['disk_read'])} "
                   f"written {format_size(step['disk_written'])}, PCIe in {format_size(step['into_device'])} "
-                  f"out {format_size(step['out_of_device'])}", flush=True)
+                  f"out {format_size(step['out_of_device'])}, step {step['step_mode']}", flush=True)
             if i >= warmup:
                 times.append(dt)
         if trace.exists():

@@ -22,7 +22,9 @@ A configuration's time per step is the wall time of its steps in the round, up t
 where all its work is done (a background optimizer step is waited for at the end of the round,
 so nothing it does is hidden behind another configuration). For the disk run it prints the
 bytes moved per step, the disk throughput measured here, the I/O lower bound (bytes read / read
-rate + bytes written / write rate) and the ratio step / max(compute, I/O bound).
+rate + bytes written / write rate) and the ratio step / max(compute, I/O bound). The first
+round is a warm-up, not timed, that runs each engine until its plan is final (made, checked,
+revised if it did not earn its disk bytes, its step mode tried where the disk bounds it).
 
     python tools/bench_train.py --d-model 512 --layers 8 --batch 8 --context 128 --rounds 5
 
@@ -39,8 +41,8 @@ optimizer step of each and the ratios: reads of 4 fused / reads of one, and the 
 (4 x one micro-batch's in-memory step + one micro-batch disk step's I/O floor at the measured rates).
 With ``--dropout 0.1`` every forward draws random numbers: the first ``forward_backward`` of
 an engine runs the loop and learns the draws, the later ones draw the loop's numbers block by block.
-Its warm-up round runs each engine until its plan is final (made, checked, revised if it did not
-earn its disk bytes), so the timed rounds measure the plan the run keeps.
+Its warm-up round, too, runs each engine until its plan is final, so the timed rounds measure the
+plan the run keeps.
 
 ``--disk-rate MB/S`` (the default mode and ``--accumulate``) holds the storage of the runs whose
 state is on disk to that rate (``tools/slow_disk.py``: a disk-bound machine, the GPU's case, on
@@ -266,10 +268,11 @@ def main() -> int:  # noqa: C901 - a script
         if args.volatile:
             configs += [engine_config("host-volatile", roomy, durable=False),
                         engine_config("disk-volatile", small, durable=False)]
+        warm = PlanMonitor.FINAL_AFTER  # the warm-up round runs each engine until its plan is final
         for r in range(args.rounds + 1):
             for c in configs if r % 2 == 0 else configs[::-1]:
                 c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
-                       for _ in range(args.steps_per_round)])
+                       for _ in range(max(warm, args.steps_per_round) if r == 0 else args.steps_per_round)])
         for c in configs:  # drop the warm-up round (first steps initialise optimizer states)
             c.per_step = c.per_step[1:]
             c.moved = {k: v[1:] for k, v in c.moved.items()}
@@ -403,10 +406,11 @@ def sweep(args) -> int:
                 engine.step()
                 engine.zero_grad()
             configs.append(Config(f"{f:g}", step, finish=engine.wait_committed, engine=engine))
+        warm = PlanMonitor.FINAL_AFTER  # the warm-up round runs each engine until its plan is final
         for r in range(args.rounds + 1):
             for c in configs if r % 2 == 0 else configs[::-1]:
                 c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
-                       for _ in range(args.steps_per_round)])
+                       for _ in range(max(warm, args.steps_per_round) if r == 0 else args.steps_per_round)])
         rows = []
         for c in configs[1:]:
             e = c.engine

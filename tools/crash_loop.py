@@ -84,6 +84,7 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     if engine.step_count:
         assert engine.user_state == {"batches": engine.step_count}, (engine.user_state, engine.step_count)
     print(f"START {engine.step_count} {_digest(engine)}", flush=True)  # the weights it resumed with
+    modes = set()
     while engine.step_count < steps:
         x = torch.randint(0, 256, (4, 33))  # the global RNG: a resume must restore it exactly
         if accumulate > 1:  # the micro-batches through each block together
@@ -101,6 +102,8 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
         engine.step()
         engine.zero_grad()
         print(f"STEP {engine.step_count} {loss.item():.6f}" + (f" {_digest(engine)}" if digests else ""), flush=True)
+        modes.add(engine.step_mode)
+    print("MODES " + " ".join(sorted(modes)), flush=True)
     weights = {k: v.numpy() for k, v in engine.named_parameters()}
     engine.close()
     np.savez(out, **weights)
@@ -241,10 +244,11 @@ def _du(directory: Path) -> tuple[int, int]:
     return total, activations
 
 
-def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) -> tuple[Path, float, float, list, int, dict]:
+def reference(zygote: Zygote, work: Path, steps: int, layers: int,
+              **options) -> tuple[Path, float, float, list, int, dict, str]:
     """An uninterrupted run: its weights file, its start-up time and duration, the peak disk usage
-    seen (``[the state's files, the offloaded activations]``: see :func:`_du`), the state's size, and
-    a digest of the weights after every step."""
+    seen (``[the state's files, the offloaded activations]``: see :func:`_du`), the state's size, a
+    digest of the weights after every step, and the step modes it ran."""
     out = work / "reference.npz"
     d = work / "reference"
     peak = [0, 0]
@@ -262,7 +266,7 @@ def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) ->
     watchdog.start()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    boot = None
+    boot, modes = None, []
     digests = {}
     for line in proc.stdout:
         if line.startswith("START") and boot is None:
@@ -270,6 +274,8 @@ def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) ->
             digests[0] = line.split()[2]
         if line.startswith("STEP"):
             digests[int(line.split()[1])] = line.split()[3]
+        if line.startswith("MODES"):
+            modes = line.split()[1:]
     stderr = proc.stderr.read()
     proc.wait(timeout=REFERENCE_TIMEOUT_S)
     watchdog.cancel()
@@ -281,7 +287,7 @@ def reference(zygote: Zygote, work: Path, steps: int, layers: int, **options) ->
     manifest = json.loads((d / ".tiered-offload" / "manifest.json").read_text().split(" ", 1)[1])
     weights_and_states = sum(t["nbytes"] for t in manifest["tensors"].values())
     state = weights_and_states // (1 + len(manifest["optimizer"]["states"])) * (2 + len(manifest["optimizer"]["states"]))
-    return out, boot, time.perf_counter() - t0, peak, state, digests
+    return out, boot, time.perf_counter() - t0, peak, state, digests, " and ".join(modes)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -386,9 +392,11 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
 
 def _loop(zygote: Zygote, work: Path, kills: int, steps: int, layers: int, rng: random.Random, flip_bits: float,
           options: dict, log) -> dict:
-    ref_out, boot, duration, (peak, spilled), state, ref_digests = reference(zygote, work, steps, layers, **options)
+    ref_out, boot, duration, (peak, spilled), state, ref_digests, modes = reference(zygote, work, steps, layers,
+                                                                                     **options)
     log(f"uninterrupted run: {duration:.1f} s (start-up {boot:.1f} s); training state {state} bytes, peak disk "
-        f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%), offloaded activations at most {spilled} bytes")
+        f"usage {peak} bytes (+{100 * (peak - state) / state:.1f}%), offloaded activations at most {spilled} bytes; "
+        f"step {modes}")
     episode, done_kills, phases = 0, 0, {}
     resumes, identical_resumes, mismatches, resumed_at = 0, 0, [], set()
     finished, finished_identical = 0, 0
@@ -457,7 +465,7 @@ def _loop(zygote: Zygote, work: Path, kills: int, steps: int, layers: int, rng: 
             "identical": finished_identical == finished and not mismatches and not flips["bad"],
             "resumed_at_steps": sorted(resumed_at), "killed_after": phases, "state_bytes": state,
             "peak_disk_bytes": peak, "disk_overhead": (peak - state) / state, "activations_on_disk": spilled / state,
-            "uninterrupted_s": duration}
+            "uninterrupted_s": duration, "uninterrupted_step_modes": modes}
 
 
 def _flip_check(zygote: Zygote, d: Path, steps: int, layers: int, out: Path, options: dict, rng: random.Random, flips: dict,
@@ -531,6 +539,9 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.0, help="the model's dropout (random numbers in every forward)")
     ap.add_argument("--own-noise", type=float, default=0.0, metavar="P",
                     help="every block masks P of its input with numbers from a torch.Generator of its own")
+    ap.add_argument("--try-step-modes", action="store_true",
+                    help="the engine tries its step deferred once its plan is final, whatever the disk's load "
+                         "(TIERED_OFFLOAD_DEFER_STEP=try): kills land across the change of step mode")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -538,6 +549,8 @@ def main() -> None:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
                args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise)
         return
+    if args.try_step_modes:  # (the zygote, and so every worker, inherits it)
+        os.environ["TIERED_OFFLOAD_DEFER_STEP"] = "try"
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
     try:
         t0 = time.perf_counter()

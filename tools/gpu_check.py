@@ -325,7 +325,7 @@ def main() -> int:
         ("bench_io", bench_io_section(check, args.quick), 60),
         ("step_time", step_time_section(check, args.quick), 150),
         ("suite", suite_section(check, args.suite_args.split()), 240),
-        ("tiers", tiers_section(check, args.quick), 150),  # its warm-up runs each plan until final: 6 steps
+        ("tiers", tiers_section(check, args.quick), 150),  # its warm-up runs each plan until final: 9 steps
     ]
     for name, fn, limit in sections:
         if name not in skip:

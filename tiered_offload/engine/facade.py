@@ -222,15 +222,11 @@ class Engine(EngineViews):
         self._streamer = BlockStreamer.for_budget(self.store, self.binding, self._pipeline, self.device, self.schedule,
                                                   self._placement, self.config, recompute)
         """Forward and backward through the store."""
-        self.overlap_step = self._streamer.overlap_step
-        """Whether step() returns at once and updates units in the background, ahead of the next forward."""
-        self.defer_step = self._streamer.defer_step
-        """Else, whether step() returns at once and the next forward updates each unit as it needs it."""
         self._gradients = Gradients(self.store, self.binding, self._streamer, self._placement, self._pipeline,
                                     self.schedule)
         """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""
         self._monitor = PlanMonitor(self.store, self.schedule, self._streamer, [b.name for b in self.blocks],
-                                    self.config, recompute, self.overlap_step,
+                                    self.config, recompute,
                                     sum(s.numel for _, s in self.binding.param_order), self._floors(),
                                     self.extra_disk_bytes(), self._placement.world)
         """The plan, the measurements, the prediction check, stats()."""

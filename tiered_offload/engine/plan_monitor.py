@@ -9,6 +9,7 @@ arithmetic itself stays in :mod:`.planner` (pure numbers); this part measures an
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from offload_core.sizes import format_size
@@ -45,7 +46,6 @@ class PlanMonitor:
         block_names: the streamed blocks, in order.
         config: the engine's :class:`EngineConfig`.
         recompute: the engine's ``recompute=`` argument.
-        overlap_step: whether the step overlaps the next forward.
         parameter_count: the model's parameters (for bytes per parameter).
         floors: the bytes a step cannot avoid (see :meth:`Schedule.floors`), shown in the plan.
         commit_disk_bytes: the disk space commits may take beyond the state (the journal's window,
@@ -60,16 +60,21 @@ class PlanMonitor:
     learned the access order yet, so its disk traffic is not what later steps move."""
     CHECK_AFTER = 3
     """Iterations measured under a plan before its prediction is compared with them."""
-    FINAL_AFTER = 1 + PLAN_FROM + CHECK_AFTER + 1
-    """Steps after which the plan in force is the one the run keeps: made, checked, and revised if
-    it did not earn its disk bytes (a benchmark's warm-up runs this many)."""
+    FINAL_AFTER = 1 + PLAN_FROM + 2 * CHECK_AFTER + 1
+    """Steps after which the plan in force is the one the run keeps: made, checked, revised if it
+    did not earn its disk bytes, and its step mode tried (:meth:`_try_deferral`) where the disk
+    bounds it (a benchmark's warm-up runs this many)."""
+    DISK_BOUND = 0.75
+    """The share of an overlapped step's time (median over the plan's check) the disk must be busy
+    for the engine to try the step deferred: below it the disk has time to spare, the bytes
+    deferral saves would not shorten the step, and the update beside the forward uses idle cores."""
     KEEP = 64
     """Measurements kept for stats() (the plan's entries first)."""
     DISK_SHARE = 0.9
     """Of the free disk space commits leave, the share a step's offloaded activations may take
     (the rest: other writers, the file system's own blocks)."""
 
-    def __init__(self, store, schedule, streamer, block_names: list[str], config, recompute, overlap_step: bool,
+    def __init__(self, store, schedule, streamer, block_names: list[str], config, recompute,
                  parameter_count: int, floors: dict | None = None, commit_disk_bytes: int = 0, ranks: int = 1):
         self.floors = floors
         self.commit_disk_bytes, self.ranks = commit_disk_bytes, ranks
@@ -78,7 +83,6 @@ class PlanMonitor:
         self.config = config
         self.planner_chooses = recompute == "auto" and config.activations == "auto"
         """Whether the planner picks each block's activation mode after measuring (else it is fixed)."""
-        self.overlap_step = overlap_step
         self.parameter_count = parameter_count
         self.engine_seconds = 0.0
         """Time spent in the engine's calls (forward, backward, clipping, step)."""
@@ -87,6 +91,9 @@ class PlanMonitor:
         self._check_at = 1 + self.PLAN_FROM + self.CHECK_AFTER
         """Measured iterations after which the plan in force is checked (and revised, once)."""
         self._revised = False
+        self._overlapped: list[StepMeasurement] | None = None
+        """The overlapped steps the deferred ones are compared with, while the step mode is tried."""
+        self._trial_end: int | None = None
         self._plan = self._initial_plan(recompute)
         if streamer.modes is not None:
             log.info("tiered-offload plan (until measured):\n%s", self._plan.summary())
@@ -117,7 +124,7 @@ class PlanMonitor:
             if getattr(self.config, name) is not None:
                 overridden.append(f"{name} = {getattr(self.config, name)} (EngineConfig.{name})")
         return Plan(modes=None if streamer.modes is None else list(streamer.modes), blocks=list(self.block_names),
-                    prefetch_depth=self.store.config.prefetch_depth, overlap_step=self.overlap_step,
+                    prefetch_depth=self.store.config.prefetch_depth, overlap_step=streamer.overlap_step,
                     defer_step=streamer.defer_step,
                     host_split={"working_set": min(need, cap), "activation_room": min(acts, max(0, cap - need)),
                                 "cache": max(0, cap - need - acts)},
@@ -186,6 +193,47 @@ class PlanMonitor:
                 self._plan.reasons.append(why)
                 self._revised, self._check_at = True, self._check_at + self.CHECK_AFTER
                 self._apply("tiered-offload plan, measured and revised:\n%s")
+            else:  # the plan is final
+                self._try_deferral(under)
+        elif len(measured) == self._trial_end:
+            why = self._plan.choose_step_mode(self._overlapped, measured[-self.CHECK_AFTER:])
+            self._plan.reasons.append(why)
+            self._set_step_mode(self._plan.overlap_step)
+            self._overlapped = self._trial_end = None
+            log.info("tiered-offload: %s", why)
+
+    # ---- the step mode, measured -------------------------------------------------------------------
+    def _try_deferral(self, overlapped: list[StepMeasurement]) -> None:
+        """Where the step overlaps the next forward by the planner's choice and the disk bounds it,
+        run the next steps deferred instead; after :attr:`CHECK_AFTER` of them the plan keeps the
+        mode that measured better (:meth:`Plan.choose_step_mode`). Overlapped, the update may write
+        weights that the forward then reads back; deferred, the forward uses them as written, but
+        the update no longer runs beside it. Not sharded: the ranks would measure, and choose,
+        apart. ``TIERED_OFFLOAD_DEFER_STEP=0`` never tries; ``=try`` tries whatever the disk's load
+        (``tools/crash_loop.py --try-step-modes``: kills across the change)."""
+        config, env = self.config, os.environ.get("TIERED_OFFLOAD_DEFER_STEP")
+        if (not self.streamer.overlap_step or config.overlap_step is not None or config.defer_step is not None
+                or env == "0" or self.ranks > 1
+                or not self.schedule.defer_fits(self.store.capacity(self.store.compute_tier))
+                or not (env == "try" or self._disk_bound(overlapped))):
+            return
+        self._overlapped, self._trial_end = list(overlapped), len(self.measured) + self.CHECK_AFTER
+        self._set_step_mode(False)
+        log.info("tiered-offload: trying the step deferred to the next forward for %d steps (the disk was busy "
+                 "%.0f%% of an overlapped step)", self.CHECK_AFTER, 100 * self._busy(overlapped))
+
+    def _set_step_mode(self, overlap: bool) -> None:
+        """From the step about to start: overlapped with the next forward, or deferred to it."""
+        self.streamer.overlap_step, self.streamer.defer_step = overlap, not overlap
+        self._plan.overlap_step, self._plan.defer_step = overlap, not overlap
+
+    @staticmethod
+    def _busy(steps: list[StepMeasurement]) -> float:
+        return median([m.disk_busy_seconds / m.seconds if m.seconds > 0 else 0.0 for m in steps])
+
+    def _disk_bound(self, steps: list[StepMeasurement]) -> bool:
+        """Whether the disk was busy :attr:`DISK_BOUND` of these steps' time or more (median)."""
+        return self._busy(steps) >= self.DISK_BOUND
 
     def _rooms(self) -> tuple[list[int], int]:
         """Per block, the saved-activation bytes its backward may pin, and the most of them kept
@@ -211,7 +259,7 @@ class PlanMonitor:
         nobody configured it): why, and the budget at which it would overlap the next forward,
         with room for the largest block's saved activations beside it."""
         cap = self.store.capacity(self.store.compute_tier)
-        if self.overlap_step or self.config.overlap_step is not None or self.schedule.fits(cap):
+        if self.streamer.overlap_step or self.config.overlap_step is not None or self.schedule.fits(cap):
             return None
         tier = self.store.compute_tier.name.lower()
         acts = max(m.graph_bytes, default=0)

@@ -237,6 +237,33 @@ class Plan:
                 f"a plan that moves more bytes must run {self.EARN:.0%} faster)")
 
 
+    def choose_step_mode(self, overlapped: list[StepMeasurement], deferred: list[StepMeasurement]) -> str:
+        """Keep the step mode that measured better, from steps run ``overlapped`` with the next
+        forward and then ``deferred`` to it (medians), and say why. The mode that moves fewer disk
+        bytes (deferred, usually: the forward uses the weights the update just wrote, where
+        overlapped it may read them back) is kept unless the other ran :attr:`EARN` faster, as for
+        activations; with the same bytes, the faster. Sets :attr:`overlap_step`,
+        :attr:`defer_step` and the measured medians to the kept mode's."""
+        seconds = [median([m.seconds for m in ms]) for ms in (overlapped, deferred)]
+        moved = [median([m.disk_read + m.disk_written for m in ms]) for ms in (overlapped, deferred)]
+        if abs(moved[0] - moved[1]) <= 0.01 * max(moved):
+            defer = seconds[1] < seconds[0]
+        else:
+            fewer = int(moved[1] < moved[0])  # 1: deferred moves fewer bytes
+            defer = bool(fewer) != (seconds[1 - fewer] <= seconds[fewer] * (1 - self.EARN))
+        kept = deferred if defer else overlapped
+        self.overlap_step, self.defer_step = not defer, defer
+        self.measured_step_s = median([m.seconds for m in kept])
+        self.measured_read = median([m.disk_read for m in kept])
+        self.measured_written = median([m.disk_written for m in kept])
+        gain = 1 - seconds[1] / seconds[0] if seconds[0] > 0 else 0.0
+        mib = 1 << 20
+        return (f"step {'deferred to' if defer else 'overlapped with'} the next forward, measured: {len(deferred)} "
+                f"steps deferred ran {seconds[1]:.3f} s and moved {moved[1] / mib:.1f} MiB against {seconds[0]:.3f} s "
+                f"and {moved[0] / mib:.1f} MiB overlapped ({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; "
+                f"the mode that moves more bytes must run {self.EARN:.0%} faster)")
+
+
 def median(xs: list):
     """The middle value of ``xs`` (the upper one of an even count), as the plan's checks take it."""
     return sorted(xs)[len(xs) // 2]

@@ -140,6 +140,18 @@ class EngineViews:
         return self._streamer.modes is not None and "recompute" in self._streamer.modes
 
     @property
+    def overlap_step(self) -> bool:
+        """Whether step() returns at once and updates units in the background, ahead of the next
+        forward (where the budget allows it; where the disk bounds the step, the engine measures
+        it deferred too and keeps the faster: see :attr:`plan`)."""
+        return self._streamer.overlap_step
+
+    @property
+    def defer_step(self) -> bool:
+        """Else, whether step() returns at once and the next forward updates each unit as it needs it."""
+        return self._streamer.defer_step
+
+    @property
     def step_mode(self) -> str:
         """How the optimizer step runs: ``overlapped`` (in the background beside the next forward),
         ``deferred`` (each unit's update by the next forward as it reaches the unit) or ``inline``."""
