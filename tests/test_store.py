@@ -503,6 +503,35 @@ def test_preflight_refuses_what_the_disk_cannot_hold(tmp_path):
     store.close()
 
 
+def test_read_copies_a_tensor_whose_tier_has_no_hole_for_it_straight_from_the_disk(posix):
+    """``read`` returns a copy outside the budget, so it needs no room in a tier. Pinned tensors
+    that split the free room into holes smaller than the tensor (here 128 KiB free in holes of 32
+    KiB, for 48 KiB) made it raise TierCapacityError: the sharded engine's fallback for a block's
+    saved activations that find no hole beside its buffers (``FullBuffers._pin``) failed with it
+    once in CI-like runs (``test_distributed.py::test_sharded_training_matches_one_process[3-sgd]``:
+    host 336 KiB, 80 KiB in use, the largest hole 68 KiB, for 69 KiB). The copy now comes from the
+    disk when the tier has no hole; a tensor neither the tier nor the disk holds is still refused."""
+    store = make_store(posix, host=256 * KiB, device=0)
+    x = torch.randn(12 * KiB)  # 48 KiB
+    store.register("x", x.shape, data=x.clone())
+    store.evict("x", "host").get()
+    for i in range(8):  # 8 x 32 KiB: the host tier full
+        store.register(f"t{i}", (8 * KiB,), data=torch.full((8 * KiB,), float(i)))
+    for i in (0, 2, 4, 6):
+        store.get(f"t{i}", "host")  # pinned, every other one
+    for i in (1, 3, 5, 7):
+        store.evict(f"t{i}", "host").get()
+    arena = store.arena("host")
+    assert arena.largest_hole < x.numel() * 4 <= arena.capacity - arena.used  # room, in no one hole
+    assert torch.equal(store.read("x"), x)
+    assert torch.equal(store.read("t0"), torch.zeros(8 * KiB))  # resident: from the tier, as before
+    with pytest.raises(TierCapacityError):
+        store.get("x", "host")  # a slot in the tier still needs a hole
+    for i in (0, 2, 4, 6):
+        store.release(f"t{i}", "host")
+    assert torch.equal(store.read("x"), x)
+    store.close()
+
 def test_arena_merges_holes():
     a = Arena("t", 16 * 4096, torch.device("cpu"))
     a.open()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 import time
 
+import torch
+
 from offload_core.errors import TensorStateError, TierCapacityError
-from offload_core.futures import IOFuture, chain, completed
-from tiered_offload.store.record import TensorRecord, kind_of
+from offload_core.futures import IOFuture, chain, completed, detached
+from tiered_offload.store.record import OpKind, TensorRecord, kind_of
 from tiered_offload.store.tiers import Tier
 
 __all__ = ["CopyChains"]
@@ -78,6 +80,27 @@ class CopyChains:
                 f"{src.name.lower()}->{dst.name.lower()} {rec.key}", "io", start, tensor=rec.key, bytes=rec.nbytes,
                 by="lookahead" if why == "lookahead" else why or "caller", ok=f.exception() is None))
         return fut
+
+    def _read_apart(self, rec: TensorRecord):
+        """A CPU copy of ``rec``'s current bytes read from the disk into a buffer of its own, outside
+        the tiers (for :meth:`TieredStore.read` when no memory tier has a hole for them); None if
+        the disk does not hold the current version (a memory tier does: read it there)."""
+        with self._lock:
+            busy = self._begin(rec, OpKind.LOAD, Tier.HOST)
+            if not rec.valid(Tier.DISK) or rec.valid(Tier.HOST) or rec.valid(Tier.DEVICE):
+                self._end(rec, busy)
+                return None
+        raw = torch.empty(rec.nbytes, dtype=torch.uint8)
+        try:
+            if rec.nbytes:
+                self.disk.read(rec, raw).get()
+        except BaseException as e:
+            self._end(rec, busy, error=detached(e))
+            raise
+        self._end(rec, busy)
+        with self._lock:
+            self._stats.bytes_read[Tier.DISK] += rec.nbytes
+        return raw.view(rec.dtype).view(rec.shape)
 
     def _start_load(self, rec: TensorRecord, tier: Tier, *, block: bool = True,
                     further_than: float | None = None) -> IOFuture:

@@ -484,14 +484,25 @@ class TieredStore(CopyChains, Prefetching):
                 self.disk.delete_quietly(old)
 
     def read(self, key: str) -> torch.Tensor:
-        """A CPU copy of the tensor's current bytes (for inspection and tests)."""
-        with self._lock:
-            rec = self._rec(key)
-            if rec.zero:
-                return torch.zeros(rec.shape, dtype=rec.dtype)
-            src = Tier.DEVICE if rec.valid(Tier.DEVICE) and not rec.valid(Tier.HOST) else Tier.HOST
-        with self.hold(key, src) as t:
-            return t.detach().to("cpu", copy=True)
+        """A CPU copy of the tensor's current bytes, outside the budget (for inspection, tests and
+        the engine's fallbacks): through a memory tier, or, where pinned copies leave it no hole
+        for them, straight from the disk."""
+        while True:
+            with self._lock:
+                rec = self._rec(key)
+                if rec.zero:
+                    return torch.zeros(rec.shape, dtype=rec.dtype)
+                src = Tier.DEVICE if rec.valid(Tier.DEVICE) and not rec.valid(Tier.HOST) else Tier.HOST
+            try:
+                with self.hold(key, src) as t:
+                    return t.detach().to("cpu", copy=True)
+            except TierCapacityError:
+                copy = self._read_apart(rec)
+                if copy is not None:
+                    return copy
+                with self._lock:  # loaded meanwhile: read it where it is (else nothing holds it)
+                    if not (rec.valid(Tier.HOST) or rec.valid(Tier.DEVICE)):
+                        raise
 
     # ---- moving bytes -------------------------------------------------------------------
     def prefetch(self, key: str, tier: Tier | str | None = None) -> IOFuture:
