@@ -186,10 +186,28 @@ def _no_room_after_ahead(engine) -> None:
     full.gather_ahead, engine._placement.sharding.reduce_gradients = no_room, reduced
 
 
+def _slow_step_mode(mode: str, seconds: float = 0.15) -> None:
+    """This rank's steps in ``mode`` (``overlapped`` or ``deferred``) take ``seconds`` longer, inside
+    the engine's time: a rank on which that mode measures slower."""
+    import time
+    from tiered_offload.engine.pipeline import UpdatePipeline
+    run = UpdatePipeline.run
+
+    def slowed(self, names, update, *, background, then=None, deferred=False):
+        if (background and mode == "overlapped") or (deferred and mode == "deferred"):
+            time.sleep(seconds)
+        return run(self, names, update, background=background, then=then, deferred=deferred)
+    UpdatePipeline.run = slowed
+
+
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
     rank = dist.get_rank()
+    if cfg.get("try_step_modes"):  # try the step deferred once the plan is final, whatever the disk's load
+        os.environ["TIERED_OFFLOAD_DEFER_STEP"] = "try"
+    if str(rank) in cfg.get("slow_step_mode", {}):
+        _slow_step_mode(cfg["slow_step_mode"][str(rank)])
     from tiered_offload import Engine, EngineConfig, Tier
     model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
     durable = cfg.get("durable", False)
@@ -209,7 +227,7 @@ def main() -> int:
         _no_room_after_ahead(engine)
     if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
         _kill_during_update(engine, *cfg["kill"][1:])
-    losses = []
+    losses, step_modes = [], [engine.step_mode]
     while engine.step_count < cfg["steps"]:
         step = engine.step_count
         # this rank's micro-batches of this step are shorter (dropout draws less than in the others)
@@ -245,6 +263,7 @@ def main() -> int:
         if cfg.get("clip"):
             engine.clip_grad_norm_(cfg["clip"])
         engine.step()
+        step_modes.append(engine.step_mode)
         if not cfg.get("zero_grad_late"):
             engine.zero_grad()
     weights = dict(engine.named_parameters())
@@ -255,7 +274,8 @@ def main() -> int:
               "directory": str(engine.store.backend.location), "exported": exported,
               "gathered_ahead": engine._streamer.gathered_ahead, "collective_bytes": engine._placement.collective_bytes(),
               "disk_read": engine.store.stats.bytes_read[Tier.DISK],
-              "refused_groups": getattr(engine, "refused_groups", [])}
+              "refused_groups": getattr(engine, "refused_groups", []), "step_modes": step_modes,
+              "plan_reasons": list(engine.plan.reasons)}
     engine.close()
     result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()
                                 if f.is_file() and not f.name.startswith("."))

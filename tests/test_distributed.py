@@ -219,6 +219,35 @@ def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_th
     assert gathered[0] < short[0]["collective_bytes"]["all_gather"] <= 1.01 * gathered[0]
 
 
+
+@pytest.mark.parametrize("slow", ["overlapped", "deferred-on-rank-1"])
+def test_sharded_ranks_try_the_step_deferred_together_and_keep_one_mode(slow, tmp_path):
+    """Where the disk bounds an overlapped step (here every rank is told to try, as
+    ``TIERED_OFFLOAD_DEFER_STEP=try`` does), the ranks run the same steps deferred, agree on the mode
+    to keep (deferred only if every rank measured it better) and keep training in step, bitwise
+    one process's. ``overlapped``: every rank's overlapped steps are slower, so all defer;
+    ``deferred-on-rank-1``: rank 1's deferred steps are slower, so all go back to overlapping (the
+    collectives make rank 0 wait for it: both measure it; one rank outvoted is
+    ``test_planner.py::test_sharded_ranks_keep_deferring_only_if_every_rank_measured_it_better``)."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 14, "accumulate": 1, "clip": 0.5, "activations": "recompute",
+           "try_step_modes": True, "slow_step_mode": {"overlapped": {"0": "overlapped", "1": "overlapped"},
+                                                      "deferred-on-rank-1": {"1": "deferred"}}[slow]}
+    model = build(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    cfg["host_memory"] = int(0.95 * 16 * n / 2)
+    results = launch(2, tmp_path, cfg)
+    kept = "deferred" if slow == "overlapped" else "overlapped"
+    assert [r["step_modes"][0] for r in results] == ["overlapped"] * 2  # (the budget overlaps the step)
+    for r in results:
+        assert r["step_modes"][-1] == kept, r["step_modes"]
+        assert r["step_modes"] == results[0]["step_modes"]  # tried and kept together
+        assert sum(x.startswith(f"step {kept}") for x in r["plan_reasons"]) == 1, r["plan_reasons"]
+    expected = reference(2, cfg)
+    got = results[0]["weights"]
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+
 def test_sharded_forward_backward_with_dropout_draws_the_loops_numbers(tmp_path):
     """Dropout on 2 ranks: the first step runs the loop (every rank: they agree) and learns each
     block's draws, the next steps run the pass with the loop's numbers: the losses and weights

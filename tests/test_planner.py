@@ -373,6 +373,31 @@ def test_a_step_that_overlaps_faster_goes_back_to_overlapping(tmp_path, monkeypa
     assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
 
 
+
+def test_sharded_ranks_keep_deferring_only_if_every_rank_measured_it_better(tmp_path, monkeypatch):
+    """Sharded, the ranks decide at the same step whether to try (``SHARDED_TRIAL_AT``, whatever
+    each one's plan did: the agreement is a collective) and keep deferring only if every rank
+    measured it better. Here one process stands for a rank whose peers vote against: it measured
+    deferring faster, and overlaps again all the same, saying why."""
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    monkeypatch.setattr(PlanMonitor, "_disk_bound", lambda self, steps: True)
+    _slow_when(monkeypatch, background=True)
+    engine = _engine(tmp_path, host=0.8)
+    votes = []
+    monitor = engine._monitor
+    monitor.ranks = 2
+    monitor._agree = lambda flags, what: votes.append((what, flags)) or [what.startswith("whether to try")]
+    _train(engine, PlanMonitor.SHARDED_TRIAL_AT)
+    assert engine.overlap_step and not votes
+    _train(engine, 1)
+    assert engine.defer_step and votes == [("whether to try the step deferred", [True])]
+    _train(engine, PlanMonitor.CHECK_AFTER)
+    assert votes[1] == ("the step mode to keep", [True])  # this rank would defer; the others do not
+    assert engine.overlap_step and engine.plan.overlap_step and not engine.plan.defer_step
+    assert any(r.startswith("step overlapped with the next forward, as another rank measured it better") and
+               "this rank measured: 3 steps deferred ran" in r for r in engine.plan.reasons), engine.plan.reasons
+    engine.close()
+
 def test_a_configured_or_compute_bound_step_mode_is_not_tried(tmp_path, monkeypatch):
     from tiered_offload.engine.plan_monitor import PlanMonitor
     monkeypatch.setattr(PlanMonitor, "_disk_bound", lambda self, steps: True)

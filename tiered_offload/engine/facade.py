@@ -228,7 +228,7 @@ class Engine(EngineViews):
         self._monitor = PlanMonitor(self.store, self.schedule, self._streamer, [b.name for b in self.blocks],
                                     self.config, recompute,
                                     sum(s.numel for _, s in self.binding.param_order), self._floors(),
-                                    self.extra_disk_bytes(), self._placement.world)
+                                    self.extra_disk_bytes(), self._placement.world, self._placement.all_agree_each)
         """The plan, the measurements, the prediction check, stats()."""
         self._tracer: Tracer | None = None
         if trace is not None:

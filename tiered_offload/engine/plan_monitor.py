@@ -52,6 +52,7 @@ class PlanMonitor:
             a snapshot's second copy): not for offloaded activations.
         ranks: processes training together (sharded); they may share one disk, so each plans with
             its share of the free space.
+        agree: ``agree(flags, what)``: each flag's AND over the ranks (a collective; sharded).
     """
 
     PLAN_FROM = 1
@@ -64,6 +65,10 @@ class PlanMonitor:
     """Steps after which the plan in force is the one the run keeps: made, checked, revised if it
     did not earn its disk bytes, and its step mode tried (:meth:`_try_deferral`) where the disk
     bounds it (a benchmark's warm-up runs this many)."""
+    SHARDED_TRIAL_AT = 1 + PLAN_FROM + 2 * CHECK_AFTER
+    """Sharded, the measured iteration after which every rank decides whether to try the step
+    deferred (each one's plan final by then, revised or not: the agreement is a collective, so
+    the ranks must reach it at the same step)."""
     DISK_BOUND = 0.75
     """The share of an overlapped step's time (median over the plan's check) the disk must be busy
     for the engine to try the step deferred: below it the disk has time to spare, the bytes
@@ -75,9 +80,11 @@ class PlanMonitor:
     (the rest: other writers, the file system's own blocks)."""
 
     def __init__(self, store, schedule, streamer, block_names: list[str], config, recompute,
-                 parameter_count: int, floors: dict | None = None, commit_disk_bytes: int = 0, ranks: int = 1):
+                 parameter_count: int, floors: dict | None = None, commit_disk_bytes: int = 0, ranks: int = 1,
+                 agree=None):
         self.floors = floors
         self.commit_disk_bytes, self.ranks = commit_disk_bytes, ranks
+        self._agree = agree or (lambda flags, what: list(flags))
         self.store, self.schedule, self.streamer = store, schedule, streamer
         self.block_names = block_names
         self.config = config
@@ -169,6 +176,10 @@ class PlanMonitor:
     def _after_iteration(self) -> None:
         """After the planning iteration: plan. After a few more: compare and say if it is off."""
         measured = self.measured
+        if self.ranks > 1 and len(measured) == self.SHARDED_TRIAL_AT:  # every rank at once, whatever its plan:
+            self._try_deferral(measured[-self.CHECK_AFTER:])           # the ranks agree (a collective)
+        elif self.ranks > 1 and len(measured) == self._trial_end:
+            self._end_trial()
         if self.streamer.modes is None:
             return  # plain PyTorch: nothing to plan
         if len(measured) == 1 + self.PLAN_FROM:
@@ -193,14 +204,10 @@ class PlanMonitor:
                 self._plan.reasons.append(why)
                 self._revised, self._check_at = True, self._check_at + self.CHECK_AFTER
                 self._apply("tiered-offload plan, measured and revised:\n%s")
-            else:  # the plan is final
+            elif self.ranks == 1:  # the plan is final
                 self._try_deferral(under)
-        elif len(measured) == self._trial_end:
-            why = self._plan.choose_step_mode(self._overlapped, measured[-self.CHECK_AFTER:])
-            self._plan.reasons.append(why)
-            self._set_step_mode(self._plan.overlap_step)
-            self._overlapped = self._trial_end = None
-            log.info("tiered-offload: %s", why)
+        elif self.ranks == 1 and len(measured) == self._trial_end:
+            self._end_trial()
 
     # ---- the step mode, measured -------------------------------------------------------------------
     def _try_deferral(self, overlapped: list[StepMeasurement]) -> None:
@@ -208,19 +215,39 @@ class PlanMonitor:
         run the next steps deferred instead; after :attr:`CHECK_AFTER` of them the plan keeps the
         mode that measured better (:meth:`Plan.choose_step_mode`). Overlapped, the update may write
         weights that the forward then reads back; deferred, the forward uses them as written, but
-        the update no longer runs beside it. Not sharded: the ranks would measure, and choose,
-        apart. ``TIERED_OFFLOAD_DEFER_STEP=0`` never tries; ``=try`` tries whatever the disk's load
-        (``tools/crash_loop.py --try-step-modes``: kills across the change)."""
+        the update no longer runs beside it. Sharded, every rank decides at
+        :attr:`SHARDED_TRIAL_AT` and they try only if all would. ``TIERED_OFFLOAD_DEFER_STEP=0``
+        never tries; ``=try`` tries whatever the disk's load (``tools/crash_loop.py
+        --try-step-modes``: kills across the change)."""
         config, env = self.config, os.environ.get("TIERED_OFFLOAD_DEFER_STEP")
-        if (not self.streamer.overlap_step or config.overlap_step is not None or config.defer_step is not None
-                or env == "0" or self.ranks > 1
-                or not self.schedule.defer_fits(self.store.capacity(self.store.compute_tier))
-                or not (env == "try" or self._disk_bound(overlapped))):
+        wanted = (self.streamer.modes is not None and self.streamer.overlap_step and config.overlap_step is None
+                  and config.defer_step is None and env != "0"
+                  and self.schedule.defer_fits(self.store.capacity(self.store.compute_tier))
+                  and (env == "try" or self._disk_bound(overlapped)))
+        if self.ranks > 1:
+            wanted = self._agree([wanted], "whether to try the step deferred")[0]
+        if not wanted:
             return
         self._overlapped, self._trial_end = list(overlapped), len(self.measured) + self.CHECK_AFTER
         self._set_step_mode(False)
         log.info("tiered-offload: trying the step deferred to the next forward for %d steps (the disk was busy "
                  "%.0f%% of an overlapped step)", self.CHECK_AFTER, 100 * self._busy(overlapped))
+
+    def _end_trial(self) -> None:
+        """The deferred steps are measured: keep the better mode (sharded: deferred only if every
+        rank measured it better, so the ranks keep one mode) and say why."""
+        deferred = self.measured[-self.CHECK_AFTER:]
+        why = self._plan.choose_step_mode(self._overlapped, deferred)
+        if self.ranks > 1 and not self._agree([self._plan.defer_step], "the step mode to keep")[0] \
+                and self._plan.defer_step:
+            self._plan.keep_measured(self._overlapped)
+            self._plan.overlap_step, self._plan.defer_step = True, False
+            why = why.replace("step deferred to the next forward, measured:", "step overlapped with the next forward, "
+                              "as another rank measured it better (the ranks keep one mode); this rank measured:", 1)
+        self._plan.reasons.append(why)
+        self._set_step_mode(self._plan.overlap_step)
+        self._overlapped = self._trial_end = None
+        log.info("tiered-offload: %s", why)
 
     def _set_step_mode(self, overlap: bool) -> None:
         """From the step about to start: overlapped with the next forward, or deferred to it."""

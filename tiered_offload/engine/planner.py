@@ -192,9 +192,7 @@ class Plan:
     def check(self, steps: list[StepMeasurement]) -> list[str]:
         """Record the medians of ``steps`` (measured under this plan) and return what is further
         from the prediction than the tolerances, in words (empty: the prediction held)."""
-        self.measured_step_s = median([m.seconds for m in steps])
-        self.measured_read = median([m.disk_read for m in steps])
-        self.measured_written = median([m.disk_written for m in steps])
+        self.keep_measured(steps)
         notes = []
         off = _off(self.measured_step_s, self.predicted_step_s)
         if abs(off) > self.STEP_TOLERANCE:
@@ -210,6 +208,12 @@ class Plan:
                          f"planned from did not move what later ones do (a cache still filling, a budget that "
                          f"changed, other processes on the disk)")
         return notes
+
+    def keep_measured(self, steps: list[StepMeasurement]) -> None:
+        """The medians of ``steps`` as the plan's measured step time and disk bytes."""
+        self.measured_step_s = median([m.seconds for m in steps])
+        self.measured_read = median([m.disk_read for m in steps])
+        self.measured_written = median([m.disk_written for m in steps])
 
     EARN = 0.05
     """How much faster than the iteration it was planned from a plan's steps must run when they move
@@ -251,11 +255,8 @@ class Plan:
         else:
             fewer = int(moved[1] < moved[0])  # 1: deferred moves fewer bytes
             defer = bool(fewer) != (seconds[1 - fewer] <= seconds[fewer] * (1 - self.EARN))
-        kept = deferred if defer else overlapped
+        self.keep_measured(deferred if defer else overlapped)
         self.overlap_step, self.defer_step = not defer, defer
-        self.measured_step_s = median([m.seconds for m in kept])
-        self.measured_read = median([m.disk_read for m in kept])
-        self.measured_written = median([m.disk_written for m in kept])
         gain = 1 - seconds[1] / seconds[0] if seconds[0] > 0 else 0.0
         mib = 1 << 20
         return (f"step {'deferred to' if defer else 'overlapped with'} the next forward, measured: {len(deferred)} "
