@@ -240,7 +240,6 @@ class Plan:
                 f"{seconds:.3f} s against {before.seconds:.3f} s ({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; "
                 f"a plan that moves more bytes must run {self.EARN:.0%} faster)")
 
-
     def choose_step_mode(self, overlapped: list[StepMeasurement], deferred: list[StepMeasurement]) -> str:
         """Keep the step mode that measured better, from steps run ``overlapped`` with the next
         forward and then ``deferred`` to it (medians), and say why. The mode that moves fewer disk

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-import torch
-
+from offload_core.buffers import aligned_empty
 from offload_core.errors import TensorStateError, TierCapacityError
 from offload_core.futures import IOFuture, chain, completed, detached
 from tiered_offload.store.record import OpKind, TensorRecord, kind_of
@@ -90,7 +89,7 @@ class CopyChains:
             if not rec.valid(Tier.DISK) or rec.valid(Tier.HOST) or rec.valid(Tier.DEVICE):
                 self._end(rec, busy)
                 return None
-        raw = torch.empty(rec.nbytes, dtype=torch.uint8)
+        raw = aligned_empty(rec.nbytes)  # (page-aligned: the backend reads into it directly)
         try:
             if rec.nbytes:
                 self.disk.read(rec, raw).get()
