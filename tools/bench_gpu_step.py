@@ -161,6 +161,7 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
         if trace.exists():
             out["waits_by_phase_s"] = _waits_by_phase(trace)
         out["floors"] = engine.stats().floors  # what a step cannot avoid moving, beside the measured
+        out["plan"] = engine.plan.summary()  # its modes and why (the step mode tried where the disk bounds it)
     finally:
         engine.close()
     timed = out["steps"][warmup:] or out["steps"]
