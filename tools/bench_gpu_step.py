@@ -108,7 +108,9 @@ def _waits_by_phase(trace_path: Path) -> dict:
 
 def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int, storage: str,
                host_memory: str, device_memory: str, trace_dir: Path, optimizer_device: str = "auto",
-               micro_batches: int = 1) -> dict:
+               micro_batches: int = 1, progress=None) -> dict:
+    """The engine's steps; ``progress(out)`` after each (a run cut short by a time limit keeps
+    the steps it measured)."""
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with empty_init():
@@ -153,6 +155,8 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                     "disk_busy_s": s1.disk_busy_seconds - s0.disk_busy_seconds,
                     "step_mode": engine.step_mode}  # (where the disk bounds it, the plan tries both)
             out["steps"].append(step)
+            if progress is not None:
+                progress(out)
             print(f"  engine step {i}: {dt:.2f} s, loss {value:.4f}, disk read {format_size(step['disk_read'])} "
                   f"written {format_size(step['disk_written'])}, PCIe in {format_size(step['into_device'])} "
                   f"out {format_size(step['out_of_device'])}, step {step['step_mode']}", flush=True)
@@ -228,8 +232,12 @@ def main(argv=None) -> int:
         else:
             print(f"plain PyTorch: {p['skipped']}", flush=True)
         report["plain"] = p
+        def partial(steps_so_far: dict) -> None:  # the report as far as it got, rewritten after each step
+            if args.json:
+                Path(args.json).write_text(json.dumps(report | {"engine_partial": steps_so_far}, indent=2, default=str))
         e = engine_run(cfg, _batches(cfg, args.batch, args.steps), device, 1 if args.steps > 1 else 0, storage,
-                       args.host_memory, args.device_memory, trace_dir, args.optimizer_device, args.micro_batches)
+                       args.host_memory, args.device_memory, trace_dir, args.optimizer_device, args.micro_batches,
+                       progress=partial)
         e["TFLOPs"] = flops / e["step_s"] / 1e12
         report["engine"] = e
         if "step_s" in p:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The prepared GPU check: everything the CUDA path needs a GPU to prove, in one command.
 
-    python tools/gpu_check.py OUTDIR [--budget-s 450] [--quick]
+    python tools/gpu_check.py OUTDIR [--budget-s 540] [--quick]
 
 Writes ``OUTDIR/gpu_check.json`` (the summary, rewritten after every section, so a run cut short
 still leaves what it finished) and ``OUTDIR/gpu_check.log`` (every section's output). Sections, in
@@ -11,20 +11,24 @@ order of importance, each with its own time limit inside ``--budget-s``:
 2. ``pinned``: a pinned host arena of a budget that is not a power of two: its backing bytes, that
    torch sees it as pinned, host<->device copy rates from it; and PyTorch's caching pinned
    allocator's reservation for the same request, for contrast.
-3. ``tests``: pytest on the GPU: the kvikio conformance suite with device buffers (and posix),
+3. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio (the disk's rate: the step's floor
+   is its bytes at that rate).
+4. ``tests``: pytest on the GPU: the kvikio conformance suite with device buffers (and posix),
    the device-path tests (wsum64 on the GPU equal to the CPU's), the engine parity tests on CUDA
    (GPT-2 and Llama tiny, state on disk, host and device budgets a quarter of the state, against
    PyTorch on the same GPU; each ``optimizer_device`` placement against its reference),
    ``forward_backward`` on CUDA against the loop (with dropout too: Philox offsets replayed, one
    loop per engine), and the store's Hypothesis state machine with a
    CUDA device tier.
-4. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio.
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
    below its 17 GB state, 10 steps (steady state 4-10) against plain PyTorch on the same GPU, with
-   the optimizer step on the host and on the device, each against the plan's floors.
-6. ``suite``: the whole test suite (pytest-xdist where installed), with what time is left.
-7. ``tiers``: ``tools/bench_tiers.py --placements`` on CUDA: PCIe bytes per parameter per step with
+   the optimizer step on the host, on the device, and placed by the planner with 4 micro-batches
+   through ``forward_backward``, each against the plan's floors, each step's mode and bytes in its
+   report (rewritten after every step: a run the time limit cuts keeps the steps it measured).
+6. ``tiers``: ``tools/bench_tiers.py --placements`` on CUDA: PCIe bytes per parameter per step with
    the optimizer step on the device and on the host, in one run, if time is left.
+7. ``suite``: the whole test suite, verbose (pytest-xdist where installed), with what time is left
+   (``--skip step_time,tiers`` to give it the time; its CPU side runs in CI).
 
 Missing packages (zarr, kvikio) are expected on ``PYTHONPATH`` already (see the README's GPU section).
 """
@@ -307,7 +311,8 @@ def suite_section(check: Check, extra: list[str]):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="directory for gpu_check.json and gpu_check.log")
-    ap.add_argument("--budget-s", type=float, default=450, help="the whole check's time limit (default 450)")
+    ap.add_argument("--budget-s", type=float, default=540,
+                    help="the whole check's time limit (default 540: one 600 s call on a lent GPU, less the set-up)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run of the check itself")
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
     ap.add_argument("--suite-args", default="--durations=15 --timeout=150",
@@ -320,12 +325,13 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     sections = [
         ("env", env_section, 30),
-        ("pinned", pinned_section, 40),
-        ("tests", tests_section(check, args.quick), 170),
+        ("pinned", pinned_section, 30),
         ("bench_io", bench_io_section(check, args.quick), 60),
-        ("step_time", step_time_section(check, args.quick), 150),
-        ("suite", suite_section(check, args.suite_args.split()), 240),
+        ("tests", tests_section(check, args.quick), 150),
+        # 3 runs of 10 steps of the 1B model: 90 s each at the disk floor of the one GPU run (6.4 s)
+        ("step_time", step_time_section(check, args.quick), 270),
         ("tiers", tiers_section(check, args.quick), 150),  # its warm-up runs each plan until final: 9 steps
+        ("suite", suite_section(check, args.suite_args.split()), 240),
     ]
     for name, fn, limit in sections:
         if name not in skip:
