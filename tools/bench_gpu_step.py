@@ -176,7 +176,10 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                disk_GBps_over_step=(mean("disk_read") + mean("disk_written")) / med / 1e9,
                disk_GBps_while_busy=(mean("disk_read") + mean("disk_written")) / max(mean("disk_busy_s"), 1e-9) / 1e9,
                pcie_GBps_over_step=(mean("into_device") + mean("out_of_device")) / med / 1e9,
-               io_wait_share=mean("io_wait_s") / med)
+               io_wait_share=mean("io_wait_s") / med,
+               steady_steps=f"{warmup + 1}-{len(out['steps'])}" if len(out["steps"]) > warmup else "none",
+               # growth over the steady state: the last step's time over its first's
+               growth=timed[-1]["s"] / timed[0]["s"] if timed[0]["s"] > 0 else None)
     if "waits_by_phase_s" in out:
         last = out["steps"][-1]["s"]
         out["wait_share_by_phase"] = {k: v / last for k, v in out["waits_by_phase_s"].items()}
@@ -201,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="engine steps, the first a warm-up")
     ap.add_argument("--plain-steps", type=int, default=4, help="plain PyTorch steps, the first a warm-up")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="engine steps before the steady state (the check: 3, so steps 4-10 of 10)")
     ap.add_argument("--host-memory", default="6GiB")
     ap.add_argument("--device-memory", default="4GiB")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -235,14 +240,15 @@ def main(argv=None) -> int:
         def partial(steps_so_far: dict) -> None:  # the report as far as it got, rewritten after each step
             if args.json:
                 Path(args.json).write_text(json.dumps(report | {"engine_partial": steps_so_far}, indent=2, default=str))
-        e = engine_run(cfg, _batches(cfg, args.batch, args.steps), device, 1 if args.steps > 1 else 0, storage,
+        e = engine_run(cfg, _batches(cfg, args.batch, args.steps), device, min(args.warmup, args.steps - 1), storage,
                        args.host_memory, args.device_memory, trace_dir, args.optimizer_device, args.micro_batches,
                        progress=partial)
         e["TFLOPs"] = flops / e["step_s"] / 1e12
         report["engine"] = e
         if "step_s" in p:
             report["engine_over_plain"] = e["step_s"] / p["step_s"]
-        print(f"engine: {e['step_s']:.2f} s/step, {e['TFLOPs']:.2f} TFLOP/s; disk {e['disk_GBps_over_step']:.2f} GB/s "
+        print(f"engine: {e['step_s']:.2f} s/step (median of steps {e['steady_steps']}; the last / the first of them "
+              f"{e['growth']:.2f}), {e['TFLOPs']:.2f} TFLOP/s; disk {e['disk_GBps_over_step']:.2f} GB/s "
               f"over the step ({e['disk_GBps_while_busy']:.2f} while busy), PCIe {e['pcie_GBps_over_step']:.2f} GB/s; "
               f"waited {100 * e['io_wait_share']:.0f}% of the step; update in the {e['update_tier']} tier "
               f"({e['update_why']})", flush=True)

@@ -254,7 +254,7 @@ def step_time_section(check: Check, quick: bool):
     def run(limit: float) -> dict:
         if not _cuda():  # a GPU benchmark: on the CPU the 1B model would only run out of time
             return {"status": "skipped: no CUDA"}
-        args = ["--steps", "10", "--plain-steps", "4"]  # steady state: steps 4-10
+        args = ["--steps", "10", "--warmup", "3", "--plain-steps", "4"]  # steady state: steps 4-10
         if quick:
             args = ["--layers", "4", "--d-model", "1024", "--heads", "8", "--steps", "2", "--plain-steps", "3",
                     "--host-memory", "1GiB", "--device-memory", "1GiB"]
