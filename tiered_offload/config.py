@@ -181,7 +181,8 @@ class EngineConfig:
     overlap_step: bool | None = None
     """Run the step in the background, overlapped with the next forward. None: when the state
     does not fit the compute tier and the budget holds a unit being updated beside the forward's
-    working set."""
+    working set; where the disk then bounds the step, the engine also runs a few steps deferred
+    once its plan is final and keeps the mode that measured better (``engine.plan`` says which)."""
 
     defer_step: bool | None = None
     """Where the step does not overlap the next forward: run each unit's update on the forward's
