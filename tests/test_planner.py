@@ -309,7 +309,7 @@ def test_the_step_mode_that_moves_more_bytes_must_measure_faster_to_be_kept():
     assert "step deferred to the next forward" in plan.summary()
 
 
-def _slow_when(monkeypatch, background: bool, seconds=0.05):
+def _slow_when(monkeypatch, background: bool, seconds=0.15):
     """Steps in one mode (``background``: overlapped; else deferred) take ``seconds`` longer, inside
     the engine's time: what a machine where that mode is the slower one measures."""
     import time
