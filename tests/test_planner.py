@@ -413,7 +413,7 @@ def test_a_configured_or_compute_bound_step_mode_is_not_tried(tmp_path, monkeypa
 
 
 def test_disk_bound_means_the_disk_busy_at_least_as_long_as_the_step_computed():
-    """The step's compute is its time less the training thread's waits for bytes. The disk busy for
+    """The step's compute is its time less the waits for bytes (the planner's measure). The disk busy for
     most of a step does not tell: on a 300 MB/s disk a step 2.4x its compute had the disk busy 0.71-0.77
     of it (0.56-0.62 waited), a compute-bound one 0.30-0.57 (0.12-0.38 waited)."""
     from types import SimpleNamespace

@@ -71,11 +71,11 @@ class PlanMonitor:
     the ranks must reach it at the same step)."""
     DISK_BOUND = 1.0
     """How long the disk must have been busy in an overlapped step, as a multiple of the step's
-    compute (its time less the training thread's waits for bytes; median over the plan's check),
-    for the engine to try the step deferred: below it the disk has time to spare, the bytes
-    deferral saves would not shorten the step, and the update beside the forward uses idle cores.
-    (The share of the step the disk is busy does not tell: measured 0.71-0.77 in a step 2.4x its
-    compute on a 300 MB/s disk, 0.30-0.57 in a compute-bound one.)"""
+    compute (its time less the waits for bytes, as the planner measures compute; median over the
+    plan's check), for the engine to try the step deferred: below it the disk has time to spare,
+    the bytes deferral saves would not shorten the step, and the update beside the forward uses
+    idle cores. (The share of the step the disk is busy does not tell: measured 0.71-0.77 in a
+    step 2.4x its compute on a 300 MB/s disk, 0.30-0.57 in a compute-bound one.)"""
     KEEP = 64
     """Measurements kept for stats() (the plan's entries first)."""
     DISK_SHARE = 0.9
