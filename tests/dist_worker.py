@@ -186,9 +186,9 @@ def _no_room_after_ahead(engine) -> None:
     full.gather_ahead, engine._placement.sharding.reduce_gradients = no_room, reduced
 
 
-def _slow_step_mode(mode: str, seconds: float = 0.15) -> None:
-    """This rank's steps in ``mode`` (``overlapped`` or ``deferred``) take ``seconds`` longer, inside
-    the engine's time: a rank on which that mode measures slower."""
+def slowed_step_mode(mode: str, seconds: float = 0.15):
+    """``UpdatePipeline.run`` with the steps in ``mode`` (``overlapped`` or ``deferred``) ``seconds``
+    longer, inside the engine's time: a process (or rank) on which that mode measures slower."""
     import time
     from tiered_offload.engine.pipeline import UpdatePipeline
     run = UpdatePipeline.run
@@ -197,7 +197,7 @@ def _slow_step_mode(mode: str, seconds: float = 0.15) -> None:
         if (background and mode == "overlapped") or (deferred and mode == "deferred"):
             time.sleep(seconds)
         return run(self, names, update, background=background, then=then, deferred=deferred)
-    UpdatePipeline.run = slowed
+    return slowed
 
 
 def main() -> int:
@@ -207,7 +207,8 @@ def main() -> int:
     if cfg.get("try_step_modes"):  # try the step deferred once the plan is final, whatever the disk's load
         os.environ["TIERED_OFFLOAD_DEFER_STEP"] = "try"
     if str(rank) in cfg.get("slow_step_mode", {}):
-        _slow_step_mode(cfg["slow_step_mode"][str(rank)])
+        from tiered_offload.engine.pipeline import UpdatePipeline
+        UpdatePipeline.run = slowed_step_mode(cfg["slow_step_mode"][str(rank)])
     from tiered_offload import Engine, EngineConfig, Tier
     model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
     durable = cfg.get("durable", False)

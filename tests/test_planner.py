@@ -309,19 +309,12 @@ def test_the_step_mode_that_moves_more_bytes_must_measure_faster_to_be_kept():
     assert "step deferred to the next forward" in plan.summary()
 
 
-def _slow_when(monkeypatch, background: bool, seconds=0.15):
-    """Steps in one mode (``background``: overlapped; else deferred) take ``seconds`` longer, inside
-    the engine's time: what a machine where that mode is the slower one measures."""
-    import time
+def _slow_when(monkeypatch, background: bool):
+    """Steps in one mode (``background``: overlapped; else deferred) take longer, inside the engine's
+    time: what a machine where that mode is the slower one measures (the sharded tests' helper)."""
+    from dist_worker import slowed_step_mode
     from tiered_offload.engine.pipeline import UpdatePipeline
-    original = UpdatePipeline.run
-
-    def run(self, names, update, *, background, then=None, deferred=False):
-        if background == slow_background and (background or deferred):
-            time.sleep(seconds)
-        return original(self, names, update, background=background, then=then, deferred=deferred)
-    slow_background = background
-    monkeypatch.setattr(UpdatePipeline, "run", run)
+    monkeypatch.setattr(UpdatePipeline, "run", slowed_step_mode("overlapped" if background else "deferred"))
 
 
 @pytest.mark.parametrize("device", [0.0, 0.6], ids=["host", "device-tier"])
