@@ -14,6 +14,20 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.fixture(scope="session")
+def zygote():
+    """One zygote for the suite's workers (tools/zygote.py; a fresh interpreter takes 3-6 s to
+    import torch and the library, a fork of this 0.1 s): the crash loops' and the ranks', in the
+    crash loop's worker environment (read when the zygote starts, as a worker's would be)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    from crash_loop import WORKER_ENV
+    from zygote import Zygote
+    with Zygote(env=WORKER_ENV) as z:
+        yield z
+
+
 @pytest.fixture
 def deterministic():
     """Deterministic kernels (CUDA's atomics-based backward kernels are not), restored afterwards."""

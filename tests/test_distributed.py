@@ -23,15 +23,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from zygote import Zygote  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    """One zygote for this module's ranks (OMP_NUM_THREADS read when it starts, as a rank's would be)."""
-    with Zygote(env={"OMP_NUM_THREADS": "1"}) as z:
-        yield z
-
-
 @pytest.fixture(autouse=True)
 def _ranks_from(zygote, monkeypatch):
+    """The ranks fork from the suite's zygote (conftest.py; OMP_NUM_THREADS=1 there, as a rank's)."""
     monkeypatch.setattr(sys.modules[__name__], "_ZYGOTE", zygote)
 
 

@@ -344,13 +344,13 @@ def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_
     resumed.close()
 
 
-def test_kill_loop_resumes_bitwise_every_time(tmp_path):
+def test_kill_loop_resumes_bitwise_every_time(tmp_path, zygote):
     """SIGKILL at random moments (start-up, forward, backward, write-back, commit), resume each time;
     every block counts its calls in a persistent buffer its output depends on (committed with each step)."""
     from crash_loop import crash_loop
     # 8 kills: the workers fork from a zygote that has imported torch (a start takes 0.1 s, not 6);
     # tools/crash_loop.py runs 30+
-    summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None, buffers=True)
+    summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None, zygote=zygote, buffers=True)
     assert summary["kills"] == 8
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
@@ -361,11 +361,23 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path):
     assert summary["disk_overhead"] <= 0.25, summary
 
 
-def test_kill_loop_inside_forward_backward_resumes_bitwise(tmp_path):
+def test_a_kill_loop_refuses_a_zygote_whose_environment_its_workers_do_not_run_in(tmp_path):
+    """PYTHONHASHSEED and OMP_NUM_THREADS are read when a process starts: a zygote started without
+    them would give the workers another hash order and thread count than the loop's own."""
+    from types import SimpleNamespace
+
+    from crash_loop import crash_loop
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        crash_loop(tmp_path, kills=1, steps=1, layers=1, log=lambda *_: None,
+                   zygote=SimpleNamespace(env={"OMP_NUM_THREADS": "1"}))
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
+def test_kill_loop_inside_forward_backward_resumes_bitwise(tmp_path, zygote):
     """SIGKILL while 3 micro-batches go through each block together (forward_backward) with a
     device tier: every start resumes bitwise, every run ends bitwise."""
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=6, steps=6, layers=6, seed=4, log=lambda *_: None, accumulate=3,
+    summary = crash_loop(tmp_path, kills=6, steps=6, layers=6, seed=4, log=lambda *_: None, zygote=zygote, accumulate=3,
                          host_fraction=0.6, device_fraction=0.3)
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
@@ -373,11 +385,11 @@ def test_kill_loop_inside_forward_backward_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("commit_every, host_fraction", [(3, 1.0), (1, 1.5)], ids=["every-3-steps", "state-fits"])
-def test_kill_loop_with_snapshot_commits(tmp_path, commit_every, host_fraction):
+def test_kill_loop_with_snapshot_commits(tmp_path, zygote, commit_every, host_fraction):
     """Snapshot commits (every 3rd step; every step with the state in the host tier): SIGKILLed at
     random moments, every start resumes bitwise from a committed step, every run ends bitwise."""
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=5, steps=6, layers=8, seed=3, log=lambda *_: None,
+    summary = crash_loop(tmp_path, kills=5, steps=6, layers=8, seed=3, log=lambda *_: None, zygote=zygote,
                          commit_every=commit_every, host_fraction=host_fraction)
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary

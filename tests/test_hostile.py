@@ -382,20 +382,19 @@ def test_a_normal_exit_commits_the_last_step_without_close(tmp_path):
 import sys, torch
 sys.path.insert(0, {str(ROOT / 'tests')!r})
 from test_durable import make_engine, train
-engine = make_engine({str(tmp_path / 's')!r})
+engine = make_engine(sys.argv[2])
 torch.manual_seed(0)
 train(engine, 4)
 if sys.argv[1] == "raise":
     raise SystemExit(3)
 """
-    for how, code in (("return", 0), ("raise", 3)):
-        if (tmp_path / "s").exists():
-            import shutil
-            shutil.rmtree(tmp_path / "s")
-        run = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert run.returncode == code, run.stderr[-2000:]
-        assert StateFiles(tmp_path / "s" / STATE_DIR).read_manifest()["step"] == 4, how
+    runs = {how: subprocess.Popen([sys.executable, "-c", script, how, str(tmp_path / how)], stderr=subprocess.PIPE,
+                                  text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            for how in ("return", "raise")}  # (side by side: most of each is the interpreter's start)
+    for (how, run), code in zip(runs.items(), (0, 3)):
+        _, err = run.communicate(timeout=300)
+        assert run.returncode == code, err[-2000:]
+        assert StateFiles(tmp_path / how / STATE_DIR).read_manifest()["step"] == 4, how
 
 
 # ---- 12. the smaller findings ----------------------------------------------------------------------------------
@@ -472,12 +471,12 @@ def test_a_damaged_last_record_whose_unit_was_rewritten_is_refused_and_nothing_d
 
 
 # ---- the crash loop with flipped bits ----------------------------------------------------------------------------
-def test_kill_loop_with_flipped_bits_resumes_bitwise_or_refuses_typed(tmp_path):
+def test_kill_loop_with_flipped_bits_resumes_bitwise_or_refuses_typed(tmp_path, zygote):
     """SIGKILL, then one flipped bit in the journal or a committed extent: the next start resumes
     bitwise or refuses with a typed error naming the file, and deletes no committed file."""
     sys.path.insert(0, str(ROOT / "tools"))
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=4, steps=5, layers=4, seed=11, log=lambda *_: None, flip_bits=1.0)
+    summary = crash_loop(tmp_path, kills=4, steps=5, layers=4, seed=11, log=lambda *_: None, zygote=zygote, flip_bits=1.0)
     flips = summary["bit_flips"]
     assert summary["identical"] and not flips["bad"], summary
     assert flips["flipped"] >= 1 and flips["refused_typed"] + flips["resumed_bitwise"] == flips["flipped"], summary

@@ -1,16 +1,11 @@
 """tools/zygote.py, which the crash loop and the distributed tests start their workers from: a
-worker must end, and be seen to end, as the interpreter it stands in for would."""
+worker must end, and be seen to end, as the interpreter it stands in for would. The workers fork
+from the suite's zygote (conftest.py), which the other tests' workers share."""
 
 import signal
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-from zygote import Zygote  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys, threading, time
@@ -32,12 +27,6 @@ SCRIPT = textwrap.dedent("""
         time.sleep(600)
     print("torch", torch.ones(2).sum().item(), file=sys.stderr, flush=True)
 """)
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    with Zygote(env={"OMP_NUM_THREADS": "1"}) as z:
-        yield z
 
 
 @pytest.fixture

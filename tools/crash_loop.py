@@ -170,6 +170,14 @@ def _zygote() -> Zygote:
     return Zygote(env=WORKER_ENV)
 
 
+def _runs_workers(zygote: Zygote) -> Zygote:
+    """``zygote``, if it was started in the environment the workers run in (else ValueError)."""
+    if not WORKER_ENV.items() <= zygote.env.items():
+        raise ValueError(f"the crash loop's workers run in {WORKER_ENV} (their zygote's environment); this "
+                         f"zygote sets {zygote.env}")
+    return zygote
+
+
 def _launch(zygote: Zygote, *args, **options) -> Forked:
     """Fork a worker (see :func:`worker` for the arguments)."""
     return zygote.launch(HERE, _worker_argv(*args, **options))
@@ -358,7 +366,7 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
                optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0,
-               own_noise: float = 0.0) -> dict:
+               own_noise: float = 0.0, zygote: Zygote | None = None) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -376,7 +384,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     ``dropout`` > 0: the model draws random numbers in every forward (with ``accumulate``, a resumed
     engine's first step runs the loop and learns the draws, the uninterrupted run's passes replay them).
     ``own_noise`` > 0: every block masks its input with numbers drawn from a ``torch.Generator`` of
-    its own (a commit saves its state; a resume restores it).
+    its own (a commit saves its state; a resume restores it). ``zygote``: where the workers fork
+    from (one started with :data:`WORKER_ENV`; None: a zygote of the loop's own).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
     extent is flipped, and a start without a kill must either resume bitwise or refuse with a
@@ -386,6 +395,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
                    optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise)
+    if zygote is not None:
+        return _loop(_runs_workers(zygote), work, kills, steps, layers, rng, flip_bits, options, log)
     with _zygote() as zygote:
         return _loop(zygote, work, kills, steps, layers, rng, flip_bits, options, log)
 

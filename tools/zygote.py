@@ -47,6 +47,8 @@ class Zygote:
     """
 
     def __init__(self, env: dict[str, str] | None = None, ready_timeout: float = 300):
+        self.env = dict(env or {})
+        """What the zygote's environment sets over this process's (its workers inherit it)."""
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # torch.cuda.is_available() asks NVML, not the CUDA driver: a fork of a process that
         # initialised the driver could not use the GPU (the workers may; the zygote never does)
