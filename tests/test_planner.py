@@ -576,6 +576,35 @@ def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):
     assert stats.io_bound_seconds > 0 and stats.bytes_read == stats.store.bytes_read  # the store's counters too
 
 
+def test_the_trace_summary_gives_each_phase_its_disk_time_and_bytes():
+    """tools/trace_summary.py on a trace written by hand (microseconds): a forward [0, 100), a
+    backward [100, 300), the next forward at 400; a transfer counts its time in every phase it
+    overlaps and its bytes in the phase of its midpoint."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from trace_summary import summarize
+
+    def span(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
+    events = [{"ph": "M", "name": "thread_name", "tid": 1, "args": {"name": "MainThread"}},
+              {"ph": "M", "name": "thread_name", "tid": 2, "args": {"name": "tiered-offload-posix_0"}},
+              span("forward", "phase", 0, 100), span("backward", "phase", 100, 200),
+              span("update block.0", "optimizer", 300, 50),  # the step: from the backward's end to here
+              span("forward", "phase", 400, 10),
+              span("disk->host b/weight", "io", 0, 50, tid=2, bytes=10),
+              span("host->disk b/grad", "io", 80, 40, tid=2, bytes=20),  # midpoint 100: the backward's
+              span("disk->host b/state", "io", 200, 60, tid=2, bytes=30),
+              span("host->disk b/weight", "io", 290, 40, tid=2, bytes=40)]
+    steps, rows, moved = summarize(events, skip=0)
+    assert steps == 1
+    assert rows["forward: disk busy"] == pytest.approx(70e-6)  # [0, 50) and [80, 100)
+    assert rows["backward: disk busy"] == pytest.approx(90e-6)  # [100, 120), [200, 260), [290, 300)
+    assert rows["step: disk busy"] == pytest.approx(30e-6)  # [300, 330)
+    assert dict(moved) == {"disk->host": 40, "host->disk": 60, "forward: disk->host": 10,
+                           "backward: host->disk": 20, "backward: disk->host": 30, "step: host->disk": 40}
+
+
 def test_the_foresight_reference_keeps_what_is_needed_soonest():
     """tools/bench_step_modes.py's reference cache (docs/RESULTS.md's "a cache that sees the
     future"), on accesses worked by hand: a tier of two 4-byte tensors."""

@@ -13,7 +13,11 @@ Per training step (from one forward to the next), averaged over the steps after 
   configurations). A phase's rows can overlap: the waits of an inline update are inside its
   update span; "not in any span" is the time none of them covers;
 * the other threads: the background step's updates and waits, the journal's intent and commits,
-  and the disk transfers (seconds any transfer of each direction was in flight, and bytes).
+  and the disk transfers (seconds any transfer of each direction was in flight, and bytes);
+* the disk in each phase: the seconds any transfer was in flight, and the bytes each way (a
+  transfer counted in the phase its midpoint falls in). A phase whose disk is busy throughout
+  bounds the step by its bytes; one whose disk idles is bound by its compute, and a schedule
+  reaches max(compute, bytes / rate) only where the bytes can move into it.
 
     python tools/bench_train.py --volatile --trace run.json
     python tools/trace_summary.py run.json
@@ -60,6 +64,7 @@ def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float],
     rows: dict[str, float] = collections.defaultdict(float)
     moved: dict[str, float] = collections.defaultdict(float)
     io: dict[str, list] = collections.defaultdict(list)
+    transfers: list[tuple[float, float, str, int]] = []
     phases = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans
               if e["tid"] == main_tid and e["cat"] == "phase" and lo <= e["ts"] < hi]
 
@@ -93,6 +98,7 @@ def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float],
             direction = e["name"].split(" ", 1)[0]
             io[direction].append((e["ts"], e["ts"] + e["dur"]))
             moved[direction] += e.get("args", {}).get("bytes", 0)
+            transfers.append((e["ts"], e["ts"] + e["dur"], direction, e.get("args", {}).get("bytes", 0)))
         elif thread.startswith("tiered-offload-step"):
             rows[f"background step: {'updates' if e['cat'] == 'optimizer' else 'waits' if e['cat'] == 'wait' else e['cat']}"] += sec
         elif e["cat"] == "commit":
@@ -102,6 +108,9 @@ def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float],
     # in the engine before the next forward; after that it was elsewhere (the training loop's own
     # work, or another configuration of an interleaved benchmark)
     bounds = starts[skip:]
+    windows: dict[str, list] = collections.defaultdict(list)  # each phase's stretches of time
+    for a, b, name in phases:
+        windows[name].append((a, b))
     for a, b in zip(bounds, bounds[1:]):
         fwd_end = max((q for p_, q, n in phases if a <= p_ < b and n == "forward"), default=a)
         bwd = [(p_, q) for p_, q, n in phases if a <= p_ < b and n == "backward"]
@@ -110,12 +119,19 @@ def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float],
         last = max([bwd_end] + [e["ts"] + e["dur"] for e in spans
                                 if e["tid"] == main_tid and e["cat"] != "phase" and bwd_end <= e["ts"] < b])
         rows["step: wall"] += (min(last, b) - bwd_end) / 1e6
+        windows["step"].append((bwd_end, min(last, b)))
         rows["outside the engine: wall"] += (b - min(last, b)) / 1e6
     for phase in ("forward", "loss", "backward", "step"):
         inside = _busy(covered[phase]) / 1e6
         rows[f"{phase}: not in any span"] = max(0.0, rows.get(f"{phase}: wall", 0.0) - inside)
     for direction, intervals in io.items():
         rows[f"disk {direction}: in flight"] = _busy(intervals) / 1e6
+    for phase in ("forward", "backward", "step"):
+        spans_in = [(max(a, p), min(b, q)) for p, q in windows[phase] for a, b, _, _ in transfers if a < q and b > p]
+        rows[f"{phase}: disk busy"] = _busy(spans_in) / 1e6
+        for a, b, direction, n in transfers:
+            if any(p <= (a + b) / 2 < q for p, q in windows[phase]):
+                moved[f"{phase}: {direction}"] += n
     rows["iteration: wall"] = step_wall
     return steps, {k: v / steps for k, v in rows.items()}, {k: v / steps for k, v in moved.items()}
 
@@ -134,7 +150,7 @@ def main() -> int:
         for k in sorted(k for k in rows if k.startswith(group + ":") or (group == "disk" and k.startswith("disk "))):
             if rows[k] >= 0.0005 or k.endswith("wall"):
                 print(f"  {k:40s} {rows[k]:8.3f}")
-    for direction, n in sorted(moved.items()):
+    for direction, n in sorted(moved.items(), key=lambda kv: (":" in kv[0], kv[0])):  # the totals first
         print(f"  {direction + ' bytes':40s} {n / 2**20:8.1f} MiB")
     return 0
 
