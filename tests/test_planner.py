@@ -579,11 +579,12 @@ def test_the_trace_shows_compute_io_waits_updates_and_commits(tmp_path):
 def test_the_trace_summary_gives_each_phase_its_disk_time_and_bytes():
     """tools/trace_summary.py on a trace written by hand (microseconds): a forward [0, 100), a
     backward [100, 300), the next forward at 400; a transfer counts its time in every phase it
-    overlaps and its bytes in the phase of its midpoint."""
+    overlaps and its bytes in the phase of its midpoint; one between the memory tiers is the
+    link's, not the disk's."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from trace_summary import summarize
+    from trace_summary import by_phase, summarize
 
     def span(name, cat, ts, dur, tid=1, **args):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
@@ -595,14 +596,22 @@ def test_the_trace_summary_gives_each_phase_its_disk_time_and_bytes():
               span("disk->host b/weight", "io", 0, 50, tid=2, bytes=10),
               span("host->disk b/grad", "io", 80, 40, tid=2, bytes=20),  # midpoint 100: the backward's
               span("disk->host b/state", "io", 200, 60, tid=2, bytes=30),
-              span("host->disk b/weight", "io", 290, 40, tid=2, bytes=40)]
+              span("host->disk b/weight", "io", 290, 40, tid=2, bytes=40),
+              span("host->device b/weight", "io", 150, 30, tid=2, bytes=5)]
     steps, rows, moved = summarize(events, skip=0)
     assert steps == 1
     assert rows["forward: disk busy"] == pytest.approx(70e-6)  # [0, 50) and [80, 100)
     assert rows["backward: disk busy"] == pytest.approx(90e-6)  # [100, 120), [200, 260), [290, 300)
+    assert rows["backward: link busy"] == pytest.approx(30e-6) and "forward: link busy" not in rows
     assert rows["step: disk busy"] == pytest.approx(30e-6)  # [300, 330)
-    assert dict(moved) == {"disk->host": 40, "host->disk": 60, "forward: disk->host": 10,
-                           "backward: host->disk": 20, "backward: disk->host": 30, "step: host->disk": 40}
+    assert dict(moved) == {"disk->host": 40, "host->disk": 60, "host->device": 5, "forward: disk->host": 10,
+                           "backward: host->disk": 20, "backward: disk->host": 30, "backward: host->device": 5,
+                           "step: host->disk": 40}
+    # one traced step (tools/bench_gpu_step.py): the step runs from the backward's end to the last span's
+    one = by_phase([e for e in events if not (e["name"] == "forward" and e["ts"] == 400)])
+    assert one["forward"] == {"disk busy": pytest.approx(70e-6), "disk->host": 10}
+    assert one["backward"]["link busy"] == pytest.approx(30e-6) and one["backward"]["host->device"] == 5
+    assert one["step"] == {"disk busy": pytest.approx(30e-6), "host->disk": 40}
 
 
 def test_the_foresight_reference_keeps_what_is_needed_soonest():

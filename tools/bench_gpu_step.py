@@ -9,7 +9,9 @@ Reports, per side: seconds per step (median of the timed steps), model TFLOP/s (
 tokens per step over the step time; the engine's recomputation is not counted), and for the
 engine: disk bytes read and written per step, bytes into and out of the device tier (PCIe), the
 disk and PCIe rates over the step, and the share of the step the training thread waited for bytes,
-per phase (forward, backward, optimizer), from a trace of the last step.
+per phase (forward, backward, optimizer), and the seconds the disk and the link were busy and
+their bytes in each phase (``io_by_phase``: ``tools/trace_summary.py``'s ``by_phase``), from a
+trace of the last step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import torch.nn.functional as F
 from tiered_offload import Engine, EngineConfig, Tier, empty_init, format_size
 from tiered_offload.memstat import peak_rss_bytes
 from tiered_offload_examples.models import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trace_summary import by_phase  # noqa: E402 (tools/)
 
 
 def _sync(device: torch.device) -> None:
@@ -164,6 +169,10 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                 times.append(dt)
         if trace.exists():
             out["waits_by_phase_s"] = _waits_by_phase(trace)
+            events = json.loads(trace.read_text())
+            # per phase, the disk's and the link's busy seconds and bytes each way: which phase
+            # the disk bounds, and which leaves it idle
+            out["io_by_phase"] = by_phase(events["traceEvents"] if isinstance(events, dict) else events)
         out["floors"] = engine.stats().floors  # what a step cannot avoid moving, beside the measured
         out["plan"] = engine.plan.summary()  # its modes and why (the step mode tried where the disk bounds it)
     finally:

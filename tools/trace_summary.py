@@ -14,10 +14,12 @@ Per training step (from one forward to the next), averaged over the steps after 
   update span; "not in any span" is the time none of them covers;
 * the other threads: the background step's updates and waits, the journal's intent and commits,
   and the disk transfers (seconds any transfer of each direction was in flight, and bytes);
-* the disk in each phase: the seconds any transfer was in flight, and the bytes each way (a
-  transfer counted in the phase its midpoint falls in). A phase whose disk is busy throughout
-  bounds the step by its bytes; one whose disk idles is bound by its compute, and a schedule
-  reaches max(compute, bytes / rate) only where the bytes can move into it.
+* the disk in each phase: the seconds any disk transfer was in flight (and, with a device tier,
+  any transfer between the memory tiers: the link), and the bytes each way (a transfer counted in
+  the phase its midpoint falls in). A phase whose disk is busy throughout bounds the step by its
+  bytes; one whose disk idles is bound by its compute, and a schedule reaches max(compute, bytes /
+  rate) only where the bytes can move into it. :func:`by_phase` gives the same for one traced
+  step (``tools/bench_gpu_step.py``).
 
     python tools/bench_train.py --volatile --trace run.json
     python tools/trace_summary.py run.json
@@ -51,6 +53,50 @@ def _busy(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _transfers(events: list[dict]) -> list[tuple[float, float, str, int]]:
+    """Every transfer of a trace: ``(start, end, direction, bytes)``, direction as ``disk->host``."""
+    return [(e["ts"], e["ts"] + e["dur"], e["name"].split(" ", 1)[0], e.get("args", {}).get("bytes", 0))
+            for e in events if e.get("ph") == "X" and e.get("cat") == "io"]
+
+
+def _in_phases(windows: dict[str, list], transfers: list) -> tuple[dict[str, float], dict[str, float]]:
+    """For each phase's stretches of time (``windows``): ``"PHASE: disk busy"`` (seconds any disk
+    transfer was in flight), ``"PHASE: link busy"`` (any transfer between the memory tiers; only
+    where there was one), and the bytes of each direction whose transfers have their midpoint in
+    the phase (``"PHASE: disk->host"``)."""
+    rows: dict[str, float] = {}
+    moved: dict[str, float] = collections.defaultdict(float)
+    for phase, stretches in windows.items():
+        for what, on in (("disk", lambda d: "disk" in d), ("link", lambda d: "disk" not in d)):
+            spans = [(max(a, p), min(b, q)) for p, q in stretches for a, b, d, _ in transfers
+                     if on(d) and a < q and b > p]
+            if what == "disk" or spans:
+                rows[f"{phase}: {what} busy"] = _busy(spans) / 1e6
+        for a, b, direction, n in transfers:
+            if any(p <= (a + b) / 2 < q for p, q in stretches):
+                moved[f"{phase}: {direction}"] += n
+    return rows, moved
+
+
+def by_phase(events: list[dict]) -> dict[str, dict[str, float]]:
+    """A trace of one step (or a few): per phase (``forward``, ``backward``, and ``step``: from the
+    last backward's end to the trace's last span), the seconds the disk (and the link) was busy and
+    the bytes of each direction: ``{"forward": {"disk busy": s, "disk->host": bytes, ...}, ...}``."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    windows: dict[str, list] = collections.defaultdict(list)
+    for e in spans:
+        if e.get("cat") == "phase" and e["name"] in ("forward", "backward"):
+            windows[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
+    if windows["backward"] and spans:
+        windows["step"].append((max(b for _, b in windows["backward"]), max(e["ts"] + e["dur"] for e in spans)))
+    rows, moved = _in_phases(windows, _transfers(events))
+    out: dict[str, dict[str, float]] = {}
+    for key, value in [*rows.items(), *moved.items()]:
+        phase, what = key.split(": ", 1)
+        out.setdefault(phase, {})[what] = value
+    return out
+
+
 def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float], dict[str, float]]:
     """``(steps, seconds per step by row, bytes per step by direction)`` of a trace's events."""
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -64,7 +110,6 @@ def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float],
     rows: dict[str, float] = collections.defaultdict(float)
     moved: dict[str, float] = collections.defaultdict(float)
     io: dict[str, list] = collections.defaultdict(list)
-    transfers: list[tuple[float, float, str, int]] = []
     phases = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans
               if e["tid"] == main_tid and e["cat"] == "phase" and lo <= e["ts"] < hi]
 
@@ -98,7 +143,6 @@ def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float],
             direction = e["name"].split(" ", 1)[0]
             io[direction].append((e["ts"], e["ts"] + e["dur"]))
             moved[direction] += e.get("args", {}).get("bytes", 0)
-            transfers.append((e["ts"], e["ts"] + e["dur"], direction, e.get("args", {}).get("bytes", 0)))
         elif thread.startswith("tiered-offload-step"):
             rows[f"background step: {'updates' if e['cat'] == 'optimizer' else 'waits' if e['cat'] == 'wait' else e['cat']}"] += sec
         elif e["cat"] == "commit":
@@ -126,12 +170,11 @@ def summarize(events: list[dict], skip: int = 2) -> tuple[int, dict[str, float],
         rows[f"{phase}: not in any span"] = max(0.0, rows.get(f"{phase}: wall", 0.0) - inside)
     for direction, intervals in io.items():
         rows[f"disk {direction}: in flight"] = _busy(intervals) / 1e6
-    for phase in ("forward", "backward", "step"):
-        spans_in = [(max(a, p), min(b, q)) for p, q in windows[phase] for a, b, _, _ in transfers if a < q and b > p]
-        rows[f"{phase}: disk busy"] = _busy(spans_in) / 1e6
-        for a, b, direction, n in transfers:
-            if any(p <= (a + b) / 2 < q for p, q in windows[phase]):
-                moved[f"{phase}: {direction}"] += n
+    in_rows, in_moved = _in_phases({p: windows[p] for p in ("forward", "backward", "step")},
+                                   [t for t in _transfers(events) if lo <= t[0] < hi])
+    rows.update(in_rows)
+    for key, n in in_moved.items():
+        moved[key] += n
     rows["iteration: wall"] = step_wall
     return steps, {k: v / steps for k, v in rows.items()}, {k: v / steps for k, v in moved.items()}
 
