@@ -32,10 +32,12 @@ __all__ = ["load_stdlib_bytes", "run_demo"]
 def load_stdlib_bytes(limit_bytes: int = 32 << 20) -> torch.Tensor:
     """The bytes of the standard library's ``.py`` files (sorted, so every run sees the same text)."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for parent, dirs, files in os.walk(root):  # (not into site-packages and the tests: the same files,
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "test")]  # without walking them)
+        found += [Path(parent, f) for f in files if f.endswith(".py")]
     chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
+    for path in sorted(found):
         try:
             data = path.read_bytes()
         except OSError:
