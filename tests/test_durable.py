@@ -350,7 +350,8 @@ def test_kill_loop_resumes_bitwise_every_time(tmp_path, zygote):
     from crash_loop import crash_loop
     # 8 kills: the workers fork from a zygote that has imported torch (a start takes 0.1 s, not 6);
     # tools/crash_loop.py runs 30+
-    summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None, zygote=zygote, buffers=True)
+    summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None, zygote=zygote,
+                         buffers=True)
     assert summary["kills"] == 8
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
@@ -377,8 +378,8 @@ def test_kill_loop_inside_forward_backward_resumes_bitwise(tmp_path, zygote):
     """SIGKILL while 3 micro-batches go through each block together (forward_backward) with a
     device tier: every start resumes bitwise, every run ends bitwise."""
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=6, steps=6, layers=6, seed=4, log=lambda *_: None, zygote=zygote, accumulate=3,
-                         host_fraction=0.6, device_fraction=0.3)
+    summary = crash_loop(tmp_path, kills=6, steps=6, layers=6, seed=4, log=lambda *_: None, zygote=zygote,
+                         accumulate=3, host_fraction=0.6, device_fraction=0.3)
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary
     assert summary["runs_finished"] >= 1 and summary["runs_finished_identical"] == summary["runs_finished"], summary

@@ -476,7 +476,8 @@ def test_kill_loop_with_flipped_bits_resumes_bitwise_or_refuses_typed(tmp_path, 
     bitwise or refuses with a typed error naming the file, and deletes no committed file."""
     sys.path.insert(0, str(ROOT / "tools"))
     from crash_loop import crash_loop
-    summary = crash_loop(tmp_path, kills=4, steps=5, layers=4, seed=11, log=lambda *_: None, zygote=zygote, flip_bits=1.0)
+    summary = crash_loop(tmp_path, kills=4, steps=5, layers=4, seed=11, log=lambda *_: None, zygote=zygote,
+                         flip_bits=1.0)
     flips = summary["bit_flips"]
     assert summary["identical"] and not flips["bad"], summary
     assert flips["flipped"] >= 1 and flips["refused_typed"] + flips["resumed_bitwise"] == flips["flipped"], summary

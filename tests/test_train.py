@@ -269,7 +269,8 @@ def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp
               f"from tiered_offload.train import train\n"
               f"train({str(config)!r}, progress=False, on_step=lambda s, r: s == 5 and os.kill(os.getpid(), signal.SIGKILL))\n")
     run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    reference = train(write_config(tmp_path / "a", model_dir, data, offload__commit_every=3), progress=False)  # (meanwhile)
+    # (meanwhile)
+    reference = train(write_config(tmp_path / "a", model_dir, data, offload__commit_every=3), progress=False)
     _, err = run.communicate(timeout=600)
     assert run.returncode == -signal.SIGKILL, err[-2000:]
     assert [r["step"] for r in _records(tmp_path / "b" / "out")][-2:] == [4, 5]  # (3 committed)
