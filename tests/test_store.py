@@ -1,5 +1,6 @@
 """The three-tier store: correctness across tiers, budgets, eviction, lookahead, errors."""
 
+import contextlib
 import random
 import threading
 import time
@@ -680,6 +681,166 @@ def test_a_copy_the_lookahead_writes_out_leaves_the_device_and_goes_down_once():
     store._wait_idle()
     assert store.stats.bytes_by_route["device->host:other"] == 16 * KiB  # a's one version, down once
     assert torch.equal(store.read("a"), torch.full((4 * KiB,), 5.0))
+    store.close()
+
+
+def _host_full_of_pinned_device_full_of_a_dirty_copy(policy):
+    """A host tier of four tensors: ``c`` (also on the disk) and three others held (pinned); a
+    device tier of two: ``a`` (its new bytes only there) and ``b`` (held). Moving ``a`` out of the
+    device needs room in the host tier to stage it to the disk, and only ``c`` is not pinned."""
+    store = make_store(MemoryBackend(threads=0), host=64 * KiB, device=32 * KiB, policy=policy, prefetch_depth=2,
+                       wait_timeout_s=5.0)
+    for k in ("c", "h1", "h2", "h3"):
+        store.register(k, (4 * KiB,), data=torch.full((4 * KiB,), float(len(k))))
+    store.register("a", (4 * KiB,))
+    store.register("b", (4 * KiB,))  # zeros: made on the device
+    store.flush()
+    with store.hold("c", "host"):
+        pass
+    for k in ("h1", "h2", "h3"):
+        store.get(k, "host")
+    store.write("a", torch.full((4 * KiB,), 5.0), "device")
+    return store
+
+
+def test_the_lookahead_never_waits_for_room_to_stage_a_victim():
+    """The lookahead makes room without waiting: a dirty device victim it would write to the disk
+    needs room in the host tier to stage it, and where there is none the lookahead gives up. It
+    waited instead, for the operation in flight on ``c``: its own load, which could not end before
+    the wait did (a step of the engine hung for ``wait_timeout_s``, 600 s, in a fuzzed run: an
+    update on the host overlapping the forward, activations offloaded)."""
+    store = _host_full_of_pinned_device_full_of_a_dirty_copy("lookahead")
+    store.declare_access_sequence(["b", "c", "a"], tier="device")
+    t0 = time.monotonic()
+    with store.hold("b", "device"):  # the lookahead wants c on the device: a would have to go
+        pass
+    assert time.monotonic() - t0 < 1.0
+    store._wait_idle()
+    assert store.residency("a")[Tier.DEVICE] == CopyState.DIRTY  # still there: the lookahead gave up
+    for k in ("h1", "h2", "h3"):
+        store.release(k, "host")
+    with store.hold("c", "device") as x:  # with room again, the same moves succeed
+        assert torch.equal(x, torch.full((4 * KiB,), 1.0))
+    assert torch.equal(store.read("a"), torch.full((4 * KiB,), 5.0))
+    store.close()
+
+
+def test_a_load_that_only_its_own_operation_could_make_room_for_fails_at_once():
+    """A load of ``c`` into a full device tier must move ``a`` to the disk through a host tier
+    whose only tensor not pinned is ``c``, claimed by that same load: no other thread can free
+    room, so it fails at once (typed, with the numbers) instead of waiting ``wait_timeout_s`` for
+    its own operation to end."""
+    store = _host_full_of_pinned_device_full_of_a_dirty_copy("lru")
+    store.get("b", "device")
+    t0 = time.monotonic()
+    with pytest.raises(TierCapacityError, match="every resident tensor is pinned or in use"):
+        store.get("c", "device")
+    assert time.monotonic() - t0 < 1.0
+    for k in ("h1", "h2", "h3"):
+        store.release(k, "host")
+    store.release("b", "device")
+    with store.hold("c", "device") as x:
+        assert torch.equal(x, torch.full((4 * KiB,), 1.0))
+    assert torch.equal(store.read("a"), torch.full((4 * KiB,), 5.0))
+    store.close()
+
+
+def test_an_allocation_waits_for_another_threads_brief_pins_and_only_for_those():
+    """No room and nothing in flight: an allocation fails at once where the pins are the caller's
+    or a holder's who may keep them, and waits where another thread took them inside
+    ``store.brief()`` (the optimizer step's: released without waiting on anyone). Before, it
+    failed there too: an update on the host beside the forward made the forward's offloaded
+    activations fail mid-step (test_finetune.py's
+    ``test_an_update_on_the_host_beside_the_forward_leaves_room_for_offloaded_activations``)."""
+    store = make_store(MemoryBackend(threads=0), host=64 * KiB, device=0, wait_timeout_s=5.0)
+    keys = ("h0", "h1", "h2", "h3")
+    for k in (*keys, "x"):
+        store.register(k, (4 * KiB,), data=torch.full((4 * KiB,), float(len(k))))
+    store.flush()
+    pinned, let_go = threading.Event(), threading.Event()
+
+    def holder(brief: bool):
+        with store.brief() if brief else contextlib.nullcontext():
+            for k in keys:
+                store.get(k, "host")
+            pinned.set()
+            let_go.wait(timeout=10)
+            for k in keys:
+                store.release(k, "host")
+
+    for brief in (False, True):
+        pinned.clear()
+        let_go.clear()
+        t = threading.Thread(target=holder, args=(brief,))
+        t.start()
+        pinned.wait(timeout=10)
+        threading.Timer(0.3, let_go.set).start()
+        t0 = time.monotonic()
+        if not brief:
+            with pytest.raises(TierCapacityError, match="every resident tensor is pinned or in use"):
+                store.get("x", "host")
+            assert time.monotonic() - t0 < 0.25
+        else:
+            with store.hold("x", "host") as x:  # waits for the holder to let go, then takes its room
+                assert torch.equal(x, torch.full((4 * KiB,), 1.0))
+            assert 0.25 <= time.monotonic() - t0 < 4.0
+        t.join()
+    store.close()
+
+
+def test_a_victim_move_never_waits_for_the_brief_pins_of_a_thread_that_needs_the_victim():
+    """The device tier evicts ``g`` (a gradient: its bytes only there) to make room for ``c``, and
+    the host tier has no room to stage it: a thread's brief pins and the caller's own fill it.
+    The brief holder then wants ``g`` itself. Had the victim's mover waited for the brief pins (its
+    operation on ``g`` claimed), the holder would have waited for that operation: both stuck until
+    ``wait_timeout_s``. The move fails and ends ``g``'s operation; the allocation for ``c`` waits
+    for the brief pins claiming nothing; the holder, short of room beside its own pins, lets them go
+    and takes ``g`` (as the update's ``get_group`` does); then ``c`` lands."""
+    store = make_store(MemoryBackend(threads=0), host=64 * KiB, device=64 * KiB, wait_timeout_s=5.0)
+    for k in ("h0", "h1", "h2"):
+        store.register(k, (4 * KiB,), data=torch.full((4 * KiB,), 1.0))
+    for k in ("b", "c"):
+        store.register(k, (8 * KiB,), data=torch.full((8 * KiB,), 2.0))
+    store.register("g", (8 * KiB,))
+    store.flush()
+    store.write("g", torch.full((8 * KiB,), 3.0), "device")
+    store.get("b", "device")  # the device: g and b (held)
+    store.get("h2", "host")  # the host: h2 held here, h0 and h1 by the holder below, 16 KiB free
+    ready, errors, got = threading.Event(), [], {}
+
+    def holder():
+        try:
+            with store.brief():
+                for k in ("h0", "h1"):
+                    store.get(k, "host")
+                ready.set()
+                time.sleep(0.3)  # the allocation for c is under way
+                try:
+                    g = store.get("g", "host")
+                except TierCapacityError:  # no room beside its own pins: let go of them, take g alone
+                    for k in ("h0", "h1"):
+                        store.release(k, "host")
+                    g = store.get("g", "host")
+                else:
+                    for k in ("h0", "h1"):
+                        store.release(k, "host")
+                got["g"] = g.clone()
+                store.release("g", "host")
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    ready.wait(timeout=10)
+    t0 = time.monotonic()
+    with store.hold("c", "device") as c:
+        assert torch.equal(c, torch.full((8 * KiB,), 2.0))
+    t.join(timeout=10)
+    assert time.monotonic() - t0 < 3.0 and not errors, errors
+    assert torch.equal(got["g"], torch.full((8 * KiB,), 3.0))
+    store.release("b", "device")
+    store.release("h2", "host")
+    assert torch.equal(store.read("g"), torch.full((8 * KiB,), 3.0))
     store.close()
 
 

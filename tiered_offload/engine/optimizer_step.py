@@ -120,6 +120,12 @@ class UnitUpdater:
             if self.in_lower_tier:  # nothing to rewrite after all: the device may fetch it ahead again
                 self.store.rewrite_due(self._rewritten(unit), None)
             return []
+        with self.store.brief():  # its pins: another thread that finds no room waits for them
+            return self._update_held(unit, runs, hypers, scale, step_counts, write_behind, weights_behind,
+                                     keep_resident)
+
+    def _update_held(self, unit, runs, hypers, scale, step_counts, write_behind, weights_behind, keep_resident) -> list:
+        """:meth:`update` from the first pin to the last release."""
         store, kinds, tier = self.store, self.spec.kinds, self.tier
         track = write_behind and keep_resident  # count the states' stays only where they decide a write
         futures: list = []

@@ -134,8 +134,10 @@ class CopyChains:
         first = self._copy_between(rec, Tier.DISK, Tier.HOST, version)
         return chain(first, lambda: self._copy_between(rec, Tier.HOST, tier, version), f"load {rec.key}")
 
-    def _start_write_back(self, rec: TensorRecord, to: Tier) -> IOFuture:
-        """Copy the current version down to ``to`` (``rec`` is claimed by the caller)."""
+    def _start_write_back(self, rec: TensorRecord, to: Tier, *, block: bool = True) -> IOFuture:
+        """Copy the current version down to ``to`` (``rec`` is claimed by the caller). ``block=False``
+        (making room for a prefetch) never waits for room to stage a device copy in the host tier:
+        it raises :class:`TierCapacityError` instead."""
         with self._lock:
             version = rec.version
             if rec.valid(Tier.HOST) and to == Tier.DISK:
@@ -145,14 +147,15 @@ class CopyChains:
             else:
                 raise TensorStateError(f"write_back({rec.key!r}): no memory tier holds the current version")
         if to == Tier.DISK and src == Tier.DEVICE and not (self.backend.supports_device_buffers and self.device.type == "cuda"):
-            self._ensure_slot(rec, Tier.HOST)
+            if self._ensure_slot(rec, Tier.HOST, block=block) is None:
+                raise TierCapacityError(f"no room to stage {rec.key!r} in the host tier on its way to the disk")
             first = self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
             return chain(first, lambda: self._copy_between(rec, Tier.HOST, Tier.DISK, version), f"write back {rec.key}")
         if to == Tier.HOST:
             self._ensure_slot(rec, Tier.HOST)
         return self._copy_between(rec, src, to, version)
 
-    def _start_demote(self, rec: TensorRecord, *, clean: bool) -> IOFuture:
+    def _start_demote(self, rec: TensorRecord, *, clean: bool, block: bool = True) -> IOFuture:
         """Move ``rec``'s device copy down to the host tier, to make room on the device (``rec`` is
         claimed by the caller; its device copy is current and the host has none).
 
@@ -161,14 +164,14 @@ class CopyChains:
         without GPUDirect) and then leaves the device too, and a ``clean`` one (the disk holds it
         too) is simply dropped: the returned future is then already done. Either way the device
         copy goes (a copy left there went down again later: the host tier gives up its own copy
-        first where the device holds one).
+        first where the device holds one). ``block``: as :meth:`_start_write_back`'s.
         """
         with self._lock:
             version = rec.version
         further = self._policies[Tier.HOST].next_use(rec.key)
         if self._ensure_slot(rec, Tier.HOST, block=False, further_than=further) is None:
             if not clean:  # written out, it leaves the device as a copy moved down does
-                fut = self._start_write_back(rec, Tier.DISK)
+                fut = self._start_write_back(rec, Tier.DISK, block=block)
                 fut.add_done_callback(lambda f: self._drop_device_copy(rec) if f.exception() is None else None)
                 return fut
             self._drop_device_copy(rec)

@@ -51,6 +51,7 @@ from tiered_offload.store.space import Fate, TierSpace
 from tiered_offload.store.prefetch import Lookahead, Prefetching
 from tiered_offload.store.record import Operation, OpKind, Slot, StoreStats, TensorRecord
 from tiered_offload.store.tiers import CopyState, Tier
+from tiered_offload.store.waits import WaitRules
 
 __all__ = ["TieredStore"]
 
@@ -79,6 +80,7 @@ class TieredStore(CopyChains, Prefetching):
         self._records: dict[str, TensorRecord] = {}
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self._waits = WaitRules()  # what a thread that finds no room may wait for
         self._arenas: dict[Tier, Arena] = {}
         self._policies: dict[Tier, EvictionPolicy] = {}
         self._spaces: dict[Tier, TierSpace] = {}
@@ -361,6 +363,7 @@ class TieredStore(CopyChains, Prefetching):
                 if rec.valid(tier):
                     slot = rec.slots[tier]
                     slot.pins += 1
+                    self._waits.pinned(key, tier)
                     (self._stats.hits if first else self._stats.misses)[tier] += 1
                     data = slot.data
                     break
@@ -411,7 +414,12 @@ class TieredStore(CopyChains, Prefetching):
             if slot is None or slot.pins <= 0:
                 raise TensorStateError(f"release({key!r}, {tier.name}): that copy is not pinned")
             slot.pins -= 1
+            self._waits.released(key, tier)
             self._cond.notify_all()
+
+    def brief(self) -> contextlib.AbstractContextManager:
+        """``with store.brief():`` another thread that finds no room waits for the pins taken inside (:mod:`.waits`)."""
+        return self._waits.brief()
 
     @contextlib.contextmanager
     def hold(self, key: str, tier: Tier | str | None = None, *, dirty: bool = False) -> Iterator[torch.Tensor]:
@@ -640,9 +648,11 @@ class TieredStore(CopyChains, Prefetching):
         caller may wait on) fails with a copy without the traceback: the traceback holds the frames
         that hold the future, and through them every caller's locals (a forward's graph). With the
         error itself the future would make a cycle only the garbage collector frees, and a lookahead
-        that finds no room (routine) would keep a dropped forward's graph alive until it ran."""
+        that finds no room (routine) would keep a dropped forward's graph alive until it ran.
+        While ``start`` runs, this thread does not wait for room only ``rec``'s operation frees."""
         try:
-            inner = start()
+            with self._waits.starting(rec):
+                inner = start()
         except BaseException as e:
             self._end(rec, busy, error=detached(e))
             raise
@@ -708,8 +718,7 @@ class TieredStore(CopyChains, Prefetching):
                 if victim is None:
                     if not block:
                         return None
-                    in_flight = [r for r in self._records.values() if r.op is not None and r is not rec and tier in r.slots]
-                    if not in_flight:
+                    if not self._waits.may_wait(self._records.values(), rec, tier):
                         raise space.capacity_error(self._records.values(), rec, "every resident tensor is pinned or in use")
                     if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                         raise space.capacity_error(self._records.values(), rec,
@@ -726,12 +735,16 @@ class TieredStore(CopyChains, Prefetching):
             if vbusy is None:
                 continue
             try:
-                fut = self._run(victim, vbusy, (lambda: self._start_demote(victim, clean=clean)) if demote else
-                                (lambda: self._start_write_back(victim, Tier.DISK)))
+                with self._waits.moving_victim():
+                    fut = self._run(victim, vbusy, (lambda: self._start_demote(victim, clean=clean, block=block)) if demote
+                                    else (lambda: self._start_write_back(victim, Tier.DISK, block=block)))
             except TierCapacityError:
                 if not block:
                     return None
-                raise
+                with self._lock:  # no room to move it down, but another thread's brief pins will go
+                    if not (self._waits.may_wait_for_brief() and self._cond.wait(max(0.0, deadline - time.monotonic()))):
+                        raise
+                continue
             if not block:
                 return None
             fut.get()
