@@ -1411,6 +1411,47 @@ def test_disk_too_small_is_refused_up_front():
     assert info.value.needed_bytes > info.value.free_bytes == 10_000
 
 
+@pytest.mark.parametrize("refusal", ["update on the host", "activations per block", "step deferred"])
+def test_a_refused_engine_leaves_the_model_and_its_directory_as_they_were(tmp_path, refusal):
+    """An engine refused at construction (its budgets or its configuration) leaves the model's
+    weights in the model and the storage directory free, so the same model builds the next engine
+    with what the error said to change. Before, three refusals came after the weights had moved
+    into the refused engine's store: the model kept empty placeholders, the next engine refused
+    it ("an engine already streams this GPT") and its directory stayed locked by this process."""
+    torch.manual_seed(0)
+    model = plain_gpt(8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = 16 * sum(p.numel() for p in model.parameters())
+    wrong = {"update on the host": dict(host_memory=100_000, store_config={"device_budget_bytes": state // 2},
+                                        config=EngineConfig(optimizer_device="host")),
+             "activations per block": dict(host_memory=state // 4, config=EngineConfig(activations=["keep"] * 3)),
+             "step deferred": dict(host_memory=280_000, config=EngineConfig(defer_step=True))}[refusal]
+    with pytest.raises((TierCapacityError, ConfigError)):
+        Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", **wrong)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory=state // 4) as engine:
+        assert all(torch.equal(before[k], w) for k, w in engine.named_parameters())
+        engine.backward(plain_loss(engine, torch.randint(0, 128, (2, 17))))
+        engine.step()
+
+
+@pytest.mark.parametrize("mode", ["overlap_step", "defer_step"])
+def test_a_step_mode_forced_below_its_budget_is_refused_up_front(tmp_path, mode):
+    """``overlap_step=True`` / ``defer_step=True`` run a unit's update beside what the forward pins
+    in the compute tier. Below the budget the planner would choose the mode at, the update failed
+    mid-step for room (a fuzzed run: RMSprop's three states deferred, 120 KiB against 144 KiB;
+    ``tools/fuzz_options.py``); it is refused when the engine is built, with the budget it needs,
+    and accepted from that budget on."""
+    with Engine(plain_gpt(8), storage=None, host_memory=10 ** 9) as sizing:
+        sizes = sizing.schedule
+        need = sizes.overlap_budget(0) if mode == "overlap_step" else sizes.defer_budget()
+        assert sizes.working_set().need < need  # (a budget between the two: the engine runs, not in this mode)
+    with pytest.raises(TierCapacityError, match=rf"EngineConfig.{mode}=True .* \({need} bytes\) needed"):
+        Engine(plain_gpt(8), storage=tmp_path / "a", host_memory=need - 8192, config=EngineConfig(**{mode: True}))
+    with Engine(plain_gpt(8), storage=tmp_path / "b", host_memory=need, config=EngineConfig(**{mode: True})) as engine:
+        assert engine.step_mode == ("overlapped" if mode == "overlap_step" else "deferred")
+
+
 def test_storage_full_in_mid_training_is_a_clear_error():
     """Writes start failing with ENOSPC after the preflight passed: the error surfaces, typed, with numbers."""
     torch.manual_seed(0)

@@ -182,14 +182,17 @@ class EngineConfig:
     """Run the step in the background, overlapped with the next forward. None: when the state
     does not fit the compute tier and the budget holds a unit being updated beside the forward's
     working set; where the disk then bounds the step, the engine also runs a few steps deferred
-    once its plan is final and keeps the mode that measured better (``engine.plan`` says which)."""
+    once its plan is final and keeps the mode that measured better (``engine.plan`` says which).
+    True where the update runs in the compute tier and its budget is below the one at which None
+    would overlap: refused when the engine is built, with that budget."""
 
     defer_step: bool | None = None
     """Where the step does not overlap the next forward: run each unit's update on the forward's
     thread just before the forward needs the unit (``step()`` returns at once), so the weights the
     update wrote are the ones the forward reads, instead of updating every unit first and reading
     the weights again. None: when the state does not fit the compute tier and the budget holds a
-    unit's update beside what the forward pins. Every mode computes the same numbers."""
+    unit's update beside what the forward pins (True below that budget: refused when the engine is
+    built, with it). Every mode computes the same numbers."""
 
     def __post_init__(self):
         for name in ("optimizer_chunk_numel", "state_piece_numel", "step_lead"):

@@ -42,7 +42,8 @@ from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.parameter_guard import GradInStore
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.plan_monitor import PlanMonitor
-from tiered_offload.engine.preflight import check_budgets, check_disk, measure_update_rates, optimizer_tier
+from tiered_offload.engine.planner import choose_activation_modes
+from tiered_offload.engine.preflight import check_budgets, check_disk, check_step_mode, measure_update_rates, optimizer_tier
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.engine.sharding import Local, Placement, Sharded, distributed_group, engine_storage
 from tiered_offload.engine.streaming import BlockStreamer
@@ -201,16 +202,22 @@ class Engine(EngineViews):
                                              peft=adapter_record(self.binding) if self.durable else None)
         """How a step becomes durable: no commits, the journal, or snapshots."""
         try:
-            self._open_state(resume, init_from)
+            recovered = self._take_state(resume)
+            # every refusal of the budgets or the configuration comes before the weights move into
+            # the store: a refused engine leaves the model as it was, to build another engine from
+            update_tier = optimizer_tier(self.config.optimizer_device, self.store, self.schedule, self.train_state,
+                                         functools.partial(measure_update_rates, self._spec, self.device),
+                                         self._placement.all_agree)
+            check_step_mode(self.config, self.store, self.schedule, update_tier[0])
+            choose_activation_modes(recompute, self.config.activations, [b.name for b in self.blocks], False)  # (checked)
+            self._fill_state(recovered, init_from)
         except BaseException:
             self._commits.release()
             self.store.close(flush=False)
             raise
 
         self._phases: list[Phase] = []
-        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel, *optimizer_tier(
-            self.config.optimizer_device, self.store, self.schedule, self.train_state,
-            functools.partial(measure_update_rates, self._spec, self.device), self._placement.all_agree))
+        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel, *update_tier)
         self._pipeline = UpdatePipeline(
             self.config.step_lead,
             before_each=lambda name: self._commits.before_unit(
@@ -266,12 +273,15 @@ class Engine(EngineViews):
         return cls(model, optimizer, optimizer_kwargs, storage=storage, resume=True, **kwargs)
 
     # ---- set-up -------------------------------------------------------------------------
-    def _open_state(self, resume, init_from) -> None:
-        """Take and read the directory (durable), check the budgets, then adopt the committed state
-        or register and fill a fresh one; finally bind the blocks' proxies."""
+    def _take_state(self, resume):
+        """Take and read the directory (durable) and check the budgets; the committed state, or None."""
         recovered = self._commits.open(resume, self._placement, self.layout)
         self.layout.delete_stale_activations(self.store.backend)  # once this process holds the directory
         check_budgets(self.store, self.schedule, self.config.state_piece_numel)
+        return recovered
+
+    def _fill_state(self, recovered, init_from) -> None:
+        """Adopt the committed state or register and fill a fresh one; then bind the blocks' proxies."""
         if recovered is None:
             check_disk(self.store.backend, self.state_bytes(), self.extra_disk_bytes())
             load_initial_weights(self.store, self.binding, self._placement, self.schedule.state_kinds, init_from)
