@@ -8,7 +8,10 @@ import functools
 import inspect
 import json
 import math
+import random
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -852,7 +855,10 @@ def test_background_step_overlapped_with_the_forward(tmp_path, monkeypatch):
         seen["thread"] = threading.current_thread().name
         return original(self, *args)
     monkeypatch.setattr(Engine, "_update_unit", spy)
-    check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, steps=3, clip=1.0,
+    # (0.6 of the state: the least budget at which the step may overlap the forward is 0.56 here;
+    # below it overlap_step=True is refused, test_engine.py's
+    # test_a_step_mode_forced_below_its_budget_is_refused_up_front)
+    check_parity(make_llama, make_optimizer, tmp_path, loss_fn=hf_loss, steps=3, clip=1.0, host_fraction=0.6,
                  config=EngineConfig(overlap_step=True))
     assert seen["thread"] == "tiered-offload-step"
 
@@ -1402,6 +1408,47 @@ def test_a_checkpoint_inside_a_block_trains_bitwise_where_the_state_fits(tmp_pat
         assert train_engine(engine, data, lm_loss, 1.0) == expected
         weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+
+
+def test_an_update_on_the_host_beside_the_forward_leaves_room_for_offloaded_activations(tmp_path):
+    """The update on the host overlapping the next forward pins a unit's weights, gradients and
+    state pieces in the host tier, where the forward moves its offloaded activations from the
+    device tier. A fuzzed run failed mid-step: "cannot fit tensor 'block.0/activations' (75.69
+    KiB) in the host tier: budget 252.00 KiB, in use 112.00 KiB, pinned 107.25 KiB, largest free
+    block 68.00 KiB" (the room was there, split into holes by the update's pins). The forward now
+    waits for the unit's update to let go (``TieredStore.brief``); bitwise PyTorch's."""
+    state = 16 * sum(p.numel() for p in make_gpt2().parameters())
+    check_parity(make_gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=hf_loss,
+                 steps=5, accumulate=2, clip=1.0, host_fraction=0.3, durable=False,
+                 store_config={"device_budget_bytes": int(state * 0.6), "tier_caching": "inclusive"},
+                 config=EngineConfig(activations="offload", optimizer_device="host", overlap_step=True,
+                                     state_piece_numel=1024),
+                 inspect=lambda engine: engine.overlap_step and engine._updater.in_lower_tier or pytest.fail())
+
+
+def test_the_options_fuzz_tells_bitwise_from_refused_from_failed(tmp_path, monkeypatch):
+    """``tools/fuzz_options.py`` (random combinations of the engine's options against PyTorch): a
+    case that trains bitwise is ``ok``; a typed error while the engine is built is ``refused``; the
+    same error once training runs is a failure (raised), and the engines it built are closed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_options
+    case = dict(make=make_gpt2, make_optimizer=fuzz_options.OPTIMIZERS["AdamW"], loss_fn=hf_loss, steps=2,
+                accumulate=1, clip=1.0, host_fraction=0.4, durable=False, config={}, store_config={})
+    assert fuzz_options.run(case, tmp_path / "a") == "ok"
+    assert fuzz_options.run(dict(case, host_fraction=0.05), tmp_path / "b").startswith("refused: the host budget")
+    built = []
+    real_init = Engine.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(self)
+    monkeypatch.setattr(Engine, "__init__", init)
+    monkeypatch.setattr(Engine, "step", lambda self: (_ for _ in ()).throw(TierCapacityError("mid-step (test)")))
+    with pytest.raises(TierCapacityError, match="mid-step"):
+        fuzz_options.run(case, tmp_path / "c")
+    assert built and all(e.store is None for e in built)  # closed
+    for seed in range(20):  # every drawn configuration is one EngineConfig accepts
+        EngineConfig(**fuzz_options.draw(random.Random(seed), fuzz_options.models())[1]["config"])
 
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))

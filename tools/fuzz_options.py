@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Random combinations of the engine's options, each trained against plain PyTorch, bitwise.
+
+Each case draws a model (GPT-2 with and without dropout, Llama, DeBERTa-v2 with relative
+attention, a routed MoE), an optimizer of ``torch.optim`` with some of its options, 3-4 steps of
+1-3 micro-batches (the loop of ``engine.backward`` or ``engine.forward_backward``), clipping, a
+resume, durability and ``commit_every``, host and device budgets (the device tier of CPU memory,
+exclusive or inclusive caching), the update's placement, activation modes, the step's mode, its
+lead, piece and chunk sizes and the prefetch depth. Every case must end one of two ways:
+
+* **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
+* **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
+  working set), with the numbers.
+
+Anything else is a failure: a different number, an error in the middle of training, or a hang
+(the store's ``wait_timeout_s`` is 20 s here, and a case that runs ``--case-timeout`` seconds is
+stopped with every thread's stack). A failure prints the case's options; ``--seed N --cases 1``
+runs that case alone again.
+
+    python tools/fuzz_options.py --cases 300            # about 10 minutes on a 2-core machine
+    python tools/fuzz_options.py --seed 1343 --cases 1  # one case again
+
+It found a hang (a prefetch that waited for room to stage a victim: its own load's operation) and
+a failure mid-step (an update on the host beside the forward, activations offloaded): see
+``store/waits.py``. Exits 1 if any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import pathlib
+import random
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+OPTIMIZERS = {
+    "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+    "Adam-amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True, weight_decay=0.1),
+    "SGD-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True),
+    "RMSprop-centered": lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5, centered=True),
+    "Adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=1e-2),
+    "NAdam-decoupled": lambda m: torch.optim.NAdam(m.parameters(), lr=1e-2, decoupled_weight_decay=True,
+                                                   weight_decay=0.1),
+    "RAdam": lambda m: torch.optim.RAdam(m.parameters(), lr=1e-2),
+    "Adamax": lambda m: torch.optim.Adamax(m.parameters(), lr=1e-2),
+    "Adadelta": lambda m: torch.optim.Adadelta(m.parameters()),
+    "ASGD": lambda m: torch.optim.ASGD(m.parameters(), lr=1e-2),
+}
+ONE_STATE = ("SGD-nesterov", "Adagrad", "ASGD", "Adadelta", "RMSprop-centered")
+"""Optimizers with less state than Adam's: a smaller host budget keeps the state off memory."""
+
+
+def models() -> dict:
+    """name: (make, loss, streamed blocks)."""
+    from test_finetune import hf_loss, lm_loss, make_deberta, make_gpt2, make_llama, make_moe
+    return {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
+            "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
+
+
+def draw(rng: random.Random, zoo: dict) -> tuple[dict, dict]:
+    """One case: what it is (printable) and ``check_parity``'s keyword arguments."""
+    name = rng.choice(sorted(zoo))
+    make, loss, blocks = zoo[name]
+    opt = rng.choice(sorted(OPTIMIZERS))
+    steps, accumulate = rng.choice([3, 4]), rng.choice([1, 2, 3])
+    kw = dict(loss_fn=loss, steps=steps, accumulate=accumulate, clip=rng.choice([None, 1.0, 0.01]),
+              host_fraction=rng.choice([0.3, 0.45, 0.6, 0.8]) * (0.5 if opt in ONE_STATE else 1),
+              fused=accumulate > 1 and rng.random() < 0.6)
+    if name == "moe":  # each micro-batch routed to some of the 4 experts
+        kw["routes"] = [[rng.randrange(4) for _ in range(accumulate)] for _ in range(steps)]
+    if rng.random() < 0.4:
+        kw["resume_at"] = rng.randint(1, steps - 1)
+    acts = rng.choice(["auto", "keep", "offload", "recompute", "mixed"])
+    config = dict(activations=[rng.choice(["keep", "offload", "recompute"]) for _ in range(blocks)] if acts == "mixed"
+                  else acts,
+                  optimizer_device=rng.choice(["auto", "host", "device"]), step_lead=rng.choice([1, 2, 3]),
+                  state_piece_numel=rng.choice([1 << 10, 1 << 14, 4 << 20]),
+                  optimizer_chunk_numel=rng.choice([1 << 9, 1 << 20]),
+                  overlap_step=rng.choice([None, None, False, True]), defer_step=rng.choice([None, None, False, True]),
+                  prefetch_depth=rng.choice([0, 2, 16]))
+    store = {"wait_timeout_s": 20.0}
+    if rng.random() < 0.5:
+        state = 16 * sum(p.numel() for p in make().parameters())
+        store["device_budget_bytes"] = int(state * rng.choice([0.3, 0.45, 0.6]))
+        store["tier_caching"] = rng.choice(["exclusive", "inclusive"])
+    kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
+    if kw["durable"]:
+        kw["commit_every"] = rng.choice([1, 2])
+    case = {"model": name, "optimizer": opt, **{k: v for k, v in kw.items() if k != "loss_fn"},
+            "config": config, "store_config": store}
+    return case, dict(kw, make=make, make_optimizer=OPTIMIZERS[opt], config=config, store_config=store)
+
+
+def run(case_kw: dict, directory: pathlib.Path) -> str:
+    """``"ok"`` or ``"refused: ..."``; raises what failed. Every engine built is closed."""
+    import test_finetune
+    from offload_core.errors import ConfigError, TierCapacityError
+    from tiered_offload import Engine, EngineConfig
+
+    built: list = []
+
+    class Refused(Exception):
+        pass
+
+    def engine(*args, **kwargs):
+        try:
+            e = Engine(*args, **kwargs)
+        except (TierCapacityError, ConfigError) as err:
+            raise Refused(str(err)) from err
+        built.append(e)
+        return e
+
+    kw = dict(case_kw)
+    make, make_optimizer = kw.pop("make"), kw.pop("make_optimizer")
+    kw["config"] = EngineConfig(**kw["config"])
+    real, test_finetune.Engine = test_finetune.Engine, engine
+    try:
+        test_finetune.check_parity(make, make_optimizer, directory, **kw)
+        return "ok"
+    except Refused as r:
+        return f"refused: {str(r)[:100]}"
+    finally:
+        test_finetune.Engine = real
+        for e in built:
+            try:
+                e.close()
+            except Exception:  # a failed run's engine: its error is the one reported
+                pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0, help="the first case's seed (case i draws from seed + i)")
+    ap.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case counts as hung")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    zoo = models()
+    counts = {"ok": 0, "refused": 0, "failed": 0}
+    for seed in range(args.seed, args.seed + args.cases):
+        case, kw = draw(random.Random(seed), zoo)
+        t0 = time.monotonic()
+        faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hang: every stack, then out
+        with tempfile.TemporaryDirectory(prefix=".fuzz-", dir=ROOT, ignore_cleanup_errors=True) as d:
+            try:
+                outcome = run(kw, pathlib.Path(d))
+            except Exception as e:
+                outcome = f"FAILED: {type(e).__name__}: {str(e)[:300]}\n    {case}"
+        faulthandler.cancel_dump_traceback_later()
+        counts[outcome.split(":")[0].lower()] += 1
+        print(f"{seed:6d} {time.monotonic() - t0:5.1f}s {outcome}", flush=True)
+    print(f"{args.cases} cases: {counts['ok']} bitwise, {counts['refused']} refused at construction, "
+          f"{counts['failed']} failed")
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
