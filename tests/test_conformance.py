@@ -451,7 +451,7 @@ class SharedMemoryLM(torch.nn.Module):
         self.encoder = torch.nn.Linear(d, d)
         self.blocks = torch.nn.ModuleList(Memory(d) for _ in range(layers))
         self.head = torch.nn.Linear(d, 64)
-        self.ignore_last = False
+        self.ignore_last = self.hold_ignored = False
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -461,6 +461,8 @@ class SharedMemoryLM(torch.nn.Module):
             assert not mask.requires_grad  # as in PyTorch: kernels choose their path by it
             if not (self.ignore_last and i == len(self.blocks) - 1):
                 h = out
+            elif self.hold_ignored:
+                self.ignored = out  # its graph lives on, outside the loss
         return self.head(h)
 
 
@@ -477,19 +479,34 @@ def test_a_tensor_every_block_reads_gets_its_gradient_in_pytorchs_order(tmp_path
                  config=EngineConfig(activations=activations, stream_modules_numel=None))
 
 
-def test_a_block_that_reads_a_shared_tensor_but_misses_the_loss_is_an_error(tmp_path):
-    """Then the shared tensor's gradient could not be returned in PyTorch's order: a typed error,
-    not a silently different gradient."""
+@pytest.mark.parametrize("held", [False, True])
+def test_a_block_that_reads_a_shared_tensor_but_misses_the_loss(tmp_path, held):
+    """The last block reads the shared tensor and its output is thrown away. Its graph dropped in
+    the forward, it no longer counts among the tensor's users (``SharedInputs.dropped``): the
+    gradient is PyTorch's, bitwise (before, a TensorStateError). Its output held outside the loss,
+    its backward never runs and the shared tensor's gradient could not be returned in PyTorch's
+    order: a typed error, not a silently different gradient."""
     from offload_core.errors import TensorStateError
     from tiered_offload import EngineConfig
 
     torch.manual_seed(0)
-    model = SharedMemoryLM()
+    ref = SharedMemoryLM()
+    ref.ignore_last = True
+    model = copy.deepcopy(ref)
+    model.hold_ignored = held
+    x = torch.randint(0, 64, (2, 8))
+    ref(x).sum().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
     with Engine(model, torch.optim.SGD, dict(lr=0.1), storage=tmp_path / "s", host_memory=16 * 4 * 8000,
                 recompute=True, config=EngineConfig(stream_modules_numel=None)) as engine:
-        model.ignore_last = True  # the last block reads memory, its output is thrown away
-        with pytest.raises(TensorStateError, match="several streamed blocks"):
-            engine.backward(engine(torch.randint(0, 64, (2, 8))).sum())
+        if held:
+            with pytest.raises(TensorStateError, match="several streamed blocks"):
+                engine.backward(engine(x).sum())
+            return
+        engine.backward(engine(x).sum())
+        engine.step()
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
 
 
 # ---- a model's forward that reads its blocks' attributes ------------------------------------------

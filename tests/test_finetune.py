@@ -1426,6 +1426,54 @@ def test_an_update_on_the_host_beside_the_forward_leaves_room_for_offloaded_acti
                  inspect=lambda engine: engine.overlap_step and engine._updater.in_lower_tier or pytest.fail())
 
 
+def test_a_loss_computed_with_grad_and_dropped_leaves_a_shared_inputs_gradient_whole(tmp_path):
+    """DeBERTa gives its relative embeddings (one tensor) to every block. A forward with grad whose
+    loss is only logged and let go counted its blocks as users still to run their backward: the
+    next backward's last block kept the running sum for them, and the step failed with "a tensor
+    was given to several streamed blocks...". A dropped graph now uncounts its blocks
+    (``SharedInputs.dropped``); training after it is PyTorch's, bitwise."""
+    ref = make_deberta()
+    start = copy.deepcopy(ref.state_dict())
+    x = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    hf_loss(ref, x).backward()
+    torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
+    model = make_deberta()
+    model.load_state_dict(start)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    with Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state * 2 // 5) as engine:
+        logged = hf_loss(engine, x).item()  # with grad, never back-propagated
+        loss = hf_loss(engine, x)
+        assert loss.item() == logged
+        engine.backward(loss)
+        engine.step()
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("activations", ["offload", "recompute"])
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_a_forward_backward_pass_an_error_undid_leaves_no_shared_input_counted(tmp_path, activations, failing_call):
+    """An error in a micro-batch's forward undoes ``forward_backward``'s pass and the loop runs the
+    micro-batches. The pass's blocks stayed counted as users of DeBERTa's relative embeddings, and
+    a later step failed ("a tensor was given to several streamed blocks...": a fuzzed run, the
+    error there a mid-step TierCapacityError). The pass's entries end with it, and a block whose
+    forward raised uncounts its uses; bitwise PyTorch's."""
+    calls = [0]
+
+    def make():
+        model = make_deberta()
+
+        def fails_once(mod, args, out):
+            calls[0] += 1
+            if calls[0] == 4 + failing_call:  # (the reference's 4 forwards first) the engine's first pass
+                raise RuntimeError("a transient error (test)")
+        model.deberta.encoder.layer[2].intermediate.register_forward_hook(fails_once)
+        return model
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=hf_loss, steps=2,
+                 accumulate=2, fused=True, config=EngineConfig(activations=activations))
+    assert calls[0] > 4 + failing_call
+
+
 def test_the_options_fuzz_tells_bitwise_from_refused_from_failed(tmp_path, monkeypatch):
     """``tools/fuzz_options.py`` (random combinations of the engine's options against PyTorch): a
     case that trains bitwise is ``ok``; a typed error while the engine is built is ``refused``; the

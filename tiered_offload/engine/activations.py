@@ -94,6 +94,9 @@ class _Life:
     orphans: list = field(default_factory=list)
     call: int | None = None
     """The block call whose node holds these activations (``RepeatedCalls.called``'s number)."""
+    shared: list = field(default_factory=list)
+    """The shared-input entries the block's backward will settle (``shared_inputs.awaited``); emptied
+    when it does."""
 
 
 class SavedActivations:
@@ -107,7 +110,7 @@ class SavedActivations:
     """
 
     def __init__(self, weights: torch.Tensor | None, orphans: list, *, count_only: bool = False,
-                 call: int | None = None):
+                 call: int | None = None, shared: list | None = None):
         self.inputs_only = weights is None
         """A recompute's checkpoint (the block's inputs), not a graph's saved tensors."""
         self.count_only = count_only
@@ -133,7 +136,7 @@ class SavedActivations:
         self.kept_bytes = 0
         """Bytes kept by reference (no storage, sparse, quantized, a misaligned view): outside the
         store's budget."""
-        self.life = _Life(orphans=orphans, call=call)
+        self.life = _Life(orphans=orphans, call=call, shared=list(shared or ()))
         if not count_only:
             weakref.finalize(self, _orphaned, self.life)
 
@@ -339,7 +342,7 @@ def _never_unpacked(_h) -> torch.Tensor:
 
 def _orphaned(life: _Life) -> None:
     """Finalizer: the graph holding these activations was dropped without a backward."""
-    if (life.key is not None or life.call is not None) and not life.released:
+    if ((life.key is not None or life.call is not None) and not life.released) or life.shared:
         life.orphans.append(life)  # list.append is atomic; the streamer unregisters it later
 
 

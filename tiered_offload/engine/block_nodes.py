@@ -24,7 +24,7 @@ from offload_core.errors import ConfigError, TensorStateError
 from tiered_offload.engine.activations import kept_on_ctx
 from tiered_offload.engine.binding import call_block, placeholder
 from tiered_offload.engine.block_attributes import changed_attributes, set_tensors, snapshot_attributes, tensor_attributes
-from tiered_offload.engine.shared_inputs import keep_non_differentiable
+from tiered_offload.engine.shared_inputs import awaited, keep_non_differentiable
 from tiered_offload.trace import span
 
 __all__ = ["LET_GO", "SECOND_BACKWARD", "StashedBlock", "StreamedBlock", "placeholder_of", "rebuild"]
@@ -40,6 +40,8 @@ class StreamedBlock(torch.autograd.Function):
         ctx.engine, ctx.index, ctx.spec, ctx.leaves = engine, index, spec, leaves
         ctx.binding = engine.rest_binding
         ctx.shared = box.pop("shared")
+        # (made first: a forward that raises uncounts its call and its shared inputs' uses)
+        ctx.stash = engine.new_stash(None, box["call"], awaited(ctx.shared, ctx.needs_input_grad[6:]))
         ctx.rng = engine.rng_state(index)
         # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
         # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
@@ -71,7 +73,6 @@ class StreamedBlock(torch.autograd.Function):
         keep_non_differentiable(ctx, out_leaves, returned)
         del out, out_leaves
         box["spec"], box["leaves"] = out_spec, returned
-        ctx.stash = engine.new_stash(None, box["call"])
         ctx.handles = [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
         return tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
@@ -106,7 +107,7 @@ class StashedBlock(torch.autograd.Function):
                       .requires_grad_(s_.requires_grad) for s_ in unit.params}
             for s_ in unit.trainable():
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
-            stash = engine.new_stash(flat, box["call"])
+            stash = engine.new_stash(flat, box["call"], awaited(ctx.shared, needs))
             held = tensor_attributes(unit.module)
             t0 = time.perf_counter()
             with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),

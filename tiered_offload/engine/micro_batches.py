@@ -448,11 +448,13 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             streams.set(turns.final)  # where the loop leaves the generators
         finally:
             streamer.backward_ran()
+            streamer.shared.pass_ended()
             streamer.unbind_rest(reduce=rest_grads is None)  # each micro-batch reduced its own
         return losses
     # undone before any backward: put back what the forwards changed; the loop runs them
     streamer.unbind_rest()
     streamer.drop_orphans()
+    streamer.shared.pass_ended()
     for mod, attr, tensor, value in buffers:
         tensor.copy_(value)
         mod._buffers[attr] = tensor

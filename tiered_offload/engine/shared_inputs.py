@@ -38,7 +38,7 @@ import torch
 from offload_core.errors import TensorStateError
 from tiered_offload.engine.activations import graph_nodes
 
-__all__ = ["SharedInputs", "SharedInput", "keep_non_differentiable"]
+__all__ = ["SharedInputs", "SharedInput", "awaited", "keep_non_differentiable"]
 
 
 @dataclass(eq=False)
@@ -115,6 +115,25 @@ class SharedInputs:
             for hook in hooks:
                 hook.remove()
 
+    def pass_ended(self) -> None:
+        """A ``forward_backward`` pass ended (its backwards done, failed, or undone before any): the
+        entries of its micro-batches are of no forward still to run its backward (those of a pass a
+        forward's error undid came back as the next pass's, still counting its users)."""
+        self._by_id = {k: e for k, e in self._by_id.items() if k[0] is None}
+
+    @staticmethod
+    def dropped(entries) -> None:
+        """A block's forward that took ``entries`` (:func:`awaited`) had its graph dropped without
+        its backward (a loss logged and let go, a ``forward_backward`` pass undone, a backward that
+        failed before it): it no longer counts as a user, and a sum its last user would have handed
+        on goes with it. Counted, the next backward's last user kept the sum for it: the input's
+        gradient was never returned ("a tensor was given to several streamed blocks...", a fuzzed
+        run and DeBERTa's relative embeddings after a loss computed with grad and dropped)."""
+        for e in entries:
+            e.users = max(0, e.users - 1)
+            if e.users == 0:
+                e.grad = None
+
     def backward_done(self) -> None:
         """A backward finished: a sum still held means a block that took the tensor had no
         backward (its output did not reach the loss), so its gradient could not be returned."""
@@ -127,6 +146,13 @@ class SharedInputs:
                 "a tensor was given to several streamed blocks and the output of at least one of them did not reach "
                 "the loss, so the engine could not return that tensor's gradient in PyTorch's order; make every block "
                 "that takes it contribute to the loss, or pass blocks= so that the tensor stays inside one block")
+
+
+def awaited(shared: list[SharedInput | None], needs) -> list[SharedInput]:
+    """The entries a block's backward will settle (:meth:`SharedInputs.settle`): those of inputs
+    that need a gradient. Until it runs they travel with its saved activations' life, so a graph
+    dropped without the backward uncounts them (:meth:`SharedInputs.dropped`)."""
+    return [e for e, n in zip(shared, needs) if e is not None and n]
 
 
 def _outside_users(root) -> dict:

@@ -471,10 +471,10 @@ class BlockStreamer:
         return out
 
     # ---- saved activations in the store ---------------------------------------------------
-    def new_stash(self, weights: torch.Tensor | None, call: int | None = None) -> SavedActivations:
+    def new_stash(self, weights: torch.Tensor | None, call: int | None = None, shared=()) -> SavedActivations:
         """A collector for what a block's forward saves (``weights``: its weight buffer; None: the
-        block's inputs, for a recompute), for block call ``call``."""
-        return SavedActivations(weights, self._orphans, call=call)
+        block's inputs, for a recompute), for block call ``call``, whose backward settles ``shared``."""
+        return SavedActivations(weights, self._orphans, call=call, shared=shared)
 
     def seal(self, index: int, stash: SavedActivations) -> None:
         """Move a block's saved tensors into a scratch tensor of the store (``offload``: out of the
@@ -567,10 +567,12 @@ class BlockStreamer:
         longer count."""
         while self._orphans:
             life = self._orphans.pop()
-            if life.key is not None and life.key in self.store:
-                self.store.unregister(life.key)
-            if life.call is not None:
-                self.calls.dropped(life.call)
+            if not life.released:
+                if life.key is not None and life.key in self.store:
+                    self.store.unregister(life.key)
+                if life.call is not None:
+                    self.calls.dropped(life.call)
+            self.shared.dropped(life.shared)
 
     def stashed_backward(self, index: int, stash: SavedActivations, params: dict[str, torch.Tensor],
                          inputs: list[torch.Tensor], needs, pairs, shared) -> list[torch.Tensor | None]:
@@ -595,6 +597,7 @@ class BlockStreamer:
                 for leaf in params.values():
                     leaf.grad = None
                     leaf.data = placeholder_of(leaf)
+        stash.life.shared = []  # settled here, not by a dropped graph's finalizer
         return SharedInputs.settle(inputs, needs, shared)
 
     def param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -684,6 +687,7 @@ class BlockStreamer:
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
             seeds = SharedInputs.seeds(inputs, shared)
             self._backpropagate(unit, params, diff_inputs, pairs + seeds, gflat, weights)
+            stash.life.shared = []  # settled here, not by a dropped graph's finalizer
             return SharedInputs.settle(inputs, needs, shared)
 
     def _backpropagate(self, unit: Unit, params: dict[str, torch.Tensor], diff_inputs: list[torch.Tensor],
