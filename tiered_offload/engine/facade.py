@@ -43,7 +43,8 @@ from tiered_offload.engine.parameter_guard import GradInStore
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.plan_monitor import PlanMonitor
 from tiered_offload.engine.planner import choose_activation_modes
-from tiered_offload.engine.preflight import check_budgets, check_disk, check_step_mode, measure_update_rates, optimizer_tier
+from tiered_offload.engine.preflight import (check_budgets, check_disk, check_step_mode, measure_update_rates,
+                                             optimizer_tier)
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.engine.sharding import Local, Placement, Sharded, distributed_group, engine_storage
 from tiered_offload.engine.streaming import BlockStreamer
@@ -209,7 +210,7 @@ class Engine(EngineViews):
                                          functools.partial(measure_update_rates, self._spec, self.device),
                                          self._placement.all_agree)
             check_step_mode(self.config, self.store, self.schedule, update_tier[0])
-            choose_activation_modes(recompute, self.config.activations, [b.name for b in self.blocks], False)  # (checked)
+            choose_activation_modes(recompute, self.config.activations, [b.name for b in self.blocks], False)
             self._fill_state(recovered, init_from)
         except BaseException:
             self._commits.release()

@@ -649,7 +649,7 @@ class TieredStore(CopyChains, Prefetching):
         that hold the future, and through them every caller's locals (a forward's graph). With the
         error itself the future would make a cycle only the garbage collector frees, and a lookahead
         that finds no room (routine) would keep a dropped forward's graph alive until it ran.
-        While ``start`` runs, this thread does not wait for room only ``rec``'s operation frees."""
+        While ``start`` runs, ``rec`` is this thread's to start (:meth:`WaitRules.starting`)."""
         try:
             with self._waits.starting(rec):
                 inner = start()
@@ -721,8 +721,7 @@ class TieredStore(CopyChains, Prefetching):
                     if not self._waits.may_wait(self._records.values(), rec, tier):
                         raise space.capacity_error(self._records.values(), rec, "every resident tensor is pinned or in use")
                     if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                        raise space.capacity_error(self._records.values(), rec,
-                                                   f"waited {self.config.wait_timeout_s}s for space")
+                        raise space.capacity_error(self._records.values(), rec, f"waited {self.config.wait_timeout_s}s")
                     continue
                 fate = space.fate(victim)
                 if fate == Fate.DROP:
@@ -735,14 +734,15 @@ class TieredStore(CopyChains, Prefetching):
             if vbusy is None:
                 continue
             try:
+                move = ((lambda: self._start_demote(victim, clean=clean, block=block)) if demote else
+                        (lambda: self._start_write_back(victim, Tier.DISK, block=block)))
                 with self._waits.moving_victim():
-                    fut = self._run(victim, vbusy, (lambda: self._start_demote(victim, clean=clean, block=block)) if demote
-                                    else (lambda: self._start_write_back(victim, Tier.DISK, block=block)))
+                    fut = self._run(victim, vbusy, move)
             except TierCapacityError:
                 if not block:
                     return None
-                with self._lock:  # no room to move it down, but another thread's brief pins will go
-                    if not (self._waits.may_wait_for_brief() and self._cond.wait(max(0.0, deadline - time.monotonic()))):
+                with self._lock:  # no room to move it down, but another thread's brief pins may go
+                    if not self._waits.waited_for_brief(self._cond, deadline):
                         raise
                 continue
             if not block:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter
 from typing import Iterable, Iterator
 
@@ -90,6 +91,11 @@ class WaitRules:
         held = self._brief.get(threading.get_ident())
         if held is not None and held[key, tier] > 0:
             held[key, tier] -= 1
+
+    def waited_for_brief(self, cond: threading.Condition, deadline: float) -> bool:
+        """Wait on ``cond`` (held) for a release, if :meth:`may_wait_for_brief` in any tier; whether
+        one came before ``deadline`` (``time.monotonic()``)."""
+        return self.may_wait_for_brief() and cond.wait(max(0.0, deadline - time.monotonic()))
 
     def may_wait_for_brief(self, tier=None) -> bool:
         """Whether this thread may wait for room in ``tier`` (None: any) that another thread's brief
