@@ -72,7 +72,9 @@ class WaitRules:
     # ---- brief pins -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def brief(self) -> Iterator[None]:
-        """Pins this thread takes inside are released before it waits on any other thread."""
+        """Pins this thread takes inside are brief: it lets them go without waiting for an operation a
+        thread that waits for room may hold (the optimizer step waits only for copies in flight,
+        and for the forward's pace with no pin held). Another thread that finds no room waits for them."""
         me = threading.get_ident()
         self._brief[me] = Counter()
         try:
