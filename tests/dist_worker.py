@@ -240,7 +240,8 @@ def main() -> int:
             nan = cfg.get("nan") == [rank, step]  # this rank's last micro-batch of this step: a NaN loss
 
             def loss_fn(out, b):
-                loss = F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / cfg["accumulate"]
+                logits = getattr(out, "logits", out)  # (a Hugging Face model's output)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets[id(b)]) / cfg["accumulate"]
                 return loss * float("nan") if nan and b is inputs[-1] else loss
             losses += [x.item() for x in engine.forward_backward(inputs, loss_fn)]
         for micro in range(0 if cfg.get("fused") else cfg["accumulate"]):
@@ -253,7 +254,7 @@ def main() -> int:
                 torch.autograd.grad(loss_of(engine, (ids[:, :cut], route[:, :cut])), emb["out"])
                 handle.remove()
             if cfg.get("dropped_forward"):  # a loss logged without no_grad: its graph is dropped, never backward
-                loss_of(engine, (ids[:, :cut], route[:, :cut])).item()
+                loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe").item()
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             if cfg.get("zero_grad_late") and micro == 0:  # PyTorch loops' other order: between forward and backward
                 engine.zero_grad()

@@ -279,6 +279,25 @@ def test_a_nan_loss_on_one_rank_in_forward_backward_stops_every_rank_typed(tmp_p
         assert code != 0 and "NonFiniteError" in log and "DistributedError" not in log, log[-2000:]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+def test_a_sharded_lora_run_at_a_budget_it_accepted_trains_to_the_end(fused, tmp_path):
+    """PEFT's LoRA on a Llama, 2 ranks, each rank's host budget its share of the state twice over
+    (found by ``tools/fuzz_options.py --sharded``): the engine was built, then the first backward
+    died with a ``TierCapacityError`` for a block's full gradient buffer, 38 KiB where the
+    block's trainable part is 1 KiB, the tier's free room in holes of at most 32 KiB."""
+    cfg = {"layers": 3, "optimizer": "adamw", "steps": 3, "accumulate": 2, "clip": 0.5, "scheduler": True,
+           "model": "llama", "fused": fused}
+    model = build(cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = 4 * (sum(p.numel() for p in model.parameters()) + 3 * trainable)
+    cfg["host_memory"] = state  # each rank: twice its share
+    got = launch(2, tmp_path, cfg)[0]["weights"]
+    expected = reference(2, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
 def test_experts_without_tokens_on_some_ranks(tmp_path):
     """A mixture of experts: an expert that gets tokens on one rank only has a gradient (the
     mean over ranks of its one rank's), one that gets tokens on no rank has none and is not

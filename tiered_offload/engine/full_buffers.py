@@ -152,7 +152,7 @@ class FullBuffers:
         if entry is not None:  # a second user of the same unit (two graphs alive): share the buffers
             new_grad = gk and entry.grads is None
             if new_grad:
-                self.store.register(gkey, (n,), scratch=True)  # zeros
+                self.store.register(gkey, (slice_layout.grad_buffer_numel,), scratch=True)  # zeros
             gkeys = self._grad_keys(unit) if gk else []
             got = self._pin([wkey, *gkeys], extra, apart)
             entry.users += 1
@@ -166,7 +166,7 @@ class FullBuffers:
             # extras, placed as one group
             self.store.register(wkey, (n,), scratch=True)
             if gk:
-                self.store.register(gkey, (n,), scratch=True)
+                self.store.register(gkey, (slice_layout.grad_buffer_numel,), scratch=True)
             gkeys = self._grad_keys(unit) if gk else []
             try:
                 got = self._pin([unit.weight_key, wkey, *gkeys], extra, apart)

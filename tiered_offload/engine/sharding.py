@@ -85,13 +85,14 @@ class ShardLayout:
     """Elements of the slice the optimizer updates (optimizer states), from its start."""
     piece_ranges: list[tuple[int, int, int]] = field(default_factory=list)
     """``(piece index, start, end)`` in slice coordinates of the unit's state pieces that meet the slice."""
+    world: int = 1
 
     @classmethod
     def of(cls, unit: UnitLayout, rank: int, world: int) -> "ShardLayout":
         size = max(1, math.ceil(unit.numel / world))
         lo = rank * size
         clip = lambda n: max(0, min(size, n - lo))  # noqa: E731 - elements of [lo, lo+size) below n
-        layout = cls(unit, lo, size, clip(unit.grad_numel), clip(unit.state_numel))
+        layout = cls(unit, lo, size, clip(unit.grad_numel), clip(unit.state_numel), world=world)
         for i, (a, b) in enumerate(unit.pieces()):
             a, b = max(a, lo), min(b, lo + layout.state_numel)
             if a < b:
@@ -105,6 +106,19 @@ class ShardLayout:
     @property
     def grad_key(self) -> str | None:
         return self.unit.grad_key if self.grad_numel else None
+
+    @property
+    def grad_prefix(self) -> bool:
+        """Whether the unit's gradients are reduced as their trainable prefix alone (an all-reduce
+        of ``grad_numel`` elements), not reduce-scattered over the whole unit (``W*C``, frozen
+        elements included): where the prefix is at most half the unit (LoRA's adapters in a
+        frozen block), which moves fewer bytes and needs a buffer of the prefix only."""
+        return 2 * self.unit.grad_numel <= self.size * self.world
+
+    @property
+    def grad_buffer_numel(self) -> int:
+        """Elements of the unit's full gradient buffer (see :attr:`grad_prefix`)."""
+        return max(1, self.unit.grad_numel) if self.grad_prefix else self.size * self.world
 
     def pieces(self) -> list[tuple[int, int]]:
         return [(a, b) for _, a, b in self.piece_ranges]
@@ -207,8 +221,12 @@ class Sharding:
         if self.broken:  # an error left the ranks out of step: no more collectives (they would mismatch)
             gfull.zero_()
             return
-        out = torch.empty(slice_layout.size, dtype=gfull.dtype, device=gfull.device)
-        self.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
+        if slice_layout.grad_prefix:  # the trainable prefix, averaged whole; this rank's part of it
+            self.all_reduce(gfull, dist.ReduceOp.AVG, f"{unit.name}'s gradients")
+            out = gfull[slice_layout.lo:slice_layout.lo + slice_layout.grad_numel].clone()
+        else:
+            out = torch.empty(slice_layout.size, dtype=gfull.dtype, device=gfull.device)
+            self.reduce_scatter_mean(out, gfull, f"{unit.name}'s gradients")
         gfull.zero_()
         trainable = unit.trainable()
         flags = torch.tensor([s_.has_grad for s_ in trainable], dtype=torch.uint8, device=gfull.device)
