@@ -4,7 +4,8 @@
 Each case draws a model (GPT-2 with and without dropout, Llama, DeBERTa-v2 with relative
 attention, a routed MoE), an optimizer of ``torch.optim`` with some of its options, 3-4 steps of
 1-3 micro-batches (the loop of ``engine.backward`` or ``engine.forward_backward``), clipping, a
-resume, durability and ``commit_every``, host and device budgets (the device tier of CPU memory,
+resume, durability and ``commit_every``, a NaN loss (the step skipped), an LR schedule, held-out
+losses logged around the step (``eval()`` and ``no_grad``, or a graph dropped), host and device budgets (the device tier of CPU memory,
 exclusive or inclusive caching), the update's placement, activation modes, the step's mode, its
 lead, piece and chunk sizes and the prefetch depth. Every case must end one of two ways:
 
@@ -28,7 +29,9 @@ a failure mid-step (an update on the host beside the forward, activations offloa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import functools
 import pathlib
 import random
 import sys
@@ -91,12 +94,28 @@ def draw(rng: random.Random, zoo: dict) -> tuple[dict, dict]:
         state = 16 * sum(p.numel() for p in make().parameters())
         store["device_budget_bytes"] = int(state * rng.choice([0.3, 0.45, 0.6]))
         store["tier_caching"] = rng.choice(["exclusive", "inclusive"])
+    kw["habits"] = habits(rng, steps, accumulate)
     kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
     if kw["durable"]:
         kw["commit_every"] = rng.choice([1, 2])
     case = {"model": name, "optimizer": opt, **{k: v for k, v in kw.items() if k != "loss_fn"},
             "config": config, "store_config": store}
     return case, dict(kw, make=make, make_optimizer=OPTIMIZERS[opt], config=config, store_config=store)
+
+
+def habits(rng: random.Random, steps: int, accumulate: int):
+    """What a training loop does besides training (``test_finetune.Habits``): a NaN loss (the
+    step skipped), an LR schedule, held-out losses logged before or after a step."""
+    from test_finetune import Habits
+    h = Habits()
+    if rng.random() < 0.25:
+        h.poisoned = ((rng.randrange(steps), rng.randrange(accumulate)),)
+    if rng.random() < 0.3:
+        h.lr_decay = 0.5
+    if rng.random() < 0.4:
+        h.logs = {s: (rng.choice(["before-step", "after-step"]), rng.choice(["eval", "no-grad", "with-grad"]))
+                  for s in range(steps) if rng.random() < 0.5}
+    return h
 
 
 def run(case_kw: dict, directory: pathlib.Path) -> str:
@@ -136,30 +155,105 @@ def run(case_kw: dict, directory: pathlib.Path) -> str:
                 pass
 
 
+def draw_sharded(rng: random.Random) -> dict:
+    """A sharded case: ``tests/dist_worker.py``'s configuration (2-3 ranks, each its slice of the
+    state), checked against one process training plain PyTorch on every rank's batches
+    (``tests/test_distributed.py::reference``) to 1e-6 of the largest weight: the ranks' gradients
+    are summed in another order than one process's."""
+    model = rng.choice(["gpt", "gpt", "moe", "llama"])
+    layers = 4 if model == "moe" else rng.choice([3, 4, 6])
+    fused = model != "moe" and rng.random() < 0.4  # (the worker's micro-batches carry no routes)
+    cfg = {"layers": layers, "optimizer": rng.choice(["adamw", "sgd"]), "steps": 3, "accumulate": rng.choice([1, 2, 3]),
+           "clip": rng.choice([None, 0.5]), "scheduler": rng.random() < 0.5, "fused": fused,
+           "durable": rng.random() < 0.5, "timeout_s": 60, "world": rng.choice([2, 2, 3])}
+    if model != "gpt":
+        cfg["model"] = model
+    elif rng.random() < 0.3:
+        cfg["frozen"] = True
+    if rng.random() < 0.2:
+        cfg["clip_value"] = 0.01
+    if not fused:
+        cfg["dropped_forward"] = rng.random() < 0.2
+        cfg["zero_grad_late"] = rng.random() < 0.2
+    acts = rng.choice(["auto", "keep", "offload", "recompute", "mixed"])
+    cfg["activations"] = ([rng.choice(["keep", "offload", "recompute"]) for _ in range(layers)] if acts == "mixed"
+                          else acts)
+    cfg["host_fraction"] = rng.choice([0.6, 0.9, 1.3, 2.0])  # of the state / world
+    return cfg
+
+
+def run_sharded(cfg: dict, directory: pathlib.Path, zygote) -> str:
+    """``"ok"``, ``"refused: ..."`` (every failing rank's error raised while its engine was
+    built) or raises what failed."""
+    import test_distributed
+    from test_distributed import build, launch, reference
+    test_distributed._ZYGOTE = zygote
+    cfg = dict(cfg)
+    world, fraction = cfg.pop("world"), cfg.pop("host_fraction")
+    model = build(cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = 4 * (sum(p.numel() for p in model.parameters()) + trainable * (3 if cfg["optimizer"] == "adamw" else 2))
+    cfg["host_memory"] = int(fraction * state / world)
+    got = launch(world, directory, cfg, timeout=120, check=False)
+    failed = [log for code, log in got if code != 0]
+    if failed:
+        refused = [log for log in failed if "engine = Engine(" in log.split("Traceback")[-1]
+                   and ("TierCapacityError" in log or "ConfigError" in log)]
+        if len(refused) == len(failed):
+            return "refused: " + refused[0].strip().splitlines()[-1][:100]
+        first = [log for log in failed if "DistributedError" not in log] or failed  # (the others saw it stop)
+        raise AssertionError("a rank failed:\n" + first[0][-6000:])
+    import torch
+    have = torch.load(directory / "rank-0.pt", weights_only=False)["weights"]
+    expected = reference(world, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([have[k].flatten() for k in expected])
+    error = ((have - want).abs().max() / want.abs().max()).item()
+    if error > 1e-6:
+        raise AssertionError(f"the weights differ from one process's by {error:.2e} of the largest")
+    return "ok"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0, help="the first case's seed (case i draws from seed + i)")
     ap.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case counts as hung")
+    ap.add_argument("--sharded", action="store_true",
+                    help="sharded runs instead (2-3 ranks on gloo, against one process, to 1e-6)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
     zoo = models()
     counts = {"ok": 0, "refused": 0, "failed": 0}
-    for seed in range(args.seed, args.seed + args.cases):
-        case, kw = draw(random.Random(seed), zoo)
-        t0 = time.monotonic()
-        faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hang: every stack, then out
-        with tempfile.TemporaryDirectory(prefix=".fuzz-", dir=ROOT, ignore_cleanup_errors=True) as d:
-            try:
-                outcome = run(kw, pathlib.Path(d))
-            except Exception as e:
-                outcome = f"FAILED: {type(e).__name__}: {str(e)[:300]}\n    {case}"
-        faulthandler.cancel_dump_traceback_later()
-        counts[outcome.split(":")[0].lower()] += 1
-        print(f"{seed:6d} {time.monotonic() - t0:5.1f}s {outcome}", flush=True)
-    print(f"{args.cases} cases: {counts['ok']} bitwise, {counts['refused']} refused at construction, "
+    with contextlib.ExitStack() as stack:
+        zygote = None
+        if args.sharded:  # the ranks fork from one interpreter that imported torch and the library
+            sys.path.insert(0, str(ROOT / "tools"))
+            from crash_loop import WORKER_ENV
+            from zygote import Zygote
+            zygote = stack.enter_context(Zygote(env=WORKER_ENV))
+        for seed in range(args.seed, args.seed + args.cases):
+            rng = random.Random(seed)
+            if args.sharded:
+                case = draw_sharded(rng)
+                attempt = functools.partial(run_sharded, case, zygote=zygote)
+            else:
+                case, kw = draw(rng, zoo)
+                attempt = functools.partial(run, kw)
+            t0 = time.monotonic()
+            faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hang: every stack, then out
+            with tempfile.TemporaryDirectory(prefix=".fuzz-", dir=ROOT, ignore_cleanup_errors=True) as d:
+                try:
+                    outcome = attempt(pathlib.Path(d))
+                except Exception as e:
+                    outcome = f"FAILED: {type(e).__name__}: {str(e)[-6000:]}\n    {case}"
+            faulthandler.cancel_dump_traceback_later()
+            counts[outcome.split(":")[0].lower()] += 1
+            print(f"{seed:6d} {time.monotonic() - t0:5.1f}s {outcome}", flush=True)
+    print(f"{args.cases} cases: {counts['ok']} {'within 1e-6' if args.sharded else 'bitwise'}, "
+          f"{counts['refused']} refused at construction, "
           f"{counts['failed']} failed")
     return 1 if counts["failed"] else 0
 
