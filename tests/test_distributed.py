@@ -5,6 +5,7 @@ batches. The ranks fork from a zygote that imported torch once (tools/zygote.py:
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -523,3 +524,22 @@ def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command
     with pytest.raises(CheckpointError, match="export the run's root"):
         from tiered_offload.checkpoint.state_dir import StateDirectory
         StateDirectory(root / "rank-1-of-2").export(tmp_path / "out3")
+
+
+def test_the_options_fuzz_tells_sharded_runs_within_tolerance_from_refused_from_failed(tmp_path, zygote):
+    """``tools/fuzz_options.py --sharded``: a run whose weights are one process's to 1e-6 is ``ok``;
+    ranks that all raise a typed error while their engines are built are ``refused``; a rank that
+    stops in the middle of training is a failure (raised, its log the one that did not just see its
+    peer stop)."""
+    import fuzz_options
+    cfg = {"layers": 3, "optimizer": "adamw", "steps": 2, "accumulate": 1, "clip": 0.5, "world": 2,
+           "host_fraction": 1.3, "activations": "auto"}
+    assert fuzz_options.run_sharded(cfg, tmp_path / "a", zygote) == "ok"
+    refused = fuzz_options.run_sharded(dict(cfg, host_fraction=0.05), tmp_path / "b", zygote)
+    assert refused.startswith("refused: ") and "TierCapacityError" in refused
+    with pytest.raises(AssertionError, match="a rank failed") as failed:
+        fuzz_options.run_sharded(dict(cfg, die=[1, 1]), tmp_path / "c", zygote)
+    assert "DistributedError" not in str(failed.value)  # the rank that died, not its peer
+    for seed in range(20):  # every drawn configuration is one the worker takes
+        drawn = fuzz_options.draw_sharded(random.Random(seed))
+        assert not (drawn["fused"] and drawn.get("model") == "moe")
