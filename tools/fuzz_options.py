@@ -166,6 +166,8 @@ def draw_sharded(rng: random.Random) -> dict:
     cfg = {"layers": layers, "optimizer": rng.choice(["adamw", "sgd"]), "steps": 3, "accumulate": rng.choice([1, 2, 3]),
            "clip": rng.choice([None, 0.5]), "scheduler": rng.random() < 0.5, "fused": fused,
            "durable": rng.random() < 0.5, "timeout_s": 60, "world": rng.choice([2, 2, 3])}
+    if cfg["durable"] and rng.random() < 0.5:  # the ranks stop after that step; a second launch resumes
+        cfg["resume_at"] = rng.choice([1, 2])
     if model != "gpt":
         cfg["model"] = model
     elif rng.random() < 0.3:
@@ -194,7 +196,10 @@ def run_sharded(cfg: dict, directory: pathlib.Path, zygote) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     state = 4 * (sum(p.numel() for p in model.parameters()) + trainable * (3 if cfg["optimizer"] == "adamw" else 2))
     cfg["host_memory"] = int(fraction * state / world)
-    got = launch(world, directory, cfg, timeout=120, check=False)
+    resume_at = cfg.pop("resume_at", None)
+    got = launch(world, directory, dict(cfg, steps=resume_at or cfg["steps"]), timeout=120, check=False)
+    if resume_at is not None and all(code == 0 for code, _ in got):
+        got = launch(world, directory, cfg, timeout=120, check=False)
     failed = [log for code, log in got if code != 0]
     if failed:
         refused = [log for log in failed if "engine = Engine(" in log.split("Traceback")[-1]
