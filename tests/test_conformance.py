@@ -1259,6 +1259,21 @@ def test_autocast_bf16_trains_bitwise_as_pytorch_under_autocast(tmp_path, activa
     assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+@pytest.mark.parametrize("activations", ["keep", "offload", "recompute"])
+def test_autocast_casts_a_blocks_input_for_each_use_as_pytorch_does(tmp_path, activations, fused):
+    """DeBERTa's layers give their input straight to three projections (no norm first). Under
+    bf16 autocast PyTorch casts that input (an earlier layer's output) once for each of them, and
+    their gradients come back and are added in fp32. The engine gave each block its input as a
+    leaf tensor, whose casts autocast caches: one cast, the three gradients added in bf16, and
+    every layer below the last trained on other numbers (found by ``tools/fuzz_options.py``)."""
+    from test_finetune import Habits, hf_loss, make_deberta
+    from tiered_offload import EngineConfig
+    check_parity(make_deberta, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=hf_loss,
+                 steps=2, accumulate=2, host_fraction=0.8, fused=fused, config=EngineConfig(activations=activations),
+                 habits=Habits(autocast=True))
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["through-each-block", "dropout-learned-by-the-first-step"])
 def test_forward_backward_under_autocast_is_the_loop_with_forwards_in_it(tmp_path, dropout):
     """``with torch.autocast(...): engine.forward_backward(...)``: the forwards and losses in bf16

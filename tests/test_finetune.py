@@ -184,7 +184,8 @@ def train(model, optimizer, data, loss_fn, clip, habits=None):
     losses = []
     for s, step in enumerate(data):
         for ids, route in step:
-            loss = habits.loss(loss_fn, model, ids, route) / len(step)
+            with habits.forward():
+                loss = habits.loss(loss_fn, model, ids, route) / len(step)
             loss.backward()
             losses.append(loss.item())
         losses += habits.logged(model, loss_fn, s, "before-step", model)
@@ -197,6 +198,7 @@ def train(model, optimizer, data, loss_fn, clip, habits=None):
                 sched.step()
         model.zero_grad()  # every parameter's gradient, as engine.zero_grad() and HF Trainer do
         losses += habits.logged(model, loss_fn, s, "after-step", model)
+        habits.exported(model, s)
     return losses
 
 
@@ -207,18 +209,21 @@ def train_engine(engine, data, loss_fn, clip, fused=False, habits=None, start=0)
     losses = []
     for s, step in enumerate(data, start):
         if fused:
-            losses += [loss.item() for loss in fused_step(engine, step, functools.partial(habits.loss, loss_fn))]
+            with habits.forward():
+                losses += [loss.item() for loss in fused_step(engine, step, functools.partial(habits.loss, loss_fn))]
         else:
             for ids, route in step:
-                loss = habits.loss(loss_fn, engine, ids, route) / len(step)
+                with habits.forward():
+                    loss = habits.loss(loss_fn, engine, ids, route) / len(step)
                 engine.backward(loss)
                 losses.append(loss.item())
         losses += habits.logged(engine, loss_fn, s, "before-step", engine.model)
         if clip is not None:
             engine.clip_grad_norm_(clip)
-        engine.step()
-        engine.zero_grad()
+        (engine.optimizer if habits.optimizer_calls else engine).step()
+        (engine.optimizer if habits.optimizer_calls else engine).zero_grad()
         losses += habits.logged(engine, loss_fn, s, "after-step", engine.model)
+        habits.exported(engine.model, s, engine)
     return losses
 
 
@@ -229,10 +234,21 @@ class Habits:
     ``lr_decay``: a ``LambdaLR`` of ``1 / (1 + lr_decay * step)`` (attached to the engine);
     ``logs``: per step index, ``(when, how)``: a loss on a held-out batch, ``when`` ``"before-step"``
     (between the last backward and the step) or ``"after-step"``; ``how`` ``"eval"`` (``eval()`` and
-    ``no_grad``), ``"no-grad"`` (training mode) or ``"with-grad"`` (a graph dropped)."""
+    ``no_grad``), ``"no-grad"`` (training mode) or ``"with-grad"`` (a graph dropped); ``exports``:
+    the steps after which the engine's ``export_safetensors`` and ``named_parameters`` are read,
+    each PyTorch's weights then, bitwise; ``autocast``: the forwards and losses under bf16
+    ``torch.autocast``; ``optimizer_calls``: the loop calls ``engine.optimizer.step()`` and
+    ``.zero_grad()`` (the optimizer the engine was built from), not the engine's."""
     poisoned: tuple = ()
     lr_decay: float | None = None
     logs: dict = dataclasses.field(default_factory=dict)
+    exports: tuple = ()
+    autocast: bool = False
+    optimizer_calls: bool = False
+
+    def forward(self):
+        """Where the loop's forwards and losses run (bf16 autocast with :attr:`autocast`)."""
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
     @property
     def skips(self) -> bool:
@@ -242,8 +258,10 @@ class Habits:
         loss = loss_fn(model, ids, route)
         return loss * float("nan") if any(ids is p for p in self._poisoned_ids) else loss
 
-    def bind(self, data) -> "Habits":
-        """Names the poisoned micro-batches by their tensors in ``data`` (the same in both loops)."""
+    def bind(self, data, directory=None) -> "Habits":
+        """Names the poisoned micro-batches by their tensors in ``data`` (the same in both loops);
+        ``directory``: where the exports go."""
+        self._directory, self._weights = directory, {}
         self._poisoned_ids = [data[s][m][0] for s, m in self.poisoned]
         ids = batches(1, 1, seed=7)[0][0][0]
         routed = bool(data) and data[0][0][1] is not None  # (a MoE: its tokens spread over 4 experts)
@@ -251,6 +269,24 @@ class Habits:
         return self
 
     _poisoned_ids: list = dataclasses.field(default_factory=list)
+
+    def exported(self, model, step: int, engine=None) -> None:
+        """After ``step``: the reference's weights kept (``engine`` None), or the engine's exported
+        and read, each compared with them."""
+        if step not in self.exports:
+            return
+        if engine is None:
+            self._weights[step] = {k: v.detach().clone() for k, v in model.named_parameters()}
+            return
+        from safetensors.torch import load_file
+        out = Path(self._directory) / f"export-{step}"
+        engine.export_safetensors(out)
+        want = self._weights[step]
+        for name, got in (("export", load_file(out / "model.safetensors")), ("named_parameters",
+                                                                             dict(engine.named_parameters()))):
+            assert set(got) == set(want), f"{name} after step {step}: other names"
+            different = [k for k in want if not torch.equal(got[k].cpu(), want[k].cpu())]
+            assert not different, f"{name} after step {step}: not PyTorch's weights then: {different[:3]}"
 
     def scheduler(self, optimizer):
         if self.lr_decay is None:
@@ -314,7 +350,7 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     data = [[(ids.to(device), None if r is None else r.to(device)) for ids, r in step]
             for step in batches(steps, accumulate, routes=routes)]
     ref.to(device)
-    habits = (habits or Habits()).bind(data)
+    habits = (habits or Habits()).bind(data, tmp_path)
     losses_ref = train(ref, make_optimizer(ref), data, loss_fn, clip, habits)
 
     def build(resume):
@@ -981,10 +1017,11 @@ def test_random_numbers_a_loop_draws_after_its_last_step_are_where_the_resume_co
 def test_a_nan_loss_skips_its_step_and_the_schedule_as_pytorchs_loop_would(tmp_path, fused):
     """``on_nonfinite="skip"``: a step with a NaN micro-batch leaves the weights, the optimizer's
     state and the attached LR schedule as a PyTorch loop that skips ``step()`` on a non-finite
-    gradient; a resume after it starts from the steps that ran; held-out losses logged around it."""
+    gradient; a resume after it starts from the steps that ran; held-out losses logged around it;
+    the weights exported and read after it are PyTorch's then."""
     check_parity(make_llama, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=hf_loss,
                  steps=4, accumulate=2, clip=1.0, resume_at=2, fused=fused, durable=True,
-                 habits=Habits(poisoned=((1, 1),), lr_decay=0.5,
+                 habits=Habits(poisoned=((1, 1),), lr_decay=0.5, exports=(1, 3),
                                logs={1: ("before-step", "eval"), 2: ("after-step", "with-grad")}))
 
 

@@ -94,7 +94,7 @@ def draw(rng: random.Random, zoo: dict) -> tuple[dict, dict]:
         state = 16 * sum(p.numel() for p in make().parameters())
         store["device_budget_bytes"] = int(state * rng.choice([0.3, 0.45, 0.6]))
         store["tier_caching"] = rng.choice(["exclusive", "inclusive"])
-    kw["habits"] = habits(rng, steps, accumulate)
+    kw["habits"] = habits(rng, steps, accumulate, name == "moe")
     kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
     if kw["durable"]:
         kw["commit_every"] = rng.choice([1, 2])
@@ -103,15 +103,21 @@ def draw(rng: random.Random, zoo: dict) -> tuple[dict, dict]:
     return case, dict(kw, make=make, make_optimizer=OPTIMIZERS[opt], config=config, store_config=store)
 
 
-def habits(rng: random.Random, steps: int, accumulate: int):
+def habits(rng: random.Random, steps: int, accumulate: int, moe: bool):
     """What a training loop does besides training (``test_finetune.Habits``): a NaN loss (the
-    step skipped), an LR schedule, held-out losses logged before or after a step."""
+    step skipped), an LR schedule, held-out losses logged before or after a step, exports and
+    reads of the weights between steps (each PyTorch's then), bf16 autocast, the optimizer's own
+    ``step()`` and ``zero_grad()``."""
     from test_finetune import Habits
     h = Habits()
     if rng.random() < 0.25:
         h.poisoned = ((rng.randrange(steps), rng.randrange(accumulate)),)
     if rng.random() < 0.3:
         h.lr_decay = 0.5
+    h.autocast = rng.random() < 0.2 and not moe  # (the test MoE's index_put mixes dtypes under autocast)
+    h.optimizer_calls = rng.random() < 0.3
+    if rng.random() < 0.25:
+        h.exports = tuple(s for s in range(steps) if rng.random() < 0.5)
     if rng.random() < 0.4:
         h.logs = {s: (rng.choice(["before-step", "after-step"]), rng.choice(["eval", "no-grad", "with-grad"]))
                   for s in range(steps) if rng.random() < 0.5}

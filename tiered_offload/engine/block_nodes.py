@@ -49,7 +49,9 @@ class StreamedBlock(torch.autograd.Function):
         # block's graph is let go as soon as its outputs are detached.
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
-        args, kwargs = rebuild(spec, leaves, inputs)
+        with torch.enable_grad():
+            given = as_layer_outputs(inputs)
+        args, kwargs = rebuild(spec, leaves, given)
         unit = engine.binding.blocks[index]
         snapshot = engine.binding.snapshot_buffers(unit)
         attributes = snapshot_attributes(unit.module)
@@ -67,7 +69,7 @@ class StreamedBlock(torch.autograd.Function):
         del snapshot
         out_leaves, out_spec = tree_flatten(out)
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
-        ids = {id(t) for t in inputs}
+        ids = {id(t) for t in [*inputs, *given]}
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
         keep_non_differentiable(ctx, out_leaves, returned)
@@ -99,7 +101,9 @@ class StashedBlock(torch.autograd.Function):
         ctx.binding = engine.rest_binding
         needs = ctx.needs_input_grad[6:]
         inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
-        args, kwargs = rebuild(spec, leaves, inputs)
+        with torch.enable_grad():
+            given = as_layer_outputs(inputs)
+        args, kwargs = rebuild(spec, leaves, given)
         unit = engine.binding.blocks[index]
         flat = engine.fetch_for_forward(unit)
         try:
@@ -119,13 +123,13 @@ class StashedBlock(torch.autograd.Function):
             engine.release_weights(unit)
         out_leaves, out_spec = tree_flatten(out)
         del out
-        ids = {id(t) for t in inputs}
+        ids = {id(t) for t in [*inputs, *given]}
         returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
                     for x in out_leaves]
         keep_non_differentiable(ctx, out_leaves, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
         on_ctx = kept_on_ctx([*(x for x in out_leaves if isinstance(x, torch.Tensor)), *(t for _, t in extras)],
-                             [*params.values(), *inputs], flat)
+                             [*params.values(), *inputs, *given], flat)
         if on_ctx:
             engine.discard(stash)
             raise ConfigError(engine.kept_on_ctx_message(unit, on_ctx))
@@ -189,6 +193,19 @@ def backward_once(ctx) -> None:
 def placeholder_of(t: torch.Tensor) -> torch.Tensor:
     """A tensor of ``t``'s shape, dtype and device that holds one element."""
     return placeholder(t.shape, t.dtype, t.device)
+
+
+def as_layer_outputs(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A block's inputs (leaf tensors here) as the block sees them in PyTorch's model, where they
+    are an earlier layer's outputs. Under autocast the difference shows: autocast casts a leaf that
+    requires grad once and caches the cast for every later use, so the gradients of those uses are
+    added in bf16; a layer's output is cast at each use, their gradients added in fp32. So under
+    autocast each such leaf is given as a copy (``clone``: the same bits, its gradient passed back
+    unchanged), an output of a node as in PyTorch. Call with grad mode on (a block node's forward
+    runs without it), or the copy would not lead back to the leaf."""
+    if not any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")) or not torch.is_autocast_cache_enabled():
+        return inputs
+    return [x.clone() if x.requires_grad else x for x in inputs]
 
 
 def rebuild(spec, leaves, tensors):

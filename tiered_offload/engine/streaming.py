@@ -31,8 +31,8 @@ from tiered_offload.engine.activations import (SavedActivations, autocast_state,
                                                 replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
-from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, placeholder_of,
-                                                rebuild)
+from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
+                                                placeholder_of, rebuild)
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -661,7 +661,6 @@ class BlockStreamer:
             inputs = [stash.unpack(h).detach().requires_grad_(n) for h, n in zip(handles, needs)]
             diff_inputs = [x for x, n in zip(inputs, needs) if n]
             params = self.param_leaves(unit, flat, gflat)
-            args, kwargs = rebuild(spec, leaves, inputs)
             devices = [self.device] if self.device.type == "cuda" else []
             kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
             attributes = [(mod, name, mod.__dict__[name]) for mod, name in
@@ -676,6 +675,7 @@ class BlockStreamer:
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
+                    args, kwargs = rebuild(spec, leaves, as_layer_outputs(inputs))  # (in the forward's autocast)
                     out = call_block(unit.module, params, args, kwargs)
                 extras = [t for _, t in extras] + [mod.__dict__[name] for mod, name, _ in attributes]
             finally:
