@@ -215,6 +215,8 @@ def main() -> int:
     engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
                     resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
                     init_from=cfg.get("init_from"),
+                    # a device tier (of CPU memory here) with its own budget, as each rank's GPU
+                    store_config={"device_budget_bytes": cfg["device_budget"]} if cfg.get("device_budget") else None,
                     config=EngineConfig(activations=cfg.get("activations_by_rank", {}).get(str(rank),
                                                                                          cfg.get("activations", "auto"))))
     if cfg.get("scheduler"):  # stepped by the engine; its state is saved with every step

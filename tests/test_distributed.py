@@ -282,7 +282,7 @@ def test_a_nan_loss_on_one_rank_in_forward_backward_stops_every_rank_typed(tmp_p
 
 @pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
 def test_a_sharded_lora_run_at_a_budget_it_accepted_trains_to_the_end(fused, tmp_path):
-    """PEFT's LoRA on a Llama, 2 ranks, each rank's host budget its share of the state twice over
+    """PEFT's LoRA on a Llama, 2 ranks, each rank's host budget 2.2 times its share of the state
     (found by ``tools/fuzz_options.py --sharded``): the engine was built, then the first backward
     died with a ``TierCapacityError`` for a block's full gradient buffer, 38 KiB where the
     block's trainable part is 1 KiB, the tier's free room in holes of at most 32 KiB."""
@@ -291,8 +291,33 @@ def test_a_sharded_lora_run_at_a_budget_it_accepted_trains_to_the_end(fused, tmp
     model = build(cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     state = 4 * (sum(p.numel() for p in model.parameters()) + 3 * trainable)
-    cfg["host_memory"] = state  # each rank: twice its share
+    cfg["host_memory"] = int(1.1 * state)  # each rank: 2.2 times its share
     got = launch(2, tmp_path, cfg)[0]["weights"]
+    expected = reference(2, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+def test_sharded_experts_with_a_device_tier_are_refused_up_front_or_train_to_the_end(tmp_path):
+    """A mixture of experts on 2 ranks, each with a device tier (CPU memory standing in for its
+    GPU) of 0.8 of its host budget (found by ``tools/fuzz_options.py --sharded``): the engine was
+    built, then the first backward died with a ``TierCapacityError`` in the device tier: the
+    gathered buffers and the stored slices beside them, each rounded up to the tier's blocks, left
+    24 KiB free in holes of 8 KiB for a 12 KiB gradient slice. The working set now counts the
+    slices: that budget is refused when the engine is built, and the least budget the refusal names
+    trains to the end."""
+    cfg = {"model": "moe", "layers": 4, "optimizer": "adamw", "steps": 3, "accumulate": 1, "clip": None,
+           "durable": True, "activations": ["keep", "keep", "recompute", "recompute"]}
+    model = build(cfg)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    cfg["host_memory"] = int(0.9 * state / 2)
+    cfg["device_budget"] = int(0.8 * cfg["host_memory"])
+    refused = launch(2, tmp_path / "refused", cfg, check=False)
+    assert all(code != 0 and "cannot hold one step's working set" in log for code, log in refused)
+    need = int(re.search(r"\((\d+) bytes\) needed", refused[0][1]).group(1))
+    assert need > cfg["device_budget"]
+    got = launch(2, tmp_path / "least", dict(cfg, device_budget=need))[0]["weights"]
     expected = reference(2, cfg)
     want = torch.cat([w.detach().flatten() for w in expected.values()])
     have = torch.cat([got[k].flatten() for k in expected])

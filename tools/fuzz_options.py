@@ -187,6 +187,8 @@ def draw_sharded(rng: random.Random) -> dict:
     cfg["activations"] = ([rng.choice(["keep", "offload", "recompute"]) for _ in range(layers)] if acts == "mixed"
                           else acts)
     cfg["host_fraction"] = rng.choice([0.6, 0.9, 1.3, 2.0])  # of the state / world
+    if rng.random() < 0.4:
+        cfg["device_fraction"] = rng.choice([0.5, 0.8])  # of the host budget: each rank's device tier
     return cfg
 
 
@@ -202,6 +204,8 @@ def run_sharded(cfg: dict, directory: pathlib.Path, zygote) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     state = 4 * (sum(p.numel() for p in model.parameters()) + trainable * (3 if cfg["optimizer"] == "adamw" else 2))
     cfg["host_memory"] = int(fraction * state / world)
+    if "device_fraction" in cfg:
+        cfg["device_budget"] = int(cfg.pop("device_fraction") * cfg["host_memory"])
     resume_at = cfg.pop("resume_at", None)
     got = launch(world, directory, dict(cfg, steps=resume_at or cfg["steps"]), timeout=120, check=False)
     if resume_at is not None and all(code == 0 for code, _ in got):

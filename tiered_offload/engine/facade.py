@@ -193,7 +193,8 @@ class Engine(EngineViews):
             "policy": "lookahead", "prefetch_depth": self.config.prefetch_depth, "versioned_writes": self.durable,
             **(store_config or {})}))
         self.store.open()
-        self.schedule = Schedule(self.units, kinds, lambda n: self.store.footprint(n, self.store.compute_tier))
+        self.schedule = Schedule(self.units, kinds, lambda n: self.store.footprint(n, self.store.compute_tier),
+                                 world=self._placement.world)
         """Unit order, access sequence and budget arithmetic (pure numbers)."""
         self._units_by_name = {u.name: u for u in self.units}
         snapshot = self._placement.world == 1 and (

@@ -162,6 +162,8 @@ class Schedule:
     units: list[UnitLayout]
     state_kinds: tuple[str, ...]
     footprint: Callable[[int], int] = field(default=lambda n: n)
+    world: int = 1
+    """Ranks the state is sharded over (each stores a slice of every unit and gathers it whole)."""
 
     def __post_init__(self):
         rest = [u for u in self.units if not u.is_block]
@@ -247,17 +249,24 @@ class Schedule:
         """Bytes of training state on disk: every unit's weights, gradients and optimizer states."""
         return sum((u.numel + u.grad_numel + len(self.state_kinds) * u.state_numel) * FP32_BYTES for u in self.units)
 
+    def _part(self, numel: int) -> int:
+        """Sharded: compute-tier bytes of one rank's slice of ``numel`` elements (0 on one process)."""
+        return self._bytes(-(-numel // self.world)) if self.world > 1 and numel else 0
+
     def working_set(self) -> WorkingSet:
         """What one step needs resident at once (see :class:`WorkingSet`)."""
         b = self.unit_bytes
         blocks = self.blocks or [self.rest]
         biggest = max(blocks, key=lambda u: b(u, "weight"))
         block_w = max(b(u, "weight") for u in blocks)
-        rest = b(self.rest, "weight") + b(self.rest, "grad")
+        # sharded, the rest's gradient slice is pinned beside its full buffer for the whole pass
+        rest = b(self.rest, "weight") + b(self.rest, "grad") + self._part(self.rest.grad_numel)
         # a streamed unit's weights and gradients, and its neighbour's weights (the next one in
-        # forward or backward order, prefetched)
-        streamed = max(b(u, "weight") + b(u, "grad") +
-                       max([b(n, "weight") for n in blocks[max(0, i - 1):i] + blocks[i + 1:i + 2]], default=0)
+        # forward or backward order, prefetched); sharded, the unit's gathered buffers beside its
+        # weight and gradient slices, and the neighbour's slice (gathered ahead only with room beyond)
+        near = (lambda n: self._part(n.numel)) if self.world > 1 else (lambda n: b(n, "weight"))
+        streamed = max(b(u, "weight") + b(u, "grad") + self._part(u.numel) + self._part(u.grad_numel) +
+                       max([near(n) for n in blocks[max(0, i - 1):i] + blocks[i + 1:i + 2]], default=0)
                        for i, u in enumerate(blocks))
         fwd_bwd = rest + streamed
         opt = max(b(u, "weight") + b(u, "grad") + b(u, "piece") for u in self.units)
@@ -305,7 +314,8 @@ class Schedule:
         ws = self.working_set()
         b = self.unit_bytes
         step = ws.optimizer if overlap else 0
-        return {i: max(0, capacity - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - ws.block_bytes - step)
+        return {i: max(0, capacity - ws.slack - ws.rest_bytes - b(u, "weight") - b(u, "grad") - self._part(u.numel)
+                       - self._part(u.grad_numel) - ws.block_bytes - step)
                 for i, u in enumerate(self.blocks)}
 
     def gather_ahead_fits(self, capacity: int) -> bool:
