@@ -328,22 +328,8 @@ class DurableCommits(Commits):
     def close(self) -> None:
         try:
             self.session.wait()
-            self._keep_random_state()
         finally:
             self.session.close()
-
-    def _keep_random_state(self) -> None:
-        """The last step is committed: where the loop drew random numbers since (a loss logged in
-        training mode with dropout), rewrite the manifest with the random state as it is now, so
-        that a resume continues the stream a run never stopped would have drawn from. (A crash
-        resumes with the state as it was at the step: what the loop drew after it is lost.)"""
-        committer = self.session.committer
-        meta = committer.committed_meta if committer is not None else None
-        if meta is None or committer.step != self.train_state.step_count:
-            return
-        rng = self.train_state.rng()
-        if meta.get("rng") != rng:
-            committer.write_manifest(committer.step, {**meta, "rng": rng})
 
     def release(self) -> None:
         self.session.close()
@@ -418,6 +404,5 @@ class SnapshotCommits(DurableCommits):
             if self.pending is not None:  # steps since the last scheduled commit
                 self._commit_pending()
                 self.session.wait()
-            self._keep_random_state()
         finally:
             self.session.close()

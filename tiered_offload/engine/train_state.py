@@ -129,19 +129,13 @@ class TrainState:
         return [hyper_from_json(h, g) for h, g in zip(saved, self.param_groups)]
 
     # ---- saving and restoring ------------------------------------------------------------------
-    def rng(self) -> dict:
-        """The random state as the meta saves it: PyTorch's default generators (CPU; CUDA on a GPU)
-        and the model's own."""
+    def state_dict(self) -> dict:
+        """What, besides the tensors, the state after the last step is (JSON: the manifest's ``meta``)."""
         rng = {"cpu": encode_rng(torch.get_rng_state())}
         if self.device.type == "cuda":
             rng["cuda"] = encode_rng(torch.cuda.get_rng_state(self.device))
         if self.generators:
             rng["own"] = {name: encode_rng(g.get_state()) for name, g in self.generators}
-        return rng
-
-    def state_dict(self) -> dict:
-        """What, besides the tensors, the state after the last step is (JSON: the manifest's ``meta``)."""
-        rng = self.rng()
         try:
             user = json.loads(json.dumps(self.user_state, allow_nan=False))
         except (TypeError, ValueError) as e:
