@@ -1259,8 +1259,8 @@ def test_autocast_bf16_trains_bitwise_as_pytorch_under_autocast(tmp_path, activa
     assert all(torch.equal(weights[k], p.detach()) for k, p in ref.named_parameters())
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
-@pytest.mark.parametrize("activations", ["keep", "offload", "recompute"])
+@pytest.mark.parametrize("activations, fused", [("keep", False), ("offload", True), ("recompute", False)],
+                         ids=["keep-loop", "offload-forward_backward", "recompute-loop"])
 def test_autocast_casts_a_blocks_input_for_each_use_as_pytorch_does(tmp_path, activations, fused):
     """DeBERTa's layers give their input straight to three projections (no norm first). Under
     bf16 autocast PyTorch casts that input (an earlier layer's output) once for each of them, and

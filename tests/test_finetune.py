@@ -193,9 +193,10 @@ def train(model, optimizer, data, loss_fn, clip, habits=None):
         losses += habits.logged(model, loss_fn, s, "before-step", model)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
         at_step = torch.get_rng_state() if s + 1 == habits.resume_at else at_step
-        if finite or not habits.skips:  # (on_nonfinite="skip": the step and the scheduler's skipped)
+        # (on_nonfinite="skip": the step and the scheduler's skipped)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not habits.skips or all(bool(torch.isfinite(g).all()) for g in grads):
             optimizer.step()
             if sched is not None:
                 sched.step()
