@@ -193,10 +193,11 @@ def train(model, optimizer, data, loss_fn, clip, habits=None):
         losses += habits.logged(model, loss_fn, s, "before-step", model)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        at_step = torch.get_rng_state() if s + 1 == habits.resume_at else at_step
         # (on_nonfinite="skip": the step and the scheduler's skipped)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not habits.skips or all(bool(torch.isfinite(g).all()) for g in grads):
+            if habits.resume_at is not None and s < habits.resume_at:  # the last step taken: its commit's
+                at_step = torch.get_rng_state()
             optimizer.step()
             if sched is not None:
                 sched.step()
@@ -241,8 +242,8 @@ class Habits:
     ``no_grad``), ``"no-grad"`` (training mode) or ``"with-grad"`` (a graph dropped); ``exports``:
     the steps after which the engine's ``export_safetensors`` and ``named_parameters`` are read,
     each PyTorch's weights then, bitwise; ``resume_at`` (set by ``check_parity``): the step a
-    resume starts at, where the reference restores the random state of the step before, as the
-    resume does (what the loop drew after that step, a loss logged in training mode with dropout,
+    resume starts at, where the reference restores the random state of the last step taken before
+    (a skipped one commits nothing), as the resume does (what the loop drew after that step, a loss logged in training mode with dropout,
     is drawn again); ``autocast``: the forwards and losses under bf16
     ``torch.autocast``; ``optimizer_calls``: the loop calls ``engine.optimizer.step()`` and
     ``.zero_grad()`` (the optimizer the engine was built from), not the engine's."""
