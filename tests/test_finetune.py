@@ -243,10 +243,11 @@ class Habits:
     the steps after which the engine's ``export_safetensors`` and ``named_parameters`` are read,
     each PyTorch's weights then, bitwise; ``resume_at`` (set by ``check_parity``): the step a
     resume starts at, where the reference restores the random state of the last step taken before
-    (a skipped one commits nothing), as the resume does (what the loop drew after that step, a loss logged in training mode with dropout,
-    is drawn again); ``autocast``: the forwards and losses under bf16
-    ``torch.autocast``; ``optimizer_calls``: the loop calls ``engine.optimizer.step()`` and
-    ``.zero_grad()`` (the optimizer the engine was built from), not the engine's."""
+    it (a skipped one commits nothing), as the resume does: what the loop drew after that step (a
+    loss logged in training mode with dropout) is drawn again; ``autocast``: the forwards and
+    losses under bf16 ``torch.autocast``; ``optimizer_calls``: the loop calls
+    ``engine.optimizer.step()`` and ``.zero_grad()`` (the optimizer the engine was built from), not
+    the engine's."""
     poisoned: tuple = ()
     lr_decay: float | None = None
     logs: dict = dataclasses.field(default_factory=dict)
@@ -254,6 +255,7 @@ class Habits:
     autocast: bool = False
     optimizer_calls: bool = False
     resume_at: int | None = None
+    _poisoned_ids: list = dataclasses.field(default_factory=list)
 
     def forward(self):
         """Where the loop's forwards and losses run (bf16 autocast with :attr:`autocast`)."""
@@ -276,8 +278,6 @@ class Habits:
         routed = bool(data) and data[0][0][1] is not None  # (a MoE: its tokens spread over 4 experts)
         self._held_out = ids, ids % 4 if routed else None
         return self
-
-    _poisoned_ids: list = dataclasses.field(default_factory=list)
 
     def exported(self, model, step: int, engine=None) -> None:
         """After ``step``: the reference's weights kept (``engine`` None), or the engine's exported
