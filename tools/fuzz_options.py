@@ -4,10 +4,12 @@
 Each case draws a model (GPT-2 with and without dropout, Llama, DeBERTa-v2 with relative
 attention, a routed MoE), an optimizer of ``torch.optim`` with some of its options, 3-4 steps of
 1-3 micro-batches (the loop of ``engine.backward`` or ``engine.forward_backward``), clipping, a
-resume, durability and ``commit_every``, a NaN loss (the step skipped), an LR schedule, held-out
-losses logged around the step (``eval()`` and ``no_grad``, or a graph dropped), host and device budgets (the device tier of CPU memory,
+resume, durability and ``commit_every``, host and device budgets (the device tier of CPU memory,
 exclusive or inclusive caching), the update's placement, activation modes, the step's mode, its
-lead, piece and chunk sizes and the prefetch depth. Every case must end one of two ways:
+lead, piece and chunk sizes and the prefetch depth; and what a loop does besides training
+(``test_finetune.Habits``: a NaN loss, an LR schedule, held-out losses logged around the step,
+exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls). Every
+case must end one of two ways:
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
 * **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
@@ -16,14 +18,18 @@ lead, piece and chunk sizes and the prefetch depth. Every case must end one of t
 Anything else is a failure: a different number, an error in the middle of training, or a hang
 (the store's ``wait_timeout_s`` is 20 s here, and a case that runs ``--case-timeout`` seconds is
 stopped with every thread's stack). A failure prints the case's options; ``--seed N --cases 1``
-runs that case alone again.
+runs that case alone again. ``--sharded`` draws runs of ``tests/dist_worker.py`` over 2-3 ranks
+instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
 
     python tools/fuzz_options.py --cases 300            # about 10 minutes on a 2-core machine
     python tools/fuzz_options.py --seed 1343 --cases 1  # one case again
+    python tools/fuzz_options.py --sharded --cases 120  # about 4 minutes
 
-It found a hang (a prefetch that waited for room to stage a victim: its own load's operation) and
-a failure mid-step (an update on the host beside the forward, activations offloaded): see
-``store/waits.py``. Exits 1 if any case failed.
+It found a hang (a prefetch that waited for room to stage a victim: its own load's operation), a
+failure mid-step (an update on the host beside the forward, activations offloaded: see
+``store/waits.py``), autocast's cached casts of a block's inputs (``block_nodes.as_layer_outputs``)
+and two sharded budgets accepted then failed (``ShardLayout.grad_prefix``, ``Schedule.world``).
+Exits 1 if any case failed.
 """
 
 from __future__ import annotations
