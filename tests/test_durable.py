@@ -9,7 +9,9 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import zlib
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from offload_core.errors import (
     StorageLockedError,
     TieredOffloadError,
 )
+from offload_core.futures import IOFuture, failed
 from storage_backends.posix import PosixBackend
 from storage_backends.testing import FaultInjectingBackend
 from tiered_offload import Engine, empty_init
@@ -498,6 +501,55 @@ def test_disk_full_at_any_moment_keeps_the_last_committed_state(tmp_path, uninte
     resumed = make_engine(tmp_path / "s", resume=True)
     step = resumed.step_count
     assert same(weights(resumed), per_step[step]), step
+    resumed.close()
+    assert StateDirectory(tmp_path / "s").verify()["ok"]
+
+
+class _FullMidUnit(FaultInjectingBackend):
+    """From step 3 on, the write of ``rest``'s ``exp_avg_sq`` finds the disk full while the write of
+    its ``exp_avg``, started just before, is still in flight (held back for a moment)."""
+
+    def _write_from(self, key, buffer, offset):
+        name, _, generation = key.rpartition("@")
+        if name == "rest/state.exp_avg_sq" and int(generation) >= 3:
+            return failed(DiskFullError(f"injected ENOSPC writing {key!r}", path=key, needed_bytes=1, free_bytes=0))
+        if name == "rest/state.exp_avg" and int(generation) >= 3:
+            def slow():
+                time.sleep(0.3)
+                return self.inner.write_from(key, buffer, offset)
+            return self._delayed_by(slow, key)
+        return super()._write_from(key, buffer, offset)
+
+    def _delayed_by(self, start, key):
+        out: Future = Future()
+
+        def run():
+            try:
+                out.set_result(start().get())
+            except BaseException as e:  # noqa: BLE001 - reaches the waiter
+                out.set_exception(e)
+        threading.Thread(target=run, daemon=True).start()
+        return IOFuture(out, f"write {key}")
+
+
+def test_a_write_that_lands_after_a_failed_step_deletes_nothing_the_directory_needs(tmp_path, uninterrupted):
+    """Seen in CI (1 run in ~50): a full disk cut a unit's update short while another of its writes
+    was in flight; ``close()`` detached the commit protocol, and that write, landing after, deleted
+    the extent it superseded, which the manifest named. The resume found the committed state gone."""
+    per_step, _ = uninterrupted
+    engine = make_engine(_FullMidUnit(PosixBackend(tmp_path / "s")), durable=True)
+    torch.manual_seed(123)
+    with pytest.raises(DiskFullError):
+        train(engine, 6)
+        engine.wait_committed()
+    try:
+        engine.close()
+    except TieredOffloadError:
+        pass
+    time.sleep(0.5)  # the held-back write has landed
+    resumed = make_engine(tmp_path / "s", resume=True)
+    assert resumed.step_count in (2, 3)  # step 3 is committed once its intent is on disk
+    assert same(weights(resumed), per_step[resumed.step_count])
     resumed.close()
     assert StateDirectory(tmp_path / "s").verify()["ok"]
 

@@ -424,11 +424,7 @@ class Committer:
 
     def __init__(self, files: StateFiles, store, units: dict[str, list[str]], grads: dict[str, str],
                  describe: Callable[[int, dict[str, Ref], dict], dict]):
-        self.files = files
-        self.store = store
-        self.units = units
-        self.grads = grads
-        self.describe = describe
+        self.files, self.store, self.units, self.grads, self.describe = files, store, units, grads, describe
         self._lock = threading.Condition()
         self._committed: dict[str, Ref] = {}
         self._latest: dict[str, str] = {}
@@ -442,8 +438,7 @@ class Committer:
         self._in_window: dict[str, int] = {}
         """Units updated but not yet recorded, and the bytes of their new extents."""
         self._meta: dict = {}
-        self._step = 0
-        self._snapshotting = False
+        self._step, self._snapshotting = 0, False
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-offload-journal")
         store.on_disk_written = self._written
@@ -743,7 +738,9 @@ class Committer:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.store.on_disk_written = None
+        # a write landing after this (of a unit whose update failed midway) may supersede committed
+        # state: nothing is deleted from now on; the next start deletes what no commit refers to
+        self.store.on_disk_written = lambda key, extent, crc, old: None
 
 
 def _ref(value) -> Ref:

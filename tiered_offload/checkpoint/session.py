@@ -89,12 +89,13 @@ class CheckpointSession:
             empty = {k for k, t in sizes.items() if t["nbytes"] == 0}  # a 0-byte tensor has no file
             missing = sorted(k for k, r in refs.items() if r and r[0] not in present and k not in empty)
             if missing:
-                where = self.files.journal_path if self.recovered.intent is not None else self.files.manifest_path
+                where = (f"{self.files.journal_path} and {self.files.manifest_path} describe"
+                         if self.recovered.intent is not None else f"{self.files.manifest_path} describes")
+                first = f"tensor {missing[0]!r}: {self.store.backend.describe(refs[missing[0]][0])}"
                 raise CorruptionError(
                     f"{self.store.backend.location}: the committed state needs {len(missing)} file(s) that are not there "
-                    f"(tensor {missing[0]!r}: {self.store.backend.describe(refs[missing[0]][0])}), as {where} and "
-                    f"{self.files.manifest_path} describe it. A record may be damaged or a file was removed; nothing "
-                    f"was deleted. Restore the directory from a copy")
+                    f"({first}), as {where} it. A record may be damaged or a file was removed; nothing was deleted. "
+                    f"Restore the directory from a copy")
         for extent in present:
             key, generation = parse_extent(extent)
             if key in mine and generation is not None and extent not in keep:
