@@ -316,14 +316,38 @@ def _torchrun_command(config: Path, world: int, *overrides: str) -> list[str]:
             "--no-progress", *overrides]
 
 
-def _torchrun(config: Path, world: int, *overrides: str, timeout: float = 300) -> str:
-    done = subprocess.run(_torchrun_command(config, world, *overrides), env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stdout
+def _start_ranks(zygote, config: Path, world: int, *overrides: str) -> list:
+    """``world`` ranks of ``torchrun --nproc_per_node WORLD -m tiered_offload train``, forked from the
+    suite's zygote with the environment torchrun gives each (a launch through torchrun itself takes
+    a fresh interpreter per rank and the launcher's: `test_an_error_in_the_data_under_torchrun_...`)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["train", "--config", str(config), "--no-progress", *overrides]
+    return [zygote.launch(ROOT / "tests" / "cli_worker.py", args, dict(
+        RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in range(world)]
 
 
-def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all(tmp_path, model_dir, data):
+def _finish_ranks(ranks: list, timeout: float = 300) -> list[tuple[int, str, str]]:
+    """Each rank's exit code, stdout and stderr (every rank killed if one outlives ``timeout``)."""
+    try:
+        outputs = [r.communicate(timeout=timeout) for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+    return [(r.returncode, out, err) for r, (out, err) in zip(ranks, outputs)]
+
+
+def _torchrun(zygote, config: Path, world: int, *overrides: str) -> str:
+    done = _finish_ranks(_start_ranks(zygote, config, world, *overrides))
+    assert all(code == 0 for code, _, _ in done), "\n".join(
+        f"rank {r} exited {code}:\n{out[-2000:]}{err[-4000:]}" for r, (code, out, err) in enumerate(done) if code)
+    return "".join(out for _, out, _ in done)
+
+
+def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all(tmp_path, model_dir, data, zygote):
     """``torchrun --nproc_per_node 2 -m tiered_offload train``: the state sharded over the ranks
     (each its slice in ``storage/rank-R-of-2``), each rank its own micro-batches of every step (the
     step's sequences those of one process accumulating twice as many), the gradients averaged: one
@@ -332,8 +356,8 @@ def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all
     once, the export is the one model, and the same command again resumes every rank."""
     sharded = write_config(tmp_path / "ranks", model_dir, data, train__max_steps=2, output__export_every=0,
                            train__grad_accum=1, train__eval_every=2)
-    _torchrun(sharded, 2)
-    _torchrun(sharded, 2, "train.max_steps=4")
+    _torchrun(zygote, sharded, 2)
+    _torchrun(zygote, sharded, 2, "train.max_steps=4")
     assert sorted(p.name for p in (tmp_path / "ranks" / "run").glob("rank-*")) == ["rank-0-of-2", "rank-1-of-2"]
     one = write_config(tmp_path / "one", model_dir, data, train__max_steps=4, output__export_every=0,
                        train__grad_accum=2, train__eval_every=2)
@@ -350,10 +374,8 @@ def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all
     have, w = (torch.cat([d[k].flatten() for k in sorted(want)]) for d in (got, want))
     assert ((have - w).norm() / w.norm()).item() <= 1e-6 and ((have - w).abs().max() / w.abs().max()).item() <= 1e-6
     assert (tmp_path / "ranks" / "out" / "final" / "tokenizer.json").is_file()
-    refused = subprocess.run(_torchrun_command(sharded, 3, "train.max_steps=6"), capture_output=True, text=True,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)  # (nothing started over)
-    assert refused.returncode != 0 and refused.stderr.count("another number of ranks (rank-0-of-2") == 3, \
-        refused.stderr[-3000:]
+    refused = _finish_ranks(_start_ranks(zygote, sharded, 3, "train.max_steps=6"))  # (nothing started over)
+    assert all(code != 0 and "another number of ranks (rank-0-of-2" in err for code, _, err in refused), refused
 
 
 def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, model_dir):
@@ -367,36 +389,32 @@ def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, 
     assert done.stderr.count(f"data.path {empty} holds no example") == 2, done.stderr[-3000:]
 
 
-def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, model_dir, data):
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, model_dir, data, zygote):
     """SIGINT to one rank of a torchrun (a scheduler's SIGTERM may also reach one first): every rank
     finishes the same step, commits and exits 0 (one rank stopping alone would leave the others
     waiting in the next step's collectives); rank 0 says where it stopped, and the same command
     continues there."""
     config = write_config(tmp_path, model_dir, data, train__max_steps=400, output__export_every=0,
                           train__grad_accum=1, train__eval_every=0)
-    proc = subprocess.Popen(_torchrun_command(config, 2), env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = _start_ranks(zygote, config, 2)
     metrics, deadline = tmp_path / "out" / "metrics.jsonl", time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and proc.poll() is None:
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and ranks[0].poll() is None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-    rank_1 = [c for c in children if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{c}/environ").read_bytes()]
-    os.kill(rank_1[0], signal.SIGINT)
-    output, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, output[-4000:]
+    ranks[1].send_signal(signal.SIGINT)
+    done = _finish_ranks(ranks, timeout=240)
+    assert all(code == 0 for code, _, _ in done), done
+    output = "".join(out + err for _, out, err in done)
     stopped = [int(m) for m in re.findall(r"stopped at step (\d+) \(committed\)", output)]
     steps = [r["step"] for r in _records(tmp_path / "out")]
     assert len(stopped) == 1 and steps == list(range(1, stopped[0] + 1)) and stopped[0] < 400, (stopped, steps)
-    _torchrun(config, 2, f"train.max_steps={stopped[0] + 1}")
+    _torchrun(zygote, config, 2, f"train.max_steps={stopped[0] + 1}")
     assert [r["step"] for r in _records(tmp_path / "out") if "loss" in r] == list(range(1, stopped[0] + 2))
 
 
-def test_sigint_finishes_the_step_commits_and_the_next_run_continues(tmp_path, model_dir, data):
+def test_sigint_finishes_the_step_commits_and_the_next_run_continues(tmp_path, model_dir, data, zygote):
     config = write_config(tmp_path, model_dir, data, train__max_steps=20, output__export_every=0)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "tiered_offload", "train", "--config", str(config), "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = zygote.launch(ROOT / "tests" / "cli_worker.py", ["train", "--config", str(config), "--no-progress"])
     metrics = tmp_path / "out" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
