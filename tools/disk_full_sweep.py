@@ -1,7 +1,7 @@
 """Fill the disk at many moments of a durable run; every resume must find the last committed state whole.
 
     python tools/disk_full_sweep.py --runs 150 --seed 1     # about 2 minutes here
-    python tools/disk_full_sweep.py --runs 150 --commits    # snapshot commits drawn too
+    python tools/disk_full_sweep.py --runs 150 --variants   # snapshot commits and a device tier too
 
 Each run trains the small GPT of ``tests/test_durable.py`` (durable storage, a third of the state
 in host memory, an LR scheduler) on a disk that is full after a quota drawn between the state's
@@ -9,7 +9,8 @@ preflight size and three more steps' writes, with a write latency drawn from non
 the moment a write lands against the commit protocol's threads). The run stops with
 ``DiskFullError``, is closed, and resumed: the resumed weights must equal, byte for byte, those of
 a run never stopped at the step the resume reports, and ``tiered-offload verify`` must pass.
-``--commits`` also draws snapshot commits (``commit_every=2``, or a host budget the state fits in).
+``--variants`` also draws snapshot commits (``commit_every=2``, or a host budget the state fits in)
+and a device tier (the CPU stand-in) of a third of the state.
 
 The suite's ``test_disk_full_at_any_moment_keeps_the_last_committed_state`` tries five quotas; this
 draws many, which is how a write that landed after ``close()`` and deleted a committed extent (1 run
@@ -81,13 +82,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=150)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--commits", action="store_true",
-                    help="also snapshot commits: every 2nd step, or the state in host memory (default: the journal)")
+    ap.add_argument("--variants", action="store_true", help="also snapshot commits (every 2nd step, or the state "
+                    "in host memory) and a device tier of a third of the state (default: the journal, no device tier)")
     args = ap.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="disk-full-sweep-"))
     try:
         per_step = reference(base)
-        variants = [{}] + ([{"commit_every": 2}, {"host_memory": 1 << 20}] if args.commits else [])
+        n = sum(p.numel() for p in T.make_model().parameters())
+        variants = [{}] + ([{"commit_every": 2}, {"host_memory": 1 << 20},  # snapshot commits
+                            {"store_config": {"device_budget_bytes": 16 * n // 3}}] if args.variants else [])
         preflight = {}  # the disk each variant asks for when it is built: the state, plus its extra
         for n, kw in enumerate(variants):
             probe = T.make_engine(base / f"probe{n}", durable=True, **kw)
@@ -96,8 +99,8 @@ def main(argv=None) -> int:
         rng, failures, start = random.Random(args.seed), 0, time.perf_counter()
         for i in range(args.runs):
             steps, latency = rng.uniform(0.0, 3.0), rng.choice([0.0, 0.0, 0.0005, 0.002])
-            n = rng.randrange(len(variants)) if args.commits else 0
-            kw, (state, need) = variants[n], preflight[n]
+            v = rng.randrange(len(variants)) if args.variants else 0
+            kw, (state, need) = variants[v], preflight[v]
             problem = one_run(base / f"run{i}", int(need + steps * state), latency, per_step, **kw)
             if problem:
                 failures += 1
