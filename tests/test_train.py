@@ -306,13 +306,16 @@ def test_a_model_with_dropout_runs_its_micro_batches_through_each_block_together
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _torchrun_command(config: Path, world: int, *overrides: str) -> list[str]:
+def _free_port() -> int:
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def _torchrun_command(config: Path, world: int, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-            "127.0.0.1", "--master_port", str(port), "-m", "tiered_offload", "train", "--config", str(config),
+            "127.0.0.1", "--master_port", str(_free_port()), "-m", "tiered_offload", "train", "--config", str(config),
             "--no-progress", *overrides]
 
 
@@ -320,11 +323,7 @@ def _start_ranks(zygote, config: Path, world: int, *overrides: str) -> list:
     """``world`` ranks of ``torchrun --nproc_per_node WORLD -m tiered_offload train``, forked from the
     suite's zygote with the environment torchrun gives each (a launch through torchrun itself takes
     a fresh interpreter per rank and the launcher's: `test_an_error_in_the_data_under_torchrun_...`)."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    args = ["train", "--config", str(config), "--no-progress", *overrides]
+    port, args = _free_port(), ["train", "--config", str(config), "--no-progress", *overrides]
     return [zygote.launch(ROOT / "tests" / "cli_worker.py", args, dict(
         RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in range(world)]
