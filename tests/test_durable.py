@@ -81,7 +81,12 @@ def same(a, b):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Weights after each of 6 steps of a run that was never stopped."""
-    engine = make_engine(tmp_path_factory.mktemp("ref") / "s")
+    return run_uninterrupted(tmp_path_factory.mktemp("ref") / "s")
+
+
+def run_uninterrupted(storage):
+    """``({step: weights after it}, losses)`` of 6 steps never stopped (also tools/disk_full_sweep.py's reference)."""
+    engine = make_engine(storage)
     torch.manual_seed(123)
     per_step = {0: weights(engine)}
     losses = []

@@ -39,18 +39,6 @@ from storage_backends.testing import FaultInjectingBackend  # noqa: E402
 from tiered_offload.checkpoint.state_dir import StateDirectory  # noqa: E402
 
 
-def reference(base: Path) -> dict:
-    """The weights after each of 6 steps of a run never stopped."""
-    engine = T.make_engine(base / "reference")
-    torch.manual_seed(123)
-    per_step = {0: T.weights(engine)}
-    for step in range(1, 7):
-        T.train(engine, step)
-        per_step[step] = T.weights(engine)
-    engine.close()
-    return per_step
-
-
 def one_run(directory: Path, quota: int, latency: float, per_step: dict, **engine_kw) -> str | None:
     """None when the resume found the committed state whole, else what went wrong."""
     engine = T.make_engine(FaultInjectingBackend(PosixBackend(directory), write_quota_bytes=quota, latency_s=latency),
@@ -87,7 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="disk-full-sweep-"))
     try:
-        per_step = reference(base)
+        per_step, _ = T.run_uninterrupted(base / "reference")
         n = sum(p.numel() for p in T.make_model().parameters())
         variants = [{}] + ([{"commit_every": 2}, {"host_memory": 1 << 20},  # snapshot commits
                             {"store_config": {"device_budget_bytes": 16 * n // 3}}] if args.variants else [])
