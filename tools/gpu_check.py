@@ -243,6 +243,9 @@ def _benchmark(check: Check, script: str, name: str, args: list[str], limit: flo
     """Run a benchmark of ``tools/`` that writes a JSON report; its exit, output tail and report."""
     js = check.out / f"{name}.json"
     code, text = check.run([sys.executable, f"tools/{script}", "--json", str(js), *args], limit)
+    import shutil
+    for left in ROOT.glob(".bench-gpu-*"):  # a run killed at its limit leaves its state (17 GB for the 1B model)
+        shutil.rmtree(left, ignore_errors=True)
     out = {"exit": code, "tail": text[-2000:]}
     if js.exists():
         out["report"] = json.loads(js.read_text())
