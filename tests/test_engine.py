@@ -87,7 +87,7 @@ def train_pair(make, loss_fn, tmp_path, *, optimizer=torch.optim.AdamW, kwargs=N
     losses_ref, losses_eng = [], []
     for _ in range(steps):
         for _ in range(accumulate):
-            x = torch.randint(0, 128, (2, 17), generator=g)
+            x = torch.randint(0, 128, (2, 17), generator=g).to(device)  # (the loss's targets too)
             le = loss_fn(engine, x) / accumulate
             engine.backward(le)
             lr_ = loss_fn(ref, x.to(device)) / accumulate
@@ -1770,6 +1770,19 @@ def test_a_device_named_with_or_without_its_index_trains(tmp_path):
             engine.step()
             engine.zero_grad()
         assert engine.step_count == 2
+
+
+def test_a_cuda_device_without_an_index_is_the_current_one_by_number(monkeypatch):
+    """``device="cuda"`` resolves to ``cuda:N``, the current device: ``torch.cuda.set_device`` refuses a
+    device without an index, which on the GPU failed every ``forward_backward`` pass's threads (each
+    step ran the loop instead). On the CPU, with torch told it sees a CUDA device."""
+    from tiered_offload.config import resolve_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
 
 
 @pytest.mark.parametrize("call", ["a loss without a gradient", "a loss of several elements", "not a tensor",

@@ -8,10 +8,12 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import math
 import random
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -1660,9 +1662,14 @@ def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monk
     from tiered_offload.engine import micro_batches
     as_loop, loop = [], micro_batches._loop
     monkeypatch.setattr(micro_batches, "_loop", lambda *a: as_loop.append(1) or loop(*a))
-    check_parity(make, make_optimizer, tmp_path, clip=1.0, accumulate=3, steps=3, fused=True, **options)
+    loops = {}
+    check_parity(make, make_optimizer, tmp_path, clip=1.0, accumulate=3, steps=3, fused=True,
+                 inspect=lambda e: loops.update(e.stats().forward_backward_loops), **options)
     # with dropout, an engine's first step ran the loop (the resumed one's too); no other step did
     assert len(as_loop) == (("resume_at" in options) + 1 if "dropout" in case else 0)
+    # and the engine says why (the last engine: its first call)
+    assert list(loops.values()) == ([1] if "dropout" in case else []), loops
+    assert all("block 0's forward drew other random numbers than none (the CPU generator moved" in w for w in loops)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the GPU check runs it (tools/gpu_check.py)")
@@ -1678,7 +1685,8 @@ def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(make, tmp_pa
     state = 16 * sum(p.numel() for p in make().parameters())
     check_parity(make, lambda m: torch.optim.AdamW(hf_groups(m), lr=1e-3), tmp_path, loss_fn=hf_loss, clip=1.0,
                  accumulate=3, steps=3, fused=True, host_fraction=0.6, device="cuda", device_memory=int(0.4 * state),
-                 config=EngineConfig(optimizer_device="device"))  # the reference's optimizer runs on the GPU
+                 config=EngineConfig(optimizer_device="device"),  # the reference's optimizer runs on the GPU
+                 inspect=lambda e: print("forward_backward_loops:", e.stats().forward_backward_loops))
     assert len(as_loop) == (1 if make is not make_llama else 0)
 
 
@@ -1810,6 +1818,38 @@ def test_forward_backward_reads_each_block_once_for_all_micro_batches(tmp_path):
     loop, fused = run("loop", 4, tmp_path / "loop"), run("fused", 4, tmp_path / "fused")
     assert loop > 2 * one, (one, loop, fused)
     assert fused <= 1.15 * one, (one, loop, fused)
+
+
+class _FailsOffTheMainThread(nn.Module):
+    """An MLP that raises on any thread but the main one (as ``torch.cuda.set_device("cuda")``, with
+    no index, did on every micro-batch's thread on the GPU)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.mlp = MLP(d)
+
+    def forward(self, x, route=None):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("only the main thread may run this")
+        return self.mlp(x)
+
+
+def test_forward_backward_says_why_it_ran_the_loop(tmp_path, caplog):
+    """An error only a pass's thread raises: the loop runs (the loop's gradients, bitwise, as
+    PyTorch's loop) and the engine says so: a warning naming the error, and
+    ``stats().forward_backward_loops`` counting the calls by reason (the GPU check ran every step
+    as the loop, silently, until it did)."""
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(_FailsOffTheMainThread, layers=6)
+    loops = {}
+    with caplog.at_level(logging.INFO, logger="tiered_offload"):
+        check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=3,
+                     steps=3, fused=True, host_fraction=0.6, inspect=lambda e: loops.update(e.stats().forward_backward_loops))
+    why = "micro-batch 0 raised RuntimeError: only the main thread may run this"
+    assert loops == {why: 3}, loops
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and why in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]  # once per reason
 
 
 def test_forward_backward_stops_where_the_loop_stops(tmp_path):

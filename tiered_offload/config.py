@@ -30,6 +30,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device; use device='cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is None:  # "cuda": the current one, by number (a tensor's device
+        dev = torch.device("cuda", torch.cuda.current_device())  # has one; torch.cuda.set_device needs one)
     return dev
 
 

@@ -158,13 +158,17 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                     "into_device": d("bytes_written", Tier.DEVICE), "out_of_device": d("bytes_read", Tier.DEVICE),
                     "io_wait_s": s1.io_wait_seconds - s0.io_wait_seconds,
                     "disk_busy_s": s1.disk_busy_seconds - s0.disk_busy_seconds,
-                    "step_mode": engine.step_mode}  # (where the disk bounds it, the plan tries both)
+                    "step_mode": engine.step_mode,  # (where the disk bounds it, the plan tries both)
+                    # forward_backward's calls that ran the loop instead of a pass, by reason
+                    "loops": {k: v - s0.forward_backward_loops.get(k, 0) for k, v in s1.forward_backward_loops.items()
+                              if v != s0.forward_backward_loops.get(k, 0)}}
             out["steps"].append(step)
             if progress is not None:
                 progress(out)
             print(f"  engine step {i}: {dt:.2f} s, loss {value:.4f}, disk read {format_size(step['disk_read'])} "
                   f"written {format_size(step['disk_written'])}, PCIe in {format_size(step['into_device'])} "
-                  f"out {format_size(step['out_of_device'])}, step {step['step_mode']}", flush=True)
+                  f"out {format_size(step['out_of_device'])}, step {step['step_mode']}"
+                  + (f", ran as the loop: {'; '.join(step['loops'])}" if step["loops"] else ""), flush=True)
             if i >= warmup:
                 times.append(dt)
         if trace.exists():

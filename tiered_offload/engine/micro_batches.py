@@ -103,6 +103,8 @@ class Turns:
         self._where: dict[int, Any] = {}
         """Turn number -> where the first micro-batch to reach it was."""
         self.backward_started = False
+        self.why: str | None = None
+        """Why the pass stopped (the first reason given), for :attr:`EngineStats.forward_backward_loops`."""
         self._local = threading.local()
 
     def index(self) -> int | None:
@@ -145,7 +147,10 @@ class Turns:
             if where == "end" and k == self._n - 1:
                 self.final = now
             return
-        self.stop()
+        self.stop(f"micro-batch {k} at {_where(where)} " + (
+            f"drew other random numbers than {'its script says' if self.expected.script else 'none'} "
+            f"({self.streams.describe(self._expected_now(k, where), now)})" if alike else
+            f"took another path than micro-batch 0 ({_where(self._where[turn])})"))
         self.expected.missed = alike and self.expected.script is not None
         if self.backward_started:
             raise TensorStateError(
@@ -154,6 +159,14 @@ class Turns:
                 "kept; the gradients of this call are incomplete: call zero_grad() and run the micro-batches as "
                 "a loop (engine.backward per micro-batch)")
         raise _Undone()
+
+    def _expected_now(self, k: int, where) -> list[torch.Tensor] | None:
+        """Where the generators should be at ``where`` (for the reason a pass stops)."""
+        if self.expected.script is None:
+            return self.expected.start(0)
+        loss = getattr(self._local, "loss", None)
+        return loss if loss is not None and where != "loss" else (
+            self.expected.start(k + 1) if k + 1 < self._n else None)
 
     def _drew_as_expected(self, k: int, where, now: list[torch.Tensor]) -> bool:
         """Without a script: nothing drawn. With one: the forward and loss end where the next
@@ -185,9 +198,11 @@ class Turns:
                     self._turn = self._order[i % len(self._order)]
             self._cond.notify_all()
 
-    def stop(self) -> None:
-        """Stop every thread at its next turn."""
+    def stop(self, why: str | None = None) -> None:
+        """Stop every thread at its next turn (``why``: the reason, if it is the first)."""
         with self._cond:
+            if self.why is None:
+                self.why = why
             self._stop = True
             self._cond.notify_all()
 
@@ -200,7 +215,7 @@ class Turns:
         if self.expected.script is not None:  # without one, each turn ended where the pass started (checked)
             state = getattr(self._local, "state", None) or self.expected.start(k)
             if state is None:  # the script has fewer micro-batches: a miss
-                self.stop()
+                self.stop(f"micro-batch {k} is past the {len(self.expected.script.advances)} its script knows")
                 self.expected.missed = True
                 raise _Undone()
             self.streams.set(state)
@@ -295,27 +310,35 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
         raise TensorStateError("forward_backward computes gradients; call it outside torch.no_grad()")
     # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
     streamer = engine._streamer
-    if len(micro_batches) == 1 or streamer.modes is None:
+    if len(micro_batches) == 1:
+        return _loop(engine, micro_batches, loss_fn)
+    if streamer.modes is None:
+        engine._monitor.ran_loop("the whole state fits the compute tier: no block is read again")
         return _loop(engine, micro_batches, loss_fn)
     key = signature(micro_batches)
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
     # (a generator of the model's own that several blocks draw from: only the loop draws it in order)
-    trusted = (not refused and (script is None or script.misses < 2) and not streamer.own.shared()
-               and not streamer.keeps_tensors)
+    why = ["a loop of micro-batches of these shapes drew what no pass can replay" if refused else
+           "the last two passes drew other random numbers than their scripts" if script is not None and script.misses >= 2
+           else _untrusted(streamer)]
+    trusted = why[0] is None
     if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
         trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
+        why[0] = why[0] or (None if trusted else "another rank could not run the pass")
+    why = [w for w in why if w]
     expected = Expected(script, streams.get())
     if trusted:
         t0 = time.perf_counter()
         try:
-            losses = _vertical(engine, micro_batches, loss_fn, expected, streams)
+            losses = _vertical(engine, micro_batches, loss_fn, expected, streams, why)
         finally:
             engine._monitor.engine_seconds += time.perf_counter() - t0
         if losses is not None:
             if script is not None:
                 script.misses = 0
             return losses
+    engine._monitor.ran_loop(why[0])
     if refused:
         return _loop(engine, micro_batches, loss_fn)
     recorder = Recorder(streams)
@@ -328,6 +351,20 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     return losses
 
 
+def _untrusted(streamer) -> str | None:
+    """Why no pass may run whatever the draws (None: one may)."""
+    if streamer.own.shared():
+        return "a generator of the model's own that several blocks draw from"
+    if streamer.keeps_tensors:
+        return "a block keeps tensors on its modules that the loss reads"
+    return None
+
+
+def _where(where) -> str:
+    """A turn's place in words: ``("forward", 3)`` -> "block 3's forward"."""
+    return f"block {where[1]}'s {where[0]}" if isinstance(where, tuple) else f"its {where}"
+
+
 def _learned(script: RngScript | None, learned: RngScript, missed: bool) -> RngScript | None:
     """The script the next pass follows: what the loop drew (None: no draws), with the count of
     passes in a row the scripts did not predict."""
@@ -338,8 +375,10 @@ def _learned(script: RngScript | None, learned: RngScript, missed: bool) -> RngS
     return learned
 
 
-def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams: Streams) -> list[torch.Tensor] | None:
-    """The micro-batches in vertical order; None if undone before any backward (run the loop)."""
+def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams: Streams,
+              why: list[str]) -> list[torch.Tensor] | None:
+    """The micro-batches in vertical order; None if undone before any backward (run the loop;
+    ``why`` says why)."""
     streamer, device, n = engine._streamer, engine.device, len(micro_batches)
     start = streams.get()
     buffers = [(mod, attr, mod._buffers[attr], mod._buffers[attr].clone()) for _, mod, attr, _ in engine.binding.buffers]
@@ -367,8 +406,8 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                 loss = loss_fn(engine.model(*inputs[k][0], **inputs[k][1]), micro_batches[k])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad \
                     or not bool(torch.isfinite(loss.detach()).all()):
-                if not sharded:
-                    turns.stop()  # the loop raises (or skips) at this micro-batch: let it
+                if not sharded:  # the loop raises (or skips) at this micro-batch: let it
+                    turns.stop(f"micro-batch {k}'s loss is not a finite one-element tensor that requires grad")
                     raise _Undone()
                 bad_loss[k] = True  # sharded: the ranks agree first (below), or their collectives would part
             turns.take_turn("loss")  # every forward and loss is done before any backward starts
@@ -378,8 +417,10 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                          and not streamer.keeps_tensors)  # (each loss reads what its own forward kept)
                 if sharded:
                     go_on = engine._placement.all_agree(go_on, "the micro-batches' losses and random numbers")
-                if not go_on:
-                    turns.stop()  # the loop runs (on every rank; one's raises or skips at a bad loss)
+                if not go_on:  # the loop runs (on every rank; one's raises or skips at a bad loss)
+                    turns.stop("a micro-batch's loss was not finite" if any(bad_loss) else
+                               "its forwards drew other random numbers than the script says" if expected.missed else
+                               _untrusted(streamer) or "another rank could not run the pass")
                     raise _Undone()
                 turns.backward_started = streamer.in_backward = True
                 engine._commits.before_backward(engine._await)
@@ -394,7 +435,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             pass
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             errors[k] = e
-            turns.stop()
+            turns.stop(f"micro-batch {k} raised {type(e).__name__}: {e}")
         finally:
             turns.finish()
 
@@ -407,7 +448,8 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
         if not engine._placement.all_agree(opened, "room for the rest's gradients per micro-batch"):
             rest_grads.close()
             streamer.unbind_rest()
-            return None  # no room for a rest gradient buffer per micro-batch (on some rank): the loop
+            why.append("no room for the rest's gradients per micro-batch (on some rank)")
+            return None  # the loop
     streamer.micro_batches, streamer.turns = n, turns
     streamer.full.hold_for_pass(turns)
     streamer.own.pass_start()
@@ -423,7 +465,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                     t.join()
             except BaseException as e:  # Ctrl-C: every thread stops at its next turn
                 interrupted = e
-                turns.stop()
+                turns.stop("interrupted")
                 for t in threads:
                     t.join()
     finally:
@@ -452,6 +494,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             streamer.unbind_rest(reduce=rest_grads is None)  # each micro-batch reduced its own
         return losses
     # undone before any backward: put back what the forwards changed; the loop runs them
+    why.append(turns.why or "its pass was undone")
     streamer.unbind_rest()
     streamer.drop_orphans()
     streamer.shared.pass_ended()

@@ -96,6 +96,8 @@ class PlanMonitor:
         self.parameter_count = parameter_count
         self.engine_seconds = 0.0
         """Time spent in the engine's calls (forward, backward, clipping, step)."""
+        self.loops: dict[str, int] = {}
+        """Why ``forward_backward`` ran the loop instead of a pass -> how many calls it did."""
         self.measured: list[StepMeasurement] = []
         self._last: _Counters | None = None
         self._check_at = 1 + self.PLAN_FROM + self.CHECK_AFTER
@@ -323,6 +325,14 @@ class PlanMonitor:
                                      "records the disk's best)")
 
     # ---- reporting ------------------------------------------------------------------------------
+    def ran_loop(self, why: str) -> None:
+        """``forward_backward`` ran the micro-batches as the loop (every block read per micro-batch)."""
+        if why not in self.loops:  # (an error only a pass raised: a fault of the engine's, so louder)
+            log.log(logging.WARNING if " raised " in why else logging.INFO, "forward_backward ran its micro-batches "
+                    "as a loop, each block's weights fetched once per micro-batch: %s "
+                    "(engine.stats().forward_backward_loops counts the calls)", why)
+        self.loops[why] = self.loops.get(why, 0) + 1
+
     def stats(self) -> EngineStats:
         """The store's counters and, per measured training step, the medians of time and disk bytes."""
         m = self.measured
@@ -332,4 +342,4 @@ class PlanMonitor:
         return EngineStats(self.store.stats, self.parameter_count, len(m),
                            mid([x.seconds for x in m]), mid([x.disk_read for x in m]),
                            mid([x.disk_written for x in m]), moved / busy if busy > 0 else None,
-                           mid([x.link for x in m]), self.floors)
+                           mid([x.link for x in m]), self.floors, dict(self.loops))

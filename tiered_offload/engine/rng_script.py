@@ -147,6 +147,20 @@ class Streams:
         counts = [_cpu_distance(a[0], b[0]), *([_cuda_distance(a[1], b[1])] if self.cuda else [])]
         return None if None in counts else tuple(counts)
 
+    def describe(self, expected: Sequence[torch.Tensor] | None, now: Sequence[torch.Tensor]) -> str:
+        """Which generators are not where ``expected`` says, in words (for a pass's reason to stop)."""
+        if expected is None:
+            return "past the script"
+        moved = []
+        if not torch.equal(expected[0], now[0]):
+            n = _cpu_distance(expected[0], now[0], seconds=0.2)
+            moved.append("the CPU generator moved" + (f" {n} draws" if n else ""))
+        if self.cuda and not torch.equal(expected[1], now[1]):
+            a, b = _philox(expected[1]), _philox(now[1])
+            moved.append(f"the CUDA generator's Philox offset moved {a[1]} -> {b[1]}" if a and b and a[0] == b[0]
+                         else "the CUDA generator was reseeded")
+        return " and ".join(moved)
+
     def advance(self, states: Sequence[torch.Tensor], counts: tuple[int, ...]) -> list[torch.Tensor]:
         out = [_cpu_advance(states[0], counts[0]) if counts[0] else states[0]]
         if self.cuda:
