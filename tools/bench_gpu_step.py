@@ -115,7 +115,8 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                host_memory: str, device_memory: str, trace_dir: Path, optimizer_device: str = "auto",
                micro_batches: int = 1, progress=None) -> dict:
     """The engine's steps; ``progress(out)`` after each (a run cut short by a time limit keeps
-    the steps it measured)."""
+    the steps it measured). The last batch is a traced step, not timed: the trace's end waits for
+    its own update, which the next forward would otherwise hide (it ran about 2x a step)."""
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with empty_init():
@@ -131,7 +132,6 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
            "recompute": engine.recompute, "optimizer_device": optimizer_device,
            "update_tier": engine._updater.tier.name.lower(), "update_why": engine._updater.why,
            "micro_batches": micro_batches, "steps": []}
-    times = []
     try:
         for i, x in enumerate(batches):
             last = i == len(batches) - 1
@@ -169,14 +169,14 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                   f"written {format_size(step['disk_written'])}, PCIe in {format_size(step['into_device'])} "
                   f"out {format_size(step['out_of_device'])}, step {step['step_mode']}"
                   + (f", ran as the loop: {'; '.join(step['loops'])}" if step["loops"] else ""), flush=True)
-            if i >= warmup:
-                times.append(dt)
         if trace.exists():
             out["waits_by_phase_s"] = _waits_by_phase(trace)
             events = json.loads(trace.read_text())
             # per phase, the disk's and the link's busy seconds and bytes each way: which phase
             # the disk bounds, and which leaves it idle
             out["io_by_phase"] = by_phase(events["traceEvents"] if isinstance(events, dict) else events)
+        if len(out["steps"]) > 1:
+            out["traced_step"] = out["steps"].pop()
         out["floors"] = engine.stats().floors  # what a step cannot avoid moving, beside the measured
         out["plan"] = engine.plan.summary()  # its modes and why (the step mode tried where the disk bounds it)
     finally:
@@ -199,6 +199,43 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
     return out
 
 
+def against_floors(engine: dict, warmup: int, bench_io: dict | None = None) -> dict:
+    """The steady state (the steps after ``warmup``, less a traced one) against the plan's floors:
+    disk and link bytes, and with ``bench_io`` (``tiered-offload bench-io --json``'s report) the
+    step against the disk floor's time at bench-io's recommended read and write rates. A finished
+    report from before the traced step was set apart (2026-12-04) timed its traced last step: left out."""
+    steps = list(engine["steps"])
+    if "traced_step" not in engine and "floors" in engine and len(steps) > warmup + 1:
+        steps.pop()
+    timed = steps[warmup:] or steps
+    mean = lambda k: sum(x[k] for x in timed) / len(timed)  # noqa: E731
+    out = {"steady_steps": f"{len(steps) - len(timed) + 1}-{len(steps)}", "step_s": statistics.median(x["s"] for x in timed),
+           "growth": timed[-1]["s"] / timed[0]["s"], "disk_per_step": mean("disk_read") + mean("disk_written"),
+           "link_per_step": mean("into_device") + mean("out_of_device"), "disk_busy_share": mean("disk_busy_s") / mean("s")}
+    f = engine.get("floors") or {}
+    if f:
+        out["disk_over_floor"] = out["disk_per_step"] / max(1, f["disk_read"] + f["disk_written"])
+        if f.get("link") is not None:
+            out["link_over_floor"] = out["link_per_step"] / max(1, f["link"])
+        if bench_io:
+            r = bench_io["recommended"]
+            out["disk_floor_s"] = f["disk_read"] / (r["read_GBps"] * 1e9) + f["disk_written"] / (r["write_GBps"] * 1e9)
+            out["step_over_disk_floor"] = out["step_s"] / out["disk_floor_s"]
+    return out
+
+
+def _say_floors(a: dict) -> str:
+    text = (f"steady state (steps {a['steady_steps']}): {a['step_s']:.2f} s/step, the last / the first {a['growth']:.2f}, "
+            f"the disk busy {100 * a['disk_busy_share']:.0f}% of it")
+    if "disk_over_floor" in a:
+        text += f"; against the plan's floors: disk bytes {a['disk_over_floor']:.2f}x"
+    if "link_over_floor" in a:
+        text += f", link {a['link_over_floor']:.2f}x"
+    if "step_over_disk_floor" in a:
+        text += f"; the step {a['step_over_disk_floor']:.2f}x the disk floor's {a['disk_floor_s']:.2f} s at bench-io's rates"
+    return text
+
+
 class _null:
     def __enter__(self):
         return None
@@ -215,7 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3, help="engine steps, the first a warm-up")
+    ap.add_argument("--steps", type=int, default=3, help="engine steps timed, the first a warm-up (and one traced after them)")
     ap.add_argument("--plain-steps", type=int, default=4, help="plain PyTorch steps, the first a warm-up")
     ap.add_argument("--warmup", type=int, default=1,
                     help="engine steps before the steady state (the check: 3, so steps 4-10 of 10)")
@@ -227,8 +264,18 @@ def main(argv=None) -> int:
                     help="where the optimizer step runs (EngineConfig.optimizer_device)")
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="split each step's batch into N micro-batches through engine.forward_backward")
+    ap.add_argument("--bench-io", default=None, metavar="JSON",
+                    help="bench-io's --json report: the step against the disk floor's time at its rates")
+    ap.add_argument("--summarize", default=None, metavar="REPORT",
+                    help="run nothing: the steady state of a saved report (this tool's --json) against its floors")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    bench_io = json.loads(Path(args.bench_io).read_text()) if args.bench_io else None
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        engine = saved.get("engine") or saved["engine_partial"]
+        print(_say_floors(against_floors(engine, args.warmup, bench_io)))
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 training, as the product promises
@@ -253,7 +300,7 @@ def main(argv=None) -> int:
         def partial(steps_so_far: dict) -> None:  # the report as far as it got, rewritten after each step
             if args.json:
                 Path(args.json).write_text(json.dumps(report | {"engine_partial": steps_so_far}, indent=2, default=str))
-        e = engine_run(cfg, _batches(cfg, args.batch, args.steps), device, min(args.warmup, args.steps - 1), storage,
+        e = engine_run(cfg, _batches(cfg, args.batch, args.steps + 1), device, min(args.warmup, args.steps - 1), storage,
                        args.host_memory, args.device_memory, trace_dir, args.optimizer_device, args.micro_batches,
                        progress=partial)
         e["TFLOPs"] = flops / e["step_s"] / 1e12
@@ -265,10 +312,8 @@ def main(argv=None) -> int:
               f"over the step ({e['disk_GBps_while_busy']:.2f} while busy), PCIe {e['pcie_GBps_over_step']:.2f} GB/s; "
               f"waited {100 * e['io_wait_share']:.0f}% of the step; update in the {e['update_tier']} tier "
               f"({e['update_why']})", flush=True)
-        f = e.get("floors") or {}
-        if f.get("link") is not None:
-            print(f"against the plan's floors: disk {(e['disk_read_per_step'] + e['disk_written_per_step']) / max(1, f['disk_read'] + f['disk_written']):.2f}x, "
-                  f"link {e['pcie_per_step'] / max(1, f['link']):.2f}x", flush=True)
+        report["against_floors"] = against_floors(e, min(args.warmup, args.steps - 1), bench_io)
+        print(_say_floors(report["against_floors"]), flush=True)
         report["peak_rss_bytes"] = peak_rss_bytes()
     finally:
         if args.storage is None:
