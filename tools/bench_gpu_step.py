@@ -159,6 +159,9 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                     "io_wait_s": s1.io_wait_seconds - s0.io_wait_seconds,
                     "disk_busy_s": s1.disk_busy_seconds - s0.disk_busy_seconds,
                     "step_mode": engine.step_mode,  # (where the disk bounds it, the plan tries both)
+                    # by kind of tensor (weight, grad, state, activations): what goes beyond the floor
+                    "disk_read_by_kind": s1.store.by_kind(("disk->host", "disk->device"), s0.store),
+                    "disk_written_by_kind": s1.store.by_kind(("host->disk", "device->disk"), s0.store),
                     # forward_backward's calls that ran the loop instead of a pass, by reason
                     "loops": {k: v - s0.forward_backward_loops.get(k, 0) for k, v in s1.forward_backward_loops.items()
                               if v != s0.forward_backward_loops.get(k, 0)}}
