@@ -338,7 +338,7 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
             if script is not None:
                 script.misses = 0
             return losses
-    engine._monitor.ran_loop(why[0])
+    engine._monitor.ran_loop(why[0] if why else "its pass was undone")
     if refused:
         return _loop(engine, micro_batches, loss_fn)
     recorder = Recorder(streams)
