@@ -103,8 +103,9 @@ class Turns:
         self._where: dict[int, Any] = {}
         """Turn number -> where the first micro-batch to reach it was."""
         self.backward_started = False
-        self.why: str | None = None
-        """Why the pass stopped (the first reason given), for :attr:`EngineStats.forward_backward_loops`."""
+        self.why: tuple[str, str] | None = None
+        """Why the pass stopped (the first reason given) and its particulars, for
+        :attr:`EngineStats.forward_backward_loops` and the log."""
         self._local = threading.local()
 
     def index(self) -> int | None:
@@ -147,10 +148,13 @@ class Turns:
             if where == "end" and k == self._n - 1:
                 self.final = now
             return
-        self.stop(f"micro-batch {k} at {_where(where)} " + (
-            f"drew other random numbers than {'its script says' if self.expected.script else 'none'} "
-            f"({self.streams.describe(self._expected_now(k, where), now)})" if alike else
-            f"took another path than micro-batch 0 ({_where(self._where[turn])})"))
+        if alike:
+            self.stop(f"micro-batch {k} at {_where(where)} drew other random numbers than "
+                      f"{'its script says' if self.expected.script else 'none'}",
+                      self.streams.describe(self._expected_now(k, where), now))
+        else:
+            self.stop(f"micro-batch {k} at {_where(where)} took another path than micro-batch 0",
+                      f"that was at {_where(self._where[turn])}")
         self.expected.missed = alike and self.expected.script is not None
         if self.backward_started:
             raise TensorStateError(
@@ -198,11 +202,12 @@ class Turns:
                     self._turn = self._order[i % len(self._order)]
             self._cond.notify_all()
 
-    def stop(self, why: str | None = None) -> None:
-        """Stop every thread at its next turn (``why``: the reason, if it is the first)."""
+    def stop(self, why: str | None = None, detail: str = "") -> None:
+        """Stop every thread at its next turn (``why``: the reason, if it is the first; ``detail``:
+        its particulars, for the log)."""
         with self._cond:
-            if self.why is None:
-                self.why = why
+            if self.why is None and why is not None:
+                self.why = (why, detail)
             self._stop = True
             self._cond.notify_all()
 
@@ -319,14 +324,14 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
     # (a generator of the model's own that several blocks draw from: only the loop draws it in order)
-    why = ["a loop of micro-batches of these shapes drew what no pass can replay" if refused else
+    why: list = ["a loop of micro-batches of these shapes drew what no pass can replay" if refused else
            "the last two passes drew other random numbers than their scripts" if script is not None and script.misses >= 2
            else _untrusted(streamer)]
     trusted = why[0] is None
     if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
         trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
         why[0] = why[0] or (None if trusted else "another rank could not run the pass")
-    why = [w for w in why if w]
+    why = [(w,) for w in why if w]  # (reason, particulars)
     expected = Expected(script, streams.get())
     if trusted:
         t0 = time.perf_counter()
@@ -338,7 +343,7 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
             if script is not None:
                 script.misses = 0
             return losses
-    engine._monitor.ran_loop(why[0] if why else "its pass was undone")
+    engine._monitor.ran_loop(*(why[0] if why else ("its pass was undone",)))
     if refused:
         return _loop(engine, micro_batches, loss_fn)
     recorder = Recorder(streams)
@@ -376,7 +381,7 @@ def _learned(script: RngScript | None, learned: RngScript, missed: bool) -> RngS
 
 
 def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams: Streams,
-              why: list[str]) -> list[torch.Tensor] | None:
+              why: list[tuple]) -> list[torch.Tensor] | None:
     """The micro-batches in vertical order; None if undone before any backward (run the loop;
     ``why`` says why)."""
     streamer, device, n = engine._streamer, engine.device, len(micro_batches)
@@ -435,7 +440,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             pass
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             errors[k] = e
-            turns.stop(f"micro-batch {k} raised {type(e).__name__}: {e}")
+            turns.stop(f"micro-batch {k} raised {type(e).__name__}", str(e))
         finally:
             turns.finish()
 
@@ -448,7 +453,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
         if not engine._placement.all_agree(opened, "room for the rest's gradients per micro-batch"):
             rest_grads.close()
             streamer.unbind_rest()
-            why.append("no room for the rest's gradients per micro-batch (on some rank)")
+            why.append(("no room for the rest's gradients per micro-batch (on some rank)",))
             return None  # the loop
     streamer.micro_batches, streamer.turns = n, turns
     streamer.full.hold_for_pass(turns)
@@ -494,7 +499,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             streamer.unbind_rest(reduce=rest_grads is None)  # each micro-batch reduced its own
         return losses
     # undone before any backward: put back what the forwards changed; the loop runs them
-    why.append(turns.why or "its pass was undone")
+    why.append(turns.why or ("its pass was undone",))
     streamer.unbind_rest()
     streamer.drop_orphans()
     streamer.shared.pass_ended()

@@ -325,12 +325,13 @@ class PlanMonitor:
                                      "records the disk's best)")
 
     # ---- reporting ------------------------------------------------------------------------------
-    def ran_loop(self, why: str) -> None:
-        """``forward_backward`` ran the micro-batches as the loop (every block read per micro-batch)."""
+    def ran_loop(self, why: str, detail: str = "") -> None:
+        """``forward_backward`` ran the micro-batches as the loop (every block read per micro-batch):
+        counted by ``why``, logged the first time with ``detail``."""
         if why not in self.loops:  # (an error only a pass raised: a fault of the engine's, so louder)
             log.log(logging.WARNING if " raised " in why else logging.INFO, "forward_backward ran its micro-batches "
-                    "as a loop, each block's weights fetched once per micro-batch: %s "
-                    "(engine.stats().forward_backward_loops counts the calls)", why)
+                    "as a loop, each block's weights fetched once per micro-batch: %s%s "
+                    "(engine.stats().forward_backward_loops counts the calls)", why, f" ({detail})" if detail else "")
         self.loops[why] = self.loops.get(why, 0) + 1
 
     def stats(self) -> EngineStats:

@@ -37,8 +37,9 @@ class EngineStats:
     ``disk_written``, ``link`` bytes per step (see ``engine.plan``)."""
     forward_backward_loops: dict = dataclasses.field(default_factory=dict)
     """Calls of ``forward_backward`` that ran the micro-batches as the loop (each block's weights
-    fetched per micro-batch) instead of one pass, by reason. A shape's first call with dropout is
-    one ("... drew other random numbers than none"): it learns the draws the next passes replay."""
+    fetched per micro-batch) instead of one pass, by reason (the first of each is logged with its
+    particulars). A shape's first call with dropout is one ("... drew other random numbers than
+    none"): it learns the draws the next passes replay."""
 
     @property
     def read_bytes_per_param_per_step(self) -> float | None:
