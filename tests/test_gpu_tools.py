@@ -1,0 +1,52 @@
+"""The GPU check's step benchmark runs on the CPU: a lent GPU's minutes must not find it broken.
+
+``tools/bench_gpu_step.py`` is what the GPU check times (``tools/gpu_check.py``); a tiny model on
+the CPU exercises the same code: the engine's steps through ``forward_backward``, the traced step
+set apart, the steady state against the plan's floors and bench-io's rates, and ``--summarize``
+on the saved report.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_gpu_step  # noqa: E402 (tools/)
+
+BENCH_IO = {"recommended": {"backend": "posix", "read_GBps": 2.0, "write_GBps": 2.5}}
+
+
+def test_the_step_benchmark_sets_the_traced_step_apart_and_measures_against_the_floors(tmp_path, capsys):
+    bench_io, out = tmp_path / "bench_io.json", tmp_path / "step.json"
+    bench_io.write_text(json.dumps(BENCH_IO))
+    args = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "512", "--context", "32", "--device", "cpu",
+            "--steps", "3", "--warmup", "1", "--plain-steps", "2", "--host-memory", "1500KiB", "--micro-batches", "2",
+            "--bench-io", str(bench_io), "--storage", str(tmp_path / "state"), "--json", str(out)]
+    assert bench_gpu_step.main(args) == 0
+    report = json.loads(out.read_text())
+    engine, against = report["engine"], report["against_floors"]
+    assert len(engine["steps"]) == 3 and "traced_step" in engine  # the traced step is not a timed one
+    assert all(step["loops"] == {} for step in engine["steps"])  # forward_backward ran passes, not the loop
+    assert all(step["disk_read_by_kind"]["state"] > 0 for step in engine["steps"][1:])
+    floors = engine["floors"]
+    floor_s = floors["disk_read"] / 2.0e9 + floors["disk_written"] / 2.5e9
+    assert against["steady_steps"] == "2-3"
+    assert against["disk_floor_s"] == pytest.approx(floor_s)
+    assert against["step_over_disk_floor"] == pytest.approx(against["step_s"] / floor_s)
+    assert against["disk_over_floor"] >= 1.0  # no step moves less than its floor
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+
+    # --summarize reads the saved report and says the same
+    assert bench_gpu_step.main(["--summarize", str(out), "--warmup", "1", "--bench-io", str(bench_io)]) == 0
+    assert capsys.readouterr().out.strip() == printed
+
+    # a report from before the traced step was set apart timed it last: it is left out
+    old = copy.deepcopy(report)
+    old["engine"]["steps"].append(dict(engine["traced_step"], s=100.0))
+    del old["engine"]["traced_step"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    again = bench_gpu_step.against_floors(old["engine"], 1, BENCH_IO)
+    assert again["steady_steps"] == "2-3" and again["step_s"] == pytest.approx(against["step_s"])
