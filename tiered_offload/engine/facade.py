@@ -370,7 +370,8 @@ class Engine(EngineViews):
         fetched once for all of them (block 0 for every micro-batch, then block 1, ...; backward in
         reverse): the same gradients bitwise; returns the losses (detached). A dict micro-batch is
         passed as keyword arguments. With dropout, a shape's first call runs as the loop and learns
-        the draws (see :mod:`~tiered_offload.engine.micro_batches`)."""
+        the draws (see :mod:`~tiered_offload.engine.micro_batches`); ``stats().forward_backward_loops``
+        counts the calls that ran as the loop, by reason."""
         return forward_backward(self, micro_batches, loss_fn)
 
     # ---- optimizer ----------------------------------------------------------------------
