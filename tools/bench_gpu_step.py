@@ -184,20 +184,19 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
         out["plan"] = engine.plan.summary()  # its modes and why (the step mode tried where the disk bounds it)
     finally:
         engine.close()
+    steady = against_floors(out, warmup)  # the steady steps, their median and growth
     timed = out["steps"][warmup:] or out["steps"]
-    med = statistics.median(s["s"] for s in timed)
+    med = steady["step_s"]
     mean = lambda k: sum(s[k] for s in timed) / len(timed)  # noqa: E731
-    out.update(step_s=med, disk_read_per_step=mean("disk_read"), disk_written_per_step=mean("disk_written"),
+    out.update(step_s=med, steady_steps=steady["steady_steps"], growth=steady["growth"],
+               disk_read_per_step=mean("disk_read"), disk_written_per_step=mean("disk_written"),
                pcie_per_step=mean("into_device") + mean("out_of_device"),
                disk_GBps_over_step=(mean("disk_read") + mean("disk_written")) / med / 1e9,
                disk_GBps_while_busy=(mean("disk_read") + mean("disk_written")) / max(mean("disk_busy_s"), 1e-9) / 1e9,
                pcie_GBps_over_step=(mean("into_device") + mean("out_of_device")) / med / 1e9,
-               io_wait_share=mean("io_wait_s") / med,
-               steady_steps=f"{warmup + 1}-{len(out['steps'])}" if len(out["steps"]) > warmup else "none",
-               # growth over the steady state: the last step's time over its first's
-               growth=timed[-1]["s"] / timed[0]["s"] if timed[0]["s"] > 0 else None)
-    if "waits_by_phase_s" in out:
-        last = out["steps"][-1]["s"]
+               io_wait_share=mean("io_wait_s") / med)
+    if "waits_by_phase_s" in out:  # (of the traced step)
+        last = out.get("traced_step", out["steps"][-1])["s"]
         out["wait_share_by_phase"] = {k: v / last for k, v in out["waits_by_phase_s"].items()}
     return out
 

@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -228,7 +229,6 @@ def bench_io_section(check: Check, quick: bool):
                                 "512MiB" if quick else "1GiB", "--request-sizes", "8MiB", "--threads", "4,16",
                                 "--backends", "posix-direct,posix-buffered,kvikio", "--no-progress", "--json", str(js)],
                                limit)
-        import shutil
         shutil.rmtree(path, ignore_errors=True)
         out = {"exit": code, "tail": text[-1500:]}
         if js.exists():
@@ -243,7 +243,6 @@ def _benchmark(check: Check, script: str, name: str, args: list[str], limit: flo
     """Run a benchmark of ``tools/`` that writes a JSON report; its exit, output tail and report."""
     js = check.out / f"{name}.json"
     code, text = check.run([sys.executable, f"tools/{script}", "--json", str(js), *args], limit)
-    import shutil
     for left in ROOT.glob(".bench-gpu-*"):  # a run killed at its limit leaves its state (17 GB for the 1B model)
         shutil.rmtree(left, ignore_errors=True)
     out = {"exit": code, "tail": text[-2000:]}
