@@ -324,26 +324,26 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
     # (a generator of the model's own that several blocks draw from: only the loop draws it in order)
-    why: list = ["a loop of micro-batches of these shapes drew what no pass can replay" if refused else
+    why = ("a loop of micro-batches of these shapes drew what no pass can replay" if refused else
            "the last two passes drew other random numbers than their scripts" if script is not None and script.misses >= 2
-           else _untrusted(streamer)]
-    trusted = why[0] is None
+           else _untrusted(streamer))
+    trusted = why is None
     if engine._placement.sharding is not None:  # every rank runs the pass, or every rank the loop
         trusted = engine._placement.all_agree(trusted, "forward_backward's random numbers")
-        why[0] = why[0] or (None if trusted else "another rank could not run the pass")
-    why = [(w,) for w in why if w]  # (reason, particulars)
+        why = why or (None if trusted else "another rank could not run the pass")
+    undone: list[tuple[str, ...]] = []  # why a pass was undone: (reason, particulars)
     expected = Expected(script, streams.get())
     if trusted:
         t0 = time.perf_counter()
         try:
-            losses = _vertical(engine, micro_batches, loss_fn, expected, streams, why)
+            losses = _vertical(engine, micro_batches, loss_fn, expected, streams, undone)
         finally:
             engine._monitor.engine_seconds += time.perf_counter() - t0
         if losses is not None:
             if script is not None:
                 script.misses = 0
             return losses
-    engine._monitor.ran_loop(*(why[0] if why else ("its pass was undone",)))
+    engine._monitor.ran_loop(*(undone[0] if undone else (why or "its pass was undone",)))
     if refused:
         return _loop(engine, micro_batches, loss_fn)
     recorder = Recorder(streams)
