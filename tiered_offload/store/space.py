@@ -13,7 +13,8 @@ The victim rule, in order:
 What happens to the victim (:meth:`TierSpace.fate`): a stale copy, or one another tier (or the
 implicit zero) also holds, is dropped; a current device copy the host tier lacks moves down to the
 host (a PCIe copy, not a disk write) when the tiers cache different tensors, and leaves the
-device as soon as it lands; the only current copy of anything else is written to the disk first.
+device as soon as it lands (with no host room, see ``CopyChains._start_demote``); the only
+current copy of anything else is written to the disk first.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Fate(enum.Enum):
     DROP = "drop"
     """Nothing is lost: it is stale, or another tier (or the implicit zero) holds the current bytes."""
     DEMOTE = "demote"
-    """A device copy moves down to the host tier (or, where the host has no room, is written out)."""
+    """A device copy moves down to the host tier (with no host room and GPUDirect: written out)."""
     WRITE_BACK = "write back"
     """The only current copy: written to the disk before its room is reused."""
 

@@ -677,18 +677,18 @@ class TieredStore(CopyChains, Prefetching):
                                            f"release() it before loading the tensor there again")
                 slot.loading = True
                 return slot
-        offset = self._allocate(tier, rec, block=block, further_than=further_than)
-        if offset is None:
-            return None
+        return self._allocate(tier, rec, block=block, further_than=further_than)
+
+    def _place(self, rec: TensorRecord, tier: Tier, offset: int) -> Slot:
+        """Give ``rec`` the block at ``offset`` of ``tier`` (with the store's lock, as it was allocated:
+        room taken with no copy in place is neither a victim nor a wait, and others give up)."""
         arena = self._arenas[tier]
         with torch.inference_mode(False):  # a slot outlives a caller's inference mode: never an inference tensor
             raw = arena.view(offset, rec.nbytes)
             data = raw.view(rec.dtype).view(rec.shape) if rec.nbytes else torch.empty(rec.shape, dtype=rec.dtype,
                                                                                        device=arena.device)
-        slot = Slot(offset, data, raw)
-        with self._lock:
-            rec.slots[tier] = slot
-            self._spaces[tier].placed(rec)
+        rec.slots[tier] = slot = Slot(offset, data, raw)
+        self._spaces[tier].placed(rec)
         return slot
 
     def _drop_slot(self, rec: TensorRecord, tier: Tier) -> None:
@@ -700,8 +700,8 @@ class TieredStore(CopyChains, Prefetching):
         self._cond.notify_all()
 
     def _allocate(self, tier: Tier, rec: TensorRecord, *, block: bool = True,
-                  further_than: float | None = None) -> int | None:
-        """An arena offset for ``rec`` in ``tier``, evicting victims as needed.
+                  further_than: float | None = None) -> Slot | None:
+        """A slot for ``rec`` in ``tier`` (marked loading), evicting victims as needed.
 
         ``block=False`` (prefetching) never waits: it only drops copies that need no write-back,
         starts the write-back of a dirty victim without waiting for it, and returns None if no
@@ -713,7 +713,7 @@ class TieredStore(CopyChains, Prefetching):
             with self._lock:
                 offset = space.arena.alloc(rec.nbytes)
                 if offset is not None:
-                    return offset
+                    return self._place(rec, tier, offset)
                 victim = space.pick_victim(rec, further_than)
                 if victim is None:
                     if not block:
