@@ -654,9 +654,9 @@ def test_a_dirty_device_victim_without_host_room_moves_down_once_and_is_not_writ
     """A dirty device victim the host tier has no free room for (nothing there is needed later than
     it) takes host room all the same: a write to the disk would have staged it in the host tier
     and left it there. So it moves down, dirty, and is written only if the host tier evicts it
-    before its next use. Regression: it was written through the host tier to the disk, and then
-    read from the host copy (20.7 of 157 MiB written a step wasted at the 1B GPU run's
-    proportions, ``tools/disk_fates.py``). Earlier regression: the device kept its copy, clean, the
+    before its next use. Before: it was written through the host tier to the disk, and then read
+    from the host copy (20.7 of 157 MiB written a step never read back at the 1B GPU run's
+    proportions, docs/RESULTS.md). Earlier regression: the device kept its copy, clean, the
     host tier gave up its own first, and the same bytes went down the link twice
     (``test_engine.py::test_the_update_on_the_host_moves_no_bytes_twice_over_the_link``)."""
     store = make_store(MemoryBackend(threads=0), host=64 * KiB, device=32 * KiB, policy="lookahead", prefetch_depth=2)

@@ -184,8 +184,8 @@ class CopyChains:
                 return fut
             # a write would stage the copy in the host tier anyway, taking room from tensors needed
             # sooner, and leave it there: take that room for the copy moved down instead, and write
-            # it only if the host evicts it before its next use (a write-through here was wasted
-            # where the copy stayed: 20.7 of 157 MiB written a step, docs/RESULTS.md)
+            # it only if the host evicts it before its next use (20.7 of 157 MiB written a step were
+            # such writes never read back; the total fell by only 3%: docs/RESULTS.md)
             if self._ensure_slot(rec, Tier.HOST, block=block) is None:
                 raise TierCapacityError(f"no room to move {rec.key!r} down to the host tier")
         fut = self._copy_between(rec, Tier.DEVICE, Tier.HOST, version)
