@@ -85,10 +85,10 @@ def main(argv=None) -> int:
     storage = tempfile.mkdtemp(prefix=".disk-fates-", dir=".")
     device = {"store_config": {"device_budget_bytes": int(state * args.device_fraction)},
               "config": EngineConfig(optimizer_device=args.optimizer_device)} if args.device_fraction else {}
-    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage,
-                    host_memory=int(state * args.host_fraction), durable=False, **device)
     g = torch.Generator().manual_seed(0)
-    try:
+    try:  # (a budget refused while the engine is built leaves no directory behind either)
+        engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage,
+                        host_memory=int(state * args.host_fraction), durable=False, **device)
         for i in range(args.warmup + args.steps + 2):  # (2 more: what follows the last counted writes)
             now[0] = i
             x = torch.randint(0, cfg.vocab_size, (4, cfg.context + 1), generator=g)
