@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     def logged(self, rec, src, dst, version):
         if Tier.DISK in (src, dst):
             events.append((now[0], rec.key, "W" if dst == Tier.DISK else "R", rec.nbytes,
-                           origin.get(rec.key, "other") if dst == Tier.DISK else ""))
+                           origin.pop(rec.key, "other") if dst == Tier.DISK else ""))  # (each start once)
         return copy_between(self, rec, src, dst, version)
 
     def traced(self, rec, to, *, block=True):
