@@ -24,11 +24,18 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --cases 300            # about 10 minutes on a 2-core machine
     python tools/fuzz_options.py --seed 1343 --cases 1  # one case again
     python tools/fuzz_options.py --sharded --cases 120  # about 4 minutes
+    python tools/fuzz_options.py --load 2 --cases 150   # beside two busy processes: other timings
+
+``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
+otherwise (seed 74049 failed in one run of two that way, and never alone).
 
 It found a hang (a prefetch that waited for room to stage a victim: its own load's operation), a
 failure mid-step (an update on the host beside the forward, activations offloaded: see
 ``store/waits.py``), autocast's cached casts of a block's inputs (``block_nodes.as_layer_outputs``)
-and two sharded budgets accepted then failed (``ShardLayout.grad_prefix``, ``Schedule.world``).
+and two sharded budgets accepted then failed (``ShardLayout.grad_prefix``, ``Schedule.world``);
+a host budget below a device tier too small to stage a load and a victim at once, wherever the
+first landed (``preflight.STAGED_AT_ONCE``), and a test reference that resumed a run whose only
+step was skipped from the wrong random state (``test_finetune.train``).
 Exits 1 if any case failed.
 """
 
@@ -38,8 +45,10 @@ import argparse
 import contextlib
 import faulthandler
 import functools
+import os
 import pathlib
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -242,6 +251,7 @@ def main() -> int:
     ap.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case counts as hung")
     ap.add_argument("--sharded", action="store_true",
                     help="sharded runs instead (2-3 ranks on gloo, against one process, to 1e-6)")
+    ap.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes beside the cases")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
@@ -249,6 +259,9 @@ def main() -> int:
     zoo = models()
     counts = {"ok": 0, "refused": 0, "failed": 0}
     with contextlib.ExitStack() as stack:
+        for _ in range(args.load):  # each spins until this process is gone (a hang's dump exits it at once)
+            spinner = subprocess.Popen([sys.executable, "-c", f"import os\nwhile os.getppid() == {os.getpid()}: pass"])
+            stack.callback(spinner.kill)
         zygote = None
         if args.sharded:  # the ranks fork from one interpreter that imported torch and the library
             sys.path.insert(0, str(ROOT / "tools"))
