@@ -27,7 +27,7 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --load 2 --cases 150   # beside two busy processes: other timings
 
 ``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
-otherwise (seed 74049 failed in one run of two that way, and never alone).
+otherwise (seed 74049 failed 5 runs of 10 beside two busy processes, and never alone).
 
 It found a hang (a prefetch that waited for room to stage a victim: its own load's operation), a
 failure mid-step (an update on the host beside the forward, activations offloaded: see

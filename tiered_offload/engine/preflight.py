@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from offload_core.buffers import PAGE
 from offload_core.errors import ConfigError, DiskFullError, TierCapacityError
 from offload_core.sizes import format_size, format_size_up
 from tiered_offload.engine.schedule import FP32_BYTES, Schedule
@@ -22,13 +21,13 @@ STAGED_AT_ONCE = 3
 """Largest units a host tier below a device tier must hold: a load into the device and a device
 victim moved down (each staged there, on a GPU without GPUDirect) are two copies at once; where the
 first copy sits in the middle of the arena, the holes either side of it hold the second only if the
-arena holds three (``tools/fuzz_options.py --seed 74049``: 44 KiB, two 20 KiB copies, holes of 16
-and 8 KiB, and a step that failed for room)."""
+arena holds three, each as the arena rounds it (``tools/fuzz_options.py --seed 74049``: 44 KiB,
+two 20 KiB copies, holes of 16 and 8 KiB, and a step that failed for room)."""
 
 
 def check_budgets(store, schedule: Schedule, state_piece_numel: int) -> None:
     """Refuse budgets that cannot hold one step's working set (and, below a device tier, a host
-    budget that cannot stage the largest unit to the GPU)."""
+    budget that cannot stage :data:`STAGED_AT_ONCE` of the largest unit)."""
     compute = store.compute_tier
     cap = store.capacity(compute)
     ws = schedule.working_set()
@@ -46,7 +45,7 @@ def check_budgets(store, schedule: Schedule, state_piece_numel: int) -> None:
             f"Raise host_memory{' / device_memory' if compute == Tier.DEVICE else ''} to at least "
             f"{format_size_up(need)}")
     largest = max(schedule.unit_bytes(u, "weight") for u in schedule.units)
-    staging = STAGED_AT_ONCE * (-(-largest // PAGE) * PAGE)
+    staging = STAGED_AT_ONCE * store.footprint(largest, Tier.HOST)
     if compute == Tier.DEVICE and store.capacity(Tier.HOST) < staging:
         raise TierCapacityError(
             f"host_memory ({format_size(store.capacity(Tier.HOST))}) cannot stage the largest unit "
