@@ -65,31 +65,39 @@ _INSTALL_HINTS = {
     "zarr": "pip install 'zarr>=3'",
 }
 _registered: dict[str, Callable[..., StorageBackend] | str] = {}
+_installed: dict[str, str] | None = None
+"""The entry points last scanned (None: not yet). Scanning the installed distributions takes
+milliseconds, once per engine built; a name not among them scans again, so a plugin installed
+while the process runs is still found."""
 
 
-def _targets() -> dict[str, Callable[..., StorageBackend] | str]:
+def _targets(name: str | None = None, *, rescan: bool = False) -> dict[str, Callable[..., StorageBackend] | str]:
+    """Every backend's target; the entry points scanned again when ``name`` is not among them."""
+    global _installed
     found: dict[str, Callable[..., StorageBackend] | str] = dict(_BUILTIN_TARGETS)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found[ep.name] = ep.value
+    if rescan or _installed is None or (name is not None and name not in found and name not in _installed
+                                        and name not in _registered):
+        _installed = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    found.update(_installed)
     found.update(_registered)
     return found
 
 
 def available_backends() -> list[str]:
     """Names of every registered backend (installed or not importable: see :func:`get_backend_class`)."""
-    return sorted(_targets())
+    return sorted(_targets(rescan=True))
 
 
 def register_backend(name: str, target: Callable[..., StorageBackend] | str, *, clobber: bool = False) -> None:
     """Register a backend class (or ``"module:Class"`` string) under ``name`` at run time."""
-    if not clobber and name in _targets():
+    if not clobber and name in _targets(name):
         raise ValueError(f"a storage backend named {name!r} is already registered; pass clobber=True to replace it")
     _registered[name] = target
 
 
 def get_backend_class(name: str) -> Callable[..., StorageBackend]:
     """The backend class registered as ``name``, imported on first use."""
-    targets = _targets()
+    targets = _targets(name)
     if name not in targets:
         raise UnknownBackendError(f"unknown storage backend {name!r}; known: {', '.join(sorted(targets))} (or 'auto')")
     target = targets[name]
@@ -186,7 +194,7 @@ def resolve_storage(storage) -> StorageSpec:
     if isinstance(storage, os.PathLike):
         return StorageSpec("auto", os.fspath(storage))
     name, location, options = parse_spec(str(storage))
-    if name not in available_backends() and name != "auto":
+    if name not in _targets(name) and name != "auto":
         if location and location.startswith(("/", ".", "~")):  # a backend's name mistyped, not a directory
             raise UnknownBackendError(
                 f"storage {str(storage)!r} names no storage backend {name!r}; they are "

@@ -211,6 +211,22 @@ def test_third_party_backend_registration(tmp_path):
     b.close()
 
 
+
+def test_a_plugin_installed_while_the_process_runs_is_found(monkeypatch):
+    """The installed entry points are scanned once (milliseconds, which every engine built paid);
+    a name not among them scans again, so a backend installed after the first engine is found, by
+    name and in a spec string, and listed."""
+    from importlib.metadata import EntryPoint
+    storage_backends.open_backend("memory").close()  # (a first scan)
+    plugin = EntryPoint("late-test", "storage_backends.memory:MemoryBackend", storage_backends.ENTRY_POINT_GROUP)
+    scanned = storage_backends.entry_points(group=storage_backends.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(storage_backends, "entry_points", lambda group: [*scanned, plugin])
+    assert storage_backends.get_backend_class("late-test") is MemoryBackend
+    assert storage_backends.resolve_storage("late-test").name == "late-test"
+    assert "late-test" in storage_backends.available_backends()
+    monkeypatch.setattr(storage_backends, "entry_points", lambda group: scanned)
+    assert "late-test" not in storage_backends.available_backends()  # (uninstalled: listed no more)
+
 def test_spec_strings(tmp_path):
     assert parse_spec("posix:/a,/b?threads=4") == ("posix", "/a,/b", {"threads": "4"})
     assert parse_spec("/mnt/x") == ("auto", "/mnt/x", {})

@@ -25,6 +25,7 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --seed 1343 --cases 1  # one case again
     python tools/fuzz_options.py --sharded --cases 120  # about 4 minutes
     python tools/fuzz_options.py --load 2 --cases 150   # beside two busy processes: other timings
+    python tools/fuzz_options.py --wide --cases 300     # encoder-decoders, frozen, LoRA, groups too
 
 ``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
 otherwise (seed 74049 failed 5 runs of 10 beside two busy processes, and never alone).
@@ -76,18 +77,39 @@ ONE_STATE = ("SGD-nesterov", "Adagrad", "ASGD", "Adadelta", "RMSprop-centered")
 """Optimizers with less state than Adam's: a smaller host budget keeps the state off memory."""
 
 
-def models() -> dict:
-    """name: (make, loss, streamed blocks)."""
-    from test_finetune import hf_loss, lm_loss, make_deberta, make_gpt2, make_llama, make_moe
-    return {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
-            "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
+def _groups(m):
+    """Hugging Face Trainer's two groups: weight decay on matrices only, another learning rate for
+    the rest; frozen parameters left out, as the Trainer does."""
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-3}],
+                             lr=1e-2)
 
 
-def draw(rng: random.Random, zoo: dict) -> tuple[dict, dict]:
-    """One case: what it is (printable) and ``check_parity``'s keyword arguments."""
+WIDE_OPTIMIZERS = {"AdamW-groups": _groups}
+"""``--wide`` adds these (kept apart so that a seed drawn without it draws the same case again)."""
+
+
+def models(wide: bool = False) -> dict:
+    """name: (make, loss, streamed blocks); ``wide``: encoder-decoders (their encoder's blocks
+    streamed, then the decoder's), a model with frozen parameters and one with LoRA layers too."""
+    from test_finetune import hf_loss, lm_loss, make_deberta, make_gpt2, make_llama, make_lora, make_moe
+    zoo = {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
+           "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
+    if wide:
+        from test_conformance import bart, seq2seq_loss, t5
+        zoo.update({"t5-dropout": (t5, seq2seq_loss, 6), "bart-dropout": (bart, seq2seq_loss, 6),
+                    "gpt2-frozen": (lambda: make_gpt2(frozen=True), hf_loss, 4), "lora": (make_lora, lm_loss, 4)})
+    return zoo
+
+
+def draw(rng: random.Random, zoo: dict, wide: bool = False) -> tuple[dict, dict]:
+    """One case: what it is (printable) and ``check_parity``'s keyword arguments (``wide``: the
+    optimizers of :data:`WIDE_OPTIMIZERS` too; pass ``models(wide=True)`` with it)."""
+    optimizers = {**OPTIMIZERS, **(WIDE_OPTIMIZERS if wide else {})}
     name = rng.choice(sorted(zoo))
     make, loss, blocks = zoo[name]
-    opt = rng.choice(sorted(OPTIMIZERS))
+    opt = rng.choice(sorted(optimizers))
     steps, accumulate = rng.choice([3, 4]), rng.choice([1, 2, 3])
     kw = dict(loss_fn=loss, steps=steps, accumulate=accumulate, clip=rng.choice([None, 1.0, 0.01]),
               host_fraction=rng.choice([0.3, 0.45, 0.6, 0.8]) * (0.5 if opt in ONE_STATE else 1),
@@ -115,7 +137,7 @@ def draw(rng: random.Random, zoo: dict) -> tuple[dict, dict]:
         kw["commit_every"] = rng.choice([1, 2])
     case = {"model": name, "optimizer": opt, **{k: v for k, v in kw.items() if k != "loss_fn"},
             "config": config, "store_config": store}
-    return case, dict(kw, make=make, make_optimizer=OPTIMIZERS[opt], config=config, store_config=store)
+    return case, dict(kw, make=make, make_optimizer=optimizers[opt], config=config, store_config=store)
 
 
 def habits(rng: random.Random, steps: int, accumulate: int, moe: bool):
@@ -252,11 +274,13 @@ def main() -> int:
     ap.add_argument("--sharded", action="store_true",
                     help="sharded runs instead (2-3 ranks on gloo, against one process, to 1e-6)")
     ap.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes beside the cases")
+    ap.add_argument("--wide", action="store_true", help="T5, BART, frozen parameters, LoRA, parameter groups too "
+                                                         "(a seed draws another case with it than without)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
-    zoo = models()
+    zoo = models(args.wide)
     counts = {"ok": 0, "refused": 0, "failed": 0}
     with contextlib.ExitStack() as stack:
         for _ in range(args.load):  # each spins until this process is gone (a hang's dump exits it at once)
@@ -274,7 +298,7 @@ def main() -> int:
                 case = draw_sharded(rng)
                 attempt = functools.partial(run_sharded, case, zygote=zygote)
             else:
-                case, kw = draw(rng, zoo)
+                case, kw = draw(rng, zoo, args.wide)
                 attempt = functools.partial(run, kw)
             t0 = time.monotonic()
             faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hang: every stack, then out
