@@ -23,7 +23,7 @@ from offload_core.errors import ConfigError
 from tiered_offload import Engine
 from tiered_offload.engine.optim_spec import ELEMENTWISE, optimizer_mode
 
-from test_finetune import MLP, TinyLM, check_parity
+from test_finetune import MLP, Habits, TinyLM, check_parity
 
 optim_db = pytest.importorskip("torch.testing._internal.common_optimizers").optim_db
 
@@ -384,6 +384,21 @@ def test_encoder_decoder_trains_bitwise_at_a_third_of_its_state(tmp_path, make_m
         assert any(".encoder." in f".{n}." for n in names) and any(".decoder." in f".{n}." for n in names), names
     check_parity(make_model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=seq2seq_loss,
                  clip=1.0, host_fraction=1 / 3, config=EngineConfig(activations=activations), inspect=inspect)
+
+
+@pytest.mark.parametrize("activations", ["recompute", "keep"])
+def test_an_encoder_decoder_under_autocast_sums_the_encoders_gradient_use_by_use(tmp_path, activations):
+    """Under autocast a block's input is given to the block as a copy (``as_layer_outputs``), so that
+    each use casts it afresh, as a layer's output is in PyTorch. The encoder's output, read by every
+    decoder block's cross-attention twice (keys, values), then got its uses inside a block added on
+    the copy, and the sum the later blocks' backwards handed on added to that: (sum + (k + v)), where
+    PyTorch adds ((sum + k) + v). Other bits in the encoder's gradients, on the weights a clipped
+    step left (``tools/fuzz_options.py --wide``, seed 85159: BART, bf16 autocast, clipping). The
+    running sum now seeds the copy's gradient, the uses' sum, as the unclipped runs did by chance."""
+    from tiered_offload import EngineConfig
+    check_parity(functools.partial(bart, dropout=0.0), lambda m: torch.optim.SGD(m.parameters(), lr=1e-2), tmp_path,
+                 loss_fn=seq2seq_loss, steps=2, clip=1.0, habits=Habits(autocast=True),
+                 config=EngineConfig(activations=activations))
 
 
 @pytest.mark.parametrize("make_model", [t5, bart], ids=["T5", "BART"])

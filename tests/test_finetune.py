@@ -243,7 +243,8 @@ class Habits:
     ``lr_decay``: a ``LambdaLR`` of ``1 / (1 + lr_decay * step)`` (attached to the engine);
     ``logs``: per step index, ``(when, how)``: a loss on a held-out batch, ``when`` ``"before-step"``
     (between the last backward and the step) or ``"after-step"``; ``how`` ``"eval"`` (``eval()`` and
-    ``no_grad``), ``"no-grad"`` (training mode) or ``"with-grad"`` (a graph dropped); ``exports``:
+    ``no_grad``), ``"no-grad"`` (training mode), ``"with-grad"`` (a graph dropped) or ``"generate"``
+    (a Hugging Face model's greedy ``generate()``, its tokens compared); ``exports``:
     the steps after which the engine's ``export_safetensors`` and ``named_parameters`` are read,
     each PyTorch's weights then, bitwise; ``resume_at`` (set by ``check_parity``): the step a
     resume starts at, where the reference restores the random state of the last step taken before
@@ -314,6 +315,13 @@ class Habits:
         how = self.logs[step][1]
         device = next(module.parameters()).device
         ids, route = (None if t is None else t.to(device) for t in self._held_out)
+        if how == "generate":  # a few greedy tokens, as a loop shows samples while it trains
+            module.eval()
+            with torch.no_grad():
+                out = module.generate(input_ids=ids[:2, :4], attention_mask=torch.ones_like(ids[:2, :4]),
+                                      max_new_tokens=3, do_sample=False, pad_token_id=0)
+            module.train()
+            return [float(t) for t in out.flatten()]
         if how == "eval":
             module.eval()
         with torch.no_grad() if how != "with-grad" else contextlib.nullcontext():
@@ -1706,6 +1714,20 @@ def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monk
     assert all(w == "micro-batch 0 at block 0's forward drew other random numbers than none" for w in loops), loops
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["vertical", "loop-first"])
+def test_forward_backward_under_autocast_casts_each_micro_batchs_weights_for_it(tmp_path, dropout):
+    """BART uses its shared embedding three times (two embeddings, the tied head). Under one
+    autocast region over several micro-batches, PyTorch reuses its cached bf16 cast of that weight
+    across them, and the weight's gradient then adds its three parts in another order: other bits
+    than the usual loop, whose autocast region holds one forward each. ``forward_backward``'s pass
+    gave each micro-batch its own casts (each runs on a thread of its own); its loop (an engine's
+    first step with dropout) did not, and trained other bits than PyTorch (``tools/fuzz_options.py
+    --wide``, seed 85177). Both now cast for each micro-batch afresh: the usual loop's values."""
+    from test_conformance import bart, seq2seq_loss
+    check_parity(functools.partial(bart, dropout), lambda m: torch.optim.SGD(m.parameters(), lr=1e-2), tmp_path,
+                 loss_fn=seq2seq_loss, steps=2, accumulate=2, fused=True, habits=Habits(autocast=True))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the GPU check runs it (tools/gpu_check.py)")
 @pytest.mark.parametrize("make", [make_llama, lambda: make_gpt2(dropout=0.1)], ids=["llama", "gpt2-dropout"])
 def test_forward_backward_on_cuda_gives_the_loops_gradients_bitwise(make, tmp_path, deterministic, monkeypatch):
@@ -2109,14 +2131,19 @@ def _peft_on(make):
     return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "peft"])
-def test_generate_between_training_steps_gives_pytorchs_tokens(tmp_path, wrapped):
+@pytest.mark.parametrize("kind", ["model", "peft", "t5", "bart"])
+def test_generate_between_training_steps_gives_pytorchs_tokens(tmp_path, kind):
     """``model.generate()`` (greedy and sampled, with the key/value cache) on the engine's model gives
     the tokens PyTorch's gives on the same weights, and the training after it is PyTorch's. A PEFT
     model's ``generate`` calls its base model's, not its own forward, so the engine's hooks on the
     model did not bind the rest: it stopped with "embedding reads its values outside the engine's
-    calls". The base model's calls are the engine's too."""
-    make = functools.partial(_peft_on, make_llama) if wrapped else make_llama
+    calls". The base model's calls are the engine's too. An encoder-decoder's ``generate`` calls
+    its encoder alone first (``get_encoder()``), which stopped the same way (``tools/fuzz_options.py
+    --wide``): the encoder's calls are the engine's too, and one inside the model's lets go of nothing."""
+    from test_conformance import bart, t5
+    wrapped = kind == "peft"
+    make = {"model": make_llama, "peft": functools.partial(_peft_on, make_llama), "t5": functools.partial(t5, 0.0),
+            "bart": functools.partial(bart, 0.0)}[kind]
     ref, model = make(), make()
     model.load_state_dict(ref.state_dict())
     trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731

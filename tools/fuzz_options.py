@@ -87,6 +87,17 @@ def _groups(m):
 
 
 WIDE_OPTIMIZERS = {"AdamW-groups": _groups}
+PARTLY_FROZEN = ("gpt2-frozen", "lora")
+"""Models whose state is not 16 bytes for each parameter (a frozen one has its weights alone)."""
+
+
+def state_bytes(model) -> int:
+    """The training state of ``model`` under Adam: 16 bytes a trainable parameter, 4 a frozen one."""
+    return sum((16 if p.requires_grad else 4) * p.numel() for p in model.parameters())
+
+
+GENERATES = ("gpt2", "gpt2-dropout", "gpt2-frozen", "llama", "t5-dropout", "bart-dropout")
+"""The models ``--wide`` also logs ``generate()`` from (Hugging Face's generative ones)."""
 """``--wide`` adds these (kept apart so that a seed drawn without it draws the same case again)."""
 
 
@@ -127,11 +138,13 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False) -> tuple[dict, dict]
                   overlap_step=rng.choice([None, None, False, True]), defer_step=rng.choice([None, None, False, True]),
                   prefetch_depth=rng.choice([0, 2, 16]))
     store = {"wait_timeout_s": 20.0}
+    if name in PARTLY_FROZEN:  # the budget a fraction of the state it trains with (frozen: weights only)
+        kw["host"] = int(state_bytes(make()) * kw["host_fraction"])
     if rng.random() < 0.5:
-        state = 16 * sum(p.numel() for p in make().parameters())
+        state = state_bytes(make())
         store["device_budget_bytes"] = int(state * rng.choice([0.3, 0.45, 0.6]))
         store["tier_caching"] = rng.choice(["exclusive", "inclusive"])
-    kw["habits"] = habits(rng, steps, accumulate, name == "moe")
+    kw["habits"] = habits(rng, steps, accumulate, name == "moe", generates=wide and name in GENERATES)
     kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
     if kw["durable"]:
         kw["commit_every"] = rng.choice([1, 2])
@@ -140,11 +153,11 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False) -> tuple[dict, dict]
     return case, dict(kw, make=make, make_optimizer=optimizers[opt], config=config, store_config=store)
 
 
-def habits(rng: random.Random, steps: int, accumulate: int, moe: bool):
+def habits(rng: random.Random, steps: int, accumulate: int, moe: bool, generates: bool = False):
     """What a training loop does besides training (``test_finetune.Habits``): a NaN loss (the
     step skipped), an LR schedule, held-out losses logged before or after a step, exports and
     reads of the weights between steps (each PyTorch's then), bf16 autocast, the optimizer's own
-    ``step()`` and ``zero_grad()``."""
+    ``step()`` and ``zero_grad()``; ``generates``: a few tokens of ``generate()`` logged too."""
     from test_finetune import Habits
     h = Habits()
     if rng.random() < 0.25:
@@ -156,7 +169,8 @@ def habits(rng: random.Random, steps: int, accumulate: int, moe: bool):
     if rng.random() < 0.25:
         h.exports = tuple(s for s in range(steps) if rng.random() < 0.5)
     if rng.random() < 0.4:
-        h.logs = {s: (rng.choice(["before-step", "after-step"]), rng.choice(["eval", "no-grad", "with-grad"]))
+        hows = ["eval", "no-grad", "with-grad", *(["generate"] if generates else [])]
+        h.logs = {s: (rng.choice(["before-step", "after-step"]), rng.choice(hows))
                   for s in range(steps) if rng.random() < 0.5}
     return h
 

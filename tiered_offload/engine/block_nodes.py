@@ -140,8 +140,9 @@ class StashedBlock(torch.autograd.Function):
         # (their values are in the store, or in the tensors returned)
         ctx.outs = [x if x.requires_grad else None for x in [*(x for x in out_leaves if isinstance(x, torch.Tensor)),
                                                               *(t for _, t in extras)]]
-        ctx.params, ctx.inputs, ctx.needs, ctx.stash = params, inputs, needs, stash
-        for t in [*params.values(), *inputs, *(o for o in ctx.outs if o is not None)]:
+        ctx.params, ctx.inputs, ctx.given, ctx.needs, ctx.stash = params, inputs, given, needs, stash
+        copies = [g for g, x in zip(given, inputs) if g is not x]  # (autocast's: as_layer_outputs)
+        for t in [*params.values(), *inputs, *copies, *(o for o in ctx.outs if o is not None)]:
             if not stash.holds(t):  # a tensor autograd saved by reference keeps its bytes
                 t.data = placeholder_of(t)
         return tuple(x for x in returned if isinstance(x, torch.Tensor)) + returned_extras
@@ -152,9 +153,9 @@ class StashedBlock(torch.autograd.Function):
         ctx.engine.check_whole(ctx.binding)
         ctx.engine.take_turn(("backward", ctx.index))
         pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
-        input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.needs, pairs,
-                                                  ctx.shared)
-        ctx.outs = ctx.params = ctx.inputs = None
+        input_grads = ctx.engine.stashed_backward(ctx.index, ctx.stash, ctx.params, ctx.inputs, ctx.given, ctx.needs,
+                                                  pairs, ctx.shared)
+        ctx.outs = ctx.params = ctx.inputs = ctx.given = None
         return (None,) * 6 + tuple(input_grads)
 
 

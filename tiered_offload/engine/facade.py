@@ -253,14 +253,7 @@ class Engine(EngineViews):
             self._commits.release()
             self.store.close(flush=False)
             raise
-        # calls of the model itself (model.generate(), an evaluation loop) find its rest bound too; a
-        # forward without grad has no backward to wait for, so it lets go of the rest after (unless
-        # a forward with grad still waits for its backward: BlockStreamer.forward_ended). A PEFT
-        # model's generate() calls its base model's forward, not its own: that one's calls too
-        called = {id(m): m for m in (model, model.get_base_model() if peft_adapter_name(model) else model)}
-        self._model_hooks = [hook for m in called.values() for hook in (
-            m.register_forward_pre_hook(lambda _m, _a: self._streamer.bind_rest()),
-            m.register_forward_hook(lambda _m, _a, _o: self._streamer.forward_ended()))]
+        self._model_hooks = _hook_model_calls(model, self._streamer)
         if isinstance(optimizer, torch.optim.Optimizer):  # the one it was built from: its optimizer from now on
             self._optimizer_view = _OptimizerView.adopt(optimizer, self)
         _close_at_exit(self)
@@ -528,6 +521,39 @@ class Engine(EngineViews):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _hook_model_calls(model: nn.Module, streamer) -> list:
+    """Calls of the model itself (``model.generate()``, an evaluation loop) find its rest bound
+    too; a forward without grad has no backward to wait for, so the outermost such call lets go of
+    the rest after (unless a forward with grad still waits for its backward:
+    ``BlockStreamer.forward_ended``). What ``generate()`` calls besides the model's own forward is
+    hooked too: a PEFT model's base model, an encoder-decoder's encoder (``get_encoder()``, run
+    alone before the decoding; inside the model's forward it lets go of nothing, the decoder still
+    to run). The hooks after a forward run also when it raises, so the count of calls stays true."""
+    called = {id(model): model}
+    if peft_adapter_name(model):
+        base = model.get_base_model()
+        called[id(base)] = base
+    for m in list(called.values()):
+        try:
+            encoder = m.get_encoder() if callable(getattr(m, "get_encoder", None)) else None
+        except Exception:  # noqa: BLE001 - a model without one (transformers' default may raise): nothing to hook
+            encoder = None
+        if isinstance(encoder, nn.Module):
+            called.setdefault(id(encoder), encoder)
+    depth = [0]
+
+    def entered(_m, _args) -> None:
+        depth[0] += 1
+        streamer.bind_rest()
+
+    def left(_m, _args, _out) -> None:
+        depth[0] = max(0, depth[0] - 1)
+        if not depth[0]:
+            streamer.forward_ended()
+    return [hook for m in called.values() for hook in (m.register_forward_pre_hook(entered),
+                                                       m.register_forward_hook(left, always_call=True))]
 
 
 def _warn_of_a_scheduler_not_saved(engine: Engine) -> None:

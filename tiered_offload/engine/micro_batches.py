@@ -45,7 +45,10 @@ bias came out 9e-11 off the loop). Where the compute tier cannot hold those buff
 working set, the loop runs. A single micro-batch runs the loop, and so does an engine
 whose whole state fits its compute tier: no block is read again, and the turns cost compute (on
 the 2-core development machine a pass of 4 was 16% slower than the loop there). Under ``torch.autocast`` the forwards and
-losses run in it and the backwards outside it, as PyTorch advises.
+losses run in it and the backwards outside it, as PyTorch advises; each micro-batch's forward
+casts the weights for itself, as the usual loop's autocast region around each forward does (one
+region's cache shared by every micro-batch changes the order in which a weight used several
+times, BART's shared embedding, adds its gradient).
 
 What differs from the loop is the order of calls, not their values: a user's hook on a block
 (``register_forward_hook``, ``register_full_backward_hook``) runs for block 0 of every
@@ -288,11 +291,16 @@ def _call(engine, batch):
 
 def _loop(engine, micro_batches: Sequence, loss_fn, recorder: Recorder | None = None) -> list[torch.Tensor]:
     """The loop, each backward outside the caller's autocast (as PyTorch advises, and as the
-    micro-batches' threads run theirs); ``recorder`` notes what each micro-batch draws."""
+    micro-batches' threads run theirs), each forward with autocast's casts of its own (as in the
+    usual loop's region per forward, and as each thread's cache of them is); ``recorder`` notes what
+    each micro-batch draws."""
     losses = []
-    outside = [(kind, dtype) for kind, dtype, _ in autocast_state(engine.device)]
+    state = autocast_state(engine.device)
+    outside = [(kind, dtype) for kind, dtype, _ in state]
     mark = recorder.mark if recorder is not None else lambda where: None
     for b in micro_batches:
+        if state:  # a weight used several times: its cached cast shared would sum its gradient otherwise
+            torch.clear_autocast_cache()
         mark("start")
         loss = loss_fn(_call(engine, b), b)
         mark("loss")

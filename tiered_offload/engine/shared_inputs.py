@@ -83,9 +83,12 @@ class SharedInputs:
         return out
 
     @staticmethod
-    def seeds(inputs: list[torch.Tensor], shared: list[SharedInput | None]) -> list[tuple]:
-        """``(input leaf, sum so far)`` for a block's backward to start its inputs' gradients from."""
-        return [(x, e.grad) for x, e in zip(inputs, shared) if e is not None and e.grad is not None]
+    def seeds(given: list[torch.Tensor], shared: list[SharedInput | None]) -> list[tuple]:
+        """``(input, sum so far)`` for a block's backward to start its inputs' gradients from:
+        ``given``, the tensors the block's uses read (under autocast, copies of the input leaves:
+        :func:`~.block_nodes.as_layer_outputs`), so that the sum is added before the first use's
+        gradient, not to the uses' sum."""
+        return [(x, e.grad) for x, e in zip(given, shared) if e is not None and e.grad is not None]
 
     @staticmethod
     def settle(inputs: list[torch.Tensor], needs, shared: list[SharedInput | None]) -> list[torch.Tensor | None]:

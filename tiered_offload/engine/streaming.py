@@ -575,9 +575,11 @@ class BlockStreamer:
             self.shared.dropped(life.shared)
 
     def stashed_backward(self, index: int, stash: SavedActivations, params: dict[str, torch.Tensor],
-                         inputs: list[torch.Tensor], needs, pairs, shared) -> list[torch.Tensor | None]:
+                         inputs: list[torch.Tensor], given: list[torch.Tensor], needs, pairs,
+                         shared) -> list[torch.Tensor | None]:
         """Backward of a :class:`StashedBlock`: fetch its weights and gradient buffer, point the
-        graph's leaves at them, and let autograd run the kept graph on the saved tensors."""
+        graph's leaves at them, and let autograd run the kept graph on the saved tensors
+        (``given``: what the block read for ``inputs``, see :meth:`SharedInputs.seeds`)."""
         unit = self.binding.blocks[index]
         diff_inputs = [x for x, n in zip(inputs, needs) if n]
         weights = self.adds_to_weights()
@@ -591,7 +593,7 @@ class BlockStreamer:
                     leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                     if s_.requires_grad and weights:
                         leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                seeds = SharedInputs.seeds(inputs, shared)
+                seeds = SharedInputs.seeds(given, shared)
                 self._backpropagate(unit, params, diff_inputs, pairs + seeds, gflat, weights)
             finally:
                 for leaf in params.values():
@@ -675,7 +677,8 @@ class BlockStreamer:
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
                         torch.cuda.set_rng_state(rng["cuda"], self.device)
-                    args, kwargs = rebuild(spec, leaves, as_layer_outputs(inputs))  # (in the forward's autocast)
+                    given = as_layer_outputs(inputs)  # (in the forward's autocast)
+                    args, kwargs = rebuild(spec, leaves, given)
                     out = call_block(unit.module, params, args, kwargs)
                 extras = [t for _, t in extras] + [mod.__dict__[name] for mod, name, _ in attributes]
             finally:
@@ -685,7 +688,7 @@ class BlockStreamer:
                     mod.__dict__[name] = value
             outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)] + extras
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-            seeds = SharedInputs.seeds(inputs, shared)
+            seeds = SharedInputs.seeds(given, shared)
             self._backpropagate(unit, params, diff_inputs, pairs + seeds, gflat, weights)
             stash.life.shared = []  # settled here, not by a dropped graph's finalizer
             return SharedInputs.settle(inputs, needs, shared)
