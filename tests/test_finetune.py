@@ -361,6 +361,16 @@ def fused_step(engine, step, loss_fn):
     return engine.forward_backward(micro_batches, loss_of)
 
 
+def _storage(storage, path: Path):
+    """``check_parity``'s ``storage=``: ``"dir"`` (``path``), ``"striped"`` (two directories),
+    ``"zarr"`` or ``"aiofiles"`` (that backend at ``path``), None (a temporary directory)."""
+    if storage is None:
+        return None
+    if storage == "striped":
+        return [path.with_name(path.name + "-a"), path.with_name(path.name + "-b")]
+    return path if storage == "dir" else f"{storage}:{path}"
+
+
 def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, accumulate=1, clip=None,
                  routes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir", inspect=None,
                  fused=False, device="cpu", habits=None, **engine_kwargs):
@@ -380,7 +390,7 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     def build(resume):
         model = make()
         model.load_state_dict(start)
-        engine = Engine(model, make_optimizer(model), storage=None if storage is None else tmp_path / "state",
+        engine = Engine(model, make_optimizer(model), storage=_storage(storage, tmp_path / "state"),
                         host_memory=host, config=config, resume=resume, device=device,
                         **({"on_nonfinite": "skip"} if habits.skips else {}), **engine_kwargs)
         assert engine.state_bytes() > engine.store.capacity("host"), "the state must not fit the host budget"
@@ -1685,6 +1695,11 @@ def test_the_wide_options_fuzz_draws_more_and_the_seeds_it_found_failures_with_d
     case, kw = drawn[57]
     assert (case["model"], case["optimizer"], case["habits"].exports) == ("bart-dropout", "AdamW-groups", (1,))
     assert fuzz_options.run(kw, tmp_path) == "ok"
+    # --stores: the storage and the store's options from a generator of their own, the rest as without it
+    stored = [fuzz_options.draw(random.Random(seed), wide, True, random.Random(f"stores-{seed}"))[1] for seed in range(60)]
+    assert {kw["storage"] for kw in stored} == {"dir", "striped", "aiofiles", "zarr"}
+    assert not any(kw["storage"] == "zarr" and kw["durable"] for kw in stored)  # (zarr's refused)
+    assert all(kw["config"] == plain[1]["config"] for kw, plain in zip(stored, drawn))
 
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))

@@ -26,6 +26,7 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --sharded --cases 120  # about 4 minutes
     python tools/fuzz_options.py --load 2 --cases 150   # beside two busy processes: other timings
     python tools/fuzz_options.py --wide --cases 300     # encoder-decoders, frozen, LoRA, groups too
+    python tools/fuzz_options.py --stores --cases 300   # zarr, aiofiles, striping, LRU, CRC32 too
 
 ``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
 otherwise (seed 74049 failed 5 runs of 10 beside two busy processes, and never alone).
@@ -114,9 +115,10 @@ def models(wide: bool = False) -> dict:
     return zoo
 
 
-def draw(rng: random.Random, zoo: dict, wide: bool = False) -> tuple[dict, dict]:
+def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Random | None = None) -> tuple[dict, dict]:
     """One case: what it is (printable) and ``check_parity``'s keyword arguments (``wide``: the
-    optimizers of :data:`WIDE_OPTIMIZERS` too; pass ``models(wide=True)`` with it)."""
+    optimizers of :data:`WIDE_OPTIMIZERS` too; pass ``models(wide=True)`` with it; ``stores``: a
+    second generator the storage and the store's options are drawn from, :func:`draw_store`)."""
     optimizers = {**OPTIMIZERS, **(WIDE_OPTIMIZERS if wide else {})}
     name = rng.choice(sorted(zoo))
     make, loss, blocks = zoo[name]
@@ -148,9 +150,23 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False) -> tuple[dict, dict]
     kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
     if kw["durable"]:
         kw["commit_every"] = rng.choice([1, 2])
+    if stores is not None:
+        kw["storage"] = draw_store(stores, store, kw["durable"])
     case = {"model": name, "optimizer": opt, **{k: v for k, v in kw.items() if k != "loss_fn"},
             "config": config, "store_config": store}
     return case, dict(kw, make=make, make_optimizer=optimizers[opt], config=config, store_config=store)
+
+
+def draw_store(rng: random.Random, store: dict, durable: bool) -> str:
+    """``--stores``: the storage (a directory, two striped, the aiofiles backend, or zarr's where
+    not ``durable``, which it refuses) and, into ``store``, the eviction policy, the checksum,
+    whether reads verify it and disk space is reserved up front, and the host tier's prefetch share
+    below a device tier."""
+    store.update(policy=rng.choice(["lookahead", "lookahead", "lru"]), checksum=rng.choice(["xxh3", "crc32"]),
+                 verify_checksums=rng.random() < 0.8, preallocate=rng.random() < 0.7)
+    if "device_budget_bytes" in store:
+        store["host_prefetch_share"] = rng.choice([0.125, 0.5])
+    return rng.choice(["dir", "dir", "striped", "aiofiles", *([] if durable else ["zarr"])])
 
 
 def habits(rng: random.Random, steps: int, accumulate: int, moe: bool, generates: bool = False):
@@ -290,6 +306,8 @@ def main() -> int:
     ap.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes beside the cases")
     ap.add_argument("--wide", action="store_true", help="T5, BART, frozen parameters, LoRA, parameter groups too "
                                                          "(a seed draws another case with it than without)")
+    ap.add_argument("--stores", action="store_true", help="the storage backend, striping and the store's options "
+                                                           "too (from a second generator: the rest as without it)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
@@ -312,7 +330,7 @@ def main() -> int:
                 case = draw_sharded(rng)
                 attempt = functools.partial(run_sharded, case, zygote=zygote)
             else:
-                case, kw = draw(rng, zoo, args.wide)
+                case, kw = draw(rng, zoo, args.wide, random.Random(f"stores-{seed}") if args.stores else None)
                 attempt = functools.partial(run, kw)
             t0 = time.monotonic()
             faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hang: every stack, then out
