@@ -386,6 +386,31 @@ def test_encoder_decoder_trains_bitwise_at_a_third_of_its_state(tmp_path, make_m
                  clip=1.0, host_fraction=1 / 3, config=EngineConfig(activations=activations), inspect=inspect)
 
 
+def test_a_loss_on_the_encoder_alone_trains_bitwise(tmp_path):
+    """``model.get_encoder()(ids)`` (an encoder's embeddings trained on their own, as generate()
+    calls it): it stopped with "shared.weight: embedding reads its values outside the engine's
+    calls", the rest bound only on the model's own calls. The encoder's calls are the engine's."""
+    from tiered_offload import Engine
+    ref = t5(dropout=0.0)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(1, 64, (2, 9), generator=g)
+        loss = ref.get_encoder()(input_ids=ids).last_hidden_state.pow(2).mean()
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        mine = model.get_encoder()(input_ids=ids).last_hidden_state.pow(2).mean()
+        engine.backward(mine)
+        engine.step(), engine.zero_grad()
+        assert mine.item() == loss.item()
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 @pytest.mark.parametrize("activations", ["recompute", "keep"])
 def test_an_encoder_decoder_under_autocast_sums_the_encoders_gradient_use_by_use(tmp_path, activations):
     """Under autocast a block's input is given to the block as a copy (``as_layer_outputs``), so that
