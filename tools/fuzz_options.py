@@ -8,8 +8,10 @@ resume, durability and ``commit_every``, host and device budgets (the device tie
 exclusive or inclusive caching), the update's placement, activation modes, the step's mode, its
 lead, piece and chunk sizes and the prefetch depth; and what a loop does besides training
 (``test_finetune.Habits``: a NaN loss, an LR schedule, held-out losses logged around the step,
-exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls). Every
-case must end one of two ways:
+exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls).
+``--wide`` adds T5 and BART, frozen parameters, LoRA layers, Trainer's parameter groups and
+``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
+options (LRU, CRC32, reads unverified, no reservation). Every case must end one of two ways:
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
 * **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
@@ -37,7 +39,10 @@ failure mid-step (an update on the host beside the forward, activations offloade
 and two sharded budgets accepted then failed (``ShardLayout.grad_prefix``, ``Schedule.world``);
 a host budget below a device tier too small to stage a load and a victim at once, wherever the
 first landed (``preflight.STAGED_AT_ONCE``), and a test reference that resumed a run whose only
-step was skipped from the wrong random state (``test_finetune.train``).
+step was skipped from the wrong random state (``test_finetune.train``). ``--wide`` found an
+encoder-decoder's ``generate()`` refused (``facade._hook_model_calls``), BART's encoder gradients
+under autocast summed in another order (``SharedInputs.seeds``) and ``forward_backward``'s loop
+sharing autocast's casts across micro-batches (``micro_batches._loop``).
 Exits 1 if any case failed.
 """
 
