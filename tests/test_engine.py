@@ -657,8 +657,8 @@ def test_budgets_hold_at_every_allocation_and_disk_is_used(tmp_path):
     for tier, arena in ((t, engine.store.arena(t)) for t in (Tier.DEVICE, Tier.HOST)):
         original = arena.alloc
 
-        def checked(n, arena=arena, original=original):
-            off = original(n)
+        def checked(n, arena=arena, original=original, **kw):
+            off = original(n, **kw)
             seen.append(arena.used <= arena.capacity)
             return off
         arena.alloc = checked

@@ -1696,7 +1696,8 @@ def test_the_wide_options_fuzz_draws_more_and_the_seeds_it_found_failures_with_d
     assert (case["model"], case["optimizer"], case["habits"].exports) == ("bart-dropout", "AdamW-groups", (1,))
     assert fuzz_options.run(kw, tmp_path) == "ok"
     # --stores: the storage and the store's options from a generator of their own, the rest as without it
-    stored = [fuzz_options.draw(random.Random(seed), wide, True, random.Random(f"stores-{seed}"))[1] for seed in range(60)]
+    stored = [fuzz_options.draw(random.Random(seed), wide, True, random.Random(f"stores-{seed}"))[1]
+              for seed in range(60)]
     assert {kw["storage"] for kw in stored} == {"dir", "striped", "aiofiles", "zarr"}
     assert not any(kw["storage"] == "zarr" and kw["durable"] for kw in stored)  # (zarr's refused)
     assert all(kw["config"] == plain[1]["config"] for kw, plain in zip(stored, drawn))

@@ -267,8 +267,8 @@ def test_budgets_hold_under_concurrency(tmp_path):
     for tier, arena in ((t, store.arena(t)) for t in (Tier.DEVICE, Tier.HOST)):
         original = arena.alloc
 
-        def checked(n, arena=arena, original=original, tier=tier):
-            off = original(n)
+        def checked(n, arena=arena, original=original, tier=tier, **kw):
+            off = original(n, **kw)
             if arena.used > arena.capacity:
                 violations.append((tier, arena.used, arena.capacity))
             peaks[tier] = max(peaks.get(tier, 0), arena.used)
@@ -544,6 +544,30 @@ def test_arena_merges_holes():
     for o in offs[1::2]:
         a.free(o, 4096)
     assert a.used == 0 and a.alloc(16 * 4096) == 0
+
+
+def test_a_copy_pinned_long_is_placed_at_the_arenas_end_and_splits_no_free_room():
+    """``alloc(at_end=True)`` takes the last bytes of the hole furthest in: a copy pinned through a
+    whole forward (the engine's rest) then leaves the free room in one piece for the blocks a unit's
+    update needs (``tools/fuzz_options.py --stores --wide --seed 88252``: the rest pinned at 36 and
+    140 KiB of 300 left runs of 36, 92 and 148 KiB, and four 52 KiB blocks did not fit)."""
+    a = Arena("t", 16 * 4096, torch.device("cpu"))
+    a.open()
+    assert a.alloc(4096) == 0
+    assert a.alloc(4096, at_end=True) == 15 * 4096
+    assert a.alloc(2 * 4096, at_end=True) == 13 * 4096
+    assert a.largest_hole == 12 * 4096 and a.alloc(12 * 4096) == 4096
+    a.free(15 * 4096, 4096)
+    assert a.alloc(4096, at_end=True) == 15 * 4096  # the furthest hole, not the smallest
+    store = make_store(MemoryBackend(), host=16 * 4096, device=0)
+    store.place_at_end(["rest"])
+    for k in ("a", "rest", "b"):
+        store.register(k, (1024,), data=torch.full((1024,), 1.0))
+        store.get(k, "host")
+    assert [store.record(k).slots[Tier.HOST].offset for k in ("a", "rest", "b")] == [0, 15 * 4096, 4096]
+    for k in ("a", "rest", "b"):
+        store.release(k, "host")
+    store.close()
 
 
 def test_reloading_over_a_pinned_stale_copy_is_refused():

@@ -277,6 +277,9 @@ class Engine(EngineViews):
 
     def _fill_state(self, recovered, init_from) -> None:
         """Adopt the committed state or register and fill a fresh one; then bind the blocks' proxies."""
+        rest = self.binding.rest  # pinned through every forward: at the tiers' end, where it splits no free room
+        self.store.place_at_end([k for k in (rest.weight_key, rest.grad_key, rest.key("weight.full"),
+                                             rest.key("grad.full")) if k])
         if recovered is None:
             check_disk(self.store.backend, self.state_bytes(), self.extra_disk_bytes())
             load_initial_weights(self.store, self.binding, self._placement, self.schedule.state_kinds, init_from)

@@ -85,25 +85,29 @@ class Arena:
         """Bytes a request of ``nbytes`` occupies (rounded up to the alignment)."""
         return _round_up(max(nbytes, 1), self.alignment)
 
-    def alloc(self, nbytes: int) -> int | None:
+    def alloc(self, nbytes: int, *, at_end: bool = False) -> int | None:
         """Offset of a free block of ``nbytes`` (rounded up), or None if no hole is large enough.
 
         Best fit (the smallest hole that is large enough), which keeps large holes whole for
-        large tensors when sizes are mixed.
+        large tensors when sizes are mixed. ``at_end``: the last bytes of the hole furthest into
+        the arena instead, for a copy that stays pinned long (it then splits no hole others share).
         """
         size = self.block_size(nbytes)
         with self._lock:
             best = None
             for i, (off, hole) in enumerate(self._free):
-                if hole >= size and (best is None or hole < self._free[best][1]):
+                if hole >= size and (best is None or at_end or hole < self._free[best][1]):
                     best = i
-                    if hole == size:
+                    if hole == size and not at_end:
                         break
             if best is None:
                 return None
             off, hole = self._free[best]
             if hole == size:
                 del self._free[best]
+            elif at_end:
+                self._free[best] = (off, hole - size)
+                off += hole - size
             else:
                 self._free[best] = (off + size, hole - size)
             self.used += size

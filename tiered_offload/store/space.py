@@ -64,6 +64,15 @@ class TierSpace:
         self.resident: dict[str, TensorRecord] = {}
         """The tensors with a copy (a slot) in this tier: what :meth:`pick_victim` looks through,
         so that an eviction costs the tier's copies, not every registered tensor."""
+        self.at_end: set[str] = set()
+        """Keys whose copies stay pinned through a whole forward (the engine's rest): placed at the
+        end of the arena, or they split the free room a unit's update then needs in one piece of
+        several blocks (``tools/fuzz_options.py --stores --wide --seed 88252``: runs of 36, 92 and
+        148 KiB, four 52 KiB blocks needed)."""
+
+    def alloc(self, rec: TensorRecord) -> int | None:
+        """A block of the arena for ``rec`` (call with the store's lock): see :attr:`at_end`."""
+        return self.arena.alloc(rec.nbytes, at_end=rec.key in self.at_end)
 
     def placed(self, rec: TensorRecord) -> None:
         """``rec`` was given a slot in this tier (call with the store's lock)."""

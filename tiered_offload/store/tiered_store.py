@@ -31,7 +31,6 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-
 from typing import Iterable, Iterator
 
 import torch
@@ -107,10 +106,8 @@ class TieredStore(CopyChains, Prefetching):
         self.backend, self._owns_backend = open_backend(self._backend_arg, cfg.io_profile)
         self.disk = DiskTier(self.backend, cfg, self._lock, self._stats)
         self.device: torch.device = cfg.device
-        self._arenas = {
-            Tier.DEVICE: Arena("device", cfg.device_budget_bytes, cfg.device),
-            Tier.HOST: Arena("host", cfg.host_budget_bytes, torch.device("cpu"), pin_memory=cfg.pin_host_memory),
-        }
+        host = Arena("host", cfg.host_budget_bytes, torch.device("cpu"), pin_memory=cfg.pin_host_memory)
+        self._arenas = {Tier.DEVICE: Arena("device", cfg.device_budget_bytes, cfg.device), Tier.HOST: host}
         for a in self._arenas.values():
             a.open()
         self._policies = {t: make_policy(cfg.policy) for t in _MEMORY_TIERS}
@@ -183,9 +180,8 @@ class TieredStore(CopyChains, Prefetching):
         return self._arenas[Tier.parse(tier)].used
 
     def fits_beside_pinned(self, sizes: Iterable[int], pinned: Iterable[str], tier: Tier | str | None = None) -> bool:
-        """Whether tensors of ``sizes`` bytes could all be placed in ``tier`` at once, beside the
-        copies of ``pinned`` keys where they are now, once everything else is evicted (see
-        :meth:`TierSpace.fits_beside`)."""
+        """Whether tensors of ``sizes`` bytes could all be placed in ``tier`` at once, beside the copies of
+        ``pinned`` keys where they are now, once everything else is evicted (:meth:`TierSpace.fits_beside`)."""
         space = self._spaces[self._memory_tier(tier)]
         with self._lock:
             recs = [self._records[k] for k in pinned if k in self._records]
@@ -195,6 +191,11 @@ class TieredStore(CopyChains, Prefetching):
     def arena(self, tier: Tier | str) -> Arena:
         """A memory tier's arena (its budget, use and peak; for tests and tools)."""
         return self._arenas[Tier.parse(tier)]
+
+    def place_at_end(self, keys: Iterable[str]) -> None:
+        """Copies of ``keys`` (pinned through whole forwards) go to each tier's end: :attr:`TierSpace.at_end`."""
+        for space in self._spaces.values():
+            space.at_end.update(keys)
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -210,8 +211,7 @@ class TieredStore(CopyChains, Prefetching):
     def residency(self, key: str) -> dict[Tier, CopyState]:
         """The state of ``key``'s copy in each tier."""
         with self._lock:
-            rec = self._rec(key)
-            return {t: rec.state(t) for t in Tier}
+            return {t: self._rec(key).state(t) for t in Tier}
 
     @property
     def stats(self) -> StoreStats:
@@ -711,7 +711,7 @@ class TieredStore(CopyChains, Prefetching):
         deadline = time.monotonic() + self.config.wait_timeout_s
         while True:
             with self._lock:
-                offset = space.arena.alloc(rec.nbytes)
+                offset = space.alloc(rec)
                 if offset is not None:
                     return self._place(rec, tier, offset)
                 victim = space.pick_victim(rec, further_than)
