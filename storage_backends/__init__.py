@@ -194,7 +194,7 @@ def resolve_storage(storage) -> StorageSpec:
     if isinstance(storage, os.PathLike):
         return StorageSpec("auto", os.fspath(storage))
     name, location, options = parse_spec(str(storage))
-    if name not in _targets(name) and name != "auto":
+    if name != "auto" and name not in _targets(name):
         if location and location.startswith(("/", ".", "~")):  # a backend's name mistyped, not a directory
             raise UnknownBackendError(
                 f"storage {str(storage)!r} names no storage backend {name!r}; they are "
