@@ -192,7 +192,7 @@ class TieredStore(CopyChains, Prefetching):
         """A memory tier's arena (its budget, use and peak; for tests and tools)."""
         return self._arenas[Tier.parse(tier)]
 
-    def place_at_end(self, keys: Iterable[str]) -> None:
+    def place_at_end(self, keys: list[str]) -> None:
         """Copies of ``keys`` (pinned through whole forwards) go to each tier's end: :attr:`TierSpace.at_end`."""
         for space in self._spaces.values():
             space.at_end.update(keys)
