@@ -277,7 +277,7 @@ class Engine(EngineViews):
 
     def _fill_state(self, recovered, init_from) -> None:
         """Adopt the committed state or register and fill a fresh one; then bind the blocks' proxies."""
-        rest = self.binding.rest  # pinned through every forward: at the tiers' end, where it splits no free room
+        rest = self.binding.rest  # pinned through every forward: at the compute tier's end (splits no free room)
         self.store.place_at_end([k for k in (rest.weight_key, rest.grad_key, rest.key("weight.full"),
                                              rest.key("grad.full")) if k])
         if recovered is None:

@@ -65,10 +65,10 @@ class TierSpace:
         """The tensors with a copy (a slot) in this tier: what :meth:`pick_victim` looks through,
         so that an eviction costs the tier's copies, not every registered tensor."""
         self.at_end: set[str] = set()
-        """Keys whose copies stay pinned through a whole forward (the engine's rest): placed at the
-        end of the arena, or they split the free room a unit's update then needs in one piece of
-        several blocks (``tools/fuzz_options.py --stores --wide --seed 88252``: runs of 36, 92 and
-        148 KiB, four 52 KiB blocks needed)."""
+        """Keys whose copies stay pinned here through a whole forward (the engine's rest, in the
+        compute tier): placed at the end of the arena, or they split the free room a unit's update
+        then needs in one piece of several blocks (``tools/fuzz_options.py --stores --wide --seed
+        88252``: runs of 36, 92 and 148 KiB, four 52 KiB blocks needed)."""
 
     def alloc(self, rec: TensorRecord) -> int | None:
         """A block of the arena for ``rec`` (call with the store's lock): see :attr:`at_end`."""

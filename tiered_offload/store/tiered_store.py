@@ -192,10 +192,10 @@ class TieredStore(CopyChains, Prefetching):
         """A memory tier's arena (its budget, use and peak; for tests and tools)."""
         return self._arenas[Tier.parse(tier)]
 
-    def place_at_end(self, keys: list[str]) -> None:
-        """Copies of ``keys`` (pinned through whole forwards) go to each tier's end: :attr:`TierSpace.at_end`."""
-        for space in self._spaces.values():
-            space.at_end.update(keys)
+    def place_at_end(self, keys: Iterable[str]) -> None:
+        """Copies of ``keys`` (pinned through whole forwards) go to the end of the compute tier, where they are
+        pinned (:attr:`TierSpace.at_end`). Their copies in a tier below come and go: those are placed as any."""
+        self._spaces[self.compute_tier].at_end.update(keys)
 
     def keys(self) -> list[str]:
         with self._lock:
