@@ -189,14 +189,19 @@ def train(model, optimizer, data, loss_fn, clip, habits=None):
     for s, step in enumerate(data):
         if s == habits.resume_at:  # what the engine's resume restores
             torch.set_rng_state(at_step)
-        for ids, route in step:
+        for m, (ids, route) in enumerate(step):
+            habits.switch(model, (s, m), "forward")
             with habits.forward():
                 loss = habits.loss(loss_fn, model, ids, route) / len(step)
+            habits.switch(model, (s, m), "backward")
             loss.backward()
+            habits.switch(model, (s, m), "after")
             losses.append(loss.item())
         losses += habits.logged(model, loss_fn, s, "before-step", model)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if habits.clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), habits.clip_value)
         # (on_nonfinite="skip": the step and the scheduler's skipped)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not habits.skips or all(bool(torch.isfinite(g).all()) for g in grads):
@@ -221,14 +226,19 @@ def train_engine(engine, data, loss_fn, clip, fused=False, habits=None, start=0)
             with habits.forward():
                 losses += [loss.item() for loss in fused_step(engine, step, functools.partial(habits.loss, loss_fn))]
         else:
-            for ids, route in step:
+            for m, (ids, route) in enumerate(step):
+                habits.switch(engine.model, (s, m), "forward")
                 with habits.forward():
                     loss = habits.loss(loss_fn, engine, ids, route) / len(step)
+                habits.switch(engine.model, (s, m), "backward")
                 engine.backward(loss)
+                habits.switch(engine.model, (s, m), "after")
                 losses.append(loss.item())
         losses += habits.logged(engine, loss_fn, s, "before-step", engine.model)
         if clip is not None:
             engine.clip_grad_norm_(clip)
+        if habits.clip_value is not None:
+            engine.clip_grad_value_(habits.clip_value)
         (engine.optimizer if habits.optimizer_calls else engine).step()
         (engine.optimizer if habits.optimizer_calls else engine).zero_grad()
         losses += habits.logged(engine, loss_fn, s, "after-step", engine.model)
@@ -246,13 +256,17 @@ class Habits:
     ``no_grad``), ``"no-grad"`` (training mode), ``"with-grad"`` (a graph dropped) or ``"generate"``
     (a Hugging Face model's greedy ``generate()``, its tokens compared); ``exports``:
     the steps after which the engine's ``export_safetensors`` and ``named_parameters`` are read,
-    each PyTorch's weights then, bitwise; ``resume_at`` (set by ``check_parity``): the step a
+    each PyTorch's weights then, bitwise (the export as ``save_pretrained`` writes a transformers
+    model, with its persistent buffers and in its checkpoint layout); ``resume_at`` (set by ``check_parity``): the step a
     resume starts at, where the reference restores the random state of the last step taken before
     it (a skipped one commits nothing), as the resume does: what the loop drew after that step (a
     loss logged in training mode with dropout) is drawn again; ``autocast``: the forwards and
     losses under bf16 ``torch.autocast``; ``optimizer_calls``: the loop calls
     ``engine.optimizer.step()`` and ``.zero_grad()`` (the optimizer the engine was built from), not
-    the engine's."""
+    the engine's; ``modes``: per ``(step, micro-batch)`` of the loop of backwards, ``"eval-forward"``
+    (its forward in ``eval()`` mode with gradients, ``train()`` again before its backward) or
+    ``"eval-backward"`` (``eval()`` between its forward and its backward); ``clip_value``:
+    ``clip_grad_value_`` after the norm's clipping (the engine's own)."""
     poisoned: tuple = ()
     lr_decay: float | None = None
     logs: dict = dataclasses.field(default_factory=dict)
@@ -260,7 +274,16 @@ class Habits:
     autocast: bool = False
     optimizer_calls: bool = False
     resume_at: int | None = None
+    modes: dict = dataclasses.field(default_factory=dict)
+    clip_value: float | None = None
     _poisoned_ids: list = dataclasses.field(default_factory=list)
+
+    def switch(self, module, at: tuple, stage: str) -> None:
+        """The mode :attr:`modes` gives micro-batch ``at`` before its ``"forward"``, before its
+        ``"backward"``, and ``"after"`` it (training again)."""
+        how = self.modes.get(at)
+        if how is not None:
+            module.train(stage == "after" or (how == "eval-forward") == (stage == "backward"))
 
     def forward(self):
         """Where the loop's forwards and losses run (bf16 autocast with :attr:`autocast`)."""
@@ -277,7 +300,7 @@ class Habits:
     def bind(self, data, directory=None) -> "Habits":
         """Names the poisoned micro-batches by their tensors in ``data`` (the same in both loops);
         ``directory``: where the exports go."""
-        self._directory, self._weights, self._buffers = directory, {}, {}
+        self._directory, self._weights, self._exports = directory, {}, {}
         self._poisoned_ids = [data[s][m][0] for s, m in self.poisoned]
         ids = batches(1, 1, seed=7)[0][0][0]
         routed = bool(data) and data[0][0][1] is not None  # (a MoE: its tokens spread over 4 experts)
@@ -289,16 +312,21 @@ class Habits:
         and read, each compared with them."""
         if step not in self.exports:
             return
+        from safetensors.torch import load_file
         if engine is None:
             self._weights[step] = {k: v.detach().clone() for k, v in model.named_parameters()}
-            saved = model.state_dict()  # (a buffer the state dict holds is exported, as save_pretrained does)
-            self._buffers[step] = {k: v.detach().clone() for k, v in model.named_buffers() if k in saved}
+            if _is_transformers_model(model):  # what save_pretrained writes (Mixtral: one tensor an expert)
+                model.save_pretrained(Path(self._directory) / f"saved-{step}")
+                self._exports[step] = load_file(Path(self._directory) / f"saved-{step}" / "model.safetensors")
+            else:
+                saved = model.state_dict()  # (a buffer the state dict holds is exported, as save_pretrained does)
+                self._exports[step] = {**self._weights[step],
+                                       **{k: v.detach().clone() for k, v in model.named_buffers() if k in saved}}
             return
-        from safetensors.torch import load_file
         out = Path(self._directory) / f"export-{step}"
         engine.export_safetensors(out)
         params = self._weights[step]
-        for name, got, want in (("export", load_file(out / "model.safetensors"), {**params, **self._buffers[step]}),
+        for name, got, want in (("export", load_file(out / "model.safetensors"), self._exports[step]),
                                 ("named_parameters", dict(engine.named_parameters()), params)):
             assert set(got) == set(want), f"{name} after step {step}: other names"
             different = [k for k in want if not torch.equal(got[k].cpu(), want[k].cpu())]
@@ -328,6 +356,11 @@ class Habits:
             loss = loss_fn(model, ids, route).item()
         module.train()
         return [loss]
+
+
+def _is_transformers_model(model) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def same_losses(a, b) -> bool:
@@ -1703,6 +1736,29 @@ def test_the_wide_options_fuzz_draws_more_and_the_seeds_it_found_failures_with_d
     assert all(kw["config"] == plain[1]["config"] for kw, plain in zip(stored, drawn))
 
 
+def test_the_loops_fuzz_draws_what_loops_do_and_its_seeds_train_bitwise(tmp_path):
+    """``tools/fuzz_options.py --loops`` adds Mixtral's load-balancing loss, Hugging Face's gradient
+    checkpointing, micro-batches whose forward runs in ``eval()`` mode or that switch to it before
+    their backward, and ``clip_grad_value_``, from a third generator. Its seed 251 (GPT-2 with
+    dropout, recomputed, a forward in ``eval()`` mode and an ``eval()`` before a backward) trained
+    other weights: a recompute ran in the mode of the moment of its backward. Its seed 219
+    (Mixtral, exports) failed the test's own check, which compared the export with the parameters:
+    the export is ``save_pretrained``'s checkpoint layout, one tensor an expert."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_options
+    zoo = fuzz_options.models(loops=True)
+    drawn = {seed: fuzz_options.draw(random.Random(seed), zoo, False, None, random.Random(f"loops-{seed}"))
+             for seed in range(120)}
+    assert {c["model"] for c, _ in drawn.values()} == set(zoo)
+    assert {how for c, _ in drawn.values() for how in c["habits"].modes.values()} == {"eval-forward", "eval-backward"}
+    assert any(c["habits"].clip_value for c, _ in drawn.values())
+    assert not any(c["habits"].modes and (c["fused"] or c["model"] == "gpt2-checkpointed") for c, _ in drawn.values())
+    for seed, want in ((251, ("gpt2-dropout", "recompute")), (219, ("mixtral-aux", "offload"))):
+        case, kw = fuzz_options.draw(random.Random(seed), zoo, False, None, random.Random(f"loops-{seed}"))
+        assert (case["model"], case["config"]["activations"]) == want
+        assert fuzz_options.run(kw, tmp_path / str(seed)) == "ok", seed
+
+
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monkeypatch):
     """``engine.forward_backward`` over 3 micro-batches per step trains bitwise as PyTorch's loop of
@@ -2076,6 +2132,47 @@ def test_an_evaluation_between_micro_batches_leaves_the_training_pytorchs(tmp_pa
     weights = dict(engine.named_parameters())
     engine.close()
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+@pytest.mark.parametrize("switch", ["eval-forward", "eval-backward"])
+def test_a_mode_switched_between_a_forward_and_its_backward_is_the_forwards_in_the_recompute(tmp_path, activations,
+                                                                                              switch):
+    """A forward in ``eval()`` mode with gradients (dropout off: a loss some loops take so), the
+    model switched back to ``train()`` before its backward; or a training forward, then ``eval()``
+    (a held-out loss) before its backward. PyTorch's backward uses what the forward saved: the
+    dropout masks the forward drew, or none. A recomputed block ran in the mode of the moment of
+    its backward, so it drew masks the forward had not (other gradients, silently, and the losses
+    after). It now runs in its forward's mode, bitwise PyTorch's."""
+    from tiered_offload import EngineConfig
+    ref = make_gpt2(dropout=0.1)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4),
+                    config=EngineConfig(activations=activations))
+    assert engine.activation_modes == [activations] * 4
+
+    def run(module, forward, backward, step, zero):
+        torch.manual_seed(3)
+        losses = []
+        for s in batches(3, 2):
+            for m, (ids, _) in enumerate(s):
+                module.train(not (switch == "eval-forward" and m == 0))
+                loss = hf_loss(forward, ids) / 2
+                module.train(switch == "eval-forward" or m == 1)
+                backward(loss)
+                module.train()
+                losses.append(loss.item())
+            step()
+            zero()
+        return losses
+    want = run(ref, ref, torch.Tensor.backward, opt.step, opt.zero_grad)
+    got = run(model, engine, engine.backward, engine.step, engine.zero_grad)
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert got == want, "losses differ from PyTorch's"
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters()), "not PyTorch's weights"
 
 
 @pytest.mark.parametrize("loop", ["optimizer.zero_grad", "model.zero_grad"])

@@ -11,7 +11,9 @@ lead, piece and chunk sizes and the prefetch depth; and what a loop does besides
 exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls).
 ``--wide`` adds T5 and BART, frozen parameters, LoRA layers, Trainer's parameter groups and
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
-options (LRU, CRC32, reads unverified, no reservation). Every case must end one of two ways:
+options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
+Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()`` before a backward,
+and ``clip_grad_value_``. Every case must end one of two ways:
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
 * **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
@@ -29,6 +31,7 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --load 2 --cases 150   # beside two busy processes: other timings
     python tools/fuzz_options.py --wide --cases 300     # encoder-decoders, frozen, LoRA, groups too
     python tools/fuzz_options.py --stores --cases 300   # zarr, aiofiles, striping, LRU, CRC32 too
+    python tools/fuzz_options.py --loops --cases 300    # what loops do besides: eval(), clip values
 
 ``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
 otherwise (seed 74049 failed 5 runs of 10 beside two busy processes, and never alone).
@@ -42,7 +45,9 @@ first landed (``preflight.STAGED_AT_ONCE``), and a test reference that resumed a
 step was skipped from the wrong random state (``test_finetune.train``). ``--wide`` found an
 encoder-decoder's ``generate()`` refused (``facade._hook_model_calls``), BART's encoder gradients
 under autocast summed in another order (``SharedInputs.seeds``) and ``forward_backward``'s loop
-sharing autocast's casts across micro-batches (``micro_batches._loop``).
+sharing autocast's casts across micro-batches (``micro_batches._loop``). ``--loops`` found a block
+recomputed in the mode (``train()`` / ``eval()``) of its backward, not its forward's
+(``block_attributes.replay_modes``).
 Exits 1 if any case failed.
 """
 
@@ -104,12 +109,21 @@ def state_bytes(model) -> int:
 
 GENERATES = ("gpt2", "gpt2-dropout", "gpt2-frozen", "llama", "t5-dropout", "bart-dropout")
 """The models ``--wide`` also logs ``generate()`` from (Hugging Face's generative ones)."""
-"""``--wide`` adds these (kept apart so that a seed drawn without it draws the same case again)."""
 
 
-def models(wide: bool = False) -> dict:
+def _checkpointed_gpt2():
+    """GPT-2 with dropout and Hugging Face's ``gradient_checkpointing_enable()`` (Trainer's
+    ``gradient_checkpointing=True``)."""
+    from test_finetune import make_gpt2
+    model = make_gpt2(dropout=0.1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def models(wide: bool = False, loops: bool = False) -> dict:
     """name: (make, loss, streamed blocks); ``wide``: encoder-decoders (their encoder's blocks
-    streamed, then the decoder's), a model with frozen parameters and one with LoRA layers too."""
+    streamed, then the decoder's), a model with frozen parameters and one with LoRA layers too;
+    ``loops``: Mixtral with its load-balancing loss and GPT-2 with gradient checkpointing on."""
     from test_finetune import hf_loss, lm_loss, make_deberta, make_gpt2, make_llama, make_lora, make_moe
     zoo = {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
            "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
@@ -117,13 +131,18 @@ def models(wide: bool = False) -> dict:
         from test_conformance import bart, seq2seq_loss, t5
         zoo.update({"t5-dropout": (t5, seq2seq_loss, 6), "bart-dropout": (bart, seq2seq_loss, 6),
                     "gpt2-frozen": (lambda: make_gpt2(frozen=True), hf_loss, 4), "lora": (make_lora, lm_loss, 4)})
+    if loops:
+        from test_finetune import make_mixtral
+        zoo.update({"mixtral-aux": (make_mixtral, hf_loss, 4), "gpt2-checkpointed": (_checkpointed_gpt2, hf_loss, 4)})
     return zoo
 
 
-def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Random | None = None) -> tuple[dict, dict]:
+def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Random | None = None,
+         loops: random.Random | None = None) -> tuple[dict, dict]:
     """One case: what it is (printable) and ``check_parity``'s keyword arguments (``wide``: the
     optimizers of :data:`WIDE_OPTIMIZERS` too; pass ``models(wide=True)`` with it; ``stores``: a
-    second generator the storage and the store's options are drawn from, :func:`draw_store`)."""
+    second generator the storage and the store's options are drawn from, :func:`draw_store`;
+    ``loops``: a third one, :func:`loop_habits`; pass ``models(loops=True)`` with it)."""
     optimizers = {**OPTIMIZERS, **(WIDE_OPTIMIZERS if wide else {})}
     name = rng.choice(sorted(zoo))
     make, loss, blocks = zoo[name]
@@ -152,6 +171,8 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
         store["device_budget_bytes"] = int(state * rng.choice([0.3, 0.45, 0.6]))
         store["tier_caching"] = rng.choice(["exclusive", "inclusive"])
     kw["habits"] = habits(rng, steps, accumulate, name == "moe", generates=wide and name in GENERATES)
+    if loops is not None:
+        loop_habits(loops, kw["habits"], steps, accumulate, switches=not kw["fused"] and name != "gpt2-checkpointed")
     kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
     if kw["durable"]:
         kw["commit_every"] = rng.choice([1, 2])
@@ -194,6 +215,19 @@ def habits(rng: random.Random, steps: int, accumulate: int, moe: bool, generates
         h.logs = {s: (rng.choice(["before-step", "after-step"]), rng.choice(hows))
                   for s in range(steps) if rng.random() < 0.5}
     return h
+
+
+def loop_habits(rng: random.Random, h, steps: int, accumulate: int, switches: bool) -> None:
+    """``--loops``: into the habits ``h``, micro-batches whose forward runs in ``eval()`` mode with
+    gradients, or that switch to ``eval()`` before their backward, where ``switches`` (not where
+    ``forward_backward`` runs both in one call, nor under gradient checkpointing, where PyTorch's
+    own recompute fails: "A different number of tensors was saved"); and ``clip_grad_value_``
+    after the clipping."""
+    if switches and rng.random() < 0.5:
+        h.modes = {(s, m): rng.choice(["eval-forward", "eval-backward"])
+                   for s in range(steps) for m in range(accumulate) if rng.random() < 0.4}
+    if rng.random() < 0.4:
+        h.clip_value = rng.choice([1e-3, 0.05])
 
 
 def run(case_kw: dict, directory: pathlib.Path) -> str:
@@ -311,13 +345,15 @@ def main() -> int:
     ap.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes beside the cases")
     ap.add_argument("--wide", action="store_true", help="T5, BART, frozen parameters, LoRA, parameter groups too "
                                                          "(a seed draws another case with it than without)")
+    ap.add_argument("--loops", action="store_true", help="Mixtral's aux loss, gradient checkpointing, eval() "
+                                                          "inside a step, clip_grad_value_ too (a third generator)")
     ap.add_argument("--stores", action="store_true", help="the storage backend, striping and the store's options "
                                                            "too (from a second generator: the rest as without it)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
-    zoo = models(args.wide)
+    zoo = models(args.wide, args.loops)
     counts = {"ok": 0, "refused": 0, "failed": 0}
     with contextlib.ExitStack() as stack:
         for _ in range(args.load):  # each spins until this process is gone (a hang's dump exits it at once)
@@ -335,7 +371,8 @@ def main() -> int:
                 case = draw_sharded(rng)
                 attempt = functools.partial(run_sharded, case, zygote=zygote)
             else:
-                case, kw = draw(rng, zoo, args.wide, random.Random(f"stores-{seed}") if args.stores else None)
+                case, kw = draw(rng, zoo, args.wide, random.Random(f"stores-{seed}") if args.stores else None,
+                                random.Random(f"loops-{seed}") if args.loops else None)
                 attempt = functools.partial(run, kw)
             t0 = time.monotonic()
             faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hang: every stack, then out

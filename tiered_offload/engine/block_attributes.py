@@ -13,6 +13,9 @@ as the forward did and leave as the forward left it.
   after the forward): found by :func:`tensor_attributes` before and :func:`set_tensors` after,
   they become outputs of the block's node
   (:mod:`~tiered_offload.engine.recorded_outputs`).
+* **Modes** (``train()`` / ``eval()``): a recompute runs in the modes its forward ran in
+  (:func:`replay_modes`), whatever the loop switched to before the backward: PyTorch's backward
+  uses what the forward saved (the dropout masks it drew, or none).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["snapshot_attributes", "changed_attributes", "replay_attributes", "tensor_attributes", "set_tensors"]
+__all__ = ["snapshot_attributes", "changed_attributes", "replay_attributes", "modes_of", "replay_modes",
+           "tensor_attributes", "set_tensors"]
 
 _SCALARS = (int, float, bool)
 _CONTAINERS = (list, dict, set, collections.deque)
@@ -115,6 +119,24 @@ def replay_attributes(changed) -> Iterator[None]:
             if contents is not None:
                 contents.put(contents.entries)
             mod.__dict__[name] = value
+
+
+def modes_of(snapshot) -> list[tuple[nn.Module, bool]]:
+    """Of a snapshot taken before a forward, each module's mode then (``training``)."""
+    return [(mod, value) for mod, name, value in snapshot if name == "training"]
+
+
+@contextlib.contextmanager
+def replay_modes(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """A recompute in the modes of its forward (:func:`modes_of`); afterwards the modes as they are now."""
+    now = [mod.training for mod, _ in modes]
+    try:
+        for mod, training in modes:
+            mod.training = training
+        yield
+    finally:
+        for (mod, _), training in zip(modes, now):
+            mod.training = training
 
 
 def tensor_attributes(module: nn.Module) -> dict[tuple[int, str], int]:

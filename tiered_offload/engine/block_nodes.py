@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from offload_core.errors import ConfigError, TensorStateError
 from tiered_offload.engine.activations import kept_on_ctx
 from tiered_offload.engine.binding import call_block, placeholder
-from tiered_offload.engine.block_attributes import changed_attributes, set_tensors, snapshot_attributes, tensor_attributes
+from tiered_offload.engine.block_attributes import (changed_attributes, modes_of, set_tensors, snapshot_attributes,
+                                                   tensor_attributes)
 from tiered_offload.engine.shared_inputs import awaited, keep_non_differentiable
 from tiered_offload.trace import span
 
@@ -65,7 +66,7 @@ class StreamedBlock(torch.autograd.Function):
         # attributes sees them in the recompute as its forward saw them, and the recompute's updates
         # are discarded
         ctx.buffers_before = engine.binding.changed_buffers(snapshot)
-        ctx.rng["attributes"] = changed_attributes(attributes)
+        ctx.rng["attributes"], ctx.rng["modes"] = changed_attributes(attributes), modes_of(attributes)
         del snapshot
         out_leaves, out_spec = tree_flatten(out)
         # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies

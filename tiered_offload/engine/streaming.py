@@ -29,7 +29,7 @@ from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.engine.activations import (SavedActivations, autocast_state, kept_on_ctx, recompute_context,
                                                 replay_autocast)
-from tiered_offload.engine.block_attributes import replay_attributes, set_tensors, tensor_attributes
+from tiered_offload.engine.block_attributes import replay_attributes, replay_modes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
                                                 placeholder_of, rebuild)
@@ -671,8 +671,8 @@ class BlockStreamer:
                 mod._buffers[name] = old.clone()
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
-                      OwnGenerators.replay(rng["own"]), replay_attributes(rng["attributes"]),
-                      recompute_context(), self.binding.recorded.record(rng.get("recorded", ())) as extras,
+                      OwnGenerators.replay(rng["own"]), replay_modes(rng["modes"]),
+                      replay_attributes(rng["attributes"]), recompute_context(), self.binding.recorded.record(rng.get("recorded", ())) as extras,
                       span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
