@@ -163,13 +163,16 @@ def hf_groups(model, lr=1e-3, head_lr=3e-3, weight_decay=0.1):
 
 
 # ---- the harness ------------------------------------------------------------------------------
-def batches(steps, accumulate, *, routes=None, seed=1):
+def batches(steps, accumulate, *, routes=None, seed=1, shapes=None):
+    """``steps`` lists of ``accumulate`` micro-batches ``(ids, route)``, each ids of 2 sequences of 9
+    tokens; ``shapes``: per step, each micro-batch's (sequences, tokens) instead (dynamic padding,
+    an epoch's short last batch)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for s in range(steps):
         step = []
-        for _ in range(accumulate):
-            ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+        for m in range(accumulate):
+            ids = torch.randint(0, VOCAB, shapes[s][m] if shapes else (2, 9), generator=g)
             route = None
             if routes is not None:  # step s sends its tokens only to the experts routes[s] names
                 choice = torch.tensor(routes[s])
@@ -266,7 +269,8 @@ class Habits:
     the engine's; ``modes``: per ``(step, micro-batch)`` of the loop of backwards, ``"eval-forward"``
     (its forward in ``eval()`` mode with gradients, ``train()`` again before its backward) or
     ``"eval-backward"`` (``eval()`` between its forward and its backward); ``clip_value``:
-    ``clip_grad_value_`` after the norm's clipping (the engine's own)."""
+    ``clip_grad_value_`` after the norm's clipping (the engine's own); ``twice``: each loss the
+    mean of two forwards (the batch and its sequences in reverse order) before one backward."""
     poisoned: tuple = ()
     lr_decay: float | None = None
     logs: dict = dataclasses.field(default_factory=dict)
@@ -276,6 +280,7 @@ class Habits:
     resume_at: int | None = None
     modes: dict = dataclasses.field(default_factory=dict)
     clip_value: float | None = None
+    twice: bool = False
     _poisoned_ids: list = dataclasses.field(default_factory=list)
 
     def switch(self, module, at: tuple, stage: str) -> None:
@@ -295,6 +300,8 @@ class Habits:
 
     def loss(self, loss_fn, model, ids, route):
         loss = loss_fn(model, ids, route)
+        if self.twice:  # a second forward before the backward (DPO's chosen and rejected)
+            loss = (loss + loss_fn(model, ids.flip(0), None if route is None else route.flip(0))) / 2
         return loss * float("nan") if any(ids is p for p in self._poisoned_ids) else loss
 
     def bind(self, data, directory=None) -> "Habits":
@@ -405,16 +412,17 @@ def _storage(storage, path: Path):
 
 
 def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, accumulate=1, clip=None,
-                 routes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir", inspect=None,
-                 fused=False, device="cpu", habits=None, **engine_kwargs):
+                 routes=None, shapes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir",
+                 inspect=None, fused=False, device="cpu", habits=None, **engine_kwargs):
     """Train ``make()`` in memory and through the engine (state on disk, host budget below it);
+    ``shapes``: the micro-batches' (see :func:`batches`);
     with ``resume_at``, the engine is closed after that many steps and a new one resumes; ``fused``:
     the micro-batches through ``forward_backward``; both on ``device``; ``habits``: :class:`Habits`
     in both loops. Returns the engine's final weights, the reference model and the engine's state bytes."""
     ref = make()
     start = copy.deepcopy(ref.state_dict())
     data = [[(ids.to(device), None if r is None else r.to(device)) for ids, r in step]
-            for step in batches(steps, accumulate, routes=routes)]
+            for step in batches(steps, accumulate, routes=routes, shapes=shapes)]
     ref.to(device)
     habits = (habits or Habits()).bind(data, tmp_path)
     habits.resume_at = resume_at
@@ -1739,9 +1747,10 @@ def test_the_wide_options_fuzz_draws_more_and_the_seeds_it_found_failures_with_d
 def test_the_loops_fuzz_draws_what_loops_do_and_its_seeds_train_bitwise(tmp_path):
     """``tools/fuzz_options.py --loops`` adds Mixtral's load-balancing loss, Hugging Face's gradient
     checkpointing, micro-batches whose forward runs in ``eval()`` mode or that switch to it before
-    their backward, and ``clip_grad_value_``, from a third generator. Its seed 251 (GPT-2 with
-    dropout, recomputed, a forward in ``eval()`` mode and an ``eval()`` before a backward) trained
-    other weights: a recompute ran in the mode of the moment of its backward. Its seed 219
+    their backward, ``clip_grad_value_``, two forwards before a backward and micro-batches of other
+    shapes, from a third generator. Its seed 251 (GPT-2 with dropout, recomputed, a forward in
+    ``eval()`` mode and an ``eval()`` before a backward) trained other weights: a recompute ran in
+    the mode of the moment of its backward. Its seed 219
     (Mixtral, exports) failed the test's own check, which compared the export with the parameters:
     the export is ``save_pretrained``'s checkpoint layout, one tensor an expert."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -1751,8 +1760,10 @@ def test_the_loops_fuzz_draws_what_loops_do_and_its_seeds_train_bitwise(tmp_path
              for seed in range(120)}
     assert {c["model"] for c, _ in drawn.values()} == set(zoo)
     assert {how for c, _ in drawn.values() for how in c["habits"].modes.values()} == {"eval-forward", "eval-backward"}
-    assert any(c["habits"].clip_value for c, _ in drawn.values())
-    assert not any(c["habits"].modes and (c["fused"] or c["model"] == "gpt2-checkpointed") for c, _ in drawn.values())
+    assert all(any(getattr(c["habits"], what) for c, _ in drawn.values()) for what in ("clip_value", "twice"))
+    assert any({b for step in c.get("shapes", ()) for b in step} - {(2, 9)} for c, _ in drawn.values())
+    assert not any((c["habits"].modes or c["habits"].twice) and (c["fused"] or c["model"] == "gpt2-checkpointed")
+                   for c, _ in drawn.values())  # (where the modes cannot switch, or PyTorch's own recompute fails)
     for seed, want in ((251, ("gpt2-dropout", "recompute")), (219, ("mixtral-aux", "offload"))):
         case, kw = fuzz_options.draw(random.Random(seed), zoo, False, None, random.Random(f"loops-{seed}"))
         assert (case["model"], case["config"]["activations"]) == want

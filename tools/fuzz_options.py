@@ -13,7 +13,7 @@ exports and reads of the weights between steps, bf16 autocast, the optimizer's o
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
 Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()`` before a backward,
-and ``clip_grad_value_``. Every case must end one of two ways:
+``clip_grad_value_``, two forwards before a backward and micro-batches of other shapes. Every case must end one of two ways:
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
 * **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
@@ -173,6 +173,9 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
     kw["habits"] = habits(rng, steps, accumulate, name == "moe", generates=wide and name in GENERATES)
     if loops is not None:
         loop_habits(loops, kw["habits"], steps, accumulate, switches=not kw["fused"] and name != "gpt2-checkpointed")
+        if loops.random() < 0.4:  # dynamic padding: micro-batches of other lengths, a short one
+            kw["shapes"] = [[(loops.choice([1, 2]), loops.choice([5, 9, 13])) for _ in range(accumulate)]
+                            for _ in range(steps)]
     kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
     if kw["durable"]:
         kw["commit_every"] = rng.choice([1, 2])
@@ -221,13 +224,14 @@ def loop_habits(rng: random.Random, h, steps: int, accumulate: int, switches: bo
     """``--loops``: into the habits ``h``, micro-batches whose forward runs in ``eval()`` mode with
     gradients, or that switch to ``eval()`` before their backward, where ``switches`` (not where
     ``forward_backward`` runs both in one call, nor under gradient checkpointing, where PyTorch's
-    own recompute fails: "A different number of tensors was saved"); and ``clip_grad_value_``
-    after the clipping."""
+    own recompute fails: "A different number of tensors was saved"); ``clip_grad_value_``
+    after the clipping; where ``switches`` too, two forwards before a backward."""
     if switches and rng.random() < 0.5:
         h.modes = {(s, m): rng.choice(["eval-forward", "eval-backward"])
                    for s in range(steps) for m in range(accumulate) if rng.random() < 0.4}
     if rng.random() < 0.4:
         h.clip_value = rng.choice([1e-3, 0.05])
+    h.twice = switches and rng.random() < 0.3
 
 
 def run(case_kw: dict, directory: pathlib.Path) -> str:
@@ -346,13 +350,15 @@ def main() -> int:
     ap.add_argument("--wide", action="store_true", help="T5, BART, frozen parameters, LoRA, parameter groups too "
                                                          "(a seed draws another case with it than without)")
     ap.add_argument("--loops", action="store_true", help="Mixtral's aux loss, gradient checkpointing, eval() "
-                                                          "inside a step, clip_grad_value_ too (a third generator)")
+                                                          "inside a step, clip_grad_value_, other shapes too "
+                                                          "(a third generator)")
     ap.add_argument("--stores", action="store_true", help="the storage backend, striping and the store's options "
                                                            "too (from a second generator: the rest as without it)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # (save_pretrained's, in the export checks)
     zoo = models(args.wide, args.loops)
     counts = {"ok": 0, "refused": 0, "failed": 0}
     with contextlib.ExitStack() as stack:
