@@ -2186,6 +2186,72 @@ def test_a_mode_switched_between_a_forward_and_its_backward_is_the_forwards_in_t
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters()), "not PyTorch's weights"
 
 
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+@pytest.mark.parametrize("regions", ["one", "each"])
+def test_two_forwards_under_one_autocast_region_sum_their_casts_gradients_as_pytorch(tmp_path, activations, regions):
+    """Two forwards before one backward under bf16 autocast (DPO's chosen and rejected; Hugging
+    Face's Trainer puts the whole loss in one region). In one region PyTorch casts each weight once
+    (autocast's cache) and sums the two forwards' gradients of that cast in bf16 before adding them
+    to ``.grad``; in a region each, it casts twice and sums in fp32. The engine casts per call and
+    summed in fp32: other bits in one region (Llama: 2 weights of 4 blocks; found by
+    ``tools/fuzz_options.py --loops --wide --seed 98111``). Now a block called more than once in
+    one region rounds the calls' sum of a weight it reads only through autocast's cast as PyTorch's
+    bf16 sum does: bitwise either way."""
+    from tiered_offload import EngineConfig
+    ref = make_llama()
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4),
+                    config=EngineConfig(activations=activations))
+    assert engine.activation_modes == [activations] * 4
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def run(forward, backward, step, zero):
+        losses = []
+        for s in batches(3, 2):
+            for ids, _ in s:
+                with autocast():
+                    first = hf_loss(forward, ids)
+                    if regions == "one":
+                        second = hf_loss(forward, ids.flip(0))
+                if regions == "each":
+                    with autocast():
+                        second = hf_loss(forward, ids.flip(0))
+                loss = (first + second) / 4
+                backward(loss)
+                losses.append(loss.item())
+            step()
+            zero()
+        return losses
+    want = run(ref, torch.Tensor.backward, opt.step, opt.zero_grad)
+    got = run(engine, engine.backward, engine.step, engine.zero_grad)
+    weights = dict(engine.named_parameters())
+    engine.close()
+    assert got == want, "losses differ from PyTorch's"
+    different = [k for k, p in ref.named_parameters() if not torch.equal(weights[k], p)]
+    assert not different, f"not PyTorch's weights: {different[:3]}"
+
+
+def test_calls_of_a_block_some_in_one_autocast_region_some_in_another_are_refused(tmp_path):
+    """Three forwards before a backward, two in one autocast region and the third in another:
+    PyTorch sums the first two's gradients of a shared cast in bf16 and then the third's in fp32,
+    an order the engine does not follow; refused at the backward, naming the block and the fix."""
+    model = make_llama()
+    ids = batches(1, 1)[0][0][0]
+    with Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                host_memory=int(16 * sum(p.numel() for p in model.parameters()) * 0.4)) as engine:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = [hf_loss(engine, ids), hf_loss(engine, ids.flip(0))]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(hf_loss(engine, ids))
+        with pytest.raises(ConfigError, match=r"block block\.3 was called 3 times .* some calls in one "
+                                              r"autocast region and some in another.*each in a region of its own"):
+            engine.backward(sum(losses))
+
+
 @pytest.mark.parametrize("loop", ["optimizer.zero_grad", "model.zero_grad"])
 def test_zero_grad_clears_what_pytorch_clears(tmp_path, loop):
     """``optimizer.zero_grad()`` clears the optimizer's parameters only: a trainable parameter left

@@ -14,6 +14,15 @@ A call whose node was freed before the backward began no longer counts
 (:meth:`RepeatedCalls.dropped`). Where the whole state fits (PyTorch's graphs kept), a second call
 reuses the first's weight leaves instead (``BlockStreamer.run_block_keeping_graph``), and autograd
 sums them itself.
+
+**Under autocast**, calls in one region share autocast's cast of each weight (its cache), and
+PyTorch sums the calls' gradients of that cast in its dtype (bf16) before the cast's backward
+converts the sum to fp32; calls in a region each have a cast each, summed in fp32. Each call of the
+engine casts for itself, so where the calls were in one region (:func:`autocast_region`: the same
+cast node of a sentinel), the sum of a weight read only through the cast (:func:`read_through_casts`)
+is rounded to the cast's dtype after each call's gradient is added, as PyTorch's sum is. (A weight
+a module casts itself, ``.to(torch.bfloat16)``, looks the same and is rounded too; PyTorch would not.)
+Calls some in one region and some in another are refused.
 """
 
 from __future__ import annotations
@@ -25,7 +34,43 @@ import torch
 from offload_core.errors import ConfigError
 from tiered_offload.engine.parameter_guard import grad_hooks, run_grad_hooks
 
-__all__ = ["RepeatedCalls"]
+__all__ = ["RepeatedCalls", "autocast_region", "read_through_casts"]
+
+
+def autocast_region(sentinel: torch.Tensor) -> tuple[object, torch.dtype] | None:
+    """Which autocast region (with its cache) a call runs in, and the dtype it casts to; None
+    outside one. The node of autocast's cast of ``sentinel`` (a leaf requiring grad, on the compute
+    device) is cached until the outermost region ends, so two calls are in one region where it is
+    the same node (held here, it is not freed and its address not reused)."""
+    kind = sentinel.device.type
+    if not (torch.is_autocast_enabled(kind) and torch.is_autocast_cache_enabled()):
+        return None
+    with torch.enable_grad():
+        node = torch.mm(sentinel, sentinel).grad_fn.next_functions[0][0]
+    return node, torch.get_autocast_dtype(kind)
+
+
+def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tensor]) -> set[str]:
+    """Of ``leaves`` (name -> weight leaf), those whose every use in the graph of ``outputs`` is a
+    dtype cast (autocast's: ``ToCopyBackward0``)."""
+    names = {id(t): n for n, t in leaves.items()}
+    users: dict[str, set[str]] = {}
+    seen, stack = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if type(child).__name__ == "AccumulateGrad":
+                name = names.get(id(child.variable))
+                if name is not None:
+                    users.setdefault(name, set()).add(type(node).__name__)
+            else:
+                stack.append(child)
+    return {n for n, kinds in users.items() if kinds == {"ToCopyBackward0"}}
 
 
 class RepeatedCalls:
@@ -43,6 +88,11 @@ class RepeatedCalls:
         """The same -> its calls' gradients summed so far, per parameter."""
         self._tokens: dict[int, tuple[int, int]] = {}
         """A call counted in ``_calls`` (its number) -> its slot, until the counts start again."""
+        self._regions: dict[int, tuple[object, torch.dtype] | None] = {}
+        """The same -> the autocast region it ran in (:func:`autocast_region`)."""
+        self._rounded: dict[tuple[int, int], tuple[set[str], torch.dtype]] = {}
+        """A slot whose calls shared one region -> the weights whose sums are rounded, and to what."""
+        self._sentinel: torch.Tensor | None = None
         self._numbers = itertools.count()
 
     def _context(self) -> int:
@@ -57,6 +107,9 @@ class RepeatedCalls:
         self._calls[slot] = self._calls.get(slot, 0) + 1
         number = next(self._numbers)
         self._tokens[number] = slot
+        if self._sentinel is None:
+            self._sentinel = torch.ones(1, 1, device=self.streamer.device, requires_grad=True)
+        self._regions[number] = autocast_region(self._sentinel)
         return number
 
     def dropped(self, number: int) -> None:
@@ -64,6 +117,7 @@ class RepeatedCalls:
         ``torch.autograd.grad`` of a hidden state in the middle of the stack): it no longer counts,
         unless the counts have started again since."""
         slot = self._tokens.pop(number, None)
+        self._regions.pop(number, None)
         if slot is not None and self._calls.get(slot, 0) > 0:
             self._calls[slot] -= 1
 
@@ -78,12 +132,24 @@ class RepeatedCalls:
         if self._calls.get(slot, 0) > 0:
             self._calls[slot] -= 1
 
-    def before(self, unit, params: dict[str, torch.Tensor]) -> None:
-        """Before one call's backward: the leaves' ``.grad`` is the sum so far (None for the first)."""
+    def before(self, unit, params: dict[str, torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """Before one call's backward (of ``outputs``): the leaves' ``.grad`` is the sum so far (None
+        for the first); under one autocast region, which sums are rounded (see the module's doc)."""
         if self.streamer.sharding is not None:
             raise ConfigError(f"block {unit.name} was called more than once before a backward; sharded, its gradients "
                               f"would be reduced once per call, not summed first as PyTorch does: not supported")
-        total = self._sums.setdefault((self._context(), unit.index), {})
+        slot = (self._context(), unit.index)
+        regions = [self._regions.get(n) for n, s in self._tokens.items() if s == slot]
+        shared = len(regions) > 1 and regions[0] is not None and all(r is not None and r[0] is regions[0][0]
+                                                                       for r in regions)
+        if shared:
+            self._rounded[slot] = read_through_casts(outputs, params), regions[0][1]
+        elif len({id(r[0]) for r in regions if r is not None}) < sum(r is not None for r in regions):
+            raise ConfigError(f"block {unit.name} was called {len(regions)} times before a backward under "
+                              f"torch.autocast, some calls in one autocast region and some in another: PyTorch sums "
+                              f"their gradients through autocast's casts in an order the engine does not follow. Put "
+                              f"the forwards in one region, or each in a region of its own")
+        total = self._sums.setdefault(slot, {})
         for s_ in unit.trainable():
             params[s_.local_name].grad = total.get(s_.local_name)
 
@@ -92,10 +158,11 @@ class RepeatedCalls:
         gradient buffer)."""
         slot = (self._context(), unit.index)
         total = self._sums[slot]
+        rounded, dtype = self._rounded.pop(slot, ((), None))
         for s_ in unit.trainable():
             leaf = params[s_.local_name]
-            if leaf.grad is not None:
-                total[s_.local_name] = leaf.grad
+            if leaf.grad is not None:  # (one region: the sum in the casts' dtype, as PyTorch's)
+                total[s_.local_name] = leaf.grad.to(dtype).float() if s_.local_name in rounded else leaf.grad
                 leaf.grad = None
         self._done[slot] = self._done.get(slot, 0) + 1
         if self._done[slot] >= self._calls.get(slot, 0):
@@ -124,6 +191,7 @@ class RepeatedCalls:
                 del table[slot]
         for number in [n for n, slot in self._tokens.items() if slot[0] == me]:
             del self._tokens[number]
+            self._regions.pop(number, None)
 
     def discard(self) -> None:
         """After a backward (every micro-batch's): forget the counts, and every sum not added (a
@@ -132,3 +200,5 @@ class RepeatedCalls:
         self._done.clear()
         self._sums.clear()
         self._tokens.clear()
+        self._regions.clear()
+        self._rounded.clear()
