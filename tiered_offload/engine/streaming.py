@@ -672,7 +672,8 @@ class BlockStreamer:
             try:
                 with (torch.enable_grad(), torch.random.fork_rng(devices=devices), replay_autocast(rng["autocast"]),
                       OwnGenerators.replay(rng["own"]), replay_modes(rng["modes"]),
-                      replay_attributes(rng["attributes"]), recompute_context(), self.binding.recorded.record(rng.get("recorded", ())) as extras,
+                      replay_attributes(rng["attributes"]), recompute_context(),
+                      self.binding.recorded.record(rng.get("recorded", ())) as extras,
                       span(self.tracer, f"recompute {unit.name}", "compute")):
                     torch.set_rng_state(rng["cpu"])
                     if "cuda" in rng:
