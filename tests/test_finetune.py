@@ -2155,15 +2155,6 @@ def test_a_mode_switched_between_a_forward_and_its_backward_is_the_forwards_in_t
     dropout masks the forward drew, or none. A recomputed block ran in the mode of the moment of
     its backward, so it drew masks the forward had not (other gradients, silently, and the losses
     after). It now runs in its forward's mode, bitwise PyTorch's."""
-    from tiered_offload import EngineConfig
-    ref = make_gpt2(dropout=0.1)
-    model = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
-                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4),
-                    config=EngineConfig(activations=activations))
-    assert engine.activation_modes == [activations] * 4
-
     def run(module, forward, backward, step, zero):
         torch.manual_seed(3)
         losses = []
@@ -2178,12 +2169,27 @@ def test_a_mode_switched_between_a_forward_and_its_backward_is_the_forwards_in_t
             step()
             zero()
         return losses
+    _trains_as_pytorch(make_gpt2(dropout=0.1), activations, tmp_path, run)
+
+
+def _trains_as_pytorch(ref, activations: str, tmp_path, run) -> None:
+    """``run(module, forward, backward, step, zero)``, a loop, gives the same losses and weights on an
+    engine of a copy of ``ref`` (host 0.4 of the state, every block's activations ``activations``)
+    as on ``ref`` with PyTorch's AdamW in memory, bitwise."""
+    from tiered_offload import EngineConfig
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
+                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4),
+                    config=EngineConfig(activations=activations))
+    assert engine.activation_modes == [activations] * len(engine.binding.blocks)
     want = run(ref, ref, torch.Tensor.backward, opt.step, opt.zero_grad)
     got = run(model, engine, engine.backward, engine.step, engine.zero_grad)
     weights = dict(engine.named_parameters())
     engine.close()
     assert got == want, "losses differ from PyTorch's"
-    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters()), "not PyTorch's weights"
+    different = [k for k, p in ref.named_parameters() if not torch.equal(weights[k], p)]
+    assert not different, f"not PyTorch's weights: {different[:3]}"
 
 
 @pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
@@ -2197,19 +2203,10 @@ def test_two_forwards_under_one_autocast_region_sum_their_casts_gradients_as_pyt
     ``tools/fuzz_options.py --loops --wide --seed 98111``). Now a block called more than once in
     one region rounds the calls' sum of a weight it reads only through autocast's cast as PyTorch's
     bf16 sum does: bitwise either way."""
-    from tiered_offload import EngineConfig
-    ref = make_llama()
-    model = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s",
-                    host_memory=int(16 * sum(p.numel() for p in ref.parameters()) * 0.4),
-                    config=EngineConfig(activations=activations))
-    assert engine.activation_modes == [activations] * 4
-
     def autocast():
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    def run(forward, backward, step, zero):
+    def run(module, forward, backward, step, zero):
         losses = []
         for s in batches(3, 2):
             for ids, _ in s:
@@ -2226,13 +2223,7 @@ def test_two_forwards_under_one_autocast_region_sum_their_casts_gradients_as_pyt
             step()
             zero()
         return losses
-    want = run(ref, torch.Tensor.backward, opt.step, opt.zero_grad)
-    got = run(engine, engine.backward, engine.step, engine.zero_grad)
-    weights = dict(engine.named_parameters())
-    engine.close()
-    assert got == want, "losses differ from PyTorch's"
-    different = [k for k, p in ref.named_parameters() if not torch.equal(weights[k], p)]
-    assert not different, f"not PyTorch's weights: {different[:3]}"
+    _trains_as_pytorch(make_llama(), activations, tmp_path, run)
 
 
 def test_calls_of_a_block_some_in_one_autocast_region_some_in_another_are_refused(tmp_path):
