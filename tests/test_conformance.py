@@ -600,6 +600,23 @@ def test_a_forward_that_reads_its_blocks_attributes_trains_bitwise(tmp_path, mak
                  fused=fused, config=EngineConfig(activations=activations))
 
 
+@pytest.mark.parametrize("activations, fused", [("recompute", False), ("offload", False), ("recompute", True),
+                                                ("offload", True)])
+def test_a_block_called_twice_under_autocast_sums_its_casts_gradients_as_pytorch(tmp_path, activations, fused):
+    """A weight-shared block under bf16 autocast: PyTorch casts each weight once in the region and
+    sums the two calls' gradients of the cast in bf16. The engine summed them in fp32 (other bits
+    in the loop); and in a ``forward_backward`` pass, where each micro-batch's forward is a region
+    of its own, as in the loop around it. Bitwise now (``repeated_calls.autocast_region``)."""
+    from test_finetune import Habits
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return RepeatingLM()
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, accumulate=3,
+                 fused=fused, config=EngineConfig(activations=activations), habits=Habits(autocast=True))
+
+
 def test_a_block_called_twice_trains_bitwise_where_the_state_fits(tmp_path):
     """The whole state in memory (PyTorch's graphs): the second call of a block reuses the first's
     weight leaves, so autograd sums the calls' gradients before adding them, as in PyTorch."""

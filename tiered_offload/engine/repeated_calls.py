@@ -19,10 +19,11 @@ sums them itself.
 PyTorch sums the calls' gradients of that cast in its dtype (bf16) before the cast's backward
 converts the sum to fp32; calls in a region each have a cast each, summed in fp32. Each call of the
 engine casts for itself, so where the calls were in one region (:func:`autocast_region`: the same
-cast node of a sentinel), the sum of a weight read only through the cast (:func:`read_through_casts`)
-is rounded to the cast's dtype after each call's gradient is added, as PyTorch's sum is. (A weight
-a module casts itself, ``.to(torch.bfloat16)``, looks the same and is rounded too; PyTorch would not.)
-Calls some in one region and some in another are refused.
+cast node of a sentinel; in a ``forward_backward`` pass, one micro-batch's forward), the sum of a
+weight read only through the cast (:func:`read_through_casts`) is rounded to the cast's dtype
+after each call's gradient is added, as PyTorch's sum is. (A weight a module casts itself,
+``.to(torch.bfloat16)``, looks the same and is rounded too; PyTorch would not.) Calls some in one
+region and some in another are refused.
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ class RepeatedCalls:
         self._tokens[number] = slot
         if self._sentinel is None:
             self._sentinel = torch.ones(1, 1, device=self.streamer.device, requires_grad=True)
-        self._regions[number] = autocast_region(self._sentinel)
+        region = autocast_region(self._sentinel)
+        if region is not None and slot[0] >= 0:  # a forward_backward pass: a region per micro-batch's forward
+            region = ("micro-batch", slot[0]), region[1]
+        self._regions[number] = region
         return number
 
     def dropped(self, number: int) -> None:
@@ -140,11 +144,11 @@ class RepeatedCalls:
                               f"would be reduced once per call, not summed first as PyTorch does: not supported")
         slot = (self._context(), unit.index)
         regions = [self._regions.get(n) for n, s in self._tokens.items() if s == slot]
-        shared = len(regions) > 1 and regions[0] is not None and all(r is not None and r[0] is regions[0][0]
+        shared = len(regions) > 1 and regions[0] is not None and all(r is not None and r[0] == regions[0][0]
                                                                        for r in regions)
         if shared:
             self._rounded[slot] = read_through_casts(outputs, params), regions[0][1]
-        elif len({id(r[0]) for r in regions if r is not None}) < sum(r is not None for r in regions):
+        elif len({r[0] for r in regions if r is not None}) < sum(r is not None for r in regions):
             raise ConfigError(f"block {unit.name} was called {len(regions)} times before a backward under "
                               f"torch.autocast, some calls in one autocast region and some in another: PyTorch sums "
                               f"their gradients through autocast's casts in an order the engine does not follow. Put "
