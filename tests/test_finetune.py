@@ -260,10 +260,11 @@ class Habits:
     (a Hugging Face model's greedy ``generate()``, its tokens compared); ``exports``:
     the steps after which the engine's ``export_safetensors`` and ``named_parameters`` are read,
     each PyTorch's weights then, bitwise (the export as ``save_pretrained`` writes a transformers
-    model, with its persistent buffers and in its checkpoint layout); ``resume_at`` (set by ``check_parity``): the step a
-    resume starts at, where the reference restores the random state of the last step taken before
-    it (a skipped one commits nothing), as the resume does: what the loop drew after that step (a
-    loss logged in training mode with dropout) is drawn again; ``autocast``: the forwards and
+    model, with its persistent buffers and in its checkpoint layout); ``resume_at`` (set by
+    ``check_parity``): the step a resume starts at, where the reference restores the random state
+    of the last step taken before it (a skipped one commits nothing), as the resume does: what the
+    loop drew after that step (a loss logged in training mode with dropout) is drawn again;
+    ``autocast``: the forwards and
     losses under bf16 ``torch.autocast``; ``optimizer_calls``: the loop calls
     ``engine.optimizer.step()`` and ``.zero_grad()`` (the optimizer the engine was built from), not
     the engine's; ``modes``: per ``(step, micro-batch)`` of the loop of backwards, ``"eval-forward"``

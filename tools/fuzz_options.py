@@ -13,7 +13,8 @@ exports and reads of the weights between steps, bf16 autocast, the optimizer's o
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
 Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()`` before a backward,
-``clip_grad_value_``, two forwards before a backward and micro-batches of other shapes. Every case must end one of two ways:
+``clip_grad_value_``, two forwards before a backward and micro-batches of other shapes. Every
+case must end one of two ways:
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
 * **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
@@ -47,7 +48,8 @@ encoder-decoder's ``generate()`` refused (``facade._hook_model_calls``), BART's 
 under autocast summed in another order (``SharedInputs.seeds``) and ``forward_backward``'s loop
 sharing autocast's casts across micro-batches (``micro_batches._loop``). ``--loops`` found a block
 recomputed in the mode (``train()`` / ``eval()``) of its backward, not its forward's
-(``block_attributes.replay_modes``).
+(``block_attributes.replay_modes``), and two calls of a block in one autocast region summed in
+fp32, where PyTorch sums its shared cast's gradients in bf16 (``repeated_calls.autocast_region``).
 Exits 1 if any case failed.
 """
 
