@@ -617,6 +617,55 @@ def test_a_block_called_twice_under_autocast_sums_its_casts_gradients_as_pytorch
                  fused=fused, config=EngineConfig(activations=activations), habits=Habits(autocast=True))
 
 
+class SquareTwice(torch.nn.Module):
+    """A block part that applies one linear layer twice (a weight read twice in a call)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x, route=None):
+        return self.lin(torch.nn.functional.gelu(self.lin(x)))
+
+
+@pytest.mark.parametrize("regions", ["one", "each"])
+def test_a_weight_read_twice_in_a_block_called_twice_in_one_autocast_region_is_refused(tmp_path, regions):
+    """Two forwards in one bf16 autocast region through blocks that read a weight's cast twice in a
+    call: PyTorch adds the four uses' gradients to the shared cast's bf16 sum one at a time, the
+    engine a call's two first; refused at the backward, naming the block, the weight and the fix.
+    In a region each (separate casts, summed in fp32) it trains bitwise."""
+    from test_finetune import batches, lm_loss
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(SquareTwice, d=32, layers=4)
+    ref, model = make(), make()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    state = 16 * sum(p.numel() for p in model.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=int(0.4 * state))
+    with engine:
+        for step in batches(2, 2):
+            for ids, _ in step:
+                for forward, backward in ((ref, torch.Tensor.backward), (engine, engine.backward)):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = lm_loss(forward, ids)
+                        if regions == "one":
+                            loss = loss + lm_loss(forward, ids.flip(0))
+                    if regions == "each":
+                        with torch.autocast("cpu", dtype=torch.bfloat16):
+                            loss = loss + lm_loss(forward, ids.flip(0))
+                    if regions == "one" and forward is engine:
+                        refused = r"block block\.3 was called 2 times .* one torch\.autocast region and reads "
+                        with pytest.raises(ConfigError, match=refused + r"ffn\.lin\.bias .* region of its own"):
+                            backward(loss)
+                        return
+                    backward(loss)
+            opt.step(), engine.step()
+            opt.zero_grad(), engine.zero_grad()
+        weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
 def test_a_block_called_twice_trains_bitwise_where_the_state_fits(tmp_path):
     """The whole state in memory (PyTorch's graphs): the second call of a block reuses the first's
     weight leaves, so autograd sums the calls' gradients before adding them, as in PyTorch."""

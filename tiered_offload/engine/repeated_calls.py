@@ -23,7 +23,8 @@ cast node of a sentinel; in a ``forward_backward`` pass, one micro-batch's forwa
 weight read only through the cast (:func:`read_through_casts`) is rounded to the cast's dtype
 after each call's gradient is added, as PyTorch's sum is. (A weight a module casts itself,
 ``.to(torch.bfloat16)``, looks the same and is rounded too; PyTorch would not.) Calls some in one
-region and some in another are refused.
+region and some in another are refused, and so are calls in one region of a block that reads a
+weight's cast more than once in a call (PyTorch adds each use in turn to the shared sum).
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def autocast_region(sentinel: torch.Tensor) -> tuple[object, torch.dtype] | None
     return node, torch.get_autocast_dtype(kind)
 
 
-def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tensor]) -> set[str]:
+def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tensor]) -> tuple[set[str], set[str]]:
     """Of ``leaves`` (name -> weight leaf), those whose every use in the graph of ``outputs`` is a
-    dtype cast (autocast's: ``ToCopyBackward0``)."""
+    dtype cast (autocast's: ``ToCopyBackward0``); and of those, the ones whose cast is read more
+    than once in the graph (a layer applied twice in the call)."""
     names = {id(t): n for n, t in leaves.items()}
     users: dict[str, set[str]] = {}
+    reads: dict[object, int] = {}  # a node -> the edges into it
+    casts: dict[str, list] = {}
     seen, stack = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -65,13 +69,16 @@ def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tens
         for child, _ in node.next_functions:
             if child is None:
                 continue
+            reads[child] = reads.get(child, 0) + 1
             if type(child).__name__ == "AccumulateGrad":
                 name = names.get(id(child.variable))
                 if name is not None:
                     users.setdefault(name, set()).add(type(node).__name__)
+                    casts.setdefault(name, []).append(node)
             else:
                 stack.append(child)
-    return {n for n, kinds in users.items() if kinds == {"ToCopyBackward0"}}
+    through = {n for n, kinds in users.items() if kinds == {"ToCopyBackward0"}}
+    return through, {n for n in through if sum(reads.get(c, 0) for c in casts[n]) > 1}
 
 
 class RepeatedCalls:
@@ -147,7 +154,13 @@ class RepeatedCalls:
         shared = len(regions) > 1 and regions[0] is not None and all(r is not None and r[0] == regions[0][0]
                                                                        for r in regions)
         if shared:
-            self._rounded[slot] = read_through_casts(outputs, params), regions[0][1]
+            through, reread = read_through_casts(outputs, params)
+            if reread:  # PyTorch adds each use in turn to the shared cast's sum; the engine, a call's uses first
+                raise ConfigError(f"block {unit.name} was called {len(regions)} times before a backward in one "
+                                  f"torch.autocast region and reads {sorted(reread)[0]} through autocast's cast "
+                                  f"more than once in a call: PyTorch sums those uses' gradients in bf16 in an order "
+                                  f"the engine does not follow. Put each forward in an autocast region of its own")
+            self._rounded[slot] = through, regions[0][1]
         elif len({r[0] for r in regions if r is not None}) < sum(r is not None for r in regions):
             raise ConfigError(f"block {unit.name} was called {len(regions)} times before a backward under "
                               f"torch.autocast, some calls in one autocast region and some in another: PyTorch sums "
