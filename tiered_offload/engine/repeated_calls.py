@@ -54,7 +54,7 @@ def autocast_region(sentinel: torch.Tensor) -> tuple[object, torch.dtype] | None
 
 def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tensor]) -> tuple[set[str], set[str]]:
     """Of ``leaves`` (name -> weight leaf), those whose every use in the graph of ``outputs`` is a
-    dtype cast (autocast's: ``ToCopyBackward0``); and of those, the ones whose cast is read more
+    dtype cast (autocast's: ``ToCopyBackward``); and of those, the ones whose cast is read more
     than once in the graph (a layer applied twice in the call)."""
     names = {id(t): n for n, t in leaves.items()}
     users: dict[str, set[str]] = {}
@@ -77,7 +77,7 @@ def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tens
                     casts.setdefault(name, []).append(node)
             else:
                 stack.append(child)
-    through = {n for n, kinds in users.items() if kinds == {"ToCopyBackward0"}}
+    through = {n for n, kinds in users.items() if all(k.startswith("ToCopyBackward") for k in kinds)}
     return through, {n for n in through if sum(reads.get(c, 0) for c in casts[n]) > 1}
 
 
