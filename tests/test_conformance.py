@@ -617,6 +617,46 @@ def test_a_block_called_twice_under_autocast_sums_its_casts_gradients_as_pytorch
                  fused=fused, config=EngineConfig(activations=activations), habits=Habits(autocast=True))
 
 
+@pytest.mark.parametrize("activations, fused, autocast", [("recompute", False, False), ("offload", True, False),
+                                                          ("keep", False, True), ("recompute", True, True)])
+def test_albert_whose_layer_groups_each_run_two_layers_trains_bitwise(tmp_path, activations, fused, autocast):
+    """ALBERT shares its layers' weights across depth: each of its layer groups (the streamed
+    blocks) runs two of its 8 layers, so the engine meets every block twice a forward and sums the
+    two calls' gradients (in bf16 under autocast) as PyTorch's graph does. With dropout, a resume,
+    at a budget of 3/4 of the state (the groups are 92% of it)."""
+    from test_finetune import hf_loss, make_albert
+    from tiered_offload import EngineConfig
+
+    def four_groups_streamed(engine):
+        assert engine.activation_modes == [activations] * 4
+    check_parity(lambda: make_albert(0.1), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path,
+                 loss_fn=hf_loss, accumulate=2, clip=1.0, fused=fused, resume_at=2, host_fraction=0.75,
+                 config=EngineConfig(activations=activations), habits=Habits(autocast=autocast),
+                 inspect=four_groups_streamed)
+
+
+def parametrized_lm(kind: str) -> TinyLM:
+    """A model whose linear layers compute their weights from parameters at each call
+    (``torch.nn.utils.parametrizations``): ``weight_norm`` (a magnitude and a direction) or
+    ``spectral_norm`` (whose training forward also updates two buffers, a power iteration's)."""
+    parametrize = getattr(torch.nn.utils.parametrizations, kind)
+    torch.manual_seed(0)
+    return TinyLM(lambda d: MLP(d, lambda i, o: parametrize(torch.nn.Linear(i, o))), d=32)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("activations, fused, autocast", [("recompute", False, False), ("offload", True, True)])
+def test_weights_computed_by_a_parametrization_train_bitwise(tmp_path, kind, activations, fused, autocast):
+    """``weight_norm`` and ``spectral_norm`` layers in every block: the parameters are the
+    parametrization's originals, the weight a function of them at each call; spectral_norm's
+    power-iteration buffers advance once a training forward, also where the engine recomputes the
+    block, and survive a resume."""
+    from tiered_offload import EngineConfig
+    check_parity(lambda: parametrized_lm(kind), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path,
+                 accumulate=2, clip=1.0, fused=fused, resume_at=2, host_fraction=0.6,
+                 config=EngineConfig(activations=activations), habits=Habits(autocast=autocast))
+
+
 class SquareTwice(torch.nn.Module):
     """A block part that applies one linear layer twice (a weight read twice in a call)."""
 
@@ -664,6 +704,38 @@ def test_a_weight_read_twice_in_a_block_called_twice_in_one_autocast_region_is_r
             opt.zero_grad(), engine.zero_grad()
         weights = dict(engine.named_parameters())
     assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+
+
+class RepeatingSquareLM(RepeatingLM):
+    """:class:`RepeatingLM` whose blocks apply one linear layer twice (:class:`SquareTwice`)."""
+
+    def __init__(self):
+        TinyLM.__init__(self, SquareTwice, d=32, layers=4)
+        for i, block in enumerate(self.blocks):
+            block.ffn.doubled = i % 2 == 1
+
+
+@pytest.mark.parametrize("make", [lambda: TinyLM(SquareTwice, d=32, layers=4), RepeatingSquareLM,
+                                  lambda: parametrized_lm("spectral_norm")],
+                         ids=["two-forwards", "block-twice", "spectral-norm"])
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+def test_a_weight_read_twice_in_a_call_of_a_block_called_twice_sums_its_uses_in_pytorchs_order(tmp_path, make,
+                                                                                                activations):
+    """A block that reads a weight twice in a call (a layer applied twice; spectral_norm's weight,
+    read for its norm and divided by it), called twice before a backward (two forwards, a
+    weight-shared loop). PyTorch adds the four uses' gradients one at a time, the later call's first:
+    ``((d + c) + b) + a``. The engine summed each call's uses first: ``(d + c) + (b + a)``, other
+    bits, silently (``tools/fuzz_options.py --zoo`` seeds 111079, 111265, 111337). Now the calls'
+    sum so far is the first gradient each later call's backward adds to."""
+    from test_finetune import Habits
+    from tiered_offload import EngineConfig
+
+    def seeded():
+        torch.manual_seed(0)
+        return make()
+    twice = make is not RepeatingSquareLM
+    check_parity(seeded, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, accumulate=2, clip=1.0,
+                 host_fraction=0.6, config=EngineConfig(activations=activations), habits=Habits(twice=twice))
 
 
 def test_a_block_called_twice_trains_bitwise_where_the_state_fits(tmp_path):

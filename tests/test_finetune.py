@@ -132,6 +132,17 @@ def make_llama():
     return model
 
 
+def make_albert(dropout=0.0):
+    """ALBERT with 4 layer groups over 8 layers: each group's layer called twice in a forward (its
+    weights shared across depth), 92% of the parameters in the groups."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.AlbertForMaskedLM(transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+        num_attention_heads=4, num_hidden_groups=4, inner_group_num=1, max_position_embeddings=32,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout_prob=dropout))
+
+
 def make_deberta():
     """DeBERTa-v2 with relative attention: the encoder gives its relative-position embedding
     weight, a parameter outside the blocks, to every block as an input."""
@@ -1768,6 +1779,29 @@ def test_the_loops_fuzz_draws_what_loops_do_and_its_seeds_train_bitwise(tmp_path
     for seed, want in ((251, ("gpt2-dropout", "recompute")), (219, ("mixtral-aux", "offload"))):
         case, kw = fuzz_options.draw(random.Random(seed), zoo, False, None, random.Random(f"loops-{seed}"))
         assert (case["model"], case["config"]["activations"]) == want
+        assert fuzz_options.run(kw, tmp_path / str(seed)) == "ok", seed
+
+
+def test_the_zoo_fuzz_draws_shared_and_computed_weights_and_its_seeds_train_bitwise(tmp_path):
+    """``tools/fuzz_options.py --zoo`` adds ALBERT (its layers share weights), a model that calls
+    blocks twice, and linear layers under ``weight_norm`` and ``spectral_norm``, and leaves what a
+    seed draws without it as it was. Its seeds 111079 and 111265 (spectral_norm, two forwards before
+    a backward; kept and recomputed) trained other weights: the weight is read twice in a call, and
+    the engine summed each call's two uses before adding the calls
+    (``repeated_calls.first_arrivals``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_options
+    zoo, plain = fuzz_options.models(True, True, zoo=True), fuzz_options.models(True, True)
+    drawn = [fuzz_options.draw(random.Random(seed), zoo, True, None, random.Random(f"loops-{seed}"))[0]
+             for seed in range(40)]
+    assert {c["model"] for c in drawn} == set(zoo) and set(zoo) - set(plain) == {
+        "albert", "albert-dropout", "repeats", "weight-norm", "spectral-norm"}
+    before = fuzz_options.draw(random.Random(74049), fuzz_options.models())[0]
+    assert (before["model"], before["optimizer"], before["accumulate"]) == ("moe", "Adadelta", 3)
+    for seed, want in ((111079, "keep"), (111265, "auto")):
+        case, kw = fuzz_options.draw(random.Random(seed), zoo, True, random.Random(f"stores-{seed}"),
+                                     random.Random(f"loops-{seed}"))
+        assert (case["model"], case["habits"].twice, case["config"]["activations"]) == ("spectral-norm", True, want)
         assert fuzz_options.run(kw, tmp_path / str(seed)) == "ok", seed
 
 

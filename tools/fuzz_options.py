@@ -13,7 +13,10 @@ exports and reads of the weights between steps, bf16 autocast, the optimizer's o
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
 Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()`` before a backward,
-``clip_grad_value_``, two forwards before a backward and micro-batches of other shapes. Every
+``clip_grad_value_``, two forwards before a backward and micro-batches of other shapes; ``--zoo``
+models whose weights are shared or computed: ALBERT (its layers share weights), a model that calls
+a block twice, and linear layers under ``weight_norm`` and ``spectral_norm`` (a weight computed from
+parameters at each call, and buffers the training forward updates). Every
 case must end one of two ways:
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
@@ -33,6 +36,7 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --wide --cases 300     # encoder-decoders, frozen, LoRA, groups too
     python tools/fuzz_options.py --stores --cases 300   # zarr, aiofiles, striping, LRU, CRC32 too
     python tools/fuzz_options.py --loops --cases 300    # what loops do besides: eval(), clip values
+    python tools/fuzz_options.py --zoo --cases 300      # ALBERT, weight_norm, spectral_norm too
 
 ``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
 otherwise (seed 74049 failed 5 runs of 10 beside two busy processes, and never alone).
@@ -50,6 +54,9 @@ sharing autocast's casts across micro-batches (``micro_batches._loop``). ``--loo
 recomputed in the mode (``train()`` / ``eval()``) of its backward, not its forward's
 (``block_attributes.replay_modes``), and two calls of a block in one autocast region summed in
 fp32, where PyTorch sums its shared cast's gradients in bf16 (``repeated_calls.autocast_region``).
+``--zoo`` found a weight read twice in a call (``spectral_norm``'s) of a block called twice before a
+backward summed a call's uses first, where PyTorch adds each use in turn
+(``repeated_calls.first_arrivals``).
 Exits 1 if any case failed.
 """
 
@@ -122,21 +129,39 @@ def _checkpointed_gpt2():
     return model
 
 
-def models(wide: bool = False, loops: bool = False) -> dict:
+def models(wide: bool = False, loops: bool = False, zoo: bool = False) -> dict:
     """name: (make, loss, streamed blocks); ``wide``: encoder-decoders (their encoder's blocks
     streamed, then the decoder's), a model with frozen parameters and one with LoRA layers too;
-    ``loops``: Mixtral with its load-balancing loss and GPT-2 with gradient checkpointing on."""
+    ``loops``: Mixtral with its load-balancing loss and GPT-2 with gradient checkpointing on;
+    ``zoo``: models that call a block more than once a forward (ALBERT's layer groups, each over
+    two layers; a model that calls every other block twice) and whose linear layers' weights are
+    parametrizations (``weight_norm``, ``spectral_norm``)."""
     from test_finetune import hf_loss, lm_loss, make_deberta, make_gpt2, make_llama, make_lora, make_moe
-    zoo = {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
-           "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
+    table = {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
+             "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
     if wide:
         from test_conformance import bart, seq2seq_loss, t5
-        zoo.update({"t5-dropout": (t5, seq2seq_loss, 6), "bart-dropout": (bart, seq2seq_loss, 6),
-                    "gpt2-frozen": (lambda: make_gpt2(frozen=True), hf_loss, 4), "lora": (make_lora, lm_loss, 4)})
+        table.update({"t5-dropout": (t5, seq2seq_loss, 6), "bart-dropout": (bart, seq2seq_loss, 6),
+                      "gpt2-frozen": (lambda: make_gpt2(frozen=True), hf_loss, 4), "lora": (make_lora, lm_loss, 4)})
     if loops:
         from test_finetune import make_mixtral
-        zoo.update({"mixtral-aux": (make_mixtral, hf_loss, 4), "gpt2-checkpointed": (_checkpointed_gpt2, hf_loss, 4)})
-    return zoo
+        table.update({"mixtral-aux": (make_mixtral, hf_loss, 4), "gpt2-checkpointed": (_checkpointed_gpt2, hf_loss, 4)})
+    if zoo:
+        from test_conformance import RepeatingLM, parametrized_lm
+        from test_finetune import make_albert
+        table.update({"albert": (make_albert, hf_loss, 4), "albert-dropout": (lambda: make_albert(0.1), hf_loss, 4),
+                      "repeats": (_seeded(RepeatingLM), lm_loss, 4),
+                      "weight-norm": (lambda: parametrized_lm("weight_norm"), lm_loss, 4),
+                      "spectral-norm": (lambda: parametrized_lm("spectral_norm"), lm_loss, 4)})
+    return table
+
+
+def _seeded(make):
+    """``make`` from seed 0, as the zoo's other models are built."""
+    def seeded():
+        torch.manual_seed(0)
+        return make()
+    return seeded
 
 
 def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Random | None = None,
@@ -354,6 +379,8 @@ def main() -> int:
     ap.add_argument("--loops", action="store_true", help="Mixtral's aux loss, gradient checkpointing, eval() "
                                                           "inside a step, clip_grad_value_, other shapes too "
                                                           "(a third generator)")
+    ap.add_argument("--zoo", action="store_true", help="models whose weights are shared or computed too (ALBERT, "
+                                                        "a block called twice, weight_norm, spectral_norm)")
     ap.add_argument("--stores", action="store_true", help="the storage backend, striping and the store's options "
                                                            "too (from a second generator: the rest as without it)")
     args = ap.parse_args()
@@ -361,7 +388,7 @@ def main() -> int:
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # (save_pretrained's, in the export checks)
-    zoo = models(args.wide, args.loops)
+    zoo = models(args.wide, args.loops, args.zoo)
     counts = {"ok": 0, "refused": 0, "failed": 0}
     with contextlib.ExitStack() as stack:
         for _ in range(args.load):  # each spins until this process is gone (a hang's dump exits it at once)

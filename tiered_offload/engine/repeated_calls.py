@@ -10,6 +10,9 @@ its calls' gradients apart: the first call's land in fresh tensors (as autograd 
 the budgets like its other temporaries: one block's gradients), the next ones add into those, and
 the sum goes into G when the last call's backward is done (or, where a forward's graph was dropped
 without a backward and still held its node, when the backward ends: :meth:`RepeatedCalls.flush`).
+A later call's backward starts each weight's gradient from the sum so far (:func:`first_arrivals`):
+a weight the block reads twice in a call then adds each use to the sum in turn, as in PyTorch's
+one graph, not the call's two uses summed first.
 A call whose node was freed before the backward began no longer counts
 (:meth:`RepeatedCalls.dropped`). Where the whole state fits (PyTorch's graphs kept), a second call
 reuses the first's weight leaves instead (``BlockStreamer.run_block_keeping_graph``), and autograd
@@ -36,7 +39,7 @@ import torch
 from offload_core.errors import ConfigError
 from tiered_offload.engine.parameter_guard import grad_hooks, run_grad_hooks
 
-__all__ = ["RepeatedCalls", "autocast_region", "read_through_casts"]
+__all__ = ["RepeatedCalls", "autocast_region", "first_arrivals", "read_through_casts"]
 
 
 def autocast_region(sentinel: torch.Tensor) -> tuple[object, torch.dtype] | None:
@@ -79,6 +82,18 @@ def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tens
                 stack.append(child)
     through = {n for n, kinds in users.items() if all(k.startswith("ToCopyBackward") for k in kinds)}
     return through, {n for n in through if sum(reads.get(c, 0) for c in casts[n]) > 1}
+
+
+def first_arrivals(leaves: dict[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> list[tuple]:
+    """``(root, gradient)`` pairs to back-propagate beside a call's outputs so that each leaf's
+    first gradient in that backward is its calls' sum so far: an alias of the leaf, made after the
+    call's graph, so autograd runs it first (its ready nodes go latest-made first) and the leaf's
+    gradient buffer starts from the sum. The call's uses then add to it one at a time, as they add
+    to PyTorch's buffer of the whole graph, which sums the later call's uses first:
+    ``((d + c) + b) + a`` for a weight read twice in each of two calls, where summing each call's
+    uses first, then the calls, would give ``(d + c) + (b + a)``: other bits."""
+    with torch.enable_grad():  # (a backward runs without grad mode)
+        return [(leaf.view_as(leaf), sums[name]) for name, leaf in leaves.items()]
 
 
 class RepeatedCalls:
@@ -143,9 +158,10 @@ class RepeatedCalls:
         if self._calls.get(slot, 0) > 0:
             self._calls[slot] -= 1
 
-    def before(self, unit, params: dict[str, torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        """Before one call's backward (of ``outputs``): the leaves' ``.grad`` is the sum so far (None
-        for the first); under one autocast region, which sums are rounded (see the module's doc)."""
+    def before(self, unit, params: dict[str, torch.Tensor], outputs: list[torch.Tensor]) -> list[tuple]:
+        """Before one call's backward (of ``outputs``): the ``(root, gradient)`` pairs that give each
+        leaf the sum so far as its first gradient (none for the first call; see :func:`first_arrivals`);
+        under one autocast region, which sums are rounded (see the module's doc)."""
         if self.streamer.sharding is not None:
             raise ConfigError(f"block {unit.name} was called more than once before a backward; sharded, its gradients "
                               f"would be reduced once per call, not summed first as PyTorch does: not supported")
@@ -167,8 +183,9 @@ class RepeatedCalls:
                               f"their gradients through autocast's casts in an order the engine does not follow. Put "
                               f"the forwards in one region, or each in a region of its own")
         total = self._sums.setdefault(slot, {})
-        for s_ in unit.trainable():
-            params[s_.local_name].grad = total.get(s_.local_name)
+        for s_ in unit.trainable():  # (not the store's buffer: the sum goes there after the last call)
+            params[s_.local_name].grad = None
+        return first_arrivals({n: params[n] for n in total}, total)
 
     def after(self, unit, params: dict[str, torch.Tensor], gflat: torch.Tensor) -> None:
         """After it: the sum kept; after the last call's, added to ``gflat`` (the block's pinned
