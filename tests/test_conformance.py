@@ -715,19 +715,27 @@ class RepeatingSquareLM(RepeatingLM):
             block.ffn.doubled = i % 2 == 1
 
 
+def _rwkv():
+    transformers = pytest.importorskip("transformers")
+    return transformers.RwkvForCausalLM(transformers.RwkvConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=4, attention_hidden_size=32, intermediate_size=64,
+        context_length=32, use_cache=False))
+
+
 @pytest.mark.parametrize("make", [lambda: TinyLM(SquareTwice, d=32, layers=4), RepeatingSquareLM,
-                                  lambda: parametrized_lm("spectral_norm")],
-                         ids=["two-forwards", "block-twice", "spectral-norm"])
+                                  lambda: parametrized_lm("spectral_norm"), _rwkv],
+                         ids=["two-forwards", "block-twice", "spectral-norm", "rwkv-two-forwards"])
 @pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
 def test_a_weight_read_twice_in_a_call_of_a_block_called_twice_sums_its_uses_in_pytorchs_order(tmp_path, make,
                                                                                                 activations):
     """A block that reads a weight twice in a call (a layer applied twice; spectral_norm's weight,
-    read for its norm and divided by it), called twice before a backward (two forwards, a
-    weight-shared loop). PyTorch adds the four uses' gradients one at a time, the later call's first:
-    ``((d + c) + b) + a``. The engine summed each call's uses first: ``(d + c) + (b + a)``, other
-    bits, silently (``tools/fuzz_options.py --zoo`` seeds 111079, 111265, 111337). Now the calls'
-    sum so far is the first gradient each later call's backward adds to."""
-    from test_finetune import Habits
+    read for its norm and divided by it; RWKV's time mixing), called twice before a backward (two
+    forwards, a weight-shared loop). PyTorch adds the four uses' gradients one at a time, the later
+    call's first: ``((d + c) + b) + a``. The engine summed each call's uses first: ``(d + c) + (b +
+    a)``, other bits, silently (``tools/fuzz_options.py --zoo`` seeds 111079, 111265, 111337; RWKV
+    in ``tools/conformance_sweep.py --twice``). Now the calls' sum so far is the first gradient each
+    later call's backward adds to."""
+    from test_finetune import Habits, hf_loss, lm_loss
     from tiered_offload import EngineConfig
 
     def seeded():
@@ -735,7 +743,8 @@ def test_a_weight_read_twice_in_a_call_of_a_block_called_twice_sums_its_uses_in_
         return make()
     twice = make is not RepeatingSquareLM
     check_parity(seeded, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, accumulate=2, clip=1.0,
-                 host_fraction=0.6, config=EngineConfig(activations=activations), habits=Habits(twice=twice))
+                 host_fraction=0.6, config=EngineConfig(activations=activations), habits=Habits(twice=twice),
+                 loss_fn=hf_loss if make is _rwkv else lm_loss)
 
 
 def test_a_block_called_twice_trains_bitwise_where_the_state_fits(tmp_path):

@@ -21,6 +21,12 @@ weights against ``save_pretrained`` of the same model (every tensor, its name an
 
     python tools/conformance_sweep.py --export
 
+``--twice`` makes each loss the mean of two forwards before one backward (the batch and its
+sequences reversed: DPO's chosen and rejected), so every block is called twice before its backward
+(the loop of backwards only); ``--autocast`` runs the forwards and losses under bf16 autocast:
+
+    python tools/conformance_sweep.py --twice --autocast --modes recompute,keep
+
 Prints a line per run and a summary; exits 1 if any run was neither bitwise nor the refusal expected.
 """
 
@@ -257,6 +263,21 @@ def cases() -> dict:
     return full
 
 
+def _pytorch_fails(make, loss, habits) -> str:
+    """Why PyTorch itself cannot run a step of ``make()`` with ``habits`` ("": it can): a model
+    whose forward overflows bf16 under autocast, say. Such a run is no test of the engine."""
+    from test_finetune import batches
+    model = make()
+    ids = batches(1, 1)[0][0][0]
+    try:
+        with habits.forward():
+            loss_value = habits.loss(loss, model, ids, None)
+        loss_value.backward()
+    except Exception as e:  # (whatever PyTorch raises)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return ""
+
+
 def _export_differs(make, optimizer, d: Path, cls) -> str:
     """How the engine's export of ``make()``'s weights differs from ``save_pretrained``'s ("": not),
     and whether ``from_pretrained`` reads it back."""
@@ -304,10 +325,12 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="recompute,keep,offload", help="comma-separated activation modes")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--export", action="store_true", help="each architecture's export against save_pretrained's")
+    ap.add_argument("--twice", action="store_true", help="two forwards before each backward (the loop only)")
+    ap.add_argument("--autocast", action="store_true", help="the forwards and losses under bf16 autocast")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers as T
-    from test_finetune import check_parity
+    from test_finetune import Habits, check_parity
     from tiered_offload import EngineConfig
     from tiered_offload.errors import TieredOffloadError
 
@@ -316,7 +339,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in table]
     if unknown:
         ap.error(f"unknown architectures {unknown}; known: {', '.join(table)}")
-    tally = {"bitwise": 0, "refused as expected": 0, "FAILED": 0}
+    tally = {"bitwise": 0, "refused as expected": 0, "architectures PyTorch itself fails": 0, "FAILED": 0}
     t0 = time.perf_counter()
     for name in names:
         config_cls, model_cls, kwargs, loss, refusal = table[name]
@@ -338,13 +361,20 @@ def main(argv=None) -> int:
             tally[result] += 1
             print(f"{name:16s} export    {result}{'  ' + why if why else ''}", flush=True)
             continue
+        habits = Habits(twice=args.twice, autocast=args.autocast)
+        fails = _pytorch_fails(make, loss, habits) if args.twice or args.autocast else ""
+        if fails:
+            tally["architectures PyTorch itself fails"] += 1
+            print(f"{name:16s} PyTorch itself fails with these habits (not run): {fails}", flush=True)
+            continue
         for mode in args.modes.split(","):
-            for fused in (False, True):
+            for fused in (False,) if args.twice else (False, True):
                 how = "forward_backward" if fused else "loop"
                 with tempfile.TemporaryDirectory(prefix=".sweep-", dir=ROOT, ignore_cleanup_errors=True) as d:
                     try:
                         check_parity(make, optimizer, Path(d), loss_fn=loss, steps=args.steps, accumulate=2, clip=1.0,
-                                     host_fraction=0.4, config=EngineConfig(activations=mode), fused=fused)
+                                     host_fraction=0.4, config=EngineConfig(activations=mode), fused=fused,
+                                     habits=habits)
                         result = "bitwise" if refusal is None else "FAILED"
                         why = "" if refusal is None else f"trained where {refusal} was expected"
                     except TieredOffloadError as e:
@@ -354,7 +384,8 @@ def main(argv=None) -> int:
                         result, why = "FAILED", str(e).splitlines()[0][:160]
                 tally[result] += 1
                 print(f"{name:16s} {mode:9s} {how:16s} {result}{'  ' + why if why else ''}", flush=True)
-    print(f"{len(names)} architectures, {sum(tally.values())} runs in {time.perf_counter() - t0:.0f} s: "
+    runs = sum(n for k, n in tally.items() if not k.startswith("architectures"))
+    print(f"{len(names)} architectures, {runs} runs in {time.perf_counter() - t0:.0f} s: "
           + ", ".join(f"{n} {k}" for k, n in tally.items()))
     return 1 if tally["FAILED"] else 0
 
