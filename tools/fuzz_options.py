@@ -56,7 +56,8 @@ recomputed in the mode (``train()`` / ``eval()``) of its backward, not its forwa
 fp32, where PyTorch sums its shared cast's gradients in bf16 (``repeated_calls.autocast_region``).
 ``--zoo`` found a weight read twice in a call (``spectral_norm``'s) of a block called twice before a
 backward summed a call's uses first, where PyTorch adds each use in turn
-(``repeated_calls.first_arrivals``).
+(``repeated_calls.first_arrivals``), and a test reference that resumed without restoring the
+buffers a training forward after the step had changed (``test_finetune.train``).
 Exits 1 if any case failed.
 """
 
