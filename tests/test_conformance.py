@@ -747,6 +747,44 @@ def test_a_weight_read_twice_in_a_call_of_a_block_called_twice_sums_its_uses_in_
                  loss_fn=hf_loss if make is _rwkv else lm_loss)
 
 
+@pytest.mark.parametrize("thread", ["same", "another"])
+def test_the_calls_sum_reaches_a_weight_before_the_calls_uses_whatever_thread_runs_the_backward(thread):
+    """``first_arrivals`` makes a call's backward start a weight's gradient from the earlier calls'
+    sum. Autograd runs independent ready nodes latest-made first, by a counter each thread keeps:
+    a backward on another thread than the forward's (autograd's CUDA device thread) would run a
+    root made there (an alias of the weight carrying the sum, the first version) after the call's
+    nodes, adding the sum last, other bits; the sum now comes from a node the call's nodes wait for."""
+    import threading
+
+    from tiered_offload.engine.repeated_calls import first_arrivals
+    torch.manual_seed(0)
+    w, x = torch.randn(32, 32, requires_grad=True), torch.randn(4, 32)
+
+    def call(h, w):
+        return torch.nn.functional.gelu(h @ w.t()) @ w.t()
+    h1 = call(x, w)
+    out, g = call(h1, w), torch.randn(4, 32)
+    expected = torch.autograd.grad(out, w, g)[0]  # PyTorch: the four uses in turn, the second call's first
+    w2, h = w.detach().requires_grad_(), h1.detach().requires_grad_()
+    torch.autograd.backward([call(h, w2)], [g], inputs=[w2, h])  # the second call's backward first
+    for _ in range(1000):  # (this thread's counter runs ahead of a fresh thread's)
+        torch.ones(1, requires_grad=True) * 2
+    w1 = w.detach().requires_grad_()
+    pairs = [(call(x, w1), h.grad)]
+
+    def backward():
+        primed = first_arrivals({"w": w1}, {"w": w2.grad}, pairs)
+        torch.autograd.backward([o for o, _ in primed], [g_ for _, g_ in primed], inputs=[w1])
+    if thread == "same":
+        backward()
+    else:
+        t = threading.Thread(target=backward)
+        t.start()
+        t.join()
+    assert torch.equal(w1.grad, expected)
+    assert not torch.equal(w2.grad + torch.autograd.grad(call(x, w), w, h.grad)[0], expected)  # (the call's sum first)
+
+
 def test_a_block_called_twice_trains_bitwise_where_the_state_fits(tmp_path):
     """The whole state in memory (PyTorch's graphs): the second call of a block reuses the first's
     weight leaves, so autograd sums the calls' gradients before adding them, as in PyTorch."""

@@ -84,16 +84,36 @@ def read_through_casts(outputs: list[torch.Tensor], leaves: dict[str, torch.Tens
     return through, {n for n in through if sum(reads.get(c, 0) for c in casts[n]) > 1}
 
 
-def first_arrivals(leaves: dict[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> list[tuple]:
-    """``(root, gradient)`` pairs to back-propagate beside a call's outputs so that each leaf's
-    first gradient in that backward is its calls' sum so far: an alias of the leaf, made after the
-    call's graph, so autograd runs it first (its ready nodes go latest-made first) and the leaf's
-    gradient buffer starts from the sum. The call's uses then add to it one at a time, as they add
-    to PyTorch's buffer of the whole graph, which sums the later call's uses first:
-    ``((d + c) + b) + a`` for a weight read twice in each of two calls, where summing each call's
-    uses first, then the calls, would give ``(d + c) + (b + a)``: other bits."""
+def first_arrivals(leaves: dict[str, torch.Tensor], sums: dict[str, torch.Tensor], pairs: list[tuple]) -> list[tuple]:
+    """``(output, gradient)`` pairs to back-propagate instead of a call's ``pairs`` so that each
+    leaf's first gradient in that backward is its calls' sum so far: the outputs pass through one
+    node (:class:`_StartFrom`) whose backward gives each leaf its sum and each output its gradient,
+    so the sum reaches the leaf's gradient buffer before any of the call's uses (they run after that
+    node), whatever order autograd would run independent nodes in. The uses then add to it one at a
+    time, as they add to PyTorch's buffer of the whole graph, which sums the later call's uses
+    first: ``((d + c) + b) + a`` for a weight read twice in each of two calls, where summing each
+    call's uses first, then the calls, would give ``(d + c) + (b + a)``: other bits."""
+    if not leaves:  # (the first call)
+        return pairs
     with torch.enable_grad():  # (a backward runs without grad mode)
-        return [(leaf.view_as(leaf), sums[name]) for name, leaf in leaves.items()]
+        if not pairs:  # (no output needs a gradient: the sums alone)
+            return [(leaf.view_as(leaf), sums[name]) for name, leaf in leaves.items()]
+        outs = _StartFrom.apply([sums[n] for n in leaves], len(leaves), *leaves.values(), *(o for o, _ in pairs))
+    return list(zip(outs, (g for _, g in pairs)))
+
+
+class _StartFrom(torch.autograd.Function):
+    """Passes ``outputs`` through; its backward gives ``leaves`` the ``sums`` first (its edges to
+    them come first), then the outputs their gradients."""
+
+    @staticmethod
+    def forward(ctx, sums, n, *tensors):
+        ctx.sums = sums
+        return tuple(t.view_as(t) for t in tensors[n:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *ctx.sums, *grads)
 
 
 class RepeatedCalls:
@@ -158,10 +178,11 @@ class RepeatedCalls:
         if self._calls.get(slot, 0) > 0:
             self._calls[slot] -= 1
 
-    def before(self, unit, params: dict[str, torch.Tensor], outputs: list[torch.Tensor]) -> list[tuple]:
-        """Before one call's backward (of ``outputs``): the ``(root, gradient)`` pairs that give each
-        leaf the sum so far as its first gradient (none for the first call; see :func:`first_arrivals`);
-        under one autocast region, which sums are rounded (see the module's doc)."""
+    def before(self, unit, params: dict[str, torch.Tensor], pairs: list[tuple]) -> list[tuple]:
+        """Before one call's backward (of ``pairs``, each an output and its gradient): the pairs to
+        back-propagate instead, which give each leaf the sum so far as its first gradient (the
+        call's own for the first call; see :func:`first_arrivals`); under one autocast region,
+        which sums are rounded (see the module's doc)."""
         if self.streamer.sharding is not None:
             raise ConfigError(f"block {unit.name} was called more than once before a backward; sharded, its gradients "
                               f"would be reduced once per call, not summed first as PyTorch does: not supported")
@@ -170,7 +191,7 @@ class RepeatedCalls:
         shared = len(regions) > 1 and regions[0] is not None and all(r is not None and r[0] == regions[0][0]
                                                                        for r in regions)
         if shared:
-            through, reread = read_through_casts(outputs, params)
+            through, reread = read_through_casts([o for o, _ in pairs], params)
             if reread:  # PyTorch adds each use in turn to the shared cast's sum; the engine, a call's uses first
                 raise ConfigError(f"block {unit.name} was called {len(regions)} times before a backward in one "
                                   f"torch.autocast region and reads {sorted(reread)[0]} through autocast's cast "
@@ -185,7 +206,7 @@ class RepeatedCalls:
         total = self._sums.setdefault(slot, {})
         for s_ in unit.trainable():  # (not the store's buffer: the sum goes there after the last call)
             params[s_.local_name].grad = None
-        return first_arrivals({n: params[n] for n in total}, total)
+        return first_arrivals({n: params[n] for n in total}, total, pairs)
 
     def after(self, unit, params: dict[str, torch.Tensor], gflat: torch.Tensor) -> None:
         """After it: the sum kept; after the last call's, added to ``gflat`` (the block's pinned

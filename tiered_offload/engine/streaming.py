@@ -706,7 +706,7 @@ class BlockStreamer:
         targets = ([params[s_.local_name] for s_ in unit.trainable()] if weights else []) + diff_inputs
         summed = gflat is not None and self.calls.repeated(unit)
         if summed:  # (the parameters' hooks then run on the calls' sum: RepeatedCalls)
-            pairs = pairs + self.calls.before(unit, params, [o for o, _ in pairs])
+            pairs = self.calls.before(unit, params, pairs)
         elif weights:
             hook_leaves(unit, params)
         if pairs and targets:
