@@ -57,7 +57,8 @@ fp32, where PyTorch sums its shared cast's gradients in bf16 (``repeated_calls.a
 ``--zoo`` found a weight read twice in a call (``spectral_norm``'s) of a block called twice before a
 backward summed a call's uses first, where PyTorch adds each use in turn
 (``repeated_calls.first_arrivals``), and a test reference that resumed without restoring the
-buffers a training forward after the step had changed (``test_finetune.train``).
+buffers a training forward after the step had changed (``test_finetune.train``), and the aiofiles
+backend's tasks holding a forward's context variables, its graph with them (``storage_backends/_aio.py``).
 Exits 1 if any case failed.
 """
 
