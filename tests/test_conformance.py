@@ -23,7 +23,7 @@ from offload_core.errors import ConfigError
 from tiered_offload import Engine
 from tiered_offload.engine.optim_spec import ELEMENTWISE, optimizer_mode
 
-from test_finetune import MLP, Habits, TinyLM, check_parity
+from test_finetune import MLP, Block, Habits, TinyLM, check_parity, lm_loss
 
 optim_db = pytest.importorskip("torch.testing._internal.common_optimizers").optim_db
 
@@ -994,6 +994,93 @@ def test_a_tensor_a_block_keeps_as_an_attribute_trains_bitwise(tmp_path, activat
         return lm_loss(model, ids, route) + 0.01 * sum(b.ffn.aux_loss for b in made[-1].blocks)
     check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=loss, clip=1.0,
                  accumulate=2, fused=fused, config=EngineConfig(activations=activations))
+
+
+# ---- a tensor the block saved, changed in place before its backward ---------------------------
+class TanhBlock(torch.nn.Module):
+    """Ends with ``tanh``, which saves its output for backward."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x, route=None):
+        return torch.tanh(self.lin(x))
+
+
+class ShiftBlock(Block):
+    """Reads its input only through ``x + 1``, which saves nothing: its graph never saves the input."""
+
+    def forward(self, x, route=None):
+        y = x + 1
+        return y + self.ffn(self.norm(y), route)
+
+
+class InPlaceLM(TinyLM):
+    """Changes a tensor in place after the block that read or made it: block 1's input (``where="input"``)
+    or the last block's output (``"output"``)."""
+
+    def __init__(self, block, where, d=32, layers=4):
+        super().__init__(lambda d: MLP(d), d=d, layers=layers)
+        self.blocks = torch.nn.ModuleList(block(d) for _ in range(layers))
+        self.where = where
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for i, block in enumerate(self.blocks):
+            x, h = h, block(h, route)
+            if i == 1 and self.where == "input":
+                x.mul_(0.5)
+        if self.where == "output":
+            h.mul_(0.5)
+        return self.head(self.norm(h))
+
+
+_SAVED = {"input": lambda d: Block(d, MLP(d)), "output": TanhBlock}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+@pytest.mark.parametrize("where", ["input", "output"])
+def test_a_saved_block_input_or_output_changed_in_place_raises_as_in_pytorch(tmp_path, where, activations, fused):
+    """A block's input (its layer norm saves it) or output (``tanh`` saves it) changed in place
+    after the block ran: PyTorch's backward raises ("modified by an inplace operation"). The engine
+    had copied what the block saved, so the backward went on silently with the old values. Now it
+    raises too, naming the block."""
+    from test_finetune import VOCAB, fused_step
+    from tiered_offload import EngineConfig
+    from offload_core.errors import TensorStateError
+
+    def make():
+        torch.manual_seed(0)
+        return InPlaceLM(_SAVED[where], where)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lm_loss(make(), ids).backward()
+    model = make()
+    host = 16 * sum(p.numel() for p in model.parameters()) * 2 // 5
+    with Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path, host_memory=host,
+                config=EngineConfig(activations=activations)) as engine:
+        assert engine.state_bytes() > engine.store.capacity("host")
+        block = "block.1" if where == "input" else "block.3"
+        with pytest.raises(TensorStateError, match=f"modified by an inplace operation.*{block}"):
+            if fused:
+                fused_step(engine, [(ids, None), (ids, None)], lm_loss)
+            else:
+                engine.backward(lm_loss(engine, ids))
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+def test_a_block_input_its_graph_did_not_save_may_change_in_place(tmp_path, activations):
+    """The same change of block 1's input, where the block never saves it: PyTorch trains, and so
+    does the engine, bitwise (the check is on what the block saved, not on every input)."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return InPlaceLM(lambda d: ShiftBlock(d, MLP(d)), "input")
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, accumulate=2,
+                 config=EngineConfig(activations=activations))
 
 
 # ---- custom autograd Functions --------------------------------------------------------------------

@@ -44,8 +44,8 @@ import torch
 
 from offload_core.errors import TensorStateError
 
-__all__ = ["SavedActivations", "ALIGN", "autocast_state", "graph_nodes", "kept_on_ctx", "replay_autocast",
-           "recomputing", "recompute_context"]
+__all__ = ["SavedActivations", "ALIGN", "SavedAliases", "autocast_state", "graph_nodes", "kept_on_ctx",
+           "kept_on_ctx_message", "replay_autocast", "recomputing", "recompute_context"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside the scratch buffer."""
@@ -241,6 +241,11 @@ class SavedActivations:
             raise TensorStateError("saved activations unpacked before attach(); this is a bug")
         return self._views[h.index]
 
+    def storages(self) -> set[tuple]:
+        """Where the tensors saved so far (before :meth:`seal`) keep their bytes: a block's input or
+        output in one of them was saved by its graph (:class:`SavedAliases`)."""
+        return {_storage(t) for t in [*self._copies, *(t for t, _, _ in self._spans), *self._kept]} - {None}
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` itself (not a copy) is what a backward will unpack."""
         return (any(x is t for x in self._copies) or any(x is t for x in self._kept)
@@ -336,6 +341,56 @@ class SavedActivations:
         self.life.released = True
 
 
+def _storage(t: torch.Tensor) -> tuple | None:
+    """``(device, address)`` of ``t``'s storage (None: it has none, a subclass or sparse tensor)."""
+    try:
+        return t.device, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class SavedAliases:
+    """The inputs and outputs of one block call that its graph saved for backward, watched for an
+    in-place change until the block's backward.
+
+    PyTorch's backward raises when a tensor a node saved has changed in place since ("one of the
+    variables needed for gradient computation has been modified by an inplace operation"): the
+    engine's copy of what the block saved (or its recompute, from a copy of its inputs) would go on
+    with the old values, silently training something PyTorch refuses. Autograd checks the version
+    counter a tensor shares with its views and detached aliases; this keeps, for each watched
+    tensor, a witness that shares that counter and holds no bytes (so the tensor's own memory
+    goes when it would, and a change through any alias, or before the tensor's Python object
+    went, is seen).
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._watched: list[tuple[torch.Tensor, int, str]] = []
+
+    def watch(self, kind: str, tensors, saved: set[tuple], given=None) -> None:
+        """Watch the ``tensors`` (the block's inputs or outputs, ``kind``) whose storage is one of
+        ``saved`` (:meth:`SavedActivations.storages`), or whose ``given`` stand-in's is."""
+        for k, t in enumerate(tensors):
+            if _storage(t) in saved or (given is not None and _storage(given[k]) in saved):
+                witness = t.detach()
+                try:  # (the counter is shared, its count kept: an empty set_ would bump it)
+                    with torch.autograd._unsafe_preserve_version_counter(witness):
+                        witness.set_()
+                except (RuntimeError, NotImplementedError):  # (no storage to let go of: none shared)
+                    continue
+                self._watched.append((witness, witness._version, f"{kind} {k} ({tuple(t.shape)}, {t.dtype})"))
+
+    def check(self) -> None:
+        """Raise as PyTorch would if a watched tensor changed in place since :meth:`watch`."""
+        for witness, version, what in self._watched:
+            if witness._version != version:
+                raise TensorStateError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: block {self.name}'s {what}, which the block saved for its backward, is at version "
+                    f"{witness._version}; expected version {version} instead (PyTorch's backward raises the same). "
+                    f"Change it out of place (x = x * 2, not x.mul_(2)), or change a clone of it")
+
+
 def _never_unpacked(_h) -> torch.Tensor:
     raise TensorStateError("a measuring forward's graph was back-propagated; this is a bug")
 
@@ -371,6 +426,15 @@ def kept_on_ctx(outputs, emptied, memory: torch.Tensor) -> list[str]:
                 if any(unsafe(t) for t in values):
                     found.append(f"{type(node).__name__.removesuffix('Backward')}.{name}")
     return found
+
+
+def kept_on_ctx_message(name: str, found: list[str]) -> str:
+    """The error for block ``name`` whose graph keeps :func:`kept_on_ctx`'s ``found`` on a ctx."""
+    return (f"block {name}: a custom autograd Function in it keeps tensors on its ctx as attributes "
+            f"({', '.join(found[:3])}) instead of through ctx.save_for_backward, where the engine cannot store "
+            f"them: a kept or offloaded graph of this block would give its backward other bytes. Save them with "
+            f"ctx.save_for_backward(...) (read ctx.saved_tensors), or let the block recompute: "
+            f"EngineConfig(activations='recompute'), or 'auto', which recomputes such a block")
 
 
 def graph_nodes(roots):

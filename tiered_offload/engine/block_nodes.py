@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError
-from tiered_offload.engine.activations import kept_on_ctx
+from tiered_offload.engine.activations import SavedAliases, kept_on_ctx, kept_on_ctx_message
 from tiered_offload.engine.binding import call_block, placeholder
 from tiered_offload.engine.block_attributes import (changed_attributes, modes_of, set_tensors, snapshot_attributes,
                                                    tensor_attributes)
@@ -57,9 +57,10 @@ class StreamedBlock(torch.autograd.Function):
         snapshot = engine.binding.snapshot_buffers(unit)
         attributes = snapshot_attributes(unit.module)
         held = tensor_attributes(unit.module)
+        saved: set[tuple] = set()
         with (torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]),
               engine.binding.recorded.record(box["wanted"]) as extras):
-            out = engine.run_block(index, args, kwargs, as_trained=True)
+            out = engine.run_block(index, args, kwargs, as_trained=True, saved=saved)
         extras = [*extras, *set_tensors(unit.module, held)]
         box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
         # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
@@ -76,13 +77,16 @@ class StreamedBlock(torch.autograd.Function):
         keep_non_differentiable(ctx, out_leaves, returned)
         del out, out_leaves
         box["spec"], box["leaves"] = out_spec, returned
+        outputs = tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
+        ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, saved)
         ctx.handles = [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
-        return tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         backward_once(ctx)
+        ctx.aliases.check()
         ctx.engine.check_whole(ctx.binding)
         ctx.engine.take_turn(("backward", ctx.index))
         needs = ctx.needs_input_grad[6:]
@@ -133,9 +137,10 @@ class StashedBlock(torch.autograd.Function):
                              [*params.values(), *inputs, *given], flat)
         if on_ctx:
             engine.discard(stash)
-            raise ConfigError(engine.kept_on_ctx_message(unit, on_ctx))
+            raise ConfigError(kept_on_ctx_message(unit.name, on_ctx))
         box["spec"], box["leaves"], box["extras"] = out_spec, returned, [k for k, _ in extras]
-        returned_extras = tuple(t.detach() for _, t in extras)
+        outputs = tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
+        ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, stash.storages())
         engine.seal(index, stash)
         # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
         # (their values are in the store, or in the tensors returned)
@@ -146,11 +151,12 @@ class StashedBlock(torch.autograd.Function):
         for t in [*params.values(), *inputs, *copies, *(o for o in ctx.outs if o is not None)]:
             if not stash.holds(t):  # a tensor autograd saved by reference keeps its bytes
                 t.data = placeholder_of(t)
-        return tuple(x for x in returned if isinstance(x, torch.Tensor)) + returned_extras
+        return outputs
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         backward_once(ctx)
+        ctx.aliases.check()
         ctx.engine.check_whole(ctx.binding)
         ctx.engine.take_turn(("backward", ctx.index))
         pairs = [(o, g) for o, g in zip(ctx.outs, grad_outputs) if o is not None and g is not None]
@@ -173,6 +179,15 @@ LET_GO = (
     "commit or export_safetensors between the forward and its backward): its graph would read placeholders for "
     "them. Add the losses and call engine.backward(loss1 + loss2) once, or run the forward again after them; what "
     "a backward added so far stays until engine.zero_grad()")
+
+
+def watch_aliases(name: str, tensors, given, outputs, saved: set[tuple]) -> SavedAliases:
+    """What of a block call's inputs (``tensors``, read as ``given``) and ``outputs`` its graph
+    saved (in ``saved``), watched until its backward (:class:`SavedAliases`)."""
+    aliases = SavedAliases(name)
+    aliases.watch("input", tensors, saved, given)
+    aliases.watch("output", outputs, saved)
+    return aliases
 
 
 def backward_once(ctx) -> None:

@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import (SavedActivations, autocast_state, kept_on_ctx, recompute_context,
-                                                replay_autocast)
+from tiered_offload.engine.activations import (SavedActivations, autocast_state, kept_on_ctx, kept_on_ctx_message,
+                                                recompute_context, replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, replay_modes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
@@ -407,8 +407,9 @@ class BlockStreamer:
     def release_weights(self, unit: Unit) -> None:
         self.full.release(unit, grad=False)
 
-    def run_block(self, index: int, args, kwargs, *, as_trained: bool = False):
-        """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad."""
+    def run_block(self, index: int, args, kwargs, *, as_trained: bool = False, saved: set | None = None):
+        """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad,
+        adding to ``saved`` where what its graph saved lies (:meth:`SavedActivations.storages`)."""
         unit = self.binding.blocks[index]
         flat = self.fetch_for_forward(unit)
         try:
@@ -418,29 +419,22 @@ class BlockStreamer:
             params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
                       for s_ in unit.params}
             # what keeping this block's graph would store (the planner weighs it against recomputing)
-            counter = SavedActivations(flat, [], count_only=True) if self.measure_graphs else None
+            counter = SavedActivations(flat, [], count_only=True)
             t0 = time.perf_counter()
-            with (counter.hooks() if counter is not None else contextlib.nullcontext(),
-                  span(self.tracer, f"forward {unit.name}", "compute")):
+            with counter.hooks(), span(self.tracer, f"forward {unit.name}", "compute"):
                 out = call_block(unit.module, params, args, kwargs)
             self.count_forward(index, time.perf_counter() - t0)
-            if counter is not None:
+            if saved is not None:
+                saved.update(counter.storages())
+            if self.measure_graphs:
                 self.graph_bytes[index] = counter.pending_bytes()
                 outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
                 on_ctx = kept_on_ctx(outs, [*params.values(), *tree_flatten((args, kwargs))[0]], flat)
                 if on_ctx:  # (the planner keeps it recomputing)
-                    self.held_on_ctx[index] = self.kept_on_ctx_message(unit, on_ctx)
+                    self.held_on_ctx[index] = kept_on_ctx_message(unit.name, on_ctx)
             return out
         finally:
             self.release_weights(unit)
-
-    @staticmethod
-    def kept_on_ctx_message(unit: Unit, found: list[str]) -> str:
-        return (f"block {unit.name}: a custom autograd Function in it keeps tensors on its ctx as attributes "
-                f"({', '.join(found[:3])}) instead of through ctx.save_for_backward, where the engine cannot store "
-                f"them: a kept or offloaded graph of this block would give its backward other bytes. Save them with "
-                f"ctx.save_for_backward(...) (read ctx.saved_tensors), or let the block recompute: "
-                f"EngineConfig(activations='recompute'), or 'auto', which recomputes such a block")
 
     def block_forward(self, index: int, args, kwargs):
         """What block ``index``'s proxy runs: plainly without grad, else as a recomputed autograd
