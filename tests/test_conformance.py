@@ -1083,6 +1083,40 @@ def test_a_block_input_its_graph_did_not_save_may_change_in_place(tmp_path, acti
                  config=EngineConfig(activations=activations))
 
 
+class ScalesItsInputBlock(Block):
+    """Scales its input in place before anything reads it (PyTorch trains it: nothing saved the input yet)."""
+
+    def forward(self, x, route=None):
+        x.mul_(0.5)
+        return x + self.ffn(self.norm(x), route)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_block_that_changes_its_input_in_place_is_refused_naming_it(tmp_path, frozen, activations, fused):
+    """Block 0 scales its input in place. With the embedding frozen (its input needs no gradient),
+    the engine recomputed from the scaled input (scaling it twice) and ``forward_backward`` gave
+    other losses, silently; with an input that needs one, the error blamed the batch's shapes. Now
+    the block's first forward raises a ``ConfigError`` naming it and the fix."""
+    from test_finetune import VOCAB, fused_step
+    from tiered_offload import EngineConfig
+
+    torch.manual_seed(0)
+    model = TinyLM(lambda d: MLP(d), d=32, layers=4)
+    model.blocks[0] = ScalesItsInputBlock(32, MLP(32))
+    model.emb.requires_grad_(not frozen)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    host = 16 * sum(p.numel() for p in model.parameters()) * 2 // 5
+    with Engine(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                storage=tmp_path, host_memory=host, config=EngineConfig(activations=activations)) as engine:
+        with pytest.raises(ConfigError, match="block.0.*changes .* in place.*out of place"):
+            if fused:
+                fused_step(engine, [(ids, None), (ids, None)], lm_loss)
+            else:
+                engine.backward(lm_loss(engine, ids))
+
+
 # ---- custom autograd Functions --------------------------------------------------------------------
 class ScaleOnCtx(torch.autograd.Function):
     """``x * w``, keeping ``x`` and ``w`` on its ctx as attributes (not ``ctx.save_for_backward``):

@@ -15,6 +15,7 @@ what it saves on its ``ctx`` and what it returns.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -58,8 +59,8 @@ class StreamedBlock(torch.autograd.Function):
         attributes = snapshot_attributes(unit.module)
         held = tensor_attributes(unit.module)
         saved: set[tuple] = set()
-        with (torch.enable_grad(), engine.own.forward(index, ctx.rng["own"]),
-              engine.binding.recorded.record(box["wanted"]) as extras):
+        with (inputs_unchanged(unit.name, tensors, given), torch.enable_grad(),
+              engine.own.forward(index, ctx.rng["own"]), engine.binding.recorded.record(box["wanted"]) as extras):
             out = engine.run_block(index, args, kwargs, as_trained=True, saved=saved)
         extras = [*extras, *set_tensors(unit.module, held)]
         box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
@@ -119,8 +120,8 @@ class StashedBlock(torch.autograd.Function):
             stash = engine.new_stash(flat, box["call"], awaited(ctx.shared, needs))
             held = tensor_attributes(unit.module)
             t0 = time.perf_counter()
-            with (torch.enable_grad(), stash.hooks(), engine.own.forward(index, {}),
-                  engine.binding.recorded.record(box["wanted"]) as extras,
+            with (inputs_unchanged(unit.name, tensors, given), torch.enable_grad(), stash.hooks(),
+                  engine.own.forward(index, {}), engine.binding.recorded.record(box["wanted"]) as extras,
                   span(engine.tracer, f"forward {unit.name}", "compute")):
                 out = call_block(unit.module, params, args, kwargs)
             engine.count_forward(index, time.perf_counter() - t0)
@@ -179,6 +180,35 @@ LET_GO = (
     "commit or export_safetensors between the forward and its backward): its graph would read placeholders for "
     "them. Add the losses and call engine.backward(loss1 + loss2) once, or run the forward again after them; what "
     "a backward added so far stays until engine.zero_grad()")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # (an inference tensor keeps no version)
+        return None
+
+
+@contextlib.contextmanager
+def inputs_unchanged(name: str, tensors, given):
+    """Around a block's forward: refuse one that changes its input in place (``x.mul_(0.5)`` before
+    anything reads ``x``; PyTorch trains that, the input being an earlier layer's output). The
+    node gives the block its inputs as leaves of their own, and its recompute or ``forward_backward``
+    would run it on the changed input again: an input that requires grad made PyTorch raise
+    (blaming nothing of the block), one that needs none trained something else, silently."""
+    watched = [*tensors, *given]
+    before = [_version(t) for t in watched]
+    message = (f"block {name}'s forward changes a tensor in place that the engine gives it as an input of its own "
+               f"(its input, an earlier layer's output in PyTorch's model, or a parameter): the engine cannot rerun "
+               f"such a block on the input it read. Change it out of place (x = x * 0.5, not x.mul_(0.5))")
+    try:
+        yield
+    except RuntimeError as e:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(e):
+            raise
+        raise ConfigError(message) from e
+    if [_version(t) for t in watched] != before:
+        raise ConfigError(message)
 
 
 def watch_aliases(name: str, tensors, given, outputs, saved: set[tuple]) -> SavedAliases:
