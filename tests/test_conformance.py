@@ -996,6 +996,99 @@ def test_a_tensor_a_block_keeps_as_an_attribute_trains_bitwise(tmp_path, activat
                  accumulate=2, fused=fused, config=EngineConfig(activations=activations))
 
 
+class TwoInputBlock(torch.nn.Module):
+    """Reads each of its two inputs several times."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.ffn, self.gate = torch.nn.LayerNorm(d), MLP(d), torch.nn.Linear(d, d)
+
+    def forward(self, x, memory):
+        return x + self.ffn(self.norm(x) * torch.sigmoid(self.gate(memory))) + memory * 0.3 + x * memory
+
+
+class SameTensorTwiceLM(TinyLM):
+    """Gives each block one tensor as both of its inputs (``block(h, h)``: attention to itself as memory)."""
+
+    def __init__(self, d=32, layers=4):
+        super().__init__(lambda d: MLP(d), d=d, layers=layers)
+        self.blocks = torch.nn.ModuleList(TwoInputBlock(d) for _ in range(layers))
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h, h)
+        return self.head(self.norm(h))
+
+
+class TwoOfOneOutputBlock(Block):
+    """Returns one tensor twice (``return y, y``)."""
+
+    def forward(self, x, route=None):
+        y = x + self.ffn(self.norm(x), route)
+        return y, y
+
+
+class TwoOfOneOutputLM(TinyLM):
+    def __init__(self, d=32, layers=4):
+        super().__init__(lambda d: MLP(d), d=d, layers=layers)
+        self.blocks = torch.nn.ModuleList(TwoOfOneOutputBlock(d, MLP(d)) for _ in range(layers))
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for block in self.blocks:
+            a, b = block(h)
+            h = a * 0.7 + torch.tanh(b) * a
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+@pytest.mark.parametrize("make_model", [SameTensorTwiceLM, TwoOfOneOutputLM], ids=["input", "output"])
+def test_one_tensor_in_two_places_of_a_block_call_trains_bitwise(tmp_path, make_model, activations, fused):
+    """One tensor as two of a block's inputs: the gradient of the first place was dropped (the
+    embedding's gradient 5% of PyTorch's, silently). One tensor as two of its outputs: their
+    gradients were added apart from each use's (ulps off). Now a tensor is one input and one output
+    of the block's node however many places it takes, its uses' gradients in PyTorch's order."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return make_model()
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, accumulate=2, clip=1.0,
+                 fused=fused, config=EngineConfig(activations=activations))
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+def test_a_blocks_input_is_not_held_in_memory_after_its_forward(tmp_path, activations):
+    """What a block's backward needs of its inputs is in the store (its checkpoint, or its graph's
+    saved tensors): the input itself goes when the model lets go of it. A recomputed block's node
+    held every block's input to its backward, in the compute device's memory and outside the
+    budgets, beside the store's copy."""
+    import gc
+    import weakref
+    from test_finetune import VOCAB
+    from tiered_offload import EngineConfig
+    seen = []
+
+    class Watched(TinyLM):
+        def forward(self, ids, route=None):
+            h = self.emb(ids)
+            for block in self.blocks:
+                seen.append(weakref.ref(h))
+                h = block(h, route)
+            return self.head(self.norm(h))
+    torch.manual_seed(0)
+    model = Watched(lambda d: MLP(d), d=32, layers=4)
+    host = 16 * sum(p.numel() for p in model.parameters()) * 2 // 5
+    with Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path, host_memory=host,
+                config=EngineConfig(activations=activations)) as engine:
+        loss = lm_loss(engine, torch.randint(0, VOCAB, (2, 9)))
+        gc.collect()
+        assert [ref() is None for ref in seen] == [True] * 4
+        engine.backward(loss)
+
+
 # ---- a tensor the block saved, changed in place before its backward ---------------------------
 class TanhBlock(torch.nn.Module):
     """Ends with ``tanh``, which saves its output for backward."""

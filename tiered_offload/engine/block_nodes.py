@@ -29,7 +29,7 @@ from tiered_offload.engine.block_attributes import (changed_attributes, modes_of
 from tiered_offload.engine.shared_inputs import awaited, keep_non_differentiable
 from tiered_offload.trace import span
 
-__all__ = ["LET_GO", "SECOND_BACKWARD", "StashedBlock", "StreamedBlock", "placeholder_of", "rebuild"]
+__all__ = ["LET_GO", "SECOND_BACKWARD", "StashedBlock", "StreamedBlock", "placeholder_of", "rebuild", "slotted"]
 
 
 class StreamedBlock(torch.autograd.Function):
@@ -70,15 +70,11 @@ class StreamedBlock(torch.autograd.Function):
         ctx.buffers_before = engine.binding.changed_buffers(snapshot)
         ctx.rng["attributes"], ctx.rng["modes"] = changed_attributes(attributes), modes_of(attributes)
         del snapshot
-        out_leaves, out_spec = tree_flatten(out)
-        # outputs that are inputs unchanged would confuse autograd's bookkeeping; return copies
-        ids = {id(t) for t in [*inputs, *given]}
-        returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
-                    for x in out_leaves]
-        keep_non_differentiable(ctx, out_leaves, returned)
-        del out, out_leaves
-        box["spec"], box["leaves"] = out_spec, returned
-        outputs = tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
+        box["spec"], box["leaves"], distinct, returned = node_outputs(out, [*inputs, *given])
+        keep_non_differentiable(ctx, distinct, returned)
+        del out, distinct
+        box["outputs"] = len(returned)
+        outputs = tuple(returned) + tuple(t.detach() for _, t in extras)
         ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, saved)
         ctx.handles = [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
@@ -127,26 +123,21 @@ class StashedBlock(torch.autograd.Function):
             engine.count_forward(index, time.perf_counter() - t0)
         finally:
             engine.release_weights(unit)
-        out_leaves, out_spec = tree_flatten(out)
+        box["spec"], box["leaves"], distinct, returned = node_outputs(out, [*inputs, *given])
         del out
-        ids = {id(t) for t in [*inputs, *given]}
-        returned = [(x.detach().clone() if id(x) in ids else x.detach()) if isinstance(x, torch.Tensor) else x
-                    for x in out_leaves]
-        keep_non_differentiable(ctx, out_leaves, returned)
+        keep_non_differentiable(ctx, distinct, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
-        on_ctx = kept_on_ctx([*(x for x in out_leaves if isinstance(x, torch.Tensor)), *(t for _, t in extras)],
-                             [*params.values(), *inputs, *given], flat)
+        on_ctx = kept_on_ctx([*distinct, *(t for _, t in extras)], [*params.values(), *inputs, *given], flat)
         if on_ctx:
             engine.discard(stash)
             raise ConfigError(kept_on_ctx_message(unit.name, on_ctx))
-        box["spec"], box["leaves"], box["extras"] = out_spec, returned, [k for k, _ in extras]
-        outputs = tuple(x for x in returned if isinstance(x, torch.Tensor)) + tuple(t.detach() for _, t in extras)
+        box["outputs"], box["extras"] = len(returned), [k for k, _ in extras]
+        outputs = tuple(returned) + tuple(t.detach() for _, t in extras)
         ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, stash.storages())
         engine.seal(index, stash)
         # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
         # (their values are in the store, or in the tensors returned)
-        ctx.outs = [x if x.requires_grad else None for x in [*(x for x in out_leaves if isinstance(x, torch.Tensor)),
-                                                              *(t for _, t in extras)]]
+        ctx.outs = [x if x.requires_grad else None for x in [*distinct, *(t for _, t in extras)]]
         ctx.params, ctx.inputs, ctx.given, ctx.needs, ctx.stash = params, inputs, given, needs, stash
         copies = [g for g, x in zip(given, inputs) if g is not x]  # (autocast's: as_layer_outputs)
         for t in [*params.values(), *inputs, *copies, *(o for o in ctx.outs if o is not None)]:
@@ -255,9 +246,45 @@ def as_layer_outputs(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [x.clone() if x.requires_grad else x for x in inputs]
 
 
+class _Slot:
+    """A tensor's place in a flattened block call or output: which of its distinct tensors."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+
+def slotted(leaves: list) -> tuple[list, list[torch.Tensor]]:
+    """``leaves`` (flattened) with each tensor replaced by its :class:`_Slot`, and the distinct
+    tensors. One tensor in two places (``block(h, h)``, ``return y, y``) is one input or output of
+    the block's node, as it is one tensor in PyTorch's graph, where its uses' gradients add into
+    one sum: two inputs dropped the first place's gradient, two outputs added each one's apart.
+    The node keeps the slots, not the tensors (a recomputed block's inputs go when the model
+    lets go of them: what its backward needs of them is in the store)."""
+    index: dict[int, int] = {}
+    tensors, out = [], []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            k = index.setdefault(id(x), len(tensors))
+            if k == len(tensors):
+                tensors.append(x)
+            x = _Slot(k)
+        out.append(x)
+    return out, tensors
+
+
 def rebuild(spec, leaves, tensors):
-    """``(args, kwargs)`` from a call's flattened ``spec`` and ``leaves`` with ``tensors`` in the
-    tensors' places."""
-    it = iter(tensors)
-    filled = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
-    return tree_unflatten(filled, spec)
+    """The call or output a :func:`slotted` ``spec`` and ``leaves`` stand for, with ``tensors``
+    (one for each distinct tensor) in the tensors' places."""
+    return tree_unflatten([tensors[x.k] if isinstance(x, _Slot) else x for x in leaves], spec)
+
+
+def node_outputs(out, inputs: list[torch.Tensor]) -> tuple[list, object, list[torch.Tensor], list[torch.Tensor]]:
+    """A block's output ``out`` as its node returns it: the spec and slots of its flattened leaves,
+    its distinct tensors, and what the node returns for each (detached; a copy of one of the block's
+    ``inputs`` returned unchanged, which would confuse autograd's bookkeeping)."""
+    leaves, spec = tree_flatten(out)
+    slots, distinct = slotted(leaves)
+    ids = {id(t) for t in inputs}
+    return spec, slots, distinct, [x.detach().clone() if id(x) in ids else x.detach() for x in distinct]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
@@ -32,7 +32,7 @@ from tiered_offload.engine.activations import (SavedActivations, autocast_state,
 from tiered_offload.engine.block_attributes import replay_attributes, replay_modes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
-                                                placeholder_of, rebuild)
+                                                placeholder_of, rebuild, slotted)
 from tiered_offload.engine.full_buffers import FullBuffers
 from tiered_offload.engine.gradients import GradientStatus
 from tiered_offload.engine.pipeline import UpdatePipeline
@@ -452,15 +452,14 @@ class BlockStreamer:
             return out
         self.drop_orphans()
         leaves, spec = tree_flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        leaves, tensors = slotted(leaves)
         micro_batch = self.turns.index() if self.turns is not None else None
         box: dict[str, Any] = {"shared": self.shared.take(tensors, micro_batch), "wanted": recorded.wanted()}
         node = StreamedBlock if self.modes[index] == "recompute" else StashedBlock
         box["call"] = self.calls.called(index)
         outs = node.apply(self, index, spec, leaves, box, self._anchor, *tensors)
-        it = iter(outs)
-        out = tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in box["leaves"]], box["spec"])
-        recorded.hand_out(zip(box["extras"], it))  # what the modules inside recorded, as the node's outputs
+        out = rebuild(box["spec"], box["leaves"], outs)
+        recorded.hand_out(zip(box["extras"], outs[box["outputs"]:]))  # what the modules inside recorded
         self.keeps_tensors |= any(isinstance(k, tuple) for k in box["extras"])
         return out
 
@@ -681,7 +680,7 @@ class BlockStreamer:
                     mod._buffers[name] = value
                 for mod, name, value in attributes:  # as the forward left them: the node's outputs
                     mod.__dict__[name] = value
-            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)] + extras
+            outs = slotted(tree_flatten(out)[0])[1] + extras
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
             seeds = SharedInputs.seeds(given, shared)
             self._backpropagate(unit, params, diff_inputs, pairs + seeds, gflat, weights)
