@@ -1795,6 +1795,26 @@ def test_the_loops_fuzz_draws_what_loops_do_and_its_seeds_train_bitwise(tmp_path
         assert fuzz_options.run(kw, tmp_path / str(seed)) == "ok", seed
 
 
+def test_the_calls_fuzz_draws_one_tensor_in_two_places_of_a_block_call_and_its_seeds_train_bitwise(tmp_path):
+    """``tools/fuzz_options.py --calls`` adds block calls that take one tensor in two places
+    (``block(h, h)``) or return one twice, and a block's unsaved input changed in place after it ran;
+    a seed without the flag draws what it drew. On the code before ``block_nodes.slotted``, its seed
+    119038 (one input twice) lost the first place's gradient and 119024 (one output twice, a resume)
+    added each place's gradient apart."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_options
+    every = fuzz_options.models(True, True, True, calls=True)
+    assert set(every) - set(fuzz_options.models(True, True, True)) == {
+        "same-input-twice", "output-twice", "unsaved-in-place"}
+    before = fuzz_options.draw(random.Random(74049), fuzz_options.models())[0]
+    assert (before["model"], before["optimizer"], before["accumulate"]) == ("moe", "Adadelta", 3)
+    for seed, model in ((119038, "same-input-twice"), (119024, "output-twice")):
+        case, kw = fuzz_options.draw(random.Random(seed), every, True, random.Random(f"stores-{seed}"),
+                                     random.Random(f"loops-{seed}"))
+        assert case["model"] == model
+        assert fuzz_options.run(kw, tmp_path / str(seed)) == "ok", seed
+
+
 def test_the_zoo_fuzz_draws_shared_and_computed_weights_and_its_seeds_train_bitwise(tmp_path):
     """``tools/fuzz_options.py --zoo`` adds ALBERT (its layers share weights), a model that calls
     blocks twice, and linear layers under ``weight_norm`` and ``spectral_norm``, and leaves what a

@@ -16,8 +16,9 @@ Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()``
 ``clip_grad_value_``, two forwards before a backward and micro-batches of other shapes; ``--zoo``
 models whose weights are shared or computed: ALBERT (its layers share weights), a model that calls
 a block twice, and linear layers under ``weight_norm`` and ``spectral_norm`` (a weight computed from
-parameters at each call, and buffers the training forward updates). Every
-case must end one of two ways:
+parameters at each call, and buffers the training forward updates); ``--calls`` block calls that
+take one tensor in two places (``block(h, h)``) or return one twice, and a block's input changed in
+place after it ran, where it did not save it. Every case must end one of two ways:
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
 * **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
@@ -37,6 +38,7 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --stores --cases 300   # zarr, aiofiles, striping, LRU, CRC32 too
     python tools/fuzz_options.py --loops --cases 300    # what loops do besides: eval(), clip values
     python tools/fuzz_options.py --zoo --cases 300      # ALBERT, weight_norm, spectral_norm too
+    python tools/fuzz_options.py --calls --cases 200    # block(h, h), return y, y, in-place changes too
 
 ``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
 otherwise (seed 74049 failed 5 runs of 10 beside two busy processes, and never alone).
@@ -59,6 +61,8 @@ backward summed a call's uses first, where PyTorch adds each use in turn
 (``repeated_calls.first_arrivals``), and a test reference that resumed without restoring the
 buffers a training forward after the step had changed (``test_finetune.train``), and the aiofiles
 backend's tasks holding a forward's context variables, its graph with them (``storage_backends/_aio.py``).
+``--calls`` came after the bugs it checks were found by probes (``block_nodes.slotted``); run on the
+code before that fix, it failed its first two draws of each of those models.
 Exits 1 if any case failed.
 """
 
@@ -131,13 +135,15 @@ def _checkpointed_gpt2():
     return model
 
 
-def models(wide: bool = False, loops: bool = False, zoo: bool = False) -> dict:
+def models(wide: bool = False, loops: bool = False, zoo: bool = False, calls: bool = False) -> dict:
     """name: (make, loss, streamed blocks); ``wide``: encoder-decoders (their encoder's blocks
     streamed, then the decoder's), a model with frozen parameters and one with LoRA layers too;
     ``loops``: Mixtral with its load-balancing loss and GPT-2 with gradient checkpointing on;
     ``zoo``: models that call a block more than once a forward (ALBERT's layer groups, each over
     two layers; a model that calls every other block twice) and whose linear layers' weights are
-    parametrizations (``weight_norm``, ``spectral_norm``)."""
+    parametrizations (``weight_norm``, ``spectral_norm``); ``calls``: block calls that take one
+    tensor in two places (``block(h, h)``) or return one twice, and a model that changes a block's
+    input in place after the block ran, where the block did not save it."""
     from test_finetune import hf_loss, lm_loss, make_deberta, make_gpt2, make_llama, make_lora, make_moe
     table = {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
              "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
@@ -155,6 +161,13 @@ def models(wide: bool = False, loops: bool = False, zoo: bool = False) -> dict:
                       "repeats": (_seeded(RepeatingLM), lm_loss, 4),
                       "weight-norm": (lambda: parametrized_lm("weight_norm"), lm_loss, 4),
                       "spectral-norm": (lambda: parametrized_lm("spectral_norm"), lm_loss, 4)})
+    if calls:
+        from test_conformance import InPlaceLM, ShiftBlock, SameTensorTwiceLM, TwoOfOneOutputLM
+        from test_finetune import MLP
+        table.update({"same-input-twice": (_seeded(SameTensorTwiceLM), lm_loss, 4),
+                      "output-twice": (_seeded(TwoOfOneOutputLM), lm_loss, 4),
+                      "unsaved-in-place": (_seeded(lambda: InPlaceLM(lambda d: ShiftBlock(d, MLP(d)), "input")),
+                                           lm_loss, 4)})
     return table
 
 
@@ -383,6 +396,8 @@ def main() -> int:
                                                           "(a third generator)")
     ap.add_argument("--zoo", action="store_true", help="models whose weights are shared or computed too (ALBERT, "
                                                         "a block called twice, weight_norm, spectral_norm)")
+    ap.add_argument("--calls", action="store_true", help="block calls that take one tensor twice or return one "
+                                                          "twice, a block's unsaved input changed in place too")
     ap.add_argument("--stores", action="store_true", help="the storage backend, striping and the store's options "
                                                            "too (from a second generator: the rest as without it)")
     args = ap.parse_args()
@@ -390,7 +405,7 @@ def main() -> int:
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # (save_pretrained's, in the export checks)
-    zoo = models(args.wide, args.loops, args.zoo)
+    zoo = models(args.wide, args.loops, args.zoo, args.calls)
     counts = {"ok": 0, "refused": 0, "failed": 0}
     with contextlib.ExitStack() as stack:
         for _ in range(args.load):  # each spins until this process is gone (a hang's dump exits it at once)
