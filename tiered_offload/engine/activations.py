@@ -376,7 +376,7 @@ class SavedAliases:
                 try:  # (the counter is shared, its count kept: an empty set_ would bump it)
                     with torch.autograd._unsafe_preserve_version_counter(witness):
                         witness.set_()
-                except (RuntimeError, NotImplementedError):  # (no storage to let go of: none shared)
+                except (RuntimeError, NotImplementedError, AttributeError):  # (no storage, or no such call)
                     continue
                 self._watched.append((witness, witness._version, f"{kind} {k} ({tuple(t.shape)}, {t.dtype})"))
 
