@@ -1089,6 +1089,50 @@ def test_a_blocks_input_is_not_held_in_memory_after_its_forward(tmp_path, activa
         engine.backward(loss)
 
 
+class ReadsSharedBlock(Block):
+    """Adds what ``shared`` (a module or function it is given) makes of its input."""
+
+    def forward(self, x, shared):
+        return x + self.ffn(self.norm(x)) + 0.1 * shared(x)
+
+
+class ReadsOutsideLM(TinyLM):
+    """Each block reads a parameter outside the blocks other than as an argument: through a module
+    of the model's it is given (``"module"``) or a function over a parameter (``"closure"``)."""
+
+    def __init__(self, how, d=32, layers=4):
+        super().__init__(lambda d: MLP(d), d=d, layers=layers)
+        self.blocks = torch.nn.ModuleList(ReadsSharedBlock(d, MLP(d)) for _ in range(layers))
+        self.shared, self.scale, self.how = torch.nn.Linear(d, d), torch.nn.Parameter(torch.ones(d)), how
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h, self.shared if self.how == "module" else lambda x: x * self.scale)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+@pytest.mark.parametrize("how", ["module", "closure"])
+def test_a_block_that_reads_a_parameter_outside_the_blocks_not_as_an_argument_is_refused(tmp_path, how, activations):
+    """A block that reads a parameter of the rest of the model through a module or a function it
+    is given: its gradient from the block's uses never reached it (the block's backward computes
+    gradients for the block's weights and inputs alone), silently. Now the block's first forward
+    raises a ``ConfigError`` naming the parameter and how to pass it. Given as a tensor argument, it
+    trains bitwise (``test_a_tensor_every_block_reads_gets_its_gradient_in_pytorchs_order``)."""
+    from test_finetune import VOCAB
+    from tiered_offload import EngineConfig
+
+    torch.manual_seed(0)
+    model = ReadsOutsideLM(how)
+    name = "shared.weight" if how == "module" else "scale"
+    host = 16 * sum(p.numel() for p in model.parameters()) * 2 // 5
+    with Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path, host_memory=host,
+                config=EngineConfig(activations=activations)) as engine:
+        with pytest.raises(ConfigError, match=f"block.0.*{name}.*as an argument"):
+            engine.backward(lm_loss(engine, torch.randint(0, VOCAB, (2, 9))))
+
+
 # ---- a tensor the block saved, changed in place before its backward ---------------------------
 class TanhBlock(torch.nn.Module):
     """Ends with ``tanh``, which saves its output for backward."""

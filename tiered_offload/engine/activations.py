@@ -44,8 +44,9 @@ import torch
 
 from offload_core.errors import TensorStateError
 
-__all__ = ["SavedActivations", "ALIGN", "SavedAliases", "autocast_state", "graph_nodes", "kept_on_ctx",
-           "kept_on_ctx_message", "replay_autocast", "recomputing", "recompute_context"]
+__all__ = ["SavedActivations", "ALIGN", "SavedAliases", "autocast_state", "foreign_leaves", "graph_nodes",
+           "kept_on_ctx", "kept_on_ctx_message", "read_outside_message", "replay_autocast", "recomputing",
+           "recompute_context"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside the scratch buffer."""
@@ -435,6 +436,40 @@ def kept_on_ctx_message(name: str, found: list[str]) -> str:
             f"them: a kept or offloaded graph of this block would give its backward other bytes. Save them with "
             f"ctx.save_for_backward(...) (read ctx.saved_tensors), or let the block recompute: "
             f"EngineConfig(activations='recompute'), or 'auto', which recomputes such a block")
+
+
+def foreign_leaves(outputs, weights: torch.Tensor, inputs) -> list[torch.Tensor]:
+    """The tensors requiring grad that the graph behind a block's ``outputs`` adds a gradient into
+    and that are neither views of its ``weights`` buffer nor its ``inputs``: a parameter outside the
+    blocks that the block reads through a module or function it is given (or an attribute), or a
+    learnable tensor of the user's. The block's backward computes its weights' and inputs'
+    gradients alone, so theirs from the block would never arrive."""
+    def where(t: torch.Tensor) -> tuple:  # (by address: the store's tiers are arenas, one storage for many)
+        try:
+            return t.device, t.data_ptr(), t.data_ptr() + _span(t) * t.element_size()
+        except RuntimeError:  # (no storage: a subclass)
+            return t.device, -1, -1
+    device, lo, hi = where(weights)
+    own = {where(t) for t in inputs}
+    found: list[torch.Tensor] = []
+    for node in graph_nodes(t.grad_fn for t in outputs):
+        v = getattr(node, "variable", None)  # (an AccumulateGrad's leaf)
+        if not isinstance(v, torch.Tensor) or not v.numel() or any(v is f for f in found):
+            continue
+        at = where(v)
+        if at not in own and not (at[0] == device and lo <= at[1] and at[2] <= hi):
+            found.append(v)
+    return found
+
+
+def read_outside_message(name: str, found: list[torch.Tensor], names: dict[int, str]) -> str:
+    """The error for block ``name`` whose graph reaches :func:`foreign_leaves`' ``found`` (``names``:
+    a parameter's name by its ``id``)."""
+    what = ", ".join(names.get(id(t), f"a tensor of shape {tuple(t.shape)}") for t in found[:3])
+    return (f"block {name}'s forward reads {what}, which requires grad and is neither one of the block's weights "
+            f"nor one of its inputs (a parameter outside the blocks, read through a module or function the block "
+            f"is given, or an attribute): its gradient from the block would never reach it. Pass the tensor to the "
+            f"block as an argument (block(h, weight): it trains as in PyTorch), or make the module part of the block")
 
 
 def graph_nodes(roots):

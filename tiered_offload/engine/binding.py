@@ -493,6 +493,10 @@ class ModelBinding:
         unbind(slot.param, slot.name)
         self.grad_in_store(slot)
 
+    def param_names(self) -> dict[int, str]:
+        """Each parameter's name by the ``id`` of its ``nn.Parameter`` (for messages)."""
+        return {id(slot.param): slot.name for unit in self.units for slot in unit.params}
+
     def hold_weights(self, slot: ParamSlot, weights: torch.Tensor) -> None:
         """``slot``'s parameter holds ``weights`` (a view of its unit's buffer) until :meth:`hold_placeholder`."""
         bind(slot.param)

@@ -22,7 +22,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError
-from tiered_offload.engine.activations import SavedAliases, kept_on_ctx, kept_on_ctx_message
+from tiered_offload.engine.activations import (SavedAliases, foreign_leaves, kept_on_ctx, kept_on_ctx_message,
+                                                read_outside_message)
 from tiered_offload.engine.binding import call_block, placeholder
 from tiered_offload.engine.block_attributes import (changed_attributes, modes_of, set_tensors, snapshot_attributes,
                                                    tensor_attributes)
@@ -61,7 +62,7 @@ class StreamedBlock(torch.autograd.Function):
         saved: set[tuple] = set()
         with (inputs_unchanged(unit.name, tensors, given), torch.enable_grad(),
               engine.own.forward(index, ctx.rng["own"]), engine.binding.recorded.record(box["wanted"]) as extras):
-            out = engine.run_block(index, args, kwargs, as_trained=True, saved=saved)
+            out = engine.run_block(index, args, kwargs, as_trained=True, saved=saved, inputs=inputs)
         extras = [*extras, *set_tensors(unit.module, held)]
         box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
         # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
@@ -128,9 +129,11 @@ class StashedBlock(torch.autograd.Function):
         keep_non_differentiable(ctx, distinct, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
         on_ctx = kept_on_ctx([*distinct, *(t for _, t in extras)], [*params.values(), *inputs, *given], flat)
-        if on_ctx:
+        found = foreign_leaves([*distinct, *(t for _, t in extras)], flat, inputs)
+        if on_ctx or found:
             engine.discard(stash)
-            raise ConfigError(kept_on_ctx_message(unit.name, on_ctx))
+            raise ConfigError(kept_on_ctx_message(unit.name, on_ctx) if on_ctx
+                              else read_outside_message(unit.name, found, engine.binding.param_names()))
         box["outputs"], box["extras"] = len(returned), [k for k, _ in extras]
         outputs = tuple(returned) + tuple(t.detach() for _, t in extras)
         ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, stash.storages())

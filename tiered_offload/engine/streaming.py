@@ -27,8 +27,9 @@ from torch.utils._pytree import tree_flatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import (SavedActivations, autocast_state, kept_on_ctx, kept_on_ctx_message,
-                                                recompute_context, replay_autocast)
+from tiered_offload.engine.activations import (SavedActivations, autocast_state, foreign_leaves, kept_on_ctx,
+                                                kept_on_ctx_message, read_outside_message, recompute_context,
+                                                replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, replay_modes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
@@ -407,9 +408,10 @@ class BlockStreamer:
     def release_weights(self, unit: Unit) -> None:
         self.full.release(unit, grad=False)
 
-    def run_block(self, index: int, args, kwargs, *, as_trained: bool = False, saved: set | None = None):
+    def run_block(self, index: int, args, kwargs, *, as_trained: bool = False, saved: set | None = None, inputs=()):
         """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad,
-        adding to ``saved`` where what its graph saved lies (:meth:`SavedActivations.storages`)."""
+        adding to ``saved`` where what its graph saved lies (:meth:`SavedActivations.storages`), and
+        refusing a block that reads a tensor requiring grad besides them and its ``inputs``."""
         unit = self.binding.blocks[index]
         flat = self.fetch_for_forward(unit)
         try:
@@ -426,9 +428,11 @@ class BlockStreamer:
             self.count_forward(index, time.perf_counter() - t0)
             if saved is not None:
                 saved.update(counter.storages())
+            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            if found := foreign_leaves(outs, flat, inputs):
+                raise ConfigError(read_outside_message(unit.name, found, self.binding.param_names()))
             if self.measure_graphs:
                 self.graph_bytes[index] = counter.pending_bytes()
-                outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
                 on_ctx = kept_on_ctx(outs, [*params.values(), *tree_flatten((args, kwargs))[0]], flat)
                 if on_ctx:  # (the planner keeps it recomputing)
                     self.held_on_ctx[index] = kept_on_ctx_message(unit.name, on_ctx)
