@@ -402,12 +402,12 @@ def _orphaned(life: _Life) -> None:
         life.orphans.append(life)  # list.append is atomic; the streamer unregisters it later
 
 
-def kept_on_ctx(outputs, emptied, memory: torch.Tensor) -> list[str]:
+def kept_on_ctx(outputs, emptied, memory: torch.Tensor, nodes=None) -> list[str]:
     """Where a custom autograd Function in the graph behind ``outputs`` keeps a tensor on its
     ``ctx`` as an attribute (directly, or in a list, tuple or dict there) that is one of
     ``outputs`` or ``emptied`` (the block's inputs and weight leaves, emptied after the forward),
     or lies in ``memory``'s storage (a store arena, reused before the backward):
-    ``["Square.x", ...]`` (the Function's name and the attribute)."""
+    ``["Square.x", ...]`` (the Function's name and the attribute; ``nodes``: the graph's, if walked)."""
     ids = {id(t) for t in [*outputs, *emptied]}
     base = memory.untyped_storage().data_ptr()
 
@@ -419,7 +419,7 @@ def kept_on_ctx(outputs, emptied, memory: torch.Tensor) -> list[str]:
         except (RuntimeError, NotImplementedError):  # a sparse or subclass tensor: no storage of the store's
             return id(t) in ids
     found = []
-    for node in graph_nodes(t.grad_fn for t in outputs):
+    for node in nodes if nodes is not None else graph_nodes(t.grad_fn for t in outputs):
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             for name, value in vars(node).items():
                 values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
@@ -438,12 +438,12 @@ def kept_on_ctx_message(name: str, found: list[str]) -> str:
             f"EngineConfig(activations='recompute'), or 'auto', which recomputes such a block")
 
 
-def foreign_leaves(outputs, weights: torch.Tensor, inputs) -> list[torch.Tensor]:
+def foreign_leaves(outputs, weights: torch.Tensor, inputs, nodes=None) -> list[torch.Tensor]:
     """The tensors requiring grad that the graph behind a block's ``outputs`` adds a gradient into
     and that are neither views of its ``weights`` buffer nor its ``inputs``: a parameter outside the
     blocks that the block reads through a module or function it is given (or an attribute), or a
     learnable tensor of the user's. The block's backward computes its weights' and inputs'
-    gradients alone, so theirs from the block would never arrive."""
+    gradients alone, so theirs from the block would never arrive. ``nodes``: the graph's, if walked."""
     def where(t: torch.Tensor) -> tuple:  # (by address: the store's tiers are arenas, one storage for many)
         try:
             return t.device, t.data_ptr(), t.data_ptr() + _span(t) * t.element_size()
@@ -452,7 +452,7 @@ def foreign_leaves(outputs, weights: torch.Tensor, inputs) -> list[torch.Tensor]
     device, lo, hi = where(weights)
     own = {where(t) for t in inputs}
     found: list[torch.Tensor] = []
-    for node in graph_nodes(t.grad_fn for t in outputs):
+    for node in nodes if nodes is not None else graph_nodes(t.grad_fn for t in outputs):
         v = getattr(node, "variable", None)  # (an AccumulateGrad's leaf)
         if not isinstance(v, torch.Tensor) or not v.numel() or any(v is f for f in found):
             continue

@@ -22,8 +22,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError
-from tiered_offload.engine.activations import (SavedAliases, foreign_leaves, kept_on_ctx, kept_on_ctx_message,
-                                                read_outside_message)
+from tiered_offload.engine.activations import (SavedAliases, foreign_leaves, graph_nodes, kept_on_ctx,
+                                                kept_on_ctx_message, read_outside_message)
 from tiered_offload.engine.binding import call_block, placeholder
 from tiered_offload.engine.block_attributes import (changed_attributes, modes_of, set_tensors, snapshot_attributes,
                                                    tensor_attributes)
@@ -128,8 +128,10 @@ class StashedBlock(torch.autograd.Function):
         del out
         keep_non_differentiable(ctx, distinct, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
-        on_ctx = kept_on_ctx([*distinct, *(t for _, t in extras)], [*params.values(), *inputs, *given], flat)
-        found = foreign_leaves([*distinct, *(t for _, t in extras)], flat, inputs)
+        outs = [*distinct, *(t for _, t in extras)]
+        nodes = list(graph_nodes(t.grad_fn for t in outs))  # (walked once for both)
+        on_ctx = kept_on_ctx(outs, [*params.values(), *inputs, *given], flat, nodes)
+        found = foreign_leaves(outs, flat, inputs, nodes)
         if on_ctx or found:
             engine.discard(stash)
             raise ConfigError(kept_on_ctx_message(unit.name, on_ctx) if on_ctx
@@ -140,7 +142,7 @@ class StashedBlock(torch.autograd.Function):
         engine.seal(index, stash)
         # the graph keeps its nodes, not the bytes: the leaves and outputs it holds are emptied
         # (their values are in the store, or in the tensors returned)
-        ctx.outs = [x if x.requires_grad else None for x in [*distinct, *(t for _, t in extras)]]
+        ctx.outs = [x if x.requires_grad else None for x in outs]
         ctx.params, ctx.inputs, ctx.given, ctx.needs, ctx.stash = params, inputs, given, needs, stash
         copies = [g for g, x in zip(given, inputs) if g is not x]  # (autocast's: as_layer_outputs)
         for t in [*params.values(), *inputs, *copies, *(o for o in ctx.outs if o is not None)]:

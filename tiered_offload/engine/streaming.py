@@ -27,9 +27,9 @@ from torch.utils._pytree import tree_flatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import (SavedActivations, autocast_state, foreign_leaves, kept_on_ctx,
-                                                kept_on_ctx_message, read_outside_message, recompute_context,
-                                                replay_autocast)
+from tiered_offload.engine.activations import (SavedActivations, autocast_state, foreign_leaves, graph_nodes,
+                                                kept_on_ctx, kept_on_ctx_message, read_outside_message,
+                                                recompute_context, replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, replay_modes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
@@ -428,12 +428,13 @@ class BlockStreamer:
             self.count_forward(index, time.perf_counter() - t0)
             if saved is not None:
                 saved.update(counter.storages())
-            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-            if found := foreign_leaves(outs, flat, inputs):
-                raise ConfigError(read_outside_message(unit.name, found, self.binding.param_names()))
-            if self.measure_graphs:
+            if self.measure_graphs:  # (the graph walked once for both)
                 self.graph_bytes[index] = counter.pending_bytes()
-                on_ctx = kept_on_ctx(outs, [*params.values(), *tree_flatten((args, kwargs))[0]], flat)
+                outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+                nodes = list(graph_nodes(t.grad_fn for t in outs))
+                if found := foreign_leaves(outs, flat, inputs, nodes):
+                    raise ConfigError(read_outside_message(unit.name, found, self.binding.param_names()))
+                on_ctx = kept_on_ctx(outs, [*params.values(), *tree_flatten((args, kwargs))[0]], flat, nodes)
                 if on_ctx:  # (the planner keeps it recomputing)
                     self.held_on_ctx[index] = kept_on_ctx_message(unit.name, on_ctx)
             return out
