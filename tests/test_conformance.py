@@ -1133,6 +1133,49 @@ def test_a_block_that_reads_a_parameter_outside_the_blocks_not_as_an_argument_is
             engine.backward(lm_loss(engine, torch.randint(0, VOCAB, (2, 9))))
 
 
+class RunningMean(torch.nn.Module):
+    """Adds the mean magnitude of what it sees to a buffer (running statistics kept by the model)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(d))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.seen += x.abs().mean((0, 1))
+        return x
+
+
+class UpdatesOutsideLM(ReadsOutsideLM):
+    """Each block is given a module of the model's whose buffer its forward updates; the output reads it."""
+
+    def __init__(self, d=32, layers=4):
+        super().__init__("module", d, layers)
+        self.stats = RunningMean(d)
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h, self.stats)
+        return self.head(self.norm(h + 1e-3 * self.stats.seen))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("activations", ["recompute", "offload"])
+def test_a_buffer_outside_the_blocks_that_a_block_updates_is_updated_once(tmp_path, activations, fused):
+    """A block updates a buffer of the rest of the model (a module it is given): its recompute
+    updated it again, so the next step read other statistics, silently (in every mode, as the plan
+    recomputes some blocks). Now the recompute sees the buffer as the forward did and leaves it as
+    the forward left it, as the block's own buffers."""
+    from tiered_offload import EngineConfig
+
+    def make():
+        torch.manual_seed(0)
+        return UpdatesOutsideLM()
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, accumulate=2, fused=fused,
+                 config=EngineConfig(activations=activations))
+
+
 # ---- a tensor the block saved, changed in place before its backward ---------------------------
 class TanhBlock(torch.nn.Module):
     """Ends with ``tanh``, which saves its output for backward."""

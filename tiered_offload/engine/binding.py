@@ -445,6 +445,8 @@ class ModelBinding:
                 "tiered-offload: the model's %s parameters are trained as float32 (the engine's training state is "
                 "fp32): the same numbers as PyTorch trains after model.float()", "/".join(others))
         self.units: list[Unit] = [*self.blocks, self.rest]
+        self._rest_modules: list[nn.Module] | None = None
+        """The model's modules outside the blocks (see :meth:`snapshot_buffers`)."""
         self.model_config = model_config(model)
         """The model's Hugging Face configuration as JSON (for config.json beside an export), or None."""
         self.base_config = config_json(model.get_base_model()) if peft_adapter_name(model) is not None else None
@@ -632,10 +634,21 @@ class ModelBinding:
                             out.append((".".join(x for x in (prefix, mname, name) if x), g))
         return out
 
-    def snapshot_buffers(self, unit: Unit) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
-        """The block's buffers before its forward (to replay the forward exactly in backward)."""
-        return [(mod, name, buf, buf._version, buf.clone()) for mod in unit.module.modules()
+    def snapshot_buffers(self, unit: Unit | None) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
+        """The buffers a block's forward may change, before it (to replay the forward exactly in
+        backward): its own (``unit``'s; None: none), and those of the modules outside the blocks (a
+        module the block is given, whose running statistics it updates: its recompute must not
+        update them again, and ``forward_backward`` runs the loop)."""
+        own = [*unit.module.modules()] if unit is not None else []
+        return [(mod, name, buf, buf._version, buf.clone()) for mod in [*own, *self.rest_modules()]
                 for name, buf in mod._buffers.items() if buf is not None]
+
+    def rest_modules(self) -> list[nn.Module]:
+        """The model's modules outside the blocks (call once the proxies are in place)."""
+        if self._rest_modules is None:
+            inside = {id(m) for u in self.blocks for m in u.module.modules()}
+            self._rest_modules = [m for m in self.model.modules() if id(m) not in inside]
+        return self._rest_modules
 
     @staticmethod
     def changed_buffers(snapshot) -> list[tuple[nn.Module, str, torch.Tensor]]:

@@ -69,6 +69,7 @@ class StreamedBlock(torch.autograd.Function):
         # attributes sees them in the recompute as its forward saw them, and the recompute's updates
         # are discarded
         ctx.buffers_before = engine.binding.changed_buffers(snapshot)
+        engine.updates_rest |= updates_rest(engine, ctx.buffers_before)
         ctx.rng["attributes"], ctx.rng["modes"] = changed_attributes(attributes), modes_of(attributes)
         del snapshot
         box["spec"], box["leaves"], distinct, returned = node_outputs(out, [*inputs, *given])
@@ -115,7 +116,7 @@ class StashedBlock(torch.autograd.Function):
             for s_ in unit.trainable():
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat, box["call"], awaited(ctx.shared, needs))
-            held = tensor_attributes(unit.module)
+            held, outside = tensor_attributes(unit.module), engine.binding.snapshot_buffers(None)
             t0 = time.perf_counter()
             with (inputs_unchanged(unit.name, tensors, given), torch.enable_grad(), stash.hooks(),
                   engine.own.forward(index, {}), engine.binding.recorded.record(box["wanted"]) as extras,
@@ -126,6 +127,7 @@ class StashedBlock(torch.autograd.Function):
             engine.release_weights(unit)
         box["spec"], box["leaves"], distinct, returned = node_outputs(out, [*inputs, *given])
         del out
+        engine.updates_rest |= updates_rest(engine, engine.binding.changed_buffers(outside))
         keep_non_differentiable(ctx, distinct, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
         outs = [*distinct, *(t for _, t in extras)]
@@ -205,6 +207,12 @@ def inputs_unchanged(name: str, tensors, given):
         raise ConfigError(message) from e
     if [_version(t) for t in watched] != before:
         raise ConfigError(message)
+
+
+def updates_rest(engine, changed) -> bool:
+    """Whether of a block forward's ``changed`` buffers one is outside the blocks."""
+    rest = {id(m) for m in engine.binding.rest_modules()}
+    return any(id(mod) in rest for mod, _, _ in changed)
 
 
 def watch_aliases(name: str, tensors, given, outputs, saved: set[tuple]) -> SavedAliases:

@@ -370,6 +370,8 @@ def _untrusted(streamer) -> str | None:
         return "a generator of the model's own that several blocks draw from"
     if streamer.keeps_tensors:
         return "a block keeps tensors on its modules that the loss reads"
+    if streamer.updates_rest:
+        return "a block updates a buffer outside the blocks (a pass would update it in another order)"
     return None
 
 
@@ -426,8 +428,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
             turns.take_turn("loss")  # every forward and loss is done before any backward starts
             if k == 0:
                 # a generator several blocks draw from, found in these forwards: not the loop's order
-                go_on = (not any(bad_loss) and not expected.missed and not streamer.own.shared()
-                         and not streamer.keeps_tensors)  # (each loss reads what its own forward kept)
+                go_on = (not any(bad_loss) and not expected.missed and _untrusted(streamer) is None)
                 if sharded:
                     go_on = engine._placement.all_agree(go_on, "the micro-batches' losses and random numbers")
                 if not go_on:  # the loop runs (on every rank; one's raises or skips at a bad loss)

@@ -149,7 +149,9 @@ class BlockStreamer:
         self._in_backward = False
         self.keeps_tensors = False
         """Whether a block's forward sets tensors as attributes: ``forward_backward`` then runs the
-        loop (each micro-batch's loss reads what its own forward set)."""
+        loop (each micro-batch's loss reads what its own forward set); ``updates_rest``: whether one
+        updates a buffer outside the blocks (it then would in another order)."""
+        self.updates_rest = False
         self.calls = RepeatedCalls(self)
         """A block called more than once before a backward: its calls' gradients summed first."""
         # passed to every streamed block so autograd always records the block (and so calls its
