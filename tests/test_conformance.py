@@ -1160,18 +1160,45 @@ class UpdatesOutsideLM(ReadsOutsideLM):
         return self.head(self.norm(h + 1e-3 * self.stats.seen))
 
 
+class CallCounter(torch.nn.Module):
+    """Counts its calls in a plain attribute and scales by the count (a schedule kept by the model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * (1.0 + 0.01 * (self.calls % 5))
+
+
+class CountsOutsideLM(ReadsOutsideLM):
+    """Each block is given a module of the model's that counts its calls in an attribute."""
+
+    def __init__(self, d=32, layers=4):
+        super().__init__("module", d, layers)
+        self.counter = CallCounter()
+
+    def forward(self, ids, route=None):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h, self.counter)
+        return self.head(self.norm(h))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("activations", ["recompute", "offload"])
-def test_a_buffer_outside_the_blocks_that_a_block_updates_is_updated_once(tmp_path, activations, fused):
-    """A block updates a buffer of the rest of the model (a module it is given): its recompute
-    updated it again, so the next step read other statistics, silently (in every mode, as the plan
-    recomputes some blocks). Now the recompute sees the buffer as the forward did and leaves it as
-    the forward left it, as the block's own buffers."""
+@pytest.mark.parametrize("make_model", [UpdatesOutsideLM, CountsOutsideLM], ids=["buffer", "attribute"])
+def test_a_buffer_outside_the_blocks_that_a_block_updates_is_updated_once(tmp_path, make_model, activations, fused):
+    """A block updates a buffer or a plain attribute of the rest of the model (a module it is
+    given): its recompute updated it again, so the next step read other statistics, silently (in
+    every mode, as the plan recomputes some blocks). Now the recompute sees it as the forward did
+    and leaves it as the forward left it, as the block's own; ``forward_backward`` runs the loop."""
     from tiered_offload import EngineConfig
 
     def make():
         torch.manual_seed(0)
-        return UpdatesOutsideLM()
+        return make_model()
     check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, accumulate=2, fused=fused,
                  config=EngineConfig(activations=activations))
 

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["snapshot_attributes", "changed_attributes", "replay_attributes", "modes_of", "replay_modes",
-           "tensor_attributes", "set_tensors"]
+__all__ = ["snapshot_attributes", "changed_attributes", "replay_attributes", "restore_attributes", "modes_of",
+           "replay_modes", "tensor_attributes", "set_tensors"]
 
 _SCALARS = (int, float, bool)
 _CONTAINERS = (list, dict, set, collections.deque)
@@ -73,11 +73,12 @@ def _plain(mod: nn.Module) -> Iterator[tuple[str, Any]]:
     return ((name, v) for name, v in vars(mod).items() if name not in _MODULE_OWN or name == "training")
 
 
-def snapshot_attributes(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
-    """The block's plain attributes before its forward: numbers and flags as they are, containers
-    as :class:`_Contents` (see :func:`replay_attributes`)."""
+def snapshot_attributes(module: nn.Module | None, outside=()) -> list[tuple[nn.Module, str, Any]]:
+    """The block's plain attributes before its forward (``module``'s, None: none; and those of the
+    modules ``outside`` it, which a module it is given may change): numbers and flags as they are,
+    containers as :class:`_Contents` (see :func:`replay_attributes`)."""
     out = []
-    for mod in module.modules():
+    for mod in [*(module.modules() if module is not None else ()), *outside]:
         for name, value in _plain(mod):
             if type(value) in _SCALARS:
                 out.append((mod, name, value))
@@ -119,6 +120,15 @@ def replay_attributes(changed) -> Iterator[None]:
             if contents is not None:
                 contents.put(contents.entries)
             mod.__dict__[name] = value
+
+
+def restore_attributes(changed) -> None:
+    """Put back what :func:`changed_attributes` found changed, for good (a forward undone)."""
+    for mod, name, old in changed:
+        if isinstance(old, _Contents):
+            old.put(old.entries)
+            old = old.obj
+        mod.__dict__[name] = old
 
 
 def modes_of(snapshot) -> list[tuple[nn.Module, bool]]:

@@ -57,7 +57,7 @@ class StreamedBlock(torch.autograd.Function):
         args, kwargs = rebuild(spec, leaves, given)
         unit = engine.binding.blocks[index]
         snapshot = engine.binding.snapshot_buffers(unit)
-        attributes = snapshot_attributes(unit.module)
+        attributes = snapshot_attributes(unit.module, engine.binding.rest_modules())
         held = tensor_attributes(unit.module)
         saved: set[tuple] = set()
         with (inputs_unchanged(unit.name, tensors, given), torch.enable_grad(),
@@ -69,8 +69,8 @@ class StreamedBlock(torch.autograd.Function):
         # attributes sees them in the recompute as its forward saw them, and the recompute's updates
         # are discarded
         ctx.buffers_before = engine.binding.changed_buffers(snapshot)
-        engine.updates_rest |= updates_rest(engine, ctx.buffers_before)
         ctx.rng["attributes"], ctx.rng["modes"] = changed_attributes(attributes), modes_of(attributes)
+        engine.updates_rest |= updates_rest(engine, [*ctx.buffers_before, *ctx.rng["attributes"]])
         del snapshot
         box["spec"], box["leaves"], distinct, returned = node_outputs(out, [*inputs, *given])
         keep_non_differentiable(ctx, distinct, returned)
@@ -117,6 +117,7 @@ class StashedBlock(torch.autograd.Function):
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat, box["call"], awaited(ctx.shared, needs))
             held, outside = tensor_attributes(unit.module), engine.binding.snapshot_buffers(None)
+            attributes = snapshot_attributes(None, engine.binding.rest_modules())
             t0 = time.perf_counter()
             with (inputs_unchanged(unit.name, tensors, given), torch.enable_grad(), stash.hooks(),
                   engine.own.forward(index, {}), engine.binding.recorded.record(box["wanted"]) as extras,
@@ -127,7 +128,8 @@ class StashedBlock(torch.autograd.Function):
             engine.release_weights(unit)
         box["spec"], box["leaves"], distinct, returned = node_outputs(out, [*inputs, *given])
         del out
-        engine.updates_rest |= updates_rest(engine, engine.binding.changed_buffers(outside))
+        engine.updates_rest |= updates_rest(engine, [*engine.binding.changed_buffers(outside),
+                                                     *changed_attributes(attributes)])
         keep_non_differentiable(ctx, distinct, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
         outs = [*distinct, *(t for _, t in extras)]
@@ -210,7 +212,7 @@ def inputs_unchanged(name: str, tensors, given):
 
 
 def updates_rest(engine, changed) -> bool:
-    """Whether of a block forward's ``changed`` buffers one is outside the blocks."""
+    """Whether of a block forward's ``changed`` buffers and attributes one is outside the blocks."""
     rest = {id(m) for m in engine.binding.rest_modules()}
     return any(id(mod) in rest for mod, _, _ in changed)
 

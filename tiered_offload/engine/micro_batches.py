@@ -68,6 +68,7 @@ import torch
 
 from offload_core.errors import ModelInputError, TensorStateError, TierCapacityError
 from tiered_offload.engine.activations import autocast_state, replay_autocast
+from tiered_offload.engine.block_attributes import changed_attributes, restore_attributes, snapshot_attributes
 from tiered_offload.engine.rng_script import Expected, Recorder, RngScript, Streams, signature
 from tiered_offload.engine.schedule import Phase
 from tiered_offload.store.policies import walk_as
@@ -397,6 +398,8 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
     streamer, device, n = engine._streamer, engine.device, len(micro_batches)
     start = streams.get()
     buffers = [(mod, attr, mod._buffers[attr], mod._buffers[attr].clone()) for _, mod, attr, _ in engine.binding.buffers]
+    attributes = snapshot_attributes(None, [*engine.binding.rest_modules(),
+                                            *(m for u in engine.binding.blocks for m in u.module.modules())])
     sharded = engine._placement.sharding is not None
     rest_grads = _RestGradients(streamer, n) if sharded and streamer.rest.grad_key is not None else None
     bad_loss = [False] * n
@@ -515,6 +518,7 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
     for mod, attr, tensor, value in buffers:
         tensor.copy_(value)
         mod._buffers[attr] = tensor
+    restore_attributes(changed_attributes(attributes))  # (a count of calls, a history: as before the pass)
     streams.set(start)
     if interrupted is not None:
         try:
