@@ -1800,7 +1800,9 @@ def test_the_calls_fuzz_draws_one_tensor_in_two_places_of_a_block_call_and_its_s
     (``block(h, h)``) or return one twice, and a block's unsaved input changed in place after it ran;
     a seed without the flag draws what it drew. On the code before ``block_nodes.slotted``, its seed
     119038 (one input twice) lost the first place's gradient and 119024 (one output twice, a resume)
-    added each place's gradient apart."""
+    added each place's gradient apart. Its seed 121014 (the update beside the forward, no room for
+    a recompute's checkpoint in the store) recomputed from the input the model had changed since:
+    the checkpoint kept in memory was the caller's tensor (``SavedActivations.keep_as_read``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import fuzz_options
     every = fuzz_options.models(True, True, True, calls=True)
@@ -1808,7 +1810,7 @@ def test_the_calls_fuzz_draws_one_tensor_in_two_places_of_a_block_call_and_its_s
         "same-input-twice", "output-twice", "unsaved-in-place"}
     before = fuzz_options.draw(random.Random(74049), fuzz_options.models())[0]
     assert (before["model"], before["optimizer"], before["accumulate"]) == ("moe", "Adadelta", 3)
-    for seed, model in ((119038, "same-input-twice"), (119024, "output-twice")):
+    for seed, model in ((119038, "same-input-twice"), (119024, "output-twice"), (121014, "unsaved-in-place")):
         case, kw = fuzz_options.draw(random.Random(seed), every, True, random.Random(f"stores-{seed}"),
                                      random.Random(f"loops-{seed}"))
         assert case["model"] == model

@@ -242,6 +242,16 @@ class SavedActivations:
             raise TensorStateError("saved activations unpacked before attach(); this is a bug")
         return self._views[h.index]
 
+    def keep_as_read(self) -> None:
+        """Kept in memory, not in the store (no room: ``BlockStreamer.seal``): a recompute's inputs
+        are copied (their strides kept), so a change the caller makes to one in place afterwards
+        (PyTorch allows it where the block saved nothing of it) leaves the checkpoint as the
+        forward read it; it had been held by reference and the recompute ran on the changed values.
+        A graph's saved tensors stay autograd's own (:class:`SavedAliases` watches the block's)."""
+        if self.inputs_only:
+            self._copies = [_copy_of(t) for t in self._copies]
+            self._spans = [(_copy_of(t), h, v) for t, h, v in self._spans]
+
     def storages(self) -> set[tuple]:
         """Where the tensors saved so far (before :meth:`seal`) keep their bytes: a block's input or
         output in one of them was saved by its graph (:class:`SavedAliases`)."""
@@ -340,6 +350,15 @@ class SavedActivations:
         """The backward is done: forget the views and the tensors kept (the caller unregisters the key)."""
         self._views, self._w_new, self._kept, self._copies, self._spans = None, None, [], [], []
         self.life.released = True
+
+
+def _copy_of(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its shape and strides (the span of storage it covers copied whole: a
+    layout with gaps or overlaps kept)."""
+    n = _span(t)
+    out = torch.empty(n, dtype=t.dtype, device=t.device)
+    out.copy_(t.as_strided((n,), (1,), t.storage_offset()))
+    return out.as_strided(t.shape, t.stride())
 
 
 def _storage(t: torch.Tensor) -> tuple | None:

@@ -493,7 +493,7 @@ class BlockStreamer:
                  if self.sharding is not None else [rest.weight_key, *([rest.grad_key] if rest.grad_key else [])])
         # forward_backward keeps every micro-batch's activations of a block until its backward
         if need * self.micro_batches > room or not self.store.fits_beside_pinned([need, *beside], bound):
-            self._keep_in_memory(unit, index, need, room)
+            self._keep_in_memory(unit, index, need, room, stash)
             return
         key, n = unit.key("activations"), 1
         while key in self.store:  # another forward's graph (accumulating over several) holds the first
@@ -507,14 +507,16 @@ class BlockStreamer:
             try:
                 stash.seal(self.store, key)
             except TierCapacityError:  # the tier is split into holes by what is pinned
-                self._keep_in_memory(unit, index, need, room)
+                self._keep_in_memory(unit, index, need, room, stash)
         if stash.key is not None and self.modes[index] == "offload":
             self.store.evict(stash.key, self.store.compute_tier, to="below")
 
-    def _keep_in_memory(self, unit: Unit, index: int, need: int, room: int) -> None:
+    def _keep_in_memory(self, unit: Unit, index: int, need: int, room: int, stash: SavedActivations) -> None:
         """A block's backward could not pin its saved tensors beside its weights and gradients:
-        they stay in memory this once (as plain PyTorch keeps them), and the block is recomputed
-        from the next forward on, storing only its input."""
+        they stay in memory this once (as plain PyTorch keeps them; a recompute's inputs copied,
+        :meth:`SavedActivations.keep_as_read`), and the block is recomputed from the next forward
+        on, storing only its input."""
+        stash.keep_as_read()
         if self.modes[index] != "recompute":
             log.info("block %s: its saved activations (%s) do not fit the %s budget beside its weights and gradients "
                      "(room %s, and the pinned rest of the model splits it); it is recomputed from now on", unit.name,
