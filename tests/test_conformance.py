@@ -1042,8 +1042,8 @@ class TwoOfOneOutputLM(TinyLM):
         return self.head(self.norm(h))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
+@pytest.mark.parametrize("activations, fused", [("recompute", False), ("offload", False), ("keep", False),
+                                               ("recompute", True), ("keep", True)])
 @pytest.mark.parametrize("make_model", [SameTensorTwiceLM, TwoOfOneOutputLM], ids=["input", "output"])
 def test_one_tensor_in_two_places_of_a_block_call_trains_bitwise(tmp_path, make_model, activations, fused):
     """One tensor as two of a block's inputs: the gradient of the first place was dropped (the
@@ -1246,9 +1246,9 @@ class InPlaceLM(TinyLM):
 _SAVED = {"input": lambda d: Block(d, MLP(d)), "output": TanhBlock}
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
-@pytest.mark.parametrize("where", ["input", "output"])
+@pytest.mark.parametrize("where, activations, fused", [
+    *((w, a, False) for w in ("input", "output") for a in ("recompute", "offload", "keep")),
+    ("input", "offload", True), ("output", "recompute", True)])
 def test_a_saved_block_input_or_output_changed_in_place_raises_as_in_pytorch(tmp_path, where, activations, fused):
     """A block's input (its layer norm saves it) or output (``tanh`` saves it) changed in place
     after the block ran: PyTorch's backward raises ("modified by an inplace operation"). The engine
@@ -1298,9 +1298,8 @@ class ScalesItsInputBlock(Block):
         return x + self.ffn(self.norm(x), route)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
-@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("frozen, activations, fused", [
+    *((f, a, False) for f in (False, True) for a in ("recompute", "offload", "keep")), (True, "recompute", True)])
 def test_a_block_that_changes_its_input_in_place_is_refused_naming_it(tmp_path, frozen, activations, fused):
     """Block 0 scales its input in place. With the embedding frozen (its input needs no gradient),
     the engine recomputed from the scaled input (scaling it twice) and ``forward_backward`` gave
