@@ -295,7 +295,7 @@ def rebuild(spec, leaves, tensors):
     return tree_unflatten([tensors[x.k] if isinstance(x, _Slot) else x for x in leaves], spec)
 
 
-def node_outputs(out, inputs: list[torch.Tensor]) -> tuple[list, object, list[torch.Tensor], list[torch.Tensor]]:
+def node_outputs(out, inputs: list[torch.Tensor]) -> tuple[object, list, list[torch.Tensor], list[torch.Tensor]]:
     """A block's output ``out`` as its node returns it: the spec and slots of its flattened leaves,
     its distinct tensors, and what the node returns for each (detached; a copy of one of the block's
     ``inputs`` returned unchanged, which would confuse autograd's bookkeeping)."""
