@@ -95,8 +95,7 @@ def reference(world: int, cfg: dict):
     return dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("optimizer_name", ["adamw", "sgd"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world, optimizer_name", [(2, "adamw"), (3, "sgd")], ids=["2-adamw", "3-sgd"])
 def test_sharded_training_matches_one_process(world, optimizer_name, tmp_path):
     """Two parameter groups, a frozen block, clipping, accumulation over two micro-batches, an LR
     scheduler; the host budget of each rank below its share of the state (its slice streams

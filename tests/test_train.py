@@ -12,7 +12,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -259,16 +258,17 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data):
+def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data, zygote):
     """Also the metrics: the steps a crash lost after the last commit (here 4 and 5) are trained
     again, and ``metrics.jsonl`` held their first records too (step 4, 5, then 4, 5 again: a plot
     of the loss doubled back). The resumed run drops the records after the step it resumes from, so
     the file is the uninterrupted run's, record for record (times and disk bytes aside)."""
     config = write_config(tmp_path / "b", model_dir, data, offload__commit_every=3)
-    script = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT)!r})\n"
-              f"from tiered_offload.train import train\n"
-              f"train({str(config)!r}, progress=False, on_step=lambda s, r: s == 5 and os.kill(os.getpid(), signal.SIGKILL))\n")
-    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    script = tmp_path / "killed.py"
+    script.write_text(f"import os, signal, sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                      f"from tiered_offload.train import train\n"
+                      f"train({str(config)!r}, progress=False, on_step=lambda s, r: s == 5 and os.kill(os.getpid(), 9))\n")
+    run = zygote.launch(script, [])
     # (meanwhile)
     reference = train(write_config(tmp_path / "a", model_dir, data, offload__commit_every=3), progress=False)
     _, err = run.communicate(timeout=600)
@@ -313,16 +313,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _torchrun_command(config: Path, world: int, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-            "127.0.0.1", "--master_port", str(_free_port()), "-m", "tiered_offload", "train", "--config", str(config),
-            "--no-progress", *overrides]
-
-
 def _start_ranks(zygote, config: Path, world: int, *overrides: str) -> list:
     """``world`` ranks of ``torchrun --nproc_per_node WORLD -m tiered_offload train``, forked from the
     suite's zygote with the environment torchrun gives each (a launch through torchrun itself takes
-    a fresh interpreter per rank and the launcher's: `test_an_error_in_the_data_under_torchrun_...`)."""
+    a fresh interpreter per rank and the launcher's: `test_two_machines_with_torchrun_on_localhost`
+    in test_distributed.py runs one)."""
     port, args = _free_port(), ["train", "--config", str(config), "--no-progress", *overrides]
     return [zygote.launch(ROOT / "tests" / "cli_worker.py", args, dict(
         RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
@@ -377,15 +372,13 @@ def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all
     assert all(code != 0 and "another number of ranks (rank-0-of-2" in err for code, _, err in refused), refused
 
 
-def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, model_dir):
+def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, model_dir, zygote):
     """Local rank 0 tokenises while the others wait; where it fails (here: no example), the others
-    do not wait on: each says the same error and the command exits."""
+    do not wait on: each says the same error and exits."""
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    done = subprocess.run(_torchrun_command(write_config(tmp_path, model_dir, empty), 2),
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
-    assert done.returncode != 0
-    assert done.stderr.count(f"data.path {empty} holds no example") == 2, done.stderr[-3000:]
+    done = _finish_ranks(_start_ranks(zygote, write_config(tmp_path, model_dir, empty), 2), timeout=240)
+    assert all(code != 0 and f"data.path {empty} holds no example" in err for code, _, err in done), done
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, model_dir, data, zygote):
