@@ -44,9 +44,9 @@ import torch
 
 from offload_core.errors import TensorStateError
 
-__all__ = ["SavedActivations", "ALIGN", "SavedAliases", "autocast_state", "foreign_leaves", "graph_nodes",
-           "kept_on_ctx", "kept_on_ctx_message", "read_outside_message", "replay_autocast", "recomputing",
-           "recompute_context"]
+__all__ = ["SavedActivations", "ALIGN", "SavedAliases", "autocast_state", "foreign_leaves", "graph_findings",
+           "graph_nodes", "kept_on_ctx", "kept_on_ctx_message", "read_outside_message", "replay_autocast",
+           "recomputing", "recompute_context"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside the scratch buffer."""
@@ -489,6 +489,18 @@ def read_outside_message(name: str, found: list[torch.Tensor], names: dict[int, 
             f"nor one of its inputs (a parameter outside the blocks, read through a module or function the block "
             f"is given, or an attribute): its gradient from the block would never reach it. Pass the tensor to the "
             f"block as an argument (block(h, weight): it trains as in PyTorch), or make the module part of the block")
+
+
+def graph_findings(name: str, outputs, emptied, weights: torch.Tensor, inputs, names) -> tuple[str | None, ...]:
+    """Block ``name``'s graph behind ``outputs``, walked once for both checks: what a custom Function
+    keeps on its ctx (:func:`kept_on_ctx`, ``emptied`` as there) and what requires grad besides the
+    ``weights`` buffer and ``inputs`` (:func:`foreign_leaves`); each as its error message, or None.
+    ``names`` is called (for :func:`read_outside_message`) only where something is found."""
+    nodes = list(graph_nodes(t.grad_fn for t in outputs))
+    on_ctx = kept_on_ctx(outputs, emptied, weights, nodes)
+    found = foreign_leaves(outputs, weights, inputs, nodes)
+    return (kept_on_ctx_message(name, on_ctx) if on_ctx else None,
+            read_outside_message(name, found, names()) if found else None)
 
 
 def graph_nodes(roots):

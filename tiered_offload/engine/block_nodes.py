@@ -22,8 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError
-from tiered_offload.engine.activations import (SavedAliases, foreign_leaves, graph_nodes, kept_on_ctx,
-                                                kept_on_ctx_message, read_outside_message)
+from tiered_offload.engine.activations import SavedAliases, graph_findings
 from tiered_offload.engine.binding import call_block, placeholder
 from tiered_offload.engine.block_attributes import (changed_attributes, modes_of, set_tensors, snapshot_attributes,
                                                    tensor_attributes)
@@ -133,13 +132,11 @@ class StashedBlock(torch.autograd.Function):
         keep_non_differentiable(ctx, distinct, returned)
         extras = [*extras, *set_tensors(unit.module, held)]
         outs = [*distinct, *(t for _, t in extras)]
-        nodes = list(graph_nodes(t.grad_fn for t in outs))  # (walked once for both)
-        on_ctx = kept_on_ctx(outs, [*params.values(), *inputs, *given], flat, nodes)
-        found = foreign_leaves(outs, flat, inputs, nodes)
-        if on_ctx or found:
+        on_ctx, outside = graph_findings(unit.name, outs, [*params.values(), *inputs, *given], flat, inputs,
+                                         engine.binding.param_names)
+        if on_ctx or outside:
             engine.discard(stash)
-            raise ConfigError(kept_on_ctx_message(unit.name, on_ctx) if on_ctx
-                              else read_outside_message(unit.name, found, engine.binding.param_names()))
+            raise ConfigError(on_ctx or outside)
         box["outputs"], box["extras"] = len(returned), [k for k, _ in extras]
         outputs = tuple(returned) + tuple(t.detach() for _, t in extras)
         ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, stash.storages())

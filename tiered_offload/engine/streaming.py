@@ -27,9 +27,8 @@ from torch.utils._pytree import tree_flatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import (SavedActivations, autocast_state, foreign_leaves, graph_nodes,
-                                                kept_on_ctx, kept_on_ctx_message, read_outside_message,
-                                                recompute_context, replay_autocast)
+from tiered_offload.engine.activations import (SavedActivations, autocast_state, graph_findings, recompute_context,
+                                                replay_autocast)
 from tiered_offload.engine.block_attributes import replay_attributes, replay_modes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
@@ -433,12 +432,12 @@ class BlockStreamer:
             if self.measure_graphs:  # (the graph walked once for both)
                 self.graph_bytes[index] = counter.pending_bytes()
                 outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-                nodes = list(graph_nodes(t.grad_fn for t in outs))
-                if found := foreign_leaves(outs, flat, inputs, nodes):
-                    raise ConfigError(read_outside_message(unit.name, found, self.binding.param_names()))
-                on_ctx = kept_on_ctx(outs, [*params.values(), *tree_flatten((args, kwargs))[0]], flat, nodes)
+                on_ctx, outside = graph_findings(unit.name, outs, [*params.values(), *tree_flatten((args, kwargs))[0]],
+                                                 flat, inputs, self.binding.param_names)
+                if outside:
+                    raise ConfigError(outside)
                 if on_ctx:  # (the planner keeps it recomputing)
-                    self.held_on_ctx[index] = kept_on_ctx_message(unit.name, on_ctx)
+                    self.held_on_ctx[index] = on_ctx
             return out
         finally:
             self.release_weights(unit)
