@@ -210,6 +210,8 @@ def inputs_unchanged(name: str, tensors, given):
 
 def updates_rest(engine, changed) -> bool:
     """Whether of a block forward's ``changed`` buffers and attributes one is outside the blocks."""
+    if not changed:  # (most forwards: no set built)
+        return False
     rest = {id(m) for m in engine.binding.rest_modules()}
     return any(id(mod) in rest for mod, _, _ in changed)
 
