@@ -12,6 +12,12 @@ logging.getLogger("storage_backends").setLevel(logging.ERROR)
 os.environ.setdefault("TIERED_OFFLOAD_DEVICE", "cpu")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, for the CUDA parity tests
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# One intra-op thread in the suite's process: its models are small, so a second thread mostly waits
+# on the first, and takes the core the store's I/O threads and the forked workers need (the suite
+# ran 10-15% faster on 2 cores). Both sides of a parity test run on the same setting; the parity
+# over several intra-op threads is `test_finetune.py::test_parity_with_several_intra_op_threads`.
+SUITE_THREADS = 1
+torch.set_num_threads(SUITE_THREADS)
 
 
 @pytest.fixture(scope="session")

@@ -1277,6 +1277,39 @@ def test_a_saved_block_input_or_output_changed_in_place_raises_as_in_pytorch(tmp
                 engine.backward(lm_loss(engine, ids))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the GPU check runs it (tools/gpu_check.py)")
+@pytest.mark.parametrize("case", ["saved-input-changed-in-place", "weight-read-twice-in-two-calls"])
+def test_the_block_calls_checks_and_sums_hold_on_cuda(tmp_path, case, deterministic):
+    """On a GPU, where a block's backward runs on autograd's device thread and a saved input's
+    witness shares a CUDA tensor's version counter: the saved block input changed in place raises
+    as PyTorch's backward does, and the weight read twice in each of two calls sums its uses in
+    PyTorch's order (``repeated_calls._StartFrom``), bitwise PyTorch's on the same GPU."""
+    from test_finetune import VOCAB, fused_step
+    from tiered_offload import EngineConfig
+    from offload_core.errors import TensorStateError
+    if case == "weight-read-twice-in-two-calls":
+        def seeded():
+            torch.manual_seed(0)
+            return _squared()
+        check_parity(seeded, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, accumulate=2, clip=1.0,
+                     host_fraction=0.6, config=EngineConfig(activations="recompute"), habits=Habits(twice=True),
+                     device="cuda")
+        return
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1)).cuda()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lm_loss(InPlaceLM(_SAVED["input"], "input").cuda(), ids).backward()
+    for activations, fused in (("recompute", False), ("offload", True)):
+        model = InPlaceLM(_SAVED["input"], "input")
+        host = 16 * sum(p.numel() for p in model.parameters()) * 2 // 5
+        with Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / activations,
+                    host_memory=host, device="cuda", config=EngineConfig(activations=activations)) as engine:
+            with pytest.raises(TensorStateError, match="modified by an inplace operation.*block.1"):
+                if fused:
+                    fused_step(engine, [(ids, None), (ids, None)], lm_loss)
+                else:
+                    engine.backward(lm_loss(engine, ids))
+
+
 @pytest.mark.parametrize("activations", ["recompute", "offload", "keep"])
 def test_a_block_input_its_graph_did_not_save_may_change_in_place(tmp_path, activations):
     """The same change of block 1's input, where the block never saves it: PyTorch trains, and so

@@ -1854,6 +1854,27 @@ def test_the_zoo_fuzz_draws_shared_and_computed_weights_and_its_seeds_train_bitw
     assert fuzz_options.run(kw, tmp_path / "113144") == "ok"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+def test_parity_with_several_intra_op_threads(tmp_path, fused):
+    """The suite runs one intra-op thread (``conftest.SUITE_THREADS``); users run many. With two,
+    and tensors large enough that PyTorch splits their kernels between them (the activations and
+    the MLP's weights over 32768 elements, matrix products the BLAS splits), what the engine runs
+    on threads of its own (each micro-batch's backward in ``forward_backward``, the update beside
+    the forward) is bitwise PyTorch's on the same two threads, clipping included."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.get_num_threads() == 2
+
+        def make():
+            torch.manual_seed(0)
+            return TinyLM(MLP, d=192, layers=3)
+        check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), tmp_path, steps=2, accumulate=2,
+                     clip=1.0, shapes=[[(8, 48), (8, 48)]] * 2, fused=fused, host_fraction=0.5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_forward_backward_gives_the_loops_gradients_bitwise(case, tmp_path, monkeypatch):
     """``engine.forward_backward`` over 3 micro-batches per step trains bitwise as PyTorch's loop of
