@@ -18,7 +18,8 @@ order of importance, each with its own time limit inside ``--budget-s``:
    (GPT-2 and Llama tiny, state on disk, host and device budgets a quarter of the state, against
    PyTorch on the same GPU; each ``optimizer_device`` placement against its reference),
    ``forward_backward`` on CUDA against the loop (with dropout too: Philox offsets replayed, one
-   loop per engine), and the store's Hypothesis state machine with a
+   loop per engine), the block call's checks and sums on CUDA (a saved input changed in place, a
+   weight read twice in each of two calls), and the store's Hypothesis state machine with a
    CUDA device tier.
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
    below its 17 GB state, 10 steps (steady state 4-10) against plain PyTorch on the same GPU, with
@@ -202,6 +203,9 @@ def tests_section(check: Check, quick: bool):
             # in the device tier against PyTorch's on the GPU
             ("engine_parity_cuda", ["tests/test_engine.py", "-k", "parity_adamw_hf or runs_where_told"], {}),
             ("forward_backward_cuda", ["tests/test_finetune.py", "-k", "forward_backward_on_cuda"], {}),
+            # a saved block input changed in place (its witness on a CUDA tensor); a weight read twice in
+            # each of two calls (repeated_calls._StartFrom, the backward on autograd's device thread)
+            ("block_calls_cuda", ["tests/test_conformance.py", "-k", "checks_and_sums_hold_on_cuda"], {}),
             ("store_state_machine_cuda_tier", ["tests/test_store_stateful.py"],
              {"TIERED_OFFLOAD_TEST_STORE_DEVICE": "cuda", "TIERED_OFFLOAD_TEST_EXAMPLES": "15" if quick else "40"}),
         ]
