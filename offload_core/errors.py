@@ -14,6 +14,7 @@ import errno as _errno
 
 __all__ = [
     "CorruptionError",
+    "StepFailedError",
     "StorageLockedError",
     "CheckpointError",
     "TieredOffloadError",
@@ -141,6 +142,11 @@ class NonFiniteError(TieredOffloadError, FloatingPointError):
 
 class CorruptionError(TieredOffloadError, OSError):
     """Bytes read back do not match the checksum recorded when they were written, or a state file is unreadable."""
+
+
+class StepFailedError(TieredOffloadError, RuntimeError):
+    """An optimizer step's update failed part-way: the engine holds some units' new weights and the
+    others' old ones, so every later call refuses; the message says how to go on."""
 
 
 class StorageLockedError(TieredOffloadError, RuntimeError):

@@ -18,6 +18,7 @@ from offload_core.errors import (
     ModelInputError,
     ModelStructureError,
     NonFiniteError,
+    StepFailedError,
     TensorStateError,
     TierCapacityError,
 )
@@ -1862,3 +1863,62 @@ def test_what_engine_backward_cannot_take_is_a_typed_error_naming_it(tmp_path, c
                 "forward_backward under no_grad": (TensorStateError, "outside torch.no_grad")}[call]
     assert isinstance(caught.value, expected[0]) and re.search(expected[1], str(caught.value)), caught.value
     _goes_on_as_pytorch(engine, ref, opt, torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["scratch", "durable"])
+def test_an_update_that_failed_part_way_stops_the_engine_saying_so(tmp_path, monkeypatch, durable):
+    """An error in one unit's update (the optimizer's code, an out-of-memory) leaves the units
+    before it with the step's new weights and the others with their old ones. The next forward,
+    where the update ran beside it, reported it as the batch's fault ("TinyLM.forward rejected the
+    batch"), and a loop that caught it (a skip-the-batch habit) trained on from that mix, silently,
+    on scratch storage. Now every engine call that reads or changes the weights from then on raises
+    ``StepFailedError``, naming the unit and how to go on; a durable engine's storage resumes, and
+    trains on as PyTorch does."""
+    from tiered_offload.engine.optimizer_step import UnitUpdater
+    from test_finetune import MLP, TinyLM, batches, lm_loss, train
+
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(MLP, d=32, layers=6)
+    data = batches(6, 1)
+    state = 16 * sum(p.numel() for p in make().parameters())
+    engine = Engine(make(), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state * 2 // 5,
+                    durable=durable)
+    update, calls = UnitUpdater.update, []
+
+    def failing(self, unit, *args, **kwargs):
+        calls.append(unit.name)
+        if len(calls) == 3:
+            raise RuntimeError("an error in the optimizer's code")
+        return update(self, unit, *args, **kwargs)
+    for s, step in enumerate(data[:3]):
+        engine.backward(lm_loss(engine, step[0][0]))
+        if s == 2:
+            monkeypatch.setattr(UnitUpdater, "update", failing)
+        engine.step()
+        engine.zero_grad()
+    for attempt in range(2):  # the loop goes on after the first report: so does the refusal
+        with pytest.raises(StepFailedError) as info:
+            engine.backward(lm_loss(engine, data[3][0][0]))
+            engine.step()
+        assert re.search(f"update of {calls[2]}.*an error in the optimizer's code.*cannot train on", str(info.value))
+        assert ("resume=True" in str(info.value)) == durable, str(info.value)
+    for call in (engine.step, lambda: engine.export_safetensors(tmp_path / "out"),
+                 lambda: dict(engine.named_parameters())):
+        with pytest.raises(StepFailedError):
+            call()
+    engine.zero_grad()  # (forgets gradients: nothing of the mix is read)
+    monkeypatch.undo()
+    engine.close()  # (reported already: the close releases the storage without raising it again)
+    if durable:  # the journal finishes the step the storage recorded; training goes on as PyTorch's
+        ref = make()
+        train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, lm_loss, None)
+        with Engine(make(), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state * 2 // 5,
+                    resume=True) as engine:
+            assert engine.step_count == 3
+            for step in data[3:]:
+                engine.backward(lm_loss(engine, step[0][0]))
+                engine.step()
+                engine.zero_grad()
+            weights = dict(engine.named_parameters())
+        assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())

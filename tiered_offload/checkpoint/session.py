@@ -242,6 +242,11 @@ class Commits:
     def fail(self, error: BaseException) -> None:
         """The update failed: no commit may follow."""
 
+    def how_to_go_on(self) -> str:
+        """What the error of a step that failed part-way tells the user to do, for this storage."""
+        return ("Its storage is scratch space (durable=False), so nothing of the run is kept there: close it, and "
+                "train again from your last export or checkpoint.")
+
     def close(self) -> None:
         """Finish the last commit and release the directory."""
         self.release()
@@ -325,6 +330,10 @@ class DurableCommits(Commits):
 
     def fail(self, error: BaseException) -> None:
         self.session.fail(error)
+
+    def how_to_go_on(self) -> str:
+        return ("Close it, and build the engine again on the same storage with resume=True: it goes on from the "
+                "last step the storage recorded.")
 
     def close(self) -> None:
         try:

@@ -225,7 +225,8 @@ class Engine(EngineViews):
             before_each=lambda name: self._commits.before_unit(
                 self.schedule.rewrite_bytes(self._units_by_name[name]), self.schedule.commit_admits),
             on_error=lambda e: self._commits.fail(e),
-            on_flush=lambda: self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], stepping=True, inline=True))
+            on_flush=lambda: self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], stepping=True, inline=True),
+            how_to_go_on=lambda: self._commits.how_to_go_on())
         """The optimizer step over units: inline, in the background or deferred to the next forward."""
         self._optimizer_view: _OptimizerView | None = None
         self._streamer = BlockStreamer.for_budget(self.store, self.binding, self._pipeline, self.device, self.schedule,
@@ -505,8 +506,9 @@ class Engine(EngineViews):
                 hook.remove()
             self._streamer.close()
             self._streamer.unbind_rest()
-            self._await()
-            self._commits.close()  # the last commit finished; no journal work left running when the backend closes
+            self._pipeline.settle()  # (a failed step already reported is not raised again: no commit follows it)
+            if not self._pipeline.failed:
+                self._commits.close()  # the last commit finished; no journal work left running when the backend closes
         finally:
             if self._tracer is not None:
                 self._tracer.write()

@@ -6,13 +6,17 @@ forward, just before it needs the unit), so the weights the update wrote are the
 forward reads, without a second working set beside the forward's.
 
 The pipeline owns its thread, a per-unit event, the pacing condition and the error of a failed
-step; the engine tells it what one unit's update is and asks it to wait.
+step; the engine tells it what one unit's update is and asks it to wait. A step that failed part-way
+leaves some units' new weights beside the others' old ones: every wait from then on raises it
+(:meth:`UpdatePipeline.wait`), so no call of the engine trains on from that mix.
 """
 
 from __future__ import annotations
 
 import threading
 from typing import Callable, Sequence
+
+from offload_core.errors import StepFailedError, TieredOffloadError
 
 __all__ = ["UpdatePipeline"]
 
@@ -26,12 +30,14 @@ class UpdatePipeline:
         on_error: called with the exception that stopped a background step.
         on_flush: called before a deferred step's updates run whole, for a wait on every unit
             rather than by the forward (the lookahead's order changes).
+        how_to_go_on: what a failed step's error tells the user to do (the storage's part).
     """
 
     def __init__(self, lead: int, *, before_each: Callable[[str], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 on_flush: Callable[[], None] | None = None):
+                 on_flush: Callable[[], None] | None = None, how_to_go_on: Callable[[], str] = str):
         self.lead = lead
+        self.how_to_go_on = how_to_go_on
         self.on_flush = on_flush
         self.before_each = before_each
         self.on_error = on_error
@@ -42,6 +48,10 @@ class UpdatePipeline:
         self._forward_at = -1
         self._free_run = True
         self._error: BaseException | None = None
+        """What stopped a step: kept, every wait raises it (see :meth:`_raise_failure`)."""
+        self._reported = False
+        self._updating: str | None = None  # the unit being updated (where a step failed)
+        self._failed_in: str | None = None
         self._thread: threading.Thread | None = None
         self._deferred: tuple[list[str], Callable[[str], None], Callable[[], None] | None] | None = None
         self._cursor = 0
@@ -78,7 +88,7 @@ class UpdatePipeline:
             if then is not None:
                 then()
         except BaseException as e:  # surfaced by the next wait()
-            self._error = e
+            self._failed(e)
             if self.on_error is not None:
                 self.on_error(e)
         finally:
@@ -93,9 +103,11 @@ class UpdatePipeline:
             self._update_one(name, update)
 
     def _update_one(self, name: str, update: Callable[[str], None]) -> None:
+        self._updating = name
         if self.before_each is not None:
             self.before_each(name)
         update(name)
+        self._updating = None
         with self._lock:
             for fn in self._after.pop(name, ()):
                 fn()
@@ -120,7 +132,8 @@ class UpdatePipeline:
                     if then is not None:
                         then()
             except BaseException as e:  # raised by the wait() below, as a background step's error
-                self._deferred, self._error = None, e
+                self._deferred = None
+                self._failed(e)
                 if self.on_error is not None:
                     self.on_error(e)
                 for ev in self._updated.values():
@@ -156,8 +169,38 @@ class UpdatePipeline:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
+            self._raise_failure()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a step failed (part-way or in its commit): none may follow."""
+        return self._error is not None
+
+    def settle(self) -> None:
+        """:meth:`wait` for a close: a failed step already reported is not raised again."""
+        if not self._reported:
+            self.wait()
+
+    def _failed(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error, self._failed_in = error, self._updating
+        self._updating = None
+
+    def _raise_failure(self) -> None:
+        """The first report of a failed step is its error as it came where that is the library's
+        own (typed) or Ctrl-C; an error of PyTorch's or of the optimizer's code is a
+        :class:`StepFailedError` naming the unit (not the batch's fault: the next forward is where
+        an update beside it reports). Every later wait raises :class:`StepFailedError`."""
+        error, first = self._error, not self._reported
+        self._reported = True
+        if first and (isinstance(error, TieredOffloadError) or not isinstance(error, Exception)):
             raise error
+        where = f"the update of {self._failed_in}" if self._failed_in else "its commit, after every unit's update"
+        raise StepFailedError(
+            f"the optimizer step failed in {where}: {type(error).__name__}: {error}. The units updated before it hold "
+            f"the step's new weights and the others their old ones, so this engine cannot train on from them (its "
+            f"forward, backward and step, and every read of its weights, raise this). {self.how_to_go_on()}".rstrip()
+        ) from error
 
     def after_update(self, name: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` once unit ``name``'s update in flight is done: now if it is (or none is in flight)."""
