@@ -4,6 +4,7 @@ import threading
 
 import pytest
 
+from offload_core.errors import DiskFullError, StepFailedError
 from tiered_offload.engine.pipeline import UpdatePipeline
 from tiered_offload.engine.schedule import Phase, Schedule, UnitLayout
 
@@ -159,10 +160,14 @@ def test_background_error_reaches_the_next_wait_and_deferred_work_still_runs():
     p.after_update("u0", lambda: zeroed.append("u0"))  # still pending: deferred until u0 is updated
     assert zeroed == []
     gate.set()
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(StepFailedError, match="update of u1: OSError: disk gone") as info:
         p.wait()
+    assert isinstance(info.value.__cause__, OSError)
     assert zeroed == ["u0"] and len(errors) == 1
-    p.wait()  # reported once
+    with pytest.raises(StepFailedError, match="update of u1"):  # every later wait: u0 holds the new step, u1 the old
+        p.wait("u2")
+    assert p.failed
+    p.settle()  # (a close: reported already, not raised again)
 
 
 def test_a_deferred_pipeline_updates_on_the_waiting_thread_up_to_the_unit_it_needs():
@@ -195,22 +200,25 @@ def test_a_deferred_pipeline_updates_on_the_waiting_thread_up_to_the_unit_it_nee
     assert flushed == [len(done) - 2]
 
 
-def test_a_deferred_updates_error_reaches_the_wait_that_ran_it_and_the_next_step_runs():
+@pytest.mark.parametrize("error", [OSError("disk gone"), DiskFullError("disk gone")], ids=["untyped", "typed"])
+def test_a_deferred_updates_error_reaches_the_wait_that_ran_it_and_no_step_follows(error):
+    """The first report is the library's own error as it came (an error of PyTorch's or the
+    optimizer's code: a StepFailedError naming the unit); from then on every wait, and so every
+    later step, raises StepFailedError: the units hold a mix of two steps' weights."""
     errors = []
 
     def update(name):
         if name == "u1":
-            raise OSError("disk gone")
-    p = UpdatePipeline(lead=1, on_error=errors.append)
+            raise error
+    p = UpdatePipeline(lead=1, on_error=errors.append, how_to_go_on=lambda: "Resume it.")
     p.run(["u0", "u1", "u2"], update, background=False, deferred=True, then=lambda: errors.append("committed"))
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(type(error) if isinstance(error, DiskFullError) else StepFailedError, match="disk gone"):
         p.wait("u2")
-    assert len(errors) == 1 and isinstance(errors[0], OSError)  # no commit after a failed unit
-    p.wait()  # reported once
+    assert errors == [error]  # no commit after a failed unit
     ran = []
-    p.run(["u0"], ran.append, background=False, deferred=True)
-    p.wait()
-    assert ran == ["u0"]
+    with pytest.raises(StepFailedError, match="update of u1: .*disk gone.*cannot train on.*Resume it.$"):
+        p.run(["u0"], ran.append, background=False, deferred=True)
+    assert ran == []
 
 
 def test_defer_needs_room_for_an_update_beside_the_rest():
