@@ -146,7 +146,12 @@ class CorruptionError(TieredOffloadError, OSError):
 
 class StepFailedError(TieredOffloadError, RuntimeError):
     """An optimizer step's update failed part-way: the engine holds some units' new weights and the
-    others' old ones, so every later call refuses; the message says how to go on."""
+    others' old ones, so every later call refuses; the message says how to go on (``what``: all
+    but that, for a caller that says it its own way)."""
+
+    def __init__(self, what: str, how_to_go_on: str = ""):
+        super().__init__(f"{what} {how_to_go_on}".rstrip())
+        self.what = what
 
 
 class StorageLockedError(TieredOffloadError, RuntimeError):

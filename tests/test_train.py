@@ -1748,3 +1748,30 @@ def test_the_long_steps_show_progress_bars_where_a_command_asks(tmp_path, model_
     with counter(3, desc="quiet") as advance:
         advance(1)
     assert capsys.readouterr().err == ""
+
+
+def test_a_step_that_fails_part_way_stops_the_command_and_the_same_command_again_resumes(tmp_path, model_dir, data,
+                                                                                           monkeypatch, capsys):
+    """An error in one unit's optimizer update (an out-of-memory, the optimizer's code): the command
+    stops with exit 2 and says so, naming the unit and telling a command-line user what to do (the
+    same command again), not the engine's API; the same command again finishes the step the journal
+    recorded and trains on: the weights of a run that never failed."""
+    from tiered_offload.engine.optimizer_step import UnitUpdater
+    reference = train(write_config(tmp_path / "a", model_dir, data, train__max_steps=4), progress=False)
+    config = write_config(tmp_path / "b", model_dir, data, train__max_steps=4)
+    update, calls = UnitUpdater.update, []
+
+    def failing(self, unit, *args, **kwargs):
+        calls.append(unit.name)
+        if len(calls) == 7:  # (in the second step)
+            raise RuntimeError("an error in the optimizer's code")
+        return update(self, unit, *args, **kwargs)
+    monkeypatch.setattr(UnitUpdater, "update", failing)
+    assert cli_main(["train", "--config", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"update of {calls[6]}: RuntimeError: an error in the optimizer's code" in err, err
+    assert "Run the same command again" in err and "resume=True" not in err, err
+    monkeypatch.undo()
+    assert cli_main(["train", "--config", str(config), "--no-progress"]) == 0
+    a, b = exported(Path(reference["final"])), exported(tmp_path / "b" / "out" / "final")
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -199,7 +199,7 @@ class UpdatePipeline:
         raise StepFailedError(
             f"the optimizer step failed in {where}: {type(error).__name__}: {error}. The units updated before it hold "
             f"the step's new weights and the others their old ones, so this engine cannot train on from them (its "
-            f"forward, backward and step, and every read of its weights, raise this). {self.how_to_go_on()}".rstrip()
+            f"forward, backward and step, and every read of its weights, raise this).", self.how_to_go_on()
         ) from error
 
     def after_update(self, name: str, fn: Callable[[], None]) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from offload_core.buffers import PAGE
-from offload_core.errors import CheckpointError, ConfigError, DiskFullError, TieredOffloadError
+from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.store.tiers import Tier
@@ -243,7 +243,11 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     exports."""
     from tiered_offload import progress as bars
     with Ranks() as ranks, bars.shown(progress and not dry_run and ranks.first):
-        return _train(config, overrides, dry_run, progress and ranks.first, on_step, ranks)
+        try:
+            return _train(config, overrides, dry_run, progress and ranks.first, on_step, ranks)
+        except StepFailedError as e:  # (the engine's advice is its API's: say the command's)
+            raise StepFailedError(e.what, "Run the same command again: it resumes from the last step the storage "
+                                          "recorded.") from e.__cause__
 
 
 def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ranks) -> dict:
