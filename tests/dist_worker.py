@@ -124,6 +124,20 @@ def _kill_during_update(engine, step: int, after_units: int) -> None:
     engine._update_unit = counted
 
 
+def _fail_during_update(engine, step: int, after_units: int) -> None:
+    """Raise an error (as the optimizer's code or an out-of-memory would) in the update of step
+    ``step + 1`` once ``after_units`` units of it are updated."""
+    update, done = engine._update_unit, [0]
+
+    def failing(unit, *args, **kwargs):
+        if engine.step_count == step + 1:
+            if done[0] == after_units:
+                raise RuntimeError("an error in the optimizer's code")
+            done[0] += 1
+        return update(unit, *args, **kwargs)
+    engine._update_unit = failing
+
+
 def _fragment(engine, backwards: int) -> None:
     """The first ``backwards`` groups that pin a block's saved activations beside its buffers are
     refused, as a tier whose free room pinned copies split into holes too small for them refuses
@@ -202,6 +216,29 @@ def slowed_step_mode(mode: str, seconds: float = 0.15):
 
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
+    if not cfg.get("linger"):
+        return run(out, cfg)
+    try:
+        return run(out, cfg)
+    except Exception as e:  # a loop that catches the error and lives on (logs, retries, a notebook)
+        return _linger(out, cfg, e)
+
+
+def _linger(out: Path, cfg: dict, error: Exception) -> int:
+    """Record the error in ``rank-R.error`` and stay alive up to ``cfg["linger"]`` seconds for every
+    other rank's: exit 18 once they all have one, 19 if one had none by then."""
+    import time
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    (out / f"rank-{rank}.error").write_text(f"{type(error).__name__}: {error}")
+    deadline = time.monotonic() + cfg["linger"]
+    while time.monotonic() < deadline:
+        if all((out / f"rank-{r}.error").exists() for r in range(world)):
+            return 18
+        time.sleep(0.05)
+    return 19
+
+
+def run(out: Path, cfg: dict) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
     rank = dist.get_rank()
     if cfg.get("try_step_modes"):  # try the step deferred once the plan is final, whatever the disk's load
@@ -230,6 +267,8 @@ def main() -> int:
         _no_room_after_ahead(engine)
     if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
         _kill_during_update(engine, *cfg["kill"][1:])
+    if cfg.get("fail") and cfg["fail"][0] == rank:  # an error in the middle of a step's update on this rank
+        _fail_during_update(engine, *cfg["fail"][1:])
     losses, step_modes = [], [engine.step_mode]
     while engine.step_count < cfg["steps"]:
         step = engine.step_count

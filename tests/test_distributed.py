@@ -349,6 +349,23 @@ def test_a_rank_that_dies_mid_step_stops_its_peers_with_a_clear_error(tmp_path):
     assert "DistributedError" in log0 and "rank 0 of 2" in log0 and "during step 2" in log0, log0[-2000:]
 
 
+def test_a_rank_whose_update_failed_and_lives_on_stops_its_peers_at_once_naming_its_error(tmp_path):
+    """Rank 1's update fails part-way (an error in the optimizer's code, an out-of-memory) and its
+    loop catches the error and lives on (a log, a retry, a notebook). Rank 0 went on into the next
+    forward's all-gather, which rank 1 never joins: it waited there until the group's timeout (or
+    rank 1's exit), then blamed a closed connection. Now rank 1's error is published in the
+    group's store, and rank 0's wait stops within a second with a DistributedError naming it."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": None, "host_memory": "64MiB",
+           "fail": [1, 1, 2], "linger": 30, "timeout_s": 90}
+    results = launch(2, tmp_path, cfg, timeout=150, check=False)
+    assert [code for code, _ in results] == [18, 18], "\n".join(log[-2000:] for _, log in results)
+    got = (tmp_path / "rank-0.error").read_text()
+    assert got.startswith("DistributedError: rank 0 of 2:") and "rank 1 stopped" in got, got
+    assert "StepFailedError: the optimizer step failed in the update of" in got, got
+    assert "an error in the optimizer's code" in got and "Restart every rank" in got, got
+    assert (tmp_path / "rank-1.error").read_text().startswith("StepFailedError: the optimizer step failed")
+
+
 def test_ranks_that_build_different_models_are_refused_at_start(tmp_path):
     cfg = {"layers": 4, "optimizer": "sgd", "steps": 1, "accumulate": 1, "clip": None, "host_memory": "64MiB",
            "odd_rank": 1}

@@ -18,7 +18,10 @@ them). Its store holds only those: the training state on its disk is the state /
 
 Every collective is issued by the training thread in the order the model's structure dictates,
 the same on every rank. One that does not complete within the group's timeout raises
-:class:`~offload_core.errors.DistributedError` naming the step and the phase.
+:class:`~offload_core.errors.DistributedError` naming the step and the phase. An error that
+leaves a rank between two collectives (:meth:`Sharded.mark_broken`) is published in the group's
+store, and the other ranks' waits for a CPU collective (gloo's) stop on it within
+:data:`_PEER_POLL_S` instead of at the timeout: the collective the failed rank never issues.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
@@ -51,6 +55,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """The collectives into and from one flat tensor (their ``*_single`` names since torch 2.13, which
 deprecates the ``*_tensor`` ones with a warning per process)."""
+
+_PEER_POLL_S = 0.5
+"""How often a wait for a CPU collective looks for a peer's published error (gloo's ``wait`` takes
+a timeout and can wait again after it; NCCL's does not block the CPU, so it is not polled)."""
+
+_ENGINES_ON: dict[str, int] = {}
+"""Engines built so far per process group, in the same order on every rank: each engine's key in
+the group's store is its own, so an error of an earlier engine does not stop a later one."""
 
 _TRACE = bool(os.environ.get("TIERED_OFFLOAD_TRACE_COLLECTIVES"))
 """Print every collective each rank issues, numbered, to stderr (to find ranks that diverge)."""
@@ -155,6 +167,10 @@ class Sharding:
         so no further collective is issued (it would pair with a different one on another rank)."""
         self.where = "start"
         """The step and phase, for a collective's error message (set by the engine)."""
+        self._store = group.get_group_store() if hasattr(group, "get_group_store") else None
+        name = getattr(group, "group_name", "")
+        _ENGINES_ON[name] = _ENGINES_ON.get(name, 0) + 1
+        self._broken_key = f"tiered_offload/engine-{_ENGINES_ON[name]}/broken"
         self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
         """Bytes of the collectives' full buffers so far, per kind (a ring algorithm moves
         (W-1)/W of that in and out of each rank)."""
@@ -168,12 +184,52 @@ class Sharding:
     def wait(self, work, what: str) -> None:
         """Wait for a collective started with ``wait=False``."""
         try:
-            work.wait()
+            self._finish(work, what)
         except RuntimeError as e:
             self.broken = f"{what} failed"
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {what} failed during {self.where}: {e}. Another rank probably "
                 f"stopped (crashed, was killed, or raised an error: see its log)") from e
+
+    def publish_broken(self, why: str) -> None:
+        """Tell the other ranks that this one stopped between two collectives, and ``why`` (their waits
+        stop on it). Best effort: a store that cannot be reached leaves them the group's timeout."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(self._broken_key, f"rank {self.rank} stopped with {why}")
+        except Exception as e:  # noqa: BLE001 - (the store's host may be the rank that died)
+            log.warning("rank %d: could not tell the other ranks it stopped: %s", self.rank, e)
+
+    def _finish(self, work, what: str) -> None:
+        """``work.wait()``; for a CPU collective, in slices of :data:`_PEER_POLL_S`, between which a
+        peer's published error ends the wait (it will never issue the collective)."""
+        if self._store is None or self.device.type != "cpu":
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(timedelta(seconds=_PEER_POLL_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # (the collective itself failed: a peer's connection closed, the timeout)
+                    raise
+                why = self._peer_broken()
+                if why is not None:
+                    self.broken = why
+                    raise DistributedError(
+                        f"rank {self.rank} of {self.world}: {what} stopped during {self.where}: {why.rstrip('.')}; "
+                        f"the ranks are out of step (see that rank's log). Restart every rank (from the last durable "
+                        f"state)") from None
+
+    def _peer_broken(self) -> str | None:
+        """Another rank's published error, if one is."""
+        try:
+            if self._store.check([self._broken_key]):
+                return self._store.get(self._broken_key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - an unreachable store: the collective's own timeout stops the wait
+            return None
+        return None
 
     def _call(self, what: str, fn, *args, wait: bool | None = True, **kwargs):
         """Issue one collective (every collective goes through here): refused once this rank is out of
@@ -186,12 +242,13 @@ class Sharding:
         if _TRACE:
             self._issued += 1
             print(f"[collective] rank {self.rank} #{self._issued} {self.where}: {what}", file=sys.stderr, flush=True)
-        try:
-            mode = {} if wait is None else {"async_op": not wait}
-            work = fn(*args, group=self.group, **mode, **kwargs)
+        try:  # (asynchronous even to wait: see _finish)
+            work = fn(*args, group=self.group, **({} if wait is None else {"async_op": True}), **kwargs)
             if wait and work is not None:
-                work.wait()
+                self._finish(work, what)
             return work
+        except DistributedError:
+            raise
         except RuntimeError as e:
             self.broken = f"{what} failed"
             raise DistributedError(
@@ -489,7 +546,11 @@ class Sharded(Placement):
 
     def mark_broken(self, error: BaseException) -> None:
         if self.sharding.broken is None:
-            self.sharding.broken = f"{type(error).__name__}: {str(error)[:300]}"
+            text = str(error)
+            end = text.find(". ")  # (its first sentence, where that is short: the rest is advice for this rank)
+            text = text[:end + 1] if 0 < end < 300 else text[:300] + ("..." if len(text) > 300 else "")
+            self.sharding.broken = f"{type(error).__name__}: {text}"
+            self.sharding.publish_broken(self.sharding.broken)
 
     def all_agree(self, flag: bool, what: str) -> bool:
         return self.all_agree_each([flag], what)[0]
