@@ -1,5 +1,6 @@
 """Durable training state: resume, crash safety, full disk, locking, integrity, safety, import/export."""
 
+import copy
 import json
 import logging
 import os
@@ -1096,4 +1097,66 @@ def test_an_attached_scheduler_stepped_again_by_the_caller_is_refused(tmp_path):
         step()
     assert engine.step_count == 1 and same(before, weights(engine))
     assert engine.optimizer.param_groups[0]["lr"] == lr  # the refused step changed nothing
+    engine.close()
+
+
+def test_a_scheduler_the_engine_cannot_step_or_save_is_refused_when_attached(tmp_path):
+    """``ReduceLROnPlateau`` steps on a metric (``step(val_loss)``): attached, the engine's first
+    step called its ``step()`` without one, a ``TypeError`` after the step was counted. And a
+    scheduler whose state JSON cannot hold (its ``best`` is ``inf`` at the start) failed at the
+    first commit. Both are refused at ``attach_scheduler``, naming what to do."""
+    model = make_model()
+    engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3), storage=tmp_path / "s",
+                    host_memory=16 * sum(p.numel() for p in model.parameters()) // 3)
+    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau.step\(\) needs an argument \(metrics\).*yourself"):
+        engine.attach_scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(engine.optimizer))
+
+    class Odd(torch.optim.lr_scheduler.LambdaLR):
+        def state_dict(self):
+            return {**super().state_dict(), "best": float("inf")}
+    with pytest.raises(ConfigError, match=r"Odd's state_dict\(\) cannot be saved with the training state"):
+        engine.attach_scheduler(Odd(engine.optimizer, lambda s: 1.0))
+    assert engine.train_state.scheduler is None
+    engine.close()
+
+
+def test_an_attached_scheduler_that_raises_leaves_the_step_untaken_and_the_next_try_exact(tmp_path):
+    """An attached scheduler whose ``step()`` raises (a schedule with a bug, a domain error at
+    some step): the engine had counted the step (each parameter's Adam step count) before it, and
+    used up the clipping scale, but updated nothing; a loop that caught the error and stepped
+    again trained with bias corrections one step ahead and the gradients unclipped, silently. Now
+    the error is a ``ConfigError`` saying the step was not taken, nothing of it is counted or
+    used, and the step tried again once the schedule can step trains on as PyTorch's."""
+    broken = {"at": 2}
+
+    def factor(s):
+        if s == broken["at"]:
+            raise ZeroDivisionError("the schedule's own bug")
+        return 1 / (s + 1)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3), storage=tmp_path / "s", durable=True,
+                    host_memory=16 * sum(p.numel() for p in model.parameters()) // 3)
+    engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(engine.optimizer, factor))
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+        engine.clip_grad_norm_(0.5)
+        F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step(), sched.step(), opt.zero_grad()
+        if step == 1:
+            before, lr = weights(engine), engine.param_groups[0]["lr"]
+            with pytest.raises(ConfigError, match=r"LambdaLR's step\(\) raised ZeroDivisionError: the schedule's "
+                                                  r"own bug.*this step was not taken"):
+                engine.step()
+            assert engine.step_count == 1 and engine.param_groups[0]["lr"] == lr and same(before, weights(engine))
+            broken["at"] = None  # the schedule mended; the loop steps again
+        engine.step()
+        engine.zero_grad()
+    assert engine.step_count == 4 and engine.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert same(dict(ref.named_parameters()), weights(engine))
     engine.close()

@@ -419,9 +419,10 @@ class Engine(EngineViews):
         self.train_state.check_scheduler()
         if not self._gradients.usable(self.on_nonfinite):
             return False
+        hypers = [self._spec.hyper(g) for g in self.param_groups]
+        self.train_state.step_scheduler()  # (first: one that raises leaves the step untaken)
         self._phase(Phase.STEP)
         self._monitor.iteration_boundary()
-        hypers = [self._spec.hyper(g) for g in self.param_groups]
         scale = self._gradients.take_scale()
         if self._optimizer_view is not None:
             self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened

@@ -8,6 +8,7 @@ the manifest's ``meta``, and a resume restores). torchtitan's ``TrainState`` is 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -95,10 +96,27 @@ class TrainState:
             else:
                 updates.no_grad.append(slot.name)
         self.step_count += 1
-        if self.scheduler is not None:
-            self.scheduler.step()
-            self._scheduler_epoch = getattr(self.scheduler, "last_epoch", None)
         return updates
+
+    def step_scheduler(self) -> None:
+        """Step the attached scheduler: after the step's hyperparameters are read, before anything of
+        the step is counted or used up. One whose ``step()`` raises is put back as it was (its state,
+        the groups' values), and the step is refused untaken: the loop may step again once it can."""
+        if self.scheduler is None:
+            return
+        saved = copy.deepcopy(self.scheduler.state_dict())
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        try:
+            self.scheduler.step()
+        except Exception as e:
+            self.scheduler.load_state_dict(saved)
+            for group, was in zip(self.param_groups, groups):
+                group.update(was)
+            raise ConfigError(f"the attached {type(self.scheduler).__name__}'s step() raised {type(e).__name__}: {e}. "
+                              f"The engine steps it after each optimizer step; this step was not taken (the weights, "
+                              f"the optimizer's state and the step count are as before it), and engine.step() may "
+                              f"be called again once the scheduler can step") from e
+        self._scheduler_epoch = getattr(self.scheduler, "last_epoch", None)
 
     def check_scheduler(self) -> None:
         """Refuse a step whose attached scheduler the caller stepped too (PyTorch's ``sched.step()``
@@ -205,7 +223,9 @@ class TrainState:
             slot.scalars = dict(saved.get(slot.name, {}))
 
     def attach_scheduler(self, scheduler) -> None:
-        """Step ``scheduler`` after each optimizer step and save its state; a resumed one is restored."""
+        """Step ``scheduler`` after each optimizer step and save its state; a resumed one is restored.
+        Refused: a scheduler whose ``step()`` needs an argument, one whose state cannot be saved."""
+        _check_attachable(scheduler)
         self.scheduler = scheduler
         if self._resumed_scheduler_state is not None:
             scheduler.load_state_dict(self._resumed_scheduler_state)
@@ -215,6 +235,23 @@ class TrainState:
             for group, saved in zip(self.param_groups, self._resumed_param_groups):
                 group.update(hyper_from_json(saved, group))
         self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
+
+
+def _check_attachable(scheduler) -> None:
+    """Refuse, before it is attached, a scheduler the engine cannot step with no argument after each
+    step (``ReduceLROnPlateau``'s metric) or whose state JSON cannot hold."""
+    name = type(scheduler).__name__
+    try:
+        needs = [p.name for p in inspect.signature(scheduler.step).parameters.values()
+                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # (no signature to read: it is tried at the first step)
+        needs = []
+    if needs:
+        raise ConfigError(f"{name}.step() needs an argument ({', '.join(needs)}), and the engine steps an attached "
+                          f"scheduler with none after each step: do not attach it; step it yourself after "
+                          f"engine.step() (scheduler.step(val_loss)). The learning rates it sets are saved with "
+                          f"each step; its own counters (patience, best) start again after a resume")
+    jsonable(scheduler.state_dict(), f"{name}'s state_dict()")
 
 
 def jsonable(value, what: str):
