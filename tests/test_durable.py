@@ -1120,6 +1120,46 @@ def test_a_scheduler_the_engine_cannot_step_or_save_is_refused_when_attached(tmp
     engine.close()
 
 
+@pytest.mark.parametrize("what, commit_every", [("user_state", 1), ("user_state", 2), ("group", 1)])
+def test_a_value_a_durable_step_cannot_save_leaves_the_step_untaken_and_the_next_try_exact(tmp_path, what,
+                                                                                            commit_every):
+    """``engine.user_state`` (or a value in a parameter group) that JSON cannot hold, set before a
+    durable step: the step raised at its record, after it had counted the step and used up the
+    clipping scale, and every later call of the engine raised the same error, even once the value
+    was mended: the run was over. Now the step refuses before it takes anything, and the step tried
+    again with the value mended trains on as PyTorch's."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=3e-3), storage=tmp_path / "s", durable=True,
+                    commit_every=commit_every, host_memory=16 * sum(p.numel() for p in model.parameters()) // 3)
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+        engine.clip_grad_norm_(0.5)
+        F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step(), opt.zero_grad()
+        if step == 1:
+            if what == "user_state":
+                engine.user_state = {"seen": {1, 2}}
+            else:
+                engine.param_groups[0]["tags"] = {"a", "b"}
+            before = weights(engine)
+            with pytest.raises(ConfigError, match=r"(user_state|param_groups).*set.*This step was not taken"):
+                engine.step()
+            assert engine.step_count == 1 and same(before, weights(engine))
+            engine.user_state = {"seen": [1, 2]}
+            engine.param_groups[0].pop("tags", None)
+        engine.step()
+        engine.zero_grad()
+    assert engine.step_count == 4 and same(dict(ref.named_parameters()), weights(engine))
+    engine.close()
+    with Engine(make_model(), torch.optim.AdamW, dict(lr=3e-3), storage=tmp_path / "s", resume=True) as resumed:
+        assert resumed.step_count == 4 and same(dict(ref.named_parameters()), weights(resumed))
+
+
 def test_an_attached_scheduler_that_raises_leaves_the_step_untaken_and_the_next_try_exact(tmp_path):
     """An attached scheduler whose ``step()`` raises (a schedule with a bug, a domain error at
     some step): the engine had counted the step (each parameter's Adam step count) before it, and

@@ -420,7 +420,7 @@ class Engine(EngineViews):
         if not self._gradients.usable(self.on_nonfinite):
             return False
         hypers = [self._spec.hyper(g) for g in self.param_groups]
-        self.train_state.step_scheduler()  # (first: one that raises leaves the step untaken)
+        self.train_state.step_scheduler(saved=self.durable)  # (first: a refusal leaves the step untaken)
         self._phase(Phase.STEP)
         self._monitor.iteration_boundary()
         scale = self._gradients.take_scale()

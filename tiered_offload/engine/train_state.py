@@ -98,25 +98,49 @@ class TrainState:
         self.step_count += 1
         return updates
 
-    def step_scheduler(self) -> None:
+    def step_scheduler(self, saved: bool) -> None:
         """Step the attached scheduler: after the step's hyperparameters are read, before anything of
         the step is counted or used up. One whose ``step()`` raises is put back as it was (its state,
-        the groups' values), and the step is refused untaken: the loop may step again once it can."""
+        the groups' values), and the step is refused untaken: the loop may step again once it can.
+        ``saved``: the step's record saves the state (durable), so what JSON cannot hold is refused
+        here too (the user state, the groups' values, the scheduler's state after it stepped)."""
+        if saved:
+            self._check_saveable(scheduler=False)
         if self.scheduler is None:
             return
-        saved = copy.deepcopy(self.scheduler.state_dict())
+        before = copy.deepcopy(self.scheduler.state_dict())
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         try:
             self.scheduler.step()
+            if saved:
+                self._check_saveable(scheduler=True)
         except Exception as e:
-            self.scheduler.load_state_dict(saved)
+            self.scheduler.load_state_dict(before)
             for group, was in zip(self.param_groups, groups):
                 group.update(was)
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(f"the attached {type(self.scheduler).__name__}'s step() raised {type(e).__name__}: {e}. "
                               f"The engine steps it after each optimizer step; this step was not taken (the weights, "
                               f"the optimizer's state and the step count are as before it), and engine.step() may "
                               f"be called again once the scheduler can step") from e
         self._scheduler_epoch = getattr(self.scheduler, "last_epoch", None)
+
+    def _check_saveable(self, scheduler: bool) -> None:
+        """Refuse, untaken, a step whose record could not be saved (see :meth:`step_scheduler`)."""
+        try:
+            try:
+                json.dumps(self.user_state, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"engine.user_state must be JSON-serialisable (it is saved with every step): {e}"
+                                  ) from e
+            for g in self.param_groups:
+                jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
+            if scheduler:
+                jsonable(self.scheduler.state_dict(), f"the attached {type(self.scheduler).__name__}'s state_dict()")
+        except ConfigError as e:
+            raise ConfigError(f"{e}. This step was not taken (the weights, the optimizer's state and the step count "
+                              f"are as before it): call engine.step() again once it can be saved") from e.__cause__
 
     def check_scheduler(self) -> None:
         """Refuse a step whose attached scheduler the caller stepped too (PyTorch's ``sched.step()``
