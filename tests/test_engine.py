@@ -21,6 +21,7 @@ from offload_core.errors import (
     StepFailedError,
     TensorStateError,
     TierCapacityError,
+    TieredOffloadError,
 )
 from storage_backends.memory import MemoryBackend
 from storage_backends.testing import FaultInjectingBackend
@@ -598,6 +599,49 @@ def test_lr_change_through_param_groups(tmp_path):
     after = dict(engine.named_parameters())
     # lr 0 and weight decay scaled by lr: nothing may move
     assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.close()
+
+
+def test_the_optimizers_step_with_a_closure_runs_it_as_pytorchs_does(tmp_path):
+    """PyTorch's ``loss = opt.step(closure)`` (the closure zeroes the gradients, computes the loss
+    and back-propagates it): the engine's optimizer ignored the closure without a word, stepped on
+    no gradient, returned ``True``, and the model never trained. Now it runs the closure (with
+    gradients enabled, as ``torch.optim`` does), steps, and returns its loss; a closure that calls
+    ``loss.backward()`` instead of ``engine.backward(loss)`` is refused, typed."""
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    mine = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine(model, mine, storage=tmp_path / "s", host_memory=4 * 16 * sum(p.numel() for p in ref.parameters()) // 10)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+
+        def closure():
+            mine.zero_grad()
+            loss = plain_loss(engine, x)
+            engine.backward(loss)
+            return loss
+
+        def reference():
+            opt.zero_grad()
+            loss = plain_loss(ref, x)
+            loss.backward()
+            return loss
+        with torch.no_grad():  # (a loop's evaluation habit: the closure still computes gradients)
+            got = mine.step(closure)
+        assert torch.equal(got, opt.step(reference))
+    assert mine.step() is None is opt.step()  # (no closure: None, as PyTorch's; no gradient: nothing moves)
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], v.detach()) for k, v in ref.named_parameters())
+
+    def autograds():
+        loss = plain_loss(engine, x)
+        loss.backward()
+        return loss
+    with pytest.raises(TieredOffloadError, match=r"engine\.backward"):
+        mine.step(autograds)
     engine.close()
 
 

@@ -701,8 +701,16 @@ class _OptimizerView(torch.optim.Optimizer):
                 f"engine.commit()) and Engine.resume(storage, model) restores it; engine.export_safetensors(DIR) "
                 f"exports the weights")
 
-    def step(self, closure=None):  # noqa: D102 - forwards to the engine
-        return self._engine.step()
+    def step(self, closure=None):
+        """``engine.step()``, as ``torch.optim.Optimizer.step(closure)``: the closure (which computes the
+        loss and back-propagates it with ``engine.backward``) runs first, with gradients enabled;
+        returns its loss (None without one)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine.step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's parameters' gradients only, as ``torch.optim.Optimizer.zero_grad()``: a
