@@ -16,11 +16,11 @@ _UNITS = {
     "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
     "ti": 1024**4, "tib": 1024**4,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: int | float | str, *, what: str = "size") -> int:
-    """Return a byte count from an int or a string such as ``"4GiB"``, ``"1.5 GB"`` or ``"64M"``.
+    """Return a byte count from a number or a string such as ``"4GiB"``, ``"1.5 GB"``, ``"64M"`` or ``"1e9"``.
 
     Decimal suffixes (kB, MB, GB) are powers of 1000 and binary ones (KiB, MiB, GiB) powers of 1024,
     as on the packaging of disks and memory. ``what`` names the setting in the error message.
@@ -30,11 +30,15 @@ def parse_size(value: int | float | str, *, what: str = "size") -> int:
     if isinstance(value, (int, float)):
         if value < 0:
             raise ConfigError(f"{what}: a size cannot be negative ({value!r})")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{what}: cannot read {value!r} as a byte size; write e.g. 4GiB, 512MB or 1048576")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{what}: cannot read {value!r} as a byte size; write e.g. 4GiB, 512MB or 1048576")
+        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ConfigError(f"{what}: a size must be a finite number, got {value!r}")
+    return int(number)
 
 
 def format_size(nbytes: float) -> str:

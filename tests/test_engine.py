@@ -602,6 +602,23 @@ def test_lr_change_through_param_groups(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("written, read", [
+    ("4GiB", 4 << 30), ("4 gib", 4 << 30), ("1.5GB", 1_500_000_000), ("64M", 64_000_000), ("512", 512),
+    (1048576, 1 << 20), (1e9, 10**9), ("1e9", 10**9), ("2.5e3KiB", 2560000), ("0.1MiB", 104857),
+    (True, "expected a byte size"), (-5, "cannot be negative"), ("ninety", "cannot read 'ninety'"), ("", "cannot read"),
+    (float("nan"), "a finite number"), (float("inf"), "a finite number"), ("1e400", "a finite number"),
+    ("-1GiB", "cannot read"), ("4 GiB of RAM", "cannot read")])
+def test_a_byte_size_is_read_as_people_write_it_or_refused_typed(written, read):
+    """``host_memory=`` and the other budgets: a YAML ``1e9`` (a string there) was refused, and a
+    NaN a ``ValueError`` from ``int()``, untyped."""
+    from offload_core.sizes import parse_size
+    if isinstance(read, int):
+        assert parse_size(written) == read
+    else:
+        with pytest.raises(ConfigError, match=read):
+            parse_size(written, what="host_memory")
+
+
 def test_the_optimizers_step_with_a_closure_runs_it_as_pytorchs_does(tmp_path):
     """PyTorch's ``loss = opt.step(closure)`` (the closure zeroes the gradients, computes the loss
     and back-propagates it): the engine's optimizer ignored the closure without a word, stepped on
