@@ -193,7 +193,10 @@ def resolve_storage(storage) -> StorageSpec:
         return StorageSpec("posix", ",".join(os.fspath(p) for p in storage))
     if isinstance(storage, os.PathLike):
         return StorageSpec("auto", os.fspath(storage))
-    name, location, options = parse_spec(str(storage))
+    if not isinstance(storage, str):  # (str() of it named a directory the caller never meant)
+        raise ConfigError(f"storage must be a directory (str or pathlib.Path), a list of directories, a spec string "
+                          f"(posix:/a,/b) or a StorageBackend; got {type(storage).__name__} {storage!r}")
+    name, location, options = parse_spec(storage)
     if name != "auto" and name not in _targets(name):
         if location and location.startswith(("/", ".", "~")):  # a backend's name mistyped, not a directory
             raise UnknownBackendError(

@@ -602,6 +602,26 @@ def test_lr_change_through_param_groups(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(storage=123), r"storage must be a directory.*got int 123"),
+    (dict(durable="no"), r"durable must be True, False or None, got 'no'"),
+    (dict(commit_every=True), r"commit_every must be an integer >= 1, got True"),
+    (dict(device="tpu"), r"device 'tpu'.*'cpu', 'cuda'"),
+    (dict(device="meta"), r"device 'meta'.*'cpu', 'cuda'"),
+    (dict(trace=123), r"trace must be a file path.*got int"),
+    (dict(config={"activations": "keep"}), r"config must be an EngineConfig.*EngineConfig\(activations='keep'\)")])
+def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, monkeypatch, kwargs, match):
+    """Found by trying each argument with a value of another kind: ``storage=123`` trained in a
+    directory ``./123`` it made, ``durable="no"`` (truthy) made the run durable, and a device
+    string torch does not know, a trace or a config of the wrong type raised ``RuntimeError``,
+    ``TypeError`` and ``AttributeError`` from deep inside."""
+    monkeypatch.chdir(tmp_path)
+    kwargs.setdefault("storage", tmp_path / "s")
+    with pytest.raises(ConfigError, match=match):
+        Engine(plain_gpt(2), torch.optim.AdamW, dict(lr=1e-3), host_memory="1MiB", **kwargs)
+    assert not (tmp_path / "123").exists()
+
+
 @pytest.mark.parametrize("written, read", [
     ("4GiB", 4 << 30), ("4 gib", 4 << 30), ("1.5GB", 1_500_000_000), ("64M", 64_000_000), ("512", 512),
     (1048576, 1 << 20), (1e9, 10**9), ("1e9", 10**9), ("2.5e3KiB", 2560000), ("0.1MiB", 104857),

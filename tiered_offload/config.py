@@ -17,7 +17,7 @@ from .memstat import available_memory_bytes
 PREFETCH_DEPTH = 16
 """The lookahead's default prefetch depth, for a store alone and for the engine's store alike."""
 
-__all__ = ["EngineConfig", "StoreConfig", "resolve_device"]
+__all__ = ["EngineConfig", "StoreConfig", "resolve_device", "check_engine_arguments"]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -27,12 +27,37 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         device = os.environ["TIERED_OFFLOAD_DEVICE"]
     if device in (None, "auto"):
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r} is not a device torch knows ({e}); use 'cpu', 'cuda', 'cuda:N' or "
+                          f"'auto'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r}: the engine computes on 'cpu', 'cuda' or 'cuda:N' (or 'auto')")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device; use device='cpu' or 'auto'")
     if dev.type == "cuda" and dev.index is None:  # "cuda": the current one, by number (a tensor's device
         dev = torch.device("cuda", torch.cuda.current_device())  # has one; torch.cuda.set_device needs one)
     return dev
+
+
+def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config) -> None:
+    """Refuse an ``Engine`` argument of the wrong kind or value, naming it, before anything is built
+    (a truthy string for a flag, a number for a path: each did something else without a word)."""
+    if on_nonfinite not in ("raise", "skip"):
+        raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+    if resume not in (True, False, "auto"):
+        raise ConfigError(f"resume must be True, False or 'auto', got {resume!r}")
+    if durable not in (True, False, None):
+        raise ConfigError(f"durable must be True, False or None, got {durable!r}")
+    if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+        raise ConfigError(f"commit_every must be an integer >= 1, got {commit_every!r}")
+    if trace is not None and not isinstance(trace, (str, os.PathLike)):
+        raise ConfigError(f"trace must be a file path (str or pathlib.Path), got {type(trace).__name__} {trace!r}")
+    if config is not None and not isinstance(config, EngineConfig):
+        hint = (f": EngineConfig({', '.join(f'{k}={v!r}' for k, v in config.items())})" if isinstance(config, dict)
+                else "")
+        raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}{hint}")
 
 
 @dataclass(kw_only=True)

@@ -32,7 +32,7 @@ from offload_core.errors import (
 from tiered_offload.checkpoint.adapter import adapter_record, peft_adapter_name
 from tiered_offload.checkpoint.layout import StateLayout
 from tiered_offload.checkpoint.session import Commits, JournalCommits, NoCommits, SnapshotCommits, commits_for
-from tiered_offload.config import EngineConfig, StoreConfig, resolve_device
+from tiered_offload.config import EngineConfig, StoreConfig, check_engine_arguments, resolve_device
 from tiered_offload.engine.binding import ModelBinding, Unit, empty_init
 from tiered_offload.engine.gradients import Gradients
 from tiered_offload.engine.initial_weights import load_initial_weights
@@ -142,12 +142,8 @@ class Engine(EngineViews):
                  durable: bool | None = None, commit_every: int = 1, resume: bool | str = False,
                  init_from: str | os.PathLike | list | None = None, config: EngineConfig | None = None,
                  trace: str | os.PathLike | None = None, process_group=None):
-        if on_nonfinite not in ("raise", "skip"):
-            raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
-        if resume not in (True, False, "auto"):
-            raise ConfigError(f"resume must be True, False or 'auto', got {resume!r}")
-        if not isinstance(commit_every, int) or commit_every < 1:
-            raise ConfigError(f"commit_every must be an integer >= 1, got {commit_every!r}")
+        check_engine_arguments(on_nonfinite=on_nonfinite, resume=resume, durable=durable, commit_every=commit_every,
+                               trace=trace, config=config)
         tune_allocator()  # freed temporaries go back to the system: resident memory tracks the budget
         self.model = model
         self.on_nonfinite = on_nonfinite
