@@ -622,6 +622,24 @@ def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, mon
     assert not (tmp_path / "123").exists()
 
 
+def test_every_config_field_of_the_wrong_kind_is_refused_naming_it():
+    """``EngineConfig`` and ``StoreConfig`` took any value in most fields (a string for a flag: truthy;
+    ``None`` for a count: a ``TypeError`` from a comparison); now every field's type is checked when
+    the config is built, naming the field and what it takes. Each field is tried with a value of
+    every other kind."""
+    import dataclasses
+    from tiered_offload.config import StoreConfig
+    for cls in (EngineConfig, StoreConfig):
+        for f in dataclasses.fields(cls):
+            kinds = [k.strip() for k in str(f.type).split("|")]
+            for value, kind in (("x", "str"), (7, "int"), (0.5, "float"), (True, "bool"), (None, "None"),
+                                ([1], "list[str]")):
+                if kind in kinds or (kind == "int" and "float" in kinds) or "Callable" in kinds and callable(value):
+                    continue
+                with pytest.raises(ConfigError, match=rf"{cls.__name__}\.{f.name} must be "):
+                    cls(**{f.name: value})
+
+
 @pytest.mark.parametrize("written, read", [
     ("4GiB", 4 << 30), ("4 gib", 4 << 30), ("1.5GB", 1_500_000_000), ("64M", 64_000_000), ("512", 512),
     (1048576, 1 << 20), (1e9, 10**9), ("1e9", 10**9), ("2.5e3KiB", 2560000), ("0.1MiB", 104857),

@@ -41,6 +41,26 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+_KINDS = {"int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+          "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+          "bool": (lambda v: isinstance(v, bool), "True or False"), "str": (lambda v: isinstance(v, str), "a string"),
+          "None": (lambda v: v is None, "None"),
+          "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+          "torch.device": (lambda v: isinstance(v, torch.device), "a torch.device"),
+          "Callable": (callable, "a callable")}
+"""A field's annotated kind -> (whether a value is of it, its name in a message)."""
+
+
+def _check_kinds(config) -> None:
+    """Refuse a field whose value is not of its annotated kind (``int | None``...), naming it."""
+    for f in dataclasses.fields(config):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        value = getattr(config, f.name)
+        if all(k in _KINDS for k in kinds) and not any(_KINDS[k][0](value) for k in kinds):
+            raise ConfigError(f"{type(config).__name__}.{f.name} must be {' or '.join(_KINDS[k][1] for k in kinds)}, "
+                              f"got {type(value).__name__} {value!r}")
+
+
 def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config) -> None:
     """Refuse an ``Engine`` argument of the wrong kind or value, naming it, before anything is built
     (a truthy string for a flag, a number for a path: each did something else without a word)."""
@@ -64,12 +84,15 @@ def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace
 class StoreConfig:
     """Budgets and policies of a :class:`~tiered_offload.store.tiered_store.TieredStore`."""
 
-    host_budget_bytes: int | str = "auto"
+    def __post_init__(self):
+        _check_kinds(self)
+
+    host_budget_bytes: int | float | str = "auto"
     """Bytes of host memory the store may use for tensor copies (the pinned pool on CUDA
     machines). ``"auto"``: a quarter of the memory available now (within a container's cgroup limit,
     ``memory.max``, where there is one), or ``TIERED_OFFLOAD_HOST_BUDGET``."""
 
-    device_budget_bytes: int | str = "auto"
+    device_budget_bytes: int | float | str = "auto"
     """Bytes of device memory for tensor copies. ``"auto"``: half the free GPU memory on CUDA, 0
     on the CPU (the device tier is then unused: compute runs on host copies), or
     ``TIERED_OFFLOAD_DEVICE_BUDGET``."""
@@ -222,6 +245,7 @@ class EngineConfig:
     built, with it). Every mode computes the same numbers."""
 
     def __post_init__(self):
+        _check_kinds(self)
         for name in ("optimizer_chunk_numel", "state_piece_numel", "step_lead"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
