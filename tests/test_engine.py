@@ -667,7 +667,8 @@ def test_the_optimizers_step_with_a_closure_runs_it_as_pytorchs_does(tmp_path):
     ref = plain_gpt(4)
     model = copy.deepcopy(ref)
     mine = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = Engine(model, mine, storage=tmp_path / "s", host_memory=4 * 16 * sum(p.numel() for p in ref.parameters()) // 10)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, mine, storage=tmp_path / "s", host_memory=4 * state // 10)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     for i in range(3):

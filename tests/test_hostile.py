@@ -22,6 +22,7 @@ from offload_core.errors import (
     CheckpointError,
     CorruptionError,
     DiskFullError,
+    StorageDirectoryError,
     StorageLockedError,
     TieredOffloadError,
 )
@@ -373,6 +374,37 @@ def test_an_export_killed_between_renames_is_recognisably_incomplete(tmp_path, m
     files = engine.export_safetensors(tmp_path / "out", max_shard_size="20KB")  # again: complete, one step
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["step"] == "2" and {f.name for f in files} >= set(index["weight_map"].values())
+    engine.close()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_export_into_a_path_that_is_no_directory_is_a_typed_error_naming_it(tmp_path, capsys, where):
+    """``export_safetensors`` (and the ``export`` command) into a path that is a file, or under one:
+    Python's ``FileExistsError`` / ``NotADirectoryError`` from ``mkdir``, untyped, naming no setting;
+    the command printed a traceback. Now a ``StorageDirectoryError`` naming the path, before any
+    byte is written; the engine trains on."""
+    (tmp_path / "f").write_text("not a directory")
+    out = tmp_path / "f" if where == "a file" else tmp_path / "f" / "out"
+    engine = make_engine(tmp_path / "s", durable=True)
+    train(engine, 1)
+    with pytest.raises(StorageDirectoryError, match=rf"export.*{out}.*not a directory"):
+        engine.export_safetensors(out)
+    assert (tmp_path / "f").read_text() == "not a directory"
+    train(engine, 2)
+    engine.close()
+    assert cli_main(["export", str(tmp_path / "s"), str(out)]) != 0
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_trace_path_that_cannot_be_written_is_refused_before_the_storage_is_locked(tmp_path):
+    """``Engine(trace=...)`` under a file: the run trained to the end, then ``close()`` raised
+    ``FileExistsError`` writing the trace (the state was safe). Refused when the engine is built
+    instead, typed and naming the path; and the refusal took the directory's lock for good (the
+    tracer was made after the store was open): a second engine found it in use."""
+    (tmp_path / "f").write_text("not a directory")
+    with pytest.raises(StorageDirectoryError, match=r"trace .*f/step\.json: cannot make the directory"):
+        make_engine(tmp_path / "s", durable=True, trace=tmp_path / "f" / "step.json")
+    engine = make_engine(tmp_path / "s", durable=True)  # (not locked by the refused one)
     engine.close()
 
 

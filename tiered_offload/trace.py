@@ -15,6 +15,7 @@ Recording costs a few microseconds per event; nothing is recorded unless a trace
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from offload_core.errors import StorageDirectoryError
 
 __all__ = ["Tracer"]
 
@@ -31,6 +34,13 @@ class Tracer:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        try:  # (now: a path it cannot write would fail only once the run is over)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageDirectoryError(e.errno, f"trace {self.path}: cannot make the directory it goes in "
+                                                 f"({e.strerror}); name a file in a directory you can write") from None
+        if self.path.is_dir():
+            raise StorageDirectoryError(errno.EISDIR, f"trace {self.path} is a directory; name a file (step.json)")
         self._t0 = time.perf_counter()
         self._events: list[dict] = []
         self._lock = threading.Lock()
@@ -80,7 +90,6 @@ class Tracer:
 
     def write(self) -> Path:
         """Save the events (``{"traceEvents": [...]}``) to :attr:`path`; returns it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
         os.replace(tmp, self.path)

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError
+from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError, StorageDirectoryError
 from tiered_offload.checkpoint.durable import fsync_directory
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from offload_core.sizes import parse_size
@@ -282,7 +282,15 @@ class SafetensorsWriter:
         Publishing removes the old index (and a single-file export's file) first, renames the new
         shards into place, writes the new index last (atomically, naming the step), then removes
         shards of the old export the new index does not name."""
-        self.out.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except (FileExistsError, NotADirectoryError) as e:
+            what = "it is a file" if isinstance(e, FileExistsError) else "a path above it is a file"
+            raise StorageDirectoryError(e.errno, f"cannot export into {self.out}: {what}, not a directory; name a "
+                                                 f"directory (new or existing)") from None
+        except OSError as e:
+            raise StorageDirectoryError(e.errno, f"cannot export into {self.out}: {e.strerror}; name a directory "
+                                                 f"you can write") from None
         need, free = self.nbytes(), shutil.disk_usage(self.out).free
         if need > free:
             raise DiskFullError(f"the export needs {need} bytes in {self.out} and {free} are free; free space or "

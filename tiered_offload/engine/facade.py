@@ -144,6 +144,7 @@ class Engine(EngineViews):
                  trace: str | os.PathLike | None = None, process_group=None):
         check_engine_arguments(on_nonfinite=on_nonfinite, resume=resume, durable=durable, commit_every=commit_every,
                                trace=trace, config=config)
+        tracer = Tracer(trace) if trace is not None else None  # (first: its path is refused before a lock is taken)
         tune_allocator()  # freed temporaries go back to the system: resident memory tracks the budget
         self.model = model
         self.on_nonfinite = on_nonfinite
@@ -214,35 +215,35 @@ class Engine(EngineViews):
             self.store.close(flush=False)
             raise
 
-        self._phases: list[Phase] = []
-        self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel, *update_tier)
-        self._pipeline = UpdatePipeline(
-            self.config.step_lead,
-            before_each=lambda name: self._commits.before_unit(
-                self.schedule.rewrite_bytes(self._units_by_name[name]), self.schedule.commit_admits),
-            on_error=lambda e: self._commits.fail(e),
-            on_flush=lambda: self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], stepping=True, inline=True),
-            how_to_go_on=lambda: self._commits.how_to_go_on())
-        """The optimizer step over units: inline, in the background or deferred to the next forward."""
-        self._optimizer_view: _OptimizerView | None = None
-        self._streamer = BlockStreamer.for_budget(self.store, self.binding, self._pipeline, self.device, self.schedule,
-                                                  self._placement, self.config, recompute)
-        """Forward and backward through the store."""
-        self._gradients = Gradients(self.store, self.binding, self._streamer, self._placement, self._pipeline,
-                                    self.schedule)
-        """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""
-        self._monitor = PlanMonitor(self.store, self.schedule, self._streamer, [b.name for b in self.blocks],
-                                    self.config, recompute,
-                                    sum(s.numel for _, s in self.binding.param_order), self._floors(),
-                                    self.extra_disk_bytes(), self._placement.world, self._placement.all_agree_each)
-        """The plan, the measurements, the prediction check, stats()."""
-        self._tracer: Tracer | None = None
-        if trace is not None:
-            self._attach_tracer(Tracer(trace))
-        self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP])
-        self._streamer.unbind_rest()
-        by_name = self._units_by_name
-        try:
+        try:  # (a failure from here on: the directory released, the store closed)
+            self._phases: list[Phase] = []
+            self._updater = UnitUpdater(self.store, self._spec, self.config.optimizer_chunk_numel, *update_tier)
+            self._pipeline = UpdatePipeline(
+                self.config.step_lead,
+                before_each=lambda name: self._commits.before_unit(
+                    self.schedule.rewrite_bytes(self._units_by_name[name]), self.schedule.commit_admits),
+                on_error=lambda e: self._commits.fail(e),
+                on_flush=lambda: self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], stepping=True, inline=True),
+                how_to_go_on=lambda: self._commits.how_to_go_on())
+            """The optimizer step over units: inline, in the background or deferred to the next forward."""
+            self._optimizer_view: _OptimizerView | None = None
+            self._streamer = BlockStreamer.for_budget(self.store, self.binding, self._pipeline, self.device,
+                                                      self.schedule, self._placement, self.config, recompute)
+            """Forward and backward through the store."""
+            self._gradients = Gradients(self.store, self.binding, self._streamer, self._placement, self._pipeline,
+                                        self.schedule)
+            """Which parameters have a gradient, finiteness, the clipping scale, zeroing."""
+            self._monitor = PlanMonitor(self.store, self.schedule, self._streamer, [b.name for b in self.blocks],
+                                        self.config, recompute,
+                                        sum(s.numel for _, s in self.binding.param_order), self._floors(),
+                                        self.extra_disk_bytes(), self._placement.world, self._placement.all_agree_each)
+            """The plan, the measurements, the prediction check, stats()."""
+            self._tracer: Tracer | None = None
+            if tracer is not None:
+                self._attach_tracer(tracer)
+            self._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP])
+            self._streamer.unbind_rest()
+            by_name = self._units_by_name
             self._commits.start(self.layout, lambda name, *args: self._update_unit(by_name[name], *args),
                                 [u.name for u in self.schedule.update_order()],
                                 lambda name: self.schedule.rewrite_bytes(by_name[name]), self.schedule.commit_admits)
