@@ -45,6 +45,17 @@ def test_bench_io_bad_path_is_a_clear_error(tmp_path, capsys):
     assert str(f) in err and "error" in err
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "export"])
+def test_a_state_command_on_a_file_is_a_clear_error(tmp_path, capsys, command):
+    """``inspect FILE`` (a file given for the storage directory): a ``NotADirectoryError``
+    traceback from a ``stat`` under it. Now the command's error line, naming it, exit 2."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc = main([command, str(f)] + ([str(tmp_path / "out")] if command == "export" else []))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{f} holds no training state" in err and "Traceback" not in err, err
+
+
 def test_bench_io_refuses_more_than_the_free_space(tmp_path, capsys):
     rc = main(["bench-io", "--path", str(tmp_path), "--size", "100TiB", "--no-progress"])
     assert rc == 2

@@ -108,7 +108,7 @@ class StateDirectory:
             try:
                 st = p.stat()
                 out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # (none: a path that is no directory holds none)
                 out.append(None)
         return tuple(out)
 
