@@ -609,6 +609,8 @@ def test_lr_change_through_param_groups(tmp_path):
     (dict(device="tpu"), r"device 'tpu'.*'cpu', 'cuda'"),
     (dict(device="meta"), r"device 'meta'.*'cpu', 'cuda'"),
     (dict(trace=123), r"trace must be a file path.*got int"),
+    (dict(init_from=123), r"init_from must be a directory or file.*got int"),
+    (dict(init_from=["a", 1]), r"init_from must be a directory or file.*got list"),
     (dict(config={"activations": "keep"}), r"config must be an EngineConfig.*EngineConfig\(activations='keep'\)")])
 def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, monkeypatch, kwargs, match):
     """Found by trying each argument with a value of another kind: ``storage=123`` trained in a

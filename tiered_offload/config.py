@@ -61,7 +61,7 @@ def _check_kinds(config) -> None:
                               f"got {type(value).__name__} {value!r}")
 
 
-def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config) -> None:
+def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config, init_from) -> None:
     """Refuse an ``Engine`` argument of the wrong kind or value, naming it, before anything is built
     (a truthy string for a flag, a number for a path: each did something else without a word)."""
     if on_nonfinite not in ("raise", "skip"):
@@ -74,6 +74,10 @@ def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace
         raise ConfigError(f"commit_every must be an integer >= 1, got {commit_every!r}")
     if trace is not None and not isinstance(trace, (str, os.PathLike)):
         raise ConfigError(f"trace must be a file path (str or pathlib.Path), got {type(trace).__name__} {trace!r}")
+    paths = init_from if isinstance(init_from, (list, tuple)) else [init_from]
+    if init_from is not None and not all(isinstance(p, (str, os.PathLike)) for p in paths):
+        raise ConfigError(f"init_from must be a directory or file (str or pathlib.Path), or [BASE, ADAPTER]; got "
+                          f"{type(init_from).__name__} {init_from!r}")
     if config is not None and not isinstance(config, EngineConfig):
         hint = (f": EngineConfig({', '.join(f'{k}={v!r}' for k, v in config.items())})" if isinstance(config, dict)
                 else "")
