@@ -15,6 +15,7 @@ import errno as _errno
 __all__ = [
     "CorruptionError",
     "StepFailedError",
+    "EngineClosedError",
     "StorageLockedError",
     "CheckpointError",
     "TieredOffloadError",
@@ -152,6 +153,10 @@ class StepFailedError(TieredOffloadError, RuntimeError):
     def __init__(self, what: str, how_to_go_on: str = ""):
         super().__init__(f"{what} {how_to_go_on}".rstrip())
         self.what = what
+
+
+class EngineClosedError(TieredOffloadError, RuntimeError):
+    """An engine was used after ``close()``: its storage is released, its memory freed."""
 
 
 class StorageLockedError(TieredOffloadError, RuntimeError):

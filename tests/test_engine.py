@@ -624,6 +624,28 @@ def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, mon
     assert not (tmp_path / "123").exists()
 
 
+def test_a_closed_engine_refuses_every_call_saying_it_is_closed(tmp_path):
+    """An engine used after ``close()`` (its ``with`` block left, or closed in a handler): the forward
+    raised ``RuntimeError: shape '[1104]' is invalid``, the step and the weights' read
+    ``AttributeError: 'NoneType' object has no attribute ...``. Now each is an
+    ``EngineClosedError`` saying what to do; closing again and ``zero_grad`` stay quiet."""
+    from offload_core.errors import EngineClosedError
+    torch.manual_seed(0)
+    engine = Engine(plain_gpt(2), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="1MiB")
+    x = torch.randint(0, 128, (2, 17))
+    engine.backward(plain_loss(engine, x))
+    engine.step()
+    engine.close()
+    for call in (lambda: engine(x), lambda: engine.backward(x.float().sum()), engine.step, engine.commit,
+                 lambda: engine.clip_grad_norm_(1.0), lambda: engine.clip_grad_value_(1.0),
+                 lambda: engine.forward_backward([x], lambda out, b: out.sum()), lambda: dict(engine.named_parameters()),
+                 lambda: engine.export_safetensors(tmp_path / "out")):
+        with pytest.raises(EngineClosedError, match=r"this engine is closed.*resume=True"):
+            call()
+    engine.close()
+    engine.zero_grad()
+
+
 def test_every_config_field_of_the_wrong_kind_is_refused_naming_it():
     """``EngineConfig`` and ``StoreConfig`` took any value in most fields (a string for a flag: truthy;
     ``None`` for a count: a ``TypeError`` from a comparison); now every field's type is checked when

@@ -61,9 +61,11 @@ log = logging.getLogger("tiered_offload")
 
 
 def _engine_time(method):
-    """Count the time spent in ``method`` as the engine's (what a step costs, for the plan)."""
+    """Count the time spent in ``method`` as the engine's (what a step costs, for the plan); refused
+    once the engine is closed."""
     @functools.wraps(method)
     def timed(self, *args, **kwargs):
+        self._check_open()
         t0 = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
@@ -366,6 +368,7 @@ class Engine(EngineViews):
         passed as keyword arguments. With dropout, a shape's first call runs as the loop and learns
         the draws (see :mod:`~tiered_offload.engine.micro_batches`); ``stats().forward_backward_loops``
         counts the calls that ran as the loop, by reason."""
+        self._check_open()
         return forward_backward(self, micro_batches, loss_fn)
 
     # ---- optimizer ----------------------------------------------------------------------
@@ -475,6 +478,7 @@ class Engine(EngineViews):
     def commit(self) -> int:
         """Commit the last step now (with ``commit_every`` > 1, between the scheduled commits) and
         wait until it is durable; returns its number."""
+        self._check_open()
         self._streamer.unbind_rest()
         self._await()
         return self._commits.commit()

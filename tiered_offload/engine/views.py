@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from offload_core.errors import ConfigError, TieredOffloadError
+from offload_core.errors import ConfigError, EngineClosedError, TieredOffloadError
 from tiered_offload.checkpoint.adapter import export_adapter, merged_export
 from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.safetensors_io import export_dtype
@@ -28,6 +28,13 @@ __all__ = ["EngineViews"]
 
 class EngineViews:
     """The model's mode, sizes, state, plan, stats and tracing of an engine (a part of :class:`Engine`)."""
+
+    def _check_open(self) -> None:
+        """Refuse a call that needs the store once :meth:`~Engine.close` released it."""
+        if self.store is None:
+            raise EngineClosedError("this engine is closed (close(), or its with block ended): its storage is "
+                                    "released. Build a new engine to go on: resume=True on its durable directory, "
+                                    "or init_from an export")
 
     # ---- the model's mode -----------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -171,6 +178,7 @@ class EngineViews:
     # ---- the weights and buffers, read -------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, in ``model.named_parameters()`` order, one at a time on the CPU."""
+        self._check_open()
         if not self._streamer.graph_pending:  # (between a forward and its backward the rest stays bound)
             self._streamer.unbind_rest()
         self._await()
@@ -201,6 +209,7 @@ class EngineViews:
         ``save_pretrained`` write it (for ``from_pretrained`` without PEFT). The files are what
         ``save_pretrained`` writes (transformers' own conversions reverted: ``checkpoint/export.py``),
         in ``dtype`` (``torch.bfloat16``, ``"bf16"``...: as ``model.to(dtype).save_pretrained`` writes them)."""
+        self._check_open()
         dtype = export_dtype(dtype)
         if merged and adapter_only:
             raise ConfigError("export_safetensors(adapter_only=True, merged=True): the adapter alone, or the model "
