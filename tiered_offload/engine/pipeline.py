@@ -35,9 +35,9 @@ class UpdatePipeline:
 
     def __init__(self, lead: int, *, before_each: Callable[[str], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 on_flush: Callable[[], None] | None = None, how_to_go_on: Callable[[], str] = str):
+                 on_flush: Callable[[], None] | None = None, how_to_go_on: Callable[[], str] | None = None):
         self.lead = lead
-        self.how_to_go_on = how_to_go_on
+        self.how_to_go_on = how_to_go_on or (lambda: "")
         self.on_flush = on_flush
         self.before_each = before_each
         self.on_error = on_error
