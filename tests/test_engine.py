@@ -624,6 +624,41 @@ def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, mon
     assert not (tmp_path / "123").exists()
 
 
+@pytest.mark.parametrize("then", ["backward", "step-again", "clip-again", "optimizer-zero-grad"])
+@pytest.mark.parametrize("durable", [False, True])
+def test_gradients_kept_past_a_clipped_step_are_the_clipped_ones(tmp_path, then, durable):
+    """A loop that steps without ``zero_grad()`` after it (accumulating across steps) and clips by
+    norm: PyTorch's clipping scaled the gradients in place, so what the next backward adds to, the
+    next clip measures and a step again applies are the clipped gradients. The engine applies the
+    scale on the way through the update and kept the unclipped ones: the next clip measured 1.72
+    where PyTorch measured 1.27, and every parameter then differed. Now the scale is owed to the
+    kept gradients and applied before anything reads or adds to them (a ``zero_grad()`` forgets it)."""
+    torch.manual_seed(0)
+    ref = plain_gpt(3)
+    model = copy.deepcopy(ref)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", durable=durable,
+                    host_memory=16 * sum(p.numel() for p in ref.parameters()) * 6 // 10)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for i in range(4):
+        x = torch.randint(0, 128, (2, 17), generator=g)
+        if then != "step-again" or i % 2 == 0:
+            engine.backward(plain_loss(engine, x))
+            plain_loss(ref, x).backward()
+        if then != "clip-again" or i % 2 == 1:
+            assert torch.equal(engine.clip_grad_norm_(0.3), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3))
+        engine.step()
+        opt.step()
+        if then == "clip-again" and i % 2 == 0:  # (a clip after the step: it measures the clipped gradients)
+            assert torch.equal(engine.clip_grad_norm_(0.3), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3))
+        if i % 2 == 1:  # (every second step: the gradients of two steps' batches were accumulated)
+            (engine.optimizer.zero_grad if then == "optimizer-zero-grad" else engine.zero_grad)()
+            opt.zero_grad()
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+    engine.close()
+
+
 def test_a_closed_engine_refuses_every_call_saying_it_is_closed(tmp_path):
     """An engine used after ``close()`` (its ``with`` block left, or closed in a handler): the forward
     raised ``RuntimeError: shape '[1104]' is invalid``, the step and the weights' read

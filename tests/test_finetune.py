@@ -223,13 +223,15 @@ def train(model, optimizer, data, loss_fn, clip, habits=None):
             torch.nn.utils.clip_grad_value_(model.parameters(), habits.clip_value)
         # (on_nonfinite="skip": the step and the scheduler's skipped)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not habits.skips or all(bool(torch.isfinite(g).all()) for g in grads):
+        taken = not habits.skips or all(bool(torch.isfinite(g).all()) for g in grads)
+        if taken:
             if habits.resume_at is not None and s < habits.resume_at:  # the last step taken: its commit's
                 at_step, buffers = torch.get_rng_state(), _buffers(model)
             optimizer.step()
             if sched is not None:
                 sched.step()
-        model.zero_grad()  # every parameter's gradient, as engine.zero_grad() and HF Trainer do
+        if not taken or habits.zeroes_after(s):
+            model.zero_grad()  # every parameter's gradient, as engine.zero_grad() and HF Trainer do
         losses += habits.logged(model, loss_fn, s, "after-step", model)
         habits.exported(model, s)
     return losses
@@ -266,7 +268,8 @@ def train_engine(engine, data, loss_fn, clip, fused=False, habits=None, start=0)
         if habits.clip_value is not None:
             engine.clip_grad_value_(habits.clip_value)
         (engine.optimizer if habits.optimizer_calls else engine).step()
-        (engine.optimizer if habits.optimizer_calls else engine).zero_grad()
+        if habits.zeroes_after(s):
+            (engine.optimizer if habits.optimizer_calls else engine).zero_grad()
         losses += habits.logged(engine, loss_fn, s, "after-step", engine.model)
         habits.exported(engine.model, s, engine)
     return losses
@@ -295,7 +298,10 @@ class Habits:
     (its forward in ``eval()`` mode with gradients, ``train()`` again before its backward) or
     ``"eval-backward"`` (``eval()`` between its forward and its backward); ``clip_value``:
     ``clip_grad_value_`` after the norm's clipping (the engine's own); ``twice``: each loss the
-    mean of two forwards (the batch and its sequences in reverse order) before one backward."""
+    mean of two forwards (the batch and its sequences in reverse order) before one backward;
+    ``zero_grad_every``: the gradients are zeroed after every this many steps (and before a
+    resume, and after a skipped step, which forgets them), so the next steps' backwards add to
+    what the last step's clipping left."""
     poisoned: tuple = ()
     lr_decay: float | None = None
     logs: dict = dataclasses.field(default_factory=dict)
@@ -306,6 +312,7 @@ class Habits:
     modes: dict = dataclasses.field(default_factory=dict)
     clip_value: float | None = None
     twice: bool = False
+    zero_grad_every: int = 1
     _poisoned_ids: list = dataclasses.field(default_factory=list)
 
     def switch(self, module, at: tuple, stage: str) -> None:
@@ -318,6 +325,10 @@ class Habits:
     def forward(self):
         """Where the loop's forwards and losses run (bf16 autocast with :attr:`autocast`)."""
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def zeroes_after(self, step: int) -> bool:
+        """Whether the loop zeroes the gradients after step ``step`` (see ``zero_grad_every``)."""
+        return (step + 1) % self.zero_grad_every == 0 or step + 1 == self.resume_at
 
     @property
     def skips(self) -> bool:
@@ -1127,6 +1138,16 @@ def test_a_nan_loss_skips_its_step_and_the_schedule_as_pytorchs_loop_would(tmp_p
                  steps=4, accumulate=2, clip=1.0, resume_at=2, fused=fused, durable=True,
                  habits=Habits(poisoned=((1, 1),), lr_decay=0.5, exports=(1, 3),
                                logs={1: ("before-step", "eval"), 2: ("after-step", "with-grad")}))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
+def test_a_loop_that_zeroes_every_second_step_adds_to_the_clipped_gradients(tmp_path, fused):
+    """Gradients kept past a clipped step (``zero_grad()`` every second step): the next backwards
+    add to what PyTorch's clipping left in place, the next clip measures that, and a skipped step
+    in between forgets them; across a resume (zeroed before it)."""
+    check_parity(make_llama, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, loss_fn=hf_loss,
+                 steps=6, accumulate=2, clip=0.5, resume_at=2, fused=fused, durable=True,
+                 habits=Habits(zero_grad_every=2, poisoned=((4, 1),)))
 
 
 def test_a_resume_after_a_skipped_first_step_draws_from_the_random_state_the_engine_was_built_with(tmp_path):

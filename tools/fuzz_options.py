@@ -267,13 +267,16 @@ def loop_habits(rng: random.Random, h, steps: int, accumulate: int, switches: bo
     gradients, or that switch to ``eval()`` before their backward, where ``switches`` (not where
     ``forward_backward`` runs both in one call, nor under gradient checkpointing, where PyTorch's
     own recompute fails: "A different number of tensors was saved"); ``clip_grad_value_``
-    after the clipping; where ``switches`` too, two forwards before a backward."""
+    after the clipping; where ``switches`` too, two forwards before a backward; the gradients
+    zeroed every second step only (the next step's backwards add to the clipped ones)."""
     if switches and rng.random() < 0.5:
         h.modes = {(s, m): rng.choice(["eval-forward", "eval-backward"])
                    for s in range(steps) for m in range(accumulate) if rng.random() < 0.4}
     if rng.random() < 0.4:
         h.clip_value = rng.choice([1e-3, 0.05])
     h.twice = switches and rng.random() < 0.3
+    if rng.random() < 0.3:
+        h.zero_grad_every = 2
 
 
 def run(case_kw: dict, directory: pathlib.Path) -> str:

@@ -323,6 +323,7 @@ class Engine(EngineViews):
         self._placement.set_phase(f"step {self.step_count + 1}, forward")
         with span(self._tracer, "forward", "phase"):  # binding the rest (its waits) included
             self._phase(Phase.FORWARD)
+            self._gradients.settle_owed()  # (before the rest's gradients are bound)
             self._streamer.bind_rest()
             try:
                 return self.model(*args, **kwargs)
@@ -347,6 +348,7 @@ class Engine(EngineViews):
             raise NonFiniteError(f"the loss is {loss.item()}; no gradient was computed and the training state is "
                                  f"unchanged. Lower the learning rate, check the data, or pass on_nonfinite='skip'")
         self._phase(Phase.BACKWARD)
+        self._gradients.settle()
         self._commits.before_backward(self._await)
         self._streamer.in_backward = True
         try:
@@ -369,6 +371,7 @@ class Engine(EngineViews):
         the draws (see :mod:`~tiered_offload.engine.micro_batches`); ``stats().forward_backward_loops``
         counts the calls that ran as the loop, by reason."""
         self._check_open()
+        self._gradients.settle()
         return forward_backward(self, micro_batches, loss_fn)
 
     # ---- optimizer ----------------------------------------------------------------------

@@ -48,6 +48,10 @@ class Gradients:
         self.placement, self.pipeline, self.schedule = placement, pipeline, schedule
         self.scale: torch.Tensor | None = None
         """The clipping scale of the step to come (None: no clipping)."""
+        self.owed: torch.Tensor | None = None
+        """The last step's clipping scale, owed to the optimized parameters' gradients the step kept
+        (no ``zero_grad`` yet): the update applied it on the way through, PyTorch's clipping in place.
+        :meth:`settle_owed` applies it before anything reads or adds to them; forgetting drops it."""
         self.skip_step = False
         """A non-finite loss was seen with ``on_nonfinite="skip"``: the step is skipped."""
 
@@ -78,9 +82,15 @@ class Gradients:
         self._settle_scale()
         self._each_in_place(lambda grad: grad.clamp_(-clip_value, clip_value))
 
+    def settle(self) -> None:
+        """Before a backward adds to the gradients: a clip's pending scale and the last step's owed
+        one applied, as PyTorch's clipping in place left the gradients it adds to."""
+        self._settle_scale()
+
     def _settle_scale(self) -> None:
         """A pending clipping scale other than 1 applied to the gradients now, as PyTorch's in-place
         clipping has left them for what comes next (a scale of 1 changes no bit: dropped)."""
+        self.settle_owed()
         scale, self.scale = self.scale, None
         if scale is not None and float(scale) != 1.0:
             self._each_in_place(lambda grad: grad.mul_(scale.to(grad.device)))
@@ -94,11 +104,35 @@ class Gradients:
                     change(grad)
 
     def take_scale(self) -> torch.Tensor | None:
-        """The step's scale (and it is used up); kept gradients are scaled now, as PyTorch leaves them."""
+        """The step's scale (and it is used up); the gradients of parameters in no group are scaled
+        now, the optimized ones' owed (:attr:`owed`), as PyTorch leaves them."""
+        self.settle_owed()
         scale, self.scale = self.scale, None
         if scale is not None:
             self._scale_kept(scale)
+            self.owed = scale
         return scale
+
+    def settle_owed(self) -> None:
+        """Apply :attr:`owed` to the optimized prefix of every gradient buffer, each once its update
+        in flight has read it (a buffer a pending forward holds: in place). A loop that accumulates
+        across steps, or steps twice, reads the gradients PyTorch's clipping left."""
+        owed, self.owed = self.owed, None
+        if owed is None or float(owed) == 1.0:  # (a scale of 1 changes no bit)
+            return
+        bound = self.streamer.bound_gradients()
+        for unit in self.binding.units:
+            key = self.placement.grad_key(unit)
+            upto = self.placement.layout(unit).state_numel if key else 0
+            if upto and unit.name in bound:
+                bound[unit.name][:upto].mul_(owed.to(bound[unit.name].device))
+                self.store.mark_dirty(key)
+            elif upto:
+                self.pipeline.after_update(unit.name, lambda key=key, upto=upto: self._scale_prefix(key, upto, owed))
+
+    def _scale_prefix(self, key: str, upto: int, scale: torch.Tensor) -> None:
+        with self.store.hold(key, dirty=True) as grad:
+            grad[:upto].mul_(scale.to(grad.device))
 
     def _scale_kept(self, scale: torch.Tensor) -> None:
         """A trainable parameter in no group keeps its gradient past the step: the suffix of its
@@ -140,6 +174,7 @@ class Gradients:
         ``set_to_none``): no parameter has a gradient after; else those that had keep one (zeros).
         Between a forward and its backward (``loss = model(x); optimizer.zero_grad();
         loss.backward()``) the buffers that forward holds stay held, zeroed in place."""
+        self.owed = None  # (what it was owed to is forgotten, or kept as zeros)
         bound = self.streamer.bound_gradients()
         if not self.streamer.graph_pending:
             self.streamer.unbind_rest()
