@@ -659,6 +659,35 @@ def test_gradients_kept_past_a_clipped_step_are_the_clipped_ones(tmp_path, then,
     engine.close()
 
 
+@pytest.mark.parametrize("zero", ["engine", "optimizer"])
+def test_a_clip_whose_gradients_were_zeroed_scales_nothing_after(tmp_path, zero):
+    """``clip_grad_norm_``, then ``zero_grad()`` (the engine's, or the optimizer's), then another
+    backward and the step: PyTorch's clip scaled gradients that are gone, and the step uses the new
+    ones as they are. The engine kept the clip's scale for the step and applied it to the new
+    gradients: every parameter differed. Now the scale goes to the gradients it was measured on."""
+    torch.manual_seed(0)
+    ref = plain_gpt(3)
+    model = copy.deepcopy(ref)
+    mine = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine(model, mine, storage=tmp_path / "s", host_memory=16 * sum(p.numel() for p in ref.parameters()) // 2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = (torch.randint(0, 128, (2, 17), generator=g) for _ in range(2))
+        engine.backward(plain_loss(engine, x))
+        plain_loss(ref, x).backward()
+        assert torch.equal(engine.clip_grad_norm_(0.1), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+        (engine if zero == "engine" else mine).zero_grad()
+        opt.zero_grad()
+        engine.backward(plain_loss(engine, y))
+        plain_loss(ref, y).backward()
+        engine.step(), opt.step()
+        engine.zero_grad(), opt.zero_grad()
+    weights = dict(engine.named_parameters())
+    assert all(torch.equal(weights[k], p) for k, p in ref.named_parameters())
+    engine.close()
+
+
 def test_a_closed_engine_refuses_every_call_saying_it_is_closed(tmp_path):
     """An engine used after ``close()`` (its ``with`` block left, or closed in a handler): the forward
     raised ``RuntimeError: shape '[1104]' is invalid``, the step and the weights' read

@@ -175,6 +175,8 @@ class Gradients:
         Between a forward and its backward (``loss = model(x); optimizer.zero_grad();
         loss.backward()``) the buffers that forward holds stay held, zeroed in place."""
         self.owed = None  # (what it was owed to is forgotten, or kept as zeros)
+        if not optimized_only:
+            self.scale = None  # (a clip's pending scale: every gradient it was measured on is gone)
         bound = self.streamer.bound_gradients()
         if not self.streamer.graph_pending:
             self.streamer.unbind_rest()
