@@ -1010,6 +1010,36 @@ def test_param_groups_drive_schedulers_and_per_group_changes(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_tensor_learning_rate_moved_by_a_scheduler_updates_with_the_steps_own(tmp_path, attached):
+    """``AdamW(params, lr=torch.tensor(1e-2))`` (PyTorch's form for a rate it may change without a
+    recompile) and a scheduler: it sets the new rate in place (``lr.fill_``), and the engine's step,
+    still running in the background or deferred to the next forward, read the tensor then: every
+    parameter differed from the first step on. Now a step holds its own copy of its rates."""
+    model = make_llama()
+    ref = copy.deepcopy(model)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2)), storage=tmp_path / "s",
+                    host_memory=16 * sum(p.numel() for p in ref.parameters()) * 4 // 10)
+    opt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2))
+    sched_e = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 0.5 ** s)
+    sched_r = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    if attached:
+        engine.attach_scheduler(sched_e)
+    for step in batches(3, 1):
+        ids = step[0][0]
+        engine.backward(hf_loss(engine, ids))
+        hf_loss(ref, ids).backward()
+        engine.step(), opt.step()
+        engine.zero_grad(), opt.zero_grad()
+        if not attached:
+            sched_e.step()
+        sched_r.step()
+        assert float(engine.param_groups[0]["lr"]) == float(opt.param_groups[0]["lr"])
+        reference = dict(ref.named_parameters())
+        assert all(torch.equal(w, reference[k]) for k, w in engine.named_parameters())
+    engine.close()
+
+
 def test_parameters_left_out_of_the_optimizer_are_never_modified(tmp_path):
     left_out = ("norm.weight", "norm.bias", "blocks.1.ffn.up.weight")
 

@@ -67,9 +67,14 @@ class OptimizerSpec:
         return set(inspect.signature(self.cls).parameters) - {"params"}
 
     def hyper(self, group: dict[str, Any]) -> dict[str, Any]:
-        """A group's hyperparameters as constructor arguments (a scheduler may have changed lr)."""
+        """A group's hyperparameters as constructor arguments (a scheduler may have changed lr), a
+        step's own: tensors (``lr=torch.tensor(...)``, which a scheduler sets in place; betas) copied."""
+        def own(v):
+            if isinstance(v, torch.Tensor):
+                return v.clone()
+            return type(v)(own(x) for x in v) if isinstance(v, (tuple, list)) else v
         keys = self.ctor_keys
-        return {k: v for k, v in group.items() if k in keys}
+        return {k: own(v) for k, v in group.items() if k in keys}
 
     def next_scalars(self, hyper: dict[str, Any], count: int, scalars: dict[str, float]) -> dict[str, float]:
         """A parameter's scalar state after its step ``count + 1`` (its scalars before it given):
