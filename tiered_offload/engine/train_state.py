@@ -330,5 +330,13 @@ def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str)
 
 
 def hyper_from_json(saved: dict, like: dict) -> dict:
-    """Hyperparameters read back from JSON, with tuples where the optimizer had tuples."""
-    return {k: (tuple(v) if isinstance(like.get(k), tuple) and isinstance(v, list) else v) for k, v in saved.items()}
+    """Hyperparameters read back from JSON, of the kinds the optimizer's have: tuples where it has
+    tuples, tensors where it has tensors (``lr=torch.tensor(...)``: the optimizer rounds with a
+    float32 rate otherwise than with a float)."""
+    def kind(v, of):
+        if isinstance(of, torch.Tensor) and not isinstance(v, torch.Tensor):
+            return torch.tensor(v, dtype=of.dtype, device=of.device)
+        if isinstance(of, tuple) and isinstance(v, list):
+            return tuple(kind(x, o) for x, o in zip(v, of)) if len(v) == len(of) else tuple(v)
+        return v
+    return {k: kind(v, like.get(k)) for k, v in saved.items()}
