@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import warnings
 import zlib
 from concurrent.futures import Future
 from pathlib import Path
@@ -1075,30 +1076,37 @@ def test_a_loop_on_the_optimizer_passed_in_resumes_exactly(tmp_path):
     assert losses == first + rest and lr == lr_resumed != 3e-3 and same(whole, resumed)
 
 
-def test_a_run_with_a_tensor_learning_rate_resumes_with_a_tensor_bitwise(tmp_path):
-    """``AdamW(params, lr=torch.tensor(3e-3), weight_decay=0.1)``: the manifest saves the rate as a
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_a_run_with_a_tensor_learning_rate_resumes_with_a_tensor_bitwise(tmp_path, scheduled):
+    """``AdamW(params, lr=torch.tensor(1e-2), weight_decay=0.1)``: the manifest saves the rate as a
     number, and the resume gave the groups a float, which AdamW's decay rounds otherwise (``1 - lr *
     wd`` in float32 against float64): the resumed run differed from the uninterrupted one in every
-    parameter. Now a value read back takes the kind the given group has (a tensor, its dtype)."""
+    parameter; and an attached scheduler got its base rates back as floats, so it computed the next
+    rates in float64 where the run had multiplied float32 tensors. Now a value read back takes the
+    kind the given group, or the new scheduler's state, has (a tensor, its dtype)."""
     def run(storage, steps, resume):
         model = make_model()
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(3e-3), weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1)
         engine = Engine(model, opt, storage=storage, resume=resume,
                         host_memory=16 * sum(p.numel() for p in model.parameters()) // 3)
+        if scheduled:
+            engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (3 * s + 1)))
         g = torch.Generator().manual_seed(5)
         batches = [torch.randint(0, 128, (2, 17), generator=g) for _ in range(steps)]
-        while engine.step_count < steps:
-            x = batches[engine.step_count]
-            engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
-            engine.step()
-            engine.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # ("lr_scheduler.step() before optimizer.step()": the attached one too)
+            while engine.step_count < steps:
+                x = batches[engine.step_count]
+                engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+                engine.step()
+                engine.zero_grad()
         lr = engine.param_groups[0]["lr"]
         result = weights(engine), lr
         engine.close()
         return result
-    whole, _ = run(tmp_path / "a", 4, False)
+    whole, _ = run(tmp_path / "a", 6, False)
     run(tmp_path / "b", 2, False)
-    resumed, lr = run(tmp_path / "b", 4, True)
+    resumed, lr = run(tmp_path / "b", 6, True)
     assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and same(whole, resumed)
 
 

@@ -299,6 +299,10 @@ def _check_meta(meta: dict, where: str) -> None:
         _buffer_file(_obj(meta["buffer_file"], f"{where}.buffer_file"), f"{where}.buffer_file")
     for i, g in enumerate(_list(_field(meta, "param_groups", where), f"{where}.param_groups")):
         _obj(g, f"{where}.param_groups[{i}]")
+    for i, g in enumerate(_list(meta.get("tensor_hypers", []), f"{where}.tensor_hypers")):
+        for k, dtype in _obj(g, f"{where}.tensor_hypers[{i}]").items():
+            if dtype not in ("float32", "float64", "float16", "bfloat16"):
+                raise _Fail(f"{where}.tensor_hypers[{i}][{k!r}]", f"{dtype!r} is not a floating dtype")
 
 
 # ---- the journal ----------------------------------------------------------------------------------

@@ -423,13 +423,13 @@ class Engine(EngineViews):
         if not self._gradients.usable(self.on_nonfinite):
             return False
         hypers = [self._spec.hyper(g) for g in self.param_groups]
+        if self._optimizer_view is not None:
+            self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
+            _warn_of_a_scheduler_not_saved(self)
         self.train_state.step_scheduler(saved=self.durable)  # (first: a refusal leaves the step untaken)
         self._phase(Phase.STEP)
         self._monitor.iteration_boundary()
         scale = self._gradients.take_scale()
-        if self._optimizer_view is not None:
-            self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
-            _warn_of_a_scheduler_not_saved(self)
         updates = self.train_state.advance(
             (lambda group, count, scalars: self._spec.next_scalars(hypers[group], count, scalars))
             if self._spec.scalars else None)

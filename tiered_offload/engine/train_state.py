@@ -72,6 +72,7 @@ class TrainState:
         :func:`~tiered_offload.engine.preflight.optimizer_tier`)."""
         self._resumed_scheduler_state = None
         self._resumed_param_groups = None
+        self._resumed_tensors: list[dict] = []
 
     def bind(self, binding) -> None:
         """The model's buffers and generators, once the binding's proxies are in place."""
@@ -197,15 +198,17 @@ class TrainState:
                 "param_updates": updates, **buffers, **({"param_scalars": scalars} if scalars else {}),
                 **({"update_tier": self.update_tier} if self.update_tier else {}),
                 "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
-                                 for g in self.param_groups]}
+                                 for g in self.param_groups], **_tensor_kinds(self.param_groups)}
 
     def load_state_dict(self, meta: dict, where: str = "the saved state") -> None:
         """Restore what :meth:`state_dict` saved (the scheduler's part waits for :meth:`attach_scheduler`);
         ``where`` names the state in errors."""
         self.step_count = meta["step_count"]
         _say_other_hyperparameters(self.param_groups, meta["param_groups"], where)
-        for group, saved in zip(self.param_groups, meta["param_groups"]):
-            group.update(hyper_from_json(saved, group))
+        tensors = list(meta.get("tensor_hypers", []))  # (none before they were saved, nor where none was a tensor)
+        self._resumed_tensors = tensors + [{}] * (len(meta["param_groups"]) - len(tensors))
+        for group, saved, tensors in zip(self.param_groups, meta["param_groups"], self._resumed_tensors):
+            group.update(hyper_from_json(saved, group, tensors))
         # a volatile engine's meta (never written) or format 2 holds them as JSON: no backend read
         saved = self.buffer_file.read(meta, where) if self.buffer_file is not None else load_buffers(meta, None, "", where)
         for name, mod, attr, persistent in self.buffers:
@@ -252,12 +255,12 @@ class TrainState:
         _check_attachable(scheduler)
         self.scheduler = scheduler
         if self._resumed_scheduler_state is not None:
-            scheduler.load_state_dict(self._resumed_scheduler_state)
+            scheduler.load_state_dict(like_kinds(self._resumed_scheduler_state, scheduler.state_dict()))
             self._resumed_scheduler_state = None
             # building the scheduler re-ran its first step, which set the learning rates from its
             # start (LambdaLR, warm-ups); loading its state does not undo that: the saved ones do
-            for group, saved in zip(self.param_groups, self._resumed_param_groups):
-                group.update(hyper_from_json(saved, group))
+            for group, saved, tensors in zip(self.param_groups, self._resumed_param_groups, self._resumed_tensors):
+                group.update(hyper_from_json(saved, group, tensors))
         self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
 
 
@@ -305,7 +308,7 @@ def saved_hyper(optimizer: type[torch.optim.Optimizer], saved: dict) -> dict:
     return {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in ctor}
 
 
-_SCHEDULED = {"base_momentum": ("betas", "momentum")}
+_SCHEDULED = {"base_momentum": ("betas", "momentum"), "max_lr": ("lr",)}
 """A key a scheduler keeps in a group -> the hyperparameters it moves (OneCycleLR, CyclicLR)."""
 
 
@@ -329,14 +332,35 @@ def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str)
             "resume (a scheduler's base rate: its base_lrs)", where, ", ".join(differ))
 
 
-def hyper_from_json(saved: dict, like: dict) -> dict:
-    """Hyperparameters read back from JSON, of the kinds the optimizer's have: tuples where it has
-    tuples, tensors where it has tensors (``lr=torch.tensor(...)``: the optimizer rounds with a
-    float32 rate otherwise than with a float)."""
-    def kind(v, of):
-        if isinstance(of, torch.Tensor) and not isinstance(v, torch.Tensor):
-            return torch.tensor(v, dtype=of.dtype, device=of.device)
-        if isinstance(of, tuple) and isinstance(v, list):
-            return tuple(kind(x, o) for x, o in zip(v, of)) if len(v) == len(of) else tuple(v)
-        return v
-    return {k: kind(v, like.get(k)) for k, v in saved.items()}
+def hyper_from_json(saved: dict, like: dict, tensors: dict | None = None) -> dict:
+    """Hyperparameters read back from JSON, of the kinds the optimizer's have (see :func:`like_kinds`);
+    ``tensors``: ``{name: dtype}`` of those that were tensors when saved (a key a scheduler put in
+    the group, ``initial_lr``, which the given group has not yet: a tensor where the run had one)."""
+    out = {k: like_kinds(v, like.get(k)) for k, v in saved.items()}
+    for k, dtype in (tensors or {}).items():
+        if k in out and not isinstance(out[k], torch.Tensor):
+            out[k] = torch.tensor(out[k], dtype=getattr(torch, dtype))
+    return out
+
+
+def _tensor_kinds(groups: list[dict]) -> dict:
+    """``{"tensor_hypers": [{name: dtype}, ...]}`` of the groups' tensor values (none: nothing), so a
+    resume gives them back as tensors (:func:`hyper_from_json`)."""
+    kinds = [{k: str(v.dtype).removeprefix("torch.") for k, v in g.items() if isinstance(v, torch.Tensor)}
+             for g in groups]
+    return {"tensor_hypers": kinds} if any(kinds) else {}
+
+
+def like_kinds(value, like):
+    """``value`` read back from JSON with the kinds ``like`` has, recursively: tuples where it has
+    tuples, tensors where it has tensors, of their dtype (``lr=torch.tensor(...)``: an optimizer
+    rounds with a float32 rate otherwise than with a float; a scheduler multiplies its float32 base
+    rates otherwise than floats)."""
+    if isinstance(like, torch.Tensor) and isinstance(value, (int, float, list)):
+        return torch.tensor(value, dtype=like.dtype, device=like.device)
+    if isinstance(like, dict) and isinstance(value, dict):
+        return {k: like_kinds(v, like.get(k)) for k, v in value.items()}
+    if isinstance(like, (list, tuple)) and isinstance(value, list):
+        items = [like_kinds(v, o) for v, o in zip(value, like)] if len(value) == len(like) else value
+        return tuple(items) if isinstance(like, tuple) else list(items)
+    return value
