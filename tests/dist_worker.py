@@ -307,7 +307,7 @@ def run(out: Path, cfg: dict) -> int:
             engine.clip_grad_norm_(cfg["clip"])
         engine.step()
         step_modes.append(engine.step_mode)
-        if not cfg.get("zero_grad_late"):
+        if not cfg.get("zero_grad_late") and (step + 1) % cfg.get("zero_every", 1) == 0:
             engine.zero_grad()
     weights = dict(engine.named_parameters())
     exported = [str(f) for f in engine.export_safetensors(out / "export", merged=cfg.get("export") == "merged")

@@ -89,7 +89,8 @@ def reference(world: int, cfg: dict):
         if cfg.get("clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         opt.step()
-        opt.zero_grad()
+        if (step + 1) % cfg.get("zero_every", 1) == 0:
+            opt.zero_grad()
         if sched is not None:
             sched.step()
     return dict(model.named_parameters())
@@ -178,6 +179,19 @@ def test_sharded_gradient_hooks_and_clipping_by_value_match_one_process(fused, i
     # the hooks and the clamp changed what trained, far beyond that tolerance
     for name in ("tok.weight", "blocks.2.qkv.weight", "blocks.4.fc.weight"):
         assert (expected[name] - without[name]).abs().max() > 1e-3 * expected[name].abs().max(), name
+
+
+def test_sharded_gradients_kept_past_a_clipped_step_are_the_clipped_ones(tmp_path):
+    """``zero_grad()`` every second step, clipping by norm: each rank's kept slice owes the step's
+    scale, applied before the next backward adds to it (test_engine.py's case, sharded)."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 0.3, "zero_every": 2}
+    model = build(cfg)
+    cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in model.parameters()) / 2)
+    got = launch(2, tmp_path, cfg)[0]["weights"]
+    expected = reference(2, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
 
 
 def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_the_loop(tmp_path):
