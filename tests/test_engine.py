@@ -611,6 +611,9 @@ def test_lr_change_through_param_groups(tmp_path):
     (dict(trace=123), r"trace must be a file path.*got int"),
     (dict(init_from=123), r"init_from must be a directory or file.*got int"),
     (dict(init_from=["a", 1]), r"init_from must be a directory or file.*got list"),
+    (dict(store_config="fast"), r"store_config must be a dict of StoreConfig's fields, got str"),
+    (dict(store_config={"bogus": 1, "prefetch_depth": 2}), r"store_config: no StoreConfig field 'bogus'.*prefetch_depth"),
+    (dict(store_config={"wait_timeout_s": -1}), r"wait_timeout_s must be > 0, got -1"),
     (dict(config={"activations": "keep"}), r"config must be an EngineConfig.*EngineConfig\(activations='keep'\)")])
 def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, monkeypatch, kwargs, match):
     """Found by trying each argument with a value of another kind: ``storage=123`` trained in a

@@ -61,7 +61,8 @@ def _check_kinds(config) -> None:
                               f"got {type(value).__name__} {value!r}")
 
 
-def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config, init_from) -> None:
+def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config, init_from,
+                           store_config) -> None:
     """Refuse an ``Engine`` argument of the wrong kind or value, naming it, before anything is built
     (a truthy string for a flag, a number for a path: each did something else without a word)."""
     if on_nonfinite not in ("raise", "skip"):
@@ -78,6 +79,14 @@ def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace
     if init_from is not None and not all(isinstance(p, (str, os.PathLike)) for p in paths):
         raise ConfigError(f"init_from must be a directory or file (str or pathlib.Path), or [BASE, ADAPTER]; got "
                           f"{type(init_from).__name__} {init_from!r}")
+    if store_config is not None:
+        if not isinstance(store_config, dict):
+            raise ConfigError(f"store_config must be a dict of StoreConfig's fields, got {type(store_config).__name__} "
+                              f"{store_config!r}")
+        fields = [f.name for f in dataclasses.fields(StoreConfig)]
+        unknown = [k for k in store_config if k not in fields]
+        if unknown:
+            raise ConfigError(f"store_config: no StoreConfig field {unknown[0]!r}; its fields are {', '.join(fields)}")
     if config is not None and not isinstance(config, EngineConfig):
         hint = (f": EngineConfig({', '.join(f'{k}={v!r}' for k, v in config.items())})" if isinstance(config, dict)
                 else "")
@@ -166,6 +175,8 @@ class StoreConfig:
                 dev_budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 0
         if self.prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.wait_timeout_s <= 0:
+            raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         if self.tier_caching not in ("exclusive", "inclusive"):
             raise ConfigError(f"tier_caching must be 'exclusive' or 'inclusive', got {self.tier_caching!r}")
         if not 0 <= self.host_prefetch_share <= 1:
