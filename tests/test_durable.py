@@ -1155,6 +1155,14 @@ def test_a_scheduler_the_engine_cannot_step_or_save_is_refused_when_attached(tmp
     engine.close()
 
 
+def clipped_backward_in_both(engine, ref, x, max_norm: float = 0.5) -> None:
+    """A batch's backward through the engine and through the reference model, each clipped by norm."""
+    engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
+    engine.clip_grad_norm_(max_norm)
+    F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+
+
 @pytest.mark.parametrize("what, commit_every", [("user_state", 1), ("user_state", 2), ("group", 1)])
 def test_a_value_a_durable_step_cannot_save_leaves_the_step_untaken_and_the_next_try_exact(tmp_path, what,
                                                                                             commit_every):
@@ -1171,10 +1179,7 @@ def test_a_value_a_durable_step_cannot_save_leaves_the_step_untaken_and_the_next
     g = torch.Generator().manual_seed(3)
     for step in range(4):
         x = torch.randint(0, 128, (2, 17), generator=g)
-        engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
-        engine.clip_grad_norm_(0.5)
-        F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        clipped_backward_in_both(engine, ref, x)
         opt.step(), opt.zero_grad()
         if step == 1:
             if what == "user_state":
@@ -1218,10 +1223,7 @@ def test_an_attached_scheduler_that_raises_leaves_the_step_untaken_and_the_next_
     g = torch.Generator().manual_seed(3)
     for step in range(4):
         x = torch.randint(0, 128, (2, 17), generator=g)
-        engine.backward(F.cross_entropy(engine(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()))
-        engine.clip_grad_norm_(0.5)
-        F.cross_entropy(ref(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        clipped_backward_in_both(engine, ref, x)
         opt.step(), sched.step(), opt.zero_grad()
         if step == 1:
             before, lr = weights(engine), engine.param_groups[0]["lr"]
