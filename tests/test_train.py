@@ -1440,6 +1440,7 @@ def test_the_same_command_with_other_settings_says_what_it_changes(tmp_path, mod
     assert "max_steps" not in said[0] and "from step 3 on" in said[0]
     # the learning rate is the optimizer's, saved with the state: the resume keeps it, and says so
     assert any("saved hyperparameters" in r.getMessage() and "lr 0.01 (given 0.02)" in r.getMessage()
+               and "with `tiered-offload train`, start a new run from the last export" in r.getMessage()
                for r in caplog.records)
 
 
