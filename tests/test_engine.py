@@ -691,6 +691,25 @@ def test_a_clip_whose_gradients_were_zeroed_scales_nothing_after(tmp_path, zero)
     engine.close()
 
 
+def test_saving_the_model_or_the_engine_whole_is_refused_naming_the_way(tmp_path):
+    """``torch.save(model, PATH)`` (the model whole, a common way to save one) and ``pickle.dumps(engine)``
+    raised ``AttributeError: Can't pickle local object '_hook_model_calls.<locals>.left'``. Each
+    is now a ``TensorStateError`` naming ``export_safetensors`` (as a copy of a parameter is); the
+    engine trains on."""
+    import io
+    torch.manual_seed(0)
+    model = plain_gpt(2)
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="1MiB")
+    for save in (lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model), lambda: pickle.dumps(engine),
+                 lambda: copy.deepcopy(engine), lambda: copy.deepcopy(model)):
+        with pytest.raises(TensorStateError, match=r"engine\.export_safetensors\(DIR\)"):
+            save()
+    x = torch.randint(0, 128, (2, 17))
+    engine.backward(plain_loss(engine, x))
+    assert engine.step() and engine.step_count == 1
+    engine.close()
+
+
 def test_a_closed_engine_refuses_every_call_saying_it_is_closed(tmp_path):
     """An engine used after ``close()`` (its ``with`` block left, or closed in a handler): the forward
     raised ``RuntimeError: shape '[1104]' is invalid``, the step and the weights' read

@@ -529,6 +529,12 @@ class Engine(EngineViews):
     def __enter__(self) -> "Engine":
         return self
 
+    def __reduce_ex__(self, protocol):
+        raise TensorStateError(_NOT_SAVED.format(what="an engine"))
+
+    def __deepcopy__(self, memo):
+        raise TensorStateError(_NOT_SAVED.format(what="an engine"))
+
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -562,8 +568,28 @@ def _hook_model_calls(model: nn.Module, streamer) -> list:
         depth[0] = max(0, depth[0] - 1)
         if not depth[0]:
             streamer.forward_ended()
-    return [hook for m in called.values() for hook in (m.register_forward_pre_hook(entered),
-                                                       m.register_forward_hook(left, always_call=True))]
+    return [hook for m in called.values() for hook in (m.register_forward_pre_hook(_Unsaved(entered)),
+                                                       m.register_forward_hook(_Unsaved(left), always_call=True))]
+
+
+class _Unsaved:
+    """A hook the engine puts on the model: a model saved whole (``torch.save(model)``, pickle, a
+    deep copy) is refused with the way to save its weights, as a copy of one of its parameters is."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce_ex__(self, protocol):
+        raise TensorStateError(_NOT_SAVED.format(what="the model"))
+
+
+_NOT_SAVED = ("{what} cannot be saved or copied whole (torch.save, pickle, copy.deepcopy): its weights and "
+              "optimizer state live in the engine's store. Save the weights with engine.export_safetensors(DIR) "
+              "(from_pretrained(DIR), or init_from=DIR, reads them back); a durable storage directory keeps the "
+              "whole training state (resume=True)")
 
 
 def _warn_of_a_scheduler_not_saved(engine: Engine) -> None:
