@@ -62,7 +62,7 @@ class Gradients:
         them: a pending scale other than 1 is applied to every gradient buffer first (a pass over
         them; a scale of 1, from a norm measured with ``inf`` or under the limit, changes no bit).
         ``error_if_nonfinite``: a non-finite norm raises, as PyTorch's, and nothing is clipped."""
-        self._settle_scale()
+        self.settle()
         total = self.placement.grad_norm(self.store, self.schedule, self.binding.param_order,
                                          self.streamer.grad_norms, norm_type)
         if total is None:
@@ -79,17 +79,13 @@ class Gradients:
     def clip_value(self, clip_value: float) -> None:
         """Clamp every gradient buffer to ``[-clip_value, clip_value]`` in place, after a pending
         norm clip's scale (PyTorch's would have scaled them already)."""
-        self._settle_scale()
+        self.settle()
         self._each_in_place(lambda grad: grad.clamp_(-clip_value, clip_value))
 
     def settle(self) -> None:
-        """Before a backward adds to the gradients: a clip's pending scale and the last step's owed
-        one applied, as PyTorch's clipping in place left the gradients it adds to."""
-        self._settle_scale()
-
-    def _settle_scale(self) -> None:
-        """A pending clipping scale other than 1 applied to the gradients now, as PyTorch's in-place
-        clipping has left them for what comes next (a scale of 1 changes no bit: dropped)."""
+        """The last step's owed scale and a clip's pending one (other than 1) applied to the gradients
+        now, as PyTorch's in-place clipping has left them for what comes next: a backward adding to
+        them, a second clip (a scale of 1 changes no bit: dropped)."""
         self.settle_owed()
         scale, self.scale = self.scale, None
         if scale is not None and float(scale) != 1.0:
