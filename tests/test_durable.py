@@ -1108,6 +1108,8 @@ def test_a_run_with_a_tensor_learning_rate_resumes_with_a_tensor_bitwise(tmp_pat
     run(tmp_path / "b", 2, False)
     resumed, lr = run(tmp_path / "b", 6, True)
     assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and same(whole, resumed)
+    with Engine.resume(tmp_path / "b", make_model()) as again:  # (its optimizer built from the manifest)
+        assert all(isinstance(g["lr"], torch.Tensor) for g in again.param_groups)
 
 
 def test_an_attached_scheduler_stepped_again_by_the_caller_is_refused(tmp_path):
