@@ -17,7 +17,7 @@ from .memstat import available_memory_bytes
 PREFETCH_DEPTH = 16
 """The lookahead's default prefetch depth, for a store alone and for the engine's store alike."""
 
-__all__ = ["EngineConfig", "StoreConfig", "resolve_device", "check_engine_arguments"]
+__all__ = ["EngineConfig", "StoreConfig", "resolve_device", "check_engine_arguments", "check_field_kinds"]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -51,14 +51,19 @@ _KINDS = {"int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an 
 """A field's annotated kind -> (whether a value is of it, its name in a message)."""
 
 
+def check_field_kinds(values, kinds: dict, prefix: str) -> None:
+    """Refuse the first field of the dataclass ``values`` whose value is not of its annotated kind
+    (``int | None``...), naming it as ``prefix.field``; ``kinds``: a kind -> (whether a value is of
+    it, its name in the message). A field of a kind the table lacks is not checked."""
+    for f in dataclasses.fields(values):
+        names = [k.strip() for k in str(f.type).split("|")]
+        value = getattr(values, f.name)
+        if all(k in kinds for k in names) and not any(kinds[k][0](value) for k in names):
+            raise ConfigError(f"{prefix}.{f.name} must be {' or '.join(kinds[k][1] for k in names)}, got {value!r}")
+
+
 def _check_kinds(config) -> None:
-    """Refuse a field whose value is not of its annotated kind (``int | None``...), naming it."""
-    for f in dataclasses.fields(config):
-        kinds = [k.strip() for k in str(f.type).split("|")]
-        value = getattr(config, f.name)
-        if all(k in _KINDS for k in kinds) and not any(_KINDS[k][0](value) for k in kinds):
-            raise ConfigError(f"{type(config).__name__}.{f.name} must be {' or '.join(_KINDS[k][1] for k in kinds)}, "
-                              f"got {type(value).__name__} {value!r}")
+    check_field_kinds(config, _KINDS, type(config).__name__)
 
 
 def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config, init_from,
@@ -96,9 +101,6 @@ def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace
 @dataclass(kw_only=True)
 class StoreConfig:
     """Budgets and policies of a :class:`~tiered_offload.store.tiered_store.TieredStore`."""
-
-    def __post_init__(self):
-        _check_kinds(self)
 
     host_budget_bytes: int | float | str = "auto"
     """Bytes of host memory the store may use for tensor copies (the pinned pool on CUDA
@@ -161,6 +163,9 @@ class StoreConfig:
 
     wait_timeout_s: float = 600.0
     """Longest wait for space held by operations in flight before giving up with an error."""
+
+    def __post_init__(self):
+        _check_kinds(self)
 
     def resolved(self) -> "StoreConfig":
         """A copy with ``auto`` values and size strings replaced by numbers, validated."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload_core.errors import ConfigError
+from tiered_offload.config import check_field_kinds
 
 __all__ = ["ModelSection", "DataSection", "TrainSection", "OffloadSection", "OutputSection", "LoraSection",
            "RunConfig", "load_config"]
@@ -264,13 +265,7 @@ class RunConfig:
         if not (_is_a("int", self.train.seed) and self.train.seed >= 0):
             raise ConfigError(f"train.seed must be an integer >= 0, got {self.train.seed!r}")
         for section in dataclasses.fields(self):  # what the checks above leave: each value of its field's type
-            values = getattr(self, section.name)
-            for f in dataclasses.fields(values):
-                kinds = [k.strip() for k in str(f.type).split("|")]
-                value = getattr(values, f.name)
-                if not any(_is_a(k, value) for k in kinds):
-                    raise ConfigError(f"{section.name}.{f.name} must be {' or '.join(_KINDS[k][1] for k in kinds)}, "
-                                      f"got {value!r}")
+            check_field_kinds(getattr(self, section.name), _KINDS, section.name)
         if self.offload.backend is not None:  # (a spec of no backend's name is read as a directory with a colon)
             from storage_backends import available_backends
             names = available_backends()
