@@ -74,6 +74,17 @@ def optimizer(model, cfg: dict):
                             {"params": no_decay, "lr": 0.05}], lr=0.1, momentum=0.9, dampening=0.1)
 
 
+def freeze(model, cfg: dict, step: int) -> None:
+    """Before step ``step``: each parameter's ``requires_grad`` as ``cfg["freezes"]`` (step -> {name:
+    flag}) last set it up to that step (gradual freezing and unfreezing)."""
+    wanted = {}
+    for at in sorted(int(k) for k in cfg.get("freezes", {})):
+        if at <= step:
+            wanted.update(cfg["freezes"][str(at)])
+    for name, flag in wanted.items():
+        model.get_parameter(name).requires_grad_(flag)
+
+
 def schedule(step: int) -> float:
     """The learning-rate multiplier of the tests' LambdaLR."""
     return 1.0 / (1.0 + 0.5 * step)
@@ -272,6 +283,7 @@ def run(out: Path, cfg: dict) -> int:
     losses, step_modes = [], [engine.step_mode]
     while engine.step_count < cfg["steps"]:
         step = engine.step_count
+        freeze(model, cfg, step)
         # this rank's micro-batches of this step are shorter (dropout draws less than in the others)
         cut = CONTEXT // 2 + 1 if cfg.get("short") == [rank, step] else CONTEXT + 1
         if cfg.get("fused"):  # the micro-batches through each block together

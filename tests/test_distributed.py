@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_worker import batch, build, loss_of, optimizer, schedule  # noqa: E402
+from dist_worker import batch, build, freeze, loss_of, optimizer, schedule  # noqa: E402
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 ROOT = Path(__file__).parent.parent
@@ -80,6 +80,7 @@ def reference(world: int, cfg: dict):
     opt = optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if cfg.get("scheduler") else None
     for step in range(cfg["steps"]):
+        freeze(model, cfg, step)
         for micro in range(cfg["accumulate"]):
             moe = cfg.get("model") == "moe"
             loss = sum(loss_of(model, batch(step, micro, r), moe) for r in range(world)) / world / cfg["accumulate"]
@@ -185,6 +186,20 @@ def test_sharded_gradients_kept_past_a_clipped_step_are_the_clipped_ones(tmp_pat
     """``zero_grad()`` every second step, clipping by norm: each rank's kept slice owes the step's
     scale, applied before the next backward adds to it (test_engine.py's case, sharded)."""
     cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 0.3, "zero_every": 2}
+    model = build(cfg)
+    cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in model.parameters()) / 2)
+    got = launch(2, tmp_path, cfg)[0]["weights"]
+    expected = reference(2, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+def test_sharded_parameters_frozen_and_unfrozen_mid_run_train_as_one_process(tmp_path):
+    """Freezing mid-run on 2 ranks (a block's weight and the embedding, gradients kept past the
+    step that froze them), one unfrozen again: as one process trains (test_finetune.py's case)."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 0.3, "zero_every": 2,
+           "freezes": {"1": {"blocks.2.qkv.weight": False, "tok.weight": False}, "3": {"blocks.2.qkv.weight": True}}}
     model = build(cfg)
     cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in model.parameters()) / 2)
     got = launch(2, tmp_path, cfg)[0]["weights"]

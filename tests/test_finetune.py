@@ -208,6 +208,7 @@ def train(model, optimizer, data, loss_fn, clip, habits=None):
                 for name, b in model.named_buffers():
                     if name in buffers:
                         b.copy_(buffers[name])
+        habits.freeze(model, s)
         for m, (ids, route) in enumerate(step):
             habits.switch(model, (s, m), "forward")
             with habits.forward():
@@ -250,6 +251,7 @@ def train_engine(engine, data, loss_fn, clip, fused=False, habits=None, start=0)
     habits = habits or Habits()
     losses = []
     for s, step in enumerate(data, start):
+        habits.freeze(engine.model, s)
         if fused:
             with habits.forward():
                 losses += [loss.item() for loss in fused_step(engine, step, functools.partial(habits.loss, loss_fn))]
@@ -301,7 +303,9 @@ class Habits:
     mean of two forwards (the batch and its sequences in reverse order) before one backward;
     ``zero_grad_every``: the gradients are zeroed after every this many steps (and before a
     resume, and after a skipped step, which forgets them), so the next steps' backwards add to
-    what the last step's clipping left."""
+    what the last step's clipping left; ``freezes``: per step index, ``{name: requires_grad}`` set
+    before that step's forwards (and again after a resume, as a loop's ``if step >= k: freeze``
+    does) on a parameter or on a module's parameters (gradual freezing and unfreezing)."""
     poisoned: tuple = ()
     lr_decay: float | None = None
     logs: dict = dataclasses.field(default_factory=dict)
@@ -313,6 +317,7 @@ class Habits:
     clip_value: float | None = None
     twice: bool = False
     zero_grad_every: int = 1
+    freezes: dict = dataclasses.field(default_factory=dict)
     _poisoned_ids: list = dataclasses.field(default_factory=list)
 
     def switch(self, module, at: tuple, stage: str) -> None:
@@ -325,6 +330,17 @@ class Habits:
     def forward(self):
         """Where the loop's forwards and losses run (bf16 autocast with :attr:`autocast`)."""
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def freeze(self, model, step: int) -> None:
+        """Sets what :attr:`freezes` says up to ``step`` (each name's last setting)."""
+        wanted = {}
+        for s in sorted(k for k in self.freezes if k <= step):
+            wanted.update(self.freezes[s])
+        for name, flag in wanted.items():
+            try:
+                model.get_parameter(name).requires_grad_(flag)
+            except AttributeError:
+                model.get_submodule(name).requires_grad_(flag)
 
     def zeroes_after(self, step: int) -> bool:
         """Whether the loop zeroes the gradients after step ``step`` (see ``zero_grad_every``)."""
@@ -2529,24 +2545,94 @@ def test_generate_between_training_steps_gives_pytorchs_tokens(tmp_path, kind):
     engine.close()
 
 
-def test_a_requires_grad_change_after_building_is_refused_not_ignored(tmp_path):
-    """Gradual unfreezing changes requires_grad between steps; the engine cannot honour that in
-    place yet, so it refuses at the next forward (or at once, on a streamed block), naming the
-    parameter and the way to do it, instead of training something other than PyTorch would."""
-    model = make_llama()
+@pytest.mark.parametrize("how", ["loop-kept-gradients", "fused-recompute-resumed"])
+def test_parameters_frozen_and_unfrozen_mid_run_train_as_pytorch(tmp_path, how):
+    """Freezing mid-run (``requires_grad_(False)`` between steps: a parameter, a streamed block
+    whole) and unfreezing again: the parameter gets no more gradient, and the step updates it
+    while it still has one (a gradient kept from before, as ``torch.optim`` steps any ``.grad``
+    that is not None), as PyTorch. The engine refused any change before."""
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(MLP, d=16, layers=4)
+    if how == "loop-kept-gradients":
+        habits = Habits(zero_grad_every=2, freezes={1: {"blocks.1.ffn.up.weight": False, "emb.weight": False},
+                                                    3: {"blocks.1.ffn.up.weight": True}})
+        kwargs = dict(steps=5, accumulate=2)
+    else:
+        habits = Habits(freezes={1: {"blocks.2": False}, 2: {"blocks.2": True, "head.weight": False}})
+        kwargs = dict(steps=4, accumulate=2, fused=True, resume_at=3, config=EngineConfig(activations="recompute"))
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, clip=1.0, habits=habits,
+                 host_fraction=0.6, **kwargs)
+
+
+def test_unfreezing_a_parameter_frozen_at_build_is_refused_naming_the_way(tmp_path):
+    """Unfreezing a parameter frozen when the engine was built (it has no gradient or optimizer
+    state) is refused at the next forward, or at once on a streamed block, naming the parameter and
+    the way; after it, training goes on."""
+    model = make_gpt2(frozen=True)  # wpe and block 0 frozen
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage=tmp_path / "s", host_memory=1 << 22)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     engine.zero_grad()
-    model.model.norm.weight.requires_grad_(False)
-    with pytest.raises(ConfigError, match=r"model\.norm\.weight\.requires_grad changed to False.*init_from"):
+    model.transformer.wpe.weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"transformer\.wpe\.weight\.requires_grad changed to True .*frozen then.*"
+                                          r"init_from"):
         engine(input_ids=ids, labels=ids)
-    model.model.norm.weight.requires_grad_(True)
-    with pytest.raises(ConfigError, match="streamed block 0"):
-        model.model.layers[0].requires_grad_(False)
+    model.transformer.wpe.weight.requires_grad_(False)
+    with pytest.raises(ConfigError, match="streamed block 0, whose .* was frozen when the engine was built"):
+        model.transformer.h[0].requires_grad_(True)
     engine.backward(engine(input_ids=ids, labels=ids).loss)  # as it was: trains on
     engine.step()
+    engine.close()
+
+
+@pytest.mark.parametrize("activations", ["fits", "keep", "recompute"])
+def test_requires_grad_changed_inside_a_step_trains_as_pytorch(tmp_path, activations):
+    """PyTorch's graph follows ``requires_grad`` per forward, and its accumulator drops the gradient
+    of a parameter frozen between a forward and its backward: a freeze there (a block's weight and
+    the embedding), and an unfreeze between two forwards of one backward (PEFT's
+    ``disable_adapter()`` does both), train as PyTorch, bitwise; the state fitting the budget (the
+    blocks' graphs kept, their leaves held by the modules) or streamed."""
+    from test_engine import plain_gpt, plain_loss
+    torch.manual_seed(0)
+    ref = plain_gpt(4)
+    model = copy.deepcopy(ref)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s",
+                    host_memory=2 * state if activations == "fits" else state // 3,
+                    config=EngineConfig(activations="keep" if activations == "fits" else activations))
+    assert (engine.activation_modes is None) == (activations == "fits")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    names = ["blocks.1.fc.weight"]
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = (torch.randint(0, 128, (2, 17), generator=g) for _ in range(2))
+        for m in (ref, engine.model):
+            if step == 0:  # frozen between the forward and its backward
+                loss = plain_loss(m if m is ref else engine, x)
+                for n in names:
+                    functools.reduce(getattr, n.split("."), m).requires_grad_(False)  # (a leaf, held)
+            else:  # unfrozen between two forwards of one backward
+                first = plain_loss(m if m is ref else engine, x)
+                for n in names:
+                    functools.reduce(getattr, n.split("."), m).requires_grad_(True)
+                loss = first + plain_loss(m if m is ref else engine, y)
+            if m is ref:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                engine.backward(loss)
+                engine.step()
+                engine.zero_grad()
+            if step == 1:
+                for n in names:
+                    m.get_parameter(n).requires_grad_(False)
+    assert [p.requires_grad for p in engine.model.parameters()] == [p.requires_grad for p in ref.parameters()]
+    weights = dict(engine.named_parameters())
+    different = [k for k, p in ref.named_parameters() if not torch.equal(weights[k], p.detach())]
+    assert not different
     engine.close()
 
 

@@ -13,7 +13,8 @@ exports and reads of the weights between steps, bf16 autocast, the optimizer's o
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
 Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()`` before a backward,
-``clip_grad_value_``, two forwards before a backward and micro-batches of other shapes; ``--zoo``
+``clip_grad_value_``, two forwards before a backward, micro-batches of other shapes and parameters
+frozen mid-run (and unfrozen again); ``--zoo``
 models whose weights are shared or computed: ALBERT (its layers share weights), a model that calls
 a block twice, and linear layers under ``weight_norm`` and ``spectral_norm`` (a weight computed from
 parameters at each call, and buffers the training forward updates); ``--calls`` block calls that
@@ -218,6 +219,8 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
         if loops.random() < 0.4:  # dynamic padding: micro-batches of other lengths, a short one
             kw["shapes"] = [[(loops.choice([1, 2]), loops.choice([5, 9, 13])) for _ in range(accumulate)]
                             for _ in range(steps)]
+        if loops.random() < 0.25:
+            kw["habits"].freezes = freezes(loops, make(), steps)
     kw["durable"] = True if "resume_at" in kw else rng.choice([True, False])
     if kw["durable"]:
         kw["commit_every"] = rng.choice([1, 2])
@@ -268,7 +271,8 @@ def loop_habits(rng: random.Random, h, steps: int, accumulate: int, switches: bo
     ``forward_backward`` runs both in one call, nor under gradient checkpointing, where PyTorch's
     own recompute fails: "A different number of tensors was saved"); ``clip_grad_value_``
     after the clipping; where ``switches`` too, two forwards before a backward; the gradients
-    zeroed every second step only (the next step's backwards add to the clipped ones)."""
+    zeroed every second step only (the next step's backwards add to the clipped ones). (Parameters
+    frozen mid-run: :func:`freezes`, drawn after the shapes.)"""
     if switches and rng.random() < 0.5:
         h.modes = {(s, m): rng.choice(["eval-forward", "eval-backward"])
                    for s in range(steps) for m in range(accumulate) if rng.random() < 0.4}
@@ -277,6 +281,18 @@ def loop_habits(rng: random.Random, h, steps: int, accumulate: int, switches: bo
     h.twice = switches and rng.random() < 0.3
     if rng.random() < 0.3:
         h.zero_grad_every = 2
+
+
+def freezes(rng: random.Random, model, steps: int) -> dict:
+    """``--loops``: one or two trainable parameters frozen before a step after the first (gradual
+    freezing), the first of them unfrozen again before a later step where there is one."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    picked = rng.sample(names, min(len(names), rng.choice([1, 2])))
+    at = rng.randrange(1, steps)
+    out = {at: {n: False for n in picked}}
+    if at + 1 < steps and rng.random() < 0.5:
+        out[rng.randrange(at + 1, steps)] = {picked[0]: True}
+    return out
 
 
 def run(case_kw: dict, directory: pathlib.Path) -> str:
@@ -344,6 +360,9 @@ def draw_sharded(rng: random.Random) -> dict:
     cfg["host_fraction"] = rng.choice([0.6, 0.9, 1.3, 2.0])  # of the state / world
     if rng.random() < 0.4:
         cfg["device_fraction"] = rng.choice([0.5, 0.8])  # of the host budget: each rank's device tier
+    if rng.random() < 0.25:  # parameters frozen mid-run (drawn last: a seed draws the rest as before)
+        from dist_worker import build
+        cfg["freezes"] = {str(k): v for k, v in freezes(rng, build(cfg), cfg["steps"]).items()}
     return cfg
 
 
@@ -395,8 +414,8 @@ def main() -> int:
     ap.add_argument("--wide", action="store_true", help="T5, BART, frozen parameters, LoRA, parameter groups too "
                                                          "(a seed draws another case with it than without)")
     ap.add_argument("--loops", action="store_true", help="Mixtral's aux loss, gradient checkpointing, eval() "
-                                                          "inside a step, clip_grad_value_, other shapes too "
-                                                          "(a third generator)")
+                                                          "inside a step, clip_grad_value_, other shapes, freezing "
+                                                          "mid-run too (a third generator)")
     ap.add_argument("--zoo", action="store_true", help="models whose weights are shared or computed too (ALBERT, "
                                                         "a block called twice, weight_norm, spectral_norm)")
     ap.add_argument("--calls", action="store_true", help="block calls that take one tensor twice or return one "

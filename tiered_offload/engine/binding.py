@@ -50,7 +50,9 @@ class ParamSlot:
     offset: int = 0
     """Start in the unit's buffers (weights; gradients and states too, where it has them)."""
     requires_grad: bool = True
-    """Trainable: it gets a gradient buffer. Frozen parameters are never modified."""
+    """Trainable when the engine was built: it has a gradient buffer (and optimizer states, in a
+    group). Parameters frozen then are never modified, and cannot be unfrozen. One frozen since
+    (``param.requires_grad`` False: gradual freezing) keeps its buffers and gets no gradient."""
     group: int | None = None
     """Index of its optimizer parameter group; None: the optimizer does not update it."""
     has_grad: bool = False
@@ -120,6 +122,16 @@ class Unit(UnitLayout):
     def trainable(self) -> list[ParamSlot]:
         """The parameters with a gradient buffer, in buffer order."""
         return [p for p in self.params if p.requires_grad]
+
+    def training(self) -> list[ParamSlot]:
+        """The trainable parameters whose ``requires_grad`` is set now (not frozen since), in buffer
+        order: a block call's leaves that require a gradient."""
+        return [p for p in self.params if p.requires_grad and p.param.requires_grad]
+
+    def receiving(self, params: dict[str, torch.Tensor]) -> list[ParamSlot]:
+        """Of a block call's leaves ``params``, the trainable ones a backward adds to: built requiring
+        a gradient, their parameter still requiring one (PyTorch drops the gradient otherwise)."""
+        return [p for p in self.trainable() if params[p.local_name].requires_grad and p.param.requires_grad]
 
     def grad_views(self, gflat: torch.Tensor) -> list[torch.Tensor]:
         """Views of each trainable parameter's gradient inside the gradient buffer ``gflat``."""
@@ -337,6 +349,7 @@ class _BlockProxy(nn.Module):
         self.index = index
         self._set_real_mode = real.train  # a bound method: the real block stays out of the module tree
         self.__dict__["_real"] = real  # (not a submodule either)
+        self.__dict__["_frozen"] = [n for n, p in real.named_parameters() if not p.requires_grad]  # (when built)
         self.training = real.training
 
     @property
@@ -369,12 +382,17 @@ class _BlockProxy(nn.Module):
             f"load them into a model of its own (from_pretrained(DIR)), or build a second engine with init_from=DIR")
 
     def requires_grad_(self, requires_grad: bool = True) -> "_BlockProxy":
-        """Changing which parameters train after the engine was built is refused (see
-        :func:`~tiered_offload.engine.parameter_guard.check_requires_grad`): the block's parameters live in the store."""
-        raise ConfigError(f"requires_grad_({requires_grad}) on streamed block {self.index} after the engine was built; "
-                          f"the engine lays out gradients and optimizer states by it, so it cannot change mid-run. "
-                          f"Export (engine.export_safetensors), set requires_grad on a new model, and build a new "
-                          f"engine with init_from")
+        """Freezing the block mid-run (and unfreezing it again) reaches its parameters, as PyTorch's
+        does; unfreezing one frozen when the engine was built is refused at once (as at a forward:
+        :func:`~tiered_offload.engine.parameter_guard.check_requires_grad`)."""
+        frozen = self.__dict__["_frozen"]
+        if requires_grad and frozen:
+            raise ConfigError(f"requires_grad_(True) on streamed block {self.index}, whose {frozen[0]} was frozen when "
+                              f"the engine was built: the engine laid out gradients and optimizer states without it. "
+                              f"Freezing mid-run works; to train it: export (engine.export_safetensors), set "
+                              f"requires_grad on a new model, and build a new engine with init_from")
+        self.__dict__["_real"].requires_grad_(requires_grad)
+        return self
 
     def train(self, mode: bool = True) -> "_BlockProxy":
         """``model.train()`` / ``model.eval()`` reach the real block (dropout, batch norm), as in PyTorch."""
@@ -507,9 +525,9 @@ class ModelBinding:
     def check_call(self, *kwargs: dict) -> None:
         """Before a forward with keyword arguments ``kwargs`` (one dict per call): what user code
         did to the parameters since the last call is allowed (:mod:`~tiered_offload.engine.parameter_guard`:
-        no ``requires_grad`` changed, no post-accumulate hook on a block's, no weight changed, no
-        parameter added), and no output recorded inside the blocks is asked for that this
-        transformers version records out of reach (:meth:`RecordedOutputs.check`)."""
+        no parameter frozen at build unfrozen, no post-accumulate hook on a block's, no weight
+        changed, no parameter added), and no output recorded inside the blocks is asked for that
+        this transformers version records out of reach (:meth:`RecordedOutputs.check`)."""
         with torch._C.DisableTorchFunctionSubclass():  # (the placeholders' metadata read plainly: 4 ms a
             check_requires_grad(self)                   # forward on 32 layers through their __torch_function__)
             check_grad_hooks(self)

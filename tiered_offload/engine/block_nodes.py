@@ -45,6 +45,7 @@ class StreamedBlock(torch.autograd.Function):
         # (made first: a forward that raises uncounts its call and its shared inputs' uses)
         ctx.stash = engine.new_stash(None, box["call"], awaited(ctx.shared, ctx.needs_input_grad[6:]))
         ctx.rng = engine.rng_state(index)
+        ctx.rng["trains"] = {s_.local_name for s_ in engine.binding.blocks[index].training()}  # (this call's)
         # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
         # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
         # the forward computes exactly what PyTorch's does and what the recompute will; the
@@ -61,7 +62,7 @@ class StreamedBlock(torch.autograd.Function):
         saved: set[tuple] = set()
         with (inputs_unchanged(unit.name, tensors, given), torch.enable_grad(),
               engine.own.forward(index, ctx.rng["own"]), engine.binding.recorded.record(box["wanted"]) as extras):
-            out = engine.run_block(index, args, kwargs, as_trained=True, saved=saved, inputs=inputs)
+            out = engine.run_block(index, args, kwargs, as_trained=ctx.rng["trains"], saved=saved, inputs=inputs)
         extras = [*extras, *set_tensors(unit.module, held)]
         box["extras"] = ctx.rng["recorded"] = [k for k, _ in extras]  # (their gradients join the backward)
         # a block that updates buffers (BatchNorm's running statistics, a counter) or plain
@@ -111,8 +112,8 @@ class StashedBlock(torch.autograd.Function):
         flat = engine.fetch_for_forward(unit)
         try:
             params = {s_.local_name: flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
-                      .requires_grad_(s_.requires_grad) for s_ in unit.params}
-            for s_ in unit.trainable():
+                      .requires_grad_(s_.requires_grad and s_.param.requires_grad) for s_ in unit.params}
+            for s_ in unit.training():
                 params[s_.local_name].register_post_accumulate_grad_hook(engine.grad_arrived_hook(s_))
             stash = engine.new_stash(flat, box["call"], awaited(ctx.shared, needs))
             held, outside = tensor_attributes(unit.module), engine.binding.snapshot_buffers(None)

@@ -13,9 +13,11 @@ outside the block's forward too (the forward runs on leaves of the engine's own)
   ``.data``, a copy, ``print``: a penalty summed over ``model.parameters()``, an EMA, ``nn.init``):
   :func:`unbind` gives it a class that says so (:class:`_Unbound`); its shape, dtype, ``requires_grad``,
   hooks and ``.grad`` read as before, and ``model.to()`` moves its placeholder;
-* **refused at the next forward, naming the way**: a changed ``requires_grad`` (:func:`check_requires_grad`), a
-  post-accumulate-grad hook on a streamed block's parameter (:func:`check_grad_hooks`), a
-  parameter added after the engine was built (:func:`check_no_new_parameters`), a parameter
+* **followed**: ``requires_grad`` set to False and back (gradual freezing), by each block call as
+  PyTorch's graph follows it;
+* **refused at the next forward, naming the way**: unfreezing a parameter frozen when the engine
+  was built (:func:`check_requires_grad`), a post-accumulate-grad hook on a streamed block's
+  parameter (:func:`check_grad_hooks`), a parameter added after the engine was built (:func:`check_no_new_parameters`), a parameter
   changed in place, given new ``.data`` or another dtype or device
   (:func:`check_untouched`), Hugging Face's ``resize_token_embeddings`` (:func:`refuse_resizing`),
   reading a ``.grad`` (:class:`GradInStore`), and the model's
@@ -234,16 +236,17 @@ def weights_into_store(module, *_args) -> None:
 
 
 def check_requires_grad(binding) -> None:
-    """Refuse a parameter whose ``requires_grad`` changed since the engine was built: the units'
-    layouts (which parameters have gradient and optimizer state) follow it, so a change cannot
-    be honoured in place, and ignoring it would train something else than PyTorch would."""
+    """Refuse unfreezing a parameter that was frozen when the engine was built: the units' layouts
+    give it no gradient or optimizer state. Freezing mid-run (and unfreezing again) is followed
+    by each block call, as PyTorch's graph follows it (:meth:`~tiered_offload.engine.binding.Unit.training`,
+    :meth:`~tiered_offload.engine.binding.Unit.receiving`)."""
     for _, slot in binding.param_order:
-        if slot.param.requires_grad != slot.requires_grad:
+        if slot.param.requires_grad and not slot.requires_grad:
             raise ConfigError(
-                f"{slot.name}.requires_grad changed to {slot.param.requires_grad} after the engine was built; the "
-                f"engine lays out gradients and optimizer states by it, so it cannot change mid-run. To unfreeze "
-                f"or freeze parameters between phases: engine.export_safetensors(DIR), then build a new engine "
-                f"with the parameters set as wanted and init_from=DIR (optimizer states start fresh)")
+                f"{slot.name}.requires_grad changed to True after the engine was built, and it was frozen then: the "
+                f"engine laid out gradients and optimizer states without it. Freezing mid-run works; to train a "
+                f"parameter frozen at the start: engine.export_safetensors(DIR), then build a new engine with it "
+                f"trainable and init_from=DIR (optimizer states start fresh)")
 
 
 def check_untouched(binding, units) -> None:
@@ -341,10 +344,13 @@ def grad_hooks(slot) -> list:
 def hook_leaves(unit, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The hooks the user put on the unit's parameters (``param.register_hook``) on the leaves
     ``params`` that stand for them in a backward, in order: autograd runs them on each gradient
-    before adding it into the store's buffer, as PyTorch runs them before adding it into ``.grad``."""
+    before adding it into the store's buffer, as PyTorch runs them before adding it into ``.grad``.
+    A leaf that requires no gradient now gets them too (set later, it has them, as a parameter would)."""
     for s_ in unit.trainable():
+        leaf, was = params[s_.local_name], params[s_.local_name].requires_grad
         for hook in grad_hooks(s_):
-            params[s_.local_name].register_hook(hook)
+            leaf.requires_grad_(True).register_hook(hook)
+        leaf.requires_grad_(was)
     return params
 
 

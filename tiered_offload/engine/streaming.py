@@ -377,7 +377,9 @@ class BlockStreamer:
         gradient outside the engine's backward (``loss.backward()``) is refused: what the engine
         does around a backward (the rest's gradients into the store, the commit's order) would not
         run, and the step would use other gradients."""
-        def arrived(_tensor) -> None:
+        def arrived(tensor) -> None:
+            if not tensor.requires_grad:  # (frozen since its forward: autograd dropped it, and calls the hook)
+                return
             if not self.in_backward:
                 with _IN_BACKWARD_LOCK:
                     another = any(other is not self for other in _IN_BACKWARD)
@@ -409,18 +411,18 @@ class BlockStreamer:
     def release_weights(self, unit: Unit) -> None:
         self.full.release(unit, grad=False)
 
-    def run_block(self, index: int, args, kwargs, *, as_trained: bool = False, saved: set | None = None, inputs=()):
-        """Run block ``index`` on its weights; ``as_trained``: with the trainable ones requiring grad,
+    def run_block(self, index: int, args, kwargs, *, as_trained: set[str] | None = None, saved: set | None = None,
+                  inputs=()):
+        """Run block ``index`` on its weights; ``as_trained``: with those it names requiring grad,
         adding to ``saved`` where what its graph saved lies (:meth:`SavedActivations.storages`), and
         refusing a block that reads a tensor requiring grad besides them and its ``inputs``."""
         unit = self.binding.blocks[index]
         flat = self.fetch_for_forward(unit)
         try:
             params = unit.views(flat)
-            if not as_trained:
+            if as_trained is None:
                 return call_block(unit.module, params, args, kwargs)
-            params = {s_.local_name: params[s_.local_name].detach().requires_grad_(s_.requires_grad)
-                      for s_ in unit.params}
+            params = {n: p.detach().requires_grad_(n in as_trained) for n, p in params.items()}
             # what keeping this block's graph would store (the planner weighs it against recomputing)
             counter = SavedActivations(flat, [], count_only=True)
             t0 = time.perf_counter()
@@ -589,10 +591,11 @@ class BlockStreamer:
             return self.no_gradients(unit, weights, len(inputs))
         with self.backward_buffers(unit, stash, grad=weights) as (flat, gflat):
             try:
+                receiving = unit.receiving(params) if weights else []
                 for s_ in unit.params:
                     leaf = params[s_.local_name]
                     leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
-                    if s_.requires_grad and weights:
+                    if s_ in receiving:
                         leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                 seeds = SharedInputs.seeds(given, shared)
                 self._backpropagate(unit, params, diff_inputs, pairs + seeds, gflat, weights)
@@ -603,24 +606,21 @@ class BlockStreamer:
         stash.life.shared = []  # settled here, not by a dropped graph's finalizer
         return SharedInputs.settle(inputs, needs, shared)
 
-    def param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Each parameter as a leaf over the weight buffer; a trainable one's .grad is a view of the
-        gradient buffer, a frozen one requires no gradient (autograd skips it, as in PyTorch).
-
-        Autograd then adds every weight gradient in place, straight into the store's buffer, with
-        no flat gradient allocated: the same additions PyTorch does into ``param.grad``.
-        """
+    def param_leaves(self, unit: Unit, flat: torch.Tensor, gflat: torch.Tensor | None,
+                     trains: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """Each parameter as a leaf over the weight buffer, requiring a gradient if named in ``trains``
+        (None: :meth:`Unit.training`). A trainable one's .grad is a view of the gradient buffer, with
+        the hook marking it arrived, even where it requires none (set on the leaf later, as PEFT's
+        ``disable_adapter()`` does between two forwards of a kept graph, it adds there). Autograd
+        adds every weight gradient in place into the store's buffer, as PyTorch into ``param.grad``."""
+        trains = {s_.local_name for s_ in unit.training()} if trains is None else trains
         params = {}
         for s_ in unit.params:
-            leaf = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
-            if s_.requires_grad:
-                leaf.requires_grad_(True)
-                if gflat is None:  # (a backward that adds into no gradient: torch.autograd.grad)
-                    params[s_.local_name] = leaf
-                    continue
-                leaf.grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
+            leaf = params[s_.local_name] = flat[s_.offset:s_.offset + s_.numel].view(s_.shape).detach()
+            if s_.requires_grad and gflat is not None:
+                leaf.requires_grad_(True).grad = gflat[s_.offset:s_.offset + s_.numel].view(s_.shape)
                 leaf.register_post_accumulate_grad_hook(self.grad_arrived_hook(s_))
-            params[s_.local_name] = leaf
+            leaf.requires_grad_(s_.local_name in trains)
         return params
 
     def run_block_keeping_graph(self, index: int, args, kwargs):
@@ -645,7 +645,9 @@ class BlockStreamer:
     def release_held(self, backward_ran: bool) -> None:
         for _, _, bound, _ in reversed(self._held):  # the modules' own parameters back, innermost first
             bound.close()
-        for unit, gflat, _, _ in self._held:
+        for unit, gflat, _, params in self._held:
+            for s_ in unit.trainable():  # (a change made to the leaf its module held stays the parameter's)
+                s_.param.requires_grad_(params[s_.local_name].requires_grad)
             if backward_ran and gflat is not None:
                 self.gradients_done(unit, gflat)
             self.full.release(unit, grad=True)
@@ -663,7 +665,7 @@ class BlockStreamer:
         with self.backward_buffers(unit, stash, grad=weights) as (flat, gflat):
             inputs = [stash.unpack(h).detach().requires_grad_(n) for h, n in zip(handles, needs)]
             diff_inputs = [x for x, n in zip(inputs, needs) if n]
-            params = self.param_leaves(unit, flat, gflat)
+            params = self.param_leaves(unit, flat, gflat, rng["trains"])
             devices = [self.device] if self.device.type == "cuda" else []
             kept = [(mod, name, mod._buffers[name]) for mod, name, _ in buffers_before]
             attributes = [(mod, name, mod.__dict__[name]) for mod, name in
@@ -704,7 +706,7 @@ class BlockStreamer:
         (:meth:`adds_to_weights`)."""
         if not weights:  # a backward that adds into no gradient (torch.autograd.grad): the inputs' alone
             self.calls.consumed(unit)
-        targets = ([params[s_.local_name] for s_ in unit.trainable()] if weights else []) + diff_inputs
+        targets = ([params[s_.local_name] for s_ in unit.receiving(params)] if weights else []) + diff_inputs
         summed = gflat is not None and self.calls.repeated(unit)
         if summed:  # (the parameters' hooks then run on the calls' sum: RepeatedCalls)
             pairs = self.calls.before(unit, params, pairs)
