@@ -182,31 +182,30 @@ def test_sharded_gradient_hooks_and_clipping_by_value_match_one_process(fused, i
         assert (expected[name] - without[name]).abs().max() > 1e-3 * expected[name].abs().max(), name
 
 
-def test_sharded_gradients_kept_past_a_clipped_step_are_the_clipped_ones(tmp_path):
-    """``zero_grad()`` every second step, clipping by norm: each rank's kept slice owes the step's
-    scale, applied before the next backward adds to it (test_engine.py's case, sharded)."""
-    cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 0.3, "zero_every": 2}
-    model = build(cfg)
-    cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in model.parameters()) / 2)
+def _trains_as_one_process(tmp_path, cfg: dict) -> None:
+    """``cfg`` on 2 ranks, each at 0.9 of its share of the state: within 1e-6 of one process."""
+    cfg = dict(cfg, host_memory=int(0.9 * 16 * sum(p.numel() for p in build(cfg).parameters()) / 2))
     got = launch(2, tmp_path, cfg)[0]["weights"]
     expected = reference(2, cfg)
     want = torch.cat([w.detach().flatten() for w in expected.values()])
     have = torch.cat([got[k].flatten() for k in expected])
     assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+def test_sharded_gradients_kept_past_a_clipped_step_are_the_clipped_ones(tmp_path):
+    """``zero_grad()`` every second step, clipping by norm: each rank's kept slice owes the step's
+    scale, applied before the next backward adds to it (test_engine.py's case, sharded)."""
+    _trains_as_one_process(tmp_path, {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 0.3,
+                                      "zero_every": 2})
 
 
 def test_sharded_parameters_frozen_and_unfrozen_mid_run_train_as_one_process(tmp_path):
     """Freezing mid-run on 2 ranks (a block's weight and the embedding, gradients kept past the
     step that froze them), one unfrozen again: as one process trains (test_finetune.py's case)."""
-    cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 0.3, "zero_every": 2,
-           "freezes": {"1": {"blocks.2.qkv.weight": False, "tok.weight": False}, "3": {"blocks.2.qkv.weight": True}}}
-    model = build(cfg)
-    cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in model.parameters()) / 2)
-    got = launch(2, tmp_path, cfg)[0]["weights"]
-    expected = reference(2, cfg)
-    want = torch.cat([w.detach().flatten() for w in expected.values()])
-    have = torch.cat([got[k].flatten() for k in expected])
-    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+    _trains_as_one_process(tmp_path, {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 0.3,
+                                      "zero_every": 2, "freezes": {"1": {"blocks.2.qkv.weight": False,
+                                                                         "tok.weight": False},
+                                                                   "3": {"blocks.2.qkv.weight": True}}})
 
 
 def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_the_loop(tmp_path):
