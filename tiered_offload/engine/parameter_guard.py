@@ -15,12 +15,12 @@ outside the block's forward too (the forward runs on leaves of the engine's own)
   hooks and ``.grad`` read as before, and ``model.to()`` moves its placeholder;
 * **followed**: ``requires_grad`` set to False and back (gradual freezing), by each block call as
   PyTorch's graph follows it;
-* **refused at the next forward, naming the way**: unfreezing a parameter frozen when the engine
-  was built (:func:`check_requires_grad`), a post-accumulate-grad hook on a streamed block's
-  parameter (:func:`check_grad_hooks`), a parameter added after the engine was built (:func:`check_no_new_parameters`), a parameter
-  changed in place, given new ``.data`` or another dtype or device
-  (:func:`check_untouched`), Hugging Face's ``resize_token_embeddings`` (:func:`refuse_resizing`),
-  reading a ``.grad`` (:class:`GradInStore`), and the model's
+* **refused at the next forward, naming the way**: unfreezing a parameter frozen when the engine was
+  built (:func:`check_requires_grad`), a post-accumulate-grad hook on a streamed block's parameter
+  (:func:`check_grad_hooks`), a parameter added after the engine was built
+  (:func:`check_no_new_parameters`), a parameter changed in place, given new ``.data`` or another
+  dtype or device (:func:`check_untouched`), Hugging Face's ``resize_token_embeddings``
+  (:func:`refuse_resizing`), reading a ``.grad`` (:class:`GradInStore`), and the model's
   ``state_dict`` / ``load_state_dict`` (:func:`weights_in_store`, :func:`weights_into_store`).
 
 :meth:`~tiered_offload.engine.binding.ModelBinding.check_call` runs the checks before every forward.
