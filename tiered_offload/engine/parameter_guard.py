@@ -347,10 +347,12 @@ def hook_leaves(unit, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     before adding it into the store's buffer, as PyTorch runs them before adding it into ``.grad``.
     A leaf that requires no gradient now gets them too (set later, it has them, as a parameter would)."""
     for s_ in unit.trainable():
-        leaf, was = params[s_.local_name], params[s_.local_name].requires_grad
-        for hook in grad_hooks(s_):
-            leaf.requires_grad_(True).register_hook(hook)
-        leaf.requires_grad_(was)
+        hooks = grad_hooks(s_)
+        if hooks:
+            leaf, was = params[s_.local_name], params[s_.local_name].requires_grad
+            for hook in hooks:
+                leaf.requires_grad_(True).register_hook(hook)
+            leaf.requires_grad_(was)
     return params
 
 
