@@ -2587,6 +2587,54 @@ def test_unfreezing_a_parameter_frozen_at_build_is_refused_naming_the_way(tmp_pa
     engine.close()
 
 
+@pytest.mark.parametrize("activations", ["offload", "recompute"])
+def test_blocks_frozen_whole_mid_run_cost_no_gradient_or_optimizer_state_io(tmp_path, activations):
+    """Blocks frozen whole mid-run (progressive freezing of the lower layers) and their gradients
+    zeroed: their backward still gives the block below its input's gradient, but no gradient is
+    added into their buffers and the step updates nothing of them, as in PyTorch. So nothing of
+    their gradients or optimizer states is read or written: the backward adds into no buffer and
+    the lookahead fetches no state the step will not use (before, each step wrote every frozen
+    block's zeroed gradient buffer and read its optimizer states ahead). Bitwise PyTorch's."""
+    from test_engine import plain_gpt, plain_loss
+    torch.manual_seed(0)
+    ref = plain_gpt(6)
+    model = copy.deepcopy(ref)
+    state = 16 * sum(p.numel() for p in ref.parameters())
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", host_memory=state // 4,
+                    config=EngineConfig(activations=activations))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    frozen = engine.schedule.blocks[:3]
+    seen = {}
+
+    def io(key):  # the version last written to the disk, and the reads from it
+        rec = engine.store.record(key)
+        return rec.disk_version, rec.disk_gen, rec.disk_reads
+    for step in range(6):
+        x = torch.randint(0, 128, (4, 17), generator=g)
+        for m in (ref, engine):
+            loss = plain_loss(m, x)
+            (loss.backward if m is ref else lambda: engine.backward(loss))()
+            (opt if m is ref else engine).step()
+            (opt if m is ref else engine).zero_grad()
+        if step == 1:  # after the step's zero_grad: the next steps give them no gradient
+            for m in (ref, engine.model):
+                for block in list(m.blocks)[:3]:
+                    block.requires_grad_(False)
+        if step == 3:  # the plan and the lookahead know by now
+            seen = {k: io(k) for u in frozen for k in (u.weight_key, u.grad_key, *u.state_keys(engine.schedule.state_kinds))}
+    now = {k: io(k) for k in seen}
+    grads = [k for k in seen if k.endswith("/grad")]
+    assert all(now[k] == seen[k] for k in grads), {k: (seen[k], now[k]) for k in grads}
+    states = [k for k in seen if "/state." in k]
+    assert all(now[k] == seen[k] for k in states), {k: (seen[k], now[k]) for k in states}
+    weights = [k for k in seen if k.endswith("/weight")]
+    assert all(now[k][:2] == seen[k][:2] for k in weights)  # not updated: never written
+    mine = dict(engine.named_parameters())
+    assert all(torch.equal(mine[k], p.detach()) for k, p in ref.named_parameters())
+    engine.close()
+
+
 @pytest.mark.parametrize("activations", ["fits", "keep", "recompute"])
 def test_requires_grad_changed_inside_a_step_trains_as_pytorch(tmp_path, activations):
     """PyTorch's graph follows ``requires_grad`` per forward, and its accumulator drops the gradient

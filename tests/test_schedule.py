@@ -51,6 +51,18 @@ def test_access_sequence_phases_in_order_and_overlapped():
     assert Phase("clip") is Phase.CLIP
 
 
+def test_an_idle_unit_is_read_for_its_weights_alone():
+    """A unit frozen whole mid-run (``idle``): the backward and the step leave its gradient and
+    optimizer states alone, so the lookahead is told its weights alone, in both step modes."""
+    s = Schedule(units(n_blocks=2), ("m",))
+    for overlap in (False, True):
+        seq = s.access_sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], overlap=overlap, idle=frozenset({"block.0"}))
+        every = s.access_sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], overlap=overlap)
+        others = lambda keys: [k for k in keys if not k.startswith("block.0/")]  # noqa: E731
+        assert others(seq) == others(every) and "block.1/state.m" in seq
+        assert [k for k in seq if k.startswith("block.0/")] == ["block.0/weight"] * 2  # the forward's, the backward's
+
+
 def test_working_set_does_not_scale_with_the_largest_units_optimizer_state():
     # a vocabulary-sized rest (50M elements) and small blocks: the step streams its states in pieces
     s = Schedule(units(n_blocks=4, block=3_000_000, rest=50_000_000, piece=4 << 20), KINDS)

@@ -128,6 +128,11 @@ class Unit(UnitLayout):
         order: a block call's leaves that require a gradient."""
         return [p for p in self.params if p.requires_grad and p.param.requires_grad]
 
+    def idle(self) -> bool:
+        """No parameter trains now and none holds a gradient (a unit frozen whole mid-run, zeroed
+        since): a backward adds to none of its gradients and a step updates none of it."""
+        return not any(p.has_grad or p.param.requires_grad for p in self.trainable())
+
     def receiving(self, params: dict[str, torch.Tensor]) -> list[ParamSlot]:
         """Of a block call's leaves ``params``, the trainable ones a backward adds to: built requiring
         a gradient, their parameter still requiring one (PyTorch drops the gradient otherwise)."""

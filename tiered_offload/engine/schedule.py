@@ -193,7 +193,7 @@ class Schedule:
         return [unit.weight_key, unit.grad_key, *unit.state_keys(self.state_kinds)]
 
     def access_sequence(self, phases: Iterable[Phase], *, overlap: bool, activations: bool = False,
-                        repeat: int = 1) -> list[str]:
+                        repeat: int = 1, idle: frozenset[str] = frozenset()) -> list[str]:
         """The keys one iteration made of ``phases`` touches, in order, as the lookahead sees it.
 
         With the step overlapped, the cycle starts with the step's units (in forward order)
@@ -202,7 +202,8 @@ class Schedule:
         ``activations``: each block's forward writes its saved activations (``block.i/activations``;
         micro-batch ``k`` > 0 of a pass ``block.i/activations.k``), which its backward reads.
         ``repeat``: each block is used that many times in a row (``forward_backward`` over that
-        many micro-batches).
+        many micro-batches). ``idle``: units whose gradients and optimizer states this iteration
+        leaves alone (frozen whole mid-run): their weights alone.
         """
         phases = [Phase(p) for p in phases]
         order = self.update_order()
@@ -215,17 +216,19 @@ class Schedule:
 
         def forward(u: UnitLayout) -> list[str]:
             return [key for k in range(times(u)) for key in self._forward_keys(u) + act(u, k)]
+        def step(u: UnitLayout) -> list[str]:
+            return [] if u.name in idle else self._step_keys(u)
         body = {
             Phase.FORWARD: [k for u in order for k in forward(u)],
             Phase.BACKWARD: [key for b in reversed(self.blocks) for k in range(repeat)
-                             for key in [b.weight_key, b.grad_key, *act(b, k)] if key],
+                             for key in [b.weight_key, b.grad_key if b.name not in idle else None, *act(b, k)] if key],
             Phase.CLIP: [],  # the norms come from backward: clipping reads nothing
-            Phase.STEP: [k for u in order for k in self._step_keys(u)],
+            Phase.STEP: [k for u in order for k in step(u)],
         }
         if not overlap or Phase.STEP not in phases:
             i = phases.index(Phase.STEP) if Phase.STEP in phases else 0
             return [k for p in phases[i:] + phases[:i] for k in body[p]]
-        merged = [k for u in order for k in self._step_keys(u) + forward(u)]
+        merged = [k for u in order for k in step(u) + forward(u)]
         rest = [p for p in phases if p != Phase.STEP]
         if rest and rest[0] == Phase.FORWARD:
             rest = rest[1:]  # it is part of ``merged``

@@ -192,8 +192,9 @@ class BlockStreamer:
         interleaved with the next forward where it overlaps it or is deferred to it (``inline``: a
         deferred step that runs whole before, as :meth:`UpdatePipeline.wait` for every unit does)."""
         interleaved = not inline and (self.overlap_step or self.defer_step)
+        idle = frozenset(u.name for u in self.binding.units if u.idle()) if self.sharding is None else frozenset()
         return schedule.access_sequence(phases, overlap=interleaved, repeat=self.micro_batches,
-                                        activations=self.modes is not None)
+                                        activations=self.modes is not None, idle=idle)
 
     @property
     def in_backward(self) -> bool:
@@ -552,6 +553,18 @@ class BlockStreamer:
             self.full.release(unit, grad=grad, extra=extra)
             self.discard(stash)
 
+    def _adds_to_buffer(self, unit: Unit, leaves: set) -> bool:
+        """Whether a block call's backward needs the unit's gradient buffer, given the parameters
+        whose ``leaves`` required a gradient at the call: where none requires one still (a block
+        frozen whole since, as PyTorch's accumulator drops such gradients), the buffer is left
+        alone, neither fetched nor rewritten. Sharded, the ranks reduce each block's gradients
+        together, and a block called more than once sums its calls' gradients first
+        (:class:`RepeatedCalls`): those fetch it whatever their flags."""
+        if not unit.grad_key:
+            return False
+        return (self.sharding is not None or self.calls.repeated(unit)
+                or any(s_.param.requires_grad for s_ in leaves))
+
     def discard(self, stash: SavedActivations) -> None:
         """Forget a block's saved activations (its backward ran, or needs none)."""
         stash.release()
@@ -586,12 +599,13 @@ class BlockStreamer:
         unit = self.binding.blocks[index]
         diff_inputs = [x for x, n in zip(inputs, needs) if n]
         weights = self.adds_to_weights()
-        if not (unit.grad_key and weights) and not diff_inputs:
+        receiving = unit.receiving(params) if weights else []
+        grad = weights and self._adds_to_buffer(unit, set(receiving))
+        if not grad and not diff_inputs:
             self.discard(stash)
             return self.no_gradients(unit, weights, len(inputs))
-        with self.backward_buffers(unit, stash, grad=weights) as (flat, gflat):
+        with self.backward_buffers(unit, stash, grad=grad) as (flat, gflat):
             try:
-                receiving = unit.receiving(params) if weights else []
                 for s_ in unit.params:
                     leaf = params[s_.local_name]
                     leaf.data = flat[s_.offset:s_.offset + s_.numel].view(s_.shape)
@@ -659,10 +673,11 @@ class BlockStreamer:
         the RNG state and buffers its forward saw, and back-propagate through that."""
         unit = self.binding.blocks[index]
         weights = self.adds_to_weights()
-        if not (unit.grad_key and weights) and not any(needs):
+        grad = weights and self._adds_to_buffer(unit, {s_ for s_ in unit.trainable() if s_.local_name in rng["trains"]})
+        if not grad and not any(needs):
             self.discard(stash)  # a frozen block whose input needs no gradient: nothing to do
             return self.no_gradients(unit, weights, len(needs))
-        with self.backward_buffers(unit, stash, grad=weights) as (flat, gflat):
+        with self.backward_buffers(unit, stash, grad=grad) as (flat, gflat):
             inputs = [stash.unpack(h).detach().requires_grad_(n) for h, n in zip(handles, needs)]
             diff_inputs = [x for x, n in zip(inputs, needs) if n]
             params = self.param_leaves(unit, flat, gflat, rng["trains"])
