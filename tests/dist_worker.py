@@ -81,8 +81,11 @@ def freeze(model, cfg: dict, step: int) -> None:
     for at in sorted(int(k) for k in cfg.get("freezes", {})):
         if at <= step:
             wanted.update(cfg["freezes"][str(at)])
-    for name, flag in wanted.items():
-        model.get_parameter(name).requires_grad_(flag)
+    for name, flag in wanted.items():  # a parameter, or a block frozen whole
+        try:
+            model.get_parameter(name).requires_grad_(flag)
+        except AttributeError:
+            model.get_submodule(name).requires_grad_(flag)
 
 
 def schedule(step: int) -> float:

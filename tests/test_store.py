@@ -585,6 +585,31 @@ def test_a_copy_pinned_long_is_placed_at_the_compute_tiers_end_and_splits_no_fre
     store.close()
 
 
+def test_a_copy_pinned_long_moves_what_holds_the_tiers_end_out_of_its_way():
+    """Where the arena's end is taken when the rest's copy is placed (by a copy nothing holds), that
+    copy makes way: the rest still goes to the end. Before, it went into the last hole that fit,
+    mid-arena, and split the room a unit's update needs beside it (``tools/fuzz_options.py --loops
+    --wide --seed 127001 --load 2``: the rest's weights and gradients pinned at 96 and 164 KiB of 328
+    during a deferred update left runs of 96, 40 and 136 KiB, and four 52 KiB blocks did not fit). A
+    copy that is held there stays, and the rest takes the last hole as before."""
+    for held in (False, True):
+        store = make_store(MemoryBackend(), host=16 * 4096, device=0)
+        store.place_at_end(["rest"])
+        for i in range(8):  # two pages each: the arena full
+            store.register(f"x{i}", (2048,), data=torch.full((2048,), float(i)))
+        assert store.record("x7").slots[Tier.HOST].offset == 14 * 4096
+        store.unregister("x1")  # a hole at pages 2-4, mid-arena
+        if held:
+            store.get("x7", "host")
+        store.register("rest", (1024,), data=torch.full((1024,), -1.0))
+        assert store.record("rest").slots[Tier.HOST].offset == (3 if held else 15) * 4096
+        assert store.residency("x7")[Tier.HOST] == (CopyState.DIRTY if held else CopyState.ABSENT)
+        assert torch.equal(store.read("x7"), torch.full((2048,), 7.0))  # (written to the disk first)
+        if held:
+            store.release("x7", "host")
+        store.close()
+
+
 def test_reloading_over_a_pinned_stale_copy_is_refused():
     store = make_store(MemoryBackend())
     store.register("t", (16,), data=torch.zeros(16))

@@ -80,6 +80,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -285,13 +286,23 @@ def loop_habits(rng: random.Random, h, steps: int, accumulate: int, switches: bo
 
 def freezes(rng: random.Random, model, steps: int) -> dict:
     """``--loops``: one or two trainable parameters frozen before a step after the first (gradual
-    freezing), the first of them unfrozen again before a later step where there is one."""
+    freezing), the first of them unfrozen again before a later step where there is one; in a third
+    of the cases a streamed block frozen whole at that step too (progressive freezing of layers)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     picked = rng.sample(names, min(len(names), rng.choice([1, 2])))
     at = rng.randrange(1, steps)
     out = {at: {n: False for n in picked}}
     if at + 1 < steps and rng.random() < 0.5:
         out[rng.randrange(at + 1, steps)] = {picked[0]: True}
+    if rng.random() < 1 / 3:  # (drawn after the rest: a seed draws the parameters as before)
+        from tiered_offload.engine.binding import find_block_sequence
+        try:
+            where, blocks = find_block_sequence(model)
+        except Exception:  # (a model without one: the engine refuses it anyway)
+            return out
+        i = rng.randrange(len(blocks))
+        if any(p.requires_grad for p in blocks[i].parameters()):
+            out[at][f"{where}.{i}"] = False
     return out
 
 
@@ -454,7 +465,8 @@ def main() -> int:
                 try:
                     outcome = attempt(pathlib.Path(d))
                 except Exception as e:
-                    outcome = f"FAILED: {type(e).__name__}: {str(e)[-6000:]}\n    {case}"
+                    where = "".join(traceback.format_tb(e.__traceback__)[-14:])  # (the innermost frames)
+                    outcome = f"FAILED: {type(e).__name__}: {str(e)[-6000:]}\n    {case}\n{where}"
             faulthandler.cancel_dump_traceback_later()
             counts[outcome.split(":")[0].lower()] += 1
             print(f"{seed:6d} {time.monotonic() - t0:5.1f}s {outcome}", flush=True)

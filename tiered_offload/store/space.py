@@ -70,9 +70,37 @@ class TierSpace:
         then needs in one piece of several blocks (``tools/fuzz_options.py --stores --wide --seed
         88252``: runs of 36, 92 and 148 KiB, four 52 KiB blocks needed)."""
 
-    def alloc(self, rec: TensorRecord) -> int | None:
-        """A block of the arena for ``rec`` (call with the store's lock): see :attr:`at_end`."""
-        return self.arena.alloc(rec.nbytes, at_end=rec.key in self.at_end)
+    def alloc(self, rec: TensorRecord, further_than: float | None = None) -> int | None:
+        """A block of the arena for ``rec`` (call with the store's lock): see :attr:`at_end`. One of
+        those keys goes beyond every other copy; where one lies in the way and can make room now
+        (:meth:`tail_victim`), None: that copy is the victim. Else the last hole that fits."""
+        if rec.key not in self.at_end:
+            return self.arena.alloc(rec.nbytes)
+        offset = self.arena.alloc(rec.nbytes, at_end=True)
+        if offset is None or offset >= self._tail_start(rec) or self.tail_victim(rec, further_than) is None:
+            return offset
+        self.arena.free(offset, rec.nbytes)
+        return None
+
+    def _tail_start(self, rec: TensorRecord) -> int:
+        """Where the copies other than the :attr:`at_end` keys' end: the tail, theirs."""
+        return max((r.slots[self.tier].offset + self.arena.block_size(r.nbytes) for r in self.resident.values()
+                    if r is not rec and r.key not in self.at_end), default=0)
+
+    def tail_victim(self, rec: TensorRecord, further_than: float | None) -> TensorRecord | None:
+        """For an :attr:`at_end` key: the copy furthest into the arena that is not one, where it can
+        give up its room now (nothing holds or moves it, and it is not needed before
+        ``further_than``: a prefetch's bound); None: none can, and the key takes the last hole."""
+        others = [r for r in self.resident.values() if r is not rec and r.key not in self.at_end]
+        if not others:
+            return None
+        last = max(others, key=lambda r: r.slots[self.tier].offset)
+        slot = last.slots[self.tier]
+        if last.op is not None or slot.pins or slot.loading:
+            return None
+        if further_than is not None and self.policy.next_use(last.key) <= further_than:
+            return None
+        return last
 
     def placed(self, rec: TensorRecord) -> None:
         """``rec`` was given a slot in this tier (call with the store's lock)."""
@@ -85,6 +113,10 @@ class TierSpace:
     def pick_victim(self, exclude: TensorRecord, further_than: float | None) -> TensorRecord | None:
         """The copy in this tier to give up its room for ``exclude``, or None (call with the store's
         lock). One pass over the tier's copies, then one over the idle ones to rank them."""
+        if exclude.key in self.at_end:  # (one in the way of its place at the end first)
+            last = self.tail_victim(exclude, further_than)
+            if last is not None:
+                return last
         tier = self.tier
         twins_first = tier == Tier.HOST and self.exclusive
         idle: dict[str, TensorRecord] = {}

@@ -711,7 +711,7 @@ class TieredStore(CopyChains, Prefetching):
         deadline = time.monotonic() + self.config.wait_timeout_s
         while True:
             with self._lock:
-                offset = space.alloc(rec)
+                offset = space.alloc(rec, further_than)
                 if offset is not None:
                     return self._place(rec, tier, offset)
                 victim = space.pick_victim(rec, further_than)
