@@ -17,12 +17,22 @@ from typing import Callable
 import torch
 
 from offload_core.errors import DistributedError
-from tiered_offload.checkpoint.safetensors_io import exported_config, iter_chunks, write_private
+from tiered_offload.checkpoint.adapter import peft_adapter_name
+from tiered_offload.checkpoint.safetensors_io import config_json, exported_config, iter_chunks, write_private
 from tiered_offload.checkpoint.state_dir import export_params
 
-__all__ = ["export_weights", "meta_model", "saved_format"]
+__all__ = ["export_weights", "meta_model", "model_config", "saved_format"]
 
 log = logging.getLogger(__name__)
+
+
+def model_config(model) -> dict | None:
+    """The model's Hugging Face configuration as JSON (for config.json next to an export), if it
+    has one. A PEFT model has none: its export has PEFT's parameter names, in which
+    ``from_pretrained`` would find none of the base model's (a randomly initialised model)."""
+    if peft_adapter_name(model) is not None:  # (its export writes the adapter instead: checkpoint/adapter.py)
+        return None
+    return config_json(model)
 
 
 def export_weights(out: str | os.PathLike, *, params: list[dict], units, store, placement, buffers: list,

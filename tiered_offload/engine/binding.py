@@ -24,6 +24,7 @@ from torch.func import functional_call
 
 from offload_core.errors import ConfigError, ModelStructureError, TensorStateError
 from tiered_offload.checkpoint.adapter import peft_adapter_name
+from tiered_offload.checkpoint.export import model_config
 from tiered_offload.checkpoint.safetensors_io import config_json
 from tiered_offload.engine.adapter_init import adapter_initialisers, refuse_reparametrizing_adapters
 from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad_hooks, check_no_new_parameters,
@@ -33,7 +34,7 @@ from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad
 from tiered_offload.engine.recorded_outputs import RecordedOutputs
 from tiered_offload.engine.schedule import UnitLayout
 
-__all__ = ["ParamSlot", "Unit", "ModelBinding", "empty_init", "find_block_sequence", "plan_units", "model_config"]
+__all__ = ["ParamSlot", "Unit", "ModelBinding", "empty_init", "find_block_sequence", "plan_units"]
 
 
 @dataclass(eq=False)
@@ -129,8 +130,7 @@ class Unit(UnitLayout):
         return [p for p in self.params if p.requires_grad and p.param.requires_grad]
 
     def idle(self) -> bool:
-        """No parameter trains now and none holds a gradient (a unit frozen whole mid-run, zeroed
-        since): a backward adds to none of its gradients and a step updates none of it."""
+        """No parameter trains now nor holds a gradient (frozen whole mid-run, zeroed since)."""
         return not any(p.has_grad or p.param.requires_grad for p in self.trainable())
 
     def receiving(self, params: dict[str, torch.Tensor]) -> list[ParamSlot]:
@@ -737,15 +737,6 @@ def _forget_output_capture(model: nn.Module, blocks: list[Unit]) -> None:
                 del m._forward_hooks[hook_id]
         if getattr(m, "_output_capturing_hooks_installed", False):
             m._output_capturing_hooks_installed = False
-
-
-def model_config(model: nn.Module) -> dict | None:
-    """The model's Hugging Face configuration as JSON (for config.json next to an export), if it
-    has one. A PEFT model has none: its export has PEFT's parameter names, in which
-    ``from_pretrained`` would find none of the base model's (a randomly initialised model)."""
-    if peft_adapter_name(model) is not None:  # (its export writes the adapter instead: checkpoint/adapter.py)
-        return None
-    return config_json(model)
 
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:

@@ -64,7 +64,7 @@ class Gradients:
         ``error_if_nonfinite``: a non-finite norm raises, as PyTorch's, and nothing is clipped."""
         self.settle()
         total = self.placement.grad_norm(self.store, self.schedule, self.binding.param_order,
-                                         self.streamer.grad_norms, norm_type)
+                                         self.norms, norm_type)
         if total is None:
             return torch.tensor(0.0)  # as torch: nothing to clip
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -75,6 +75,19 @@ class Gradients:
                 f"raises NonFiniteError, or skips with on_nonfinite='skip'); engine.zero_grad() drops them")
         self.scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
+
+    def norms(self, unit, norm_type: float) -> list[torch.Tensor]:
+        """Norms of each trainable parameter's gradient in ``unit``: those the backward that last
+        changed it computed (L2, :meth:`BlockStreamer.gradients_done`), else read back."""
+        key = unit.grad_key
+        cached = self.streamer.gradients[unit.name].norms
+        if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
+            return cached[1]
+        flat = self.store.get(key)
+        try:
+            return [n.clone() for n in torch._foreach_norm(unit.grad_views(flat), norm_type)]
+        finally:
+            self.store.release(key)
 
     def clip_value(self, clip_value: float) -> None:
         """Clamp every gradient buffer to ``[-clip_value, clip_value]`` in place, after a pending

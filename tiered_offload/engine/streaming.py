@@ -242,19 +242,6 @@ class BlockStreamer:
         self.in_backward = False
         self.calls.discard()
 
-    def grad_norms(self, unit: Unit, norm_type: float) -> list[torch.Tensor]:
-        """Norms of each trainable parameter's gradient in ``unit``: those the backward that last
-        changed it computed (L2), else read back."""
-        key = unit.grad_key
-        cached = self.gradients[unit.name].norms
-        if norm_type == 2.0 and cached is not None and cached[0] == self.store.record(key).version:
-            return cached[1]
-        flat = self.store.get(key)
-        try:
-            return [n.clone() for n in torch._foreach_norm(unit.grad_views(flat), norm_type)]
-        finally:
-            self.store.release(key)
-
     def count_forward(self, index: int, seconds: float) -> None:
         """Block ``index`` ran a forward in ``seconds`` (for the plan)."""
         self.forward_seconds[index] = self.forward_seconds.get(index, 0.0) + seconds
@@ -554,16 +541,12 @@ class BlockStreamer:
             self.discard(stash)
 
     def _adds_to_buffer(self, unit: Unit, leaves: set) -> bool:
-        """Whether a block call's backward needs the unit's gradient buffer, given the parameters
-        whose ``leaves`` required a gradient at the call: where none requires one still (a block
-        frozen whole since, as PyTorch's accumulator drops such gradients), the buffer is left
-        alone, neither fetched nor rewritten. Sharded, the ranks reduce each block's gradients
-        together, and a block called more than once sums its calls' gradients first
-        (:class:`RepeatedCalls`): those fetch it whatever their flags."""
-        if not unit.grad_key:
-            return False
-        return (self.sharding is not None or self.calls.repeated(unit)
-                or any(s_.param.requires_grad for s_ in leaves))
+        """Whether a block call's backward needs the unit's gradient buffer: not where no parameter of
+        the call's ``leaves`` (built requiring a gradient) requires one still (frozen since: PyTorch's
+        accumulator drops those). Sharded ranks reduce every block together, and a block called twice
+        sums its calls first (:class:`RepeatedCalls`): those fetch it whatever the flags."""
+        return bool(unit.grad_key) and (self.sharding is not None or self.calls.repeated(unit)
+                                        or any(s_.param.requires_grad for s_ in leaves))
 
     def discard(self, stash: SavedActivations) -> None:
         """Forget a block's saved activations (its backward ran, or needs none)."""
