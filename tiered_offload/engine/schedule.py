@@ -216,6 +216,7 @@ class Schedule:
 
         def forward(u: UnitLayout) -> list[str]:
             return [key for k in range(times(u)) for key in self._forward_keys(u) + act(u, k)]
+
         def step(u: UnitLayout) -> list[str]:
             return [] if u.name in idle else self._step_keys(u)
         body = {
