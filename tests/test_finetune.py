@@ -2610,6 +2610,7 @@ def test_blocks_frozen_whole_mid_run_cost_no_gradient_or_optimizer_state_io(tmp_
     def io(key):  # the version last written to the disk, and the reads from it
         rec = engine.store.record(key)
         return rec.disk_version, rec.disk_gen, rec.disk_reads
+
     for step in range(6):
         x = torch.randint(0, 128, (4, 17), generator=g)
         for m in (ref, engine):
