@@ -540,7 +540,7 @@ class BlockStreamer:
             self.full.release(unit, grad=grad, extra=extra)
             self.discard(stash)
 
-    def _adds_to_buffer(self, unit: Unit, leaves: set) -> bool:
+    def _adds_to_buffer(self, unit: Unit, leaves: list[ParamSlot]) -> bool:
         """Whether a block call's backward needs the unit's gradient buffer: not where no parameter of
         the call's ``leaves`` (built requiring a gradient) requires one still (frozen since: PyTorch's
         accumulator drops those). Sharded ranks reduce every block together, and a block called twice
@@ -583,7 +583,7 @@ class BlockStreamer:
         diff_inputs = [x for x, n in zip(inputs, needs) if n]
         weights = self.adds_to_weights()
         receiving = unit.receiving(params) if weights else []
-        grad = weights and self._adds_to_buffer(unit, set(receiving))
+        grad = weights and self._adds_to_buffer(unit, receiving)
         if not grad and not diff_inputs:
             self.discard(stash)
             return self.no_gradients(unit, weights, len(inputs))
@@ -656,7 +656,7 @@ class BlockStreamer:
         the RNG state and buffers its forward saw, and back-propagate through that."""
         unit = self.binding.blocks[index]
         weights = self.adds_to_weights()
-        grad = weights and self._adds_to_buffer(unit, {s_ for s_ in unit.trainable() if s_.local_name in rng["trains"]})
+        grad = weights and self._adds_to_buffer(unit, [s_ for s_ in unit.trainable() if s_.local_name in rng["trains"]])
         if not grad and not any(needs):
             self.discard(stash)  # a frozen block whose input needs no gradient: nothing to do
             return self.no_gradients(unit, weights, len(needs))
