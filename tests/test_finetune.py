@@ -2565,6 +2565,23 @@ def test_parameters_frozen_and_unfrozen_mid_run_train_as_pytorch(tmp_path, how):
                  host_fraction=0.6, **kwargs)
 
 
+@pytest.mark.parametrize("how", ["loop", "fused-resumed"])
+def test_gradual_unfreezing_from_the_top_trains_as_pytorch(tmp_path, how):
+    """Gradual unfreezing (ULMFiT's recipe): the engine built with every parameter trainable, all
+    but the top block and the head frozen before the first step, then one block more unfrozen at
+    each step, the embedding last. A parameter frozen at build cannot be unfrozen (its gradient
+    and optimizer state have no room), so this is the way the refusal names; bitwise PyTorch's,
+    with a resume in the middle."""
+    def make():
+        torch.manual_seed(0)
+        return TinyLM(MLP, d=16, layers=4)
+    habits = Habits(freezes={0: {"blocks.0": False, "blocks.1": False, "blocks.2": False, "emb.weight": False},
+                             1: {"blocks.2": True}, 2: {"blocks.1": True}, 3: {"blocks.0": True, "emb.weight": True}})
+    kwargs = dict(fused=True, resume_at=2) if how == "fused-resumed" else {}
+    check_parity(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), tmp_path, steps=5, accumulate=2,
+                 habits=habits, host_fraction=0.65, **kwargs)
+
+
 def test_unfreezing_a_parameter_frozen_at_build_is_refused_naming_the_way(tmp_path):
     """Unfreezing a parameter frozen when the engine was built (it has no gradient or optimizer
     state) is refused at the next forward, or at once on a streamed block, naming the parameter and
@@ -2577,24 +2594,28 @@ def test_unfreezing_a_parameter_frozen_at_build_is_refused_naming_the_way(tmp_pa
     engine.zero_grad()
     model.transformer.wpe.weight.requires_grad_(True)
     with pytest.raises(ConfigError, match=r"transformer\.wpe\.weight\.requires_grad changed to True .*frozen then.*"
-                                          r"init_from"):
+                                          r"build the engine with them trainable and freeze them before the first "
+                                          r"step.*init_from"):
         engine(input_ids=ids, labels=ids)
     model.transformer.wpe.weight.requires_grad_(False)
-    with pytest.raises(ConfigError, match="streamed block 0, whose .* was frozen when the engine was built"):
+    with pytest.raises(ConfigError, match="streamed block 0, whose .* was frozen when the engine was built.*"
+                                          "build the engine with it trainable and freeze it before the first step"):
         model.transformer.h[0].requires_grad_(True)
     engine.backward(engine(input_ids=ids, labels=ids).loss)  # as it was: trains on
     engine.step()
     engine.close()
 
 
-@pytest.mark.parametrize("activations", ["offload", "recompute"])
-def test_blocks_frozen_whole_mid_run_cost_no_gradient_or_optimizer_state_io(tmp_path, activations):
+@pytest.mark.parametrize("activations, rest", [("offload", False), ("recompute", False), ("offload", True)])
+def test_blocks_frozen_whole_mid_run_cost_no_gradient_or_optimizer_state_io(tmp_path, activations, rest):
     """Blocks frozen whole mid-run (progressive freezing of the lower layers) and their gradients
     zeroed: their backward still gives the block below its input's gradient, but no gradient is
     added into their buffers and the step updates nothing of them, as in PyTorch. So nothing of
     their gradients or optimizer states is read or written: the backward adds into no buffer and
     the lookahead fetches no state the step will not use (before, each step wrote every frozen
-    block's zeroed gradient buffer and read its optimizer states ahead). Bitwise PyTorch's."""
+    block's zeroed gradient buffer and read its optimizer states ahead). Bitwise PyTorch's.
+    ``rest``: the parameters outside the blocks (embeddings, final norm, head) frozen too: their
+    gradient buffer, bound for each forward, was still written every step."""
     from test_engine import plain_gpt, plain_loss
     torch.manual_seed(0)
     ref = plain_gpt(6)
@@ -2605,6 +2626,8 @@ def test_blocks_frozen_whole_mid_run_cost_no_gradient_or_optimizer_state_io(tmp_
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     frozen = engine.schedule.blocks[:3]
+    if rest:
+        frozen += [u for u in engine.schedule.units if u not in engine.schedule.blocks]
     seen = {}
 
     def io(key):  # the version last written to the disk, and the reads from it
@@ -2622,6 +2645,8 @@ def test_blocks_frozen_whole_mid_run_cost_no_gradient_or_optimizer_state_io(tmp_
             for m in (ref, engine.model):
                 for block in list(m.blocks)[:3]:
                     block.requires_grad_(False)
+                for p in (p for n, p in m.named_parameters() if rest and not n.startswith("blocks.")):
+                    p.requires_grad_(False)
         if step == 3:  # the plan and the lookahead know by now
             seen = {k: io(k) for u in frozen for k in (u.weight_key, u.grad_key, *u.state_keys(engine.schedule.state_kinds))}
     now = {k: io(k) for k in seen}
@@ -2636,13 +2661,16 @@ def test_blocks_frozen_whole_mid_run_cost_no_gradient_or_optimizer_state_io(tmp_
     engine.close()
 
 
-@pytest.mark.parametrize("activations", ["fits", "keep", "recompute"])
-def test_requires_grad_changed_inside_a_step_trains_as_pytorch(tmp_path, activations):
+@pytest.mark.parametrize("activations, rest", [("fits", False), ("keep", False), ("recompute", False),
+                                                ("keep", True), ("fits", True)])
+def test_requires_grad_changed_inside_a_step_trains_as_pytorch(tmp_path, activations, rest):
     """PyTorch's graph follows ``requires_grad`` per forward, and its accumulator drops the gradient
     of a parameter frozen between a forward and its backward: a freeze there (a block's weight and
     the embedding), and an unfreeze between two forwards of one backward (PEFT's
     ``disable_adapter()`` does both), train as PyTorch, bitwise; the state fitting the budget (the
-    blocks' graphs kept, their leaves held by the modules) or streamed."""
+    blocks' graphs kept, their leaves held by the modules) or streamed. ``rest``: every parameter
+    outside the blocks too, so that the first forward finds the rest frozen whole (its gradient
+    buffer not bound) and the second needs it."""
     from test_engine import plain_gpt, plain_loss
     torch.manual_seed(0)
     ref = plain_gpt(4)
@@ -2653,7 +2681,7 @@ def test_requires_grad_changed_inside_a_step_trains_as_pytorch(tmp_path, activat
                     config=EngineConfig(activations="keep" if activations == "fits" else activations))
     assert (engine.activation_modes is None) == (activations == "fits")
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    names = ["blocks.1.fc.weight"]
+    names = ["blocks.1.fc.weight", *(n for n, _ in ref.named_parameters() if rest and not n.startswith("blocks."))]
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         x, y = (torch.randint(0, 128, (2, 17), generator=g) for _ in range(2))

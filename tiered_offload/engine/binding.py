@@ -394,8 +394,9 @@ class _BlockProxy(nn.Module):
         if requires_grad and frozen:
             raise ConfigError(f"requires_grad_(True) on streamed block {self.index}, whose {frozen[0]} was frozen when "
                               f"the engine was built: the engine laid out gradients and optimizer states without it. "
-                              f"Freezing mid-run works; to train it: export (engine.export_safetensors), set "
-                              f"requires_grad on a new model, and build a new engine with init_from")
+                              f"Freezing mid-run works: to unfreeze it later (gradual unfreezing), build the engine with it "
+                              f"trainable and freeze it before the first step. Else export (engine.export_safetensors), "
+                              f"set requires_grad on a new model, and build a new engine with init_from")
         self.__dict__["_real"].requires_grad_(requires_grad)
         return self
 

@@ -191,6 +191,12 @@ class FullBuffers:
             self.release(unit, grad=False, handover=True)
         return full[:unit.numel], (gfull[:unit.grad_numel] if gk else None), extras
 
+    def add_grads(self, unit: Unit) -> torch.Tensor:
+        """One process: the gradient buffer of a unit acquired without it, pinned now (release the
+        unit with ``grad=True``)."""
+        assert self.sharding is None
+        return self.store.get_group([unit.grad_key])[0]
+
     def _pin(self, keys: list[str], extra: list[str], apart: list | None) -> list:
         """``keys`` and ``extra`` pinned as one group. Where what is pinned splits the tier's free
         room into holes too small for the extras beside the buffers (and ``apart`` is given): the

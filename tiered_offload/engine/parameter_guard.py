@@ -244,9 +244,10 @@ def check_requires_grad(binding) -> None:
         if slot.param.requires_grad and not slot.requires_grad:
             raise ConfigError(
                 f"{slot.name}.requires_grad changed to True after the engine was built, and it was frozen then: the "
-                f"engine laid out gradients and optimizer states without it. Freezing mid-run works; to train a "
-                f"parameter frozen at the start: engine.export_safetensors(DIR), then build a new engine with it "
-                f"trainable and init_from=DIR (optimizer states start fresh)")
+                f"engine laid out gradients and optimizer states without it. Freezing mid-run works: to unfreeze "
+                f"parameters later (gradual unfreezing), build the engine with them trainable and freeze them before "
+                f"the first step. Else engine.export_safetensors(DIR), then build a new engine with it trainable and "
+                f"init_from=DIR (optimizer states start fresh)")
 
 
 def check_untouched(binding, units) -> None:

@@ -273,15 +273,20 @@ class BlockStreamer:
         return state
 
     def bind_rest(self) -> None:
-        """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its gradient buffer."""
+        """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its
+        gradient buffer: not bound where the rest is idle (frozen whole mid-run, no gradient kept;
+        one process), until a forward finds it unfrozen."""
+        rest = self.rest
         if self._rest_bound:
+            if self._rest_grad is None and rest.grad_key and not rest.idle():  # unfrozen since it was bound
+                self._rest_grad = self.full.add_grads(rest)
+                self.point_rest_grads(self._rest_grad)
             return
-        check_untouched(self.binding, [self.rest])
+        check_untouched(self.binding, [rest])
         self.micro_batches = 1
         self.pipeline.forward_reached(0)
-        self.pipeline.wait(self.rest.name)
-        rest = self.rest
-        flat, gflat, _ = self.full.acquire(rest, grad=True)
+        self.pipeline.wait(rest.name)
+        flat, gflat, _ = self.full.acquire(rest, grad=self.sharding is not None or not rest.idle())
         for slot in rest.params:
             self.binding.hold_weights(slot, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
         if gflat is not None:
@@ -341,7 +346,7 @@ class BlockStreamer:
         self._backward_ran = False
         for slot in self.rest.params:
             self.binding.hold_placeholder(slot)
-        self.full.release(self.rest, grad=True)
+        self.full.release(self.rest, grad=self._rest_grad is not None)
         self._rest_bound = self.graph_pending = False
         self.rest_binding += 1
         self._rest_grad = None
