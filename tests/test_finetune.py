@@ -2582,6 +2582,34 @@ def test_gradual_unfreezing_from_the_top_trains_as_pytorch(tmp_path, how):
                  habits=habits, host_fraction=0.65, **kwargs)
 
 
+@pytest.mark.parametrize("when", ["build", "mid-run", "mid-run-fused"])
+@pytest.mark.parametrize("repeats", [False, True], ids=["chain", "blocks-called-twice"])
+def test_recomputed_blocks_that_need_no_backward_keep_no_inputs(tmp_path, when, repeats):
+    """The embedding and the lower blocks frozen (at build, or mid-run): those blocks' calls need no
+    backward (no input and no weight of theirs requires a gradient), so recomputing them keeps no
+    input. They kept it before, every forward: a budget's room (or, where it had none, memory
+    beside it) for each frozen block's input, for a backward that then did nothing. A block
+    called twice (a weight-shared loop) counts its calls as PyTorch sums them; bitwise."""
+    from test_conformance import RepeatingLM
+
+    def make():
+        torch.manual_seed(0)
+        model = RepeatingLM() if repeats else TinyLM(MLP, d=16, layers=4)
+        if when == "build":
+            for p in [*model.emb.parameters(), *model.blocks[0].parameters(), *model.blocks[1].parameters()]:
+                p.requires_grad_(False)
+        return model
+    frozen = {"emb": False, "blocks.0": False, "blocks.1": False}
+    habits = Habits(freezes={1: frozen} if when != "build" else {})
+
+    def inspect(engine):
+        stashed = engine._streamer.activation_bytes
+        assert stashed[0] == stashed[1] == 0 and stashed[2] > 0 and stashed[3] > 0, stashed
+    check_parity(make, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2),
+                 tmp_path, steps=3, accumulate=2, habits=habits, host_fraction=0.6, recompute=True,
+                 fused=when.endswith("fused"), inspect=inspect)
+
+
 def test_unfreezing_a_parameter_frozen_at_build_is_refused_naming_the_way(tmp_path):
     """Unfreezing a parameter frozen when the engine was built (it has no gradient or optimizer
     state) is refused at the next forward, or at once on a streamed block, naming the parameter and

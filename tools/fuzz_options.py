@@ -14,7 +14,7 @@ exports and reads of the weights between steps, bf16 autocast, the optimizer's o
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
 Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()`` before a backward,
 ``clip_grad_value_``, two forwards before a backward, micro-batches of other shapes and parameters
-frozen mid-run (and unfrozen again); ``--zoo``
+frozen mid-run (and unfrozen again; a block or the rest whole; from the first step on); ``--zoo``
 models whose weights are shared or computed: ALBERT (its layers share weights), a model that calls
 a block twice, and linear layers under ``weight_norm`` and ``spectral_norm`` (a weight computed from
 parameters at each call, and buffers the training forward updates); ``--calls`` block calls that
@@ -287,7 +287,10 @@ def loop_habits(rng: random.Random, h, steps: int, accumulate: int, switches: bo
 def freezes(rng: random.Random, model, steps: int) -> dict:
     """``--loops``: one or two trainable parameters frozen before a step after the first (gradual
     freezing), the first of them unfrozen again before a later step where there is one; in a third
-    of the cases a streamed block frozen whole at that step too (progressive freezing of layers)."""
+    of the cases a streamed block frozen whole at that step too (progressive freezing of layers).
+    Drawn after those: in a quarter of the cases every parameter outside the block sequence frozen
+    at that step too (the rest frozen whole), and in a quarter the freezes moved to before the first
+    step (gradual unfreezing: the engine built with them trainable)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     picked = rng.sample(names, min(len(names), rng.choice([1, 2])))
     at = rng.randrange(1, steps)
@@ -303,6 +306,16 @@ def freezes(rng: random.Random, model, steps: int) -> dict:
         i = rng.randrange(len(blocks))
         if any(p.requires_grad for p in blocks[i].parameters()):
             out[at][f"{where}.{i}"] = False
+    rest, first = rng.random() < 1 / 4, rng.random() < 1 / 4
+    if rest:
+        from tiered_offload.engine.binding import find_block_sequence
+        try:
+            where = find_block_sequence(model)[0]
+        except Exception:
+            return out
+        out[at].update({n: False for n in names if not n.startswith(where + ".")})
+    if first:
+        out = {0: out.pop(at), **out}
     return out
 
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_core.errors import ConfigError, TensorStateError
-from tiered_offload.engine.activations import SavedAliases, graph_findings
+from tiered_offload.engine.activations import SavedAliases, autocast_state, graph_findings
 from tiered_offload.engine.binding import call_block, placeholder
 from tiered_offload.engine.block_attributes import (changed_attributes, modes_of, set_tensors, snapshot_attributes,
                                                    tensor_attributes)
@@ -30,6 +30,15 @@ from tiered_offload.engine.shared_inputs import awaited, keep_non_differentiable
 from tiered_offload.trace import span
 
 __all__ = ["LET_GO", "SECOND_BACKWARD", "StashedBlock", "StreamedBlock", "placeholder_of", "rebuild", "slotted"]
+
+
+def rng_state(engine, index: int) -> dict:
+    """What block ``index``'s recompute replays: the RNG states (CPU, and CUDA on a GPU), those of
+    the generators of the model's own it draws from (``engine.own``), and autocast's."""
+    state = {"cpu": torch.get_rng_state(), "autocast": autocast_state(engine.device), "own": engine.own.before(index)}
+    if engine.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(engine.device)
+    return state
 
 
 class StreamedBlock(torch.autograd.Function):
@@ -44,7 +53,7 @@ class StreamedBlock(torch.autograd.Function):
         ctx.shared = box.pop("shared")
         # (made first: a forward that raises uncounts its call and its shared inputs' uses)
         ctx.stash = engine.new_stash(None, box["call"], awaited(ctx.shared, ctx.needs_input_grad[6:]))
-        ctx.rng = engine.rng_state(index)
+        ctx.rng = rng_state(engine, index)
         ctx.rng["trains"] = {s_.local_name for s_ in engine.binding.blocks[index].training()}  # (this call's)
         # run as in-memory training runs it: inputs and trainable weights requiring gradients, with
         # grad mode on. Kernels choose their algorithm by that (attention with dropout does), so
@@ -78,7 +87,10 @@ class StreamedBlock(torch.autograd.Function):
         box["outputs"] = len(returned)
         outputs = tuple(returned) + tuple(t.detach() for _, t in extras)
         ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, saved)
-        ctx.handles = [ctx.stash.pack(t) for t in tensors]
+        # a call with no input and no weight requiring a gradient has no backward to run (one process:
+        # sharded ranks still reduce the block together): its inputs are not kept
+        ctx.inert = not any(needs) and not ctx.rng["trains"] and engine.sharding is None
+        ctx.handles = [] if ctx.inert else [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
         return outputs
 
@@ -89,6 +101,9 @@ class StreamedBlock(torch.autograd.Function):
         ctx.engine.check_whole(ctx.binding)
         ctx.engine.take_turn(("backward", ctx.index))
         needs = ctx.needs_input_grad[6:]
+        if ctx.inert:  # (it kept no inputs and adds into no gradient)
+            ctx.engine.discard(ctx.stash)
+            return (None,) * 6 + tuple(ctx.engine.no_gradients(ctx.engine.binding.blocks[ctx.index], False, len(needs)))
         input_grads = ctx.engine.block_backward(ctx.index, ctx.spec, ctx.leaves, ctx.stash, ctx.handles, needs,
                                                 grad_outputs, ctx.rng, ctx.buffers_before, ctx.shared)
         return (None,) * 6 + tuple(input_grads)

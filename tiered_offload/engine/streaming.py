@@ -27,8 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from offload_core.errors import ConfigError, TensorStateError, TierCapacityError
 from offload_core.sizes import format_size
-from tiered_offload.engine.activations import (SavedActivations, autocast_state, graph_findings, recompute_context,
-                                                replay_autocast)
+from tiered_offload.engine.activations import SavedActivations, graph_findings, recompute_context, replay_autocast
 from tiered_offload.engine.block_attributes import replay_attributes, replay_modes, set_tensors, tensor_attributes
 from tiered_offload.engine.binding import ModelBinding, ParamSlot, Unit, call_block
 from tiered_offload.engine.block_nodes import (LET_GO, SECOND_BACKWARD, StashedBlock, StreamedBlock, as_layer_outputs,
@@ -263,14 +262,6 @@ class BlockStreamer:
     def gathered_ahead(self) -> int:
         """Sharded: all-gathers started ahead of their block (counted for tests and benchmarks)."""
         return self.full.gathered_ahead
-
-    def rng_state(self, index: int) -> dict:
-        """What block ``index``'s recompute replays: the RNG states (CPU, and CUDA on a GPU), those
-        of the generators of the model's own it draws from, and autocast's."""
-        state = {"cpu": torch.get_rng_state(), "autocast": autocast_state(self.device), "own": self.own.before(index)}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
 
     def bind_rest(self) -> None:
         """Point the rest's parameters at its weight buffer, and the trainable ones' .grad at its
@@ -561,7 +552,8 @@ class BlockStreamer:
 
     def no_gradients(self, unit: Unit, weights: bool, n: int) -> list[None]:
         """A block's backward with nothing to compute: ``n`` input gradients of None (a call
-        whose backward adds into no gradient no longer counts as one of the block's calls)."""
+        whose backward adds into no gradient no longer counts as one of the block's calls: also
+        ``weights=False`` for a call that required none, :class:`StreamedBlock`'s ``inert``)."""
         if not weights:
             self.calls.consumed(unit)
         return [None] * n
