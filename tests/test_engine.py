@@ -233,8 +233,8 @@ def test_the_update_on_the_host_moves_fewer_bytes_over_the_link(tmp_path, monkey
 def test_a_deferred_step_is_exact_and_its_weights_serve_the_next_forward(tmp_path, deterministic):
     """A quarter of the state, one memory tier: the step cannot overlap the next forward, so it
     is deferred to it (each unit updated on the forward's thread just before the forward needs
-    it). Bitwise PyTorch's, and per step the weights are read from the disk 1.4 times (forward
-    with the update, backward) against 2.2 times inline (update, forward, backward)."""
+    it). Bitwise PyTorch's, and per step the weights are read from the disk 1.3-1.4 times (forward
+    with the update, backward) against 1.8 times inline (update, forward, backward)."""
     from tiered_offload import EngineConfig
     runs = {}
     for defer in (None, False):
@@ -262,9 +262,10 @@ def test_a_deferred_step_is_exact_and_its_weights_serve_the_next_forward(tmp_pat
         assert ("deferred to the next forward" in engine.plan.summary()) is (defer is None)
         engine.close()
     deferred, inline = runs[None], runs[False]
-    assert deferred["weight"] <= 1.6 and inline["weight"] >= 1.9, runs  # measured 1.40 and 2.16-2.21
+    # measured 1.31-1.37 and 1.78-1.81 (1.40 and 2.16-2.21 before the compute tier's prefetch window)
+    assert deferred["weight"] <= 1.5 and inline["weight"] >= 1.65, runs
     assert deferred["state"] <= 1.05 * inline["state"], runs  # the states still read once
-    assert sum(deferred.values()) <= 0.9 * sum(inline.values()), runs
+    assert sum(deferred.values()) <= 0.95 * sum(inline.values()), runs  # measured 0.92
 
 
 def test_a_fragmented_tier_at_a_blocks_backward_reads_its_activations_beside_it(tmp_path, monkeypatch, deterministic):

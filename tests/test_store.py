@@ -1,6 +1,7 @@
 """The three-tier store: correctness across tiers, budgets, eviction, lookahead, errors."""
 
 import contextlib
+import math
 import random
 import threading
 import time
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from offload_core.errors import (
+    ConfigError,
     DiskFullError,
     StorageIOError,
     TensorStateError,
@@ -403,6 +405,30 @@ def test_lookahead_prefetches_so_steady_state_gets_hit(tmp_path):
     # (forward then backward over 12 tensors with room for 6): 2 misses in 24 accesses per pass
     assert misses[1:] == [2, 2, 2], misses
     store.close()
+
+
+@pytest.mark.parametrize("share", [0.25, math.inf])
+def test_the_compute_tiers_lookahead_loads_a_share_of_its_budget_ahead(share):
+    """Where the host tier is the compute tier, its lookahead prefetches the upcoming tensors only
+    until they add up to ``prefetch_share`` of its budget (the nearest always): further ahead it
+    filled room that nearer needs took back before the tensors were used, and they were read
+    again. ``math.inf``: ``prefetch_depth`` alone, as before."""
+    store = make_store(MemoryBackend(threads=0), host=8 * 32 * KiB, device=0, policy="lookahead", prefetch_depth=8,
+                       prefetch_share=share)
+    keys = [f"k{i}" for i in range(16)]  # 16 x 32 KiB; the host holds 8
+    for k in keys:
+        store.register(k, (8 * KiB,), data=torch.full((8 * KiB,), float(k[1:])))
+    store.flush()
+    for k in keys:
+        store.evict(k, Tier.HOST)
+    store.declare_access_sequence(keys)
+    with store.hold("k0", "host") as x:
+        assert x[0].item() == 0.0
+    loaded = [k for k in keys[1:] if store.residency(k)[Tier.HOST] != CopyState.ABSENT]
+    assert loaded == (["k1", "k2"] if share == 0.25 else keys[1:8]), loaded  # 64 KiB of 256; the depth, room for 7
+    store.close()
+    with pytest.raises(ConfigError, match="prefetch_share must be > 0"):
+        make_store(MemoryBackend(threads=0), device=0, prefetch_share=0.0)
 
 
 def test_lookahead_beats_lru_on_a_cyclic_scan(tmp_path):

@@ -135,8 +135,16 @@ class StoreConfig:
 
     host_prefetch_share: float = 0.125
     """Below a device tier, the host tier's lookahead prefetches upcoming tensors from the disk
-    only until they add up to this share of the host budget (the nearest one always). The
-    compute tier is bounded by ``prefetch_depth`` alone."""
+    only until they add up to this share of the host budget (the nearest one always)."""
+
+    prefetch_share: float = 0.25
+    """Where the host tier is the compute tier (no device tier), its lookahead prefetches the
+    upcoming tensors (at most ``prefetch_depth``) only until they add up to this share of its
+    budget, counting those already in it (the nearest one always). Further ahead it filled room
+    that nearer needs took back before the tensors were used, and they were read again (the
+    disk bytes of ``tools/bench_train.py --host-fraction 0.25``: 0.89x with it; docs/RESULTS.md).
+    ``math.inf``: ``prefetch_depth`` alone, as before. A device compute tier is bounded by
+    ``prefetch_depth`` alone (a share measured mixed there)."""
 
     preallocate: bool = True
     """Reserve each tensor's disk space at registration, so a full disk fails up front."""
@@ -186,6 +194,8 @@ class StoreConfig:
             raise ConfigError(f"tier_caching must be 'exclusive' or 'inclusive', got {self.tier_caching!r}")
         if not 0 <= self.host_prefetch_share <= 1:
             raise ConfigError(f"host_prefetch_share must be between 0 and 1, got {self.host_prefetch_share}")
+        if not self.prefetch_share > 0:
+            raise ConfigError(f"prefetch_share must be > 0 (math.inf: prefetch_depth alone), got {self.prefetch_share}")
         from tiered_offload.store.checksum import checksum_function
         checksum_function(self.checksum)  # an unknown name fails here, with the known ones
         pin = self.pin_host_memory if self.pin_host_memory is not None else device.type == "cuda"

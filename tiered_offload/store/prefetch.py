@@ -6,7 +6,10 @@ upcoming keys for each memory tier and starts loads of those this part wants, as
 space, or space held by tensors needed later, allows (the store's allocator decides that). Below
 a device tier, the host tier prefetches only a short window (``host_prefetch_share`` of its
 budget): reaching further ahead evicted what the step needed before that, which was then read
-again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md). A tensor whose value
+again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md). The host tier as the
+compute tier prefetches ``prefetch_share`` of its budget ahead: there a load far ahead took free
+room that the forward's and backward's nearer needs then took back (an optimizer state read, given
+up, read again: 1.1-1.3x the reads). A tensor whose value
 is all zeros (a gradient ``zero_grad()`` cleared) costs no read, so the lookahead makes it only in
 room that nothing else needs (free, a stale copy's, or a host copy the device also holds), and the
 walk stops there when there is none; its ``get`` makes room when it is used, as late as it can
@@ -32,7 +35,8 @@ class Lookahead:
     """Prefetch decisions for a store (numbers and records only; the store moves the bytes).
 
     Args:
-        config: the store's :class:`StoreConfig` (``prefetch_depth``, ``host_prefetch_share``).
+        config: the store's :class:`StoreConfig` (``prefetch_depth``, ``host_prefetch_share``,
+            ``prefetch_share``).
         spaces: the store's :class:`~tiered_offload.store.space.TierSpace` per memory tier.
         device_buffers: whether the backend reads straight into device memory (GPUDirect).
     """
@@ -43,14 +47,17 @@ class Lookahead:
         self.device_buffers = device_buffers
 
     def tiers(self) -> Iterator[tuple[Tier, object, float]]:
-        """``(tier, policy, window in bytes)`` of each tier that prefetches, host first."""
+        """``(tier, policy, window in bytes)`` of each tier that prefetches, host first. The window
+        counts the upcoming tensors in the tier already, as their room is taken until their use."""
         depth = self.config.prefetch_depth
         for tier in (Tier.HOST, Tier.DEVICE):
             space = self.spaces[tier]
             if not space.policy.prefetches or space.arena.capacity == 0 or depth == 0:
                 continue
             below_device = tier == Tier.HOST and self.spaces[Tier.DEVICE].arena.capacity > 0
-            window = self.config.host_prefetch_share * space.arena.capacity if below_device else math.inf
+            share = (self.config.host_prefetch_share if below_device else
+                     self.config.prefetch_share if tier == Tier.HOST else math.inf)
+            window = share * space.arena.capacity
             yield tier, space.policy, window
 
     def wants(self, rec: TensorRecord, tier: Tier) -> bool:
@@ -63,11 +70,12 @@ class Lookahead:
             return False  # the host pass brings it up first
         return True
 
-    @staticmethod
-    def within(ahead: int, nbytes: int, window: float) -> bool:
+    def within(self, ahead: int, nbytes: int, window: float, tier: Tier, first: bool) -> bool:
         """Whether a tensor of ``nbytes`` that brings the bytes walked so far to ``ahead`` is still in
-        the window (the nearest tensor always is)."""
-        return ahead <= window or ahead <= nbytes
+        the window: the nearest tensor always is, and in the compute tier (``prefetch_share``) the
+        nearest one to load (``first``) too, behind tensors it holds already."""
+        compute = tier == Tier.HOST and self.spaces[Tier.DEVICE].arena.capacity == 0
+        return ahead <= window or ahead <= nbytes or (first and compute)
 
 
 class Prefetching:
@@ -109,17 +117,19 @@ class Prefetching:
         """Start loading the tensors the policies expect next (see :class:`Lookahead`), as far as free
         or cheaply freed space allows."""
         for tier, policy, window in self._lookahead.tiers():
-            ahead = 0
+            ahead, first = 0, True
             for key in policy.upcoming(self.config.prefetch_depth):
                 with self._lock:
                     rec = self._records.get(key)
                     if rec is None:
                         continue
                     ahead += rec.nbytes
-                    if not self._lookahead.within(ahead, rec.nbytes, window):
+                    wanted = self._lookahead.wants(rec, tier)
+                    if not self._lookahead.within(ahead, rec.nbytes, window, tier, first and wanted):
                         break
-                    if not self._lookahead.wants(rec, tier):
+                    if not wanted:
                         continue
+                    first = False
                     zero = rec.zero
                     busy = self._begin(rec, OpKind.LOOKAHEAD, tier, block=False)
                     if busy is None:
