@@ -142,7 +142,7 @@ class StoreConfig:
     upcoming tensors (at most ``prefetch_depth``) only until they add up to this share of its
     budget, counting those already in it (the nearest one always). Further ahead it filled room
     that nearer needs took back before the tensors were used, and they were read again (the
-    disk bytes of ``tools/bench_train.py --host-fraction 0.25``: 0.89x with it; docs/RESULTS.md).
+    disk reads of ``tools/bench_train.py --host-fraction 0.25``: 0.91x with it; docs/RESULTS.md).
     ``math.inf``: ``prefetch_depth`` alone, as before. A device compute tier is bounded by
     ``prefetch_depth`` alone (a share measured mixed there)."""
 

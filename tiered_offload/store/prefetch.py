@@ -9,7 +9,7 @@ budget): reaching further ahead evicted what the step needed before that, which 
 again (measured: 2.6x the disk reads with 16 keys ahead; docs/STEP_TIME.md). The host tier as the
 compute tier prefetches ``prefetch_share`` of its budget ahead: there a load far ahead took free
 room that the forward's and backward's nearer needs then took back (an optimizer state read, given
-up, read again: 1.1-1.3x the reads). A tensor whose value
+up, read again: 1.1-1.4x the reads). A tensor whose value
 is all zeros (a gradient ``zero_grad()`` cleared) costs no read, so the lookahead makes it only in
 room that nothing else needs (free, a stale copy's, or a host copy the device also holds), and the
 walk stops there when there is none; its ``get`` makes room when it is used, as late as it can
@@ -46,19 +46,21 @@ class Lookahead:
         self.spaces = spaces
         self.device_buffers = device_buffers
 
-    def tiers(self) -> Iterator[tuple[Tier, object, float]]:
-        """``(tier, policy, window in bytes)`` of each tier that prefetches, host first. The window
-        counts the upcoming tensors in the tier already, as their room is taken until their use."""
+    def tiers(self) -> Iterator[tuple[Tier, object, float, bool]]:
+        """``(tier, policy, window in bytes, whether the nearest tensor to load is always in it)``
+        of each tier that prefetches, host first. The window counts the upcoming tensors in the
+        tier already, as their room is taken until their use; the host tier as the compute tier
+        (``prefetch_share``) always starts the nearest load, behind tensors it holds already."""
         depth = self.config.prefetch_depth
         for tier in (Tier.HOST, Tier.DEVICE):
             space = self.spaces[tier]
             if not space.policy.prefetches or space.arena.capacity == 0 or depth == 0:
                 continue
             below_device = tier == Tier.HOST and self.spaces[Tier.DEVICE].arena.capacity > 0
+            compute_host = tier == Tier.HOST and not below_device
             share = (self.config.host_prefetch_share if below_device else
-                     self.config.prefetch_share if tier == Tier.HOST else math.inf)
-            window = share * space.arena.capacity
-            yield tier, space.policy, window
+                     self.config.prefetch_share if compute_host else math.inf)
+            yield tier, space.policy, share * space.arena.capacity, compute_host
 
     def wants(self, rec: TensorRecord, tier: Tier) -> bool:
         """Whether to start loading ``rec`` into ``tier`` now (call with the store's lock)."""
@@ -70,12 +72,11 @@ class Lookahead:
             return False  # the host pass brings it up first
         return True
 
-    def within(self, ahead: int, nbytes: int, window: float, tier: Tier, first: bool) -> bool:
+    @staticmethod
+    def within(ahead: int, nbytes: int, window: float, first_load: bool = False) -> bool:
         """Whether a tensor of ``nbytes`` that brings the bytes walked so far to ``ahead`` is still in
-        the window: the nearest tensor always is, and in the compute tier (``prefetch_share``) the
-        nearest one to load (``first``) too, behind tensors it holds already."""
-        compute = tier == Tier.HOST and self.spaces[Tier.DEVICE].arena.capacity == 0
-        return ahead <= window or ahead <= nbytes or (first and compute)
+        the window (the nearest tensor always is, and so is ``first_load``: see :meth:`tiers`)."""
+        return ahead <= window or ahead <= nbytes or first_load
 
 
 class Prefetching:
@@ -116,8 +117,8 @@ class Prefetching:
     def _prefetch_ahead(self) -> None:
         """Start loading the tensors the policies expect next (see :class:`Lookahead`), as far as free
         or cheaply freed space allows."""
-        for tier, policy, window in self._lookahead.tiers():
-            ahead, first = 0, True
+        for tier, policy, window, nearest_load in self._lookahead.tiers():
+            ahead, first = 0, nearest_load
             for key in policy.upcoming(self.config.prefetch_depth):
                 with self._lock:
                     rec = self._records.get(key)
@@ -125,7 +126,7 @@ class Prefetching:
                         continue
                     ahead += rec.nbytes
                     wanted = self._lookahead.wants(rec, tier)
-                    if not self._lookahead.within(ahead, rec.nbytes, window, tier, first and wanted):
+                    if not self._lookahead.within(ahead, rec.nbytes, window, first and wanted):
                         break
                     if not wanted:
                         continue
