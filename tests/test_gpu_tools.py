@@ -39,6 +39,9 @@ def test_the_step_benchmark_sets_the_traced_step_apart_and_measures_against_the_
     assert against["disk_floor_s"] == pytest.approx(floor_s)
     assert against["step_over_disk_floor"] == pytest.approx(against["step_s"] / floor_s)
     assert against["disk_over_floor"] >= 1.0  # no step moves less than its floor
+    # the writes no read used before the next one replaced them: a part of the writes
+    assert all(0 <= step["disk_written_unread"] <= step["disk_written"] for step in engine["steps"])
+    assert 0 <= against["unread_write_share"] <= 1
     printed = capsys.readouterr().out.strip().splitlines()[-1]
 
     # --summarize reads the saved report and says the same
@@ -50,5 +53,8 @@ def test_the_step_benchmark_sets_the_traced_step_apart_and_measures_against_the_
     old["engine"]["steps"].append(dict(engine["traced_step"], s=100.0))
     del old["engine"]["traced_step"]
     (tmp_path / "old.json").write_text(json.dumps(old))
+    for step in old["engine"]["steps"]:  # (nor did it count the writes no read used)
+        del step["disk_written_unread"]
     again = bench_gpu_step.against_floors(old["engine"], 1, BENCH_IO)
     assert again["steady_steps"] == "2-3" and again["step_s"] == pytest.approx(against["step_s"])
+    assert "unread_write_share" not in again

@@ -1068,6 +1068,27 @@ def test_bytes_are_counted_by_route_and_kind():
     store.close()
 
 
+def test_a_disk_write_no_read_used_is_counted_when_written_over():
+    """``unread_writes``: a write to the disk that the next write replaced before any read used
+    it (a victim written out, then used from memory after all) counts, by kind, when that next
+    write lands; one read back in between does not."""
+    store = make_store(MemoryBackend(), host=64 * KiB, device=0)
+    store.register("block.0/grad", (1 * KiB,), data=torch.ones(1 * KiB))
+    store.write_back("block.0/grad").get()  # written, still held, used from memory...
+    with store.hold("block.0/grad", "host", dirty=True) as g:
+        g.add_(1)
+    assert store.stats.unread_writes == {}
+    store.write_back("block.0/grad").get()  # ...and written over: the first write was not needed
+    assert store.stats.unread_writes == {"grad": 4 * KiB}
+    store.evict("block.0/grad", "host").get()
+    assert torch.equal(store.read("block.0/grad"), torch.full((1 * KiB,), 2.0))  # read back from the disk
+    with store.hold("block.0/grad", "host", dirty=True) as g:
+        g.add_(1)
+    store.write_back("block.0/grad").get()
+    assert store.stats.unread_writes == {"grad": 4 * KiB}  # the second write was read: not counted
+    store.close()
+
+
 def test_a_record_counts_the_reads_of_its_bytes_from_the_disk_only(posix):
     """``TensorRecord.disk_reads`` (how the optimizer step tells that a state stayed in memory since
     it last wrote it): a read from the disk counts, a hit or a copy between the memory tiers does not."""

@@ -162,6 +162,8 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                     # by kind of tensor (weight, grad, state, activations): what goes beyond the floor
                     "disk_read_by_kind": s1.store.by_kind(("disk->host", "disk->device"), s0.store),
                     "disk_written_by_kind": s1.store.by_kind(("host->disk", "device->disk"), s0.store),
+                    # of them, writes that were written over before any read used them (not needed)
+                    "disk_written_unread": sum(s1.store.unread_writes.values()) - sum(s0.store.unread_writes.values()),
                     # forward_backward's calls that ran the loop instead of a pass, by reason
                     "loops": {k: v - s0.forward_backward_loops.get(k, 0) for k, v in s1.forward_backward_loops.items()
                               if v != s0.forward_backward_loops.get(k, 0)}}
@@ -214,6 +216,8 @@ def against_floors(engine: dict, warmup: int, bench_io: dict | None = None) -> d
     out = {"steady_steps": f"{len(steps) - len(timed) + 1}-{len(steps)}", "step_s": statistics.median(x["s"] for x in timed),
            "growth": timed[-1]["s"] / timed[0]["s"], "disk_per_step": mean("disk_read") + mean("disk_written"),
            "link_per_step": mean("into_device") + mean("out_of_device"), "disk_busy_share": mean("disk_busy_s") / mean("s")}
+    if all("disk_written_unread" in x for x in timed):  # (a report from before 2026-12-05 has none)
+        out["unread_write_share"] = mean("disk_written_unread") / max(1, mean("disk_written"))
     f = engine.get("floors") or {}
     if f:
         out["disk_over_floor"] = out["disk_per_step"] / max(1, f["disk_read"] + f["disk_written"])
@@ -229,6 +233,8 @@ def against_floors(engine: dict, warmup: int, bench_io: dict | None = None) -> d
 def _say_floors(a: dict) -> str:
     text = (f"steady state (steps {a['steady_steps']}): {a['step_s']:.2f} s/step, the last / the first {a['growth']:.2f}, "
             f"the disk busy {100 * a['disk_busy_share']:.0f}% of it")
+    if "unread_write_share" in a:
+        text += f"; {100 * a['unread_write_share']:.0f}% of the disk writes written over before any read"
     if "disk_over_floor" in a:
         text += f"; against the plan's floors: disk bytes {a['disk_over_floor']:.2f}x"
     if "link_over_floor" in a:

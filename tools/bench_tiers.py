@@ -163,6 +163,9 @@ def main(argv=None) -> int:
                 if r:  # round 0 warms up
                     results[name].append({"s": dt, "disk_read": per("bytes_read", Tier.DISK),
                                           "disk_written": per("bytes_written", Tier.DISK),
+                                          "disk_written_unread": (sum(s1.store.unread_writes.values())
+                                                                  - sum(s0.store.unread_writes.values()))
+                                          / args.steps_per_round,
                                           **_link_routes(s0.store, s1.store, args.steps_per_round)})
             print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
         first = next(iter(engines))
@@ -200,7 +203,9 @@ def main(argv=None) -> int:
         print(f"{name:<32} device link: {link:5.1f} bytes per parameter per step "
               f"({(med['into_device'] + med['out_of_device']) / state:.2f}x the state"
               + (f"; the plan's floor {floor / cfg.n_params():.1f}, {floor / state:.2f}x)" if floor else ")")
-              + f"\n{'':<32} by kind: {kinds or 'nothing'}\n{'':<32} {activations[name]}")
+              + f"\n{'':<32} by kind: {kinds or 'nothing'}\n{'':<32} {activations[name]}"
+              + f"\n{'':<32} disk writes written over before any read: "
+                f"{med['disk_written_unread'] / max(1.0, med['disk_written']):.0%} of them")
     if args.disk_rate:
         rate = args.disk_rate * 1e6
         for name, med in report["configs"].items():

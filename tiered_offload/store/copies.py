@@ -35,6 +35,13 @@ class CopyChains:
                 if error is None:
                     rec.loaded(tier, version)
                     rec.disk_reads += src == Tier.DISK
+                    if tier == Tier.DISK:  # the write before this one, if nothing read it
+                        if rec.disk_unread:
+                            kind = kind_of(rec.key)
+                            self._stats.unread_writes[kind] = self._stats.unread_writes.get(kind, 0) + rec.nbytes
+                        rec.disk_unread = True
+                    elif src == Tier.DISK:
+                        rec.disk_unread = False
                     self._stats.bytes_read[src] += rec.nbytes
                     self._stats.bytes_written[tier] += rec.nbytes
                     route = f"{src.name.lower()}->{tier.name.lower()}:{kind_of(rec.key)}"

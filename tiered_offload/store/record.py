@@ -95,6 +95,8 @@ class TensorRecord:
     disk_reads: int = 0
     """Times its bytes were read from the disk (a caller can tell whether a copy it made stayed
     in memory since: the count has not moved)."""
+    disk_unread: bool = False
+    """Its last disk write has not been read back yet (see :attr:`StoreStats.unread_writes`)."""
     op: Operation | None = None
     """The one operation in flight on this tensor, if any."""
 
@@ -170,6 +172,13 @@ class StoreStats:
     """Bytes each route carried, by kind of tensor: ``"host->device:weight"``,
     ``"disk->host:state"``, ``"device->host:grad"``... (the kind: a key's last ``/`` part up to its
     first ``.``, so ``block.3/state.exp_avg.1`` is a ``state``; ``other`` for a key without ``/``)."""
+
+    unread_writes: dict[str, int] = field(default_factory=dict)
+    """Bytes written to the disk that were written over before any read used them, by kind of
+    tensor (as :attr:`bytes_by_route`), counted when the next write lands. Without a journal
+    (``durable=False``) these are writes the step did not need: a victim written out and then
+    used from memory after all, or rewritten first. A durable run's commits count here too: they
+    write each step's state whether it is read back or not."""
 
     LINK = ("host->device", "device->host")
     """The routes over the link between the host and device tiers."""

@@ -220,7 +220,7 @@ class TieredStore(CopyChains, Prefetching):
             s = dataclasses.replace(self._stats, **{
                 f: dict(getattr(self._stats, f))
                 for f in ("bytes_read", "bytes_written", "hits", "misses", "prefetch_waits", "evictions",
-                          "bytes_by_route")})
+                          "bytes_by_route", "unread_writes")})
             s.peak_used = {t: self._arenas[t].peak_used for t in _MEMORY_TIERS}
             return s
 
