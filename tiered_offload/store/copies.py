@@ -35,16 +35,16 @@ class CopyChains:
                 if error is None:
                     rec.loaded(tier, version)
                     rec.disk_reads += src == Tier.DISK
+                    kind = kind_of(rec.key)
                     if tier == Tier.DISK:  # the write before this one, if nothing read it
                         if rec.disk_unread:
-                            kind = kind_of(rec.key)
                             self._stats.unread_writes[kind] = self._stats.unread_writes.get(kind, 0) + rec.nbytes
                         rec.disk_unread = True
                     elif src == Tier.DISK:
                         rec.disk_unread = False
                     self._stats.bytes_read[src] += rec.nbytes
                     self._stats.bytes_written[tier] += rec.nbytes
-                    route = f"{src.name.lower()}->{tier.name.lower()}:{kind_of(rec.key)}"
+                    route = f"{src.name.lower()}->{tier.name.lower()}:{kind}"
                     self._stats.bytes_by_route[route] = self._stats.bytes_by_route.get(route, 0) + rec.nbytes
                     if tier == Tier.DISK and extent is not None:
                         old, rec.disk_key, rec.disk_crc = rec.disk_key, extent, crc[0] if isinstance(crc, list) else crc
