@@ -46,6 +46,9 @@ def build(cfg: dict):
     if cfg.get("frozen"):
         for p in model.blocks[1].parameters():  # a frozen block
             p.requires_grad_(False)
+    if cfg.get("frozen_below"):  # the embeddings and the lower blocks frozen at build (fine-tuning the top)
+        for mod in [model.tok, model.pos, *model.blocks[:cfg["frozen_below"]]]:
+            mod.requires_grad_(False)
     if cfg.get("lora"):  # PEFT's LoRA on the blocks' qkv and fc (its adapter initialised at random)
         import peft
         torch.manual_seed(1)
@@ -331,6 +334,7 @@ def run(out: Path, cfg: dict) -> int:
               "host_budget": engine.store.capacity("host"), "weights": weights if rank == 0 else None,
               "directory": str(engine.store.backend.location), "exported": exported,
               "gathered_ahead": engine._streamer.gathered_ahead, "collective_bytes": engine._placement.collective_bytes(),
+              "activation_bytes": dict(engine._streamer.activation_bytes),
               "disk_read": engine.store.stats.bytes_read[Tier.DISK],
               "refused_groups": getattr(engine, "refused_groups", []), "step_modes": step_modes,
               "plan_reasons": list(engine.plan.reasons)}

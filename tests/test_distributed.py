@@ -208,6 +208,26 @@ def test_sharded_parameters_frozen_and_unfrozen_mid_run_train_as_one_process(tmp
                                                                    "3": {"blocks.2.qkv.weight": True}}})
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_sharded_blocks_frozen_at_build_below_the_trained_ones_keep_no_inputs(fused, tmp_path):
+    """The embeddings and the lower blocks frozen when the engine was built: those blocks hold no
+    gradient on any rank, so their recomputed calls, whose inputs need no gradient either, have no
+    backward to run and no reduce to join. They keep no inputs (they kept them every forward
+    before, for a backward that did nothing), as on one process; the blocks above do. As one
+    process trains, within tolerance."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 2, "accumulate": 2, "clip": 0.5, "frozen_below": 2,
+           "activations": "recompute", "fused": fused}
+    state = sum((16 if p.requires_grad else 4) * p.numel() for p in build(cfg).parameters())
+    cfg["host_memory"] = int(0.9 * state / 2)  # each rank: less than its share of the state
+    results = launch(2, tmp_path, cfg)
+    for r in results:
+        kept = r["activation_bytes"]
+        assert kept[0] == kept[1] == 0 and all(kept[i] > 0 for i in range(2, 6)), kept
+    expected = reference(2, cfg)
+    for k, v in results[0]["weights"].items():
+        assert torch.allclose(v, expected[k], rtol=1e-5, atol=1e-6), k
+
+
 def test_sharded_forward_backward_gathers_each_block_once_per_pass_bitwise_as_the_loop(tmp_path):
     """forward_backward on 2 ranks: each block's weights gathered once per pass for all the
     micro-batches (the loop gathers them once per micro-batch), every gradient reduced per

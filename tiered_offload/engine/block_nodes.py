@@ -87,9 +87,11 @@ class StreamedBlock(torch.autograd.Function):
         box["outputs"] = len(returned)
         outputs = tuple(returned) + tuple(t.detach() for _, t in extras)
         ctx.aliases = watch_aliases(unit.name, tensors, given, outputs, saved)
-        # a call with no input and no weight requiring a gradient has no backward to run (one process:
-        # sharded ranks still reduce the block together): its inputs are not kept
-        ctx.inert = not any(needs) and not ctx.rng["trains"] and engine.sharding is None
+        # a call with no input and no weight requiring a gradient has no backward to run: its inputs
+        # are not kept. Sharded ranks still reduce together a block that has a gradient (frozen
+        # since the build); one without (frozen at it, on every rank: the build is checked the same)
+        # has no reduce to join
+        ctx.inert = not any(needs) and not ctx.rng["trains"] and (engine.sharding is None or not unit.grad_key)
         ctx.handles = [] if ctx.inert else [ctx.stash.pack(t) for t in tensors]
         engine.seal(index, ctx.stash)
         return outputs
