@@ -387,6 +387,8 @@ def draw_sharded(rng: random.Random) -> dict:
     if rng.random() < 0.25:  # parameters frozen mid-run (drawn last: a seed draws the rest as before)
         from dist_worker import build
         cfg["freezes"] = {str(k): v for k, v in freezes(rng, build(cfg), cfg["steps"]).items()}
+    if model == "gpt" and "freezes" not in cfg and rng.random() < 0.25:  # (drawn last too)
+        cfg["frozen_below"] = rng.choice([1, 2])  # the embeddings and the lower blocks frozen at build
     return cfg
 
 
