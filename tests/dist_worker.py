@@ -286,7 +286,7 @@ def run(out: Path, cfg: dict) -> int:
         _kill_during_update(engine, *cfg["kill"][1:])
     if cfg.get("fail") and cfg["fail"][0] == rank:  # an error in the middle of a step's update on this rank
         _fail_during_update(engine, *cfg["fail"][1:])
-    losses, step_modes = [], [engine.step_mode]
+    losses, step_modes, state_reads = [], [engine.step_mode], []
     while engine.step_count < cfg["steps"]:
         step = engine.step_count
         freeze(model, cfg, step)
@@ -325,6 +325,11 @@ def run(out: Path, cfg: dict) -> int:
             engine.clip_grad_norm_(cfg["clip"])
         engine.step()
         step_modes.append(engine.step_mode)
+        # per block, how often its optimizer states were read from the disk so far
+        state_reads.append({k.split("/")[0]: 0 for k in engine.store.keys() if "/state" in k})
+        for k in engine.store.keys():
+            if "/state" in k:
+                state_reads[-1][k.split("/")[0]] += engine.store.record(k).disk_reads
         if not cfg.get("zero_grad_late") and (step + 1) % cfg.get("zero_every", 1) == 0:
             engine.zero_grad()
     weights = dict(engine.named_parameters())
@@ -334,7 +339,7 @@ def run(out: Path, cfg: dict) -> int:
               "host_budget": engine.store.capacity("host"), "weights": weights if rank == 0 else None,
               "directory": str(engine.store.backend.location), "exported": exported,
               "gathered_ahead": engine._streamer.gathered_ahead, "collective_bytes": engine._placement.collective_bytes(),
-              "activation_bytes": dict(engine._streamer.activation_bytes),
+              "activation_bytes": dict(engine._streamer.activation_bytes), "state_reads": state_reads,
               "disk_read": engine.store.stats.bytes_read[Tier.DISK],
               "refused_groups": getattr(engine, "refused_groups", []), "step_modes": step_modes,
               "plan_reasons": list(engine.plan.reasons)}

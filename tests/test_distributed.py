@@ -208,6 +208,26 @@ def test_sharded_parameters_frozen_and_unfrozen_mid_run_train_as_one_process(tmp
                                                                    "3": {"blocks.2.qkv.weight": True}}})
 
 
+def test_sharded_blocks_frozen_whole_mid_run_read_no_optimizer_state(tmp_path):
+    """Blocks frozen whole mid-run on 2 ranks, their gradients zeroed: the step updates nothing of
+    them, so no rank's lookahead reads their optimizer states any more (it read them every step
+    before, for nothing: test_finetune.py's case on one process). Their gradients are still reduced
+    with the ranks' (that needs every rank to skip it alike). As one process trains."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 5, "accumulate": 1, "activations": "recompute",
+           "freezes": {"1": {"blocks.1": False, "blocks.2": False}}}
+    state = 16 * sum(p.numel() for p in build(cfg).parameters())
+    cfg["host_memory"] = int(0.9 * state / 2)  # the states cannot all stay in memory
+    results = launch(2, tmp_path, cfg)
+    for r in results:
+        reads = r["state_reads"]  # after each step, per block: its states' reads from the disk so far
+        assert all(reads[-1][b] == reads[1][b] for b in ("block.1", "block.2")), reads
+        assert all(reads[-1][b] > reads[1][b] for b in ("block.0", "block.3")), reads  # the trained ones: read
+    expected = reference(2, cfg)
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([results[0]["weights"][k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
 def test_sharded_blocks_frozen_at_build_below_the_trained_ones_keep_no_inputs(fused, tmp_path):
     """The embeddings and the lower blocks frozen when the engine was built: those blocks hold no

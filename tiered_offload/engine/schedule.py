@@ -193,7 +193,8 @@ class Schedule:
         return [unit.weight_key, unit.grad_key, *unit.state_keys(self.state_kinds)]
 
     def access_sequence(self, phases: Iterable[Phase], *, overlap: bool, activations: bool = False,
-                        repeat: int = 1, idle: frozenset[str] = frozenset()) -> list[str]:
+                        repeat: int = 1, idle: frozenset[str] = frozenset(),
+                        stepless: frozenset[str] = frozenset()) -> list[str]:
         """The keys one iteration made of ``phases`` touches, in order, as the lookahead sees it.
 
         With the step overlapped, the cycle starts with the step's units (in forward order)
@@ -203,7 +204,8 @@ class Schedule:
         micro-batch ``k`` > 0 of a pass ``block.i/activations.k``), which its backward reads.
         ``repeat``: each block is used that many times in a row (``forward_backward`` over that
         many micro-batches). ``idle``: units whose gradients and optimizer states this iteration
-        leaves alone (frozen whole mid-run): their weights alone.
+        leaves alone (frozen whole mid-run): their weights alone. ``stepless``: units the step
+        leaves alone whose gradients the backward still adds to (sharded: reduced with the ranks').
         """
         phases = [Phase(p) for p in phases]
         order = self.update_order()
@@ -218,7 +220,7 @@ class Schedule:
             return [key for k in range(times(u)) for key in self._forward_keys(u) + act(u, k)]
 
         def step(u: UnitLayout) -> list[str]:
-            return [] if u.name in idle else self._step_keys(u)
+            return [] if u.name in idle or u.name in stepless else self._step_keys(u)
         body = {
             Phase.FORWARD: [k for u in order for k in forward(u)],
             Phase.BACKWARD: [key for b in reversed(self.blocks) for k in range(repeat)

@@ -191,9 +191,12 @@ class BlockStreamer:
         interleaved with the next forward where it overlaps it or is deferred to it (``inline``: a
         deferred step that runs whole before, as :meth:`UpdatePipeline.wait` for every unit does)."""
         interleaved = not inline and (self.overlap_step or self.defer_step)
-        idle = frozenset(u.name for u in self.binding.units if u.idle()) if self.sharding is None else frozenset()
+        # (sharded: the backward still reduces an idle unit's gradients with the ranks', alike on each)
+        idle = frozenset(u.name for u in self.binding.units if u.idle())
+        one = self.sharding is None
         return schedule.access_sequence(phases, overlap=interleaved, repeat=self.micro_batches,
-                                        activations=self.modes is not None, idle=idle)
+                                        activations=self.modes is not None, idle=idle if one else frozenset(),
+                                        stepless=frozenset() if one else idle)
 
     @property
     def in_backward(self) -> bool:
