@@ -325,11 +325,12 @@ def run(out: Path, cfg: dict) -> int:
             engine.clip_grad_norm_(cfg["clip"])
         engine.step()
         step_modes.append(engine.step_mode)
-        # per block, how often its optimizer states were read from the disk so far
-        state_reads.append({k.split("/")[0]: 0 for k in engine.store.keys() if "/state" in k})
+        reads: dict[str, int] = {}  # per unit: its optimizer states' reads from the disk so far
         for k in engine.store.keys():
             if "/state" in k:
-                state_reads[-1][k.split("/")[0]] += engine.store.record(k).disk_reads
+                name = k.split("/")[0]
+                reads[name] = reads.get(name, 0) + engine.store.record(k).disk_reads
+        state_reads.append(reads)
         if not cfg.get("zero_grad_late") and (step + 1) % cfg.get("zero_every", 1) == 0:
             engine.zero_grad()
     weights = dict(engine.named_parameters())
