@@ -141,6 +141,22 @@ def _kill_during_update(engine, step: int, after_units: int) -> None:
     engine._update_unit = counted
 
 
+def _kill_in_commit(engine, step: int, when: str) -> None:
+    """SIGKILL this process as its snapshot commit of step ``step`` replaces the manifest
+    (``when``: "before" or "after" the new manifest is written), on the commit's thread."""
+    import signal
+    files = engine._commits.session.files
+    write = files.write_manifest
+
+    def killed(manifest):
+        if manifest["step"] == step and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(manifest)
+        if manifest["step"] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    files.write_manifest = killed
+
+
 def _fail_during_update(engine, step: int, after_units: int) -> None:
     """Raise an error (as the optimizer's code or an out-of-memory would) in the update of step
     ``step + 1`` once ``after_units`` units of it are updated."""
@@ -256,8 +272,17 @@ def _linger(out: Path, cfg: dict, error: Exception) -> int:
 
 
 def run(out: Path, cfg: dict) -> int:
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (a driver that saw it hang asks for its stacks)
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout_s", 120)))
     rank = dist.get_rank()
+    if cfg.get("kill_after") and cfg["kill_after"][0] == rank:  # SIGKILL this rank after that many seconds
+        import signal
+        import threading
+        timer = threading.Timer(cfg["kill_after"][1], os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True  # (a rank that finished first exits)
+        timer.start()
     if cfg.get("try_step_modes"):  # try the step deferred once the plan is final, whatever the disk's load
         os.environ["TIERED_OFFLOAD_DEFER_STEP"] = "try"
     if str(rank) in cfg.get("slow_step_mode", {}):
@@ -268,6 +293,7 @@ def run(out: Path, cfg: dict) -> int:
     durable = cfg.get("durable", False)
     engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
                     resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
+                    commit_every=cfg.get("commit_every", 1),
                     init_from=cfg.get("init_from"),
                     # a device tier (of CPU memory here) with its own budget, as each rank's GPU
                     store_config={"device_budget_bytes": cfg["device_budget"]} if cfg.get("device_budget") else None,
@@ -284,6 +310,17 @@ def run(out: Path, cfg: dict) -> int:
         _no_room_after_ahead(engine)
     if cfg.get("kill") and cfg["kill"][0] == rank:  # SIGKILL this rank in the middle of a step's update
         _kill_during_update(engine, *cfg["kill"][1:])
+    if cfg.get("kill_in_reduce") and cfg["kill_in_reduce"][0] == rank:  # SIGKILL it as it would reduce gradients
+        import signal
+        reduce = engine._placement.sharding.reduce_scatter_mean
+
+        def killed(*args, **kwargs):
+            if engine.step_count == cfg["kill_in_reduce"][1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return reduce(*args, **kwargs)
+        engine._placement.sharding.reduce_scatter_mean = killed
+    if cfg.get("kill_in_commit") and cfg["kill_in_commit"][0] == rank:  # SIGKILL it as it commits a step
+        _kill_in_commit(engine, *cfg["kill_in_commit"][1:])
     if cfg.get("fail") and cfg["fail"][0] == rank:  # an error in the middle of a step's update on this rank
         _fail_during_update(engine, *cfg["fail"][1:])
     losses, step_modes, state_reads = [], [engine.step_mode], []
@@ -342,8 +379,9 @@ def run(out: Path, cfg: dict) -> int:
               "gathered_ahead": engine._streamer.gathered_ahead, "collective_bytes": engine._placement.collective_bytes(),
               "activation_bytes": dict(engine._streamer.activation_bytes), "state_reads": state_reads,
               "disk_read": engine.store.stats.bytes_read[Tier.DISK],
+              "disk_written": engine.store.stats.bytes_written[Tier.DISK],
               "refused_groups": getattr(engine, "refused_groups", []), "step_modes": step_modes,
-              "plan_reasons": list(engine.plan.reasons)}
+              "plan_reasons": list(engine.plan.reasons), "commits": type(engine._commits).__name__}
     engine.close()
     result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()
                                 if f.is_file() and not f.name.startswith("."))

@@ -182,14 +182,17 @@ def test_sharded_gradient_hooks_and_clipping_by_value_match_one_process(fused, i
         assert (expected[name] - without[name]).abs().max() > 1e-3 * expected[name].abs().max(), name
 
 
-def _trains_as_one_process(tmp_path, cfg: dict) -> None:
-    """``cfg`` on 2 ranks, each at 0.9 of its share of the state: within 1e-6 of one process."""
-    cfg = dict(cfg, host_memory=int(0.9 * 16 * sum(p.numel() for p in build(cfg).parameters()) / 2))
-    got = launch(2, tmp_path, cfg)[0]["weights"]
+def _trains_as_one_process(tmp_path, cfg: dict, share: float = 0.9) -> dict:
+    """``cfg`` on 2 ranks, each at ``share`` of its share of the state: within 1e-6 of one process.
+    Returns rank 0's results."""
+    cfg = dict(cfg, host_memory=int(share * 16 * sum(p.numel() for p in build(cfg).parameters()) / 2))
+    results = launch(2, tmp_path, cfg)[0]
+    got = results["weights"]
     expected = reference(2, cfg)
     want = torch.cat([w.detach().flatten() for w in expected.values()])
     have = torch.cat([got[k].flatten() for k in expected])
     assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+    return results
 
 
 def test_sharded_gradients_kept_past_a_clipped_step_are_the_clipped_ones(tmp_path):
@@ -417,6 +420,17 @@ def test_a_rank_that_dies_mid_step_stops_its_peers_with_a_clear_error(tmp_path):
     assert "DistributedError" in log0 and "rank 0 of 2" in log0 and "during step 2" in log0, log0[-2000:]
 
 
+def test_a_rank_killed_in_its_backward_stops_its_peer_in_the_gradients_reduce(tmp_path):
+    """Rank 1 is SIGKILLed in step 2's backward, as it would reduce a block's gradients: rank 0,
+    waiting in that reduce-scatter, stops with a DistributedError (gloo reports the closed connection
+    on each wait, but never marks that collective completed: it waited forever)."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 3, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "timeout_s": 300, "kill_in_reduce": [1, 1]}
+    (code0, log0), (code1, _) = launch(2, tmp_path, cfg, timeout=60, check=False)
+    assert code1 == -9 and code0 != 0, log0[-2000:]
+    assert "DistributedError" in log0 and "reduce-scatter" in log0, log0[-2000:]
+
+
 def test_a_rank_whose_update_failed_and_lives_on_stops_its_peers_at_once_naming_its_error(tmp_path):
     """Rank 1's update fails part-way (an error in the optimizer's code, an out-of-memory) and its
     loop catches the error and lives on (a log, a retry, a notebook). Rank 0 went on into the next
@@ -487,20 +501,91 @@ def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, tmp_path):
     (rank 0 has written its own: it drops it at the restart, since no rank updated anything); rank
     0 fails on its next collective. The job is started again with the same command: the weights
     after step 5 are bitwise those of a run that was never interrupted. Also with 3 micro-batches
-    a step through ``forward_backward``, the state streaming through each rank's disk (4 steps)."""
-    cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+    a step through ``forward_backward`` (4 steps). Each rank at 0.9 of its share of the state: the
+    state streams through its disk, and the steps commit through the journal."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0,
            "durable": True, "timeout_s": 30, "scheduler": True}
+    cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in build(cfg).parameters()) / 2)
     if fused:
-        n = sum(p.numel() for p in build(cfg).parameters())
-        cfg.update(accumulate=3, fused=True, host_memory=int(0.9 * 16 * n / 2), activations="offload", steps=4)
+        cfg.update(accumulate=3, fused=True, activations="offload", steps=4)
     (tmp_path / "once").mkdir()
     (tmp_path / "killed").mkdir()
-    whole = launch(2, tmp_path / "once", cfg)[0]["weights"]
+    once = launch(2, tmp_path / "once", cfg)
+    assert once[0]["commits"] == "JournalCommits"
+    whole = once[0]["weights"]
     (code0, log0), (code1, _) = launch(2, tmp_path / "killed", dict(cfg, kill=[1, 2, after_units]), check=False)
     assert code1 == -9 and code0 != 0, log0[-2000:]
     assert "DistributedError" in log0
     resumed = launch(2, tmp_path / "killed", cfg)[0]["weights"]
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ranks_a_crash_left_one_snapshot_commit_apart_resume_from_the_one_every_rank_made(when, tmp_path):
+    """Sharded snapshot commits (``commit_every=2``; the state fits each rank's memory): rank 1 is
+    SIGKILLed as it commits step 4, ``before`` its new manifest is written (rank 0 has committed step
+    4 and kept step 2's commit: it goes back to it at the restart) or ``after`` (both at step 4). The
+    job started again ends bitwise where an uninterrupted run does, and every rank keeps at most the
+    commit before its last."""
+    from tiered_offload.checkpoint.durable import STATE_DIR, StateFiles
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 6, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "durable": True, "timeout_s": 30, "scheduler": True, "commit_every": 2}
+    (tmp_path / "once").mkdir()
+    (tmp_path / "killed").mkdir()
+    once = launch(2, tmp_path / "once", cfg)
+    assert once[0]["commits"] == "SnapshotCommits"
+    (code0, log0), (code1, _) = launch(2, tmp_path / "killed", dict(cfg, kill_in_commit=[1, 4, when]), check=False)
+    assert code1 == -9 and code0 != 0, log0[-2000:]
+    files = [StateFiles(tmp_path / "killed" / "state" / f"rank-{r}-of-2" / STATE_DIR) for r in range(2)]
+    assert files[0].read_manifest()["step"] == 4 and files[0].read_previous()["step"] == 2
+    assert files[1].read_manifest()["step"] == (2 if when == "before" else 4)
+    resumed = launch(2, tmp_path / "killed", cfg)
+    assert all(torch.equal(resumed[0]["weights"][k], once[0]["weights"][k]) for k in once[0]["weights"])
+    log0 = (tmp_path / "killed" / "rank-0.log").read_text()
+    assert ("going back from step 4 to step 2" in log0) == (when == "before"), log0[-2000:]
+    for f in files:  # (the last commit's agreement is the next start's: the one before it is kept till then)
+        assert f.read_manifest()["step"] == 6 and f.read_previous()["step"] == 4
+
+
+def test_the_step_ranks_resume_at_is_one_every_rank_holds_or_refused():
+    """:func:`reconcile_resume` on each rank's ``[manifest step, step in flight, commit before kept]``:
+    a journal's step in flight dropped where a rank lacks it; snapshots: back to the oldest manifest,
+    where every rank holds it; anything else refused, naming the steps."""
+    from offload_core.errors import DistributedError
+    from tiered_offload.engine.sharding import reconcile_resume
+
+    def each(positions):
+        return [reconcile_resume(positions, r) for r in range(len(positions))]
+    assert each([None, None]) == [(None, False, False)] * 2
+    assert each([[3, 4], [3, None]]) == [(3, True, False), (3, False, False)]  # (rank 1 never wrote its intent)
+    assert each([[3, 4], [4, None]]) == [(4, False, False), (4, False, False)]  # (rank 0 finishes it)
+    assert each([[4, None, 2], [2, None, 2]]) == [(2, False, True), (2, False, False)]
+    assert each([[4, None, 2], [2, None, None]]) == [(2, False, True), (2, False, False)]
+    assert each([[4, None, 2], [4, None, 2], [4, None, None]]) == [(4, False, False)] * 3
+    for apart in ([[6, None, 4], [2, None, None]], [[4, None, 2], [3, 4, None]], [[4, None, None], [2, None, 2]]):
+        with pytest.raises(DistributedError, match="cannot be reconciled"):
+            reconcile_resume(apart, 0)
+    with pytest.raises(DistributedError, match=r"rank\(s\) \[1\] of 2 hold a training state"):
+        reconcile_resume([None, [2, None, None]], 0)
+
+
+@pytest.mark.parametrize("share,every", [(0.9, 3), (2.0, 1), (2.0, 2)])
+def test_sharded_snapshot_commits_train_as_one_process(share, every, tmp_path):
+    """Snapshot commits over 2 ranks leave the numbers as one process's: ``commit_every=3`` where the
+    state streams through each rank's disk (0.9 of a share), and every step or every second where
+    each rank's share fits its memory (2.0 of a share: the whole state, not aligned; every block recomputed,
+    beside the gathered buffers) as on one process whose state fits: no state is read back, and
+    none is written but by the commits."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0, "durable": True,
+           "commit_every": every, "activations": "recompute" if share > 1 else "auto"}
+    results = _trains_as_one_process(tmp_path, cfg, share)
+    assert results["commits"] == "SnapshotCommits"
+    if share > 1:
+        assert not any(results["state_reads"][-1].values())
+        # the first weights, then weights and states at each commit (steps 2 and 4, the rest at close, or all 5)
+        local = results["local_state_bytes"]  # (weights, gradients, Adam's two states: 1/4, 1/4, 1/2 of it)
+        commits = 3 if every == 2 else 5
+        assert results["disk_written"] <= 1.02 * (local / 4 + commits * 3 * local / 4)
 
 
 def test_resuming_with_another_number_of_ranks_is_refused(tmp_path):
@@ -619,6 +704,10 @@ def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command
     assert cli_main(["inspect", str(root)]) == 0
     text = capsys.readouterr().out
     assert "rank 0 of 2   step 2" in text and "rank 1 of 2   step 2" in text
+    # (the state fits: snapshot commits, each rank keeping step 1's till the run's next start, told apart
+    # from leftovers)
+    assert "(step 1's commit kept)" in text and "only the commit before the last (step 1) names" in text
+    assert "not part of the committed state" not in text
     assert cli_main(["verify", str(root)]) == 0
     assert cli_main(["export", str(root), str(tmp_path / "out")]) == 0
     reader = PretrainedReader(tmp_path / "out")

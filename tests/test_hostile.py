@@ -279,6 +279,36 @@ def test_a_malformed_manifest_is_a_typed_error_everywhere(tmp_path, name):
     assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "out")]) == 2
 
 
+@pytest.mark.parametrize("kept", ["damaged", "malformed", "whole"])
+def test_the_commit_before_kept_beside_the_manifest_is_checked_as_one(tmp_path, kept):
+    """A sharded run's ``previous.json`` (the commit before its last, kept for the other ranks) is
+    read with the manifest: damage or a malformed one is a typed error naming it, from the engine and
+    every command alike; a whole one that one process finds is forgotten at its start."""
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    state = tmp_path / "s" / STATE_DIR
+    data = (state / "manifest.json").read_bytes()
+    if kept == "damaged":
+        data = data[:-3] + b"x" + data[-2:]
+    elif kept == "malformed":
+        crc, _, payload = data.partition(b" ")
+        payload = payload.replace(b'"step":1', b'"step":"1"', 1)
+        data = b"%08x %s" % (zlib.crc32(payload), payload)
+    (state / "previous.json").write_bytes(data)
+    if kept == "whole":
+        engine = make_engine(tmp_path / "s", resume=True)
+        assert not (state / "previous.json").exists()
+        train(engine, 2)
+        engine.close()
+        return
+    with pytest.raises(CorruptionError, match="previous.json"):
+        within(60, lambda: make_engine(tmp_path / "s", resume=True))
+    for command in ("inspect", "verify"):
+        assert cli_main([command, str(tmp_path / "s")]) == 2
+    assert (state / "previous.json").exists()  # (nothing deleted to "repair" it)
+
+
 def test_a_manifest_that_is_not_utf8_is_a_typed_error(tmp_path):
     engine = make_engine(tmp_path / "s")
     train(engine, 1)

@@ -162,6 +162,8 @@ def _state_command(args) -> int:
         for r in info.get("ranks", []):  # the shared root of a sharded run
             print(f"  rank {r['rank']} of {len(info['ranks'])}   step {r['step']}"
                   + (f" (step {r['step_in_flight']['step']} in flight)" if r["step_in_flight"] else "")
+                  + (f" (step {r['previous_commit_step']}'s commit kept)" if r.get("previous_commit_step") is not None
+                     else "")
                   + f"  {r['directory']}")
         print(f"  step            {info['step']}" + (f"  (step {info['step_in_flight']['step']} in flight: "
                                                       f"{info['step_in_flight']['units_recorded']}/"
@@ -181,6 +183,9 @@ def _state_command(args) -> int:
         for d in info["storage"]:
             print(f"  {d['directory']}: {d['files']} files, {format_size(d['bytes'])}; "
                   f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}")
+            if d.get("previous_commit_bytes"):
+                print(f"    {format_size(d['previous_commit_bytes'])} only the commit before the last (step "
+                      f"{info['previous_commit_step']}) names: kept for the other ranks till the run's next start")
             if d["unreferenced_files"]:
                 print(f"    not part of the committed state (a step in flight, or leftovers a resume deletes): "
                       f"{', '.join(d['unreferenced_files'][:5])}")

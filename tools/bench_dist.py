@@ -21,6 +21,13 @@ runs, instead, each world size twice with ``--accumulate`` micro-batches per opt
 loop of ``engine.backward`` and through ``engine.forward_backward`` (each block gathered once per
 pass for all of them), and prints both runs' volumes per optimizer step, their ratios, and whether
 the two ended with the same weights bit for bit.
+
+    python tools/bench_dist.py --ranks 2 --commit-every 4 --rounds 2
+
+trains durably instead (each rank's directory the checkpoint), every step committed against every
+4th (snapshot commits), the two interleaved over the rounds; prints each one's step time and disk
+bytes written per step (the commits' included), their ratios, the commit mode each rank ran, and
+whether the two ended with the same weights bit for bit.
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def rank_main(args) -> int:
     model = _model(args)
     n = sum(p.numel() for p in model.parameters())
     share = 16 * n / world
-    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4), storage=Path(args.out) / "state", durable=False,
+    engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4), storage=Path(args.out) / "state",
+                    durable=args.durable, commit_every=args.every,
                     host_memory=max(int(share * args.budget_fraction), args.min_host), device="cpu")
     g = torch.Generator().manual_seed(rank)
     per_rank, micro = args.batch // world, max(1, args.accumulate)
@@ -91,6 +99,7 @@ def rank_main(args) -> int:
             disk_w.append(s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK])
             coll.append({k: c1[k] - c0[k] for k in c1})
     engine._await()
+    commits = type(engine._commits).__name__
     weights = torch.cat([w.detach().flatten() for _, w in engine.named_parameters()])  # gathered on every rank
     result = {"weights_sha256": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),
               "rank": rank, "world": world, "step_s": statistics.median(times),
@@ -98,7 +107,7 @@ def rank_main(args) -> int:
               "collective_per_step": {k: statistics.median(c[k] for c in coll) for k in coll[0]},
               "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
               "host_budget": engine.store.capacity("host"), "parameters": n,
-              "gathered_ahead": engine._streamer.gathered_ahead}
+              "gathered_ahead": engine._streamer.gathered_ahead, "commits": commits}
     engine.close()
     Path(args.out, f"rank-{rank}.json").write_text(json.dumps(result))
     if world > 1:
@@ -114,7 +123,7 @@ def run(world: int, args) -> list[dict]:
     cmd = [sys.executable, __file__, "--rank-main", "--out", str(out)] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
         if k in ("layers", "d_model", "heads", "context", "batch", "steps", "budget_fraction", "min_host",
-                 "accumulate")] + (["--fused"] if args.fused else [])
+                 "accumulate", "every")] + (["--fused"] if args.fused else []) + (["--durable"] if args.durable else [])
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -147,7 +156,12 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--accumulate", type=int, default=0, metavar="N",
                     help="N micro-batches per optimizer step: the loop against forward_backward")
+    ap.add_argument("--commit-every", type=int, default=0, metavar="N",
+                    help="durable: every step committed against every Nth")
+    ap.add_argument("--rounds", type=int, default=2, help="with --commit-every: rounds of the two, interleaved")
     ap.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--durable", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--every", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -155,6 +169,8 @@ def main() -> int:
         return rank_main(args)
     if args.accumulate:
         return accumulate(args)
+    if args.commit_every:
+        return commits(args)
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("rank_main", "out", "json")},
               "cpus": os.cpu_count(), "runs": {}}
     mib = lambda b: f"{b / 2**20:8.1f} MiB"  # noqa: E731
@@ -220,6 +236,37 @@ def accumulate(args) -> int:
               f"{ratio(lambda r: r['disk_read_per_step']):.2f}x, reduce-scatter {reductions:.2f}x, step {step:.2f}x; "
               f"final weights {'bitwise the same' if same else 'DIFFERENT'}")
     args.fused = False
+    return 0
+
+
+def commits(args) -> int:
+    """Durable runs, every step committed against every ``--commit-every``-th, interleaved."""
+    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    n = sum(p.numel() for p in _model(args).parameters())
+    print(f"{n / 1e6:.1f}M parameters, state {mib(16 * n)}, host budget {args.budget_fraction:g} x each rank's share; "
+          f"medians of {args.steps - 1} steps after a warm-up, then over {args.rounds} rounds")
+    args.durable = True
+    for world in [int(w) for w in args.ranks.split(",")]:
+        got: dict[int, list] = {1: [], args.commit_every: []}
+        for _ in range(args.rounds):
+            for every in got:
+                args.every = every
+                got[every].append(run(world, args))
+        print("| ranks | commits | mode | s / step | disk written / rank / step | read |")
+        print("| ---: | --- | --- | ---: | ---: | ---: |")
+        summary = {}
+        for every, runs in got.items():
+            step = statistics.median(max(r["step_s"] for r in res) for res in runs)
+            written = statistics.median(res[0]["disk_written_per_step"] for res in runs)
+            read = statistics.median(res[0]["disk_read_per_step"] for res in runs)
+            summary[every] = (step, written)
+            modes = sorted({r["commits"] for res in runs for r in res})
+            print(f"| {world} | every {every} | {', '.join(modes)} | {step:.3f} | {mib(written)} | {mib(read)} |")
+        (s1, w1), (sn, wn) = summary[1], summary[args.commit_every]
+        same = len({r["weights_sha256"] for runs in got.values() for res in runs for r in res}) == 1
+        print(f"{world} ranks, every {args.commit_every} / every step: step {sn / s1:.2f}x, disk written "
+              f"{wn / max(w1, 1):.2f}x; final weights {'bitwise the same' if same else 'DIFFERENT'}", flush=True)
+    args.durable, args.every = False, 1
     return 0
 
 

@@ -389,6 +389,8 @@ def draw_sharded(rng: random.Random) -> dict:
         cfg["freezes"] = {str(k): v for k, v in freezes(rng, build(cfg), cfg["steps"]).items()}
     if model == "gpt" and "freezes" not in cfg and rng.random() < 0.25:  # (drawn last too)
         cfg["frozen_below"] = rng.choice([1, 2])  # the embeddings and the lower blocks frozen at build
+    if cfg["durable"] and rng.random() < 0.3:  # snapshot commits every 2-3 steps (drawn last too)
+        cfg["commit_every"] = rng.choice([2, 3])
     return cfg
 
 

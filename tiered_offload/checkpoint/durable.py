@@ -5,6 +5,7 @@ Layout of a storage directory (the first one when striped)::
     .tiered-offload/lock            held with flock() by the one process using the directory
     .tiered-offload/manifest.json   the last fully written step: every tensor's extent, checksum
     .tiered-offload/journal.jsonl   what happened since: at most one step's intent and unit records
+    .tiered-offload/previous.json   sharded snapshot commits: the commit before, till every rank has the last
     block.0%2Fweight@7 ...          tensor extents; a new version always goes to a new extent
 
 Protocol (redo log with copy-on-write extents). Nothing is ever overwritten in place:
@@ -28,6 +29,11 @@ and the manifest replaced. Until then the previous manifest's extents stay on di
 a crash resumes from the last commit; the price is disk space for both versions of what changed
 (up to twice the state) and at most N-1 steps redone.
 
+Sharded, every rank commits its own directory, so a crash can stop the ranks one commit apart. Each
+rank keeps the manifest of the commit before (``previous.json``) and its extents until the ranks
+agree, at the next step, that every one has written the new manifest; a resume finds the oldest
+manifest on every rank (as its manifest or as the one kept) and goes back to it where needed.
+
 Recovery reads the manifest and the journal, deletes extents that nothing refers to (the
 remains of a write cut short), and re-runs the update for the units of a committed step that
 have no unit record, from their previous extents and the gradients the intent names: the same
@@ -43,14 +49,10 @@ truncated to "repair" it.
 from __future__ import annotations
 
 import base64
-import datetime
 import errno
-import fcntl
 import json
 import logging
 import os
-import socket
-import sys
 import threading
 import time
 import zlib
@@ -65,9 +67,9 @@ from offload_core.errors import (
     CheckpointError,
     CorruptionError,
     DiskFullError,
-    StorageLockedError,
 )
 
+from .lock import DirectoryLock  # (re-exported: the lock is its own part)
 from .schema import check_manifest, check_record, parse_json
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ READABLE_FORMATS = {"tiered-offload/1": "crc32", "tiered-offload/2": None, FORMA
 """Formats this version reads -> the checksum they imply (None: named in the manifest)."""
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
-LOCK = "lock"
+PREVIOUS = "previous.json"
 
 
 def state_directory(location: str) -> Path:
@@ -105,81 +107,6 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-# ---- the lock ---------------------------------------------------------------------------
-class DirectoryLock:
-    """One process per storage directory: an ``flock`` held for the engine's lifetime.
-
-    The kernel drops the lock when its holder dies, however it dies, so a lock file left by a dead
-    process is never mistaken for a live owner (no PID-reuse guessing). The file names the holder.
-    """
-
-    def __init__(self, state_dir: Path):
-        self.path = state_dir / LOCK
-        self._fd: int | None = None
-        self.took_over: dict | None = None
-        """The holder recorded by a previous process that died without releasing the lock."""
-
-    def acquire(self) -> "DirectoryLock":
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('since')}: "
-                   f"{holder.get('command')})") if holder else "another process"
-            if holder and holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
-                who = (f"a process started by process {holder.get('pid')}, which has exited (its record: started "
-                       f"{holder.get('since')}: {holder.get('command')}); a child it forked (a data loader worker, a "
-                       f"subprocess) inherited the lock and still runs: stop it (`fuser -v {self.path}` names it)")
-            raise StorageLockedError(
-                f"storage directory {self.path.parent.parent} is in use by {who}; the lock is {self.path}. Stop that "
-                f"process, or give this run another directory") from None
-        previous = _read_holder(fd)
-        if previous:
-            self.took_over = previous
-            log.warning("%s: taking over the lock left by process %s on %s, which is no longer running",
-                        self.path, previous.get("pid"), previous.get("host"))
-        me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)[:200]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, _dumps(me).encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            os.ftruncate(self._fd, 0)  # a clean exit leaves no holder behind
-        finally:
-            os.close(self._fd)  # releases the flock
-            self._fd = None
-
-
-def _alive(pid) -> bool:
-    """Whether process ``pid`` exists on this machine (True when that cannot be told)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def _read_holder(fd: int) -> dict:
-    try:
-        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-        return json.loads(text) if text else {}
-    except (OSError, ValueError):
-        return {}
-
-
 # ---- the manifest and the journal ---------------------------------------------------------
 class StateFiles:
     """The manifest (replaced atomically) and the journal (appended, one checksummed JSON line per record)."""
@@ -188,28 +115,39 @@ class StateFiles:
         self.dir = state_dir
         self.manifest_path = state_dir / MANIFEST
         self.journal_path = state_dir / JOURNAL
+        self.previous_path = state_dir / PREVIOUS
+        """Sharded snapshot commits: the manifest of the commit before, kept until every rank has the
+        manifest's step (:meth:`keep_previous`), so that ranks a crash left one commit apart resume at
+        the older one together (:func:`~tiered_offload.engine.sharding.reconcile_resume`)."""
 
     def read_manifest(self) -> dict | None:
         """The manifest, checked (:func:`~.schema.check_manifest`); None when there is none."""
+        return self._read_manifest(self.manifest_path)
+
+    def read_previous(self) -> dict | None:
+        """The commit before the manifest's, where one is kept (:attr:`previous_path`), checked alike."""
+        return self._read_manifest(self.previous_path)
+
+    def _read_manifest(self, path: Path) -> dict | None:
         try:
-            data = self.manifest_path.read_bytes()
+            data = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise CorruptionError(f"{self.manifest_path} cannot be read ({e})") from e
+            raise CorruptionError(f"{path} cannot be read ({e})") from e
         crc, _, payload = data.partition(b" ")
         try:
             ok = int(crc, 16) == zlib.crc32(payload)
         except ValueError:
             ok = False
         if not ok:
-            raise CorruptionError(f"{self.manifest_path} is damaged (its checksum does not match); it was modified by "
+            raise CorruptionError(f"{path} is damaged (its checksum does not match); it was modified by "
                                   f"something other than tiered-offload. Restore the directory from a copy")
-        manifest = check_manifest(parse_json(payload, self.manifest_path), self.manifest_path)
+        manifest = check_manifest(parse_json(payload, path), path)
         fmt = manifest.get("format")
         if fmt not in READABLE_FORMATS:
             raise CheckpointError(
-                f"{self.manifest_path} has storage format {fmt!r}; this version of tiered-offload reads "
+                f"{path} has storage format {fmt!r}; this version of tiered-offload reads "
                 f"{sorted(READABLE_FORMATS)}. Use the tiered-offload version that wrote it (a newer one, if the "
                 f"format is newer), or export the weights with it (`tiered-offload export`) and start from "
                 f"them with init_from")
@@ -217,14 +155,36 @@ class StateFiles:
 
     def write_manifest(self, manifest: dict) -> None:
         payload = _dumps(manifest)
-        tmp = self.manifest_path.with_suffix(".tmp")
+        self._replace(self.manifest_path, f"{zlib.crc32(payload.encode()):08x} {payload}".encode())
+
+    def _replace(self, path: Path, data: bytes) -> None:
+        """Replace ``path`` with ``data`` atomically and durably (temporary file, fsync, rename, fsync
+        of the directory)."""
+        tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            _write_all(fd, f"{zlib.crc32(payload.encode()):08x} {payload}".encode(), tmp)
+            _write_all(fd, data, tmp)
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, self.manifest_path)
+        os.replace(tmp, path)
+        fsync_directory(self.dir)
+
+    def keep_previous(self) -> None:
+        """Copy the manifest to :attr:`previous_path` before a new commit replaces it."""
+        self._replace(self.previous_path, self.manifest_path.read_bytes())
+
+    def restore_previous(self) -> None:
+        """Go back to the commit before the manifest's: one atomic rename (the kept copy is gone)."""
+        os.replace(self.previous_path, self.manifest_path)
+        fsync_directory(self.dir)
+
+    def drop_previous(self) -> None:
+        """Forget the commit before the manifest's (every rank has the manifest's)."""
+        try:
+            self.previous_path.unlink()
+        except FileNotFoundError:
+            return
         fsync_directory(self.dir)
 
     def read_journal(self) -> list[dict]:
@@ -368,6 +328,9 @@ class CommittedState:
     """The intent record of step ``manifest["step"] + 1``, if that step is in flight."""
     recorded: dict[str, dict[str, Ref]] = field(default_factory=dict)
     """Of the step in flight, the units already rewritten: unit -> {key: (extent, crc) or None}."""
+    previous: dict | None = None
+    """Sharded snapshot commits: the manifest of the commit before, while one is kept
+    (:attr:`StateFiles.previous_path`)."""
 
     def committed(self) -> dict[str, Ref]:
         """``{key: (extent, crc)}`` of the manifest's tensors (None: all zeros)."""
@@ -407,7 +370,7 @@ def read_committed(files: "StateFiles") -> CommittedState | None:
         if unknown:
             raise CorruptionError(f"{files.journal_path} names {unknown[0]}, which {files.manifest_path} does not have: "
                                   f"the two files are not from the same run. Restore the directory from a copy")
-    return CommittedState(manifest, intent, recorded)
+    return CommittedState(manifest, intent, recorded, files.read_previous())
 
 
 class Committer:
@@ -439,6 +402,8 @@ class Committer:
         """Units updated but not yet recorded, and the bytes of their new extents."""
         self._meta: dict = {}
         self._step, self._snapshotting = 0, False
+        self._held: list[str] = []
+        """Extents only the kept previous commit names (:meth:`release_previous` deletes them)."""
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-offload-journal")
         store.on_disk_written = self._written
@@ -648,20 +613,30 @@ class Committer:
             self.store.tracer.complete(f"commit step {intent['step']}", "commit", start, kind="manifest")
 
     # ---- snapshot commits ------------------------------------------------------------------
-    def snapshot(self, step: int, meta: dict) -> None:
+    def snapshot(self, step: int, meta: dict, *, keep_previous: bool = False) -> None:
         """Commit the state after ``step`` as the store holds it now, in the background: write
         every durable tensor that changed since the last commit to a new extent, make them
         durable, then replace the manifest. Until the manifest is replaced the previous committed
         state stays whole on disk (its extents are never superseded in place), so a crash at any
-        moment resumes from one or the other. The caller must not change a durable tensor until
-        :meth:`wait` returns."""
+        moment resumes from one or the other. ``keep_previous`` (sharded): the previous commit
+        stays whole until :meth:`release_previous`. The caller must not change a durable tensor
+        until :meth:`wait` returns."""
         with self._lock:
             if self._snapshotting:
                 raise CheckpointError("a snapshot commit is already in flight; wait() for it first")
+            if keep_previous and self._held:
+                raise CheckpointError("the commit before is still kept; release_previous() first")
             self._snapshotting = True
-        self._pool.submit(self._snapshot, step, meta)
+        self._pool.submit(self._snapshot, step, meta, keep_previous)
 
-    def _snapshot(self, step: int, meta: dict) -> None:
+    def release_previous(self) -> None:
+        """Every rank has committed the manifest's step: forget the commit before it."""
+        self.files.drop_previous()
+        with self._lock:
+            held, self._held = self._held, []
+        self._delete(held)
+
+    def _snapshot(self, step: int, meta: dict, keep_previous: bool) -> None:
         tracer, start = self.store.tracer, time.perf_counter()
         try:
             keys = [k for ks in self.units.values() for k in ks]
@@ -676,6 +651,8 @@ class Committer:
             with self._lock:
                 for r in new.values():
                     self._ref(r)
+            if keep_previous:
+                self.files.keep_previous()
             self.files.write_manifest(self.describe(step, new, meta))
             with self._lock:
                 garbage = []
@@ -683,6 +660,8 @@ class Committer:
                     garbage += self._unref(r)
                 self._committed = new
                 self._step, self._meta = step, meta
+                if keep_previous:
+                    self._held, garbage = garbage, []
             self._delete(garbage)
             if tracer is not None:
                 tracer.complete(f"commit step {step}", "commit", start, kind="snapshot")

@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError, CorruptionError
+from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DistributedError
 from tiered_offload.trace import span
 
 from .buffer_file import BUFFER_KEY, BufferFile, referenced
@@ -18,11 +18,11 @@ from .durable import (
     CommittedState,
     manifest_checksum,
     Committer,
-    DirectoryLock,
     StateFiles,
     read_committed,
     state_directory,
 )
+from .lock import DirectoryLock
 from .layout import parse_extent
 
 __all__ = ["CheckpointSession", "Intent", "Commits", "NoCommits", "DurableCommits", "JournalCommits", "SnapshotCommits",
@@ -280,13 +280,19 @@ class DurableCommits(Commits):
     def __init__(self, train_state, session: CheckpointSession):
         super().__init__(train_state)
         self.session = session
+        self.ranks = None
+        """Sharded: the placement, whose ranks agree on each commit (None on one process)."""
 
     def open(self, resume, placement, layout) -> CommittedState | None:
         """Lock the directory, read its committed state (every rank's brought to one step), check it
         was written for this model and optimizer, and delete the remains of writes a crash cut short
         (a first start that died before its first manifest too)."""
         session = self.session
+        self.ranks = placement if placement.world > 1 else None
         recovered = placement.reconcile(session.open(resume), resume, session.files)
+        if recovered is not None and recovered.previous is not None:  # every rank is at one step now
+            session.files.drop_previous()
+            recovered.previous = None
         if recovered is not None:
             layout.check(recovered.manifest, session.files.manifest_path)
             session.store.use_checksum(manifest_checksum(recovered.manifest))  # the directory's own
@@ -382,25 +388,53 @@ class JournalCommits(DurableCommits):
 
 class SnapshotCommits(DurableCommits):
     """Every ``every``-th step, once its update is done, what changed is written to new extents in
-    the background and the manifest replaced (the state fits in memory, or ``commit_every`` > 1)."""
+    the background and the manifest replaced (the state fits in memory, or ``commit_every`` > 1).
+
+    Sharded, each rank commits its own directory, and a crash can stop the ranks one commit apart:
+    each keeps the commit before until the ranks agree, at the next step, that every one has the
+    new one (then it is deleted); a resume brings them all to the older one where they differ."""
 
     def __init__(self, train_state, session: CheckpointSession, every: int):
         super().__init__(train_state, session)
         self.every = every
         self.pending: tuple[int, dict] | None = None
         """The last step not yet committed, and its meta."""
+        self.owed: int | None = None
+        """Sharded: the step of the last commit started, until the ranks agree each has it."""
 
     def begin_step(self, hypers, scale, updates, *, barrier=None):
         # the last commit must have written what it snapshots before this step changes it
-        self.session.wait()
+        self._settle()
         self.pending = (self.train_state.step_count, self.train_state.state_dict())
         return self._commit_pending if self.train_state.step_count % self.every == 0 else None
+
+    def _settle(self) -> None:
+        """Wait for the last commit; sharded, the ranks then agree that every one has it (one
+        collective, on the step's thread) before each forgets the commit before it."""
+        if self.owed is None:
+            self.session.wait()
+            return
+        step, self.owed, error = self.owed, None, None
+        try:
+            self.session.wait()
+        except Exception as e:  # (the other ranks learn of it through the agreement, then it is raised)
+            error = e
+        every = self.ranks.all_agree(error is None, f"every rank's commit of step {step}")
+        if error is not None:
+            raise error
+        if not every:
+            raise DistributedError(f"another rank could not commit step {step} (its own error says why); this rank "
+                                   f"keeps the commit before it, and the job resumes from the last step every rank "
+                                   f"committed when it is started again")
+        self.session.committer.release_previous()
 
     def _commit_pending(self) -> None:
         """Start the snapshot commit of the last step (its update is done)."""
         step, meta = self.pending
         self.pending = None
-        self.session.committer.snapshot(step, meta)
+        self.session.committer.snapshot(step, meta, keep_previous=self.ranks is not None)
+        if self.ranks is not None:
+            self.owed = step
 
     def commit(self) -> int:
         if self.pending is not None:

@@ -36,15 +36,14 @@ from offload_core.errors import (
 from storage_backends.base import key_to_filename, validate_key
 from storage_backends.posix import PosixBackend
 from tiered_offload.checkpoint.durable import (
-    LOCK,
     STATE_DIR,
     StateFiles,
     _dumps,
-    _read_holder,
     manifest_checksum,
     read_committed,
 )
 from tiered_offload.checkpoint.buffer_file import load as load_buffers
+from tiered_offload.checkpoint.lock import LOCK, read_holder
 from tiered_offload.checkpoint.safetensors_io import (SafetensorsWriter, byte_tensor, cast_bytes, export_dtype,
                                                       exported_config, iter_chunks, write_private)
 from tiered_offload.progress import counter
@@ -74,6 +73,8 @@ class StateDirectory:
         manifest = self.manifest = state.manifest
         # a step in flight: its intent and the units already rewritten are part of the state
         self.intent, self.recorded = state.intent, state.recorded
+        self.previous = state.previous
+        """Sharded snapshot commits: the manifest of the commit before, kept until the ranks' next start."""
         current = state.tensors()
         self.tensors = {k: dict(v) for k, v in manifest["tensors"].items()}
         self.checksum = manifest_checksum(manifest)
@@ -128,7 +129,7 @@ class StateDirectory:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder = read_holder(fd)
                 who = (f"process {holder.get('pid')} on {holder.get('host')} ({holder.get('command')})" if holder
                        else "another process")
                 raise StorageLockedError(
@@ -226,19 +227,23 @@ class StateDirectory:
         tensors = self.tensors
         stored = {k: v for k, v in tensors.items() if v["extent"] is not None}
         referenced = {key_to_filename(v["extent"]) for v in stored.values()}
+        kept = {key_to_filename(v["extent"]) for v in (self.previous or {}).get("tensors", {}).values() if v["extent"]}
         per_dir = []
         for d in self.backend.directories:
             files = [f for f in os.listdir(d) if not f.startswith(".")]
             size = sum(os.stat(d / f).st_size for f in files)
             usage = shutil.disk_usage(d)
             per_dir.append({"directory": str(d), "files": len(files), "bytes": size,
-                            "unreferenced_files": sorted(f for f in files if f not in referenced)[:20],
+                            "unreferenced_files": sorted(f for f in files if f not in referenced | kept)[:20],
+                            "previous_commit_bytes": sum(os.stat(d / f).st_size for f in files
+                                                         if f in kept and f not in referenced),
                             "free_bytes": usage.free, "total_bytes": usage.total})
         intent = self.intent
         holder = _live_holder(self.path / STATE_DIR / LOCK)
         return {
             "directory": str(self.path),
             "step": m["step"],
+            "previous_commit_step": None if self.previous is None else self.previous["step"],
             "step_in_flight": None if intent is None else {
                 "step": intent["step"],
                 "units_recorded": len(self.recorded),
@@ -490,7 +495,7 @@ def _live_holder(lock: Path) -> dict | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
     except BlockingIOError:
-        return _read_holder(fd) or {"pid": None, "host": None, "since": None}
+        return read_holder(fd) or {"pid": None, "host": None, "since": None}
     finally:
         os.close(fd)  # (releases the probe's lock)
 
@@ -560,7 +565,8 @@ class ShardedStateDirectory:
         info["tensors_all_zero"] = sum(r["tensors_all_zero"] for r in per_rank)
         info["storage"] = [d for r in per_rank for d in r["storage"]]
         info["ranks"] = [{"rank": i, "directory": r["directory"], "step": r["step"],
-                          "step_in_flight": r["step_in_flight"], "lock_holder": r["lock_holder"]}
+                          "step_in_flight": r["step_in_flight"], "lock_holder": r["lock_holder"],
+                          "previous_commit_step": r["previous_commit_step"]}
                          for i, r in enumerate(per_rank)]
         return info
 

@@ -195,8 +195,8 @@ class Engine(EngineViews):
                                  world=self._placement.world)
         """Unit order, access sequence and budget arithmetic (pure numbers)."""
         self._units_by_name = {u.name: u for u in self.units}
-        snapshot = self._placement.world == 1 and (
-            commit_every > 1 or self.schedule.fits(self.store.capacity(self.store.compute_tier)))
+        snapshot = commit_every > 1 or self._placement.all_agree(  # (every rank commits alike)
+            self.schedule.share_fits(self.store.capacity(self.store.compute_tier)), "whether each rank's share fits")
         self._commits: Commits = commits_for(self.train_state, self.store, self.layout, self.binding.model_config,
                                              durable=self.durable, snapshot=snapshot, every=commit_every,
                                              peft=adapter_record(self.binding) if self.durable else None)

@@ -388,6 +388,15 @@ class Schedule:
         tensor as the tier stores it (:meth:`resident_bytes`)."""
         return self.resident_bytes() <= capacity
 
+    def share_fits(self, capacity: int) -> bool:
+        """Whether this process's share of the state fits ``capacity``: :meth:`fits` on one
+        process; sharded, its slice of every tensor (about 1/world of the state)."""
+        if self.world == 1:
+            return self.fits(capacity)
+        kinds = len(self.state_kinds)
+        return sum(self._part(u.numel) + self._part(u.grad_numel) + kinds * self._part(u.state_numel)
+                   for u in self.units) <= capacity
+
     def commit_window(self) -> int:
         """Bytes of new weights and optimizer states that may coexist on disk with the committed
         ones (durable mode): a quarter of the state. See :meth:`commit_admits`."""

@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -208,11 +209,16 @@ class Sharding:
             work.wait()
             return
         while True:
+            start = time.monotonic()
             try:
                 work.wait(timedelta(seconds=_PEER_POLL_S))
                 return
-            except RuntimeError:
-                if work.is_completed():  # (the collective itself failed: a peer's connection closed, the timeout)
+            except RuntimeError as e:
+                # the collective itself failed (a peer's connection closed, the group's timeout), or only
+                # this wait ran out. gloo's reduce-scatter reports a closed connection on each wait but is
+                # never marked completed: what did not run out the wait's time is a failure
+                ran_out = "timed out" in str(e).lower() and time.monotonic() - start >= _PEER_POLL_S / 2
+                if work.is_completed() or not ran_out:
                     raise
                 why = self._peer_broken()
                 if why is not None:
@@ -325,22 +331,35 @@ class Sharding:
 
 
 # ---- where the training state lives: one process, or sliced over ranks ----------------------------
-def reconcile_resume(positions: list, rank: int) -> tuple[int | None, bool]:
-    """The step every rank resumes at, from each rank's ``[manifest step, step in flight or None]``
-    (None: the rank holds no state). Returns ``(target, drop)``: ``target`` None when no rank holds a
-    state; ``drop``: this rank must forget its step in flight (not every rank committed it).
+def reconcile_resume(positions: list, rank: int) -> tuple[int | None, bool, bool]:
+    """The step every rank resumes at, from each rank's ``[manifest step, step in flight or None,
+    step of the commit before that it keeps or None]`` (None: the rank holds no state). Returns
+    ``(target, drop, back)``: ``target`` None when no rank holds a state; ``drop``: this rank must
+    forget its step in flight (not every rank committed it); ``back``: this rank must go back to the
+    commit before its manifest's (snapshot commits: not every rank made the newer one).
 
-    A step is committed on a rank once its intent is in the journal, and no rank updates anything
-    before every rank's intent is (a barrier); so if one rank lacks the newest intent, no rank
-    updated for it, and the others drop it. Pure: tested without ``torch.distributed``.
+    Journal: a step is committed on a rank once its intent is in the journal, and no rank updates
+    anything before every rank's intent is (a barrier); so if one rank lacks the newest intent, no
+    rank updated for it, and the others drop it. Snapshots: a rank forgets the commit before its
+    newest only once every rank has made the newest, so the oldest manifest is one every rank
+    holds, as its manifest or as the commit before. Pure: tested without ``torch.distributed``.
     """
     if any(p is None for p in positions):
         if all(p is None for p in positions):
-            return None, False
+            return None, False, False
         have = [r for r, p in enumerate(positions) if p is not None]
         raise DistributedError(
             f"rank(s) {have} of {len(positions)} hold a training state and the others none: every rank's directory "
             f"must come from the same run (storage= the same root on every rank, with resume=True)")
+    kept = [p[2] if len(p) > 2 else None for p in positions]
+    positions = [p[:2] for p in positions]
+    if any(k is not None for k in kept):
+        target = min(m for m, _ in positions)
+        if any(i is not None for _, i in positions) or not all(
+                m == target or k == target for (m, _), k in zip(positions, kept)):
+            raise DistributedError(f"the ranks' committed steps cannot be reconciled: {positions} ([manifest step, "
+                                   f"step in flight] per rank), the commits before kept: {kept}")
+        return target, False, positions[rank][0] != target
     target = max(i if i is not None else m for m, i in positions)
     if not all(m == target or i == target for m, i in positions):
         target -= 1
@@ -348,10 +367,10 @@ def reconcile_resume(positions: list, rank: int) -> tuple[int | None, bool]:
             raise DistributedError(f"the ranks' committed steps cannot be reconciled: {positions} "
                                    f"([manifest step, step in flight] per rank)")
     _, in_flight = positions[rank]
-    return target, in_flight is not None and in_flight > target
+    return target, in_flight is not None and in_flight > target, False
 
 
-def rank_storage(group, spec, durable, resume, commit_every):
+def rank_storage(group, spec, durable, resume):
     """Sharded: each rank's own directory inside ``storage`` (``rank-R-of-W``), and the durable flag."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if spec is not None and spec.names_directories:
@@ -370,9 +389,6 @@ def rank_storage(group, spec, durable, resume, commit_every):
                           "subdirectory) or None, not a backend object shared by the ranks")
     if durable is None:
         durable = spec is not None and spec.names_directories
-    if durable and commit_every != 1:
-        raise ConfigError("sharded training commits every step (commit_every=1): snapshot commits across ranks "
-                          "are not implemented yet")
     return spec, durable
 
 
@@ -381,7 +397,7 @@ def engine_storage(storage, group, durable: bool | None, resume, commit_every: i
     directory when sharded, a temporary directory (not durable) when none is given."""
     spec = resolve_storage(storage) if storage is not None else None
     if group is not None:
-        spec, durable = rank_storage(group, spec, durable, resume, commit_every)
+        spec, durable = rank_storage(group, spec, durable, resume)
     elif spec is not None and spec.names_directories:
         root = Path(spec.location.split(",")[0])
         ranks = sorted(p.name for p in root.glob("rank-*-of-*")) if root.is_dir() else []
@@ -576,15 +592,21 @@ class Sharded(Placement):
         def position(state):
             if state is None:
                 return None
-            return [state.manifest["step"], state.intent["step"] if state.intent is not None else None]
+            return [state.manifest["step"], state.intent["step"] if state.intent is not None else None,
+                    state.previous["step"] if state.previous is not None else None]
         self.set_phase("resume")
         positions = self.sharding.all_gather_object(position(recovered), "each rank's committed step")
-        target, drop = reconcile_resume(positions, self.rank)
+        target, drop, back = reconcile_resume(positions, self.rank)
         if drop:  # not every rank committed it: nothing of it was updated
             log.warning("rank %d: dropping step %d's intent (not every rank had committed it); resuming at step %d",
                         self.rank, recovered.intent["step"], target)
             recovered.intent, recovered.recorded = None, {}
             files.reset_journal()
+        if back:  # not every rank made its last commit: back to the one before, which every rank has
+            log.warning("rank %d: going back from step %d to step %d, the last step every rank committed",
+                        self.rank, recovered.manifest["step"], target)
+            files.restore_previous()
+            recovered.manifest, recovered.previous = recovered.previous, None
         return recovered
 
     def gather_ahead(self, wanted: bool) -> bool:

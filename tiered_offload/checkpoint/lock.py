@@ -1,0 +1,95 @@
+"""The storage directory's lock: one process at a time trains in a directory (``flock``, held for the
+engine's life; the lock file names its holder, for the error a second process gets)."""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from offload_core.errors import StorageLockedError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LOCK", "DirectoryLock", "read_holder"]
+
+LOCK = "lock"
+
+
+class DirectoryLock:
+    """One process per storage directory: an ``flock`` held for the engine's lifetime.
+
+    The kernel drops the lock when its holder dies, however it dies, so a lock file left by a dead
+    process is never mistaken for a live owner (no PID-reuse guessing). The file names the holder.
+    """
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / LOCK
+        self._fd: int | None = None
+        self.took_over: dict | None = None
+        """The holder recorded by a previous process that died without releasing the lock."""
+
+    def acquire(self) -> "DirectoryLock":
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = read_holder(fd)
+            os.close(fd)
+            who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('since')}: "
+                   f"{holder.get('command')})") if holder else "another process"
+            if holder and holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+                who = (f"a process started by process {holder.get('pid')}, which has exited (its record: started "
+                       f"{holder.get('since')}: {holder.get('command')}); a child it forked (a data loader worker, a "
+                       f"subprocess) inherited the lock and still runs: stop it (`fuser -v {self.path}` names it)")
+            raise StorageLockedError(
+                f"storage directory {self.path.parent.parent} is in use by {who}; the lock is {self.path}. Stop that "
+                f"process, or give this run another directory") from None
+        previous = read_holder(fd)
+        if previous:
+            self.took_over = previous
+            log.warning("%s: taking over the lock left by process %s on %s, which is no longer running",
+                        self.path, previous.get("pid"), previous.get("host"))
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)[:200]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me, sort_keys=True, separators=(",", ":")).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # a clean exit leaves no holder behind
+        finally:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+
+def _alive(pid) -> bool:
+    """Whether process ``pid`` exists on this machine (True when that cannot be told)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def read_holder(fd: int) -> dict:
+    try:
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        return json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,118 @@
+"""Kill one rank of a sharded run with SIGKILL at random moments, start the job again, repeat; check
+that every run ends bitwise where an uninterrupted one does.
+
+    python tools/crash_loop_dist.py --kills 30 --seed 1
+
+Runs 2 ranks of ``tests/dist_worker.py`` (a small GPT, AdamW, an LR scheduler, clipping, each rank
+its own micro-batches and directory, durable storage), forked from a zygote as the tests' ranks
+are. Each configuration draws ``commit_every`` (1, 2 or 3) and the host budget (a share that fits
+memory: snapshot commits; 0.9 of a share: the state streams through the disk, committed by the
+journal at ``commit_every=1``). The driver trains it once uninterrupted, then starts it in a fresh
+directory and SIGKILLs a random rank after a random delay, so kills land in start-up, recovery, the
+steps and the commits (the other rank stops on its next collective); it starts the job again until
+a run finishes, whose final weights must equal the uninterrupted run's byte for byte. Then the
+next configuration, until ``--kills`` kills have landed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def launch(cfg: dict, directory: Path, timeout: float = 180) -> list[tuple[int, str]]:
+    """The two ranks of ``cfg`` in ``directory``: each one's exit code and output. One that has not
+    ended after ``timeout`` seconds is asked for every thread's stack (SIGUSR1) and killed."""
+    import signal
+    import subprocess
+
+    import test_distributed
+    port = test_distributed._free_port()
+    procs = [test_distributed._ZYGOTE.launch(test_distributed.WORKER, [str(directory), json.dumps(cfg)], dict(
+        RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+        stderr_to_stdout=True) for r in range(2)]
+    deadline, hung = time.monotonic() + timeout, False
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+    if hung:
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        for p in procs:
+            p.kill()
+    got = [(p.communicate()[0], p.returncode) for p in procs]
+    return [(None if hung else code, log) for log, code in got]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    import torch
+
+    import test_distributed
+    from dist_worker import build
+    from zygote import Zygote
+    rng = random.Random(args.seed)
+    kills = runs = failures = back = dropped = 0
+    with tempfile.TemporaryDirectory(prefix="crash-loop-dist-") as tmp, Zygote() as zygote:
+        test_distributed._ZYGOTE = zygote
+        while kills < args.kills:
+            cfg = {"layers": 4, "optimizer": "adamw", "steps": args.steps, "accumulate": 1, "clip": 1.0,
+                   "durable": True, "timeout_s": 30, "scheduler": True, "commit_every": rng.choice([1, 2, 3])}
+            share = 16 * sum(p.numel() for p in build(cfg).parameters()) / 2
+            cfg["host_memory"] = int(rng.choice([0.9, 3.0]) * share)
+            base = Path(tmp) / f"run-{runs}"
+            (base / "once").mkdir(parents=True)
+            (base / "killed").mkdir()
+            t0 = time.perf_counter()
+            whole = test_distributed.launch(2, base / "once", cfg)[0]
+            span = time.perf_counter() - t0
+            starts, landed = 0, 0
+            while True:
+                starts += 1
+                victim, delay = rng.randrange(2), rng.uniform(0.05, span)
+                got = launch(dict(cfg, kill_after=[victim, delay]), base / "killed")
+                back += any("going back from step" in log for _, log in got)  # (a rank a commit ahead)
+                dropped += any("dropping step" in log for _, log in got)  # (an intent not every rank wrote)
+                if any(code is None for code, _ in got):
+                    print(f"run {runs}: start {starts} ({cfg}, rank {victim} killed after {delay:.2f} s) hung:\n" +
+                          "\n".join(f"-- rank {r}:\n{log[-8000:]}" for r, (_, log) in enumerate(got)))
+                    return 1
+                if all(code == 0 for code, _ in got):
+                    break
+                # the other rank stops typed, or the kill landed after training, in the worker's last barrier
+                if got[victim][0] != -9 or any(code not in (0, -9) and "DistributedError" not in log
+                                               and "in run\n    dist.barrier()" not in log for code, log in got):
+                    print(f"run {runs}: a start failed otherwise than by the kill:\n" +
+                          "\n".join(log[-3000:] for _, log in got))
+                    return 1
+                landed += 1
+            kills += landed
+            have = torch.load(base / "killed" / "rank-0.pt", weights_only=False)["weights"]
+            same = all(torch.equal(have[k], whole["weights"][k]) for k in whole["weights"])
+            failures += not same
+            print(f"run {runs}: commit_every {cfg['commit_every']}, {whole['commits']}, {landed} kills in {starts} "
+                  f"starts: {'bitwise' if same else 'DIFFERENT'}", flush=True)
+            runs += 1
+    print(f"{kills} kills over {runs} runs: {runs - failures} of {runs} bitwise; starts where a rank went back a "
+          f"commit: {back}, dropped a step's intent: {dropped}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
