@@ -157,6 +157,20 @@ def _kill_in_commit(engine, step: int, when: str) -> None:
     files.write_manifest = killed
 
 
+def _fail_commit(engine, step: int) -> None:
+    """This rank's snapshot commit of step ``step`` fails as a full disk fails it (the manifest
+    cannot be written); the process lives on."""
+    from offload_core.errors import DiskFullError
+    files = engine._commits.session.files
+    write = files.write_manifest
+
+    def full(manifest):
+        if manifest["step"] == step:
+            raise DiskFullError(f"{files.manifest_path}: no space left on the device (a test's)")
+        write(manifest)
+    files.write_manifest = full
+
+
 def _fail_during_update(engine, step: int, after_units: int) -> None:
     """Raise an error (as the optimizer's code or an out-of-memory would) in the update of step
     ``step + 1`` once ``after_units`` units of it are updated."""
@@ -321,6 +335,8 @@ def run(out: Path, cfg: dict) -> int:
         engine._placement.sharding.reduce_scatter_mean = killed
     if cfg.get("kill_in_commit") and cfg["kill_in_commit"][0] == rank:  # SIGKILL it as it commits a step
         _kill_in_commit(engine, *cfg["kill_in_commit"][1:])
+    if cfg.get("fail_commit") and cfg["fail_commit"][0] == rank:  # its commit of that step fails
+        _fail_commit(engine, cfg["fail_commit"][1])
     if cfg.get("fail") and cfg["fail"][0] == rank:  # an error in the middle of a step's update on this rank
         _fail_during_update(engine, *cfg["fail"][1:])
     losses, step_modes, state_reads = [], [engine.step_mode], []

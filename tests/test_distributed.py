@@ -569,6 +569,25 @@ def test_the_step_ranks_resume_at_is_one_every_rank_holds_or_refused():
         reconcile_resume([None, [2, None, None]], 0)
 
 
+def test_a_commit_that_failed_on_one_rank_stops_every_rank_typed_and_the_job_resumes_before_it(tmp_path):
+    """Rank 1's snapshot commit of step 2 fails (a full disk) and rank 1 lives on: at the next step
+    the ranks' agreement stops both, rank 1 with its own error and rank 0 with a DistributedError
+    naming the step; rank 0 kept step 0's commit, so the job started again goes back to it there and
+    ends bitwise as an uninterrupted run."""
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "durable": True, "timeout_s": 30, "commit_every": 2}
+    (tmp_path / "once").mkdir()
+    (tmp_path / "failed").mkdir()
+    whole = launch(2, tmp_path / "once", cfg)[0]["weights"]
+    (code0, log0), (code1, log1) = launch(2, tmp_path / "failed", dict(cfg, fail_commit=[1, 2]), check=False)
+    assert code0 != 0 and code1 != 0
+    assert "DiskFullError" in log1, log1[-2000:]
+    assert "DistributedError" in log0 and "another rank could not commit step 2" in log0, log0[-2000:]
+    resumed = launch(2, tmp_path / "failed", cfg)[0]["weights"]
+    assert "going back from step 2 to step 0" in (tmp_path / "failed" / "rank-0.log").read_text()
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
 @pytest.mark.parametrize("share,every", [(0.9, 3), (2.0, 1), (2.0, 2)])
 def test_sharded_snapshot_commits_train_as_one_process(share, every, tmp_path):
     """Snapshot commits over 2 ranks leave the numbers as one process's: ``commit_every=3`` where the
