@@ -420,6 +420,16 @@ def test_a_rank_that_dies_mid_step_stops_its_peers_with_a_clear_error(tmp_path):
     assert "DistributedError" in log0 and "rank 0 of 2" in log0 and "during step 2" in log0, log0[-2000:]
 
 
+def test_the_sharded_kill_loop_resumes_bitwise():
+    """``tools/crash_loop_dist.py`` at a few kills (its long runs: docs/RESULTS.md): a random rank
+    SIGKILLed at random moments, the job started again until a run ends bitwise as an uninterrupted
+    one; no start hangs (the tool stops a start after 180 s, asking for every thread's stack)."""
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "crash_loop_dist.py"), "--kills", "2", "--steps", "4",
+                          "--seed", "0"], capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0 and re.search(r"over (\d+) runs: \1 of \1 bitwise", out.stdout), \
+        out.stdout[-3000:] + out.stderr[-3000:]
+
+
 def test_a_rank_killed_in_its_backward_stops_its_peer_in_the_gradients_reduce(tmp_path):
     """Rank 1 is SIGKILLed in step 2's backward, as it would reduce a block's gradients: rank 0,
     waiting in that reduce-scatter, stops with a DistributedError (gloo reports the closed connection
