@@ -213,12 +213,11 @@ class Sharding:
             try:
                 work.wait(timedelta(seconds=_PEER_POLL_S))
                 return
-            except RuntimeError as e:
+            except RuntimeError:
                 # the collective itself failed (a peer's connection closed, the group's timeout), or only
-                # this wait ran out. gloo's reduce-scatter reports a closed connection on each wait but is
-                # never marked completed: what did not run out the wait's time is a failure
-                ran_out = "timed out" in str(e).lower() and time.monotonic() - start >= _PEER_POLL_S / 2
-                if work.is_completed() or not ran_out:
+                # this wait ran out. gloo's reduce-scatter reports a closed connection at once on each wait
+                # but is never marked completed: an error sooner than the wait's time is a failure
+                if work.is_completed() or time.monotonic() - start < _PEER_POLL_S / 2:
                     raise
                 why = self._peer_broken()
                 if why is not None:
