@@ -7,9 +7,11 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,23 +57,33 @@ def launch(world: int, out: Path, cfg: dict, timeout: float = 240, check: bool =
     return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _launch(world: int, out: Path, cfg: dict, timeout: float) -> list[tuple[int, str]]:
+def _launch(world: int, out: Path, cfg: dict, timeout: float) -> list[tuple[int | None, str]]:
+    """Each rank's exit code and output; a rank still running after ``timeout`` seconds is asked for
+    every thread's stack (SIGUSR1: its log ends with them), then killed, and its code is None."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
         procs.append(_ZYGOTE.launch(WORKER, [str(out), json.dumps(cfg)], env, stderr_to_stdout=True))
-    logs = []
+    deadline, hung = time.monotonic() + timeout, False
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung = True
+        if hung:
+            for p in procs:
+                p.send_signal(signal.SIGUSR1)
+            time.sleep(3)
     finally:
         for p in procs:
             p.kill()
+    logs = [p.communicate()[0] for p in procs]
     for rank, log in enumerate(logs):  # whole logs beside the results, for a failure's post-mortem
         (out / f"rank-{rank}.log").write_text(log)
-    return [(p.returncode, log) for p, log in zip(procs, logs)]
+    return [(None if hung else p.returncode, log) for p, log in zip(procs, logs)]
 
 
 def reference(world: int, cfg: dict):

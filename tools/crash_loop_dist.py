@@ -17,7 +17,6 @@ next configuration, until ``--kills`` kills have landed.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -27,33 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tools"))
-
-
-def launch(cfg: dict, directory: Path, timeout: float = 180) -> list[tuple[int, str]]:
-    """The two ranks of ``cfg`` in ``directory``: each one's exit code and output. One that has not
-    ended after ``timeout`` seconds is asked for every thread's stack (SIGUSR1) and killed."""
-    import signal
-    import subprocess
-
-    import test_distributed
-    port = test_distributed._free_port()
-    procs = [test_distributed._ZYGOTE.launch(test_distributed.WORKER, [str(directory), json.dumps(cfg)], dict(
-        RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-        stderr_to_stdout=True) for r in range(2)]
-    deadline, hung = time.monotonic() + timeout, False
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung = True
-    if hung:
-        for p in procs:
-            p.send_signal(signal.SIGUSR1)
-        time.sleep(3)
-        for p in procs:
-            p.kill()
-    got = [(p.communicate()[0], p.returncode) for p in procs]
-    return [(None if hung else code, log) for log, code in got]
 
 
 def main() -> int:
@@ -86,7 +58,7 @@ def main() -> int:
             while True:
                 starts += 1
                 victim, delay = rng.randrange(2), rng.uniform(0.05, span)
-                got = launch(dict(cfg, kill_after=[victim, delay]), base / "killed")
+                got = test_distributed._launch(2, base / "killed", dict(cfg, kill_after=[victim, delay]), 180)
                 back += any("going back from step" in log for _, log in got)  # (a rank a commit ahead)
                 dropped += any("dropping step" in log for _, log in got)  # (an intent not every rank wrote)
                 if any(code is None for code, _ in got):
