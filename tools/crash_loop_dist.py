@@ -1,13 +1,13 @@
 """Kill one rank of a sharded run with SIGKILL at random moments, start the job again, repeat; check
 that every run ends bitwise where an uninterrupted one does.
 
-    python tools/crash_loop_dist.py --kills 30 --seed 1
+    python tools/crash_loop_dist.py --kills 30 --seed 1 [--ranks 3]
 
-Runs 2 ranks of ``tests/dist_worker.py`` (a small GPT, AdamW, an LR scheduler, clipping, each rank
+Runs 2 (``--ranks``) ranks of ``tests/dist_worker.py`` (a small GPT, AdamW, an LR scheduler, clipping, each rank
 its own micro-batches and directory, durable storage), forked from a zygote as the tests' ranks
 are. Each configuration draws ``commit_every`` (1, 2 or 3) and the host budget (a share that fits
-memory: snapshot commits; 0.9 of a share: the state streams through the disk, committed by the
-journal at ``commit_every=1``). The driver trains it once uninterrupted, then starts it in a fresh
+memory: snapshot commits; 0.9 of a share, at least 300 KiB: the state streams through the disk,
+committed by the journal at ``commit_every=1``). The driver trains it once uninterrupted, then starts it in a fresh
 directory and SIGKILLs a random rank after a random delay, so kills land in start-up, recovery, the
 steps and the commits (the other rank stops on its next collective); it starts the job again until
 a run finishes, whose final weights must equal the uninterrupted run's byte for byte. Then the
@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args()
     import torch
 
@@ -46,19 +47,19 @@ def main() -> int:
         while kills < args.kills:
             cfg = {"layers": 4, "optimizer": "adamw", "steps": args.steps, "accumulate": 1, "clip": 1.0,
                    "durable": True, "timeout_s": 30, "scheduler": True, "commit_every": rng.choice([1, 2, 3])}
-            share = 16 * sum(p.numel() for p in build(cfg).parameters()) / 2
-            cfg["host_memory"] = int(rng.choice([0.9, 3.0]) * share)
+            share = 16 * sum(p.numel() for p in build(cfg).parameters()) / args.ranks
+            cfg["host_memory"] = max(int(rng.choice([0.9, 3.0]) * share), 300 << 10)  # (the least it trains in)
             base = Path(tmp) / f"run-{runs}"
             (base / "once").mkdir(parents=True)
             (base / "killed").mkdir()
             t0 = time.perf_counter()
-            whole = test_distributed.launch(2, base / "once", cfg)[0]
+            whole = test_distributed.launch(args.ranks, base / "once", cfg)[0]
             span = time.perf_counter() - t0
             starts, landed = 0, 0
             while True:
                 starts += 1
-                victim, delay = rng.randrange(2), rng.uniform(0.05, span)
-                got = test_distributed._launch(2, base / "killed", dict(cfg, kill_after=[victim, delay]), 180)
+                victim, delay = rng.randrange(args.ranks), rng.uniform(0.05, span)
+                got = test_distributed._launch(args.ranks, base / "killed", dict(cfg, kill_after=[victim, delay]), 180)
                 back += any("going back from step" in log for _, log in got)  # (a rank a commit ahead)
                 dropped += any("dropping step" in log for _, log in got)  # (an intent not every rank wrote)
                 if any(code is None for code, _ in got):
