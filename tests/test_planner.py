@@ -1,6 +1,7 @@
 """The planner, driven with numbers alone; and the engine's plan: readable, logged, overridable,
 checked against the steps measured after it."""
 
+import itertools
 import logging
 
 import pytest
@@ -636,6 +637,74 @@ def test_the_foresight_reference_keeps_what_is_needed_soonest():
     # only events in [count_from, count_to) are counted; the cache fills before them
     assert foresight([get("weight"), get("weight"), get("grad")], 8, 1, 2) == ({}, {})
 
+
+
+def _cheapest_by_trying_every_cache(events, capacity, count_from, count_to, pins):
+    """The least bytes of :func:`bench_step_modes.least`'s program, found by trying every keep-or-drop choice."""
+    from bench_step_modes import as_caching
+    stretches, versions, pinned, fetched, flushed = as_caching(events, pins)
+    best = None
+    for choice in itertools.product((0, 1), repeat=len(stretches)):
+        if any(pinned[t] + sum(s[2] for s, k in zip(stretches, choice) if k and s[0] <= t < s[1]) > capacity
+               for t in range(len(events))):
+            continue
+        read = sum(s[2] for s, k in zip(stretches, choice) if not k and count_from <= s[1] < count_to)
+        read += sum(nbytes for at, nbytes, _ in fetched if count_from <= at < count_to)
+        dropped = {s[3] for s, k in zip(stretches, choice) if not k} | flushed
+        written = sum(versions[v][1] for v in dropped if versions[v][2] and count_from <= versions[v][0] < count_to)
+        best = read + written if best is None else min(best, read + written)
+    return best
+
+
+def test_the_least_bytes_of_an_access_timeline_are_what_the_best_cache_moves():
+    """tools/bench_step_modes.py's least bytes (docs/RESULTS.md, forty-fifth session): an integer
+    program over keep-or-drop choices, the lower bound a cache's bytes are set against. Worked by
+    hand on a tier of two 4-byte tensors, then against every cache tried on random timelines."""
+    import random
+    import sys
+    from pathlib import Path
+    pytest.importorskip("scipy")  # (a test dependency: pyproject's [test])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from bench_step_modes import least
+    get = lambda k: [("get", f"u/{k}", 4), ("release", f"u/{k}", 4)]  # noqa: E731
+    total = lambda r: sum(r["read"].values()) + sum(r["written"].values())  # noqa: E731
+    # a, b, c, a in two slots: keep a across (c is the one dropped), read a, b, c once each... only the
+    # second read of a is a re-read, and the best cache keeps a: nothing moves after the first reads
+    events = get("weight") + get("grad") + get("state") + get("weight")
+    assert least(events, 8, 0, len(events))["read"] == {}
+    # in one slot a is dropped for b and read again; made in memory (dirty), it is written once first
+    events = get("weight")[:1] + [("dirty", "u/weight", 4)] + get("weight")[1:] + get("grad") + get("weight")
+    result = least(events, 4, 0, len(events))
+    assert result["proven"] and result["read"] == {"weight": 4} and result["written"] == {"weight": 4}
+    # pinned: b's get while a is held needs both in memory; a tier of one tensor cannot hold them
+    events = [("get", "u/weight", 4), ("get", "u/grad", 4), ("release", "u/grad", 4), ("release", "u/weight", 4)]
+    with pytest.raises(ValueError, match="pins 8 bytes at once, beyond the 4"):
+        least(events, 4, 0, 4)
+    assert least(events, 4, 0, 4, pins=False)["read"] == {}
+    # zeros carry nothing: a zeroed gradient dropped is made again, not read or written
+    events = [("zero", "u/grad", 4)] + get("grad") + get("weight") + get("grad")
+    assert total(least(events, 4, 0, len(events))) == 0
+    # a cache over another tier: a gradient made in it and used below is written down, kept or not;
+    # weights made below are read up again at the next use, kept or not
+    events = get("grad")[:1] + [("dirty", "u/grad", 4)] + get("grad")[1:] + [("below_get", "u/grad", 4)]
+    events += [("below_made", "u/weight", 4)] + get("weight") + get("grad")
+    result = least(events, 8, 0, len(events))
+    assert result["read"] == {"weight": 4} and result["written"] == {"grad": 4}
+    rng = random.Random(7)
+    ops = ["get", "get", "get", "dirty", "write", "create", "zero", "below_get", "below_made"]
+    for case in range(40):
+        events = []
+        for _ in range(rng.randint(4, 9)):
+            key, op = f"u{rng.randint(0, 2)}/weight", rng.choice(ops)
+            size = {"u0": 4, "u1": 8, "u2": 4}[key[:2]]
+            events += [(op, key, size)] + ([("release", key, size)] if op in ("get", "create") else [])
+        capacity, pins = rng.choice([8, 12, 16]), rng.random() < 0.5
+        lo, hi = rng.randint(0, 3), len(events) - rng.randint(0, 3)
+        if len([e for e in events if e[0] in ("get", "create")]) > 7:
+            continue
+        best = _cheapest_by_trying_every_cache(events, capacity, lo, hi, pins)
+        result = least(events, capacity, lo, hi, pins=pins)
+        assert total(result) == best and result["proven"], (case, events, capacity, result, best)
 
 def test_torch_profiler_sees_the_engine_ranges(tmp_path):
     engine = _engine(tmp_path)

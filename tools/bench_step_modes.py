@@ -21,12 +21,18 @@ That reference ignores what the engine must also respect (pins, holes, prefetch 
 is a target, not a proof of a lower bound; the distance from it is what a better eviction policy
 could still save on this access order, the distance from it to the floor what only another order
 (or more memory) could.
+
+And the least bytes any cache of the budget could move for the same accesses, a lower bound
+(:func:`least`: an integer program, solved by SciPy's HiGHS; ``--least-seconds 0`` skips it):
+once with the engine's pins (a tensor got stays in memory until released), once with only the
+tensor used in memory at each access. Their distance is what the pins cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import tempfile
 import threading
@@ -36,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from offload_core.sizes import format_size
-from tiered_offload import Engine, EngineConfig
+from tiered_offload import Engine, EngineConfig, Tier
 from tiered_offload_examples.models import GPT, GPTConfig
 
 from slow_disk import SlowDisk  # noqa: E402 (tools/)
@@ -49,22 +55,42 @@ def loss_of(model, x):
 
 class Accesses:
     """The store's accesses, in order, while :attr:`on`: ``(op, key, bytes)`` with op ``get``
-    (needs the bytes), ``dirty`` (the copy got), ``write`` / ``create`` (new bytes, nothing read),
-    ``zero`` / ``register`` (zeros: nothing read until written) and ``gone`` (unregistered)."""
+    (needs the bytes; pinned until its ``release``), ``dirty`` (the copy got), ``write`` /
+    ``create`` (new bytes, nothing read; a created copy is pinned until released), ``zero`` /
+    ``register`` (zeros: nothing read until written) and ``gone`` (unregistered).
 
-    def __init__(self, store):
-        self.events, self.on, self._lock = [], False, threading.Lock()
-        for name, op in (("get", "get"), ("mark_dirty", "dirty"), ("write", "write"), ("create", "create"),
-                         ("zero", "zero"), ("register", "register"), ("unregister", "gone")):
+    ``tier``: the accesses as that tier sees them (the device tier over the host's): a ``get`` in
+    another tier is ``below_get``, bytes made there ``below_made`` (:func:`as_caching`)."""
+
+    _TIER_ARG = {"get": 1, "release": 1, "dirty": 1, "write": 2, "create": 3}
+    """Where each wrapped method takes its tier (positional, after the key)."""
+
+    def __init__(self, store, tier=None):
+        self.events, self.on, self._lock, self.tier = [], False, threading.Lock(), tier
+        for name, op in (("get", "get"), ("release", "release"), ("mark_dirty", "dirty"), ("write", "write"),
+                         ("create", "create"), ("zero", "zero"), ("register", "register"), ("unregister", "gone")):
             setattr(store, name, self._wrap(store, getattr(store, name), op))
+
+    def _as_seen(self, store, op: str, args: tuple, kwargs: dict) -> str | None:
+        if self.tier is None or op not in self._TIER_ARG:
+            return op
+        at = self._TIER_ARG[op] - 1
+        given = kwargs.get("tier", args[at] if len(args) > at else ("host" if op == "write" else None))
+        if (store.compute_tier if given is None else Tier.parse(given)) == self.tier:
+            return op
+        return {"get": "below_get", "release": None}.get(op, "below_made")
 
     def _wrap(self, store, method, op):
         def recorded(key, *args, **kwargs):
+            seen = self._as_seen(store, op, args, kwargs)
+            if seen == "release" and self.on:  # (before the room is free: no get that uses it comes first)
+                with self._lock:
+                    self.events.append((seen, key, store.record(key).nbytes))
             result = method(key, *args, **kwargs)
-            if self.on:
+            if self.on and seen not in ("release", None):
                 nbytes = store.record(key).nbytes if op != "gone" else 0
                 with self._lock:
-                    self.events.append((op, key, nbytes))
+                    self.events.append((seen, key, nbytes))
             return result
         return recorded
 
@@ -84,12 +110,15 @@ def foresight(events: list, capacity: int, count_from: int, count_to: int) -> tu
     for i in range(len(events) - 1, -1, -1):
         op, key, _ = events[i]
         next_at[i] = later.get(key, inf)
-        later[key] = i if op in ("get", "dirty") else inf
+        if op != "release":
+            later[key] = i if op in ("get", "dirty") else inf
     resident: dict[str, list] = {}  # key -> [bytes, dirty, needed next at]
     zeros: set[str] = set()
     read, written, used = {}, {}, 0
     for i, (op, key, nbytes) in enumerate(events):
         counted = count_from <= i < count_to
+        if op == "release":  # (this reference keeps no pins)
+            continue
         if op in ("zero", "register", "gone"):
             if key in resident:
                 used -= resident.pop(key)[0]
@@ -117,13 +146,147 @@ def foresight(events: list, capacity: int, count_from: int, count_to: int) -> tu
     return read, written
 
 
+
+def as_caching(events: list, pins: bool = True) -> tuple[list, list, list, list, set]:
+    """The recorded timeline as a caching problem. ``stretches``: ``(from, to, bytes, version,
+    key)``, each time a tensor's bytes must survive unpinned from one use (its release, or the
+    write that made them) to its next ``get`` (a cache keeps them, or reads them again then).
+    ``versions``: ``(at, bytes, made, key)``, each content a tensor had (``made``: in memory, not
+    yet on disk, so a cache that drops it writes it once first). ``pinned[t]``: the bytes pinned
+    just after event ``t`` (from a ``get`` to its ``release``: in memory whatever the cache does).
+    Zeros are made again for free, so a zeroed tensor carries nothing until it is written. Without
+    ``pins``, a tensor need be in memory only at its ``get`` (as :func:`foresight` assumes).
+
+    A cache over another (the device tier over the host's) also sees the tier below use a
+    tensor: ``below_get`` needs the bytes there (a version made in the cache is written down,
+    ``flushed``), ``below_made`` makes new bytes there, so the cache's next ``get`` of it reads
+    them (``fetched``: ``(at, bytes, key)``, whatever the cache does)."""
+    stretches, versions, pinned, fetched, flushed, now = [], [], [], [], set(), 0
+    tensors: dict[str, dict] = {}
+    for t, (op, key, nbytes) in enumerate(events):
+        s = tensors.setdefault(key, {"since": None, "version": None, "zeros": False, "pins": 0, "bytes": nbytes,
+                                     "below": False})
+        if op in ("zero", "register", "gone"):
+            s.update(since=None, version=None, zeros=op != "gone", below=False)
+        elif op == "below_get":
+            if s["version"] is not None and versions[s["version"]][2] and not s["zeros"]:
+                flushed.add(s["version"])
+        elif op == "below_made":
+            s.update(since=None, version=None, zeros=False, below=True)
+        elif op == "get":
+            if s["pins"] == 0:
+                if s["since"] is not None and not s["zeros"]:
+                    stretches.append((s["since"], t, nbytes, s["version"], key))
+                elif s["version"] is None and not s["zeros"]:  # first seen (its bytes below), or made there
+                    if s["below"]:
+                        fetched.append((t, nbytes, key))
+                    versions.append((t, nbytes, False, key))
+                    s.update(version=len(versions) - 1, below=False)
+                s["since"] = None if pins else t
+                now += nbytes if pins else 0
+            s["pins"] += pins
+        elif op == "release" and pins:
+            s["pins"] -= 1
+            if s["pins"] == 0:
+                now -= s["bytes"]
+                s["since"] = t
+        elif op != "release":  # dirty, write, create: new bytes, made in memory
+            versions.append((t, nbytes, True, key))
+            if op == "create" and pins:  # (given pinned)
+                now += nbytes if s["pins"] == 0 else 0
+                s["pins"] += 1
+            s.update(version=len(versions) - 1, zeros=False, below=False, since=t if s["pins"] == 0 else None)
+        pinned.append(now)
+    return stretches, versions, pinned, fetched, flushed
+
+
+def least(events: list, capacity: int, count_from: int, count_to: int, *, pins: bool = True,
+          time_limit: float = 300.0) -> dict | None:
+    """The least disk bytes any cache of ``capacity`` bytes could move in events
+    ``count_from:count_to`` of this timeline (:func:`as_caching`): an integer program that keeps
+    or drops each stretch, pays a read for each dropped stretch ending in the window and one write
+    for each version made in the window and dropped at all, with what is kept and pinned after
+    each event within ``capacity``. So a lower bound for this order of accesses (an engine must
+    also respect holes, prefetch lead times and what the timeline does not record), where
+    :func:`foresight` is one good cache. Returns ``read`` and ``written`` by kind, and ``proven``:
+    False where ``time_limit`` cut the search (then ``at_least`` is the solver's bound on the
+    total, and the split is its best cache found). ``pins``: the engine's pins held (False: the
+    bound for any engine making these accesses in this order). None without SciPy."""
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_matrix
+    except ImportError:
+        return None
+    stretches, versions, pinned, fetched, flushed = as_caching(events, pins)
+    made = {v: j for j, v in enumerate(k for k, version in enumerate(versions) if version[2])}
+    n, m, T = len(stretches), len(made), len(events)
+    # variables: keep[i] for each stretch, wrote[j] for each version made, held[t] (kept after event t)
+    cost = np.zeros(n + m + T)
+    rows, cols, vals = [], [], []  # held[t] - held[t-1] = what starts at t - what ends at t
+    for t in range(T):
+        rows += [t] * (1 + bool(t))
+        cols += [n + m + t, n + m + t - 1][:1 + bool(t)]
+        vals += [1.0, -1.0][:1 + bool(t)]
+    drops, constant = [], 0.0  # (wrote[j] >= 1 - keep[i])
+    for i, (start, end, nbytes, version, _) in enumerate(stretches):
+        rows += [start, end]
+        cols += [i, i]
+        vals += [-float(nbytes), float(nbytes)]
+        if count_from <= end < count_to:
+            cost[i] -= nbytes
+            constant += nbytes
+        if version in made:
+            drops.append((i, made[version]))
+    for version, j in made.items():
+        if count_from <= versions[version][0] < count_to:
+            cost[n + j] = versions[version][1]
+    flow = csr_matrix((vals, (rows, cols)), shape=(T, n + m + T))
+    paid = csr_matrix(([1.0, 1.0] * len(drops), ([r for r in range(len(drops)) for _ in (0, 1)],
+                                                  [c for i, j in drops for c in (i, n + j)])),
+                      shape=(len(drops), n + m + T))
+    if max(pinned, default=0) > capacity:
+        raise ValueError(f"the timeline pins {max(pinned)} bytes at once, beyond the {capacity} of the tier")
+    room = capacity - np.asarray(pinned, dtype=float)
+    sys.stdout.flush()
+    quiet, saved = os.open(os.devnull, os.O_WRONLY), os.dup(1)
+    os.dup2(quiet, 1)  # (HiGHS prints a line of its own now and then)
+    try:
+        res = milp(cost, integrality=np.r_[np.ones(n), np.zeros(m + T)],
+                   bounds=Bounds(np.r_[np.zeros(n), [float(v in flushed) for v in made], np.zeros(T)],
+                                 np.r_[np.ones(n + m), room]),
+                   constraints=[LinearConstraint(flow, 0, 0), LinearConstraint(paid, 1, np.inf)],
+                   options={"time_limit": time_limit})
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved), os.close(quiet)
+    if res.x is None:
+        raise RuntimeError(f"the least bytes' program found no cache: {res.message}")
+    read, written = {}, {}
+    for at, nbytes, key in fetched:
+        if count_from <= at < count_to:
+            read[_kind(key)] = read.get(_kind(key), 0) + nbytes
+            constant += nbytes
+    for i, (_, end, nbytes, _, key) in enumerate(stretches):
+        if count_from <= end < count_to and res.x[i] < 0.5:
+            read[_kind(key)] = read.get(_kind(key), 0) + nbytes
+    for version, j in made.items():
+        at, nbytes, _, key = versions[version]
+        if count_from <= at < count_to and res.x[n + j] > 0.5:
+            written[_kind(key)] = written.get(_kind(key), 0) + nbytes
+    return {"read": read, "written": written, "proven": res.status == 0,
+            "at_least": (res.mip_dual_bound if res.status != 0 else res.fun) + constant}
+
+
 def run(base, defer: bool, args, directory: str) -> dict:
     n = sum(p.numel() for p in base.parameters())
     storage = SlowDisk(directory, args.disk_rate * 1e6) if args.disk_rate else directory
     engine = Engine(copy.deepcopy(base), torch.optim.AdamW, dict(lr=1e-4), storage=storage,
                     host_memory=int(16 * n * args.host_fraction), durable=args.durable,
-                    config=EngineConfig(defer_step=defer, activations="recompute",
-                                        **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None else {})))
+                    config=EngineConfig(overlap_step=False, defer_step=defer, activations="recompute",
+                                        state_piece_numel=args.state_piece_numel,
+                                        **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None
+                                           else {})))
     accesses, phases = Accesses(engine.store), {}
     g = torch.Generator().manual_seed(1)
     warm = args.steps // 2
@@ -158,13 +321,16 @@ def run(base, defer: bool, args, directory: str) -> dict:
                                       count_from, count_to)
     per = args.steps - warm
     reference = ({k: v / per for k, v in ref_read.items()}, {k: v / per for k, v in ref_written.items()})
+    capacity = engine.store.capacity(engine.store.compute_tier)
+    fewest = {pins: least(accesses.events, capacity, count_from, count_to, pins=pins, time_limit=args.least_seconds)
+              for pins in (True, False)} if args.least_seconds else {}
     weights = torch.cat([p.detach().flatten() for _, p in engine.named_parameters()])
     engine.close()
     read = {k: v / per for k, v in after.by_kind(("disk->host",), since=before).items()}
     written = {k: v / per for k, v in after.by_kind(("host->disk",), since=before).items()}
     waited = (after.io_wait_seconds - before.io_wait_seconds) / per
     return dict(read=read, written=written, seconds=seconds, waited=waited, floors=floors, deferred=mode,
-                weights=weights, reference=reference, phases=phases)
+                weights=weights, reference=reference, phases=phases, least=fewest)
 
 
 def main() -> int:
@@ -181,6 +347,10 @@ def main() -> int:
                     help="the disk no faster than this (reads and writes together; sleeps): the disk-bound case")
     ap.add_argument("--prefetch-depth", type=int, default=None,
                     help="EngineConfig.prefetch_depth (default: the engine's): fewer bytes ahead, fewer evicted early")
+    ap.add_argument("--state-piece-numel", type=int, default=EngineConfig().state_piece_numel,
+                    help="EngineConfig.state_piece_numel: the optimizer states an update holds at once, in elements")
+    ap.add_argument("--least-seconds", type=float, default=300,
+                    help="time for each least-bytes program (needs SciPy; 0: not computed)")
     args = ap.parse_args()
     torch.manual_seed(0)
     base = GPT(GPTConfig(vocab_size=256, context=args.context, d_model=args.d_model, n_layers=args.layers, n_heads=8))
@@ -205,6 +375,17 @@ def main() -> int:
         print(f"| {name} | {r['seconds']:.3f} | {r['waited']:.3f} | {format_size(read)} ({kinds}) | {format_size(written)} | "
               f"{(read + written) / floor:.2f} | {format_size(sum(ref_read.values()))}, "
               f"{format_size(sum(ref_written.values()))} | {(read + written) / max(1, ref):.2f} |")
+    if args.least_seconds and runs["inline"]["least"][True] is None:
+        print("the least bytes need SciPy (pip install scipy)")
+    elif args.least_seconds:
+        print("the least any cache of this budget moves for the same accesses (an integer program; '>=': its bound "
+              "where --least-seconds cut the search), per step, and the measured bytes against it:")
+        for name, r in runs.items():
+            print(f"  {name}: " + "; ".join(
+                f"{'with the engine pins' if pins else 'only the tensor used in memory'} "
+                f"{'' if got['proven'] else '>= '}{format_size(got['at_least'] / (args.steps - args.steps // 2))} "
+                f"({total[name] / (got['at_least'] / (args.steps - args.steps // 2)):.2f}x)"
+                for pins, got in r["least"].items()))
     if args.disk_rate:
         rate = args.disk_rate * 1e6
         print(f"at {args.disk_rate:g} MB/s: the floor's bytes take {floor / rate:.3f} s; " + "; ".join(

@@ -25,6 +25,11 @@ ratios against the inclusive, deep-window configuration measured in the same run
     python tools/bench_tiers.py --device cuda --d-model 2048 --layers 20 --vocab 32768 --batch 4 --context 512
     python tools/bench_tiers.py --placements       # the optimizer step on the device against on the host
     python tools/bench_tiers.py --placements --disk-rate 300   # the same with the disk the bottleneck
+    python tools/bench_tiers.py --placements --least 300      # and the least link bytes for the same accesses
+
+``--least SECONDS`` records the device tier's accesses from the first measured round on and gives
+the least bytes any device tier of the budget could copy in and out for them over the rounds after
+it (``tools/bench_step_modes.py``'s ``least``: an integer program, a lower bound; needs SciPy).
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from tiered_offload import Engine, EngineConfig, Tier, empty_init, format_size
 from tiered_offload.engine.plan_monitor import PlanMonitor
 from tiered_offload_examples.models import GPT, GPTConfig
 
-from slow_disk import SlowDisk  # noqa: E402 (tools/)
+from bench_step_modes import Accesses, least  # noqa: E402 (tools/)
+from slow_disk import SlowDisk  # noqa: E402
 
 CONFIGS = {
     # name: (tier_caching, host_prefetch_share, optimizer_device)
@@ -102,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
                     help="the disk no faster than this (reads and writes together; tools/slow_disk.py): a GPU box's "
                          "disk-bound step on this machine")
+    ap.add_argument("--least", type=float, default=0, metavar="SECONDS",
+                    help="the least link bytes for the device tier's accesses of the rounds after the first, each "
+                         "configuration's program given this long (needs SciPy and --rounds 2 or more)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs, base_name = CONFIGS, BASELINE
@@ -142,8 +151,14 @@ def main(argv=None) -> int:
                                    store_config=store, config=EngineConfig(optimizer_device=placement,
                                                                       activations=(activations or ["auto"])[0]))
         losses = {name: [] for name in configs}
+        recorded = {name: Accesses(engine.store, Tier.DEVICE) for name, engine in engines.items()} if args.least else {}
+        windows = {}  # name -> [first event counted, end]
         for r in range(args.rounds + 1):
             for name, engine in engines.items():
+                if name in recorded and r >= 1:  # (round 1's accesses fill the cache the counted rounds start from)
+                    recorded[name].on = True
+                    if r == 2:
+                        windows[name] = [len(recorded[name].events), None]
                 s0 = engine.stats()
                 _sync(device)
                 t = time.perf_counter()
@@ -157,6 +172,8 @@ def main(argv=None) -> int:
                     losses[name].append(loss.item())
                 engine._await()  # the step's background work belongs to this configuration's time
                 _sync(device)
+                if name in windows:
+                    windows[name][1] = len(recorded[name].events)
                 dt = (time.perf_counter() - t) / (spans[r][1] - spans[r][0])
                 s1 = engine.stats()
                 per = lambda f, tier: (getattr(s1, f)[tier] - getattr(s0, f)[tier]) / args.steps_per_round  # noqa: E731
@@ -174,6 +191,8 @@ def main(argv=None) -> int:
         disk_floor = {name: sum((engine.stats().floors or {}).get(k) or 0 for k in ("disk_read", "disk_written"))
                       for name, engine in engines.items()}
         activations = {name: engine.plan.summary().splitlines()[0] for name, engine in engines.items()}
+        fewest = {name: least(recorded[name].events, engine.store.capacity(Tier.DEVICE), *windows[name],
+                              time_limit=args.least) for name, engine in engines.items() if name in windows}
     finally:
         for engine in engines.values():
             engine.close()
@@ -206,6 +225,20 @@ def main(argv=None) -> int:
               + f"\n{'':<32} by kind: {kinds or 'nothing'}\n{'':<32} {activations[name]}"
               + f"\n{'':<32} disk writes written over before any read: "
                 f"{med['disk_written_unread'] / max(1.0, med['disk_written']):.0%} of them")
+        got = fewest.get(name)
+        if got is not None:
+            steps = (args.rounds - 1) * args.steps_per_round
+            total = got["at_least"] / steps
+            med["link_least_bytes"], med["link_least_proven"] = total, got["proven"]
+            counted = results[name][1:]  # (rounds 2 on: the program's window)
+            moved = sum(row["into_device"] + row["out_of_device"] for row in counted) / len(counted)
+            print(f"{'':<32} the least any device tier of its budget copies for the same accesses: "
+                  f"{'' if got['proven'] else '>= '}{total / cfg.n_params():.1f} bytes per parameter "
+                  f"({total / state:.2f}x the state; those rounds copied {moved / total:.2f}x it)")
+    if args.least and not fewest:
+        print("the least link bytes need SciPy (pip install scipy) and --rounds 2 or more")
+    elif args.least and any(v is None for v in fewest.values()):
+        print("the least link bytes need SciPy (pip install scipy)")
     if args.disk_rate:
         rate = args.disk_rate * 1e6
         for name, med in report["configs"].items():
