@@ -1426,8 +1426,8 @@ def test_the_same_command_with_other_settings_says_what_it_changes(tmp_path, mod
     """Run again with another seed, micro-batch or learning rate, the command resumed and drew other
     batches than the first run would have, without a word (and kept the saved learning rate). It
     now says which settings differ from the ones the directory was trained with and that they
-    apply from the resumed step on; the engine says that the saved learning rate goes on. A longer
-    run (``max_steps``) and the same command again say nothing.""" 
+    apply from the resumed step on. A longer run (``max_steps``) and the same command again say
+    nothing."""
     import logging
     caplog.set_level(logging.WARNING, logger="tiered_offload")
     config = write_config(tmp_path, model_dir, data, train__max_steps=1, output__export_every=0)
@@ -1437,11 +1437,37 @@ def test_the_same_command_with_other_settings_says_what_it_changes(tmp_path, mod
     train(config, ["train.max_steps=3", "train.seed=7", "train.micro_batch=2", "train.lr=0.02"], progress=False)
     said = [r.getMessage() for r in caplog.records if "trained with other settings" in r.getMessage()]
     assert len(said) == 1 and "train.seed 0 (now 7)" in said[0] and "train.micro_batch 4 (now 2)" in said[0]
-    assert "max_steps" not in said[0] and "from step 3 on" in said[0]
-    # the learning rate is the optimizer's, saved with the state: the resume keeps it, and says so
-    assert any("saved hyperparameters" in r.getMessage() and "lr 0.01 (given 0.02)" in r.getMessage()
-               and "with `tiered-offload train`, start a new run from the last export" in r.getMessage()
-               for r in caplog.records)
+    assert "max_steps" not in said[0] and "from step 3 on" in said[0] and "train.lr 0.01 (now 0.02)" in said[0]
+
+
+def test_a_resume_with_other_optimizer_settings_trains_on_with_them(tmp_path, model_dir, data, caplog):
+    """``train.lr`` lowered after a loss spike (or ``weight_decay``, ``betas``, ``eps`` changed) and
+    the same command run again: the resume kept the saved values and said to start a new run from
+    the last export, so the Adam moments were lost to change a rate. The command's values now
+    apply from the resumed step on, on the schedule (the optimizer's moments kept), as a run from
+    the start with them would have them there; the next resume with them says nothing."""
+    import logging
+    from tiered_offload.checkpoint.durable import StateFiles, state_directory
+    from tiered_offload.train.run import lr_factor
+    caplog.set_level(logging.WARNING, logger="tiered_offload")
+    config = write_config(tmp_path, model_dir, data, train__max_steps=4, output__export_every=0)
+    train(config, ["train.max_steps=2"], progress=False)
+    changed = ["train.lr=0.004", "train.weight_decay=0.1", "train.betas=[0.8,0.99]", "train.eps=1.0e-6"]
+    train(config, ["train.max_steps=3", *changed], progress=False)
+    assert not [r for r in caplog.records if "saved hyperparameters" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "trained with other settings" in r.getMessage()]
+    assert len(said) == 1 and "train.lr 0.01 (now 0.004)" in said[0] and "train.eps 1e-08 (now 1e-06)" in said[0]
+    assert "train.weight_decay 0.01 (now 0.1)" in said[0] and "train.betas [0.9, 0.999] (now [0.8, 0.99])" in said[0]
+    caplog.clear()
+    train(config, changed, progress=False)
+    assert not [r for r in caplog.records if "other settings" in r.getMessage() or "hyperparameters" in r.getMessage()]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if "lr" in r]  # (the step records)
+    assert lrs[:2] == pytest.approx([0.01 * lr_factor(s, 2, 2, "cosine") for s in range(2)])
+    assert lrs[2:] == pytest.approx([0.004 * lr_factor(s, 4, 2, "cosine") for s in (2, 3)])
+    state = StateFiles(state_directory(str(tmp_path / "run"))).read_manifest()["meta"]["param_groups"]
+    assert [g["weight_decay"] for g in state] == [0.1, 0.0] and state[0]["betas"] == [0.8, 0.99]
+    assert state[0]["eps"] == 1e-6 and state[0]["initial_lr"] == 0.004
 
 
 def test_data_edited_since_the_last_run_is_named_when_the_run_resumes(tmp_path, model_dir, caplog):

@@ -329,8 +329,8 @@ def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str)
         logging.getLogger("tiered_offload").warning(
             "tiered-offload: resuming %s with its saved hyperparameters, as optimizer.load_state_dict does, not the "
             "ones given: %s. To change one for the rest of the run, set engine.param_groups[i][name] after the "
-            "resume (a scheduler's base rate: its base_lrs); with `tiered-offload train`, start a new run from the "
-            "last export instead (model.path: OUT/final, another offload.storage)", where, ", ".join(differ))
+            "resume (a scheduler's base rate: its base_lrs, as `tiered-offload train` does with a changed train.lr)",
+            where, ", ".join(differ))
 
 
 def hyper_from_json(saved: dict, like: dict, tensors: dict | None = None) -> dict:

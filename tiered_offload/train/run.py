@@ -29,6 +29,7 @@ from offload_core.buffers import PAGE
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
+from tiered_offload.engine.train_state import hyper_from_json
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
 from tiered_offload.train.data import first_line, micro_batch_rows, prepare_data
@@ -292,6 +293,8 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
                                   eps=t.eps)
     if cfg.lora.adapter and not resuming:
         _check_adapter(model, cfg.lora.adapter)
+    if resuming:
+        _as_trained(optimizer, own)
     try:
         engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
                         device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
@@ -307,16 +310,18 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
     metrics = None
     bar = None
     try:
-        engine.attach_scheduler(torch.optim.lr_scheduler.LambdaLR(
-            engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule, t.min_lr / t.lr)))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule, t.min_lr / t.lr))
+        engine.attach_scheduler(scheduler)
         start = engine.step_count
+        changed = _take_hyperparameters(engine, scheduler, t) if start else []
         metrics = _metrics_from(out / "metrics.jsonl", start) if ranks.first else None
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
         settings = _batch_settings(cfg, train_data)
         if start:
-            _say_other_settings(engine.user_state.get("settings"), settings, location, start)
+            _say_other_settings(engine.user_state.get("settings"), settings, location, start, changed)
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
@@ -451,11 +456,50 @@ def _batch_settings(cfg, train_data) -> dict:
             **_layout_settings(cfg)}
 
 
-def _say_other_settings(saved: dict | None, now: dict, location: str, start: int) -> None:
+def _as_trained(optimizer, directories: str) -> None:
+    """Before a resume: give ``optimizer`` the hyperparameters the state at ``directories`` was
+    trained with, which the engine resumes (it warns of given ones that differ, as
+    ``optimizer.load_state_dict`` would drop them); :func:`_take_hyperparameters` then sets the
+    command's. A state that cannot be read is left to the engine to name."""
+    try:
+        saved = StateFiles(state_directory(directories)).read_manifest()["meta"]["param_groups"]
+    except (TieredOffloadError, KeyError, TypeError):
+        return
+    if isinstance(saved, list) and len(saved) == len(optimizer.param_groups):
+        for group, hypers in zip(optimizer.param_groups, saved):
+            if isinstance(hypers, dict):  # (the rate given is the schedule's base, as the engine compares it)
+                hypers = {k: v for k, v in hypers.items() if k != "initial_lr"} | (
+                    {"lr": hypers["initial_lr"]} if "initial_lr" in hypers else {})
+                group.update(hyper_from_json(hypers, group))
+
+
+def _take_hyperparameters(engine, scheduler, t) -> list[str]:
+    """On a resume: the command's ``train.lr``, ``weight_decay``, ``betas`` and ``eps`` from the
+    resumed step on (the optimizer's state kept), as a run with them from the start would have
+    them there; the learning rate from the schedule at the resumed step, as this command draws it
+    (a longer ``max_steps``: its cosine). Returns the changes, as :func:`_say_other_settings`
+    names them."""
+    changed = []
+    for i, (group, decay) in enumerate(zip(engine.param_groups, (t.weight_decay, 0.0))):
+        for name, now in (("initial_lr", t.lr), ("weight_decay", decay), ("betas", tuple(t.betas)), ("eps", t.eps)):
+            if name in group and group[name] != now:
+                if i == 0:  # (the no-decay group follows the first one, its weight decay 0 on both sides)
+                    was, shown = (list(group[name]), list(now)) if name == "betas" else (group[name], now)
+                    changed.append(f"train.{name.removeprefix('initial_')} {was} (now {shown})")
+                group[name] = now
+        if "initial_lr" in group:  # (the scheduler's base, which a resume restored)
+            scheduler.base_lrs[i] = group["initial_lr"]
+            group["lr"] = scheduler.base_lrs[i] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in engine.param_groups]
+    return changed
+
+
+def _say_other_settings(saved: dict | None, now: dict, location: str, start: int, changed: list[str] = ()) -> None:
     """Log the settings of this command that differ from those ``location`` was trained with (none
-    saved: a run from before they were): they apply from the resumed step on."""
+    saved: a run from before they were), and the optimizer's ``changed`` ones: they apply from the
+    resumed step on."""
     differ = [f"{k} {saved[k]} (now {v})" for k, v in now.items()  # (another layout does not resume)
-              if saved and k in saved and saved[k] != v and k.removeprefix("lora.") not in _LAYOUT]
+              if saved and k in saved and saved[k] != v and k.removeprefix("lora.") not in _LAYOUT] + list(changed)
     if differ:
         log.warning("tiered-offload: %s was trained with other settings: %s. They apply from step %d on: the batches "
                     "and steps from here are not those of the run the first settings make (the same settings as "
