@@ -191,6 +191,23 @@ def test_the_manifest_cannot_point_reads_at_another_directory(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("key, value", [("lr", "x"), ("betas", "nope"), ("betas", [0.9]), ("eps", True),
+                                        ("initial_lr", [1]), ("amsgrad", 0.5)])
+def test_a_saved_hyperparameter_of_the_wrong_kind_is_refused_naming_it(tmp_path, key, value):
+    """A manifest whose checksum holds but whose optimizer hyperparameter is of another kind than
+    the optimizer's (a rate that is a string, betas not a pair): the resume took it, and the first
+    step failed part-way (``StepFailedError``) or with a bare ``TypeError``. It is now a
+    ``CorruptionError`` at the resume naming the file and the value, the files left as they were."""
+    engine = make_engine(tmp_path / "s")
+    train(engine, 1)
+    engine.close()
+    rewrite_manifest(tmp_path / "s", lambda m: m["meta"]["param_groups"][0].update({key: value}))
+    before = extents(tmp_path / "s")
+    with pytest.raises(CorruptionError, match=rf"manifest.json: the saved hyperparameter {key} of group 0 is "):
+        make_engine(tmp_path / "s", resume=True)
+    assert extents(tmp_path / "s") == before
+
+
 # ---- 4. no hang ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("crc", ["abc", 1.5, [1], -1, 2 ** 70])
 def test_a_checksum_of_the_wrong_type_is_refused_not_a_hang(tmp_path, crc):

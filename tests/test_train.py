@@ -1470,6 +1470,27 @@ def test_a_resume_with_other_optimizer_settings_trains_on_with_them(tmp_path, mo
     assert state[0]["eps"] == 1e-6 and state[0]["initial_lr"] == 0.004
 
 
+
+@pytest.mark.parametrize("key, value", [("lr", "x"), ("betas", "nope")])
+def test_a_resume_whose_saved_optimizer_setting_is_of_the_wrong_kind_is_refused_naming_the_manifest(
+        tmp_path, model_dir, data, key, value):
+    """A manifest edited with its checksum mended, a rate that is a string or betas that are not a
+    pair: the command stopped in the optimizer's constructor (``ConfigError``, blaming the
+    command's settings) since it builds the optimizer as the state was trained; the engine alone
+    failed at the first step, untyped. Now a ``CorruptionError`` naming the manifest."""
+    import zlib
+    from tiered_offload.checkpoint.durable import StateFiles, state_directory
+    from offload_core.errors import CorruptionError
+    config = write_config(tmp_path, model_dir, data, train__max_steps=1, output__export_every=0)
+    train(config, progress=False)
+    path = StateFiles(state_directory(str(tmp_path / "run"))).manifest_path
+    manifest = json.loads(path.read_text().partition(" ")[2])
+    manifest["meta"]["param_groups"][0][key] = value
+    text = json.dumps(manifest)
+    path.write_text(f"{zlib.crc32(text.encode()):08x} {text}")
+    with pytest.raises(CorruptionError, match=rf"manifest.json: the saved hyperparameter {key} of group 0 is"):
+        train(config, ["train.max_steps=2"], progress=False)
+
 def test_data_edited_since_the_last_run_is_named_when_the_run_resumes(tmp_path, model_dir, caplog):
     """The data file edited between two runs of the same command (an example fixed, the same number
     of them): the resumed run trained on other sequences than the first run would have, without a

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError
+from offload_core.errors import CheckpointError, ConfigError, CorruptionError
 from tiered_offload.checkpoint.buffer_file import load as load_buffers
 from tiered_offload.checkpoint.durable import decode_rng, encode_rng, encode_tensor
+from tiered_offload.checkpoint.schema import _REDO
 
 __all__ = ["TrainState", "StepUpdates", "jsonable", "saved_hyper", "hyper_from_json"]
 
@@ -204,6 +205,7 @@ class TrainState:
         """Restore what :meth:`state_dict` saved (the scheduler's part waits for :meth:`attach_scheduler`);
         ``where`` names the state in errors."""
         self.step_count = meta["step_count"]
+        check_saved_kinds(self.param_groups, meta["param_groups"], where)
         _say_other_hyperparameters(self.param_groups, meta["param_groups"], where)
         tensors = list(meta.get("tensor_hypers", []))  # (none before they were saved, nor where none was a tensor)
         self._resumed_tensors = tensors + [{}] * (len(meta["param_groups"]) - len(tensors))
@@ -310,6 +312,33 @@ def saved_hyper(optimizer: type[torch.optim.Optimizer], saved: dict) -> dict:
 
 _SCHEDULED = {"base_momentum": ("betas", "momentum"), "max_lr": ("lr",)}
 """A key a scheduler keeps in a group -> the hyperparameters it moves (OneCycleLR, CyclicLR)."""
+
+
+def _kind_of(value) -> str | None:
+    """What a hyperparameter is, as JSON holds it (None: anything goes, as an unset ``foreach``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "a bool"
+    if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
+        return "a number"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}: " + ", ".join(str(_kind_of(v)) for v in value)
+    return f"a {type(value).__name__}"
+
+
+def check_saved_kinds(given: list[dict], saved: list[dict], where: str) -> None:
+    """Refuse a saved hyperparameter of another kind than the optimizer's own (a rate that is a
+    string, betas not a pair of numbers: a manifest edited with its checksum mended), which the
+    first step would fail on part-way; the scheduler's base rate (``initial_lr``) is a number.
+    None on either side is a setting left to its default (``foreach``, Adafactor's ``eps``): a
+    value changed, not a damaged one, which the resume names (:func:`_say_other_hyperparameters`)."""
+    for i, (g, s) in enumerate(zip(given, saved)):
+        for k, v in s.items():
+            want = "a number" if k == "initial_lr" else _kind_of(g.get(k)) if k in g and k != "params" else None
+            if want is not None and v is not None and _kind_of(v) != want:
+                raise CorruptionError(f"{where}: the saved hyperparameter {k} of group {i} is {v!r}, where the "
+                                      f"optimizer has {want}; {_REDO}")
 
 
 def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str) -> None:

@@ -29,7 +29,7 @@ from offload_core.buffers import PAGE
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
-from tiered_offload.engine.train_state import hyper_from_json
+from tiered_offload.engine.train_state import check_saved_kinds, hyper_from_json
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
 from tiered_offload.train.data import first_line, micro_batch_rows, prepare_data
@@ -460,17 +460,21 @@ def _as_trained(optimizer, directories: str) -> None:
     """Before a resume: give ``optimizer`` the hyperparameters the state at ``directories`` was
     trained with, which the engine resumes (it warns of given ones that differ, as
     ``optimizer.load_state_dict`` would drop them); :func:`_take_hyperparameters` then sets the
-    command's. A state that cannot be read is left to the engine to name."""
+    command's. A state that cannot be read is left to the engine to name; a hyperparameter of
+    another kind than the optimizer's is refused here as the engine would, naming the manifest."""
+    files = StateFiles(state_directory(directories))
     try:
-        saved = StateFiles(state_directory(directories)).read_manifest()["meta"]["param_groups"]
+        saved = files.read_manifest()["meta"]["param_groups"]
     except (TieredOffloadError, KeyError, TypeError):
         return
-    if isinstance(saved, list) and len(saved) == len(optimizer.param_groups):
-        for group, hypers in zip(optimizer.param_groups, saved):
-            if isinstance(hypers, dict):  # (the rate given is the schedule's base, as the engine compares it)
-                hypers = {k: v for k, v in hypers.items() if k != "initial_lr"} | (
-                    {"lr": hypers["initial_lr"]} if "initial_lr" in hypers else {})
-                group.update(hyper_from_json(hypers, group))
+    if not (isinstance(saved, list) and len(saved) == len(optimizer.param_groups)
+            and all(isinstance(g, dict) for g in saved)):
+        return
+    check_saved_kinds(optimizer.param_groups, saved, str(files.manifest_path))
+    for group, hypers in zip(optimizer.param_groups, saved):  # (the rate given is the schedule's base, as the
+        hypers = {k: v for k, v in hypers.items() if k != "initial_lr"} | (  # engine compares it)
+            {"lr": hypers["initial_lr"]} if "initial_lr" in hypers else {})
+        group.update(hyper_from_json(hypers, group))
 
 
 def _take_hyperparameters(engine, scheduler, t) -> list[str]:
