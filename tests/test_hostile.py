@@ -208,6 +208,21 @@ def test_a_saved_hyperparameter_of_the_wrong_kind_is_refused_naming_it(tmp_path,
     assert extents(tmp_path / "s") == before
 
 
+
+def test_a_setting_changed_to_or_from_none_is_no_damage():
+    """The kinds' rule: None is a default left unset (``foreach``; Adafactor's ``eps`` of
+    ``(None, 1e-3)``), so a value changed to or from None is a change the resume names, not a
+    damaged file; a number where a pair was, a string where a number was, are damage."""
+    from tiered_offload.engine.train_state import check_saved_kinds
+    given = [{"lr": torch.tensor(0.01), "eps": (None, 1e-3), "foreach": True, "maximize": False}]
+    check_saved_kinds(given, [{"lr": 0.02, "eps": [1e-30, 1e-3], "foreach": None, "maximize": False,
+                               "initial_lr": 0.02, "new_key": "x"}], "m")
+    check_saved_kinds([{**given[0], "eps": (1e-30, 1e-3), "foreach": None}],
+                      [{"eps": [None, 1e-3], "foreach": True}], "m")
+    for bad in ({"eps": [1e-3]}, {"lr": "0.01"}, {"maximize": 0}, {"initial_lr": [0.01]}, {"eps": [None, "x"]}):
+        with pytest.raises(CorruptionError, match=f"m: the saved hyperparameter {next(iter(bad))} of group 0"):
+            check_saved_kinds(given, [bad], "m")
+
 # ---- 4. no hang ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("crc", ["abc", 1.5, [1], -1, 2 ** 70])
 def test_a_checksum_of_the_wrong_type_is_refused_not_a_hang(tmp_path, crc):

@@ -314,31 +314,50 @@ _SCHEDULED = {"base_momentum": ("betas", "momentum"), "max_lr": ("lr",)}
 """A key a scheduler keeps in a group -> the hyperparameters it moves (OneCycleLR, CyclicLR)."""
 
 
-def _kind_of(value) -> str | None:
-    """What a hyperparameter is, as JSON holds it (None: anything goes, as an unset ``foreach``)."""
+def _kind_of(value) -> str:
+    """What a hyperparameter is, as the error names it."""
     if value is None:
-        return None
+        return "None"
     if isinstance(value, bool):
         return "a bool"
     if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
         return "a number"
     if isinstance(value, (list, tuple)):
-        return f"a list of {len(value)}: " + ", ".join(str(_kind_of(v)) for v in value)
+        return f"a list of {len(value)} ({', '.join(_kind_of(v) for v in value)})"
     return f"a {type(value).__name__}"
+
+
+def _same_kind(given, saved) -> bool:
+    """Whether ``saved`` (read from JSON) is of the kind ``given`` is; None on either side is a
+    setting left to its default (``foreach``, Adafactor's ``eps``): a value, not a kind."""
+    if given is None or saved is None:
+        return True
+    if isinstance(given, bool) or isinstance(saved, bool):
+        return isinstance(given, bool) and isinstance(saved, bool)
+    if isinstance(given, (int, float)) or (isinstance(given, torch.Tensor) and given.ndim == 0):
+        return isinstance(saved, (int, float))
+    if isinstance(given, (list, tuple)):
+        return (isinstance(saved, list) and len(saved) == len(given)
+                and all(_same_kind(g, s) for g, s in zip(given, saved)))
+    if isinstance(given, str):
+        return isinstance(saved, str)
+    return True  # (a kind JSON does not keep as such: the resume's own reading judges it)
 
 
 def check_saved_kinds(given: list[dict], saved: list[dict], where: str) -> None:
     """Refuse a saved hyperparameter of another kind than the optimizer's own (a rate that is a
     string, betas not a pair of numbers: a manifest edited with its checksum mended), which the
-    first step would fail on part-way; the scheduler's base rate (``initial_lr``) is a number.
-    None on either side is a setting left to its default (``foreach``, Adafactor's ``eps``): a
-    value changed, not a damaged one, which the resume names (:func:`_say_other_hyperparameters`)."""
+    first step would fail on part-way; the scheduler's base rate (``initial_lr``) is a number. A
+    change to or from None is a value changed, which the resume names
+    (:func:`_say_other_hyperparameters`)."""
     for i, (g, s) in enumerate(zip(given, saved)):
         for k, v in s.items():
-            want = "a number" if k == "initial_lr" else _kind_of(g.get(k)) if k in g and k != "params" else None
-            if want is not None and v is not None and _kind_of(v) != want:
+            if k == "params" or (k not in g and k != "initial_lr"):
+                continue
+            like = g[k] if k in g else 0.0
+            if not _same_kind(like, v):
                 raise CorruptionError(f"{where}: the saved hyperparameter {k} of group {i} is {v!r}, where the "
-                                      f"optimizer has {want}; {_REDO}")
+                                      f"optimizer has {_kind_of(like)}; {_REDO}")
 
 
 def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str) -> None:
