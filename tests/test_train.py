@@ -1475,9 +1475,8 @@ def test_a_resume_with_other_optimizer_settings_trains_on_with_them(tmp_path, mo
 def test_a_resume_whose_saved_optimizer_setting_is_of_the_wrong_kind_is_refused_naming_the_manifest(
         tmp_path, model_dir, data, key, value):
     """A manifest edited with its checksum mended, a rate that is a string or betas that are not a
-    pair: the command stopped in the optimizer's constructor (``ConfigError``, blaming the
-    command's settings) since it builds the optimizer as the state was trained; the engine alone
-    failed at the first step, untyped. Now a ``CorruptionError`` naming the manifest."""
+    pair: the resume took the value and the first step failed (a bare ``TypeError``, or a
+    ``StepFailedError`` part-way). Now a ``CorruptionError`` at the resume, naming the manifest."""
     import zlib
     from tiered_offload.checkpoint.durable import StateFiles, state_directory
     from offload_core.errors import CorruptionError

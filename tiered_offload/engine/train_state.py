@@ -360,6 +360,11 @@ def check_saved_kinds(given: list[dict], saved: list[dict], where: str) -> None:
                                       f"optimizer has {_kind_of(like)}; {_REDO}")
 
 
+KEPT_HYPERPARAMETERS = "tiered_offload_kept_hyperparameters"
+"""Set on the log record of :func:`_say_other_hyperparameters`: a caller that gives the groups its
+own values after the resume (``tiered-offload train``) leaves it out, and names its changes."""
+
+
 def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str) -> None:
     """Log where the optimizer given to a resume differs from the saved one, whose values the resume
     takes (as ``optimizer.load_state_dict`` does): a script run again with a new learning rate would
@@ -378,7 +383,7 @@ def _say_other_hyperparameters(given: list[dict], saved: list[dict], where: str)
             "tiered-offload: resuming %s with its saved hyperparameters, as optimizer.load_state_dict does, not the "
             "ones given: %s. To change one for the rest of the run, set engine.param_groups[i][name] after the "
             "resume (a scheduler's base rate: its base_lrs, as `tiered-offload train` does with a changed train.lr)",
-            where, ", ".join(differ))
+            where, ", ".join(differ), extra={KEPT_HYPERPARAMETERS: True})
 
 
 def hyper_from_json(saved: dict, like: dict, tensors: dict | None = None) -> dict:

@@ -29,7 +29,7 @@ from offload_core.buffers import PAGE
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
-from tiered_offload.engine.train_state import check_saved_kinds, hyper_from_json
+from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
 from tiered_offload.train.data import first_line, micro_batch_rows, prepare_data
@@ -293,14 +293,13 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
                                   eps=t.eps)
     if cfg.lora.adapter and not resuming:
         _check_adapter(model, cfg.lora.adapter)
-    if resuming:
-        _as_trained(optimizer, own)
     try:
-        engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
-                        device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
-                        commit_every=cfg.offload.commit_every, resume=resuming,
-                        init_from=None if resuming else [model_dir, *([Path(cfg.lora.adapter).expanduser()]
-                                                                      if cfg.lora.adapter else [])])
+        with _own_hyperparameters() if resuming else contextlib.nullcontext():
+            engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
+                            device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
+                            commit_every=cfg.offload.commit_every, resume=resuming,
+                            init_from=None if resuming else [model_dir, *([Path(cfg.lora.adapter).expanduser()]
+                                                                          if cfg.lora.adapter else [])])
     except CheckpointError:
         if resuming:
             _refuse_another_layout(cfg, own, location)
@@ -456,25 +455,20 @@ def _batch_settings(cfg, train_data) -> dict:
             **_layout_settings(cfg)}
 
 
-def _as_trained(optimizer, directories: str) -> None:
-    """Before a resume: give ``optimizer`` the hyperparameters the state at ``directories`` was
-    trained with, which the engine resumes (it warns of given ones that differ, as
-    ``optimizer.load_state_dict`` would drop them); :func:`_take_hyperparameters` then sets the
-    command's. A state that cannot be read is left to the engine to name; a hyperparameter of
-    another kind than the optimizer's is refused here as the engine would, naming the manifest."""
-    files = StateFiles(state_directory(directories))
+@contextlib.contextmanager
+def _own_hyperparameters():
+    """Around a resume's construction: leave out the engine's warning that it keeps the saved
+    hyperparameters over the ones given, since this command gives the groups its own after the
+    resume (:func:`_take_hyperparameters`) and names what changed."""
+    logger = logging.getLogger("tiered_offload")
+
+    def keep(record) -> bool:
+        return not getattr(record, KEPT_HYPERPARAMETERS, False)
+    logger.addFilter(keep)
     try:
-        saved = files.read_manifest()["meta"]["param_groups"]
-    except (TieredOffloadError, KeyError, TypeError):
-        return
-    if not (isinstance(saved, list) and len(saved) == len(optimizer.param_groups)
-            and all(isinstance(g, dict) for g in saved)):
-        return
-    check_saved_kinds(optimizer.param_groups, saved, str(files.manifest_path))
-    for group, hypers in zip(optimizer.param_groups, saved):  # (the rate given is the schedule's base, as the
-        hypers = {k: v for k, v in hypers.items() if k != "initial_lr"} | (  # engine compares it)
-            {"lr": hypers["initial_lr"]} if "initial_lr" in hypers else {})
-        group.update(hyper_from_json(hypers, group))
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _take_hyperparameters(engine, scheduler, t) -> list[str]:
