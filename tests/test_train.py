@@ -1471,6 +1471,28 @@ def test_a_resume_with_other_optimizer_settings_trains_on_with_them(tmp_path, mo
 
 
 
+
+def test_a_run_stopped_before_its_first_step_resumes_with_the_commands_optimizer_settings(
+        tmp_path, model_dir, data, monkeypatch):
+    """A first run that stopped before its first step (its state committed at step 0, with its
+    settings), then the command again with another ``train.lr``: the new rate trains, as a run
+    from the start with it would (the engine resumes the saved groups; the command gives its own
+    whatever the step)."""
+    from tiered_offload import Engine
+    from tiered_offload.train.run import lr_factor
+    config = write_config(tmp_path, model_dir, data, train__max_steps=2, output__export_every=0)
+
+    def fails(*_a, **_k):
+        raise RuntimeError("stopped before the first step")
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "forward_backward", fails)
+        with pytest.raises(RuntimeError, match="before the first step"):
+            train(config, progress=False)
+    train(config, ["train.lr=0.004"], progress=False)
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if "lr" in r]
+    assert lrs == pytest.approx([0.004 * lr_factor(s, 2, 2, "cosine") for s in (0, 1)])
+
 @pytest.mark.parametrize("key, value", [("lr", "x"), ("betas", "nope")])
 def test_a_resume_whose_saved_optimizer_setting_is_of_the_wrong_kind_is_refused_naming_the_manifest(
         tmp_path, model_dir, data, key, value):

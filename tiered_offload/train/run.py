@@ -313,7 +313,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
             engine.optimizer, lambda s: lr_factor(s, total, t.warmup_steps, t.schedule, t.min_lr / t.lr))
         engine.attach_scheduler(scheduler)
         start = engine.step_count
-        changed = _take_hyperparameters(engine, scheduler, t) if start else []
+        changed = _take_hyperparameters(engine, scheduler, t) if resuming else []  # (also at step 0)
         metrics = _metrics_from(out / "metrics.jsonl", start) if ranks.first else None
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
