@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import sys
 from pathlib import Path
@@ -341,6 +342,59 @@ def test_init_from_names_the_tensors_it_cannot_convert(tmp_path):
     with pytest.raises(CheckpointError, match=r"(?s)layers\.1\..*experts\.0\.w1.*converts.*from_pretrained.*save_file"):
         Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20, init_from=path)
     assert not [f for f in (tmp_path / "s").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
+
+
+def as_pytorch_files(directory, *, bf16: bool = False):
+    """``directory``'s safetensors rewritten in PyTorch's format, as older transformers wrote it:
+    ``pytorch_model.bin``, or shards with ``pytorch_model.bin.index.json`` (one 2-D tensor saved
+    as a strided view, ``bf16`` every floating tensor in bfloat16)."""
+    from safetensors.torch import load_file
+    index = directory / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    weight_map = {}
+    for shard in shards:
+        tensors = load_file(directory / shard)
+        for k, t in tensors.items():
+            tensors[k] = t.to(torch.bfloat16) if bf16 and t.is_floating_point() else t
+        name = next(k for k, t in tensors.items() if t.ndim == 2)
+        tensors[name] = tensors[name].t().contiguous().t()  # (the same values, other strides)
+        target = "pytorch_model.bin" if len(shards) == 1 else shard.replace("model-", "pytorch_model-").replace(
+            ".safetensors", ".bin")
+        torch.save(tensors, directory / target)
+        weight_map.update(dict.fromkeys(tensors, target))
+        (directory / shard).unlink()
+    if index.exists():
+        index.unlink()
+        (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("arch,layout", [("gpt-neox", "one file"), ("mixtral", "shards"), ("gpt-neox", "bf16")])
+def test_init_from_reads_pytorch_files_as_from_pretrained_does(tmp_path, arch, layout):
+    """Many Hugging Face models still ship PyTorch's files only (``pytorch_model.bin``, or its
+    shards and ``pytorch_model.bin.index.json``). ``init_from`` refused such a directory ("holds
+    neither model.safetensors nor a *.safetensors.index.json"), and the way round it named,
+    ``save_pretrained``, needs the whole model in memory. They are now read as ``from_pretrained``
+    reads them, memory-mapped a tensor at a time: the weights ``from_pretrained`` gives, bitwise
+    (renamed and stacked as for safetensors; a bfloat16 file cast; a strided tensor read). A file
+    given by name is read too."""
+    transformers = pytest.importorskip("transformers")
+    from tiered_offload import Engine
+    cls, config = _saved_models(transformers)[arch]
+    torch.manual_seed(0)
+    path = _saved_by_transformers(tmp_path, cls(config))
+    if layout == "shards":
+        cls.from_pretrained(path).save_pretrained(path, max_shard_size="40KB")
+        (path / "model.safetensors").unlink()
+    as_pytorch_files(path, bf16=layout == "bf16")
+    assert not list(path.glob("*.safetensors*")) and list(path.glob("pytorch_model*"))
+    expected = dict(cls.from_pretrained(path).named_parameters())
+    sources = [path] + ([path / "pytorch_model.bin"] if layout == "one file" else [])
+    for i, source in enumerate(sources):
+        torch.manual_seed(1)  # other initial weights: every one must come from the file
+        with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / f"s{i}", host_memory=1 << 20,
+                    init_from=source) as engine:
+            got = dict(engine.named_parameters())
+        assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected), source
 
 
 @pytest.mark.parametrize("activations", ["recompute", "offload"])

@@ -399,6 +399,74 @@ def test_a_deeply_nested_safetensors_header_or_index_is_a_typed_error(tmp_path):
         PretrainedReader(tmp_path / "d")
 
 
+class _RunsCode:
+    """An object whose unpickling runs a command (what a hostile pickle carries)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _hostile_pytorch_file(tmp_path: Path, case: str) -> Path:
+    """A directory whose ``pytorch_model.bin`` (or index) is ``case``; see the test below."""
+    import zipfile
+    d = tmp_path / "model"
+    d.mkdir()
+    bin_path, good = d / "pytorch_model.bin", {"w": torch.arange(6.0).reshape(2, 3)}
+    if case == "code":
+        torch.save({"w": _RunsCode(tmp_path / "ran")}, bin_path)
+    elif case == "legacy format":
+        torch.save(good, bin_path, _use_new_zipfile_serialization=False)
+    elif case in ("truncated", "compressed"):
+        torch.save(good, bin_path)
+        if case == "truncated":
+            bin_path.write_bytes(bin_path.read_bytes()[:-200])
+        else:
+            with zipfile.ZipFile(bin_path) as z:
+                members = [(i.filename, z.read(i)) for i in z.infolist()]
+            with zipfile.ZipFile(bin_path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+                for name, data in members:
+                    z.writestr(name, data)
+    elif case == "a list":
+        torch.save([good["w"]], bin_path)
+    elif case == "a training checkpoint":
+        torch.save({"model": good, "step": 3}, bin_path)
+    elif case == "sparse":
+        torch.save({"w": good["w"].to_sparse()}, bin_path)
+    else:  # an index naming a shard outside the directory, or one that is not there
+        torch.save(good, tmp_path / "outside.bin")
+        shard = "../outside.bin" if case == "outside" else "pytorch_model-00001-of-00002.bin"
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    return d
+
+
+@pytest.mark.parametrize("case,match", [
+    ("code", "only tensors and plain containers are read from it, no code"),
+    ("legacy format", "not a PyTorch checkpoint of the zip format"),
+    ("truncated", "not a readable PyTorch checkpoint"),
+    ("compressed", "is compressed or lies past the file's end"),
+    ("a list", "holds a list, not a state dict"),
+    ("a training checkpoint", "entry 'model' is a dict, not a tensor"),
+    ("sparse", "only dense tensors"),
+    ("outside", "refusing to read outside it"),
+    ("missing shard", r"pytorch_model-00001-of-00002\.bin does not exist, and the index names it for 'w'"),
+])
+def test_a_hostile_or_damaged_pytorch_file_is_refused_naming_it_and_runs_nothing(tmp_path, case, match):
+    """PyTorch's format is a pickle, and a pickle can carry code; ``init_from`` now reads it
+    (``pytorch_model.bin``). It is read with PyTorch's restricted unpickler, over a memory map of an
+    archive checked first: each way such a file can be hostile or damaged is a ``CheckpointError``
+    naming the file and saying what to do, the code in it never runs, and nothing outside the
+    directory is read."""
+    from tiered_offload.checkpoint.safetensors_io import PretrainedReader
+    d = _hostile_pytorch_file(tmp_path, case)
+    with pytest.raises(CheckpointError, match=match) as e:
+        PretrainedReader(d)
+    assert str(d) in str(e.value)
+    assert not (tmp_path / "ran").exists()
+
+
 # ---- 8. snapshot commits need room for two versions ---------------------------------------------------------
 def test_the_disk_preflight_counts_what_snapshot_commits_need(tmp_path):
     probe = make_engine(tmp_path / "probe", host_memory=1 << 22)  # the state fits in memory: snapshots

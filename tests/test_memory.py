@@ -101,3 +101,39 @@ def test_saved_activations_count_in_the_budget(tmp_path, zygote):
         assert outside <= baseline + slack, (
             f"{mode}: {outside / MiB:.1f} MiB of peak RSS growth outside the arena, recompute {baseline / MiB:.1f} "
             f"MiB; the activations ({total / MiB:.1f} MiB, {one_block / MiB:.1f} MiB per block) escaped the budget")
+
+
+BIN_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from tiered_offload.checkpoint import torch_bin
+    from tiered_offload.checkpoint.safetensors_io import PretrainedReader
+    if sys.argv[2] == "kept":
+        torch_bin._libc = None  # (the pages not let go of: the test's control)
+    torch.save({f"w{i}": torch.full((1 << 20,), float(i)) for i in range(12)}, sys.argv[1])
+
+    def file_pages():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile"))
+
+    reader = PretrainedReader(sys.argv[1])
+    out, base, grown = torch.empty(1 << 20), file_pages(), 0
+    for i in range(12):
+        reader.read_into(f"w{i}", out)
+        assert torch.equal(out, torch.full((1 << 20,), float(i)))
+        grown = max(grown, file_pages() - base)
+    print(grown)
+""")
+
+
+def test_a_pytorch_file_is_read_without_holding_it_in_memory(tmp_path):
+    """``init_from`` of PyTorch's ``pytorch_model.bin`` maps the file; each tensor's pages are let
+    go of once it is copied into the engine's buffer, so the process holds about one tensor of a
+    file of any size (48 MiB here), not the file: its mapped pages grow by at most 8 MiB. Kept
+    (the control), they grow by the file."""
+    grown = {}
+    for how in ("released", "kept"):
+        run = subprocess.run([sys.executable, "-c", BIN_SCRIPT, str(tmp_path / f"{how}.bin"), how],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        grown[how] = int(run.stdout.split()[-1])
+    assert grown["released"] <= 8 * MiB and grown["kept"] >= 40 * MiB, grown

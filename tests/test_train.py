@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -783,7 +784,7 @@ def test_model_path_may_be_a_hub_id_or_a_snapshot_in_the_hub_cache(tmp_path, mod
     _hub_cache(cache, bare, "acme/no-weights")
     config = write_config(tmp_path / "dry", model_dir, data)
     assert train(config, ["model.path=acme/no-weights"], dry_run=True)["model"]
-    with pytest.raises(ConfigError, match=r"model\.path .*models--acme--no-weights.* holds no safetensors weights"):
+    with pytest.raises(ConfigError, match=r"model\.path .*models--acme--no-weights.* holds no weights"):
         train(config, ["model.path=acme/no-weights"], progress=False)
     with pytest.raises(ConfigError, match=r"model\.path acme/other is not a local directory, and the Hugging Face "
                                           r"Hub gave no model of that id \(.*\): download it .*or name its directory"):
@@ -791,6 +792,30 @@ def test_model_path_may_be_a_hub_id_or_a_snapshot_in_the_hub_cache(tmp_path, mod
     with pytest.raises(ConfigError, match=r"model\.path .*no-such-dir does not exist"):
         train(write_config(tmp_path / "missing", model_dir, data), [f"model.path={tmp_path / 'no-such-dir'}"],
               progress=False)
+
+
+def test_a_model_that_ships_pytorch_files_only_trains_as_its_safetensors(tmp_path, model_dir, data, monkeypatch):
+    """A model directory (or Hub repository) with ``pytorch_model.bin`` and no safetensors, as many
+    still are, stopped with "holds no safetensors weights; save the model with save_pretrained",
+    which needs the whole model in memory. It now trains from those files, bitwise the run from
+    its safetensors; a Hub id fetches them only where it has no safetensors."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from test_conformance import as_pytorch_files
+    bin_dir = tmp_path / "bin-model"
+    shutil.copytree(model_dir, bin_dir)
+    as_pytorch_files(bin_dir)
+    assert (bin_dir / "pytorch_model.bin").is_file() and not list(bin_dir.glob("*.safetensors"))
+    cache = tmp_path / "hub"
+    _hub_cache(cache, bin_dir, "acme/bin-only")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    runs = {}
+    for name, path in (("safetensors", model_dir), ("pytorch", bin_dir), ("hub", "acme/bin-only")):
+        summary = train(write_config(tmp_path / name, path, data, train__max_steps=2, output__export_every=0),
+                        progress=False)
+        runs[name] = exported(Path(summary["final"]))
+    assert all(torch.equal(runs["safetensors"][k], runs[name][k]) for name in ("pytorch", "hub")
+               for k in runs["safetensors"])
 
 
 def test_model_path_may_pin_a_hub_revision_or_be_an_hf_url(tmp_path, model_dir, data, monkeypatch):
@@ -930,7 +955,7 @@ def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, c
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text((model_dir / "config.json").read_text())
-    with pytest.raises(ConfigError, match="no safetensors weights"):
+    with pytest.raises(ConfigError, match="holds no weights"):
         train(write_config(tmp_path, bare, data), progress=False)
     missing = tmp_path / "bad.jsonl"
     missing.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
@@ -953,7 +978,7 @@ def test_the_errors_a_user_hits_name_what_to_change(tmp_path, model_dir, data, c
     with pytest.raises(CheckpointError, match="another model"):
         train(write_config(tmp_path / "x", model_dir, data, train__max_steps=1), progress=False)
     assert cli_main(["train", "--config", str(write_config(tmp_path, bare, data)), "--no-progress"]) == 2
-    assert "no safetensors weights" in capsys.readouterr().err
+    assert "holds no weights" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", ["empty", "blank lines", "a directory", "a number for the text"])

@@ -121,7 +121,8 @@ def is_adapter_directory(path) -> bool:
     ``adapter_config.json`` and no model (an engine's export of a PEFT model holds both: the whole
     model, which ``init_from`` reads as a checkpoint)."""
     path = Path(path)
-    return (path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "model.safetensors").exists()
+    return (path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not any(
+        (path / name).exists() for name in ("model.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json"))
             and not any(path.glob("*.safetensors.index.json")))
 
 

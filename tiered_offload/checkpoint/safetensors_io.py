@@ -26,6 +26,8 @@ import torch
 from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError, StorageDirectoryError
 from tiered_offload.checkpoint.durable import fsync_directory
 from tiered_offload.checkpoint.schema import check_index, parse_json
+from tiered_offload.checkpoint.torch_bin import (BIN_INDEX_NAME, BIN_SINGLE_NAME, copy_out, is_torch_archive,
+                                                read_torch_entries)
 from offload_core.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -89,13 +91,18 @@ class PretrainedReader:
 
     Args:
         path: a ``.safetensors`` file, or a directory holding ``model.safetensors`` or an index
-            (``*.safetensors.index.json``) with its shards.
+            (``*.safetensors.index.json``) with its shards; without those, PyTorch's format as
+            ``from_pretrained`` reads it (``pytorch_model.bin``, or its index and shards; a file
+            ``torch.save`` wrote given by name too: :mod:`~tiered_offload.checkpoint.torch_bin`).
     """
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path).expanduser()
+        files, torch_format = None, False
         if path.is_dir():
             indexes = sorted(path.glob("*.safetensors.index.json"))
+            if not indexes and not (path / SINGLE_NAME).is_file() and (path / BIN_INDEX_NAME).is_file():
+                indexes, torch_format = [path / BIN_INDEX_NAME], True
             if indexes:
                 try:
                     data = indexes[0].read_bytes()
@@ -109,30 +116,35 @@ class PretrainedReader:
                                               f"name in that directory; refusing to read outside it")
                     files[name] = path / shard
             elif (path / SINGLE_NAME).is_file():
-                files = None
                 path = path / SINGLE_NAME
+            elif (path / BIN_SINGLE_NAME).is_file():
+                path, torch_format = path / BIN_SINGLE_NAME, True
             else:
-                raise CheckpointError(f"{path} holds neither {SINGLE_NAME} nor a *.safetensors.index.json")
+                raise CheckpointError(f"{path} holds none of {SINGLE_NAME}, a *.safetensors.index.json, "
+                                      f"{BIN_SINGLE_NAME} or {BIN_INDEX_NAME}")
         elif path.is_file():
-            files = None
+            torch_format = is_torch_archive(path)
         else:
             raise CheckpointError(f"pretrained weights {path} do not exist")
-        self.entries: dict[str, tuple[Path, dict, int]] = {}
+        self.entries: dict[str, tuple[Path, dict, int | None]] = {}
+        """Per tensor name: its file, its header entry (a PyTorch file's: its memory-mapped
+        ``tensor`` too) and where the file's data starts (None for a PyTorch file)."""
         self.merged: dict[str, list[list[str]]] = {}
         """Tensors of the model made of several of the file's (:meth:`merge`)."""
-        headers: dict[Path, tuple[dict, int]] = {}
         shards = sorted(set(files.values())) if files else [path]
         for shard in shards:
-            headers[shard] = read_header(shard)
+            if not shard.is_file():
+                raise CheckpointError(f"{shard} does not exist, and the index names it for "
+                                      f"{next(n for n, s in files.items() if s == shard)!r}")
+        headers = {shard: read_torch_entries(shard) if torch_format else read_header(shard) for shard in shards}
         if files:
             for name, shard in files.items():
-                header, start = headers[shard]
-                if name not in header:
+                entries = _entries(headers[shard], shard, torch_format)
+                if name not in entries:
                     raise CheckpointError(f"the index maps {name!r} to {shard}, whose header does not list it")
-                self.entries[name] = (shard, header[name], start)
+                self.entries[name] = entries[name]
         else:
-            header, start = headers[path]
-            self.entries = {name: (path, info, start) for name, info in header.items()}
+            self.entries = _entries(headers[path], path, torch_format)
         self.source = path
 
     def names(self) -> list[str]:
@@ -197,6 +209,9 @@ class PretrainedReader:
                 offset += rows
             return
         path, info, start = self.entries[name]
+        if "tensor" in info:  # a PyTorch file's: its pages read as it is copied
+            copy_out(path, name, info["tensor"], out, info["native"])
+            return
         a, b = info["data_offsets"]
         dtype = info["torch_dtype"]
         flat = out.reshape(-1)
@@ -215,7 +230,15 @@ class PretrainedReader:
                 flat[lo:hi].copy_(chunk.view(dtype))
 
     def close(self) -> None:
-        pass
+        self.entries, self.merged = {}, {}  # (a PyTorch file's memory maps go with its tensors)
+
+
+def _entries(header, path: Path, torch_format: bool) -> dict:
+    """A file's tensors as :attr:`PretrainedReader.entries` holds them."""
+    if torch_format:
+        return header
+    header, start = header
+    return {name: (path, info, start) for name, info in header.items()}
 
 
 def _conversion_hint(converted: list[str]) -> str:

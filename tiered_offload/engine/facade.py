@@ -123,7 +123,8 @@ class Engine(EngineViews):
             and backward, and may use up to twice the state's disk space while it does.
         resume: continue the training state in ``storage`` (True: it must hold one; ``"auto"``:
             if it holds one, else start fresh). False refuses a directory that holds a state.
-        init_from: a safetensors file, or a directory of safetensors shards with its index, to
+        init_from: a safetensors file, or a directory of safetensors shards with its index (or,
+            without those, PyTorch's ``pytorch_model.bin`` or its shards, memory-mapped), to
             load the weights from (Hugging Face parameter names), streamed one tensor at a time;
             for a PEFT model, ``[BASE, ADAPTER]``: the base's checkpoint and a directory its
             ``save_pretrained`` wrote, whose adapter the training continues.

@@ -29,6 +29,8 @@ from offload_core.buffers import PAGE
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
+from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME
+from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
@@ -65,6 +67,15 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktok
 """What a Hub id's repository gives ``train``: the config, the safetensors weights, the tokenizer's
 files (top level only: no ``original/`` checkpoint, no ``.bin`` copies, no ONNX)."""
 
+HUB_BIN_FILES = ["pytorch_model*.bin"]
+"""What it gives besides where it has no safetensors weights: PyTorch's, as ``from_pretrained`` reads them."""
+
+
+def _has_weights(directory: Path) -> bool:
+    """Whether ``directory`` holds the weights ``init_from`` reads: safetensors, else PyTorch's."""
+    return bool((directory / SINGLE_NAME).is_file() or list(directory.glob("*.safetensors.index.json"))
+                or (directory / BIN_SINGLE_NAME).is_file() or (directory / BIN_INDEX_NAME).is_file())
+
 
 HUB_MODEL = re.compile(r"(?:hf://)?([\w.-]+/[\w.-]+)(?:@([\w./-]+))?")
 """A Hub model ``model.path`` names (one that is no local path): ``owner/name`` or ``hf://owner/name``,
@@ -96,6 +107,9 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
             wanted = [p for p in HUB_FILES if not (dry_run and p == "*.safetensors")]
             directory = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=wanted,
                                                                ignore_patterns=["*/*"]))
+            if not dry_run and not _has_weights(directory):  # a model that ships PyTorch's files only
+                directory = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_BIN_FILES,
+                                                                   ignore_patterns=["*/*"]))
         except Exception as e:  # (no network, not cached, no such repository or revision, gated, no huggingface_hub)
             at = f" at revision {revision}" if revision else ""
             raise ConfigError(f"model.path {path} is not a local directory, and the Hugging Face Hub gave no model of "
@@ -104,10 +118,10 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
                               f"or name its directory") from None
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path {directory} is not a Hugging Face model directory (no config.json)")
-    weights = (directory / "model.safetensors").is_file() or list(directory.glob("*.safetensors.index.json"))
-    if not weights and not (hub and dry_run):
-        raise ConfigError(f"model.path {directory} holds no safetensors weights (model.safetensors, or shards with "
-                          f"model.safetensors.index.json); save the model with save_pretrained(safe_serialization=True)")
+    if not _has_weights(directory) and not (hub and dry_run):
+        raise ConfigError(f"model.path {directory} holds no weights ({SINGLE_NAME}, or shards with "
+                          f"{INDEX_NAME}; else {BIN_SINGLE_NAME} or {BIN_INDEX_NAME}); save the model with "
+                          f"save_pretrained")
     return directory
 
 
