@@ -626,17 +626,21 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
     _trains_as(engine, ref)
 
 
-@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}],
-                         ids=["lora", "lora-and-head", "dora"])
+@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}, "pytorch files"],
+                         ids=["lora", "lora-and-head", "dora", "lora-pytorch-files"])
 def test_init_from_a_base_and_a_saved_adapter_continues_training_the_adapter(tmp_path, options):
     """The second stage of a LoRA recipe (SFT's adapter, then DPO or more data on it), or a run
     whose storage directory is gone: the base too large for memory, the adapter a directory PEFT's
     ``save_pretrained`` wrote. ``init_from=[BASE, ADAPTER]`` reads the base's weights from the
     checkpoint and the adapter's (DoRA's magnitudes, a ``modules_to_save`` copy) from the adapter
     file, under PEFT's keys: training is PyTorch's ``PeftModel.from_pretrained(base, ADAPTER,
-    is_trainable=True)``, bitwise. Before, only the base could be read (the adapter started fresh)."""
+    is_trainable=True)``, bitwise. Before, only the base could be read (the adapter started fresh).
+    Also from PyTorch's files, as older transformers and PEFT wrote them (``pytorch_model.bin``,
+    ``adapter_model.bin``): they were refused, "save it again with safe_serialization"."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
+    pytorch_files = options == "pytorch files"
+    options = {} if pytorch_files else options
     pretrained, adapter = tmp_path / "pretrained", tmp_path / "adapter"
     _llama8().save_pretrained(pretrained)
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **options)
@@ -648,6 +652,13 @@ def test_init_from_a_base_and_a_saved_adapter_continues_training_the_adapter(tmp
             hf_loss(first, ids).backward()
         opt.step(), opt.zero_grad()
     first.save_pretrained(adapter)
+    if pytorch_files:
+        from safetensors.torch import load_file
+
+        from test_conformance import as_pytorch_files
+        as_pytorch_files(pretrained)
+        torch.save(load_file(adapter / "adapter_model.safetensors"), adapter / "adapter_model.bin")
+        (adapter / "adapter_model.safetensors").unlink()
 
     config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
     with empty_init():

@@ -39,6 +39,7 @@ __all__ = ["ADAPTER_FILE", "adapter_config", "adapter_differences", "adapter_rec
 log = logging.getLogger(__name__)
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+ADAPTER_BIN = "adapter_model.bin"
 
 
 def peft_adapter_name(model) -> str | None:
@@ -147,13 +148,14 @@ def saved_adapter(binding, path) -> tuple[PretrainedReader, set[str]]:
         raise ConfigError(f"{path / ADAPTER_CONFIG} is not the model's adapter {name!r} (" + "; ".join(
             f"{k}: {saved!r} in the file, {own!r} in the model" for k, saved, own in differ[:4]) + "): its tensors "
             f"would train as another adapter. Build the model's adapter from the saved one: {_wrap_as_saved(path)}")
-    if not (path / ADAPTER_FILE).is_file():
-        raise CheckpointError(f"{path} holds {ADAPTER_CONFIG} but no {ADAPTER_FILE} (an adapter saved as pickled "
-                              f"adapter_model.bin is not read: save it again with safe_serialization)")
+    weights_file = next((path / f for f in (ADAPTER_FILE, ADAPTER_BIN) if (path / f).is_file()), None)
+    if weights_file is None:
+        raise CheckpointError(f"{path} holds {ADAPTER_CONFIG} but neither {ADAPTER_FILE} nor {ADAPTER_BIN}: not "
+                              f"a whole adapter; save it again with PeftModel.save_pretrained")
     weights = {slot.name: torch.empty(slot.shape, device="meta") for _, slot in binding.param_order}
     names = {id(t): n for n, t in weights.items()}
     keys = {names[id(t)]: key for key, t in _peft_state(binding, name, weights).items() if id(t) in names}
-    reader = PretrainedReader(path / ADAPTER_FILE)
+    reader = PretrainedReader(weights_file)  # (PyTorch's format as older PEFT wrote it: checkpoint/torch_bin.py)
     reader.alias(keys)
     reader.check_covers([(n, weights[n].shape) for n in keys])
     return reader, set(keys)
