@@ -818,6 +818,66 @@ def test_a_model_that_ships_pytorch_files_only_trains_as_its_safetensors(tmp_pat
                for k in runs["safetensors"])
 
 
+def test_a_hub_id_fetches_the_weights_from_pretrained_reads_and_no_others(tmp_path, model_dir, data, monkeypatch):
+    """A Hub id fetched every ``*.safetensors`` at the top of the repository: Mistral's ships its
+    weights twice (``consolidated.safetensors`` beside the index's shards), so a run downloaded
+    twice the model. It now fetches what ``from_pretrained`` reads: the index's shards, else
+    ``model.safetensors``, else PyTorch's files likewise; a dry run, none. An index naming a
+    shard outside the repository is refused, naming it."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    import fnmatch
+    from test_conformance import as_pytorch_files
+    remotes, fetched = {}, []
+
+    def snapshot_download(repo, revision=None, allow_patterns=(), ignore_patterns=()):
+        local = tmp_path / "snapshots" / repo
+        local.mkdir(parents=True, exist_ok=True)
+        for f in sorted(remotes[repo].iterdir()):
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns) and not (local / f.name).exists():
+                shutil.copy(f, local / f.name)
+                fetched.append(f.name)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    sharded = tmp_path / "sharded"  # the index's shards, a consolidated copy, PyTorch's copy
+    transformers.AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(f.name for f in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shutil.copy(model_dir / "model.safetensors", sharded / "consolidated.safetensors")
+    (sharded / "pytorch_model.bin").write_bytes(b"not fetched")
+    single, pytorch = tmp_path / "single", tmp_path / "pytorch"
+    shutil.copytree(model_dir, single)
+    (single / "pytorch_model.bin").write_bytes(b"not fetched")
+    shutil.copytree(sharded, pytorch)
+    for f in (pytorch / "consolidated.safetensors", pytorch / "pytorch_model.bin"):
+        f.unlink()
+    as_pytorch_files(pytorch)
+    for repo, remote in (("acme/sharded", sharded), ("acme/single", single), ("acme/pytorch", pytorch)):
+        for f in model_dir.glob("*token*"):
+            shutil.copy(f, remote / f.name)
+        remotes[repo] = remote
+    weights = {"acme/sharded": shards, "acme/single": ["model.safetensors"],
+               "acme/pytorch": sorted(f.name for f in pytorch.glob("pytorch_model-*.bin"))}
+    for repo, expected in weights.items():
+        fetched.clear()
+        summary = train(write_config(tmp_path / repo, model_dir, data, train__max_steps=1, output__export_every=0),
+                        [f"model.path={repo}"], progress=False)
+        assert summary["step"] == 1
+        assert sorted(f for f in fetched if f.endswith((".safetensors", ".bin"))) == expected, (repo, fetched)
+    fetched.clear()
+    remotes["acme/dry"] = sharded
+    assert train(write_config(tmp_path / "dry", model_dir, data), ["model.path=acme/dry"], dry_run=True)["model"]
+    assert not [f for f in fetched if f.endswith((".safetensors", ".bin"))]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text((model_dir / "config.json").read_text())
+    (outside / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../secret.safetensors"}}))
+    remotes["acme/outside"] = outside
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: shard name '\.\./secret\.safetensors' "
+                                              r"is not a plain file name"):
+        train(write_config(tmp_path / "o", model_dir, data), ["model.path=acme/outside"], progress=False)
+
+
 def test_model_path_may_pin_a_hub_revision_or_be_an_hf_url(tmp_path, model_dir, data, monkeypatch):
     """``model.path: owner/name@REVISION`` (a commit, branch or tag: a run that can be repeated
     when the repository moves on) and ``hf://owner/name`` (as ``data.path`` names a Hub dataset)

@@ -30,6 +30,7 @@ from offload_core.errors import CheckpointError, ConfigError, DiskFullError, Ste
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME
+from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
@@ -63,12 +64,30 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, floor: float = 
     return floor + (1 - floor) * decay if floor else decay
 
 
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-"""What a Hub id's repository gives ``train``: the config, the safetensors weights, the tokenizer's
-files (top level only: no ``original/`` checkpoint, no ``.bin`` copies, no ONNX)."""
+HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+"""What a Hub id's repository gives ``train`` first: the config, the weights' index, the tokenizer's
+files (top level only: no ``original/`` checkpoint, no ONNX); then the weights ``from_pretrained``
+reads (:func:`_hub_weights`), nothing more (not Mistral's ``consolidated.safetensors`` beside its
+shards, nor ``.bin`` copies beside safetensors)."""
 
-HUB_BIN_FILES = ["pytorch_model*.bin"]
-"""What it gives besides where it has no safetensors weights: PyTorch's, as ``from_pretrained`` reads them."""
+
+def _hub_weights(directory: Path) -> list[list[str]]:
+    """The weight files to fetch into a Hub snapshot holding the config and the indexes, in the
+    order to try (the next only where the one before brought none): the safetensors index's shards,
+    or ``model.safetensors``; then PyTorch's, likewise."""
+    tries = []
+    for index, single in ((INDEX_NAME, SINGLE_NAME), (BIN_INDEX_NAME, BIN_SINGLE_NAME)):
+        if (directory / index).is_file():
+            data = (directory / index).read_bytes()
+            shards = sorted(set(check_index(parse_json(data, directory / index), directory / index)["weight_map"].values()))
+            bad = [s for s in shards if Path(s).name != s or s.startswith(".") or any(c in s for c in "*?[")]
+            if bad:
+                raise CheckpointError(f"{directory / index}: shard name {bad[0]!r} is not a plain file name in that "
+                                      f"directory; refusing to fetch or read outside it")
+            tries.append(shards)
+        else:
+            tries.append([single])
+    return tries
 
 
 def _has_weights(directory: Path) -> bool:
@@ -104,12 +123,16 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
         repo, revision = named
         try:
             import huggingface_hub
-            wanted = [p for p in HUB_FILES if not (dry_run and p == "*.safetensors")]
-            directory = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=wanted,
+            directory = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES,
                                                                ignore_patterns=["*/*"]))
-            if not dry_run and not _has_weights(directory):  # a model that ships PyTorch's files only
-                directory = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_BIN_FILES,
-                                                                   ignore_patterns=["*/*"]))
+            for files in [] if dry_run else _hub_weights(directory):  # (a dry run reads no weights)
+                if not all((directory / f).is_file() for f in files):
+                    directory = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=files,
+                                                                       ignore_patterns=["*/*"]))
+                if all((directory / f).is_file() for f in files):
+                    break
+        except TieredOffloadError:  # (the repository's index is damaged: named as such)
+            raise
         except Exception as e:  # (no network, not cached, no such repository or revision, gated, no huggingface_hub)
             at = f" at revision {revision}" if revision else ""
             raise ConfigError(f"model.path {path} is not a local directory, and the Hugging Face Hub gave no model of "
