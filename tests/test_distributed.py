@@ -543,12 +543,12 @@ def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, tmp_path):
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_ranks_a_crash_left_one_snapshot_commit_apart_resume_from_the_one_every_rank_made(when, tmp_path):
+def test_ranks_a_crash_left_one_snapshot_commit_apart_resume_from_the_one_every_rank_made(when, tmp_path, capsys):
     """Sharded snapshot commits (``commit_every=2``; the state fits each rank's memory): rank 1 is
     SIGKILLed as it commits step 4, ``before`` its new manifest is written (rank 0 has committed step
     4 and kept step 2's commit: it goes back to it at the restart) or ``after`` (both at step 4). The
     job started again ends bitwise where an uninterrupted run does, and every rank keeps at most the
-    commit before its last."""
+    commit before its last, and none at rest once every rank has the last."""
     from tiered_offload.checkpoint.durable import STATE_DIR, StateFiles
     cfg = {"layers": 4, "optimizer": "adamw", "steps": 6, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
            "durable": True, "timeout_s": 30, "scheduler": True, "commit_every": 2}
@@ -559,14 +559,20 @@ def test_ranks_a_crash_left_one_snapshot_commit_apart_resume_from_the_one_every_
     (code0, log0), (code1, _) = launch(2, tmp_path / "killed", dict(cfg, kill_in_commit=[1, 4, when]), check=False)
     assert code1 == -9 and code0 != 0, log0[-2000:]
     files = [StateFiles(tmp_path / "killed" / "state" / f"rank-{r}-of-2" / STATE_DIR) for r in range(2)]
-    assert files[0].read_manifest()["step"] == 4 and files[0].read_previous()["step"] == 2
-    assert files[1].read_manifest()["step"] == (2 if when == "before" else 4)
+    assert files[0].read_manifest()["step"] == 4 and files[1].read_manifest()["step"] == (2 if when == "before" else 4)
+    # rank 0 saw its peer die (out of step): its close leaves step 2's commit kept, which inspect tells
+    # apart from rank 1's leftovers (the step it was writing)
+    assert files[0].read_previous()["step"] == 2
+    from tiered_offload.cli import main as cli_main
+    assert cli_main(["inspect", str(tmp_path / "killed" / "state")]) == 0
+    text = capsys.readouterr().out
+    assert "(step 2's commit kept)" in text and "only the commit before the last (step 2) names" in text
     resumed = launch(2, tmp_path / "killed", cfg)
     assert all(torch.equal(resumed[0]["weights"][k], once[0]["weights"][k]) for k in once[0]["weights"])
     log0 = (tmp_path / "killed" / "rank-0.log").read_text()
     assert ("going back from step 4 to step 2" in log0) == (when == "before"), log0[-2000:]
-    for f in files:  # (the last commit's agreement is the next start's: the one before it is kept till then)
-        assert f.read_manifest()["step"] == 6 and f.read_previous()["step"] == 4
+    for f in files:  # (each close let go of the commit before the last: every rank had the last)
+        assert f.read_manifest()["step"] == 6 and f.read_previous() is None
 
 
 def test_the_step_ranks_resume_at_is_one_every_rank_holds_or_refused():
@@ -616,11 +622,17 @@ def test_sharded_snapshot_commits_train_as_one_process(share, every, tmp_path):
     state streams through each rank's disk (0.9 of a share), and every step or every second where
     each rank's share fits its memory (2.0 of a share: the whole state, not aligned; every block recomputed,
     beside the gathered buffers) as on one process whose state fits: no state is read back, and
-    none is written but by the commits."""
+    none is written but by the commits. At rest, no rank keeps the commit before its last: each
+    let go of it at close once every rank's manifest had the last step (it kept it, up to a whole
+    state's bytes, until the next start)."""
+    from tiered_offload.checkpoint.state_dir import ShardedStateDirectory
     cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0, "durable": True,
            "commit_every": every, "activations": "recompute" if share > 1 else "auto"}
     results = _trains_as_one_process(tmp_path, cfg, share)
     assert results["commits"] == "SnapshotCommits"
+    ranks = ShardedStateDirectory(tmp_path / "state").inspect()["ranks"]
+    assert [(r["step"], r["previous_commit_step"]) for r in ranks] == [(5, None), (5, None)], ranks
+    assert not list((tmp_path / "state").rglob("previous.json"))
     if share > 1:
         assert not any(results["state_reads"][-1].values())
         # the first weights, then weights and states at each commit (steps 2 and 4, the rest at close, or all 5)
@@ -745,10 +757,9 @@ def test_the_shared_root_of_a_sharded_run_is_a_state_directory_for_every_command
     assert cli_main(["inspect", str(root)]) == 0
     text = capsys.readouterr().out
     assert "rank 0 of 2   step 2" in text and "rank 1 of 2   step 2" in text
-    # (the state fits: snapshot commits, each rank keeping step 1's till the run's next start, told apart
-    # from leftovers)
-    assert "(step 1's commit kept)" in text and "only the commit before the last (step 1) names" in text
-    assert "not part of the committed state" not in text
+    # (the state fits: snapshot commits, the commit before the last let go of at close: a kept one is
+    # shown apart from leftovers, test_ranks_a_crash_left_one_snapshot_commit_apart_...)
+    assert "commit kept" not in text and "not part of the committed state" not in text
     assert cli_main(["verify", str(root)]) == 0
     assert cli_main(["export", str(root), str(tmp_path / "out")]) == 0
     reader = PretrainedReader(tmp_path / "out")

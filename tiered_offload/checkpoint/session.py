@@ -5,12 +5,15 @@ and how to redo one unit's update); everything about files, extents and records 
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DistributedError
+from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DistributedError, TieredOffloadError
 from tiered_offload.trace import span
 
 from .buffer_file import BUFFER_KEY, BufferFile, referenced
@@ -24,6 +27,8 @@ from .durable import (
 )
 from .lock import DirectoryLock
 from .layout import parse_extent
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointSession", "Intent", "Commits", "NoCommits", "DurableCommits", "JournalCommits", "SnapshotCommits",
            "commits_for"]
@@ -448,5 +453,39 @@ class SnapshotCommits(DurableCommits):
             if self.pending is not None:  # steps since the last scheduled commit
                 self._commit_pending()
                 self.session.wait()
+            if self.owed is not None:  # sharded: the commit before the last is still kept
+                self._release_at_rest(self.owed)
         finally:
             self.session.close()
+
+    REST_WAIT_S = 30.0
+    """How long a sharded rank's close waits for the other ranks to commit its last step."""
+
+    def _release_at_rest(self, step: int) -> None:
+        """Sharded, at close: the commit before ``step`` is kept for ranks a crash could leave one commit
+        behind. Once every rank's manifest has ``step``, no start can go back to it: let go of it
+        (a whole state's bytes at most). The manifests are read from the ranks' directories:
+        ``close`` issues no collective and asks nothing of the ranks' store, since it runs on error
+        paths too (a dead rank 0 takes the store with it). Where the ranks fell out of step, or
+        after :attr:`REST_WAIT_S`, the commit stays until the next start, as before."""
+        peers = self.ranks.peer_state_dirs(self.session.files.dir)
+        if peers is None or self.ranks.out_of_step:
+            return
+        deadline = time.monotonic() + self.REST_WAIT_S
+        while not all(_manifest_step(p) >= step for p in peers):
+            if time.monotonic() > deadline:
+                log.info("not every rank committed step %d by this rank's close; the commit before it stays until "
+                         "the next start", step)
+                return
+            time.sleep(0.05)
+        self.owed = None
+        self.session.committer.release_previous()
+
+
+def _manifest_step(state_dir: Path) -> int:
+    """The step of the manifest in ``state_dir`` (another rank's), or -1: none, or unreadable now."""
+    try:
+        manifest = StateFiles(state_dir).read_manifest()
+    except (TieredOffloadError, OSError, ValueError):
+        return -1
+    return -1 if manifest is None else manifest["step"]

@@ -556,6 +556,19 @@ class Sharded(Placement):
     def manifest_entry(self) -> dict:
         return {"rank": self.rank, "world_size": self.world}
 
+    def peer_state_dirs(self, own: Path) -> list[Path] | None:
+        """The other ranks' state directories beside this rank's ``own`` (``ROOT/rank-R-of-W/...``,
+        :func:`rank_storage`); None where ``own`` is not laid out so."""
+        if own.parent.name != f"rank-{self.rank}-of-{self.world}":
+            return None
+        return [own.parent.parent / f"rank-{q}-of-{self.world}" / own.name for q in range(self.world) if q != self.rank]
+
+    @property
+    def out_of_step(self) -> bool:
+        """Whether this rank saw the ranks fall out of step (a collective failed, an error here or
+        published by another rank): the other ranks' next commits may never come."""
+        return self.sharding.broken is not None
+
     def set_phase(self, where: str) -> None:
         self.sharding.where = where
 
