@@ -19,6 +19,7 @@ from tiered_offload.trace import span
 from .buffer_file import BUFFER_KEY, BufferFile, referenced
 from .durable import (
     CommittedState,
+    fsync_directory,
     manifest_checksum,
     Committer,
     StateFiles,
@@ -466,8 +467,9 @@ class SnapshotCommits(DurableCommits):
         behind. Once every rank's manifest has ``step``, no start can go back to it: let go of it
         (a whole state's bytes at most). The manifests are read from the ranks' directories:
         ``close`` issues no collective and asks nothing of the ranks' store, since it runs on error
-        paths too (a dead rank 0 takes the store with it). Where the ranks fell out of step, or
-        after :attr:`REST_WAIT_S`, the commit stays until the next start, as before."""
+        paths too (a dead rank 0 takes the store with it); their directories are synced before the
+        commit goes (a rename seen is not yet durable). Where the ranks fell out of step, or after
+        :attr:`REST_WAIT_S`, the commit stays until the next start, as before."""
         peers = self.ranks.peer_state_dirs(self.session.files.dir)
         if peers is None or self.ranks.out_of_step:
             return
@@ -478,6 +480,11 @@ class SnapshotCommits(DurableCommits):
                          "the next start", step)
                 return
             time.sleep(0.05)
+        try:  # (a manifest seen renamed may not be durable yet: its directory's entries made so first)
+            for p in peers:
+                fsync_directory(p)
+        except OSError:
+            return
         self.owed = None
         self.session.committer.release_previous()
 
