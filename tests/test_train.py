@@ -908,14 +908,14 @@ def test_model_path_may_pin_a_hub_revision_or_be_an_hf_url(tmp_path, model_dir, 
 
 
 @pytest.mark.parametrize("case", ["an encoder-decoder", "an unknown model type", "the repository's own code", "config.json not JSON",
-                                  "no tokenizer"])
+                                  "no tokenizer", "quantized"])
 def test_a_model_directory_train_cannot_use_is_one_line_naming_it(tmp_path, model_dir, data, capsys, case):
     """``train`` fine-tunes causal language models. A T5 directory stopped with
     transformers' "Unrecognized configuration class" and a traceback listing 200 classes; a model
     type this transformers does not know, a damaged config.json and a directory without a
     tokenizer stopped with tracebacks too; a model of the repository's own code had transformers
-    ask whether to run it, and wait. Each is now one line naming the directory and what to
-    do, exit status 2, for the dry run too."""
+    ask whether to run it, and wait; a quantized one would have read as damaged. Each is now one
+    line naming the directory and what to do, exit status 2, for the dry run too."""
     import shutil
     d = tmp_path / "model"
     if case == "an encoder-decoder":
@@ -938,6 +938,11 @@ def test_a_model_directory_train_cannot_use_is_one_line_naming_it(tmp_path, mode
         elif case == "config.json not JSON":
             (d / "config.json").write_text('{"model_type": "llama", ')
             match = r"model\.path .*model: transformers .* cannot read its config.json .*; save the model again"
+        elif case == "quantized":  # (an FP8 checkpoint: its weights cannot be cast to fp32 without their scales)
+            config = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+            match = (r"model\.path .*model is a quantized checkpoint \(quantization_config: fp8\), and train trains "
+                     r"fp32 weights from bf16, fp16 or fp32 ones; start from the unquantized model")
         else:
             for f in d.glob("*token*"):
                 f.unlink()

@@ -68,14 +68,18 @@ def read_header(path: Path) -> tuple[dict, int]:
     start = 8 + n
     for name, info in header.items():
         try:
-            dtype = DTYPES[info["dtype"]]
+            code = info["dtype"]
+            if not isinstance(code, str):
+                raise TypeError
+            dtype = DTYPES.get(code)  # (None: a dtype not read, a quantized one: refused if the model needs it)
             shape = [int(s) for s in info["shape"]]
             a, b = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
         numel = int(np.prod(shape)) if shape else 1
-        if not 0 <= a <= b or start + b > size or (b - a) != numel * torch.empty((), dtype=dtype).element_size():
-            raise CheckpointError(f"{path}: tensor {name!r} ({info['dtype']}, shape {shape}) claims bytes {a}..{b}, "
+        wrong_size = dtype is not None and (b - a) != numel * torch.empty((), dtype=dtype).element_size()
+        if not 0 <= a <= b or start + b > size or wrong_size:
+            raise CheckpointError(f"{path}: tensor {name!r} ({code}, shape {shape}) claims bytes {a}..{b}, "
                                   f"which do not match its size or lie outside the file ({size} bytes)")
         info["torch_dtype"] = dtype
     spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
@@ -174,7 +178,7 @@ class PretrainedReader:
         """Every ``(name, shape)`` must be present with that shape; report all that are not, and
         the file's tensors that ``converted`` names (transformers merges or splits them when it
         loads them, which this reader does not)."""
-        missing, wrong = [], []
+        missing, wrong, unread = [], [], []
         wanted = list(wanted)
         for name, shape in wanted:
             e = self.entries.get(name)
@@ -185,8 +189,20 @@ class PretrainedReader:
                                  f"{name}: the file's experts for it differ in shape ({self.merged[name][0][0]}...)")
             elif e is None:
                 missing.append(name)
+            elif e[1]["torch_dtype"] is None:
+                unread.append(f"{name}: stored as {e[1]['dtype']}")
             elif list(e[1]["shape"]) != list(shape):
                 wrong.append(f"{name}: file {e[1]['shape']} vs model {list(shape)}")
+        for g in self.merged.values():
+            unread += [f"{n}: stored as {self.entries[n][1]['dtype']}" for s in g for n in s
+                       if self.entries[n][1]["torch_dtype"] is None]
+        if unread:
+            raise CheckpointError(
+                f"{self.source} holds {len(unread)} of the model's tensors in a dtype init_from does not read "
+                f"({'; '.join(unread[:3])}{'...' if len(unread) > 3 else ''}): a quantized checkpoint (FP8 or 4-bit "
+                f"weights with their scales, as its config's quantization_config says) cannot be cast to fp32 "
+                f"tensor by tensor; start from the model's weights in bf16, fp16 or fp32 (its unquantized "
+                f"repository)")
         if missing or wrong:
             raise CheckpointError(
                 f"{self.source} does not fit this model: " + "; ".join(

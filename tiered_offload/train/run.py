@@ -163,6 +163,12 @@ def _config_and_tokenizer(model_dir: Path):
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"model.path {model_dir}: transformers {transformers.__version__} cannot read its config.json "
                           f"({e}); save the model again") from None
+    if raw.get("quantization_config") is not None:  # (from_pretrained gives a quantized model: its scales, its kernels)
+        quant = raw["quantization_config"]
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConfigError(f"model.path {model_dir} is a quantized checkpoint (quantization_config: {method}), and train "
+                          f"trains fp32 weights from bf16, fp16 or fp32 ones; start from the unquantized model (its "
+                          f"repository without the quantization, as a -FP8 or -AWQ repository names its source)")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # (never a prompt)
     except (OSError, ValueError, KeyError) as e:
