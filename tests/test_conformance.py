@@ -397,7 +397,8 @@ def test_init_from_reads_pytorch_files_as_from_pretrained_does(tmp_path, arch, l
         assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected), source
 
 
-def test_a_quantized_checkpoint_is_refused_naming_its_tensors_and_an_unused_odd_dtype_is_passed_over(tmp_path):
+@pytest.mark.parametrize("fmt", ["safetensors", "pytorch"])
+def test_a_quantized_checkpoint_is_refused_naming_its_tensors_and_an_unused_odd_dtype_is_passed_over(tmp_path, fmt):
     """An FP8 checkpoint (DeepSeek-V3's, Qwen3-FP8's: weights in ``F8_E4M3`` beside their scales,
     the config's ``quantization_config``) stopped with "tensor ... has a malformed header entry":
     as if the file were damaged. Casting the weights without their scales would be wrong, so it is
@@ -412,7 +413,14 @@ def test_a_quantized_checkpoint_is_refused_naming_its_tensors_and_an_unused_odd_
     path = _saved_by_transformers(tmp_path, cls(config))
     tensors = load_file(path / "model.safetensors")
     expected = dict(cls.from_pretrained(path).named_parameters())
-    save_file(dict(tensors, extra=torch.zeros(4, dtype=torch.uint16)), path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+
+    def save(tensors):
+        if fmt == "safetensors":
+            save_file(tensors, path / "model.safetensors")
+        else:
+            torch.save(tensors, path / "pytorch_model.bin")
+    save(dict(tensors, extra=torch.zeros(4, dtype=torch.uint16)))
     with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20,
                 init_from=path) as engine:
         got = dict(engine.named_parameters())
@@ -420,8 +428,9 @@ def test_a_quantized_checkpoint_is_refused_naming_its_tensors_and_an_unused_odd_
     linear = [k for k, v in tensors.items() if ".layers." in k and v.ndim == 2]
     quantized = {k: (v.to(torch.float8_e4m3fn) if k in linear else v) for k, v in tensors.items()}
     quantized.update({k + "_scale_inv": torch.ones(1) for k in linear})
-    save_file(quantized, path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"gpt_neox\.layers\.0\.attention\.dense\.weight: stored as F8_E4M3.*a "
+    save(quantized)
+    with pytest.raises(CheckpointError, match=r"gpt_neox\.layers\.0\.attention\.dense\.weight: stored as "
+                                              r"(F8_E4M3|torch\.float8_e4m3fn).*a "
                                               r"quantized checkpoint .* start from the model's weights in bf16, fp16 "
                                               r"or fp32"):
         Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "t", host_memory=1 << 20, init_from=path)

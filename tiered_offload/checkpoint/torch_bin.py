@@ -61,9 +61,10 @@ def _check_archive(path: Path) -> bool:
 
 def read_torch_entries(path: Path) -> dict[str, tuple[Path, dict, None]]:
     """``{name: (path, info, None)}`` of the tensors of a ``torch.save`` file of a state dict:
-    ``info`` holds ``shape``, ``dtype`` (safetensors' code), ``torch_dtype`` and ``tensor`` (its
-    values, memory-mapped). A file that is not such a dict of dense CPU tensors of a supported
-    dtype is a :class:`CheckpointError` naming it."""
+    ``info`` holds ``shape``, ``dtype`` (safetensors' code), ``torch_dtype`` (None for a dtype not
+    read, as FP8: refused where the model needs it), ``tensor`` (its values, memory-mapped) and
+    ``native``. A file that is not such a dict of dense tensors is a :class:`CheckpointError`
+    naming it."""
     from tiered_offload.checkpoint.safetensors_io import CODES
     if not is_torch_archive(path):
         raise CheckpointError(f"{path} is not a PyTorch checkpoint of the zip format (a file torch.save wrote before "
@@ -87,11 +88,12 @@ def read_torch_entries(path: Path) -> dict[str, tuple[Path, dict, None]]:
             raise CheckpointError(f"{path}: entry {name!r} is a {type(t).__name__}, not a tensor; a state dict of the "
                                   f"model's tensors is expected (a training checkpoint holds more: save the model's "
                                   f"state_dict alone)")
-        if t.layout != torch.strided or t.is_quantized or t.dtype not in CODES:
+        if t.layout != torch.strided or t.is_quantized:
             raise CheckpointError(f"{path}: tensor {name!r} is a {t.dtype} {str(t.layout).removeprefix('torch.')} "
-                                  f"tensor; only dense tensors of {', '.join(str(d) for d in CODES)} are read")
-        entries[name] = (path, {"shape": list(t.shape), "dtype": CODES[t.dtype], "torch_dtype": t.dtype,
-                                "tensor": t, "native": native}, None)
+                                  f"tensor; only dense tensors are read")
+        known = t.dtype in CODES  # (another dtype, FP8: refused where the model needs it, PretrainedReader.check_covers)
+        entries[name] = (path, {"shape": list(t.shape), "dtype": CODES[t.dtype] if known else str(t.dtype),
+                                "torch_dtype": t.dtype if known else None, "tensor": t, "native": native}, None)
     return entries
 
 
