@@ -14,6 +14,7 @@ import copy
 import functools
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -395,6 +396,36 @@ def test_init_from_reads_pytorch_files_as_from_pretrained_does(tmp_path, arch, l
                     init_from=source) as engine:
             got = dict(engine.named_parameters())
         assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected), source
+
+
+def test_init_from_picks_the_files_from_pretrained_picks(tmp_path):
+    """A directory can hold more than one set of weights: a single file beside an index (another
+    tool's save), Mistral's ``consolidated.safetensors.index.json`` beside ``model.safetensors.index.json``
+    (other names), PyTorch's copies. ``init_from`` took the first ``*.safetensors.index.json`` by
+    name: the consolidated index (whose names and shards are not the model's), or stale shards
+    where ``from_pretrained`` reads ``model.safetensors``. It now picks as ``from_pretrained`` does:
+    ``model.safetensors``, its index, ``pytorch_model.bin``, its index."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+    from tiered_offload import Engine
+    cls, config = _saved_models(transformers)["gpt-neox"]
+    torch.manual_seed(0)
+    path = _saved_by_transformers(tmp_path, cls(config))
+    torch.manual_seed(2)
+    cls(config).save_pretrained(tmp_path / "other", max_shard_size="40KB")  # other weights, in shards
+    for f in (tmp_path / "other").glob("model*"):
+        shutil.copy(f, path / f.name)
+    consolidated = {k.replace("gpt_neox.", "native."): v for k, v in load_file(path / "model.safetensors").items()}
+    save_file(consolidated, path / "consolidated-00001-of-00001.safetensors")
+    (path / "consolidated.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": dict.fromkeys(consolidated, "consolidated-00001-of-00001.safetensors")}))
+    for step in ("single file", "index"):
+        expected = dict(cls.from_pretrained(path).named_parameters())
+        with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / step, host_memory=1 << 20,
+                    init_from=path) as engine:
+            got = dict(engine.named_parameters())
+        assert all(torch.equal(got[k], expected[k]) for k in expected), step
+        (path / "model.safetensors").unlink(missing_ok=True)  # then the index's shards, as from_pretrained
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pytorch"])

@@ -103,29 +103,30 @@ class PretrainedReader:
     def __init__(self, path: str | os.PathLike):
         path = Path(path).expanduser()
         files, torch_format = None, False
-        if path.is_dir():
-            indexes = sorted(path.glob("*.safetensors.index.json"))
-            if not indexes and not (path / SINGLE_NAME).is_file() and (path / BIN_INDEX_NAME).is_file():
-                indexes, torch_format = [path / BIN_INDEX_NAME], True
-            if indexes:
+        if path.is_dir():  # the files from_pretrained picks, in its order (other indexes: one alone)
+            others = sorted(p for p in path.glob("*.safetensors.index.json") if p.name != INDEX_NAME)
+            picked = next(((path / name, bin_) for name, bin_ in ((SINGLE_NAME, False), (INDEX_NAME, False),
+                                                                  (BIN_SINGLE_NAME, True), (BIN_INDEX_NAME, True))
+                           if (path / name).is_file()), (others[0], False) if len(others) == 1 else None)
+            if picked is None:
+                raise CheckpointError(f"{path} holds none of {SINGLE_NAME}, {INDEX_NAME}, {BIN_SINGLE_NAME} or "
+                                      f"{BIN_INDEX_NAME}" + (f" (and {len(others)} other indexes: "
+                                                            f"{', '.join(p.name for p in others[:3])})" if others else ""))
+            index, torch_format = picked
+            if index.name.endswith(".index.json"):
                 try:
-                    data = indexes[0].read_bytes()
+                    data = index.read_bytes()
                 except OSError as e:
-                    raise CheckpointError(f"{indexes[0]} cannot be read: {e}") from None
-                weight_map = check_index(parse_json(data, indexes[0]), indexes[0])["weight_map"]
+                    raise CheckpointError(f"{index} cannot be read: {e}") from None
+                weight_map = check_index(parse_json(data, index), index)["weight_map"]
                 files = {}
                 for name, shard in weight_map.items():
                     if Path(shard).name != shard or shard.startswith("."):
-                        raise CheckpointError(f"{indexes[0]}: shard name {shard!r} for {name!r} is not a plain file "
+                        raise CheckpointError(f"{index}: shard name {shard!r} for {name!r} is not a plain file "
                                               f"name in that directory; refusing to read outside it")
                     files[name] = path / shard
-            elif (path / SINGLE_NAME).is_file():
-                path = path / SINGLE_NAME
-            elif (path / BIN_SINGLE_NAME).is_file():
-                path, torch_format = path / BIN_SINGLE_NAME, True
             else:
-                raise CheckpointError(f"{path} holds none of {SINGLE_NAME}, a *.safetensors.index.json, "
-                                      f"{BIN_SINGLE_NAME} or {BIN_INDEX_NAME}")
+                path = index
         elif path.is_file():
             torch_format = is_torch_archive(path)
         else:

@@ -73,10 +73,11 @@ shards, nor ``.bin`` copies beside safetensors)."""
 
 def _hub_weights(directory: Path) -> list[list[str]]:
     """The weight files to fetch into a Hub snapshot holding the config and the indexes, in the
-    order to try (the next only where the one before brought none): the safetensors index's shards,
-    or ``model.safetensors``; then PyTorch's, likewise."""
+    order ``from_pretrained`` tries them (the next only where the one before is not there):
+    ``model.safetensors``, the shards its index names; PyTorch's likewise."""
     tries = []
     for index, single in ((INDEX_NAME, SINGLE_NAME), (BIN_INDEX_NAME, BIN_SINGLE_NAME)):
+        tries.append([single])
         if (directory / index).is_file():
             data = (directory / index).read_bytes()
             shards = sorted(set(check_index(parse_json(data, directory / index), directory / index)["weight_map"].values()))
@@ -85,8 +86,6 @@ def _hub_weights(directory: Path) -> list[list[str]]:
                 raise CheckpointError(f"{directory / index}: shard name {bad[0]!r} is not a plain file name in that "
                                       f"directory; refusing to fetch or read outside it")
             tries.append(shards)
-        else:
-            tries.append([single])
     return tries
 
 
