@@ -14,6 +14,7 @@ import copy
 import functools
 import json
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -396,6 +397,48 @@ def test_init_from_reads_pytorch_files_as_from_pretrained_does(tmp_path, arch, l
                     init_from=source) as engine:
             got = dict(engine.named_parameters())
         assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected), source
+
+
+def test_init_from_a_language_models_checkpoint_starts_a_new_task_head_as_from_pretrained(tmp_path, caplog):
+    """A reward model or a classifier starts from a language model's checkpoint:
+    ``LlamaForSequenceClassification`` from a ``LlamaForCausalLM`` directory, whose file has no
+    ``score.weight``. ``from_pretrained`` starts the head as the model initialises it and warns;
+    ``init_from`` refused ("1 parameter(s) missing (score.weight)"). Parameters outside the model's
+    trunk (``base_model_prefix``) that the file lacks now start as the model holds them (its own
+    initialisation; under ``empty_init``, initialised), named in a warning: the weights are
+    ``load_state_dict(file, strict=False)``'s, bitwise. A file that lacks any of the trunk's
+    parameters is refused as before."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+    from tiered_offload import Engine, empty_init
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=32, num_labels=3,
+                                      pad_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "lm")
+    torch.manual_seed(5)
+    reference = transformers.LlamaForSequenceClassification(config)
+    torch.manual_seed(5)
+    model = transformers.LlamaForSequenceClassification(config)
+    assert reference.load_state_dict(load_file(tmp_path / "lm" / "model.safetensors"), strict=False).missing_keys == [
+        "score.weight"]
+    with caplog.at_level("WARNING"), Engine(model, torch.optim.AdamW, {}, storage=tmp_path / "s",
+                                             host_memory=1 << 20, init_from=tmp_path / "lm") as engine:
+        got = dict(engine.named_parameters())
+    assert all(torch.equal(got[k], p) for k, p in reference.named_parameters())
+    assert re.search(r"does not hold 1 parameter\(s\) outside the model's trunk \(score\.weight\)", caplog.text)
+    with empty_init():
+        bare = transformers.LlamaForSequenceClassification(config)
+    with Engine(bare, torch.optim.AdamW, {}, storage=tmp_path / "t", host_memory=1 << 20,
+                init_from=tmp_path / "lm") as engine:
+        head = dict(engine.named_parameters())["score.weight"]
+    assert 0.5 * config.initializer_range < head.std().item() < 2 * config.initializer_range
+    tensors = load_file(tmp_path / "lm" / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "lm" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"2 parameter\(s\) missing \(model\.layers\.1\.mlp\.up_proj\.weight, "
+                                              r"score\.weight\)"):
+        Engine(transformers.LlamaForSequenceClassification(config), torch.optim.AdamW, {}, storage=tmp_path / "u",
+               host_memory=1 << 20, init_from=tmp_path / "lm")
 
 
 def test_init_from_picks_the_files_from_pretrained_picks(tmp_path):

@@ -169,6 +169,10 @@ class PretrainedReader:
         self.merged = {new: groups for new, groups in merged.items()
                        if new not in self.entries and all(n in self.entries for g in groups for n in g)}
 
+    def holds(self, name: str) -> bool:
+        """Whether the file gives tensor ``name`` (under its own name, an alias, or stacked)."""
+        return name in self.entries or name in self.merged
+
     def _merged_shape(self, groups: list[list[str]]) -> list[int] | None:
         shapes = [[list(self.entries[n][1]["shape"]) for n in g] for g in groups]
         if any(s != g[0] for g in shapes for s in g) or any(g[0][1:] != shapes[0][0][1:] for g in shapes):

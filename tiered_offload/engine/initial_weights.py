@@ -4,6 +4,7 @@ one unit at a time, each written to its tier and the disk before the next is bui
 
 from __future__ import annotations
 
+import logging
 import re
 
 from offload_core.errors import ConfigError
@@ -14,6 +15,8 @@ from tiered_offload.engine.binding import ModelBinding
 from tiered_offload.progress import track
 
 __all__ = ["load_initial_weights", "transformers_names"]
+
+log = logging.getLogger(__name__)
 
 
 def load_initial_weights(store, binding: ModelBinding, placement, state_kinds, init_from=None) -> None:
@@ -104,8 +107,25 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
               and s.name not in aliases and s.name not in merged and s.name not in in_file}
     reader.alias(aliases)
     reader.merge(merged)
+    fresh |= _new_head(tuner if peft else binding.model, "base_model.model." if peft else "",
+                       [s.name for s in params if s.name not in fresh and not reader.holds(s.name)], reader)
     reader.check_covers([(s.name, s.shape) for s in params if s.name not in fresh], converted)
     return fresh
+
+
+def _new_head(model, outer: str, absent: list[str], reader: PretrainedReader) -> set[str]:
+    """The parameters the file lacks (``absent``) that start as the model holds them, as
+    ``from_pretrained`` starts them: where every one lies outside the model's trunk (its
+    ``base_model_prefix``: a task head, as a classifier's ``score``, on a language model's
+    checkpoint) and the file holds the rest. Where one of the trunk's is absent, none: the
+    checkpoint is not this model's (refused, naming them all)."""
+    trunk = getattr(model, "base_model_prefix", "")
+    if not trunk or not absent or any(n.removeprefix(outer).startswith(trunk + ".") for n in absent):
+        return set()
+    log.warning("init_from: %s does not hold %d parameter(s) outside the model's trunk (%s%s): they start as the "
+                "model holds them (its own initialisation), as from_pretrained starts a new task head",
+                reader.source, len(absent), ", ".join(absent[:5]), "..." if len(absent) > 5 else "")
+    return set(absent)
 
 
 def _tied_names(model) -> dict[str, str]:
