@@ -441,6 +441,30 @@ def test_init_from_a_language_models_checkpoint_starts_a_new_task_head_as_from_p
                host_memory=1 << 20, init_from=tmp_path / "lm")
 
 
+def test_init_from_adds_or_strips_the_trunks_prefix_as_from_pretrained(tmp_path):
+    """A checkpoint of the trunk alone (``LlamaModel``: ``layers.0...``) read into a model with a
+    head (``model.layers.0...``), and the other way: ``from_pretrained`` adds or strips the
+    ``base_model_prefix``; ``init_from`` refused both ("parameter(s) missing"). It now names them
+    as ``from_pretrained`` does: the trunk's weights bitwise ``from_pretrained``'s, a head the file
+    lacks as the model holds it."""
+    transformers = pytest.importorskip("transformers")
+    from tiered_offload import Engine
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=32, tie_word_embeddings=False)
+    transformers.LlamaModel(config).save_pretrained(tmp_path / "trunk")
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "lm")
+    for cls, path in ((transformers.LlamaForCausalLM, tmp_path / "trunk"), (transformers.LlamaModel, tmp_path / "lm")):
+        expected = dict(cls.from_pretrained(path).named_parameters())
+        torch.manual_seed(3)
+        own = dict(cls(config).named_parameters())
+        torch.manual_seed(3)
+        with Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / cls.__name__, host_memory=1 << 20,
+                    init_from=path) as engine:
+            got = dict(engine.named_parameters())
+        assert list(got) == list(expected)
+        assert all(torch.equal(got[k], own[k] if k == "lm_head.weight" else expected[k]) for k in expected), cls
+
+
 def test_init_from_picks_the_files_from_pretrained_picks(tmp_path):
     """A directory can hold more than one set of weights: a single file beside an index (another
     tool's save), Mistral's ``consolidated.safetensors.index.json`` beside ``model.safetensors.index.json``

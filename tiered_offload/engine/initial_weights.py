@@ -181,8 +181,13 @@ def transformers_names(model, names: list[str]) -> tuple[dict[str, str], dict[st
     renamings = [t for t in transforms or [] if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms or [] if isinstance(t, WeightConverter)]
     aliases, groups, converted = {}, {}, []
+    # (the trunk's prefix added or stripped where the model has the name so: a checkpoint of the trunk alone
+    # into a model with a head, or the other way; the names only, as from_pretrained's meta state dict)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    own = dict.fromkeys([n for n, _ in model.named_parameters(remove_duplicate=False)] +
+                        [n for n, _ in model.named_buffers(remove_duplicate=False)], True)
     for name in names:
-        new, pattern = rename_source_key(name, renamings, converters)
+        new, pattern = rename_source_key(name, renamings, converters, prefix, own)
         if pattern is None:
             if new != name:
                 aliases[new] = name
