@@ -352,7 +352,8 @@ def as_pytorch_files(directory, *, bf16: bool = False):
     as a strided view, ``bf16`` every floating tensor in bfloat16)."""
     from safetensors.torch import load_file
     index = directory / "model.safetensors.index.json"
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    shards = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+              else ["model.safetensors"])
     weight_map = {}
     for shard in shards:
         tensors = load_file(directory / shard)

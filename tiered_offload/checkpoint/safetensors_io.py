@@ -109,9 +109,9 @@ class PretrainedReader:
                                                                   (BIN_SINGLE_NAME, True), (BIN_INDEX_NAME, True))
                            if (path / name).is_file()), (others[0], False) if len(others) == 1 else None)
             if picked is None:
+                others_named = f" (and {len(others)} other indexes: {', '.join(p.name for p in others[:3])})"
                 raise CheckpointError(f"{path} holds none of {SINGLE_NAME}, {INDEX_NAME}, {BIN_SINGLE_NAME} or "
-                                      f"{BIN_INDEX_NAME}" + (f" (and {len(others)} other indexes: "
-                                                            f"{', '.join(p.name for p in others[:3])})" if others else ""))
+                                      f"{BIN_INDEX_NAME}" + (others_named if others else ""))
             index, torch_format = picked
             if index.name.endswith(".index.json"):
                 try:
@@ -230,6 +230,9 @@ class PretrainedReader:
                 offset += rows
             return
         path, info, start = self.entries[name]
+        if info["torch_dtype"] is None:  # (check_covers refuses it for a model; this, for any other caller)
+            raise CheckpointError(f"{path}: tensor {name!r} is stored as {info['dtype']}, a dtype init_from does not "
+                                  f"read (a quantized checkpoint's); start from weights in bf16, fp16 or fp32")
         if "tensor" in info:  # a PyTorch file's: its pages read as it is copied
             copy_out(path, name, info["tensor"], out, info["native"])
             return

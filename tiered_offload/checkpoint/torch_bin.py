@@ -50,12 +50,13 @@ def _check_archive(path: Path) -> bool:
             members = z.infolist()
             for m in members:
                 if m.compress_type != zipfile.ZIP_STORED or m.header_offset + m.compress_size > size:
-                    raise CheckpointError(f"{path}: its member {m.filename!r} is compressed or lies past the file's end "
-                                          f"({size} bytes): not a file torch.save wrote, or a damaged one; {_HOW}")
+                    raise CheckpointError(f"{path}: its member {m.filename!r} is compressed or lies past the file's "
+                                          f"end ({size} bytes): not a file torch.save wrote, or a damaged one; {_HOW}")
             order = [z.read(m).decode(errors="replace") for m in members
                      if m.filename.endswith("/byteorder") and m.file_size <= 8]
     except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({type(e).__name__}: {e}); {_HOW}") from None
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({type(e).__name__}: {e}); "
+                              f"{_HOW}") from None
     return not order or order[0] == sys.byteorder
 
 
@@ -74,7 +75,7 @@ def read_torch_entries(path: Path) -> dict[str, tuple[Path, dict, None]]:
         loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, KeyError, EOFError, OSError,
             AttributeError, IndexError) as e:
-        # (not PyTorch's own message whole: it suggests weights_only=False, which runs the file's code)
+        # (not PyTorch's message whole: it says to turn the restricted unpickler off, which runs the file's code)
         named = re.search(r"GLOBAL ([\w.]+)", str(e))
         why = (f"it names {named[1]}, which only code could rebuild" if named else
                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}")
@@ -91,7 +92,7 @@ def read_torch_entries(path: Path) -> dict[str, tuple[Path, dict, None]]:
         if t.layout != torch.strided or t.is_quantized:
             raise CheckpointError(f"{path}: tensor {name!r} is a {t.dtype} {str(t.layout).removeprefix('torch.')} "
                                   f"tensor; only dense tensors are read")
-        known = t.dtype in CODES  # (another dtype, FP8: refused where the model needs it, PretrainedReader.check_covers)
+        known = t.dtype in CODES  # (another, FP8: refused where the model needs it, PretrainedReader.check_covers)
         entries[name] = (path, {"shape": list(t.shape), "dtype": CODES[t.dtype] if known else str(t.dtype),
                                 "torch_dtype": t.dtype if known else None, "tensor": t, "native": native}, None)
     return entries
@@ -114,4 +115,4 @@ def copy_out(path: Path, name: str, tensor: torch.Tensor, out: torch.Tensor, nat
     if _libc is not None and native and storage.nbytes():
         lo = storage.data_ptr() // _PAGE * _PAGE
         hi = -(-(storage.data_ptr() + storage.nbytes()) // _PAGE) * _PAGE
-        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)  # (advice: its failure is harmless)
+        _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)  # (advice: a failure is harmless)

@@ -21,7 +21,8 @@ __all__ = ["ModelSection", "DataSection", "TrainSection", "OffloadSection", "Out
 class ModelSection:
     path: str = ""
     """A local Hugging Face directory: config.json, safetensors weights (one file or shards with an
-    index; else PyTorch's ``pytorch_model.bin``, or its shards with an index), tokenizer files; or a Hugging Face Hub id (``owner/name``, or ``hf://owner/name``),
+    index; else PyTorch's ``pytorch_model.bin``, or its shards with an index), tokenizer files; or a
+    Hugging Face Hub id (``owner/name``, or ``hf://owner/name``),
     read through huggingface_hub's cache as ``from_pretrained`` reads it (downloaded there if
     missing); ``owner/name@REVISION`` pins a commit, branch or tag (a LoRA adapter records it)."""
     blocks: str | None = None

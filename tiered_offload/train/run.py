@@ -80,7 +80,8 @@ def _hub_weights(directory: Path) -> list[list[str]]:
         tries.append([single])
         if (directory / index).is_file():
             data = (directory / index).read_bytes()
-            shards = sorted(set(check_index(parse_json(data, directory / index), directory / index)["weight_map"].values()))
+            weight_map = check_index(parse_json(data, directory / index), directory / index)["weight_map"]
+            shards = sorted(set(weight_map.values()))
             bad = [s for s in shards if Path(s).name != s or s.startswith(".") or any(c in s for c in "*?[")]
             if bad:
                 raise CheckpointError(f"{directory / index}: shard name {bad[0]!r} is not a plain file name in that "
@@ -165,9 +166,9 @@ def _config_and_tokenizer(model_dir: Path):
     if raw.get("quantization_config") is not None:  # (from_pretrained gives a quantized model: its scales, its kernels)
         quant = raw["quantization_config"]
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ConfigError(f"model.path {model_dir} is a quantized checkpoint (quantization_config: {method}), and train "
-                          f"trains fp32 weights from bf16, fp16 or fp32 ones; start from the unquantized model (its "
-                          f"repository without the quantization, as a -FP8 or -AWQ repository names its source)")
+        raise ConfigError(f"model.path {model_dir} is a quantized checkpoint (quantization_config: {method}), and "
+                          f"train trains fp32 weights from bf16, fp16 or fp32 ones; start from the unquantized model "
+                          f"(its repository without the quantization, as a -FP8 or -AWQ repository names its source)")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # (never a prompt)
     except (OSError, ValueError, KeyError) as e:
