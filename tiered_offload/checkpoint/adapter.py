@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from offload_core.errors import CheckpointError, ConfigError
-from tiered_offload.checkpoint.safetensors_io import PretrainedReader, SafetensorsWriter, iter_chunks, write_private
+from tiered_offload.checkpoint.safetensors_io import (PretrainedReader, SafetensorsWriter, iter_chunks, pick_weights,
+                                                      write_private)
 
 __all__ = ["ADAPTER_FILE", "adapter_config", "adapter_differences", "adapter_record", "export_adapter",
            "is_adapter_directory", "merged_export", "offline_merge", "peft_adapter_name", "saved_adapter",
@@ -122,9 +123,7 @@ def is_adapter_directory(path) -> bool:
     ``adapter_config.json`` and no model (an engine's export of a PEFT model holds both: the whole
     model, which ``init_from`` reads as a checkpoint)."""
     path = Path(path)
-    return (path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not any(
-        (path / name).exists() for name in ("model.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json"))
-            and not any(path.glob("*.safetensors.index.json")))
+    return path.is_dir() and (path / ADAPTER_CONFIG).is_file() and pick_weights(path) is None
 
 
 _CONFIG_LIMIT = 16 << 20

@@ -32,7 +32,7 @@ from offload_core.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PretrainedReader", "SafetensorsWriter", "plan_shards", "INDEX_NAME"]
+__all__ = ["PretrainedReader", "SafetensorsWriter", "pick_weights", "plan_shards", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -103,12 +103,10 @@ class PretrainedReader:
     def __init__(self, path: str | os.PathLike):
         path = Path(path).expanduser()
         files, torch_format = None, False
-        if path.is_dir():  # the files from_pretrained picks, in its order (other indexes: one alone)
-            others = sorted(p for p in path.glob("*.safetensors.index.json") if p.name != INDEX_NAME)
-            picked = next(((path / name, bin_) for name, bin_ in ((SINGLE_NAME, False), (INDEX_NAME, False),
-                                                                  (BIN_SINGLE_NAME, True), (BIN_INDEX_NAME, True))
-                           if (path / name).is_file()), (others[0], False) if len(others) == 1 else None)
+        if path.is_dir():
+            picked = pick_weights(path)
             if picked is None:
+                others = sorted(p for p in path.glob("*.safetensors.index.json") if p.name != INDEX_NAME)
                 others_named = f" (and {len(others)} other indexes: {', '.join(p.name for p in others[:3])})"
                 raise CheckpointError(f"{path} holds none of {SINGLE_NAME}, {INDEX_NAME}, {BIN_SINGLE_NAME} or "
                                       f"{BIN_INDEX_NAME}" + (others_named if others else ""))
@@ -255,6 +253,19 @@ class PretrainedReader:
 
     def close(self) -> None:
         self.entries, self.merged = {}, {}  # (a PyTorch file's memory maps go with its tensors)
+
+
+def pick_weights(directory: Path) -> tuple[Path, bool] | None:
+    """``(file, whether PyTorch's format)`` of the weights in ``directory``: the file
+    ``from_pretrained`` picks, in its order (``model.safetensors``, its index,
+    ``pytorch_model.bin``, its index), else another ``*.safetensors.index.json`` where it is the
+    only one; None: no weights."""
+    for name, torch_format in ((SINGLE_NAME, False), (INDEX_NAME, False), (BIN_SINGLE_NAME, True),
+                               (BIN_INDEX_NAME, True)):
+        if (directory / name).is_file():
+            return directory / name, torch_format
+    others = [p for p in directory.glob("*.safetensors.index.json") if p.name != INDEX_NAME]
+    return (others[0], False) if len(others) == 1 else None
 
 
 def _entries(header, path: Path, torch_format: bool) -> dict:

@@ -29,7 +29,7 @@ from offload_core.buffers import PAGE
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
-from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME
+from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
@@ -92,8 +92,7 @@ def _hub_weights(directory: Path) -> list[list[str]]:
 
 def _has_weights(directory: Path) -> bool:
     """Whether ``directory`` holds the weights ``init_from`` reads: safetensors, else PyTorch's."""
-    return bool((directory / SINGLE_NAME).is_file() or list(directory.glob("*.safetensors.index.json"))
-                or (directory / BIN_SINGLE_NAME).is_file() or (directory / BIN_INDEX_NAME).is_file())
+    return pick_weights(directory) is not None
 
 
 HUB_MODEL = re.compile(r"(?:hf://)?([\w.-]+/[\w.-]+)(?:@([\w./-]+))?")
