@@ -28,6 +28,9 @@ def build(cfg: dict):
     if cfg.get("model") == "moe":  # top-1 mixture of experts (tests/test_finetune.py's), see batch()
         from test_finetune import make_moe
         return make_moe()
+    if cfg.get("model") == "mixtral":  # PEFT's LoRA all-linear: on the router and the experts too (ParamWrapper)
+        from test_finetune import _peft_mixtral
+        return _peft_mixtral()
     if cfg.get("model") == "llama":  # a Hugging Face model (its config recorded), PEFT's LoRA on q and v
         import peft
         import transformers

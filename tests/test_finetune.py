@@ -473,6 +473,7 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     in both loops. Returns the engine's final weights, the reference model and the engine's state bytes."""
     ref = make()
     start = copy.deepcopy(ref.state_dict())
+    order = [n for n, _ in ref.named_parameters()]  # (PEFT's LoRA on a parameter moves it last in a forward)
     data = [[(ids.to(device), None if r is None else r.to(device)) for ids, r in step]
             for step in batches(steps, accumulate, routes=routes, shapes=shapes)]
     ref.to(device)
@@ -504,7 +505,7 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     assert same_losses(losses, losses_ref), "losses differ from PyTorch's"
     weights = dict(engine.named_parameters())
     reference = dict(ref.named_parameters())
-    assert list(weights) == list(reference)
+    assert list(weights) == order and set(reference) == set(order)
     different = [k for k, w in weights.items() if not torch.equal(w.cpu(), reference[k].detach().cpu())]
     assert not different, f"not bitwise equal to PyTorch: {different[:5]}"
     state = engine.state_bytes()
@@ -760,25 +761,68 @@ def test_init_from_into_an_adapter_computed_from_the_base_weights_is_refused(tmp
     assert not [f for f in (tmp_path / "s").rglob("*") if f.is_file() and f.parent.name != ".tiered-offload"]
 
 
-@pytest.mark.parametrize("targets", [["gate"], "all-linear"], ids=["router", "all-linear"])
-def test_lora_on_a_parameter_that_peft_reparametrizes_each_forward_is_refused(tmp_path, targets):
-    """PEFT puts LoRA on a module that is not a linear layer (an MoE's router, its stacked experts:
-    what ``all-linear`` picks on Mixtral) with a ``ParamWrapper``, which registers a parametrization
-    of the module's parameter in every forward and removes it after. Through the engine that was
-    PyTorch's with activations kept, but a recompute stopped with PyTorch's "modified by an inplace
-    operation" and ``forward_backward`` with "clone reads its values outside the engine's calls"
-    (probed). Refused when the engine is built, naming the module and the way round."""
+def _peft_mixtral():
+    """A 4-layer Mixtral (stacked experts, a router) with LoRA on ``all-linear``: PEFT puts it on the
+    router and the experts too."""
     peft = pytest.importorskip("peft")
+    model = _mixtral()
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, init_lora_weights=False, target_modules="all-linear"))
+
+
+def _mixtral():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, use_cache=False))
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
-    with pytest.raises(ConfigError, match=r"layers\.0\.mlp\.gate.*ParamWrapper.*q_proj"):
-        Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB")
-    attention = peft.get_peft_model(_llama8(), peft.LoraConfig(r=4, target_modules="all-linear"))
-    Engine(attention, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "t", host_memory="8MiB").close()
+
+
+def _gpt_oss():
+    """gpt-oss (stacked experts with biases, sliding and full attention), 8 layers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 4, use_cache=False))
+
+
+def _peft_gpt_oss():
+    """gpt-oss with LoRA as its fine-tuning recipe puts it: every linear layer and the experts."""
+    peft = pytest.importorskip("peft")
+    model = _gpt_oss()
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, init_lora_weights=False, target_modules="all-linear",
+                                                      target_parameters=["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"]))
+
+
+@pytest.mark.parametrize("model, activations, fused", [
+    ("mixtral", "recompute", False), ("mixtral", "offload", True), ("gpt-oss", "recompute", True)],
+    ids=["mixtral-recompute", "mixtral-offload-fused", "gpt-oss-recompute-fused"])
+def test_lora_on_an_moes_router_and_experts_trains_as_pytorch(tmp_path, model, activations, fused):
+    """PEFT puts LoRA on a parameter of a module that is not a linear layer (an MoE's router, its
+    stacked experts: what ``all-linear`` picks on Mixtral, and ``target_parameters``, gpt-oss's
+    recipe) with a ``ParamWrapper``. It registers a parametrization of that parameter in every
+    forward and removes it after: PyTorch's ``set_`` of the weight onto itself (a new version) and
+    the weight put back as a buffer. Through the engine a recompute stopped with PyTorch's "modified
+    by an inplace operation" and ``forward_backward`` with "clone reads its values outside the
+    engine's calls"; it was refused when the engine was built. Now bitwise PyTorch's, and the
+    adapter exported is the one PEFT loads."""
+    peft = pytest.importorskip("peft")
+    out = tmp_path / "export"
+    optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
+    make, base = {"mixtral": (_peft_mixtral, _mixtral), "gpt-oss": (_peft_gpt_oss, _gpt_oss)}[model]
+    weights, ref, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss,
+                                      accumulate=2, fused=fused, host=500_000 if model == "mixtral" else 300_000,
+                                      config=EngineConfig(activations=activations),
+                                      inspect=lambda engine: engine.export_safetensors(out, adapter_only=True))
+    assert [n for n, m in ref.named_modules() if type(m).__name__ == "ParamWrapper"]
+    assert all(n in dict(ref.named_parameters()) for n in weights), "a weight left the model's parameters"
+    loaded = dict(peft.PeftModel.from_pretrained(base(), out, local_files_only=True).named_parameters())
+    trained = [k for k, p in ref.named_parameters() if p.requires_grad]
+    assert trained and all(torch.equal(loaded[k], weights[k]) for k in trained)
 
 
 @pytest.mark.parametrize("init", [True, "gaussian", False, "dora"])
@@ -857,7 +901,7 @@ def _peft_gpt2():
                                                      init_lora_weights=False))
 
 
-@pytest.mark.parametrize("model", ["lora", "lora-and-head", "dora", "gpt2"])
+@pytest.mark.parametrize("model", ["lora", "lora-and-head", "dora", "gpt2", "moe"])
 def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model):
     """A LoRA run's weights for ``from_pretrained`` without PEFT (what most serving takes):
     ``export_safetensors(out, merged=True)`` writes what ``model.merge_and_unload().save_pretrained(out)``
@@ -870,7 +914,7 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
     options = {"lora-and-head": {"modules_to_save": ["lm_head"]}, "dora": {"use_dora": True}}.get(model, {})
-    built = _peft_gpt2 if model == "gpt2" else functools.partial(_peft_llama, **options)
+    built = {"gpt2": _peft_gpt2, "moe": _peft_mixtral}.get(model, functools.partial(_peft_llama, **options))
 
     def make():  # the key/value cache on, as a pretrained model's config has it (the engine trains without)
         tuned = built()
@@ -885,7 +929,8 @@ def test_a_merged_export_is_peft_merge_and_unload_saved_bitwise(tmp_path, model)
             before = hf_loss(engine, ids)
             engine.export_safetensors(out, merged=True)
             assert torch.equal(hf_loss(engine, ids), before)
-    _, ref, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000, inspect=export)
+    _, ref, _, _ = check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=500_000 if model == "moe" else 200_000,
+                                inspect=export)
     merged = ref.merge_and_unload()
     merged.save_pretrained(tmp_path / "reference")
     expected, got = load_file(tmp_path / "reference" / "model.safetensors"), load_file(out / "model.safetensors")

@@ -342,3 +342,17 @@ def test_auto_places_the_update_by_measured_rates():
         raise RuntimeError("this optimizer needs a closure")
     where, why = optimizer_tier("auto", short, s, measure=broken)
     assert where == Tier.HOST and "could not be measured: this optimizer needs a closure" in why
+
+
+def test_a_sharded_step_runs_as_plain_pytorch_only_where_the_gathered_buffers_fit_beside_the_share():
+    """Where the state fits, the blocks keep their graphs, weights and gradients from forward to
+    backward (plain PyTorch). On one process those are the state; sharded, they are every unit's
+    gathered weights and gradients beside the rank's share: a sharded MoE run at 1.1x its state
+    per rank was accepted, then died in its first forward ("cannot fit tensor 'block.3/weight.full'")."""
+    one, two = Schedule(units(), KINDS), Schedule(units(), KINDS, world=2)
+    state = one.resident_bytes()
+    assert one.graph_fits(state) and not one.graph_fits(state - 1)
+    assert two.fits(state) and not two.graph_fits(state)
+    gathered = sum(two.unit_bytes(u, "weight") + two.unit_bytes(u, "grad") for u in two.units)
+    need = state // 2 + gathered + two.working_set().slack  # (the share: half of each tensor, every one even)
+    assert two.graph_fits(need) and not two.graph_fits(need - 1)

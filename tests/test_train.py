@@ -498,11 +498,15 @@ def test_dora_trains_its_magnitude_from_the_pretrained_weights(tmp_path, model_d
         assert (v - torch.linalg.norm(weight, dim=1)).abs().max() <= 3.1e-3, k
 
 
-def test_lora_on_an_moe_model_puts_the_adapter_on_its_linear_layers(tmp_path, model_dir, data, caplog):
-    """``lora.targets: all-linear`` (the default) on an MoE in transformers 5: PEFT puts LoRA on the
-    router and the stacked experts through its ``ParamWrapper``, which the engine refuses, so the
-    default stopped every MoE run. It now means the model's linear layers (attention, a shared
-    expert), and the log says which modules get no adapter; the export loads with PEFT."""
+@pytest.mark.parametrize("experts", [False, True], ids=["linear", "and-experts"])
+def test_lora_on_an_moe_model_puts_the_adapter_on_its_linear_layers_and_the_parameters_named(tmp_path, model_dir,
+                                                                                               data, caplog, experts):
+    """``lora.targets: all-linear`` (the default) on an MoE in transformers 5: PEFT also puts LoRA on
+    the router and the stacked experts, through its ``ParamWrapper`` (LoRA on a parameter, which
+    takes no dropout or DoRA). ``all-linear`` here means the model's linear layers (attention, a
+    shared expert), as in every version of this command, so a run resumes as it started; the log
+    names the modules left out. ``lora.parameters`` (PEFT's ``target_parameters``) puts an adapter
+    on the experts too. The export loads with PEFT."""
     peft = pytest.importorskip("peft")
     moe = tmp_path / "tiny-mixtral"
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -513,15 +517,23 @@ def test_lora_on_an_moe_model_puts_the_adapter_on_its_linear_layers(tmp_path, mo
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)).save_pretrained(moe)
+    parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None
     with caplog.at_level("INFO", logger="tiered_offload"):
-        summary = train(write_config(tmp_path, moe, data, train__max_steps=2, output__export_every=0, lora__r=4),
-                        progress=False)
+        summary = train(write_config(tmp_path, moe, data, train__max_steps=2, output__export_every=0, lora__r=4,
+                                     lora__parameters=parameters), progress=False)
     assert summary["step"] == 2
-    assert any("mlp.experts" in r.getMessage() and "no adapter" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "mlp.experts" in r.getMessage()]
+    assert said and ("get one where lora.parameters" if experts else "get none") in said[0]
     adapter = Path(summary["final"])
     tuned = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(moe), adapter)
     wrapped = {n.rsplit(".", 1)[-1] for n, m in tuned.named_modules() if hasattr(m, "lora_A")}
-    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj"}, wrapped
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj"} | ({"experts", "base_layer"} if experts else set())
+    if experts:  # trained: the experts' adapter moved from PEFT's start (lora_B zero)
+        b = [p for n, p in tuned.named_parameters() if "experts" in n and "lora_B" in n]
+        assert len(b) == 4 and all(p.abs().sum() > 0 for p in b)
+        with pytest.raises(ConfigError, match="lora.dropout: 0"):
+            train(write_config(tmp_path / "dropout", moe, data, lora__r=4, lora__dropout=0.1,
+                               lora__parameters=parameters), progress=False, dry_run=True)
 
 
 def test_lora_merged_exports_the_model_with_the_adapter_merged(tmp_path, model_dir, data):

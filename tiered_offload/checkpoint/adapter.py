@@ -347,7 +347,10 @@ def _merge_layer(layer, adapter: str, qual: str, values: dict[str, torch.Tensor]
                               f"alone (adapter_only=True)") from None
         base = layer.get_base_layer()
         prefix = next(n for n, m in layer.named_modules() if m is base)
-        return {(f"{prefix}.{a}" if prefix else a): p.detach() for a, p in base._parameters.items() if p is not None}
+        # LoRA on a parameter (ParamWrapper) merges that one; wrappers nest, one per parameter of the same base
+        merged = getattr(layer, "parameter_name", None)
+        return {(f"{prefix}.{a}" if prefix else a): p.detach() for a, p in base._parameters.items()
+                if p is not None and (merged is None or a == merged)}
     finally:
         for mod, attr, p, _ in lent:
             mod._parameters[attr] = p

@@ -19,6 +19,8 @@ CorDA, LoftQ) is refused where the base weights are read or initialised after th
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Callable, Iterable
 
@@ -27,7 +29,8 @@ from torch import nn
 
 from offload_core.errors import ConfigError
 
-__all__ = ["adapter_initialisers", "dora_layers", "dora_magnitudes", "refuse_inits_from_base_weights", "refuse_reparametrizing_adapters"]
+__all__ = ["adapter_initialisers", "dora_layers", "dora_magnitudes", "refuse_inits_from_base_weights",
+           "steady_param_wrappers"]
 
 
 def adapter_initialisers(roots: Iterable[nn.Module], peft_config) -> dict[int, Callable[[nn.Module], None]]:
@@ -134,16 +137,48 @@ def _zeros(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def refuse_reparametrizing_adapters(model: nn.Module) -> None:
-    """Refuse PEFT's ``ParamWrapper`` (LoRA on a module that is not a linear layer: an MoE's router,
-    its stacked experts; what ``target_modules="all-linear"`` picks on Mixtral): it registers a
-    parametrization of the module's parameter in every forward and removes it after, which the
-    engine's recompute and ``forward_backward`` do not replay (a recompute stopped with PyTorch's
-    "modified by an inplace operation"). Call before the blocks are replaced by their stand-ins."""
+def steady_param_wrappers(model: nn.Module) -> None:
+    """Let PEFT's ``ParamWrapper`` (LoRA on a parameter of a module that is not a linear layer: an
+    MoE's router, its stacked experts; what ``target_modules="all-linear"`` picks on Mixtral, and
+    ``target_parameters``) run on the engine's weights as it runs on the model's own. In every
+    forward it registers a parametrization of its base layer's parameter (``_activate_lora``) and
+    removes it after. Registering ``set_``s the tensor onto itself (no new value, a new version), and
+    removing it registers the tensor again: as a parameter if it is an ``nn.Parameter``, else as a
+    buffer. Inside the engine's calls the slot holds the engine's tensor (a leaf of the block's
+    forward), so a recompute stopped with PyTorch's "modified by an inplace operation" and the weight
+    came back as a buffer, holding the engine's placeholder. Each wrapper's ``_activate_lora`` is
+    wrapped: PEFT's own code runs (its choice of how to add the adapter, and so its numbers), then
+    the tensor's version is put back and, once PEFT removed its parametrization, the tensor goes
+    back into the parameter slot it came from. Call before the blocks are replaced by their stand-ins."""
     for name, module in model.named_modules():
-        if type(module).__name__ == "ParamWrapper" and type(module).__module__.startswith("peft."):
+        if type(module).__name__ != "ParamWrapper" or not type(module).__module__.startswith("peft."):
+            continue
+        activate = getattr(module, "_activate_lora", None)
+        if getattr(activate, "func", None) is _activate_keeping_slot:
+            continue  # (wrapped by an engine built on this model before)
+        if activate is None or not isinstance(getattr(module, "parameter_name", None), str) \
+                or not callable(getattr(module, "get_base_layer", None)):
             raise ConfigError(
-                f"{name} is a PEFT ParamWrapper (LoRA on a parameter of a {type(module.get_base_layer()).__name__}, "
-                f"re-parametrized in every forward), which the engine cannot recompute exactly. Put the adapter on "
+                f"{name} is a PEFT ParamWrapper (LoRA on a parameter of a {type(module.base_layer).__name__}) of "
+                f"a peft version the engine does not know (no _activate_lora / parameter_name). Put the adapter on "
                 f"linear layers only: target_modules such as [q_proj, k_proj, v_proj, o_proj] (in tiered-offload "
-                f"train, lora.targets)")
+                f"train, lora.targets), or use a peft version from 0.17 on")
+        module._activate_lora = functools.partial(_activate_keeping_slot, module, activate)
+
+
+@contextlib.contextmanager
+def _activate_keeping_slot(wrapper: nn.Module, activate: Callable, active_adapters):
+    """PEFT's ``activate(active_adapters)`` with the base layer's parameter kept as it was: the same
+    version (its ``set_`` onto itself changed nothing) and, after, in its parameter slot."""
+    base, name = wrapper.get_base_layer(), wrapper.parameter_name
+    held = base._parameters.get(name)
+    version = None if held is None else held._version
+    try:
+        with activate(active_adapters):
+            if held is not None and held._version != version:
+                torch._C._autograd._unsafe_set_version_counter((held,), (version,))
+            yield
+    finally:
+        if held is not None and base._buffers.get(name) is held:
+            del base._buffers[name]
+            base._parameters[name] = held

@@ -389,7 +389,7 @@ def choose_activation_modes(recompute, activations, block_names: list[str], stat
         recompute: the engine's ``recompute=`` (True, False or ``"auto"``).
         activations: :attr:`EngineConfig.activations` (``"auto"``, one mode, or one per block).
         block_names: the streamed blocks.
-        state_fits: whether the whole training state fits the compute tier.
+        state_fits: whether the step runs as plain PyTorch in the compute tier (``Schedule.graph_fits``).
     """
     if recompute not in (True, False, "auto"):
         raise ConfigError(f"recompute must be True, False or 'auto', got {recompute!r}")

@@ -393,9 +393,22 @@ class Schedule:
         process; sharded, its slice of every tensor (about 1/world of the state)."""
         if self.world == 1:
             return self.fits(capacity)
+        return self._share_bytes() <= capacity
+
+    def _share_bytes(self) -> int:
         kinds = len(self.state_kinds)
         return sum(self._part(u.numel) + self._part(u.grad_numel) + kinds * self._part(u.state_numel)
-                   for u in self.units) <= capacity
+                   for u in self.units)
+
+    def graph_fits(self, capacity: int) -> bool:
+        """Whether the step runs as plain PyTorch in ``capacity``: every block's graph, weights and
+        gradients kept from its forward to its backward. On one process where the whole state
+        fits (:meth:`fits`); sharded, where this rank's share fits beside every unit's gathered
+        weights and gradients (and the slack against fragmentation)."""
+        if self.world == 1:
+            return self.fits(capacity)
+        gathered = sum(self.unit_bytes(u, "weight") + self.unit_bytes(u, "grad") for u in self.units)
+        return self._share_bytes() + gathered + self.working_set().slack <= capacity
 
     def commit_window(self) -> int:
         """Bytes of new weights and optimizer states that may coexist on disk with the committed

@@ -168,7 +168,7 @@ class BlockStreamer:
         activations, gathering ahead (sharded) and what an overlapped step pins."""
         capacity = store.capacity(store.compute_tier)
         modes = choose_activation_modes(recompute, config.activations, [b.name for b in binding.blocks],
-                                        schedule.fits(capacity))
+                                        schedule.graph_fits(capacity))
         streamer = cls(store, binding, pipeline, device, modes)
         streamer.full.sharding = placement.sharding
         overlap = config.overlap_step

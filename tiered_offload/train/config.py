@@ -139,7 +139,11 @@ class LoraSection:
     targets: str | list[str] = "all-linear"
     """The modules that get an adapter (``target_modules``): names (``[q_proj, v_proj]``) or
     ``all-linear`` (every linear layer but the head; on an MoE not its router and stacked experts,
-    which PEFT would re-parametrize in every forward: the log names them)."""
+    which ``parameters`` names: the log names them)."""
+    parameters: list[str] | None = None
+    """Parameters that get an adapter of their own (PEFT's ``target_parameters``): an MoE's stacked
+    experts, ``[mlp.experts.gate_up_proj, mlp.experts.down_proj]``. PEFT's LoRA on a parameter
+    takes no ``dropout`` and no ``dora``."""
     modules_to_save: list[str] | None = None
     """Modules trained in full beside the adapter and saved with it (``[lm_head]``)."""
     dora: bool = False

@@ -12,6 +12,7 @@ Under torchrun the ranks share the run (:mod:`tiered_offload.train.ranks`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -205,7 +206,8 @@ def _causal_lm(hf_config, model_dir: Path):
 
 def _build_model(cfg, hf_config, model_dir: Path):
     """The model under ``empty_init()``; with ``lora.r``, PEFT's LoRA on it (the base frozen, the
-    adapter as PEFT initialises it; ``init_from`` reads the base's weights into it). The adapter's
+    adapter as PEFT initialises it; ``init_from`` reads the base's weights into it; ``lora.parameters``:
+    on those parameters too, PEFT's ``target_parameters``). The adapter's
     ``base_model_name_or_path`` is the directory, or the Hub id that named it (and its ``revision``
     the revision named)."""
     base, revision = _hub_model(cfg.model.path) or (str(model_dir), None)
@@ -222,32 +224,42 @@ def _build_model(cfg, hf_config, model_dir: Path):
     for name in lora.modules_to_save or ():  # (PEFT drops one the model does not have, without a word)
         if not any(n == name or n.endswith(f".{name}") for n, _ in model.named_modules()):
             raise ConfigError(f"lora.modules_to_save {name!r} matches no module of the model (a name such as lm_head)")
-    def wrap(model, targets):
+    def wrap(model, targets, parameters=None, dropout=lora.dropout, dora=lora.dora):
         try:
             return peft.get_peft_model(model, peft.LoraConfig(
-                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                task_type="CAUSAL_LM", modules_to_save=lora.modules_to_save, use_dora=lora.dora, revision=revision))
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=dropout, target_modules=targets,
+                target_parameters=parameters, task_type="CAUSAL_LM", modules_to_save=lora.modules_to_save,
+                use_dora=dora, revision=revision))
         except ValueError as e:  # (PEFT's NoMatchingPeftModuleError is one)
-            raise ConfigError(f"lora.targets {lora.targets!r} matches no module of the model ({e}); its linear "
-                              f"layers: {', '.join(linear)}, or all-linear") from None
-    tuned = wrap(model, lora.targets)
-    wrapped = [n for n, m in tuned.named_modules() if type(m).__name__ == "ParamWrapper"]
-    if lora.targets != "all-linear" or not wrapped:
-        return tuned
-    # PEFT's all-linear also puts LoRA on an MoE's router and stacked experts (ParamWrapper, which
-    # the engine refuses: engine/adapter_init.py): all-linear here is the linear layers PEFT wrapped
-    names = sorted({n.rsplit(".", 1)[-1] for n, m in tuned.named_modules()
+            if "ParamWrapper" in str(e):  # (LoRA on a parameter: no dropout, no DoRA)
+                raise ConfigError(f"lora.parameters {lora.parameters!r}: {e} (PEFT's LoRA on a parameter); set "
+                                  f"lora.dropout: 0 and lora.dora: false, or drop lora.parameters") from None
+            named = f"lora.targets {lora.targets!r}" + (f" or lora.parameters {parameters!r}" if parameters else "")
+            raise ConfigError(f"{named} matches no module of the model ({e}); its linear layers: {', '.join(linear)}, "
+                              f"or all-linear") from None
+    if lora.targets != "all-linear":
+        return wrap(model, lora.targets, lora.parameters)
+    # PEFT's all-linear also puts LoRA on an MoE's router and stacked experts (its ParamWrapper, LoRA
+    # on a parameter, which takes no dropout or DoRA): all-linear here is the linear layers PEFT wraps
+    # (the same in every version of this command: a run resumes as it started); lora.parameters adds the rest
+    probe = wrap(copy.deepcopy(model), "all-linear", dropout=0.0, dora=False)  # (on the meta device: no weights)
+    wrapped = [n.removeprefix("base_model.model.") for n, m in probe.named_modules()
+               if type(m).__name__ == "ParamWrapper"]
+    if not wrapped:
+        return wrap(model, "all-linear", lora.parameters)
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in probe.named_modules()
                     if hasattr(m, "lora_A") and type(m).__name__ != "ParamWrapper"})
-    log.info("tiered-offload: lora.targets all-linear: the adapter goes on %s; %s (an MoE's router and stacked "
-             "experts, which PEFT re-parametrizes in every forward) get no adapter", ", ".join(names),
-             ", ".join(n.removeprefix("base_model.model.") for n in wrapped[:4]) + (" ..." if len(wrapped) > 4 else ""))
-    model = _causal_lm(hf_config, model_dir)
-    model.config._name_or_path = model.name_or_path = base
-    return wrap(model, names)
+    log.info("tiered-offload: lora.targets all-linear: the adapter goes on %s; %s %s", ", ".join(names),
+             ", ".join(wrapped[:4]) + (" ..." if len(wrapped) > 4 else ""),
+             f"(an MoE's router and stacked experts) get one where lora.parameters names them: {lora.parameters}"
+             if lora.parameters else "(an MoE's router and stacked experts) get none: name them in lora.parameters, "
+                                     "e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj]")
+    return wrap(model, names, lora.parameters)
 
 
 _LORA_SETTINGS = {"r": "lora.r", "lora_alpha": "lora.alpha", "target_modules": "lora.targets",
-                  "modules_to_save": "lora.modules_to_save", "use_dora": "lora.dora"}
+                  "target_parameters": "lora.parameters", "modules_to_save": "lora.modules_to_save",
+                  "use_dora": "lora.dora"}
 
 
 def _check_adapter(model, adapter: str) -> None:
@@ -434,7 +446,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
             signal.signal(s, handler)
 
 
-_LAYOUT = ("r", "targets", "dora", "modules_to_save")
+_LAYOUT = ("r", "targets", "parameters", "dora", "modules_to_save")
 
 
 def _metrics_from(path: Path, start: int):
