@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload_core.errors import CheckpointError, ConfigError, TensorStateError, TierCapacityError
+from offload_core.errors import CheckpointError, ConfigError, ModelStructureError, TensorStateError, TierCapacityError
 from tiered_offload import Engine, EngineConfig, Tier, empty_init
 
 VOCAB = 64
@@ -627,6 +627,45 @@ def test_init_from_reads_the_base_checkpoint_into_a_peft_model(tmp_path, on_meta
     _trains_as(engine, ref)
 
 
+@pytest.mark.parametrize("method", ["prompt-tuning", "ia3", "loha"])
+def test_init_from_reads_the_base_and_a_saved_adapter_into_peft_models_beyond_lora(tmp_path, method):
+    """``init_from=BASE`` and ``init_from=[BASE, ADAPTER]`` into PEFT's other adapters, the base built
+    under ``empty_init`` and wrapped as the saved adapter's config says: the base's weights and
+    the adapter's are the saved ones, bitwise. A prompt-tuning model (``base_model.`` wraps the
+    transformers model itself) read none of the base: every weight started at random, with a
+    warning taking them for a new task head; its saved adapter stopped with "Cannot copy out of
+    meta tensor". IA3 and LoHa read as saved; without their saved adapter they are refused by name:
+    only LoRA's start on the meta device is known (PEFT makes theirs on the base's device)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    base = _llama8()
+    base.save_pretrained(tmp_path / "base")
+    tuned = _peft_method(method)
+    with torch.no_grad():  # (trained: not where PEFT starts it)
+        for p in tuned.parameters():
+            if p.requires_grad:
+                p.add_(0.01)
+    tuned.save_pretrained(tmp_path / "adapter")
+    config = peft.PeftConfig.from_pretrained(tmp_path / "adapter")
+    config.inference_mode = False
+    expected = dict(tuned.named_parameters())
+    for i, sources in enumerate([tmp_path / "base", [tmp_path / "base", tmp_path / "adapter"]]):
+        with empty_init():
+            model = peft.get_peft_model(transformers.LlamaForCausalLM(base.config), config)
+        if i == 0 and method != "prompt-tuning":  # (an adapter on the meta device: only LoRA's start is known)
+            with pytest.raises(ModelStructureError, match=r"PEFT.*init_from=\[BASE, ADAPTER\]"):
+                Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / f"s{i}", host_memory="8MiB",
+                       init_from=sources)
+            continue
+        with Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / f"s{i}", host_memory="8MiB",
+                    init_from=sources) as engine:
+            weights = dict(engine.named_parameters())
+        assert list(weights) == list(expected)
+        differ = [k for k, w in weights.items() if not torch.equal(w, expected[k].detach())]
+        trained = {k for k, p in tuned.named_parameters() if p.requires_grad}
+        assert set(differ) == (trained if i == 0 else set()), differ[:4]
+
+
 @pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"]}, {"use_dora": True}, "pytorch files"],
                          ids=["lora", "lora-and-head", "dora", "lora-pytorch-files"])
 def test_init_from_a_base_and_a_saved_adapter_continues_training_the_adapter(tmp_path, options):
@@ -889,6 +928,97 @@ def test_a_peft_models_export_holds_its_adapter_as_peft_saves_it(tmp_path, optio
     trained = [k for k, p in ref.named_parameters() if p.requires_grad]
     assert trained and all(torch.equal(loaded[k], weights[k]) for k in trained)
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in out.iterdir())
+
+
+def _peft_method(method: str):
+    """The 8-layer Llama with one of PEFT's other adapters on it, initialised at random."""
+    peft = pytest.importorskip("peft")
+    qv = ["q_proj", "v_proj"]
+    config = {
+        "ia3": lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                                      init_ia3_weights=False),
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=qv, init_weights=False),
+        "lokr": lambda: peft.LoKrConfig(r=4, target_modules=qv, init_weights=False),
+        "vera": lambda: peft.VeraConfig(r=4, target_modules=qv, init_weights=False, save_projection=True),
+        "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=qv, init_weights=False),
+        "boft": lambda: peft.BOFTConfig(boft_block_size=8, target_modules=qv, init_weights=False),
+        "fourierft": lambda: peft.FourierFTConfig(n_frequency=16, target_modules=qv, init_weights=False),
+        "hra": lambda: peft.HRAConfig(r=4, target_modules=qv, init_weights=False),
+        "ln-tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
+        "prompt-tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    }[method]
+    base = _llama8()
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, config())
+
+
+@pytest.mark.parametrize("method", ["ia3", "loha", "lokr", "vera", "oft", "boft", "fourierft", "hra", "ln-tuning",
+                                    "prompt-tuning"])
+def test_peft_methods_beyond_lora_train_as_pytorch_and_export_what_peft_loads(tmp_path, method):
+    """PEFT's other adapters (IA3, LoHa, LoKr, VeRA, OFT, BOFT, FourierFT, HRA, LayerNorm tuning,
+    prompt tuning) train bitwise as PyTorch (recomputed, accumulating through ``forward_backward``),
+    and the adapter exported is the one ``PeftModel.from_pretrained`` loads; a merged export is
+    ``merge_and_unload()``'s where PEFT merges. The adapter export of VeRA (its shared projections
+    are buffers that PEFT saves with it) stopped with PEFT's ``ValueError`` "Model was initialised
+    to not save vera_A and vera_B"; prompt tuning's (PEFT runs the prompt encoder to save its
+    output) with "embedding reads its values outside the engine's calls"."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    out, merged = tmp_path / "adapter", tmp_path / "merged"
+    prompt = method == "prompt-tuning"
+
+    def export(engine):
+        engine.export_safetensors(out, adapter_only=True)
+        if not prompt:  # (nothing to merge)
+            engine.export_safetensors(merged, merged=True)
+    optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
+    weights, ref, _, _ = check_parity(functools.partial(_peft_method, method), optimizer, tmp_path, loss_fn=hf_loss,
+                                      accumulate=2, fused=True, host=150_000,
+                                      config=EngineConfig(activations="recompute"), inspect=export)
+    loaded = peft.PeftModel.from_pretrained(_llama8(), out, local_files_only=True)
+    trained = [k for k, p in ref.named_parameters() if p.requires_grad]
+    values = dict(loaded.named_parameters())
+    assert trained and all(torch.equal(values[k], weights[k]) for k in trained)
+    ids = torch.arange(8).view(1, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, ref.eval()(ids).logits)
+    if not prompt:
+        ref.merge_and_unload().save_pretrained(tmp_path / "reference")
+        expected, got = load_file(tmp_path / "reference" / "model.safetensors"), load_file(merged / "model.safetensors")
+        assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_adaloras_rank_allocation_is_refused_naming_it_and_adalora_trains_without_it(tmp_path):
+    """AdaLoRA without its rank allocation trains bitwise as PyTorch. Its allocation
+    (``update_and_allocate`` between steps) reads every adapter's weights and gradients and masks
+    them in place, outside the engine's calls: it stopped with "zeros_like reads its values outside
+    the engine's calls ... Read weights with engine.named_parameters() (an EMA, a log)", advice that
+    did not fit. It now names AdaLoRA's allocation and what the engine can do."""
+    peft = pytest.importorskip("peft")
+
+    def make():
+        base = _llama8()
+        torch.manual_seed(1)
+        return peft.get_peft_model(base, peft.AdaLoraConfig(r=4, target_modules=["q_proj", "v_proj"], total_step=10,
+                                                            init_lora_weights=False))
+    optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
+
+    def allocate(engine):
+        with pytest.raises(TensorStateError, match=r"lora_[AEB].*AdaLoRA's rank allocation \(update_and_allocate\)"):
+            engine.model.base_model.update_and_allocate(3)
+    check_parity(make, optimizer, tmp_path, loss_fn=hf_loss, host=200_000, inspect=allocate)
+
+
+def test_prefix_tuning_is_refused_when_the_engine_is_built(tmp_path):
+    """PEFT's prefix tuning gives every block its trained prefix as past keys and values (a cache
+    object), not as a tensor input the engine streams the gradient of. It was refused at the first
+    forward ("block block.0's forward reads prompt_encoder.default.embedding.weight, which requires
+    grad and is neither one of the block's weights nor one of its inputs"). Now when the engine is
+    built, naming the adapters that train (prompt tuning, P-tuning: the prefix as input embeddings)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama8(), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ConfigError, match=r"prefix tuning.*PromptTuningConfig"):
+        Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "s", host_memory="8MiB")
 
 
 def _peft_gpt2():

@@ -361,8 +361,8 @@ def draw_sharded(rng: random.Random) -> dict:
     state), checked against one process training plain PyTorch on every rank's batches
     (``tests/test_distributed.py::reference``) to 1e-6 of the largest weight: the ranks' gradients
     are summed in another order than one process's."""
-    model = rng.choice(["gpt", "gpt", "moe", "llama"])
-    layers = 4 if model == "moe" else rng.choice([3, 4, 6])
+    model = rng.choice(["gpt", "gpt", "moe", "llama", "mixtral"])  # (mixtral: LoRA on its router and experts too)
+    layers = 4 if model in ("moe", "mixtral") else rng.choice([3, 4, 6])
     fused = model != "moe" and rng.random() < 0.4  # (the worker's micro-batches carry no routes)
     cfg = {"layers": layers, "optimizer": rng.choice(["adamw", "sgd"]), "steps": 3, "accumulate": rng.choice([1, 2, 3]),
            "clip": rng.choice([None, 0.5]), "scheduler": rng.random() < 0.5, "fused": fused,
@@ -381,7 +381,7 @@ def draw_sharded(rng: random.Random) -> dict:
     acts = rng.choice(["auto", "keep", "offload", "recompute", "mixed"])
     cfg["activations"] = ([rng.choice(["keep", "offload", "recompute"]) for _ in range(layers)] if acts == "mixed"
                           else acts)
-    cfg["host_fraction"] = rng.choice([0.6, 0.9, 1.3, 2.0])  # of the state / world
+    cfg["host_fraction"] = rng.choice([0.6, 0.9, 1.3, 2.0, 2.6])  # of the state / world (2.6: it may all fit)
     if rng.random() < 0.4:
         cfg["device_fraction"] = rng.choice([0.5, 0.8])  # of the host budget: each rank's device tier
     if rng.random() < 0.25:  # parameters frozen mid-run (drawn last: a seed draws the rest as before)

@@ -65,7 +65,8 @@ def export_adapter(out: str | os.PathLike, binding, store, placement, required: 
     weights = dict(placement.parameters(store, binding.units, trained))
     adapter = _peft_state(binding, name, weights)
     kept = {id(t) for t in adapter.values()}
-    left = [n for n, t in weights.items() if id(t) not in kept]
+    prompt = model.peft_config[name].is_prompt_learning  # (saves what its encoder makes of its weights)
+    left = [n for n, t in weights.items() if id(t) not in kept and not (prompt and n.startswith("prompt_encoder."))]
     if left:
         log.warning("the export's %s holds adapter %r as peft saves it, without %d trainable parameter(s) that are "
                     "not part of it (e.g. %s): they are in its model.safetensors; to save them with the adapter, put "
@@ -77,10 +78,30 @@ def export_adapter(out: str | os.PathLike, binding, store, placement, required: 
 
 def _peft_state(binding, name: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """peft's ``get_peft_model_state_dict`` of adapter ``name`` on ``weights`` (the trainable
-    parameters' values, by name), with the real blocks in the model's tree: ``{key: value}``."""
+    parameters' values, by name) and the model's buffers (VeRA's shared projections, which peft
+    saves with the adapter), with the real blocks in the model's tree: ``{key: value}``. Prompt
+    learning saves what its prompt encoder computes: the encoder is lent ``weights`` for it; on
+    the meta device (keys only), peft keys the embedding's weight itself, which its load fills."""
     from peft.utils import get_peft_model_state_dict
-    with binding.real_blocks():
-        return get_peft_model_state_dict(binding.model, state_dict=weights, adapter_name=name)
+    config = binding.model.peft_config[name]
+    encoder = getattr(binding.model, "prompt_encoder", None)
+    lent = [(mod, attr, p, ".".join(filter(None, ("prompt_encoder", m, attr)))) for m, mod in encoder.named_modules()
+            for attr, p in mod._parameters.items() if p is not None] if isinstance(encoder, nn.Module) else []
+    inference = config.inference_mode
+    try:
+        for mod, attr, p, full in lent:
+            if full in weights:
+                mod._parameters[attr] = weights[full]
+        config.inference_mode = inference or (config.is_prompt_learning and any(t.is_meta for t in weights.values()))
+        with binding.real_blocks():
+            buffers = {".".join(filter(None, (m, attr))): b  # (under every name, as state_dict() has them)
+                       for m, mod in binding.model.named_modules(remove_duplicate=False)
+                       for attr, b in mod._buffers.items() if b is not None and attr not in mod._non_persistent_buffers_set}
+            return get_peft_model_state_dict(binding.model, state_dict={**buffers, **weights}, adapter_name=name)
+    finally:
+        config.inference_mode = inference
+        for mod, attr, p, _ in lent:
+            mod._parameters[attr] = p
 
 
 def adapter_config(model, name: str) -> dict:
@@ -106,6 +127,9 @@ def adapter_record(binding) -> dict | None:
     try:
         adapter = _peft_state(binding, name, weights)
         made = [key for key, t in adapter.items() if id(t) not in names]
+        config = binding.model.peft_config[name]
+        if config.is_prompt_learning and str(config.peft_type).rsplit(".", 1)[-1] != "PROMPT_TUNING":
+            made = ["prompt_embeddings"]  # (what its encoder computes; prompt tuning's is the embedding's weight)
         if made:
             raise ValueError(f"peft makes {made[:3]} of its own")
         keys = [[names[id(t)], key] for key, t in adapter.items()]  # in the file's order (a list: JSON keeps it)

@@ -30,7 +30,7 @@ from torch import nn
 from offload_core.errors import ConfigError
 
 __all__ = ["adapter_initialisers", "dora_layers", "dora_magnitudes", "refuse_inits_from_base_weights",
-           "steady_param_wrappers"]
+           "prepare_peft_model", "steady_param_wrappers"]
 
 
 def adapter_initialisers(roots: Iterable[nn.Module], peft_config) -> dict[int, Callable[[nn.Module], None]]:
@@ -135,6 +135,21 @@ def _zeros(module: nn.Module) -> None:
     nn.init.zeros_(module.weight)
     if getattr(module, "bias", None) is not None:
         nn.init.zeros_(module.bias)
+
+
+def prepare_peft_model(model: nn.Module) -> None:
+    """What a PEFT model needs before its blocks are replaced by their stand-ins: prefix tuning
+    refused (it gives every block its trained prefix as past keys and values, a cache object, not
+    as a tensor input whose gradient the engine streams), ``ParamWrapper``s steadied
+    (:func:`steady_param_wrappers`)."""
+    config = getattr(model, "peft_config", None)
+    if isinstance(config, dict) and any(str(getattr(c, "peft_type", "")).endswith("PREFIX_TUNING")
+                                        for c in config.values()):
+        raise ConfigError("PEFT's prefix tuning gives every block its trained prefix as past keys and values (a cache "
+                          "object), which the engine does not stream a gradient through. Prompt tuning "
+                          "(peft.PromptTuningConfig) and P-tuning (peft.PromptEncoderConfig) train the prefix as input "
+                          "embeddings, LoRA in the blocks: each trains through the engine as in PyTorch")
+    steady_param_wrappers(model)
 
 
 def steady_param_wrappers(model: nn.Module) -> None:

@@ -26,7 +26,7 @@ from offload_core.errors import ConfigError, ModelStructureError, TensorStateErr
 from tiered_offload.checkpoint.adapter import peft_adapter_name
 from tiered_offload.checkpoint.export import model_config
 from tiered_offload.checkpoint.safetensors_io import config_json
-from tiered_offload.engine.adapter_init import adapter_initialisers, steady_param_wrappers
+from tiered_offload.engine.adapter_init import adapter_initialisers, prepare_peft_model
 from tiered_offload.engine.parameter_guard import (GradInStore, bind, check_grad_hooks, check_no_new_parameters,
                                                   check_requires_grad, check_untouched, refuse_resizing,
                                                   state_dict_names_only, unbind, warn_of_forward_hooks,
@@ -453,7 +453,7 @@ class ModelBinding:
         self.device = device
         self.seq_name, self.blocks, self.rest, self.param_order = plan_units(model, blocks, stream_modules_numel)
         _refuse_compiled_holders(model, self.seq_name, self.blocks)
-        steady_param_wrappers(model)
+        prepare_peft_model(model)
         check_grad_hooks(self)
         wide = [s for _, s in self.param_order if s.param.dtype == torch.float64 or s.param.dtype.is_complex]
         if wide:
@@ -610,8 +610,10 @@ class ModelBinding:
                 if torch.isnan(value).any():
                     raise ModelStructureError(
                         f"parameter {slot.name!r} ({type(m).__name__}) has no initialiser: neither reset_parameters() "
-                        f"nor the model's _init_weights set it. Build the model on the CPU instead of the meta device, "
-                        f"or give the module a reset_parameters()")
+                        f"nor the model's _init_weights set it. " + ("A PEFT adapter's start on the meta device is "
+                        "known for LoRA only: start this one from a saved adapter, init_from=[BASE, ADAPTER], or build "
+                        "the model on the CPU" if hasattr(self.model, "peft_config") else "Build the model on the CPU "
+                        "instead of the meta device, or give the module a reset_parameters()"))
                 flat[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
                 m._parameters[n] = slot.param  # back to the meta parameter the unit tracks
 

@@ -77,24 +77,31 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
     where the file lacks them: as the model holds them, or initialised. Returns those (none where
     the file has them: a PEFT model's own export read back)."""
     names, params = reader.names(), [s for _, s in binding.param_order]
-    tuner = getattr(getattr(binding.model, "base_model", None), "model", None)
+    configs = getattr(binding.model, "peft_config", None)
+    prompt = isinstance(configs, dict) and any(getattr(c, "is_prompt_learning", False) for c in configs.values())
+    # a tuner (LoRA...) holds the transformers model as base_model.model; prompt learning as base_model
+    outer = "base_model." if prompt else "base_model.model."
+    tuner = getattr(binding.model, "base_model", None) if prompt else \
+        getattr(getattr(binding.model, "base_model", None), "model", None)
     prefix = getattr(getattr(binding.model, "base_model", None), "prefix", None)
-    peft = isinstance(getattr(binding.model, "peft_config", None), dict) and tuner is not None and prefix
+    peft = isinstance(configs, dict) and tuner is not None and (prefix or prompt)
     aliases, merged, converted = transformers_names(tuner if peft else binding.model, names)
     fresh = set()
     if peft:
         in_file = set(names)
-        if any(s.name not in in_file and any(p.startswith(prefix) for p in s.name.split(".")) for s in params):
+        if prefix and any(s.name not in in_file and any(p.startswith(prefix) for p in s.name.split(".")) for s in params):
             refuse_inits_from_base_weights(binding.model.peft_config, "init_from reads after the model was built")
         tied = _tied_names(tuner)
         for slot in params:
             parts = slot.name.split(".")
-            if slot.name in in_file or parts[:2] != ["base_model", "model"]:
+            if prompt and parts[0] == "prompt_encoder" and slot.name not in in_file:
+                fresh.add(slot.name)  # the prompt's, as PEFT makes it
+            if slot.name in in_file or not slot.name.startswith(outer):
                 continue
-            if any(part.startswith(prefix) for part in parts):
+            if prefix and any(part.startswith(prefix) for part in parts):
                 fresh.add(slot.name)  # the adapter's
                 continue
-            inner = ".".join(parts[2:])
+            inner = slot.name[len(outer):]
             base = re.sub(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)", "", inner)
             if base not in in_file and base not in aliases:  # a copy of a tied weight: the file has it once
                 base = tied.get(re.sub(r"\.modules_to_save\.[^.]+(?=\.)", ".original_module", inner), base)
@@ -103,24 +110,25 @@ def _match_file_names(binding: ModelBinding, reader: PretrainedReader) -> set[st
             else:
                 aliases[slot.name] = aliases.get(base, base)
     unsaved, in_file = set(getattr(tuner if peft else binding.model, "_keys_to_ignore_on_save", None) or ()), set(names)
-    fresh |= {s.name for s in params if s.name.removeprefix("base_model.model." if peft else "") in unsaved
+    fresh |= {s.name for s in params if s.name.removeprefix(outer if peft else "") in unsaved
               and s.name not in aliases and s.name not in merged and s.name not in in_file}
     reader.alias(aliases)
     reader.merge(merged)
-    fresh |= _new_head(tuner if peft else binding.model, "base_model.model." if peft else "",
+    fresh |= _new_head(tuner if peft else binding.model, outer if peft else "", [s.name for s in params],
                        [s.name for s in params if s.name not in fresh and not reader.holds(s.name)], reader)
     reader.check_covers([(s.name, s.shape) for s in params if s.name not in fresh], converted)
     return fresh
 
 
-def _new_head(model, outer: str, absent: list[str], reader: PretrainedReader) -> set[str]:
-    """The parameters the file lacks (``absent``) that start as the model holds them, as
-    ``from_pretrained`` starts them: where every one lies outside the model's trunk (its
-    ``base_model_prefix``: a task head, as a classifier's ``score``, on a language model's
-    checkpoint) and the file holds the rest. Where one of the trunk's is absent, none: the
-    checkpoint is not this model's (refused, naming them all)."""
+def _new_head(model, outer: str, names: list[str], absent: list[str], reader: PretrainedReader) -> set[str]:
+    """The parameters the file lacks (``absent``, of the model's ``names``) that start as the model
+    holds them, as ``from_pretrained`` starts them: where every one lies outside the model's trunk
+    (its ``base_model_prefix``: a task head, as a classifier's ``score``, on a language model's
+    checkpoint) and the file holds the rest, the trunk among them. Where one of the trunk's is
+    absent, or no name is the trunk's (a wrapper this does not know), none: refused, naming them all."""
     trunk = getattr(model, "base_model_prefix", "")
-    if not trunk or not absent or any(n.removeprefix(outer).startswith(trunk + ".") for n in absent):
+    within = lambda n: n.removeprefix(outer).startswith(trunk + ".")  # noqa: E731
+    if not trunk or not absent or any(within(n) for n in absent) or not any(within(n) for n in names):
         return set()
     log.warning("init_from: %s does not hold %d parameter(s) outside the model's trunk (%s%s): they start as the "
                 "model holds them (its own initialisation), as from_pretrained starts a new task head",

@@ -146,6 +146,11 @@ def _unbound_use(name: str, what: str) -> str:
                 f"weights into placeholders. The model with the adapter merged: engine.export_safetensors(DIR, "
                 f"merged=True) writes what merge_and_unload().save_pretrained(DIR) writes; the adapter alone: "
                 f"adapter_only=True. Training goes on unmerged")
+    if _on_stack(f"{os.sep}peft{os.sep}", _ADALORA_ALLOCATION):
+        return (f"{name}: AdaLoRA's rank allocation (update_and_allocate) reads the adapter's weights and gradients "
+                f"between steps and masks them in place, {where}: the engine cannot run it. AdaLoRA trains through "
+                f"the engine with the ranks it was built with (without update_and_allocate, as PyTorch without it); "
+                f"its allocation needs the model in memory")
     if what.endswith("_") and not what.startswith("__"):
         return (f"{name}: {what} changes its values {where}, so the change would be lost. Start from other weights "
                 f"with init_from=DIR (an export) or by changing the model before the engine is built; a "
@@ -155,6 +160,7 @@ def _unbound_use(name: str, what: str) -> str:
 
 
 _PEFT_MERGES = frozenset({"merge", "merge_adapter", "merge_and_unload", "_unload_and_optionally_merge"})
+_ADALORA_ALLOCATION = frozenset({"update_and_allocate", "update_ipt", "mask_to_budget", "mask_using_rank_pattern"})
 
 
 def _in_peft_merge() -> bool:
