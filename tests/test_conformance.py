@@ -533,6 +533,20 @@ def test_a_quantized_checkpoint_is_refused_naming_its_tensors_and_an_unused_odd_
                                               r"quantized checkpoint .* start from the model's weights in bf16, fp16 "
                                               r"or fp32"):
         Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "t", host_memory=1 << 20, init_from=path)
+    # bitsandbytes' 8 bits: int8 weights under the weights' names beside their scales (SCB). They were read, cast
+    # to fp32 (weights of -127..127), without a word
+    eight = {k: ((v / v.abs().amax(1, keepdim=True) * 127).round().to(torch.int8) if k in linear else v)
+             for k, v in tensors.items()}
+    save(dict(eight, **{k.removesuffix(".weight") + ".SCB": tensors[k].abs().amax(1) for k in linear}))
+    with pytest.raises(CheckpointError, match=r"dense\.weight: stored as (I8|torch\.int8).*a quantized checkpoint"):
+        Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "u", host_memory=1 << 20, init_from=path)
+    # a config that says quantized (from_pretrained would quantize the weights as it loads them)
+    save(tensors)
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(saved, quantization_config={"quant_method": "bitsandbytes",
+                                                                                  "load_in_8bit": True})))
+    with pytest.raises(CheckpointError, match=r"config\.json.*quantization_config: bitsandbytes.*bf16, fp16 or fp32"):
+        Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "v", host_memory=1 << 20, init_from=path)
 
 
 @pytest.mark.parametrize("activations", ["recompute", "offload"])

@@ -90,6 +90,23 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, start
 
 
+def _refuse_quantized(directory: Path) -> None:
+    """A directory whose ``config.json`` has a ``quantization_config`` holds weights that
+    ``from_pretrained`` quantizes or dequantizes as it loads them (with their scales, its kernels):
+    not fp32 weights tensor by tensor. Refused, naming the method."""
+    try:
+        with open(directory / "config.json", "rb") as f:
+            config = json.loads(f.read(16 << 20))
+    except (OSError, ValueError):  # (none, or not JSON: the weights say the rest)
+        return
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise CheckpointError(f"{directory / 'config.json'} says its weights are quantized (quantization_config: "
+                              f"{method}): from_pretrained would load them with their scales, not as fp32 tensors; "
+                              f"start from the model's weights in bf16, fp16 or fp32 (its unquantized repository)")
+
+
 class PretrainedReader:
     """Reads named tensors from a safetensors file or a directory of shards, one at a time.
 
@@ -104,6 +121,7 @@ class PretrainedReader:
         path = Path(path).expanduser()
         files, torch_format = None, False
         if path.is_dir():
+            _refuse_quantized(path)
             picked = pick_weights(path)
             if picked is None:
                 others = sorted(p for p in path.glob("*.safetensors.index.json") if p.name != INDEX_NAME)
@@ -192,13 +210,13 @@ class PretrainedReader:
                                  f"{name}: the file's experts for it differ in shape ({self.merged[name][0][0]}...)")
             elif e is None:
                 missing.append(name)
-            elif e[1]["torch_dtype"] is None:
+            elif e[1]["torch_dtype"] is None or not e[1]["torch_dtype"].is_floating_point:  # (int8: bitsandbytes')
                 unread.append(f"{name}: stored as {e[1]['dtype']}")
             elif list(e[1]["shape"]) != list(shape):
                 wrong.append(f"{name}: file {e[1]['shape']} vs model {list(shape)}")
         for g in self.merged.values():
             unread += [f"{n}: stored as {self.entries[n][1]['dtype']}" for s in g for n in s
-                       if self.entries[n][1]["torch_dtype"] is None]
+                       if not getattr(self.entries[n][1]["torch_dtype"], "is_floating_point", False)]
         if unread:
             raise CheckpointError(
                 f"{self.source} holds {len(unread)} of the model's tensors in a dtype init_from does not read "
@@ -228,7 +246,8 @@ class PretrainedReader:
                 offset += rows
             return
         path, info, start = self.entries[name]
-        if info["torch_dtype"] is None:  # (check_covers refuses it for a model; this, for any other caller)
+        if info["torch_dtype"] is None or (out.is_floating_point() and not info["torch_dtype"].is_floating_point):
+            # (check_covers refuses it for a model; this, for any other caller)
             raise CheckpointError(f"{path}: tensor {name!r} is stored as {info['dtype']}, a dtype init_from does not "
                                   f"read (a quantized checkpoint's); start from weights in bf16, fp16 or fp32")
         if "tensor" in info:  # a PyTorch file's: its pages read as it is copied
