@@ -128,7 +128,7 @@ def adapter_record(binding) -> dict | None:
         adapter = _peft_state(binding, name, weights)
         made = [key for key, t in adapter.items() if id(t) not in names]
         config = binding.model.peft_config[name]
-        if config.is_prompt_learning and str(config.peft_type).rsplit(".", 1)[-1] != "PROMPT_TUNING":
+        if config.is_prompt_learning and config.peft_type != "PROMPT_TUNING":
             made = ["prompt_embeddings"]  # (what its encoder computes; prompt tuning's is the embedding's weight)
         if made:
             raise ValueError(f"peft makes {made[:3]} of its own")

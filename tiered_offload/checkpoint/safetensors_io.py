@@ -96,8 +96,8 @@ def _refuse_quantized(directory: Path) -> None:
     not fp32 weights tensor by tensor. Refused, naming the method."""
     try:
         with open(directory / "config.json", "rb") as f:
-            config = json.loads(f.read(16 << 20))
-    except (OSError, ValueError):  # (none, or not JSON: the weights say the rest)
+            config = parse_json(f.read(16 << 20), directory / "config.json")
+    except (OSError, CheckpointError):  # (none, or not JSON: the weights say the rest)
         return
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     if quant is not None:

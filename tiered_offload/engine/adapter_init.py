@@ -143,8 +143,7 @@ def prepare_peft_model(model: nn.Module) -> None:
     as a tensor input whose gradient the engine streams), ``ParamWrapper``s steadied
     (:func:`steady_param_wrappers`)."""
     config = getattr(model, "peft_config", None)
-    if isinstance(config, dict) and any(str(getattr(c, "peft_type", "")).endswith("PREFIX_TUNING")
-                                        for c in config.values()):
+    if isinstance(config, dict) and any(getattr(c, "peft_type", None) == "PREFIX_TUNING" for c in config.values()):
         raise ConfigError("PEFT's prefix tuning gives every block its trained prefix as past keys and values (a cache "
                           "object), which the engine does not stream a gradient through. Prompt tuning "
                           "(peft.PromptTuningConfig) and P-tuning (peft.PromptEncoderConfig) train the prefix as input "
@@ -173,8 +172,9 @@ def steady_param_wrappers(model: nn.Module) -> None:
             continue  # (wrapped by an engine built on this model before)
         if activate is None or not isinstance(getattr(module, "parameter_name", None), str) \
                 or not callable(getattr(module, "get_base_layer", None)):
+            base = type(getattr(module, "base_layer", module)).__name__
             raise ConfigError(
-                f"{name} is a PEFT ParamWrapper (LoRA on a parameter of a {type(module.base_layer).__name__}) of "
+                f"{name} is a PEFT ParamWrapper (LoRA on a parameter of a {base}) of "
                 f"a peft version the engine does not know (no _activate_lora / parameter_name). Put the adapter on "
                 f"linear layers only: target_modules such as [q_proj, k_proj, v_proj, o_proj] (in tiered-offload "
                 f"train, lora.targets), or use a peft version from 0.17 on")
