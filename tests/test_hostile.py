@@ -468,6 +468,27 @@ def test_a_hostile_or_damaged_pytorch_file_is_refused_naming_it_and_runs_nothing
 
 
 # ---- 8. snapshot commits need room for two versions ---------------------------------------------------------
+def test_a_checkpoints_config_is_read_for_its_quantization_without_a_hang_or_an_untyped_error(tmp_path):
+    """``init_from`` reads a checkpoint directory's ``config.json`` (a ``quantization_config`` is
+    refused): a FIFO there would wait for a writer forever, and JSON nested past Python's recursion
+    limit raised ``RecursionError``. Neither concerns the weights: they are read as before."""
+    from safetensors.torch import save_file
+    from tiered_offload.checkpoint.safetensors_io import PretrainedReader
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    os.mkfifo(tmp_path / "config.json")
+    done = []
+    reader = threading.Thread(target=lambda: done.append(PretrainedReader(tmp_path).names()), daemon=True)
+    reader.start()
+    reader.join(30)
+    if not done:  # (unblock the reader: open the FIFO's other end)
+        with open(tmp_path / "config.json", "wb"):
+            pass
+    assert done == [["w"]], "the read waited on the FIFO"
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert PretrainedReader(tmp_path).names() == ["w"]
+
+
 def test_the_disk_preflight_counts_what_snapshot_commits_need(tmp_path):
     probe = make_engine(tmp_path / "probe", host_memory=1 << 22)  # the state fits in memory: snapshots
     assert probe.commit_mode == "snapshot"

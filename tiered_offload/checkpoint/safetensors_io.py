@@ -94,10 +94,12 @@ def _refuse_quantized(directory: Path) -> None:
     """A directory whose ``config.json`` has a ``quantization_config`` holds weights that
     ``from_pretrained`` quantizes or dequantizes as it loads them (with their scales, its kernels):
     not fp32 weights tensor by tensor. Refused, naming the method."""
+    if not (directory / "config.json").is_file():  # (none; or a FIFO, whose read would wait for a writer)
+        return
     try:
         with open(directory / "config.json", "rb") as f:
             config = parse_json(f.read(16 << 20), directory / "config.json")
-    except (OSError, CheckpointError):  # (none, or not JSON: the weights say the rest)
+    except OSError:  # (not readable or not JSON, CorruptionError: the weights say the rest)
         return
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     if quant is not None:
