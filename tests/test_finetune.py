@@ -961,16 +961,21 @@ def test_peft_methods_beyond_lora_train_as_pytorch_and_export_what_peft_loads(tm
     ``merge_and_unload()``'s where PEFT merges. The adapter export of VeRA (its shared projections
     are buffers that PEFT saves with it) stopped with PEFT's ``ValueError`` "Model was initialised
     to not save vera_A and vera_B"; prompt tuning's (PEFT runs the prompt encoder to save its
-    output) with "embedding reads its values outside the engine's calls"."""
+    output) with "embedding reads its values outside the engine's calls", and so did its
+    ``generate()`` (PEFT embeds the tokens and computes the prompt outside the model's forward)."""
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
     out, merged = tmp_path / "adapter", tmp_path / "merged"
     prompt = method == "prompt-tuning"
 
+    generated = []
+
     def export(engine):
         engine.export_safetensors(out, adapter_only=True)
         if not prompt:  # (nothing to merge)
             engine.export_safetensors(merged, merged=True)
+        engine.eval()
+        generated.append(engine.model.generate(input_ids=torch.arange(8).view(1, 8), max_new_tokens=3, do_sample=False))
     optimizer = lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)  # noqa: E731
     weights, ref, _, _ = check_parity(functools.partial(_peft_method, method), optimizer, tmp_path, loss_fn=hf_loss,
                                       accumulate=2, fused=True, host=150_000,
@@ -982,6 +987,7 @@ def test_peft_methods_beyond_lora_train_as_pytorch_and_export_what_peft_loads(tm
     ids = torch.arange(8).view(1, 8)
     with torch.no_grad():
         assert torch.equal(loaded.eval()(ids).logits, ref.eval()(ids).logits)
+    assert torch.equal(generated[0], ref.generate(input_ids=ids, max_new_tokens=3, do_sample=False))
     if not prompt:
         ref.merge_and_unload().save_pretrained(tmp_path / "reference")
         expected, got = load_file(tmp_path / "reference" / "model.safetensors"), load_file(merged / "model.safetensors")

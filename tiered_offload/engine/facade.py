@@ -544,13 +544,17 @@ def _hook_model_calls(model: nn.Module, streamer) -> list:
     too; a forward without grad has no backward to wait for, so the outermost such call lets go of
     the rest after (unless a forward with grad still waits for its backward:
     ``BlockStreamer.forward_ended``). What ``generate()`` calls besides the model's own forward is
-    hooked too: a PEFT model's base model, an encoder-decoder's encoder (``get_encoder()``, run
+    hooked too: a PEFT model's base model (prompt learning's embeddings and prompt encoder), an
+    encoder-decoder's encoder (``get_encoder()``, run
     alone before the decoding; inside the model's forward it lets go of nothing, the decoder still
     to run). The hooks after a forward run also when it raises, so the count of calls stays true."""
     called = {id(model): model}
     if peft_adapter_name(model):
         base = model.get_base_model()
         called[id(base)] = base
+        # prompt learning's generate() embeds the tokens and computes the prompt outside any forward of the model
+        extra = [getattr(model, "word_embeddings", None), *getattr(model, "prompt_encoder", {}).values()]
+        called.update({id(m): m for m in extra if isinstance(m, nn.Module)})
     for m in list(called.values()):
         try:
             encoder = m.get_encoder() if callable(getattr(m, "get_encoder", None)) else None
