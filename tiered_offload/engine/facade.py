@@ -545,9 +545,9 @@ def _hook_model_calls(model: nn.Module, streamer) -> list:
     the rest after (unless a forward with grad still waits for its backward:
     ``BlockStreamer.forward_ended``). What ``generate()`` calls besides the model's own forward is
     hooked too: a PEFT model's base model (prompt learning's embeddings and prompt encoder), an
-    encoder-decoder's encoder (``get_encoder()``, run
-    alone before the decoding; inside the model's forward it lets go of nothing, the decoder still
-    to run). The hooks after a forward run also when it raises, so the count of calls stays true."""
+    encoder-decoder's encoder (``get_encoder()``, run alone before the decoding; inside the model's
+    forward it lets go of nothing, the decoder still to run). The hooks after a forward run also
+    when it raises, so the count of calls stays true."""
     called = {id(model): model}
     if peft_adapter_name(model):
         base = model.get_base_model()
