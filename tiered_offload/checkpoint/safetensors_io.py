@@ -106,7 +106,8 @@ def _refuse_quantized(directory: Path) -> None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise CheckpointError(f"{directory / 'config.json'} says its weights are quantized (quantization_config: "
                               f"{method}): from_pretrained would load them with their scales, not as fp32 tensors; "
-                              f"start from the model's weights in bf16, fp16 or fp32 (its unquantized repository)")
+                              f"start from the model's weights in bf16, fp16 or fp32 (its unquantized repository; "
+                              f"where this directory's weights are such, a config.json without quantization_config)")
 
 
 class PretrainedReader:
