@@ -549,6 +549,61 @@ def test_a_quantized_checkpoint_is_refused_naming_its_tensors_and_an_unused_odd_
         Engine(cls(config), torch.optim.AdamW, {}, storage=tmp_path / "v", host_memory=1 << 20, init_from=path)
 
 
+def as_mxfp4(path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint ``save_pretrained`` wrote in ``path`` (gpt-oss) as OpenAI ships it: each
+    expert weight as MXFP4 (random 4-bit values and scales), the config's ``quantization_config``
+    ``mxfp4``. Returns the file's tensors."""
+    from safetensors.torch import load_file, save_file
+    packed, g = {}, torch.Generator().manual_seed(0)
+    for k, v in load_file(path / "model.safetensors").items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out] -> [experts, out, in/32, 16]
+            packed[k + "_blocks"] = torch.randint(0, 256, (v.shape[0], v.shape[2], v.shape[1] // 32, 16), generator=g,
+                                                  dtype=torch.uint8)
+            packed[k + "_scales"] = torch.randint(120, 131, packed[k + "_blocks"].shape[:-1], generator=g,
+                                                  dtype=torch.uint8)
+        else:
+            packed[k] = v
+    save_file(packed, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return packed
+
+
+def test_init_from_dequantizes_an_mxfp4_checkpoint_as_from_pretrained_does(tmp_path):
+    """gpt-oss as OpenAI ships it: the experts in MXFP4 (``X_blocks``: two 4-bit values a byte,
+    ``X_scales``: a power of two a group of 32), the config's ``quantization_config`` ``mxfp4``.
+    ``init_from`` read them as ``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))``
+    does (bitwise; transformers' own dequantization, one expert at a time), and the export's
+    ``config.json`` has no ``quantization_config``: its weights are plain, ``from_pretrained`` reads
+    them back. A pair that is not MXFP4's layout is refused, naming it."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.integrations.mxfp4")
+    from safetensors.torch import save_file
+    from tiered_offload import Engine, empty_init
+    from test_finetune import _gpt_oss
+    path = _saved_by_transformers(tmp_path, _gpt_oss())
+    packed = as_mxfp4(path)
+    expected = dict(transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).named_parameters())
+    with empty_init():
+        built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    with Engine(built, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20, init_from=path) as engine:
+        got = dict(engine.named_parameters())
+        engine.export_safetensors(tmp_path / "out")
+    assert list(got) == list(expected)
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    again = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
+    assert all(torch.equal(again[k], expected[k]) for k in expected)
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    save_file(dict(packed, **{name: packed[name][:, :1].clone()}), path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"down_proj_blocks .* not MXFP4's layout"):
+        Engine(_gpt_oss(), torch.optim.AdamW, {}, storage=tmp_path / "t", host_memory=1 << 20, init_from=path)
+
+
 @pytest.mark.parametrize("activations", ["recompute", "offload"])
 def test_an_input_gradient_through_an_encoder_decoder_is_pytorchs(tmp_path, activations):
     """``torch.autograd.grad`` of the loss for the decoder's embeddings through T5's streamed

@@ -536,6 +536,36 @@ def test_lora_on_an_moe_model_puts_the_adapter_on_its_linear_layers_and_the_para
                                lora__parameters=parameters), progress=False, dry_run=True)
 
 
+def test_gpt_oss_as_openai_ships_it_in_mxfp4_fine_tunes_with_lora_on_its_experts(tmp_path, model_dir, data):
+    """gpt-oss's own checkpoint holds its experts in MXFP4 (``quantization_config: mxfp4``), which
+    ``train`` refused as any quantized checkpoint. It is now dequantized as ``from_pretrained``
+    does (``Mxfp4Config(dequantize=True)``), and LoRA goes on the experts named in
+    ``lora.parameters``: the adapter PEFT loads onto that model, trained."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("transformers.integrations.mxfp4")
+    from test_conformance import as_mxfp4
+    oss = tmp_path / "tiny-gpt-oss"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.save_pretrained(oss)
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)).save_pretrained(oss)
+    as_mxfp4(oss)
+    parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    summary = train(write_config(tmp_path, oss, data, train__max_steps=2, output__export_every=0, lora__r=4,
+                                 lora__parameters=parameters), progress=False)
+    assert summary["step"] == 2
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        oss, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32)
+    tuned = peft.PeftModel.from_pretrained(base, Path(summary["final"]))
+    b = [p for n, p in tuned.named_parameters() if "experts" in n and "lora_B" in n]
+    assert len(b) == 4 and all(p.abs().sum() > 0 for p in b)
+
+
 def test_lora_merged_exports_the_model_with_the_adapter_merged(tmp_path, model_dir, data):
     """``lora: {r: 8, merged: true}``: the exports hold the model with the adapter merged into its
     weights, under the base model's names with its ``config.json`` and tokenizer, for

@@ -25,6 +25,7 @@ import torch
 
 from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError, StorageDirectoryError
 from tiered_offload.checkpoint.durable import fsync_directory
+from tiered_offload.checkpoint import mxfp4
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import (BIN_INDEX_NAME, BIN_SINGLE_NAME, copy_out, is_torch_archive,
                                                 read_torch_entries)
@@ -90,24 +91,28 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, start
 
 
-def _refuse_quantized(directory: Path) -> None:
-    """A directory whose ``config.json`` has a ``quantization_config`` holds weights that
-    ``from_pretrained`` quantizes or dequantizes as it loads them (with their scales, its kernels):
-    not fp32 weights tensor by tensor. Refused, naming the method."""
+def _quantization(directory: Path) -> str | None:
+    """The ``quant_method`` of ``directory``'s ``config.json`` where it is one this reader
+    dequantizes as ``from_pretrained`` does (:mod:`~tiered_offload.checkpoint.mxfp4`); None where the
+    weights are not quantized. Another (its weights quantized or dequantized with their scales and
+    kernels as they load: not fp32 weights tensor by tensor) is refused, naming the method."""
     if not (directory / "config.json").is_file():  # (none; or a FIFO, whose read would wait for a writer)
-        return
+        return None
     try:
         with open(directory / "config.json", "rb") as f:
             config = parse_json(f.read(16 << 20), directory / "config.json")
     except OSError:  # (not readable or not JSON, CorruptionError: the weights say the rest)
-        return
+        return None
     quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if quant is not None:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise CheckpointError(f"{directory / 'config.json'} says its weights are quantized (quantization_config: "
-                              f"{method}): from_pretrained would load them with their scales, not as fp32 tensors; "
-                              f"start from the model's weights in bf16, fp16 or fp32 (its unquantized repository; "
-                              f"where this directory's weights are such, a config.json without quantization_config)")
+    if quant is None:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    if method in mxfp4.READABLE:
+        return method
+    raise CheckpointError(f"{directory / 'config.json'} says its weights are quantized (quantization_config: "
+                          f"{method}): from_pretrained would load them with their scales, not as fp32 tensors; "
+                          f"start from the model's weights in bf16, fp16 or fp32 (its unquantized repository; "
+                          f"where this directory's weights are such, a config.json without quantization_config)")
 
 
 class PretrainedReader:
@@ -123,8 +128,9 @@ class PretrainedReader:
     def __init__(self, path: str | os.PathLike):
         path = Path(path).expanduser()
         files, torch_format = None, False
+        quantized = None
         if path.is_dir():
-            _refuse_quantized(path)
+            quantized = _quantization(path)
             picked = pick_weights(path)
             if picked is None:
                 others = sorted(p for p in path.glob("*.safetensors.index.json") if p.name != INDEX_NAME)
@@ -170,6 +176,8 @@ class PretrainedReader:
         else:
             self.entries = _entries(headers[path], path, torch_format)
         self.source = path
+        if quantized == "mxfp4" and not torch_format:  # (each expert's packed pair read as the model's tensor)
+            self.entries = mxfp4.unpacked(self.entries, path)
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -248,7 +256,13 @@ class PretrainedReader:
                     self.read_into(part, out[expert, offset:offset + rows])
                 offset += rows
             return
-        path, info, start = self.entries[name]
+        self._read_entry(name, self.entries[name], out)
+
+    def _read_entry(self, name: str, entry: tuple, out: torch.Tensor) -> None:
+        path, info, start = entry
+        if "mxfp4" in info:
+            mxfp4.read_into(self._read_entry, info, out)
+            return
         if info["torch_dtype"] is None or (out.is_floating_point() and not info["torch_dtype"].is_floating_point):
             # (check_covers refuses it for a model; this, for any other caller)
             raise CheckpointError(f"{path}: tensor {name!r} is stored as {info['dtype']}, a dtype init_from does not "
@@ -484,6 +498,7 @@ def exported_config(config: dict, dtype: torch.dtype = torch.float32) -> dict:
     (fp32 unless asked: a bf16 source's ``"torch_dtype": "bfloat16"`` would make
     ``from_pretrained`` load fp32 weights as bf16 without a word)."""
     out = dict(config)
+    out.pop("quantization_config", None)  # (an export's weights are plain, as the model held them)
     name = str(dtype).removeprefix("torch.")
     for key in ("torch_dtype", "dtype"):
         if key in out or (key == "dtype" and dtype != torch.float32):
