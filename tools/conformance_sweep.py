@@ -122,6 +122,11 @@ def cases() -> dict:
     s2s = dict(vocab_size=V, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, **nc)
     t5 = dict(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4, decoder_start_token_id=0, **nc)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    lin = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    mla_moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                   n_group=1, topk_group=1)
+    mla = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
     out = {
         # decoder-only
         "llama": ("LlamaConfig", "LlamaForCausalLM", dict(small, tie_word_embeddings=False)),
@@ -165,7 +170,48 @@ def cases() -> dict:
                                                              attention_probs_dropout_prob=0.0, **nc)),
         "xlnet": ("XLNetConfig", "XLNetLMHeadModel", dict(vocab_size=V, d_model=32, n_layer=4, n_head=4, d_inner=64,
                                                           dropout=0.0, use_mems_train=False)),
+        # recent decoders (2025-2026): hybrid linear attention, per-layer inputs, convolutions, MLA
+        "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(small, head_dim=8, global_head_dim=8, sliding_window=4,
+                                                                 vocab_size_per_layer_input=V,
+                                                                 hidden_size_per_layer_input=8)),
+        "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(small, head_dim=8, **lin, **moe,
+                                                                       shared_expert_intermediate_size=16)),
+        "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(small, head_dim=8, **lin)),
+        "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(small, sliding_window=4)),
+        "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(small, pad_token_id=0)),
+        "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(small, head_dim=8, pad_token_id=0)),
+        "ernie4.5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(small, head_dim=8)),
+        "seed-oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(small, head_dim=8)),
+        "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(small, sliding_window=4)),
+        "falcon-h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(small, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4,
+                                                                    mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
+                                                                    mamba_chunk_size=8)),
+        "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(small, layer_types=["conv", "full_attention"] * 2)),
+        "apertus": ("ApertusConfig", "ApertusForCausalLM", small),
+        "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(small, head_dim=8)),
+        "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(small, sliding_window=4)),
+        "bitnet": ("BitNetConfig", "BitNetForCausalLM", small),
+        "arcee": ("ArceeConfig", "ArceeForCausalLM", small),
+        "nemotron": ("NemotronConfig", "NemotronForCausalLM", small),
         # mixtures of experts
+        "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(small, head_dim=8, num_local_experts=4,
+                                                              num_experts_per_tok=2, sliding_window=4,
+                                                              layer_types=["sliding_attention", "full_attention"] * 2)),
+        "glm4-moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(small, head_dim=8, **mla_moe)),
+        "deepseek-v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(small, num_key_value_heads=4, **mla_moe,
+                                                                          **mla)),
+        "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(small, num_key_value_heads=4, **mla_moe,
+                                                                          **mla)),
+        "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(small, n_shared_experts=1, **mla_moe)),
+        "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+            small, num_hidden_layers=8, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+            intermediate_size_mlp=64, interleave_moe_layer_step=2)),
+        "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(small, num_local_experts=4,
+                                                                         num_experts_per_tok=2)),
+        "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+            small, head_dim=8, num_local_experts=4, num_experts_per_tok=2, block_size=4,
+            layer_types=["linear_attention", "full_attention"] * 2)),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(small, num_experts=4, num_experts_per_tok=2)),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(small, num_local_experts=4, num_experts_per_tok=2,
                                                                 output_router_logits=True)),
         "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(small, moe_intermediate_size=16, num_experts=4,
