@@ -15,6 +15,10 @@ the model's own base weights, and the magnitude PEFT computed from them, are not
 A method that computes the adapter and a residual of the base weights from them (PiSSA, OLoRA,
 CorDA, LoftQ) is refused where the base weights are read or initialised after the model was built
 (``get_peft_model`` itself stops at them on the meta device), naming the way round.
+
+Before the blocks are replaced by their stand-ins (:func:`prepare_peft_model`): prefix tuning is
+refused, and PEFT's LoRA on a parameter (``ParamWrapper``: an MoE's router and experts) is made to
+keep the engine's tensors as it found them (:func:`steady_param_wrappers`).
 """
 
 from __future__ import annotations
