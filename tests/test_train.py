@@ -498,6 +498,20 @@ def test_dora_trains_its_magnitude_from_the_pretrained_weights(tmp_path, model_d
         assert (v - torch.linalg.norm(weight, dim=1)).abs().max() <= 3.1e-3, k
 
 
+def tiny_beside_tokenizer(directory: Path, model_dir: Path, model_cls, config_cls, **config) -> Path:
+    """A tiny 2-layer MoE ``model_cls`` (4 experts, 2 a token) saved in ``directory`` with
+    ``model_dir``'s tokenizer, its special tokens in the config."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.save_pretrained(directory)
+    torch.manual_seed(0)
+    model_cls(config_cls(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         **config)).save_pretrained(directory)
+    return directory
+
+
 @pytest.mark.parametrize("experts", [False, True], ids=["linear", "and-experts"])
 def test_lora_on_an_moe_model_puts_the_adapter_on_its_linear_layers_and_the_parameters_named(tmp_path, model_dir,
                                                                                                data, caplog, experts):
@@ -508,15 +522,8 @@ def test_lora_on_an_moe_model_puts_the_adapter_on_its_linear_layers_and_the_para
     names the modules left out. ``lora.parameters`` (PEFT's ``target_parameters``) puts an adapter
     on the experts too. The export loads with PEFT."""
     peft = pytest.importorskip("peft")
-    moe = tmp_path / "tiny-mixtral"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.save_pretrained(moe)
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)).save_pretrained(moe)
+    moe = tiny_beside_tokenizer(tmp_path / "tiny-mixtral", model_dir, transformers.MixtralForCausalLM,
+                                transformers.MixtralConfig, intermediate_size=64)
     parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None
     with caplog.at_level("INFO", logger="tiered_offload"):
         summary = train(write_config(tmp_path, moe, data, train__max_steps=2, output__export_every=0, lora__r=4,
@@ -544,16 +551,9 @@ def test_gpt_oss_as_openai_ships_it_in_mxfp4_fine_tunes_with_lora_on_its_experts
     peft = pytest.importorskip("peft")
     pytest.importorskip("transformers.integrations.mxfp4")
     from test_conformance import as_mxfp4
-    oss = tmp_path / "tiny-gpt-oss"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.save_pretrained(oss)
-    torch.manual_seed(0)
-    transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)).save_pretrained(oss)
+    oss = tiny_beside_tokenizer(tmp_path / "tiny-gpt-oss", model_dir, transformers.GptOssForCausalLM,
+                                transformers.GptOssConfig, intermediate_size=32, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"])
     as_mxfp4(oss)
     parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     summary = train(write_config(tmp_path, oss, data, train__max_steps=2, output__export_every=0, lora__r=4,
