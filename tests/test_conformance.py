@@ -571,6 +571,50 @@ def as_mxfp4(path: Path) -> dict[str, torch.Tensor]:
     return packed
 
 
+def as_fp8(path: Path, block: int = 16) -> None:
+    """The checkpoint in ``path`` as fine-grained FP8 (DeepSeek-V3's, Qwen3-FP8's layout): each
+    linear layer's weight in ``float8_e4m3fn`` with an fp32 ``weight_scale_inv`` a block of
+    ``block`` x ``block``, the config's ``quantization_config`` ``fp8``."""
+    from safetensors.torch import load_file, save_file
+    out = {}
+    for k, v in load_file(path / "model.safetensors").items():
+        if k.endswith("proj.weight"):
+            r, c = v.shape
+            grid = v.reshape(r // block, block, c // block, block)
+            scale = grid.abs().amax(dim=(1, 3)) / 448
+            out[k] = (grid / scale[:, None, :, None]).reshape(r, c).to(torch.float8_e4m3fn)
+            out[k + "_scale_inv"] = scale
+        else:
+            out[k] = v
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block],
+                                     "activation_scheme": "dynamic"}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_init_from_dequantizes_an_fp8_checkpoint_as_from_pretrained_does(tmp_path):
+    """A fine-grained FP8 checkpoint (``quantization_config: fp8``: weights in ``float8_e4m3fn``,
+    a scale a block) was refused. ``init_from`` now reads it as ``from_pretrained(...,
+    quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32)`` does, with
+    transformers' own dequantization: bitwise."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from tiered_offload import Engine, empty_init
+    from test_finetune import _llama8
+    path = _saved_by_transformers(tmp_path, _llama8())
+    as_fp8(path)
+    expected = dict(transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
+        dtype=torch.float32).named_parameters())
+    with empty_init():
+        built = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    with Engine(built, torch.optim.AdamW, {}, storage=tmp_path / "s", host_memory=1 << 20, init_from=path) as engine:
+        got = dict(engine.named_parameters())
+    assert list(got) == list(expected)
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+
+
 def test_init_from_dequantizes_an_mxfp4_checkpoint_as_from_pretrained_does(tmp_path):
     """gpt-oss as OpenAI ships it: the experts in MXFP4 (``X_blocks``: two 4-bit values a byte,
     ``X_scales``: a power of two a group of 32), the config's ``quantization_config`` ``mxfp4``.

@@ -980,10 +980,10 @@ def test_a_model_directory_train_cannot_use_is_one_line_naming_it(tmp_path, mode
         elif case == "config.json not JSON":
             (d / "config.json").write_text('{"model_type": "llama", ')
             match = r"model\.path .*model: transformers .* cannot read its config.json .*; save the model again"
-        elif case == "quantized":  # (an FP8 checkpoint: its weights cannot be cast to fp32 without their scales)
+        elif case == "quantized":  # (an AWQ checkpoint: its packed weights are no fp32 tensors; FP8 and MXFP4 are read)
             config = json.loads((d / "config.json").read_text())
-            (d / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
-            match = (r"model\.path .*model is a quantized checkpoint \(quantization_config: fp8\), and train trains "
+            (d / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+            match = (r"model\.path .*model is a quantized checkpoint \(quantization_config: awq\), and train trains "
                      r"fp32 weights from bf16, fp16 or fp32 ones; start from the unquantized model")
         else:
             for f in d.glob("*token*"):

@@ -25,7 +25,7 @@ import torch
 
 from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError, StorageDirectoryError
 from tiered_offload.checkpoint.durable import fsync_directory
-from tiered_offload.checkpoint import mxfp4
+from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import (BIN_INDEX_NAME, BIN_SINGLE_NAME, copy_out, is_torch_archive,
                                                 read_torch_entries)
@@ -93,7 +93,7 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 def _quantization(directory: Path) -> str | None:
     """The ``quant_method`` of ``directory``'s ``config.json`` where it is one this reader
-    dequantizes as ``from_pretrained`` does (:mod:`~tiered_offload.checkpoint.mxfp4`); None where the
+    dequantizes as ``from_pretrained`` does (:mod:`~tiered_offload.checkpoint.quantized`); None where the
     weights are not quantized. Another (its weights quantized or dequantized with their scales and
     kernels as they load: not fp32 weights tensor by tensor) is refused, naming the method."""
     if not (directory / "config.json").is_file():  # (none; or a FIFO, whose read would wait for a writer)
@@ -107,7 +107,7 @@ def _quantization(directory: Path) -> str | None:
     if quant is None:
         return None
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-    if method in mxfp4.READABLE:
+    if method in quantized.READABLE:
         return method
     raise CheckpointError(f"{directory / 'config.json'} says its weights are quantized (quantization_config: "
                           f"{method}): from_pretrained would load them with their scales, not as fp32 tensors; "
@@ -128,9 +128,9 @@ class PretrainedReader:
     def __init__(self, path: str | os.PathLike):
         path = Path(path).expanduser()
         files, torch_format = None, False
-        quantized = None
+        method = None
         if path.is_dir():
-            quantized = _quantization(path)
+            method = _quantization(path)
             picked = pick_weights(path)
             if picked is None:
                 others = sorted(p for p in path.glob("*.safetensors.index.json") if p.name != INDEX_NAME)
@@ -176,8 +176,8 @@ class PretrainedReader:
         else:
             self.entries = _entries(headers[path], path, torch_format)
         self.source = path
-        if quantized == "mxfp4" and not torch_format:  # (each expert's packed pair read as the model's tensor)
-            self.entries = mxfp4.unpacked(self.entries, path)
+        if method is not None and not torch_format:  # (each quantized weight and its scales read as the weight)
+            self.entries = quantized.unpacked(self.entries, path, method)
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -260,8 +260,8 @@ class PretrainedReader:
 
     def _read_entry(self, name: str, entry: tuple, out: torch.Tensor) -> None:
         path, info, start = entry
-        if "mxfp4" in info:
-            mxfp4.read_into(self._read_entry, info, out)
+        if "mxfp4" in info or "fp8" in info:
+            quantized.read_into(self._read_entry, info, out)
             return
         if info["torch_dtype"] is None or (out.is_floating_point() and not info["torch_dtype"].is_floating_point):
             # (check_covers refuses it for a model; this, for any other caller)

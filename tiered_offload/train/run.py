@@ -29,7 +29,7 @@ import torch
 from offload_core.buffers import PAGE
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
-from tiered_offload.checkpoint import mxfp4
+from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights
 from tiered_offload.checkpoint.schema import check_index, parse_json
@@ -166,7 +166,7 @@ def _config_and_tokenizer(model_dir: Path):
                           f"({e}); save the model again") from None
     quant = raw.get("quantization_config")  # (from_pretrained gives a quantized model: its scales, its kernels)
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-    if quant is not None and method not in mxfp4.READABLE:  # (MXFP4 is dequantized as from_pretrained does)
+    if quant is not None and method not in quantized.READABLE:  # (MXFP4, FP8: dequantized as from_pretrained does)
         raise ConfigError(f"model.path {model_dir} is a quantized checkpoint (quantization_config: {method}), and "
                           f"train trains fp32 weights from bf16, fp16 or fp32 ones; start from the unquantized model "
                           f"(its repository without the quantization, as a -FP8 or -AWQ repository names its source)")
