@@ -613,6 +613,12 @@ def test_init_from_dequantizes_an_fp8_checkpoint_as_from_pretrained_does(tmp_pat
         got = dict(engine.named_parameters())
     assert list(got) == list(expected)
     assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    from safetensors.torch import load_file, save_file  # a scale grid with partial blocks: transformers refuses it too
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"] = torch.ones(3, 2)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight \[32, 32\] has a scale grid \[3, 2\] that does not"):
+        Engine(_llama8(), torch.optim.AdamW, {}, storage=tmp_path / "t", host_memory=1 << 20, init_from=path)
 
 
 def test_init_from_dequantizes_an_mxfp4_checkpoint_as_from_pretrained_does(tmp_path):

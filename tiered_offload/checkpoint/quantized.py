@@ -73,11 +73,14 @@ def _fp8(entries: dict, source) -> dict:
             continue
         scales = entries[f"{name}_scale_inv"]
         shape, sshape = list(entry[1]["shape"]), list(scales[1]["shape"])
-        if scales[1]["dtype"] not in _FP8_SCALES or len(shape) < 2 or len(sshape) not in (0, len(shape)) or any(
-                n % max(1, s) for n, s in zip(shape[-2:], sshape[-2:])):
+        if scales[1]["dtype"] not in _FP8_SCALES or len(shape) < 2 or len(sshape) not in (0, len(shape)):
             raise CheckpointError(f"{source}: {name} (F8_E4M3 {shape}) and {name}_scale_inv ({scales[1]['dtype']} "
                                   f"{sshape}) are not fine-grained FP8's layout (a scale a block of the weight); "
                                   f"download the checkpoint again")
+        if any(n % max(1, k) for n, k in zip(shape[-2:], sshape[-2:])):  # (transformers' dequantization refuses it)
+            raise CheckpointError(f"{source}: {name} {shape} has a scale grid {sshape} that does not divide it "
+                                  f"(partial blocks at its edges), which transformers' FP8 dequantization does not "
+                                  f"read either; start from the model's weights in bf16, fp16 or fp32")
         del out[f"{name}_scale_inv"]
         out[name] = (entry[0], {"dtype": "FP8", "torch_dtype": torch.float32, "shape": shape,
                                 "fp8": (name, entry, f"{name}_scale_inv", scales)}, None)
