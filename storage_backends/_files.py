@@ -5,12 +5,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 
-from offload_core.errors import DiskFullError, StorageDirectoryError
+from offload_core.errors import DiskFullError, StorageDirectoryError, StorageIOError
 from offload_core.sizes import format_size
 
-__all__ = ["prepare_directory", "fsync_path", "disk_full"]
+__all__ = ["prepare_directory", "fsync_path", "disk_full", "regular_size"]
 
 
 def prepare_directory(directory: Path, *, create: bool) -> None:
@@ -48,3 +49,15 @@ def disk_full(key: str, path: str, needed: int, what: str = "writing") -> DiskFu
     return DiskFullError(f"disk full {what} {format_size(needed)} of {key!r} to {path} (needed {needed} bytes, "
                          f"{free} free); free space or add a storage directory",
                          path=path, needed_bytes=needed, free_bytes=free)
+
+
+def regular_size(path: str | os.PathLike, key: str) -> int:
+    """The size of extent ``key``'s file ``path`` (``FileNotFoundError`` if none). Anything but a
+    regular file there (a FIFO, whose open would wait for a writer; a device) is a
+    :class:`StorageIOError` naming it: the store writes regular files only."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageIOError(errno.EINVAL, f"extent {key!r}: {path} is not a regular file (a FIFO, a device...), "
+                                           f"so it was not read: something other than the store put it there. Remove it "
+                                           f"and restore the directory from a copy")
+    return st.st_size

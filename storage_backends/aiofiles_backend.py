@@ -26,7 +26,7 @@ from offload_core.futures import IOFuture
 from offload_core.sizes import parse_size
 
 from . import _aio
-from ._files import disk_full, fsync_path, prepare_directory
+from ._files import disk_full, fsync_path, prepare_directory, regular_size
 from .base import StorageBackend, filename_to_key, key_to_filename
 
 __all__ = ["AiofilesBackend"]
@@ -134,7 +134,7 @@ class AiofilesBackend(StorageBackend):
 
     def _size(self, key) -> int:
         try:
-            return os.stat(self.describe(key)).st_size
+            return regular_size(self.describe(key), key)
         except FileNotFoundError:
             raise ExtentNotFoundError(f"extent {key!r} does not exist (no file {self.describe(key)})") from None
 

@@ -41,7 +41,7 @@ from offload_core.errors import (
 from offload_core.futures import IOFuture, gather
 from offload_core.sizes import parse_size
 
-from ._files import disk_full, fsync_path, prepare_directory
+from ._files import disk_full, fsync_path, prepare_directory, regular_size
 from .base import StorageBackend, filename_to_key, key_to_filename
 
 __all__ = ["PosixBackend", "probe_direct_io"]
@@ -366,7 +366,7 @@ class PosixBackend(StorageBackend):
         end, found = 0, False
         for d, path in enumerate(self._paths(key)):
             try:
-                local = os.stat(path).st_size
+                local = regular_size(path, key)
             except FileNotFoundError:
                 continue
             found = True

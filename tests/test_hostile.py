@@ -235,6 +235,58 @@ def test_a_checksum_of_the_wrong_type_is_refused_not_a_hang(tmp_path, crc):
     assert cli_main(["verify", str(tmp_path / "s")]) == 2
 
 
+def _plant(path: Path, kind: str, outside: Path) -> None:
+    """Put what is not a regular file where the engine keeps one of its own."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:  # a link to a file of the user's outside the directory
+        path.symlink_to(outside)
+
+
+def _unblock(path: Path) -> None:
+    """Open a planted FIFO's other end, so that a reader stuck opening it returns (after a hang)."""
+    if path.is_fifo():
+        os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("name,kind", [("manifest.json", "fifo"), ("journal.jsonl", "fifo"), ("journal.jsonl", "device"),
+                                       ("manifest.json", "link"), ("lock", "fifo"), ("lock", "link"),
+                                       ("extent", "fifo")])
+def test_a_fifo_a_device_or_a_link_in_place_of_a_state_file_is_refused_naming_it(tmp_path, capsys, name, kind):
+    """A FIFO where the engine keeps its manifest, journal, lock or a tensor's file made a resume,
+    ``verify`` and ``export`` wait forever for a writer; a link to ``/dev/zero`` as the journal read
+    without end; the lock a FIFO was an untyped ``OSError``; and the lock a link to a file of the
+    user's was truncated by every start and every ``verify`` (its first 4 KiB written back after).
+    Each is now refused at once, naming the file, and the file a link points to is not touched."""
+    engine = make_engine(tmp_path / "s")
+    train(engine, 2)
+    engine.close()
+    state = tmp_path / "s" / STATE_DIR
+    if name == "extent":
+        manifest = json.loads((state / "manifest.json").read_text().partition(" ")[2])
+        path = tmp_path / "s" / key_to_filename(manifest["tensors"]["block.1/weight"]["extent"])
+    else:
+        path = state / name
+    outside = tmp_path / "notes.txt"
+    outside.write_bytes(b"the user's own file\n" * 1000)
+    _plant(path, kind, outside)
+    try:
+        with pytest.raises(TieredOffloadError) as e:
+            within(30, lambda: make_engine(tmp_path / "s", resume=True))
+        assert path.name in str(e.value), e.value
+        for command in (["verify", str(tmp_path / "s")], ["export", str(tmp_path / "s"), str(tmp_path / "out")]):
+            assert within(30, lambda: cli_main(command)) != 0
+            out = capsys.readouterr()
+            assert path.name in out.out + out.err and "Traceback" not in out.err, (command, out)
+    finally:
+        _unblock(path)
+    assert outside.read_bytes() == b"the user's own file\n" * 1000
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_error_in_a_read_completion_reaches_the_waiter(tmp_path, monkeypatch):
     """Whatever goes wrong in the checksum check of a read (on an I/O thread) fails the read."""
     from tiered_offload.store import disk

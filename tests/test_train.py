@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -1287,6 +1288,67 @@ def test_the_tokenised_data_of_other_settings_is_not_kept(tmp_path, model_dir, c
     assert len(kept) == 1 and "removed the tokenised data of other settings" in caplog.text, caplog.text
     prepare(80, 8)
     assert len(list(cache.glob("data-*"))) == 1 and not kept[0].exists()
+
+
+@pytest.mark.parametrize("case", ["cache-fifo", "cache-cut", "exports", "metrics"])
+def test_what_is_not_a_regular_file_among_the_runs_own_files_is_no_hang(tmp_path, model_dir, data, case, caplog):
+    """The same command again read and wrote the run's own files as it found them: a FIFO in the
+    tokenised data's cache (its mark or an array) or as the final export's ``config.json`` made it
+    wait forever; a FIFO as ``metrics.jsonl`` too; one as the export's ``tokenizer.json`` was an
+    untyped ``SpecialFileError``; a link there had its target overwritten; a cut array was an
+    untyped ``ValueError``. The cache is tokenised again (it is made from the data), an export's
+    files are replaced whole, and ``metrics.jsonl`` is refused, naming it."""
+    from test_hostile import _unblock
+
+    class Hang(BaseException):  # (no OSError: the code under test may catch those)
+        pass
+
+    def within(seconds, fn):  # (on this thread: the command sets its signal handlers)
+        def ring(*_):
+            raise Hang(f"no answer after {seconds}s")
+        before = signal.signal(signal.SIGALRM, ring)
+        # (sent to this thread: a signal to the process may land on another, leaving a wait here unbroken)
+        timer = threading.Timer(seconds, signal.pthread_kill, (threading.get_ident(), signal.SIGALRM))
+        timer.start()
+        try:
+            return fn()
+        finally:
+            timer.cancel()
+            signal.signal(signal.SIGALRM, before)
+    config = write_config(tmp_path, model_dir, data, train__max_steps=2, output__export_every=0)
+    train(config, progress=False)
+    out = tmp_path / "out"
+    (cache,) = (out / ".cache").glob("data-*")
+    outside = tmp_path / "notes.txt"
+    outside.write_text("the user's own file")
+    planted = {"cache-fifo": [cache / "done", cache / "train_labels.npy"], "exports": [
+        out / "final" / "config.json", out / "final" / "tokenizer.json"], "metrics": [out / "metrics.jsonl"]}.get(case, [])
+    for path in planted:
+        path.unlink()
+        os.mkfifo(path)
+    if case == "cache-cut":
+        ids = cache / "train_ids.npy"
+        ids.write_bytes(ids.read_bytes()[:200])
+    if case == "exports":
+        (out / "final" / "tokenizer_config.json").unlink()
+        (out / "final" / "tokenizer_config.json").symlink_to(outside)
+    try:
+        with caplog.at_level("WARNING", logger="tiered_offload"):
+            if case == "metrics":
+                with pytest.raises(CheckpointError, match=r"metrics.jsonl is a FIFO.*Remove it"):
+                    within(60, lambda: train(config, ["train.max_steps=3"], progress=False))
+                return
+            summary = within(120, lambda: train(config, ["train.max_steps=3"], progress=False))
+    finally:
+        for path in planted:
+            _unblock(path)
+    assert summary["step"] == 3
+    if case.startswith("cache"):
+        assert "tokenised again" in caplog.text and str(cache) in caplog.text, caplog.text
+    final = out / "final"
+    assert all(f.is_file() and not f.is_symlink() for f in final.iterdir()), list(final.iterdir())
+    assert outside.read_text() == "the user's own file"
+    assert (final / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "json", "txt"])

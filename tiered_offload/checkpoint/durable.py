@@ -49,6 +49,7 @@ truncated to "repair" it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import logging
@@ -69,7 +70,7 @@ from offload_core.errors import (
     DiskFullError,
 )
 
-from .lock import DirectoryLock  # (re-exported: the lock is its own part)
+from .lock import DirectoryLock, read_own  # (re-exported: the lock is its own part)
 from .schema import check_manifest, check_record, parse_json
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,11 @@ class StateFiles:
 
     def _read_manifest(self, path: Path) -> dict | None:
         try:
-            data = path.read_bytes()
+            data = read_own(path, CorruptionError)
         except FileNotFoundError:
             return None
+        except CorruptionError:
+            raise
         except OSError as e:
             raise CorruptionError(f"{path} cannot be read ({e})") from e
         crc, _, payload = data.partition(b" ")
@@ -161,7 +164,9 @@ class StateFiles:
         """Replace ``path`` with ``data`` atomically and durably (temporary file, fsync, rename, fsync
         of the directory)."""
         tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # (a crash's leftover; or a link, a FIFO: never written through)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             _write_all(fd, data, tmp)
             os.fsync(fd)
@@ -172,7 +177,7 @@ class StateFiles:
 
     def keep_previous(self) -> None:
         """Copy the manifest to :attr:`previous_path` before a new commit replaces it."""
-        self._replace(self.previous_path, self.manifest_path.read_bytes())
+        self._replace(self.previous_path, read_own(self.manifest_path, CorruptionError))
 
     def restore_previous(self) -> None:
         """Go back to the commit before the manifest's: one atomic rename (the kept copy is gone)."""
@@ -200,9 +205,11 @@ class StateFiles:
         as a :class:`CorruptionError` naming the line, and nothing is "repaired" (a resume that
         dropped it would lose the committed records after it, and delete the files they name)."""
         try:
-            data = self.journal_path.read_bytes()
+            data = read_own(self.journal_path, CorruptionError)
         except FileNotFoundError:
             return [], 0
+        except CorruptionError:
+            raise
         except OSError as e:
             raise CorruptionError(f"{self.journal_path} cannot be read ({e})") from e
         *lines, tail = data.split(b"\n")  # a last piece without its newline is incomplete

@@ -1,22 +1,25 @@
 """The storage directory's lock: one process at a time trains in a directory (``flock``, held for the
-engine's life; the lock file names its holder, for the error a second process gets)."""
+engine's life; the lock file names its holder, for the error a second process gets); and how the
+engine opens the files it keeps there (:func:`open_own`: a regular file, never through a link)."""
 
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
-from offload_core.errors import StorageLockedError
+from offload_core.errors import StorageDirectoryError, StorageLockedError, TieredOffloadError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCK", "DirectoryLock", "read_holder"]
+__all__ = ["LOCK", "DirectoryLock", "read_holder", "open_own", "read_own"]
 
 LOCK = "lock"
 
@@ -36,7 +39,7 @@ class DirectoryLock:
 
     def acquire(self) -> "DirectoryLock":
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_own(self.path, os.O_RDWR | os.O_CREAT, StorageDirectoryError)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -93,3 +96,43 @@ def read_holder(fd: int) -> dict:
         return json.loads(text) if text else {}
     except (OSError, ValueError):
         return {}
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_own(path: Path, flags: int, error: type[TieredOffloadError],
+             advice: str = "Remove it; where it was the manifest or the journal, restore the directory from a copy") -> int:
+    """Open ``path``, a file the engine writes itself (its lock, manifest, journal), as a regular file
+    and never through a symbolic link; anything else there is ``error`` naming it, without waiting
+    (a FIFO would wait for a writer, a device read without end) and without touching what a link
+    points to; the message ends with ``advice``. Other ``OSError``s (none there, read-only media) are
+    raised as they are."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        kind = "a symbolic link"
+    else:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+    raise error(f"{path} is {kind}, not the regular file the engine writes there: something else put it "
+                f"there, so it was neither read nor written. {advice}")
+
+
+def read_own(path: Path, error: type[TieredOffloadError], *advice: str) -> bytes:
+    """The bytes of the engine's own file ``path`` (:func:`open_own`); ``FileNotFoundError`` if none."""
+    fd = open_own(path, os.O_RDONLY, error, *advice)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -10,6 +10,7 @@ plus ``model.safetensors.index.json``) is read and written.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -405,7 +406,7 @@ class SafetensorsWriter:
                 raw += b" " * (-len(raw) % 8)
                 path = self.out / self.file_name(k)
                 tmp = path.with_name(f".{path.name}.partial")
-                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                with open(create_fresh(tmp), "wb") as f:
                     written.append(tmp)
                     try:
                         f.write(struct.pack("<Q", len(raw)))
@@ -450,9 +451,7 @@ class SafetensorsWriter:
             finals.append(final)
         if len(self.shards) > 1:
             meta = {"total_size": total, **{k: v for k, v in self.metadata.items() if k != "format"}}
-            tmp = index.with_name(f".{INDEX_NAME}.partial")
-            write_private(tmp, json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2), sync=True)
-            os.replace(tmp, index)
+            write_private(index, json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2), sync=True)
             finals.append(index)
         fsync_directory(self.out)
         names = {f.name for f in finals}
@@ -521,13 +520,29 @@ def byte_tensor(b) -> torch.Tensor:
     return torch.frombuffer(b if isinstance(b, memoryview) and not b.readonly else bytearray(b), dtype=torch.uint8)
 
 
-def write_private(path: Path, text: str, *, sync: bool = False) -> None:
-    """Write a text file readable by its owner only (like everything else tiered-offload creates)."""
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(text)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
+def write_private(path: Path, data: str | bytes, *, sync: bool = False) -> None:
+    """Write a file readable by its owner only (like everything else tiered-offload creates), whole:
+    a temporary file beside it swapped in, which replaces whatever is at ``path`` (a FIFO there made
+    the write wait for a reader forever; a link's target was overwritten) and never a half-written one."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(create_fresh(tmp), "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def create_fresh(path: Path) -> int:
+    """A new file at ``path`` (owner-only, open to write), whatever was there removed first: a write
+    never goes through a link someone left there, nor waits on a FIFO."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

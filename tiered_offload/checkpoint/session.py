@@ -102,10 +102,30 @@ class CheckpointSession:
                     f"{self.store.backend.location}: the committed state needs {len(missing)} file(s) that are not there "
                     f"({first}), as {where} it. A record may be damaged or a file was removed; nothing was deleted. "
                     f"Restore the directory from a copy")
+            self._check_sizes(refs, sizes)
         for extent in present:
             key, generation = parse_extent(extent)
             if key in mine and generation is not None and extent not in keep:
                 self.store.backend.delete(extent)
+
+    def _check_sizes(self, refs: dict, sizes: dict) -> None:
+        """Every file the committed state needs is a regular file (a FIFO there made the first read
+        wait for a writer forever) holding at least its tensor's bytes: else nothing is read or
+        deleted, and a :class:`CorruptionError` names the file."""
+        backend = self.store.backend
+        for key, ref in refs.items():
+            if not ref:
+                continue
+            try:
+                held = backend.size(ref[0])
+            except OSError as e:
+                raise CorruptionError(f"{backend.location}: tensor {key!r} of the committed state cannot be read: {e}; "
+                                      f"nothing was deleted") from None
+            need = sizes.get(key, {}).get("nbytes", 0)  # (a gradient's size is its unit's: checked when read)
+            if held < need:
+                raise CorruptionError(f"{backend.describe(ref[0])} holds {held} bytes of tensor {key!r}, {need} expected "
+                                      f"by the committed state; nothing was deleted. Run `tiered-offload verify` on "
+                                      f"{backend.location}, and restore the directory from a copy")
 
     # ---- the commit protocol ------------------------------------------------------------------
     def start(self, units: dict[str, list[str]], grads: dict[str, str], meta: Callable[[], dict],

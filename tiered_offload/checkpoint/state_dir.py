@@ -31,6 +31,7 @@ from offload_core.errors import (
     ExtentNotFoundError,
     InvalidKeyError,
     ShortReadError,
+    StorageDirectoryError,
     StorageLockedError,
 )
 from storage_backends.base import key_to_filename, validate_key
@@ -43,7 +44,7 @@ from tiered_offload.checkpoint.durable import (
     read_committed,
 )
 from tiered_offload.checkpoint.buffer_file import load as load_buffers
-from tiered_offload.checkpoint.lock import LOCK, read_holder
+from tiered_offload.checkpoint.lock import LOCK, open_own, read_holder
 from tiered_offload.checkpoint.safetensors_io import (SafetensorsWriter, byte_tensor, cast_bytes, export_dtype,
                                                       exported_config, iter_chunks, write_private)
 from tiered_offload.progress import counter
@@ -121,7 +122,9 @@ class StateDirectory:
         opened (read-only media, where no engine writes either) is not taken."""
         path = self.path / STATE_DIR / LOCK
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_own(path, os.O_RDWR | os.O_CREAT, StorageDirectoryError)
+        except StorageDirectoryError:
+            raise
         except OSError:
             yield
             return
@@ -488,7 +491,9 @@ def _live_holder(lock: Path) -> dict | None:
     """The record of the process that holds ``lock`` now; None if none does (a killed engine's
     record stays in the file, but the kernel dropped its lock)."""
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = open_own(lock, os.O_RDONLY, StorageDirectoryError)
+    except StorageDirectoryError:
+        raise
     except OSError:
         return None
     try:

@@ -567,8 +567,8 @@ def _fingerprint(*parts) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positions: int | None
-                 ) -> tuple[Dataset, Dataset | None]:
+def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positions: int | None, *,
+                 again: bool = False) -> tuple[Dataset, Dataset | None]:
     """The training (and evaluation) sequences of ``data`` (a :class:`DataSection`), tokenised with
     ``tokenizer`` once and cached under ``cache_root`` (keyed by the files, the tokenizer and the
     settings: a change re-tokenises)."""
@@ -590,7 +590,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
                        files[1] if data.eval_path else None, *tokenizer_files,
                        *([f"chat_turns={data.chat_turns}"] if data.chat_turns != "all" else []))
     cache = cache_root / f"data-{key}"
-    if not (cache / "done").exists():
+    if not _finished(cache):
         cache.mkdir(parents=True, exist_ok=True)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         spools = []
@@ -642,7 +642,37 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
         return Dataset(np.load(cache / f"{name}_ids.npy", mmap_mode="r"), np.load(cache / f"{name}_labels.npy", mmap_mode="r"),
                        np.load(attention, mmap_mode="r") if attention.exists() else None, content,
                        np.load(positions, mmap_mode="r") if positions.exists() else None)
-    return load("train"), load("eval")
+    try:
+        return load("train"), load("eval")
+    except (OSError, ValueError, EOFError) as e:  # (an array cut short or damaged: numpy's own errors)
+        if again:
+            raise
+        _discard(cache, f"an array cannot be read ({e})")
+        return prepare_data(data, tokenizer, tokenizer_dir, cache_root, max_positions, again=True)
+
+
+def _finished(cache: Path) -> bool:
+    """Whether ``cache`` holds tokenised data made to the end: its mark ``done`` and every file in it
+    regular files. A cache cut short is made again from the start; one holding anything else (a
+    FIFO there made the run wait forever) is removed, saying so, and made again: it is made from
+    the data, which is not touched."""
+    if not os.path.lexists(cache):
+        return False
+    if cache.is_dir() and not cache.is_symlink() and all(f.is_file() and not f.is_symlink() for f in cache.iterdir()):
+        if (cache / "done").is_file():
+            return True
+        shutil.rmtree(cache)  # (a run stopped while it tokenised)
+        return False
+    _discard(cache, "it holds what the run does not write there (a FIFO, a link...)")
+    return False
+
+
+def _discard(cache: Path, why: str) -> None:
+    log.warning("tiered-offload: the data is tokenised again into %s: %s", cache, why)
+    if cache.is_dir() and not cache.is_symlink():
+        shutil.rmtree(cache)
+    else:
+        cache.unlink()
 
 
 def _content(cache: Path) -> str:

@@ -31,7 +31,8 @@ from offload_core.errors import CheckpointError, ConfigError, DiskFullError, Ste
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
-from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights
+from tiered_offload.checkpoint.lock import read_own
+from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights, write_private
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
@@ -286,7 +287,7 @@ def _export(engine, model_dir: Path, out: Path, cfg, ranks: Ranks) -> None:
                               dtype=cfg.output.dtype)
     for name in TOKENIZER_FILES:
         if ranks.first and (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, out / name)
+            write_private(out / name, (model_dir / name).read_bytes())
 
 
 def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run: bool = False,
@@ -455,9 +456,10 @@ def _metrics_from(path: Path, start: int):
     crash's after its last commit, trained again now; an earlier run's, when this one starts over)
     and a line a kill cut short are dropped first (the file rewritten and swapped in whole), so the
     file is the run's history, a record a step."""
-    if path.exists():
+    if os.path.lexists(path):
         kept, dropped = [], 0
-        for line in path.read_text(errors="replace").splitlines():
+        text = read_own(path, CheckpointError, "Remove it, or name another output.dir").decode(errors="replace")
+        for line in text.splitlines():
             try:
                 record = json.loads(line)
                 keep = record["step"] <= start
