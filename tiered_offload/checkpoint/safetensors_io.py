@@ -165,8 +165,8 @@ class PretrainedReader:
         shards = sorted(set(files.values())) if files else [path]
         for shard in shards:
             if not shard.is_file():
-                raise CheckpointError(f"{shard} does not exist, and the index names it for "
-                                      f"{next(n for n, s in files.items() if s == shard)!r}")
+                raise CheckpointError(f"{shard} {'is not a regular file' if shard.exists() else 'does not exist'}, and "
+                                      f"the index names it for {next(n for n, s in files.items() if s == shard)!r}")
         headers = {shard: read_torch_entries(shard) if torch_format else read_header(shard) for shard in shards}
         if files:
             for name, shard in files.items():
