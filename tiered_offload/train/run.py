@@ -472,9 +472,7 @@ def _metrics_from(path: Path, start: int):
         if dropped:
             log.warning("tiered-offload: %s: dropped %d record(s) after step %d (steps trained again from the last "
                         "commit, or an earlier run's)", path, dropped, start)
-            temporary = path.with_name(path.name + ".tmp")
-            temporary.write_text("".join(line + "\n" for line in kept))
-            os.replace(temporary, path)
+            write_private(path, "".join(line + "\n" for line in kept))
     return open(path, "a")
 
 
