@@ -57,7 +57,7 @@ def regular_size(path: str | os.PathLike, key: str) -> int:
     :class:`StorageIOError` naming it: the store writes regular files only."""
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise StorageIOError(errno.EINVAL, f"extent {key!r}: {path} is not a regular file (a FIFO, a device...), "
-                                           f"so it was not read: something other than the store put it there. Remove it "
-                                           f"and restore the directory from a copy")
+        raise StorageIOError(errno.EINVAL, f"extent {key!r}: {path} is not a regular file (a FIFO, a device...), so "
+                                           f"it was not read: something other than the store put it there. Remove "
+                                           f"it and restore the directory from a copy")
     return st.st_size

@@ -252,9 +252,9 @@ def _unblock(path: Path) -> None:
         os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
 
 
-@pytest.mark.parametrize("name,kind", [("manifest.json", "fifo"), ("journal.jsonl", "fifo"), ("journal.jsonl", "device"),
-                                       ("manifest.json", "link"), ("lock", "fifo"), ("lock", "link"),
-                                       ("extent", "fifo")])
+@pytest.mark.parametrize("name,kind", [("manifest.json", "fifo"), ("journal.jsonl", "fifo"),
+                                       ("journal.jsonl", "device"), ("manifest.json", "link"), ("lock", "fifo"),
+                                       ("lock", "link"), ("extent", "fifo")])
 def test_a_fifo_a_device_or_a_link_in_place_of_a_state_file_is_refused_naming_it(tmp_path, capsys, name, kind):
     """A FIFO where the engine keeps its manifest, journal, lock or a tensor's file made a resume,
     ``verify`` and ``export`` wait forever for a writer; a link to ``/dev/zero`` as the journal read

@@ -1321,8 +1321,9 @@ def test_what_is_not_a_regular_file_among_the_runs_own_files_is_no_hang(tmp_path
     (cache,) = (out / ".cache").glob("data-*")
     outside = tmp_path / "notes.txt"
     outside.write_text("the user's own file")
-    planted = {"cache-fifo": [cache / "done", cache / "train_labels.npy"], "exports": [
-        out / "final" / "config.json", out / "final" / "tokenizer.json"], "metrics": [out / "metrics.jsonl"]}.get(case, [])
+    planted = {"cache-fifo": [cache / "done", cache / "train_labels.npy"],
+               "exports": [out / "final" / "config.json", out / "final" / "tokenizer.json"],
+               "metrics": [out / "metrics.jsonl"]}.get(case, [])
     for path in planted:
         path.unlink()
         os.mkfifo(path)

@@ -102,8 +102,10 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, 
           (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
 
 
-def open_own(path: Path, flags: int, error: type[TieredOffloadError],
-             advice: str = "Remove it; where it was the manifest or the journal, restore the directory from a copy") -> int:
+_RESTORE = "Remove it; where it was the manifest or the journal, restore the directory from a copy"
+
+
+def open_own(path: Path, flags: int, error: type[TieredOffloadError], advice: str = _RESTORE) -> int:
     """Open ``path``, a file the engine writes itself (its lock, manifest, journal), as a regular file
     and never through a symbolic link; anything else there is ``error`` naming it, without waiting
     (a FIFO would wait for a writer, a device read without end) and without touching what a link

@@ -119,13 +119,13 @@ class CheckpointSession:
             try:
                 held = backend.size(ref[0])
             except OSError as e:
-                raise CorruptionError(f"{backend.location}: tensor {key!r} of the committed state cannot be read: {e}; "
-                                      f"nothing was deleted") from None
+                raise CorruptionError(f"{backend.location}: tensor {key!r} of the committed state cannot be "
+                                      f"read: {e}; nothing was deleted") from None
             need = sizes.get(key, {}).get("nbytes", 0)  # (a gradient's size is its unit's: checked when read)
             if held < need:
-                raise CorruptionError(f"{backend.describe(ref[0])} holds {held} bytes of tensor {key!r}, {need} expected "
-                                      f"by the committed state; nothing was deleted. Run `tiered-offload verify` on "
-                                      f"{backend.location}, and restore the directory from a copy")
+                raise CorruptionError(f"{backend.describe(ref[0])} holds {held} bytes of tensor {key!r}, {need} "
+                                      f"expected by the committed state; nothing was deleted. Run `tiered-offload "
+                                      f"verify` on {backend.location}, and restore the directory from a copy")
 
     # ---- the commit protocol ------------------------------------------------------------------
     def start(self, units: dict[str, list[str]], grads: dict[str, str], meta: Callable[[], dict],
