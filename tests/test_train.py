@@ -1352,6 +1352,35 @@ def test_what_is_not_a_regular_file_among_the_runs_own_files_is_no_hang(tmp_path
     assert (final / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
 
 
+def test_a_second_command_leaves_the_data_another_is_tokenising_alone(tmp_path, model_dir, data):
+    """Two ``train`` commands on one output.dir (the same command started twice; two machines of a
+    torchrun job sharing it): the second one found the first's cache unfinished and tokenised into
+    it too (before: truncating its files; since a cache cut short is made again: removing it). The
+    second now waits while another process prepares data there, then uses what it made."""
+    import fcntl
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={data}", f"offload.storage={tmp_path / 's'}",
+                             "train.max_steps=1"])
+    cache = tmp_path / "cache"
+    first, _ = prepare_data(cfg.data, tokenizer, model_dir, cache, None)
+    (made,) = cache.glob("data-*")
+    (made / "done").unlink()  # the first command, in the middle of its tokenising
+    before = {f.name: f.stat().st_mtime_ns for f in made.iterdir()}
+    fd = os.open(cache / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    box = []
+    second = threading.Thread(target=lambda: box.append(prepare_data(cfg.data, tokenizer, model_dir, cache, None)),
+                              daemon=True)
+    second.start()
+    second.join(3)
+    try:
+        assert second.is_alive() and {f.name: f.stat().st_mtime_ns for f in made.iterdir()} == before
+    finally:
+        os.close(fd)  # (the first command is done)
+    second.join(60)
+    assert not second.is_alive() and np.array_equal(box[0][0].ids, first.ids)
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "json", "txt"])
 def test_a_byte_order_mark_at_the_start_of_a_file_is_not_data(tmp_path, model_dir, kind):
     """Files saved by Windows tools often start with a UTF-8 byte order mark. A JSON-lines file's

@@ -14,6 +14,7 @@ into sequences of ``max_seq_len`` (``documents``: placed whole, each attending t
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from offload_core.errors import ConfigError
+from tiered_offload.checkpoint.lock import open_own
 from tiered_offload.progress import track
 from tiered_offload.train.packing import DOCUMENTS, write_documents
 
@@ -567,11 +569,30 @@ def _fingerprint(*parts) -> str:
     return h.hexdigest()[:16]
 
 
-def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positions: int | None, *,
-                 again: bool = False) -> tuple[Dataset, Dataset | None]:
+def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positions: int | None
+                 ) -> tuple[Dataset, Dataset | None]:
     """The training (and evaluation) sequences of ``data`` (a :class:`DataSection`), tokenised with
     ``tokenizer`` once and cached under ``cache_root`` (keyed by the files, the tokenizer and the
-    settings: a change re-tokenises)."""
+    settings: a change re-tokenises). One process at a time prepares data under ``cache_root``
+    (``cache_root/lock``): another one (the same command started twice, the machines of a torchrun
+    job sharing an output.dir) waits for it, then uses what it made."""
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        fd = open_own(cache_root / "lock", os.O_RDWR | os.O_CREAT, ConfigError, "Remove it")
+    except ConfigError:
+        raise
+    except OSError as e:
+        raise ConfigError(f"output.dir: cannot create {cache_root / 'lock'} ({e.strerror or e}); name a directory you "
+                          f"can write") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (released when the file closes)
+        return _prepare(data, tokenizer, tokenizer_dir, cache_root, max_positions)
+    finally:
+        os.close(fd)
+
+
+def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positions: int | None, *,
+             again: bool = False) -> tuple[Dataset, Dataset | None]:
     path = data.path if str(data.path).startswith(HUB_DATASETS) else Path(data.path).expanduser()  # (as named)
     sources = [data_files(data.path, data.format)]
     if data.eval_path:
@@ -648,7 +669,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
         if again:
             raise
         _discard(cache, f"an array cannot be read ({e})")
-        return prepare_data(data, tokenizer, tokenizer_dir, cache_root, max_positions, again=True)
+        return _prepare(data, tokenizer, tokenizer_dir, cache_root, max_positions, again=True)
 
 
 def _finished(cache: Path) -> bool:
