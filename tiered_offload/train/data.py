@@ -579,9 +579,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     try:
         cache_root.mkdir(parents=True, exist_ok=True)
         fd = open_own(cache_root / "lock", os.O_RDWR | os.O_CREAT, ConfigError, "Remove it")
-    except ConfigError:
-        raise
-    except OSError as e:
+    except OSError as e:  # (open_own's own refusal is a ConfigError, no OSError)
         raise ConfigError(f"output.dir: cannot create {cache_root / 'lock'} ({e.strerror or e}); name a directory you "
                           f"can write") from None
     try:
@@ -689,6 +687,7 @@ def _finished(cache: Path) -> bool:
 
 
 def _discard(cache: Path, why: str) -> None:
+    """Remove ``cache`` (a directory, or what stands in its place), saying ``why`` it is made again."""
     log.warning("tiered-offload: the data is tokenised again into %s: %s", cache, why)
     if cache.is_dir() and not cache.is_symlink():
         shutil.rmtree(cache)
