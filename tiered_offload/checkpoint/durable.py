@@ -49,7 +49,6 @@ truncated to "repair" it.
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import json
 import logging
@@ -70,7 +69,7 @@ from offload_core.errors import (
     DiskFullError,
 )
 
-from .lock import DirectoryLock, read_own  # (re-exported: the lock is its own part)
+from .lock import DirectoryLock, create_fresh, read_own  # (re-exported: the lock is its own part)
 from .schema import check_manifest, check_record, parse_json
 
 log = logging.getLogger(__name__)
@@ -164,9 +163,7 @@ class StateFiles:
         """Replace ``path`` with ``data`` atomically and durably (temporary file, fsync, rename, fsync
         of the directory)."""
         tmp = path.with_suffix(".tmp")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # (a crash's leftover; or a link, a FIFO: never written through)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_fresh(tmp)
         try:
             _write_all(fd, data, tmp)
             os.fsync(fd)

@@ -4,6 +4,7 @@ engine opens the files it keeps there (:func:`open_own`: a regular file, never t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -19,7 +20,7 @@ from offload_core.errors import StorageDirectoryError, StorageLockedError, Tiere
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCK", "DirectoryLock", "read_holder", "open_own", "read_own"]
+__all__ = ["LOCK", "DirectoryLock", "read_holder", "open_own", "read_own", "create_fresh"]
 
 LOCK = "lock"
 
@@ -126,6 +127,15 @@ def open_own(path: Path, flags: int, error: type[TieredOffloadError], advice: st
         kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
     raise error(f"{path} is {kind}, not the regular file the engine writes there: something else put it "
                 f"there, so it was neither read nor written. {advice}")
+
+
+def create_fresh(path: Path) -> int:
+    """A new file at ``path`` (owner-only, open to write), whatever was there removed first (a
+    crash's leftover temporary; a link or a FIFO someone left): a write never goes through a link
+    nor waits on a FIFO."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 
 
 def read_own(path: Path, error: type[TieredOffloadError], *advice: str) -> bytes:

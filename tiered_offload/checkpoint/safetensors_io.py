@@ -10,7 +10,6 @@ plus ``model.safetensors.index.json``) is read and written.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -26,6 +25,7 @@ import torch
 
 from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError, StorageDirectoryError
 from tiered_offload.checkpoint.durable import fsync_directory
+from tiered_offload.checkpoint.lock import create_fresh
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import (BIN_INDEX_NAME, BIN_SINGLE_NAME, copy_out, is_torch_archive,
@@ -536,13 +536,6 @@ def write_private(path: Path, data: str | bytes, *, sync: bool = False) -> None:
         tmp.unlink(missing_ok=True)
         raise
 
-
-def create_fresh(path: Path) -> int:
-    """A new file at ``path`` (owner-only, open to write), whatever was there removed first: a write
-    never goes through a link someone left there, nor waits on a FIFO."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
