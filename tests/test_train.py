@@ -1109,6 +1109,54 @@ def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, mode
         train(write_config(tmp_path, model_dir, path), progress=False)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_data_path_that_is_no_file_is_named_for_what_it_is(tmp_path, model_dir, kind):
+    """A FIFO (``data.path=<(zcat train.jsonl.gz)``, a named pipe) or a device as ``data.path``
+    stopped the run with "does not exist", though it does. The data is read more than once (a
+    ``.json`` file's first bytes, then its examples; Parquet seeks), which a pipe cannot give: the
+    error says what the path is and to save the data to a file. Nothing is read from it."""
+    if kind == "fifo":
+        path = tmp_path / "train.jsonl"
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/null")
+    for key in ("data.path", "data.eval_path"):
+        settings = [f"data.path={path}"] if key == "data.path" else [f"data.eval_path={path}"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(8, seed=1)))
+        cfg = load_config(None, [f"model.path={model_dir}", f"data.path={data}", f"offload.storage={tmp_path / 's'}",
+                                 "train.max_steps=1", *settings])
+        what = "a FIFO" if kind == "fifo" else "a device"
+        with pytest.raises(ConfigError, match=rf"{key} {re.escape(str(path))} is {what}, not a file.*save"):
+            prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+
+
+def test_a_cached_array_changed_on_disk_is_tokenised_again_not_trained_on(tmp_path, model_dir, data, caplog):
+    """The tokenised data's cache kept its arrays' hash in its mark ``done`` but never checked it:
+    a byte changed in an array (a bad disk, a copy gone wrong, a tool run on the wrong directory)
+    trained on other tokens, silently, and a resume saw the same data as before. Each start now
+    checks the arrays against the hash; ones that differ are tokenised again from the data, saying
+    so, and train on the tokens they were made with."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={data}", f"offload.storage={tmp_path / 's'}",
+                             "train.max_steps=1"])
+    cache = tmp_path / "cache"
+    first, _ = prepare_data(cfg.data, tokenizer, model_dir, cache, None)
+    ids, labels = np.array(first.ids), np.array(first.labels)  # (copies: the arrays map the files changed below)
+    (made,) = cache.glob("data-*")
+    for name in ("train_ids.npy", "train_labels.npy"):
+        raw = bytearray((made / name).read_bytes())
+        raw[-3] ^= 0x01  # (a token of the last sequence: the array still loads)
+        (made / name).write_bytes(bytes(raw))
+        with caplog.at_level("WARNING", logger="tiered_offload"):
+            caplog.clear()
+            again, _ = prepare_data(cfg.data, tokenizer, model_dir, cache, None)
+        assert "tokenised again" in caplog.text and "hash" in caplog.text, caplog.text
+        assert again.content == first.content
+        assert np.array_equal(again.ids, ids) and np.array_equal(again.labels, labels)
+
+
 def _prepared(tmp_path, model_dir, path, *settings):
     """The training and evaluation datasets ``prepare_data`` makes of ``path`` (each call its own cache)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)

@@ -103,6 +103,11 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, 
           (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
 
 
+def kind_of(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` that is no regular one is, in words ("a FIFO")."""
+    return next((k for test, k in _KINDS if test(mode)), "not a regular file")
+
+
 _RESTORE = "Remove it; where it was the manifest or the journal, restore the directory from a copy"
 
 
@@ -124,7 +129,7 @@ def open_own(path: Path, flags: int, error: type[TieredOffloadError], advice: st
             os.set_blocking(fd, True)
             return fd
         os.close(fd)
-        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+        kind = kind_of(mode)
     raise error(f"{path} is {kind}, not the regular file the engine writes there: something else put it "
                 f"there, so it was neither read nor written. {advice}")
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from offload_core.errors import ConfigError
-from tiered_offload.checkpoint.lock import open_own
+from tiered_offload.checkpoint.lock import kind_of, open_own
 from tiered_offload.progress import track
 from tiered_offload.train.packing import DOCUMENTS, write_documents
 
@@ -162,6 +162,10 @@ def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
         if not files:
             raise ConfigError(f"{key} {spec if hub else path} matches no file")
         return files
+    if path.exists():  # (through a link: neither a file nor a directory)
+        raise ConfigError(f"{key} {path} is {kind_of(path.stat().st_mode)}, not a file: the data is read more than "
+                          f"once (a file's first bytes, then its examples), which a pipe cannot give; save the data "
+                          f"to a file and name that")
     raise ConfigError(f"{key} {spec if hub else path} does not exist")
 
 
@@ -575,7 +579,9 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
     ``tokenizer`` once and cached under ``cache_root`` (keyed by the files, the tokenizer and the
     settings: a change re-tokenises). One process at a time prepares data under ``cache_root``
     (``cache_root/lock``): another one (the same command started twice, the machines of a torchrun
-    job sharing an output.dir) waits for it, then uses what it made."""
+    job sharing an output.dir) waits for it, then uses what it made. A cache found there is checked
+    against the hash its mark keeps (a read of it, ~9 bytes a token, at each start); one that differs
+    is tokenised again."""
     try:
         cache_root.mkdir(parents=True, exist_ok=True)
         fd = open_own(cache_root / "lock", os.O_RDWR | os.O_CREAT, ConfigError, "Remove it")
@@ -609,7 +615,8 @@ def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positio
                        files[1] if data.eval_path else None, *tokenizer_files,
                        *([f"chat_turns={data.chat_turns}"] if data.chat_turns != "all" else []))
     cache = cache_root / f"data-{key}"
-    if not _finished(cache):
+    fresh = not _finished(cache)
+    if fresh:
         cache.mkdir(parents=True, exist_ok=True)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         spools = []
@@ -648,11 +655,18 @@ def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positio
         _write_done(cache, {"data": str(path), "examples": examples, "content": _content(cache)})
     _remove_others(cache)
     try:
-        done = json.loads((cache / "done").read_text())
-        content = done["content"]
+        content = json.loads((cache / "done").read_text())["content"]
     except (OSError, ValueError, KeyError, TypeError):  # (a cache from before the hash was kept)
-        content = _content(cache)
-        _write_done(cache, {"data": str(path), "content": content})
+        content = None
+    if not fresh:  # (checked at each start: a byte changed on disk would train on other tokens, silently)
+        now = _content(cache)
+        if content is None:
+            _write_done(cache, {"data": str(path), "content": now})
+        elif now != content:
+            _discard(cache, f"its arrays' hash is {now}, and they were made with {content} (kept in its mark done): "
+                            f"a file there changed on disk")
+            return _prepare(data, tokenizer, tokenizer_dir, cache_root, max_positions, again=True)
+        content = now
 
     def load(name: str) -> Dataset | None:
         if not (cache / f"{name}_ids.npy").exists():
