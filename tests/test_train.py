@@ -198,10 +198,19 @@ def test_the_example_configuration_reads_as_it_says():
     ("train.betas=[0.9]", r"train\.betas must be two numbers in \[0, 1\) \(\[beta1, beta2\]\), got \[0\.9\]"),
     ("train.betas=[0.9,1.0]", r"train\.betas must be two numbers in \[0, 1\)"),
     ("train.betas=0.9", r"train\.betas must be two numbers"),
-    ("train.eps=0", r"train\.eps must be > 0, got 0\.0"),
+    ("train.eps=0", r"train\.eps must be a finite number > 0, got 0\.0"),
     ("train.eps=tiny", r"train\.eps must be a number, got 'tiny'"),
     ("train.min_lr=0.1", r"train\.min_lr must be in \[0, train\.lr 2e-05\], got 0\.1"),
-    ("train.min_lr=-1", r"train\.min_lr must be in \[0, train\.lr")])
+    ("train.min_lr=-1", r"train\.min_lr must be in \[0, train\.lr"),
+    # Before: an untyped ValueError from torch's AdamW at the engine's construction, an OverflowError, or an error
+    # of the engine's own saying that the param_groups or the user state cannot be saved as JSON.
+    ("train.weight_decay=-1", r"train\.weight_decay must be a finite number >= 0, got -1\.0"),
+    ("train.weight_decay=nan", r"train\.weight_decay must be a finite number >= 0, got nan"),
+    ("train.lr=inf", r"train\.lr must be a finite number > 0, got inf"),
+    ("train.eps=inf", r"train\.eps must be a finite number > 0, got inf"),
+    ("train.clip=inf", r"train\.clip must be a finite number > 0 or null \(no clipping\), got inf"),
+    ("train.epochs=inf", r"train\.epochs must be a finite number > 0"),
+    ("lora.alpha=inf", r"lora\.alpha must be a finite number > 0, got inf")])
 def test_a_bad_optimizer_setting_is_refused_naming_it(tmp_path, setting, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["model.path=m", "data.path=d", f"offload.storage={tmp_path}", "train.max_steps=1", setting])
@@ -716,7 +725,7 @@ def test_a_changed_lora_layout_on_resume_is_refused_naming_the_setting(tmp_path,
 @pytest.mark.parametrize("setting, match", [
     ({"lora__targets": ["nope"]}, r"lora\.targets \['nope'\] matches no module of the model.*q_proj"),
     ({"lora__modules_to_save": ["nope"]}, r"lora\.modules_to_save 'nope' matches no module of the model"),
-    ({"lora__alpha": "x"}, r"lora\.alpha must be a number > 0, got 'x'"),
+    ({"lora__alpha": "x"}, r"lora\.alpha must be a finite number > 0, got 'x'"),
     ({"lora__targets": 5}, r"lora\.targets must be a module name, a list of them or all-linear, got 5"),
     ({"lora__merged": "yes"}, r"lora\.merged must be true or false, got 'yes'"),
     ({"lora__merged": True, "lora__r": 0}, r"lora\.merged: true merges an adapter.*lora\.r is 0"),

@@ -6,6 +6,7 @@ output, lora), each a keyword-only dataclass with a docstring under every field,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,25 +220,27 @@ class RunConfig:
         t = self.train
         t.lr, t.weight_decay, t.min_lr, t.eps = float(t.lr), float(t.weight_decay), float(t.min_lr), float(t.eps)
         self.data.eval_fraction = float(self.data.eval_fraction)
-        if not t.lr > 0:
-            raise ConfigError(f"train.lr must be > 0, got {t.lr!r}")
+        if not 0 < t.lr < math.inf:
+            raise ConfigError(f"train.lr must be a finite number > 0, got {t.lr!r}")
+        if not 0 <= t.weight_decay < math.inf:  # (torch's AdamW refuses one below 0 at the engine's construction)
+            raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {t.weight_decay!r}")
         if not 0 <= t.min_lr <= t.lr:
             raise ConfigError(f"train.min_lr must be in [0, train.lr {t.lr}], got {t.min_lr!r}")
-        if not t.eps > 0:
-            raise ConfigError(f"train.eps must be > 0, got {t.eps!r}")
+        if not 0 < t.eps < math.inf:
+            raise ConfigError(f"train.eps must be a finite number > 0, got {t.eps!r}")
         if not (isinstance(t.betas, list) and len(t.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in t.betas)):
             raise ConfigError(f"train.betas must be two numbers in [0, 1) ([beta1, beta2]), got {t.betas!r}")
         t.betas = [float(b) for b in t.betas]
         if not 0 <= self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction!r}")
-        if self.train.clip is not None and not (isinstance(self.train.clip, (int, float)) and self.train.clip > 0):
-            raise ConfigError(f"train.clip must be a number > 0 or null, got {self.train.clip!r}")
+        if self.train.clip is not None and not (_number(self.train.clip) and 0 < self.train.clip < math.inf):
+            raise ConfigError(f"train.clip must be a finite number > 0 or null (no clipping), got {self.train.clip!r}")
         if not isinstance(self.lora.r, int) or isinstance(self.lora.r, bool) or self.lora.r < 0:
             raise ConfigError(f"lora.r must be an integer >= 0 (0: no LoRA), got {self.lora.r!r}")
         if not (isinstance(self.lora.dropout, (int, float)) and 0 <= self.lora.dropout < 1):
             raise ConfigError(f"lora.dropout must be in [0, 1), got {self.lora.dropout!r}")
-        if not (isinstance(self.lora.alpha, (int, float)) and not isinstance(self.lora.alpha, bool) and self.lora.alpha > 0):
-            raise ConfigError(f"lora.alpha must be a number > 0, got {self.lora.alpha!r}")
+        if not (_number(self.lora.alpha) and 0 < self.lora.alpha < math.inf):
+            raise ConfigError(f"lora.alpha must be a finite number > 0, got {self.lora.alpha!r}")
         for key, value, none_ok in (("lora.targets", self.lora.targets, False),
                                     ("lora.modules_to_save", self.lora.modules_to_save, True)):
             names = [value] if isinstance(value, str) else value
@@ -265,8 +268,8 @@ class RunConfig:
                               "lora.r, or drop lora.merged")
         if not self.offload.durable:
             raise ConfigError("offload.durable: false leaves nothing to resume from; the train command keeps it true")
-        if self.train.epochs is not None and not (_is_a("float", self.train.epochs) and self.train.epochs > 0):
-            raise ConfigError(f"train.epochs must be a number > 0 (passes over the data), got {self.train.epochs!r}")
+        if self.train.epochs is not None and not (_is_a("float", self.train.epochs) and 0 < self.train.epochs < math.inf):
+            raise ConfigError(f"train.epochs must be a finite number > 0 (passes over the data), got {self.train.epochs!r}")
         if not (_is_a("int", self.train.seed) and self.train.seed >= 0):
             raise ConfigError(f"train.seed must be an integer >= 0, got {self.train.seed!r}")
         for section in dataclasses.fields(self):  # what the checks above leave: each value of its field's type
