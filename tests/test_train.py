@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -26,7 +27,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from offload_core.errors import CheckpointError, ConfigError, TierCapacityError  # noqa: E402
+from offload_core.errors import CheckpointError, ConfigError, DiskFullError, TierCapacityError  # noqa: E402
 from tiered_offload.cli import main as cli_main  # noqa: E402
 from tiered_offload.train import load_config, train  # noqa: E402
 from tiered_offload.train.data import IGNORE, prepare_data  # noqa: E402
@@ -1164,6 +1165,78 @@ def test_a_cached_array_changed_on_disk_is_tokenised_again_not_trained_on(tmp_pa
         assert "tokenised again" in caplog.text and "hash" in caplog.text, caplog.text
         assert again.content == first.content
         assert np.array_equal(again.ids, ids) and np.array_equal(again.labels, labels)
+
+
+_FILL = """
+import json, sys, transformers
+from pathlib import Path
+from tiered_offload.train.config import load_config
+from tiered_offload.train.data import prepare_data
+model_dir, data, cache = sys.argv[1:4]
+cfg = load_config(None, [f"model.path={model_dir}", f"data.path={data}", "offload.storage=/nowhere", "train.max_steps=1"])
+try:
+    prepare_data(cfg.data, transformers.AutoTokenizer.from_pretrained(model_dir), Path(model_dir), Path(cache), None)
+    out = {"error": None}
+except Exception as e:
+    out = {"error": type(e).__name__, "message": str(e)}
+out["left"] = sorted(str(p.relative_to(cache)) for p in Path(cache).rglob("*") if p.is_file() and p.name != "lock")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("room", ["100k", "700k"])
+def test_a_disk_that_fills_while_the_data_is_tokenised_is_a_disk_full_error(tmp_path, model_dir, room):
+    """output.dir on a disk with too little room for the tokenised data: where the tokens' spool
+    filled it (100k) the run stopped with an untyped ``OSError`` from a file's close; where the
+    sequences' arrays did (700k, written through memory maps of files the disk had no blocks for)
+    the process was killed by ``SIGBUS``, with no message at all. Either way the cache's partial
+    files filled the disk. Now the arrays' blocks are reserved before they are mapped, a full disk
+    is a ``DiskFullError`` naming the cache and what to do, and the partial cache is removed.
+
+    The disk is a tmpfs of ``room`` bytes, mounted in a mount namespace of the child's own
+    (``unshare``: no privilege needed where user namespaces are allowed)."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine lets no process mount a tmpfs of its own (unshare -rm)")
+    data = tmp_path / "big.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(8000, seed=1)))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL)
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={room} tmpfs "$1" && shift && '
+                        f'exec "$@"', "sh", str(disk), sys.executable, str(script), str(model_dir), str(data),
+                        str(disk / "cache")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] == "DiskFullError", out
+    assert re.search(r"the disk filled while the data was tokenised into .*cache/data-.*free space there, or put "
+                     r"output\.dir on a disk with more room", out["message"]), out["message"]
+    assert out["left"] == [], out  # (the partial cache removed: its room given back)
+
+
+def test_no_room_for_the_tokenised_arrays_is_found_before_they_are_written(tmp_path, model_dir, data, monkeypatch):
+    """The same as the test above, where no mount namespace can be made: the room of each array is
+    reserved before it is mapped (a write through a map of a file the disk has no blocks for is a
+    ``SIGBUS``), and a disk that has none is a ``DiskFullError``, the partial cache removed."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cache = tmp_path / "cache"
+    with pytest.raises(DiskFullError, match=r"the disk filled while the data was tokenised into"):
+        _prepared_into(cache, model_dir, data)
+    assert [p for p in cache.rglob("*") if p.is_file() and p.name != "lock"] == []
+    monkeypatch.undo()
+    assert len(_prepared_into(cache, model_dir, data)[0]) > 0
+
+
+def _prepared_into(cache, model_dir, path, *settings):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", "data.max_seq_len=16",
+                             "offload.storage=/nowhere", "train.max_steps=1", *settings])
+    return prepare_data(cfg.data, tokenizer, model_dir, cache, None)
 
 
 def _prepared(tmp_path, model_dir, path, *settings):

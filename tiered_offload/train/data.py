@@ -14,6 +14,7 @@ into sequences of ``max_seq_len`` (``documents``: placed whole, each attending t
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import glob
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from offload_core.errors import ConfigError
+from offload_core.errors import ConfigError, DiskFullError, StorageIOError
 from tiered_offload.checkpoint.lock import kind_of, open_own
 from tiered_offload.progress import track
 from tiered_offload.train.packing import DOCUMENTS, write_documents
@@ -515,6 +516,20 @@ class _Spool:
         return int(self.offsets[b] - self.offsets[a])
 
 
+def _reserve(path: Path) -> None:
+    """Give the (sparse) file ``path`` its disk blocks before it is written through a memory map: a
+    write there that finds the disk full kills the process (``SIGBUS``), where this raises an
+    ``OSError`` (ENOSPC). A file system that cannot reserve is left as it was."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    finally:
+        os.close(fd)
+
+
 def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool | str, pad: int, out: Path) -> int:
     """Examples ``a:b`` of ``spool`` as ``length``-token sequences, written to ``out``'s
     ``_ids.npy`` and ``_labels.npy`` (and ``_attention.npy`` without packing) a stretch at a time;
@@ -529,8 +544,9 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool |
         if count == 0:  # (a map of no bytes cannot be made)
             np.save(out.with_name(f"{out.name}_{name}.npy"), np.full((0, length), fill, dtype=dtype))
             return None
-        arr = np.lib.format.open_memmap(out.with_name(f"{out.name}_{name}.npy"), mode="w+", dtype=dtype,
-                                        shape=(count, length))
+        path = out.with_name(f"{out.name}_{name}.npy")
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(count, length))
+        _reserve(path)
         arr[:] = fill
         return arr
 
@@ -617,42 +633,16 @@ def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positio
     cache = cache_root / f"data-{key}"
     fresh = not _finished(cache)
     if fresh:
-        cache.mkdir(parents=True, exist_ok=True)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        spools = []
         try:
-            for name, part in zip(("train", "eval"), sources):
-                spool = _Spool(cache / name)
-                spools.append(spool)
-                examples = (ex for f in part for ex in _examples(f, data.format, data.field, data.chat_turns))
-                desc = f"tokenising {part[0].name}" + (f" and {len(part) - 1} more" if len(part) > 1 else "")
-                tracked = track(examples, desc=desc, unit="example") if name == "train" else examples
-                with _parallel_tokenizer():
-                    for batch in _batches(tracked, CHUNK):
-                        for (ex, _), encoded in zip(batch, _encode(tokenizer, batch)):
-                            spool.add(encoded, continues=isinstance(ex, LastTurn) and ex.continues)
-                spool.close()
-            count = len(spools[0].lengths)
-            if not count:
-                raise ConfigError(f"data.path {path} holds no example (it is empty, or blank lines only) for "
-                                  f"data.format {data.format}")
-            if data.eval_path:
-                parts = [("train", spools[0], 0, count), ("eval", spools[1], 0, len(spools[1].lengths))]
-            else:
-                cut = spools[0].boundary(count - int(math.floor(count * data.eval_fraction)))
-                parts = [("train", spools[0], 0, cut), ("eval", spools[0], cut, count)]
-            for name, spool, a, b in parts:
-                if a == b:
-                    continue
-                made = _write_sequences(spool, a, b, data.max_seq_len, data.packing, pad, cache / name)
-                if name == "train" and made == 0:
-                    raise ConfigError(f"data.path {path}: {spool.tokens(a, b)} tokens make no sequence of "
-                                      f"data.max_seq_len {data.max_seq_len}; give more data or a shorter max_seq_len")
-            examples = sum(len(sp.lengths) for sp in spools)
-        finally:
-            for spool in spools:
-                spool.remove()
-        _write_done(cache, {"data": str(path), "examples": examples, "content": _content(cache)})
+            _tokenise(data, tokenizer, sources, path, cache)
+        except OSError as e:  # (writing the cache: reading the data is a ConfigError)
+            shutil.rmtree(cache, ignore_errors=True)  # (its room given back; made again from the start)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(f"output.dir: the disk filled while the data was tokenised into {cache} (about 13 "
+                                    f"bytes a token while it is made, 9 kept); free space there, or put output.dir "
+                                    f"on a disk with more room", path=str(cache)) from None
+            raise StorageIOError(f"output.dir: writing the tokenised data into {cache} failed ({e.strerror or e}); "
+                                 f"what was written is removed") from e
     _remove_others(cache)
     try:
         content = json.loads((cache / "done").read_text())["content"]
@@ -682,6 +672,47 @@ def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positio
             raise
         _discard(cache, f"an array cannot be read ({e})")
         return _prepare(data, tokenizer, tokenizer_dir, cache_root, max_positions, again=True)
+
+
+def _tokenise(data, tokenizer, sources: list[list[Path]], path, cache: Path) -> None:
+    """Tokenise ``sources`` (the training files, and the evaluation ones) into ``cache``'s arrays,
+    then write its mark ``done`` (with their hash)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    spools = []
+    try:
+        for name, part in zip(("train", "eval"), sources):
+            spool = _Spool(cache / name)
+            spools.append(spool)
+            examples = (ex for f in part for ex in _examples(f, data.format, data.field, data.chat_turns))
+            desc = f"tokenising {part[0].name}" + (f" and {len(part) - 1} more" if len(part) > 1 else "")
+            tracked = track(examples, desc=desc, unit="example") if name == "train" else examples
+            with _parallel_tokenizer():
+                for batch in _batches(tracked, CHUNK):
+                    for (ex, _), encoded in zip(batch, _encode(tokenizer, batch)):
+                        spool.add(encoded, continues=isinstance(ex, LastTurn) and ex.continues)
+            spool.close()
+        count = len(spools[0].lengths)
+        if not count:
+            raise ConfigError(f"data.path {path} holds no example (it is empty, or blank lines only) for "
+                              f"data.format {data.format}")
+        if data.eval_path:
+            parts = [("train", spools[0], 0, count), ("eval", spools[1], 0, len(spools[1].lengths))]
+        else:
+            cut = spools[0].boundary(count - int(math.floor(count * data.eval_fraction)))
+            parts = [("train", spools[0], 0, cut), ("eval", spools[0], cut, count)]
+        for name, spool, a, b in parts:
+            if a == b:
+                continue
+            made = _write_sequences(spool, a, b, data.max_seq_len, data.packing, pad, cache / name)
+            if name == "train" and made == 0:
+                raise ConfigError(f"data.path {path}: {spool.tokens(a, b)} tokens make no sequence of "
+                                  f"data.max_seq_len {data.max_seq_len}; give more data or a shorter max_seq_len")
+        examples = sum(len(sp.lengths) for sp in spools)
+    finally:
+        for spool in spools:
+            spool.remove()
+    _write_done(cache, {"data": str(path), "examples": examples, "content": _content(cache)})
 
 
 def _finished(cache: Path) -> bool:
