@@ -1420,6 +1420,91 @@ def test_the_tokenised_data_of_other_settings_is_not_kept(tmp_path, model_dir, c
     assert len(list(cache.glob("data-*"))) == 1 and not kept[0].exists()
 
 
+_FILLED_MID_RUN = """
+import json, os, signal, sys
+from pathlib import Path
+from tiered_offload.train import train
+config, disk = sys.argv[1], Path(sys.argv[2])
+
+
+def fill(step, record):  # (another job's files fill the disk after the first step)
+    if step == 1:
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, bytes(1 << 16))
+        except OSError:
+            os.close(fd)
+out = {}
+try:
+    train(config, progress=False, on_step=fill)
+except Exception as e:
+    out["error"], out["message"] = type(e).__name__, str(e)
+out["handler"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+os.unlink(disk / "filler")
+try:
+    out["again"] = train(config, progress=False)["step"]
+except Exception as e:
+    out["again"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("room", ["full", "injected"])
+def test_a_disk_filled_mid_run_stops_it_typed_and_the_same_command_finishes_it(tmp_path, model_dir, data, room,
+                                                                                 monkeypatch):
+    """The output.dir's disk filled by something else after the first step: ``metrics.jsonl``'s
+    write was an untyped ``OSError``; the last one (the evaluation's, flushed when the file closed)
+    was raised by the cleanup before the engine closed, so the storage stayed locked (the same
+    call again in the process: ``StorageLockedError``) and the command's signal handlers stayed in
+    place. Now the run stops with a ``DiskFullError`` naming ``metrics.jsonl``, the engine closes
+    (its steps committed), and the same command again, with room, finishes the run.
+
+    ``full``: a tmpfs in a mount namespace of the child's own (``unshare``), filled for real;
+    ``injected``: where no namespace can be made, the metrics file's writes fail with ENOSPC."""
+    config = write_config(tmp_path, model_dir, data, train__max_steps=40, train__eval_every=0,
+                          output__export_every=0, output__dir=str(tmp_path / "disk" / "out"))
+    (tmp_path / "disk").mkdir()
+    if room == "full":
+        if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+            pytest.skip("this machine lets no process mount a tmpfs of its own (unshare -rm)")
+        script = tmp_path / "filled.py"
+        script.write_text(_FILLED_MID_RUN)
+        r = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=3M tmpfs "$1" && shift && exec "$@"',
+                            "sh", str(tmp_path / "disk"), sys.executable, str(script), str(config),
+                            str(tmp_path / "disk")], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    else:
+        import errno
+        import tiered_offload.train.run as run_module
+
+        class Full:  # (a file whose writes find no room after the first step's)
+            def __init__(self, f):
+                self.f, self.lines = f, 0
+
+            def write(self, text):
+                self.lines += 1
+                if self.lines > 1:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return self.f.write(text)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+        monkeypatch.setattr(run_module, "open", lambda *a, **k: Full(open(*a, **k)), raising=False)
+        out = {}
+        try:
+            train(config, progress=False)
+        except Exception as e:
+            out["error"], out["message"] = type(e).__name__, str(e)
+        out["handler"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        monkeypatch.undo()
+        out["again"] = train(config, progress=False)["step"]
+    assert out.get("error") == "DiskFullError", out
+    assert re.search(r"metrics\.jsonl.*no room.*committed.*the same command again", out["message"]), out["message"]
+    assert out["handler"] and out["again"] == 40, out
+
+
 @pytest.mark.parametrize("case", ["cache-fifo", "cache-cut", "exports", "metrics"])
 def test_what_is_not_a_regular_file_among_the_runs_own_files_is_no_hang(tmp_path, model_dir, data, case, caplog):
     """The same command again read and wrote the run's own files as it found them: a FIFO in the

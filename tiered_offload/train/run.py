@@ -12,6 +12,7 @@ Under torchrun the ranks share the run (:mod:`tiered_offload.train.ranks`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import copy
 import io
 import json
@@ -414,8 +415,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
                 record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
             record["disk_read_bytes"], record["disk_written_bytes"] = int(read), int(written)
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.write(record)
             if on_step is not None and ranks.first:
                 on_step(step + 1, record)
             if bar is not None:
@@ -434,18 +434,22 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
             if eval_data is not None:
                 summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
                 if metrics is not None:
-                    metrics.write(json.dumps({"step": engine.step_count, "eval_loss": summary["eval_loss"]}) + "\n")
+                    metrics.write({"step": engine.step_count, "eval_loss": summary["eval_loss"]})
             _export(engine, model_dir, out / "final", cfg, ranks)
             summary["final"] = str(out / "final")
         return summary
-    finally:
-        if bar is not None:
-            bar.close()
-        if metrics is not None:
-            metrics.close()
-        engine.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    finally:  # (each part closed whatever the one before raised: the engine commits its steps and unlocks)
+        try:
+            if bar is not None:
+                bar.close()
+            if metrics is not None:
+                metrics.close()
+        finally:
+            try:
+                engine.close()
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
 
 
 _LAYOUT = ("r", "targets", "parameters", "dora", "modules_to_save")
@@ -473,7 +477,39 @@ def _metrics_from(path: Path, start: int):
             log.warning("tiered-offload: %s: dropped %d record(s) after step %d (steps trained again from the last "
                         "commit, or an earlier run's)", path, dropped, start)
             write_private(path, "".join(line + "\n" for line in kept))
-    return open(path, "a")
+    return _Metrics(path)
+
+
+class _Metrics:
+    """``metrics.jsonl`` open to append, a record a line, each flushed as it is written. A write that
+    fails (its disk full: something else filled it) stops the run with a typed error naming the
+    file: the engine then closes, its steps committed, and the same command continues the run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:
+            self._failed(e, f"step {record['step']}'s record")
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError as e:  # (nothing is left to write: each record was flushed, or failed already)
+            self._failed(e, "the file's close")
+
+    def _failed(self, e: OSError, what: str) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()  # (its buffer dropped: a line cut short is dropped at the next start)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        message = (f"{self.path}: {'no room on its disk' if full else e.strerror or e} for {what}; training "
+                   f"stopped, and the steps taken are committed: free space there, then run the same command "
+                   f"again to continue (the lost record is not written again)")
+        raise (DiskFullError(message, path=str(self.path)) if full else CheckpointError(message)) from None
 
 
 def _layout_settings(cfg) -> dict:
