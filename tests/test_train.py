@@ -1505,6 +1505,29 @@ def test_a_disk_filled_mid_run_stops_it_typed_and_the_same_command_finishes_it(t
     assert out["handler"] and out["again"] == 40, out
 
 
+def test_a_tokenizer_file_an_export_cannot_write_is_named(tmp_path, model_dir, data, monkeypatch):
+    """The export's copy of the tokenizer's files (Llama 3's ``tokenizer.json`` is 9 MB, which the
+    run's up-front check of the exports' room does not count) on a disk with no room left was an
+    untyped ``OSError``. It is a ``DiskFullError`` naming the export and the file, and the same
+    command again writes the final export whole."""
+    import errno
+    import tiered_offload.train.run as run_module
+    real = run_module.write_private
+
+    def full(path, data, **kw):
+        if path.name == "tokenizer.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, data, **kw)
+    monkeypatch.setattr(run_module, "write_private", full)
+    config = write_config(tmp_path, model_dir, data, train__max_steps=2, output__export_every=0)
+    with pytest.raises(DiskFullError, match=r"out/final: the weights are exported, and the tokenizer's tokenizer\.json "
+                                            r"is not \(no room on its disk\).*the same command again"):
+        train(config, progress=False)
+    monkeypatch.undo()
+    assert train(config, progress=False)["step"] == 2
+    assert (tmp_path / "out" / "final" / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+
+
 @pytest.mark.parametrize("case", ["cache-fifo", "cache-cut", "exports", "metrics"])
 def test_what_is_not_a_regular_file_among_the_runs_own_files_is_no_hang(tmp_path, model_dir, data, case, caplog):
     """The same command again read and wrote the run's own files as it found them: a FIFO in the

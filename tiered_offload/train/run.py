@@ -288,7 +288,12 @@ def _export(engine, model_dir: Path, out: Path, cfg, ranks: Ranks) -> None:
                               dtype=cfg.output.dtype)
     for name in TOKENIZER_FILES:
         if ranks.first and (model_dir / name).is_file():
-            write_private(out / name, (model_dir / name).read_bytes())
+            try:
+                write_private(out / name, (model_dir / name).read_bytes())
+            except OSError as e:
+                raise _write_failed(e, out / name, f"{out}: the weights are exported, and the tokenizer's {name} is "
+                                    f"not ({{why}}); free space there, then copy it from {model_dir}, or run the same "
+                                    f"command again (it writes the final export again)") from None
 
 
 def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run: bool = False,
@@ -476,7 +481,11 @@ def _metrics_from(path: Path, start: int):
         if dropped:
             log.warning("tiered-offload: %s: dropped %d record(s) after step %d (steps trained again from the last "
                         "commit, or an earlier run's)", path, dropped, start)
-            write_private(path, "".join(line + "\n" for line in kept))
+            try:
+                write_private(path, "".join(line + "\n" for line in kept))
+            except OSError as e:
+                raise _write_failed(e, path, f"{path}: {{why}} to drop the records after step {start}; free space "
+                                             f"there, then run the same command again") from None
     return _Metrics(path)
 
 
@@ -505,11 +514,18 @@ class _Metrics:
     def _failed(self, e: OSError, what: str) -> None:
         with contextlib.suppress(OSError):
             self._file.close()  # (its buffer dropped: a line cut short is dropped at the next start)
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-        message = (f"{self.path}: {'no room on its disk' if full else e.strerror or e} for {what}; training "
-                   f"stopped, and the steps taken are committed: free space there, then run the same command "
-                   f"again to continue (the lost record is not written again)")
-        raise (DiskFullError(message, path=str(self.path)) if full else CheckpointError(message)) from None
+        raise _write_failed(e, self.path, f"{self.path}: {{why}} for {what}; training stopped, and the steps taken "
+                                          f"are committed: free space there, then run the same command again to "
+                                          f"continue (the lost record is not written again)") from None
+
+
+def _write_failed(e: OSError, path: Path, message: str) -> TieredOffloadError:
+    """The error a failed write ``e`` of ``path`` is: ``message`` (its ``{why}`` replaced, not
+    formatted: a path may hold braces) as a :class:`DiskFullError` where the disk had no room, else
+    a :class:`CheckpointError`."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    message = message.replace("{why}", "no room on its disk" if full else e.strerror or str(e))
+    return DiskFullError(message, path=str(path)) if full else CheckpointError(message)
 
 
 def _layout_settings(cfg) -> dict:
