@@ -14,8 +14,9 @@ from offload_core.sizes import format_size
 __all__ = ["prepare_directory", "fsync_path", "disk_full", "regular_size"]
 
 
-def prepare_directory(directory: Path, *, create: bool) -> None:
-    """Make sure ``directory`` exists (created owner-only if ``create``) and is a writable directory."""
+def prepare_directory(directory: Path, *, create: bool, writable: bool = True) -> None:
+    """Make sure ``directory`` exists (created owner-only if ``create``) and is a directory, one this
+    user can write unless ``writable`` is false (a reader's: a state on read-only media is read)."""
     if not directory.exists():
         if not create:
             raise StorageDirectoryError(errno.ENOENT, f"storage directory {directory} does not exist; create it or pass create=True")
@@ -26,7 +27,12 @@ def prepare_directory(directory: Path, *, create: bool) -> None:
                                                  f"choose a directory you can write") from e
     if not directory.is_dir():
         raise StorageDirectoryError(errno.ENOTDIR, f"storage path {directory} is not a directory; give a directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
+    if writable and not os.access(directory, os.W_OK | os.X_OK):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            raise StorageDirectoryError(errno.EROFS, f"storage directory {directory} is on a read-only file system, "
+                                                     f"and an engine writes its state there: copy it to a writable "
+                                                     f"disk (tiered-offload inspect, verify and export read it where "
+                                                     f"it is)")
         raise StorageDirectoryError(errno.EACCES, f"storage directory {directory} is not writable by this user; "
                                                   f"fix its permissions or choose another")
 

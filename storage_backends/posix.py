@@ -104,6 +104,8 @@ class PosixBackend(StorageBackend):
         direct: ``"auto"`` (O_DIRECT where the file system allows it, buffered with a logged
             reason elsewhere), ``True`` (refuse to run without it) or ``False``.
         create: create missing directories (owner-only) instead of failing.
+        writable: ``False`` for a reader (``tiered-offload inspect``, ``verify``, ``export``): the
+            directories need not be writable (a state on read-only media), and nothing is written.
     """
 
     name = "posix"
@@ -111,7 +113,7 @@ class PosixBackend(StorageBackend):
     def __init__(self, location: str | os.PathLike | Sequence[str | os.PathLike], *,
                  threads: int | None = None, chunk_bytes: int | str | None = None,
                  stripe_bytes: int | str = DEFAULT_STRIPE, direct: bool | str = "auto",
-                 create: bool = True):
+                 create: bool = True, writable: bool = True):
         super().__init__()
         if isinstance(location, (str, os.PathLike)):
             location = [p for p in str(location).split(",") if p]
@@ -133,7 +135,7 @@ class PosixBackend(StorageBackend):
                 raise ConfigError(f"posix backend: direct must be auto, true or false, got {direct!r}")
             direct = "auto" if direct == "auto" else direct in ("true", "1")
         self.direct_mode = direct
-        self.create = create
+        self.create, self.writable = create, writable
         self._direct = False
         self.direct_reason: str | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -162,7 +164,7 @@ class PosixBackend(StorageBackend):
     def _open(self) -> None:
         reasons = []
         for d in self.directories:
-            prepare_directory(d, create=self.create)
+            prepare_directory(d, create=self.create, writable=self.writable)
             if self.direct_mode is not False:
                 reason = probe_direct_io(d)
                 if reason:

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import select
+import shutil
 import stat
 import subprocess
 import sys
@@ -728,6 +729,74 @@ def test_inspect_reports_step_tensors_and_space(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "step            2" in text and "block.3" in text
     assert cli_main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+_READ_ONLY = """
+import json, subprocess, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import test_durable as t
+from tiered_offload.cli import main as cli_main
+disk = Path(sys.argv[1])
+if sys.argv[3] == "make":
+    engine = t.make_engine(disk / "s")
+    t.train(engine, 2)
+    engine.close()
+    sys.exit()
+out = {c: cli_main([c, str(disk / "s")]) for c in ("inspect", "verify")}
+out["export"] = cli_main(["export", str(disk / "s"), sys.argv[4]])
+try:
+    t.make_engine(disk / "s", resume=True)
+except Exception as e:
+    out["engine"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("media", ["read-only mount", "no write permission"])
+def test_a_state_on_read_only_media_is_inspected_verified_and_exported(tmp_path, capsys, monkeypatch, media):
+    """A committed state copied onto read-only media (a backup, a snapshot, a file system mounted
+    read-only) or into a directory this user may not write: ``inspect``, ``verify`` and ``export``
+    only read it (their lock is skipped where it cannot be opened), yet they refused it, saying
+    "not writable by this user; fix its permissions" (the file backend's check, made for an engine).
+    Now they read it; an engine, which writes there, is refused, and on a read-only file system the
+    error says so instead of blaming permissions.
+
+    ``read-only mount``: a tmpfs remounted read-only in a mount namespace of the child's own
+    (``unshare``); ``no write permission``: the process told it may not write the directory (root
+    may write anywhere, so the permission itself cannot be taken away here)."""
+    exported = tmp_path / "exported"
+    if media == "read-only mount":
+        if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+            pytest.skip("this machine lets no process mount a file system of its own (unshare -rm)")
+        script, disk = tmp_path / "ro.py", tmp_path / "disk"
+        script.write_text(_READ_ONLY)
+        disk.mkdir()
+        here = str(Path(__file__).resolve().parent)
+        r = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=64M tmpfs "$1" && '
+                            '"$2" "$3" "$1" "$4" make && mount -o remount,ro "$1" && "$2" "$3" "$1" "$4" read "$5"',
+                            "sh", str(disk), sys.executable, str(script), here, str(exported)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        engine_error = r"StorageDirectoryError: .*is on a read-only file system"
+    else:
+        engine = make_engine(tmp_path / "s")
+        train(engine, 2)
+        engine.close()
+        state, access = (tmp_path / "s").resolve(), os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: (not (mode & os.W_OK and Path(p).resolve() == state)
+                                                                 and access(p, mode, **kw)))
+        out = {c: cli_main([c, str(tmp_path / "s")]) for c in ("inspect", "verify")}
+        out["export"] = cli_main(["export", str(tmp_path / "s"), str(exported)])
+        try:
+            make_engine(tmp_path / "s", resume=True)
+        except Exception as e:
+            out["engine"] = f"{type(e).__name__}: {e}"
+        engine_error = r"StorageDirectoryError: .*is not writable by this user"
+    assert (out["inspect"], out["verify"], out["export"]) == (0, 0, 0), out
+    assert (exported / "model.safetensors").is_file() or (exported / "model.safetensors.index.json").is_file()
+    assert re.search(engine_error, out.get("engine", "")), out
 
 
 # ---- import / export --------------------------------------------------------------------------

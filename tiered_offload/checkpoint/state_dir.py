@@ -96,7 +96,7 @@ class StateDirectory:
                 f"{self.files.manifest_path} says the state is striped over {len(listed)} directories ({', '.join(listed)}); "
                 f"{len(others) + 1} given. Name the others (`--stripe DIR` for each, in that order) to read it")
         dirs = [self.path, *others]  # the first may have been moved since; the others are the caller's
-        self.backend = PosixBackend(dirs, direct=False, create=False,
+        self.backend = PosixBackend(dirs, direct=False, create=False, writable=False,
                                     **({"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}))
         self.backend.open()
 
