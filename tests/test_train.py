@@ -1505,6 +1505,29 @@ def test_a_disk_filled_mid_run_stops_it_typed_and_the_same_command_finishes_it(t
     assert out["handler"] and out["again"] == 40, out
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "config.json", "generation_config.json",
+                                  "model.safetensors"])
+def test_a_fifo_in_the_model_directory_is_named_not_skipped(tmp_path, model_dir, data, name):
+    """A FIFO among a model directory's files (a tool's leftover, a copy that went wrong):
+    transformers skipped it as the ``tokenizer_config.json`` or ``generation_config.json`` (the run
+    trained, silently, with the tokenizer's defaults: a chat template or special tokens there were
+    gone), and the run said "no config.json", "no tokenizer transformers can load" or "holds no
+    weights" for the others, though they are there. Each is refused at once, naming the file and
+    what it is. (In a child process: a reader that opened it would wait, and hang the suite.)"""
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    (copy / name).unlink()
+    os.mkfifo(copy / name)
+    config = write_config(tmp_path, model_dir, data, train__max_steps=1, model__path=str(copy))
+    try:
+        r = subprocess.run([sys.executable, "-m", "tiered_offload", "train", "--config", str(config), "--no-progress"],
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"train waited on the FIFO {name}")
+    assert r.returncode == 2 and re.search(rf"model\.path .*model: {re.escape(name)} is a FIFO, not a file", r.stderr), \
+        r.stderr[-2000:]
+
+
 def test_a_tokenizer_file_an_export_cannot_write_is_named(tmp_path, model_dir, data, monkeypatch):
     """The export's copy of the tokenizer's files (Llama 3's ``tokenizer.json`` is 9 MB, which the
     run's up-front check of the exports' room does not count) on a disk with no room left was an

@@ -32,7 +32,7 @@ from offload_core.errors import CheckpointError, ConfigError, DiskFullError, Ste
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
-from tiered_offload.checkpoint.lock import read_own
+from tiered_offload.checkpoint.lock import kind_of, read_own
 from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights, write_private
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
@@ -142,6 +142,11 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
                               f"that id{at} ({type(e).__name__}: {first_line(e)}): download it (hf download {repo}"
                               f"{f' --revision {revision}' if revision else ''}; a gated model: hf auth login first), "
                               f"or name its directory") from None
+    for entry in directory.iterdir() if directory.is_dir() else ():  # (a FIFO there: skipped by transformers or
+        if entry.exists() and not (entry.is_file() or entry.is_dir()):  # waited on, and "no config.json" said)
+            raise ConfigError(f"model.path {directory}: {entry.name} is {kind_of(entry.stat().st_mode)}, not a file: "
+                              f"the model's files are read as files (one skipped would train another tokenizer or "
+                              f"model); put the file there (save the model again)")
     if not (directory / "config.json").is_file():
         raise ConfigError(f"model.path {directory} is not a Hugging Face model directory (no config.json)")
     if not _has_weights(directory) and not (hub and dry_run):
