@@ -1506,7 +1506,7 @@ def test_a_disk_filled_mid_run_stops_it_typed_and_the_same_command_finishes_it(t
 
 
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "config.json", "generation_config.json",
-                                  "model.safetensors"])
+                                  "model.safetensors", "a dangling link"])
 def test_a_fifo_in_the_model_directory_is_named_not_skipped(tmp_path, model_dir, data, name):
     """A FIFO among a model directory's files (a tool's leftover, a copy that went wrong):
     transformers skipped it as the ``tokenizer_config.json`` or ``generation_config.json`` (the run
@@ -1516,15 +1516,21 @@ def test_a_fifo_in_the_model_directory_is_named_not_skipped(tmp_path, model_dir,
     what it is. (In a child process: a reader that opened it would wait, and hang the suite.)"""
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
-    (copy / name).unlink()
-    os.mkfifo(copy / name)
+    if name == "a dangling link":  # (an HF cache snapshot whose blob is gone: transformers skipped it the same way)
+        name, what = "tokenizer_config.json", r"a link to \.\./blobs/0123, which does not exist"
+        (copy / name).unlink()
+        (copy / name).symlink_to("../blobs/0123")
+    else:
+        what = "a FIFO, not a file"
+        (copy / name).unlink()
+        os.mkfifo(copy / name)
     config = write_config(tmp_path, model_dir, data, train__max_steps=1, model__path=str(copy))
     try:
         r = subprocess.run([sys.executable, "-m", "tiered_offload", "train", "--config", str(config), "--no-progress"],
                            capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail(f"train waited on the FIFO {name}")
-    assert r.returncode == 2 and re.search(rf"model\.path .*model: {re.escape(name)} is a FIFO, not a file", r.stderr), \
+    assert r.returncode == 2 and re.search(rf"model\.path .*model: {re.escape(name)} is {what}", r.stderr), \
         r.stderr[-2000:]
 
 

@@ -142,8 +142,11 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
                               f"that id{at} ({type(e).__name__}: {first_line(e)}): download it (hf download {repo}"
                               f"{f' --revision {revision}' if revision else ''}; a gated model: hf auth login first), "
                               f"or name its directory") from None
-    for entry in directory.iterdir() if directory.is_dir() else ():  # (a FIFO there: skipped by transformers or
-        if entry.exists() and not (entry.is_file() or entry.is_dir()):  # waited on, and "no config.json" said)
+    for entry in directory.iterdir() if directory.is_dir() else ():  # (skipped by transformers: another tokenizer
+        if entry.is_symlink() and not entry.exists():                 # trained, silently; or "no config.json")
+            raise ConfigError(f"model.path {directory}: {entry.name} is a link to {os.readlink(entry)}, which does not "
+                              f"exist (a download cut short, a cache cleaned); download the model again")
+        if entry.exists() and not (entry.is_file() or entry.is_dir()):
             raise ConfigError(f"model.path {directory}: {entry.name} is {kind_of(entry.stat().st_mode)}, not a file: "
                               f"the model's files are read as files (one skipped would train another tokenizer or "
                               f"model); put the file there (save the model again)")
