@@ -1289,6 +1289,29 @@ def test_the_data_may_be_a_directory_or_a_glob_of_shards(tmp_path, model_dir, pa
         _prepared(tmp_path, model_dir, shards, "data.format=text")
 
 
+@pytest.mark.parametrize("odd", ["a dangling link", "a FIFO"])
+@pytest.mark.parametrize("named", ["directory", "glob"])
+def test_a_shard_that_is_no_file_is_named_not_left_out(tmp_path, model_dir, odd, named):
+    """A dataset directory (or glob) where one shard is a link whose target is gone (a Hub
+    dataset's cache with a blob deleted, a copy of links) or a FIFO: the shard was left out, and
+    the run trained on the others, silently. It is refused, naming the shard."""
+    rows = [json.dumps({"text": s}) + "\n" for s in sentences(60, seed=4)]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(2):
+        (shards / f"train-{i:05d}-of-00003.jsonl").write_text("".join(rows[30 * i:30 * (i + 1)]))
+    gone = shards / "train-00002-of-00003.jsonl"
+    if odd == "a FIFO":
+        os.mkfifo(gone)
+        what = r"is a FIFO, not a file"
+    else:
+        gone.symlink_to(tmp_path / "blobs" / "0123")
+        what = r"is a link to .*blobs/0123, which does not exist"
+    path = shards if named == "directory" else shards / "train-*.jsonl"
+    with pytest.raises(ConfigError, match=rf"data\.path .*train-00002-of-00003\.jsonl {what}"):
+        _prepared(tmp_path, model_dir, path)
+
+
 def _documents(data, pad: int = 3) -> list[tuple[int, int, int]]:
     """``(row, start, end)`` of every example in ``data`` packed as documents: a stretch whose
     position ids count up from 0 (the padding after the last example, all pad tokens, left out)."""

@@ -153,21 +153,34 @@ def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
         return [path]
     if path.is_dir():
         suffixes = SUFFIXES.get(fmt, ROWS)
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in suffixes and not p.name.startswith("."))
+        files = _files(key, sorted(p for p in path.iterdir() if p.suffix in suffixes and not p.name.startswith(".")))
         if not files:
             raise ConfigError(f"{key} {path} holds no data file ({', '.join('*' + x for x in suffixes)}) for "
                               f"data.format {fmt}; name a file, a directory of them, or a glob")
         return files
     if glob.has_magic(str(path)):
-        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+        files = _files(key, sorted(Path(p) for p in glob.glob(str(path))))
         if not files:
             raise ConfigError(f"{key} {spec if hub else path} matches no file")
         return files
-    if path.exists():  # (through a link: neither a file nor a directory)
-        raise ConfigError(f"{key} {path} is {kind_of(path.stat().st_mode)}, not a file: the data is read more than "
-                          f"once (a file's first bytes, then its examples), which a pipe cannot give; save the data "
-                          f"to a file and name that")
+    if os.path.lexists(path):  # (a link to nothing, a FIFO, a device: named)
+        _files(key, [path])
     raise ConfigError(f"{key} {spec if hub else path} does not exist")
+
+
+def _files(key: str, paths: list[Path]) -> list[Path]:
+    """The files among ``paths`` (a directory's data files, a glob's matches), directories left out;
+    one that is no file (a link to nothing: a Hub cache's blob deleted; a FIFO, a device) is a
+    :class:`ConfigError` naming it: left out, it would train on the others, silently."""
+    for p in paths:
+        if p.is_symlink() and not p.exists():
+            raise ConfigError(f"{key} {p} is a link to {os.readlink(p)}, which does not exist (a download cut short, "
+                              f"a cache cleaned); fetch the data again, or remove the link")
+        if not (p.is_file() or p.is_dir()):
+            raise ConfigError(f"{key} {p} is {kind_of(p.stat().st_mode)}, not a file: the data is read more than "
+                              f"once (a file's first bytes, then its examples), which a pipe cannot give; save the "
+                              f"data to a file and name that")
+    return [p for p in paths if p.is_file()]
 
 
 def _json_array(path: Path) -> bool:
