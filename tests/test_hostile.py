@@ -137,6 +137,42 @@ def test_verify_and_export_beside_a_live_engine_are_refused_naming_it(tmp_path, 
     assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "out")]) == 0
 
 
+def test_two_exports_into_one_directory_are_one_at_a_time(tmp_path, capsys):
+    """Two ``tiered-offload export`` commands (or an export and a training script's) writing into
+    one directory at once: each wrote its shards under the same temporary names, so one renamed
+    the other's half-written file into place and the other stopped with an untyped
+    ``FileNotFoundError`` (3 of 8 tries, 12 blocks, 4 shards); two states exported there at once
+    could leave shards of both under one index. An export now holds the directory for its whole
+    write (an ``flock`` on it): a second one is refused, typed, naming it, and what is there stays
+    the first's, whole."""
+    import fcntl
+    from safetensors.torch import load_file
+    engine = make_engine(tmp_path / "s", layers=12)
+    train(engine, 2)
+    engine.close()
+    command = ["export", str(tmp_path / "s"), str(tmp_path / "out"), "--max-shard-size", "200KB"]
+    assert cli_main(command) == 0
+    capsys.readouterr()
+
+    def exported():
+        return {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in load_file(f).items()}
+    first = exported()
+    fd = os.open(tmp_path / "out", os.O_RDONLY | os.O_DIRECTORY)  # (another export, writing there now)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert cli_main(command) == 2
+        err = capsys.readouterr().err
+        assert "is being written by another export" in err and "wait for it" in err, err
+    finally:
+        os.close(fd)
+    assert same(exported(), first)
+    runs = [subprocess.Popen([sys.executable, "-m", "tiered_offload", *command], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outcomes = [(p.wait(timeout=300), p.stderr.read()) for p in runs]
+    assert all(rc == 0 or (rc == 2 and "is being written by another export" in err) for rc, err in outcomes), outcomes
+    assert any(rc == 0 for rc, _ in outcomes) and same(exported(), first)
+
+
 # ---- 2. a damaged journal ---------------------------------------------------------------------------
 def _cut_short_in_step_3(path: Path, monkeypatch) -> None:
     """A journal holding step 3's intent and two unit records (the process died in the update)."""

@@ -1173,7 +1173,8 @@ from pathlib import Path
 from tiered_offload.train.config import load_config
 from tiered_offload.train.data import prepare_data
 model_dir, data, cache = sys.argv[1:4]
-cfg = load_config(None, [f"model.path={model_dir}", f"data.path={data}", "offload.storage=/nowhere", "train.max_steps=1"])
+cfg = load_config(None, [f"model.path={model_dir}", f"data.path={data}", "offload.storage=/nowhere",
+                         "train.max_steps=1"])
 try:
     prepare_data(cfg.data, transformers.AutoTokenizer.from_pretrained(model_dir), Path(model_dir), Path(cache), None)
     out = {"error": None}

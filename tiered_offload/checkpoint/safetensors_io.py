@@ -10,20 +10,24 @@ plus ``model.safetensors.index.json``) is read and written.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
 import shutil
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DiskFullError, StorageDirectoryError
+from offload_core.errors import (CheckpointError, ConfigError, CorruptionError, DiskFullError, StorageDirectoryError,
+                                 StorageLockedError)
 from tiered_offload.checkpoint.durable import fsync_directory
 from tiered_offload.checkpoint.lock import create_fresh
 from tiered_offload.checkpoint import quantized
@@ -344,6 +348,60 @@ def plan_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], max_sha
     return shards
 
 
+_EXPORTING: dict[Path, list] = {}
+"""The export directories this process holds (:func:`exporting`): ``[fd, depth]``, under ``_HOLD``."""
+_HOLD = threading.Lock()
+
+
+@contextlib.contextmanager
+def exporting(out: Path):
+    """Hold the export directory ``out`` (made, owner-only, where missing) for an export's writes:
+    an ``flock`` on the directory, so that a second export into it, from another process, is
+    refused instead of renaming this one's half-written files into place (or mixing two states'
+    shards under one index). Held again inside (the weights, then ``config.json``...) it nests. A
+    file system without ``flock`` on directories goes without. A directory it made is removed
+    again where the export failed before writing anything there (a refused export leaves none)."""
+    out = Path(out)
+    made = not os.path.lexists(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except (FileExistsError, NotADirectoryError) as e:
+        what = "it is a file" if isinstance(e, FileExistsError) else "a path above it is a file"
+        raise StorageDirectoryError(e.errno, f"cannot export into {out}: {what}, not a directory; name a "
+                                             f"directory (new or existing)") from None
+    except OSError as e:
+        raise StorageDirectoryError(e.errno, f"cannot export into {out}: {e.strerror}; name a directory "
+                                             f"you can write") from None
+    key = out.resolve()
+    with _HOLD:
+        held = _EXPORTING.get(key)
+        if held is None:
+            fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StorageLockedError(f"{out} is being written by another export (another process); wait for it "
+                                         f"to finish, or export elsewhere") from None
+            except OSError:  # (no flock there: an export goes without)
+                pass
+            held = _EXPORTING[key] = [fd, 0]
+        held[1] += 1
+    try:
+        yield
+    except BaseException:
+        if made and held[1] == 1:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # (only where empty)
+        raise
+    finally:
+        with _HOLD:
+            held[1] -= 1
+            if not held[1]:
+                del _EXPORTING[key]
+                os.close(held[0])  # (releases the flock)
+
+
 class SafetensorsWriter:
     """Writes named tensors into sharded safetensors files, streaming: headers first, then each
     tensor's bytes as the caller produces them, in the order declared.
@@ -377,15 +435,10 @@ class SafetensorsWriter:
         Publishing removes the old index (and a single-file export's file) first, renames the new
         shards into place, writes the new index last (atomically, naming the step), then removes
         shards of the old export the new index does not name."""
-        try:
-            self.out.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except (FileExistsError, NotADirectoryError) as e:
-            what = "it is a file" if isinstance(e, FileExistsError) else "a path above it is a file"
-            raise StorageDirectoryError(e.errno, f"cannot export into {self.out}: {what}, not a directory; name a "
-                                                 f"directory (new or existing)") from None
-        except OSError as e:
-            raise StorageDirectoryError(e.errno, f"cannot export into {self.out}: {e.strerror}; name a directory "
-                                                 f"you can write") from None
+        with exporting(self.out):
+            return self._write(fill)
+
+    def _write(self, fill: Callable[[int, Callable[[bytes], None]], None]) -> list[Path]:
         need, free = self.nbytes(), shutil.disk_usage(self.out).free
         if need > free:
             raise DiskFullError(f"the export needs {need} bytes in {self.out} and {free} are free; free space or "

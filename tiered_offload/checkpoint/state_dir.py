@@ -46,7 +46,7 @@ from tiered_offload.checkpoint.durable import (
 from tiered_offload.checkpoint.buffer_file import load as load_buffers
 from tiered_offload.checkpoint.lock import LOCK, open_own, read_holder
 from tiered_offload.checkpoint.safetensors_io import (SafetensorsWriter, byte_tensor, cast_bytes, export_dtype,
-                                                      exported_config, iter_chunks, write_private)
+                                                      exported_config, exporting, iter_chunks, write_private)
 from tiered_offload.progress import counter
 from tiered_offload.store.checksum import describe, hasher_for
 
@@ -275,7 +275,7 @@ class StateDirectory:
         with the adapter merged, as ``merge_and_unload().save_pretrained`` writes it)."""
         dtype = export_dtype(dtype)
         adapter = _adapter(self.manifest, self.path, adapter_only, merged)
-        with self._reading("exported"):
+        with self._reading("exported"), exporting(out):
             return self._export(out, max_shard_size, dtype, adapter)
 
     def _export(self, out: str | os.PathLike, max_shard_size, dtype, adapter: dict) -> list[Path]:
@@ -592,6 +592,7 @@ class ShardedStateDirectory:
         with contextlib.ExitStack() as reading:
             for sd in self.ranks:
                 reading.enter_context(sd._reading("exported"))
+            reading.enter_context(exporting(out))
             return self._export(out, max_shard_size, dtype, adapter)
 
     def _export(self, out: str | os.PathLike, max_shard_size, dtype, adapter: dict) -> list[Path]:

@@ -15,7 +15,7 @@ import torch
 from offload_core.errors import ConfigError, EngineClosedError, TieredOffloadError
 from tiered_offload.checkpoint.adapter import export_adapter, merged_export
 from tiered_offload.checkpoint.export import export_weights
-from tiered_offload.checkpoint.safetensors_io import export_dtype
+from tiered_offload.checkpoint.safetensors_io import export_dtype, exporting
 from tiered_offload.checkpoint.session import JournalCommits
 from tiered_offload.engine.planner import Plan
 from tiered_offload.engine.schedule import FP32_BYTES
@@ -222,12 +222,14 @@ class EngineViews:
         self._streamer.unbind_rest()
         self._await()
         self._placement.set_phase(f"export_safetensors after step {self.step_count}")
-        files = [] if adapter_only else export_weights(
-            out, params=params, units=self.units, store=self.store, placement=self._placement, buffers=buffers,
-            model_config=config, step=self.step_count, max_shard_size=max_shard_size, merge=merge, dtype=dtype,
-            model=self.model.get_base_model() if merged else None if self.binding.model_config is None else self.model)
-        return files + ([] if merged else export_adapter(out, self.binding, self.store, self._placement,
-                                                          required=adapter_only, dtype=dtype))
+        base = self.model.get_base_model() if merged else None if self.binding.model_config is None else self.model
+        with exporting(out) if self._placement.writes_exports() else contextlib.nullcontext():  # (one at a time)
+            files = [] if adapter_only else export_weights(
+                out, params=params, units=self.units, store=self.store, placement=self._placement, buffers=buffers,
+                model_config=config, step=self.step_count, max_shard_size=max_shard_size, merge=merge, dtype=dtype,
+                model=base)
+            return files + ([] if merged else export_adapter(out, self.binding, self.store, self._placement,
+                                                              required=adapter_only, dtype=dtype))
 
     # ---- the timeline ---------------------------------------------------------------------
     def _attach_tracer(self, tracer: Tracer | None) -> None:

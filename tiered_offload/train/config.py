@@ -268,8 +268,9 @@ class RunConfig:
                               "lora.r, or drop lora.merged")
         if not self.offload.durable:
             raise ConfigError("offload.durable: false leaves nothing to resume from; the train command keeps it true")
-        if self.train.epochs is not None and not (_is_a("float", self.train.epochs) and 0 < self.train.epochs < math.inf):
-            raise ConfigError(f"train.epochs must be a finite number > 0 (passes over the data), got {self.train.epochs!r}")
+        epochs = self.train.epochs
+        if epochs is not None and not (_is_a("float", epochs) and 0 < epochs < math.inf):
+            raise ConfigError(f"train.epochs must be a finite number > 0 (passes over the data), got {epochs!r}")
         if not (_is_a("int", self.train.seed) and self.train.seed >= 0):
             raise ConfigError(f"train.seed must be an integer >= 0, got {self.train.seed!r}")
         for section in dataclasses.fields(self):  # what the checks above leave: each value of its field's type

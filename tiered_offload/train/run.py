@@ -33,7 +33,8 @@ from offload_core.sizes import format_size
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
 from tiered_offload.checkpoint.lock import kind_of, read_own
-from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights, write_private
+from tiered_offload.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, exporting, pick_weights,
+                                                      write_private)
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
@@ -292,8 +293,14 @@ def _export(engine, model_dir: Path, out: Path, cfg, ranks: Ranks) -> None:
     """The weights (with LoRA: the adapter alone, or the model with it merged) in ``output.dtype``,
     and the tokenizer (every rank calls it: rank 0 writes)."""
     lora = cfg.lora
-    engine.export_safetensors(out, adapter_only=bool(lora.r) and not lora.merged, merged=bool(lora.r) and lora.merged,
-                              dtype=cfg.output.dtype)
+    with exporting(out) if ranks.first else contextlib.nullcontext():  # (the weights and the tokenizer: one hold)
+        engine.export_safetensors(out, adapter_only=bool(lora.r) and not lora.merged,
+                                  merged=bool(lora.r) and lora.merged, dtype=cfg.output.dtype)
+        _copy_tokenizer(model_dir, out, ranks)
+
+
+def _copy_tokenizer(model_dir: Path, out: Path, ranks: Ranks) -> None:
+    """The tokenizer's files beside an export (rank 0 writes them)."""
     for name in TOKENIZER_FILES:
         if ranks.first and (model_dir / name).is_file():
             try:
