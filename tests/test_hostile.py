@@ -173,6 +173,27 @@ def test_two_exports_into_one_directory_are_one_at_a_time(tmp_path, capsys):
     assert any(rc == 0 for rc, _ in outcomes) and same(exported(), first)
 
 
+def test_a_killed_exports_half_written_shards_go_at_the_next_export(tmp_path, capsys):
+    """An export killed while it wrote (SIGKILL, the OOM killer, a power cut) leaves its shards'
+    temporary files, up to a shard's size each. The next export replaced those of the same names
+    only: another shard plan (``--max-shard-size``, ``--dtype``) left them for good. An export
+    holds its directory (no other export writes there meanwhile), so it removes every shard's
+    temporary it finds; the user's other files stay."""
+    engine = make_engine(tmp_path / "s", layers=12)
+    train(engine, 2)
+    engine.close()
+    out = tmp_path / "out"
+    out.mkdir()
+    left = [out / ".model-00007-of-00009.safetensors.partial", out / ".model.safetensors.partial"]
+    for f in left:
+        f.write_bytes(b"\0" * 4096)
+    mine = [out / "notes.partial", out / ".notes.txt", out / "README.md"]
+    for f in mine:
+        f.write_text("the user's")
+    assert cli_main(["export", str(tmp_path / "s"), str(out), "--max-shard-size", "200KB"]) == 0
+    assert not any(f.exists() for f in left) and all(f.read_text() == "the user's" for f in mine)
+
+
 # ---- 2. a damaged journal ---------------------------------------------------------------------------
 def _cut_short_in_step_3(path: Path, monkeypatch) -> None:
     """A journal holding step 3's intent and two unit records (the process died in the update)."""

@@ -359,8 +359,9 @@ def exporting(out: Path):
     an ``flock`` on the directory, so that a second export into it, from another process, is
     refused instead of renaming this one's half-written files into place (or mixing two states'
     shards under one index). Held again inside (the weights, then ``config.json``...) it nests. A
-    file system without ``flock`` on directories goes without. A directory it made is removed
-    again where the export failed before writing anything there (a refused export leaves none)."""
+    file system without ``flock`` on directories goes without. Held, it removes the shards'
+    temporaries a killed export left. A directory it made is removed again where the export
+    failed before writing anything there (a refused export leaves none)."""
     out = Path(out)
     made = not os.path.lexists(out)
     try:
@@ -385,6 +386,9 @@ def exporting(out: Path):
                                          f"to finish, or export elsewhere") from None
             except OSError:  # (no flock there: an export goes without)
                 pass
+            else:  # (no other export writes here: a shard's temporary is a killed one's, up to a shard's size)
+                for stale in out.glob(".*.safetensors.partial"):
+                    stale.unlink(missing_ok=True)
             held = _EXPORTING[key] = [fd, 0]
         held[1] += 1
     try:
