@@ -1643,6 +1643,37 @@ def test_what_is_not_a_regular_file_among_the_runs_own_files_is_no_hang(tmp_path
     assert (final / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
 
 
+def test_a_second_run_into_the_output_dir_of_one_training_is_refused_naming_it(tmp_path, model_dir, data):
+    """Two runs with one ``output.dir`` and their own ``offload.storage`` (a second experiment
+    started without changing the output): both trained, their records interleaved in one
+    ``metrics.jsonl``, and whichever exported last replaced the other's ``final/``, silently. A run
+    now holds its output.dir (``.cache/train.lock``): a second one is refused at once, naming the
+    first's process, and the first trains on untouched."""
+    from offload_core.errors import StorageLockedError
+    first = write_config(tmp_path / "a", model_dir, data, train__max_steps=400, train__eval_every=0,
+                         output__export_every=0, output__dir=str(tmp_path / "out"))
+    runner = subprocess.Popen([sys.executable, "-m", "tiered_offload", "train", "--config", str(first), "--no-progress"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert runner.poll() is None and time.monotonic() < deadline, runner.stderr.read() if runner.poll() else ""
+            time.sleep(0.2)
+        second = write_config(tmp_path / "b", model_dir, data, train__max_steps=2, output__export_every=0,
+                              output__dir=str(tmp_path / "out"))
+        with pytest.raises(StorageLockedError, match=rf"output\.dir .*out is in use by process {runner.pid}.*another "
+                                                     rf"output\.dir"):
+            train(second, progress=False)
+        assert not (tmp_path / "b" / "run").exists()  # (refused before anything was made)
+    finally:
+        runner.send_signal(signal.SIGTERM)  # (it commits its step and stops)
+        out, err = runner.communicate(timeout=120)
+    assert runner.returncode == 0 and "stopped at step" in out, err[-2000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))  # the first run's records alone
+
+
 def test_a_second_command_leaves_the_data_another_is_tokenising_alone(tmp_path, model_dir, data):
     """Two ``train`` commands on one output.dir (the same command started twice; two machines of a
     torchrun job sharing it): the second one found the first's cache unfinished and tokenised into

@@ -32,8 +32,13 @@ class DirectoryLock:
     process is never mistaken for a live owner (no PID-reuse guessing). The file names the holder.
     """
 
-    def __init__(self, state_dir: Path):
-        self.path = state_dir / LOCK
+    def __init__(self, state_dir: Path, *, path: Path | None = None, what: str | None = None,
+                 advice: str = "give this run another directory"):
+        """The lock of ``state_dir`` (``path``: another file; ``what``: the directory as the error
+        names it, and ``advice`` what to do)."""
+        self.path = path or state_dir / LOCK
+        self._what = what or f"storage directory {state_dir.parent}"
+        self._advice = advice
         self._fd: int | None = None
         self.took_over: dict | None = None
         """The holder recorded by a previous process that died without releasing the lock."""
@@ -52,9 +57,8 @@ class DirectoryLock:
                 who = (f"a process started by process {holder.get('pid')}, which has exited (its record: started "
                        f"{holder.get('since')}: {holder.get('command')}); a child it forked (a data loader worker, a "
                        f"subprocess) inherited the lock and still runs: stop it (`fuser -v {self.path}` names it)")
-            raise StorageLockedError(
-                f"storage directory {self.path.parent.parent} is in use by {who}; the lock is {self.path}. Stop that "
-                f"process, or give this run another directory") from None
+            raise StorageLockedError(f"{self._what} is in use by {who}; the lock is {self.path}. Stop that process, "
+                                     f"or {self._advice}") from None
         previous = read_holder(fd)
         if previous:
             self.took_over = previous

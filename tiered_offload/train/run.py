@@ -32,7 +32,7 @@ from offload_core.errors import CheckpointError, ConfigError, DiskFullError, Ste
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
-from tiered_offload.checkpoint.lock import kind_of, read_own
+from tiered_offload.checkpoint.lock import DirectoryLock, kind_of, read_own
 from tiered_offload.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, exporting, pick_weights,
                                                       write_private)
 from tiered_offload.checkpoint.schema import check_index, parse_json
@@ -329,7 +329,6 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
 
 
 def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ranks) -> dict:
-    from tiered_offload import Engine
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
@@ -340,6 +339,19 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"output.dir {out}: cannot create it ({e.strerror or e}); name a directory you can write") from None
+    # One run at a time writes an output.dir (its metrics.jsonl, its exports); a dry run writes nothing there.
+    held = None if dry_run or not ranks.first else DirectoryLock(
+        out, path=out / ".cache" / "train.lock", what=f"output.dir {out}", advice="give this run another output.dir"
+    ).acquire()
+    try:
+        return _run(cfg, model_dir, out, dry_run, progress, on_step, ranks)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step, ranks: Ranks) -> dict:
+    from tiered_offload import Engine
     hf_config, tokenizer = _config_and_tokenizer(model_dir)
     train_data, eval_data = ranks.once_per_machine(lambda: prepare_data(
         cfg.data, tokenizer, model_dir, out / ".cache", getattr(hf_config, "max_position_embeddings", None)))
