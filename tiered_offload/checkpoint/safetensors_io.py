@@ -377,14 +377,15 @@ def exporting(out: Path):
     with _HOLD:
         held = _EXPORTING.get(key)
         if held is None:
-            fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+            fd = None
             try:
+                fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise StorageLockedError(f"{out} is being written by another export (another process); wait for it "
                                          f"to finish, or export elsewhere") from None
-            except OSError:  # (no flock there: an export goes without)
+            except OSError:  # (a directory this user cannot open to read, no flock there: it goes without)
                 pass
             else:  # (no other export writes here: a shard's temporary is a killed one's, up to a shard's size)
                 for stale in out.glob(".*.safetensors.partial"):
@@ -403,7 +404,8 @@ def exporting(out: Path):
             held[1] -= 1
             if not held[1]:
                 del _EXPORTING[key]
-                os.close(held[0])  # (releases the flock)
+                if held[0] is not None:
+                    os.close(held[0])  # (releases the flock)
 
 
 class SafetensorsWriter:
