@@ -25,6 +25,7 @@ from offload_core.errors import (
     ConfigError,
     CorruptionError,
     DiskFullError,
+    StorageDirectoryError,
     StorageLockedError,
     TieredOffloadError,
 )
@@ -797,6 +798,24 @@ def test_a_state_on_read_only_media_is_inspected_verified_and_exported(tmp_path,
     assert (out["inspect"], out["verify"], out["export"]) == (0, 0, 0), out
     assert (exported / "model.safetensors").is_file() or (exported / "model.safetensors.index.json").is_file()
     assert re.search(engine_error, out.get("engine", "")), out
+
+
+def test_a_file_system_that_cannot_lock_is_named(tmp_path, monkeypatch):
+    """A storage directory on a file system without ``flock`` (some network and FUSE ones): the
+    engine stopped with the untyped ``OSError`` of its lock. It is a ``StorageDirectoryError``
+    saying why the lock matters and what to do."""
+    import errno
+    import fcntl
+    real = fcntl.flock
+
+    def no_locks(fd, op):  # (this test's storage only)
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(StorageDirectoryError, match=r"storage directory .*/s: its file system cannot lock .*lock "
+                                                    r"\(No locks available\).*local disk"):
+        make_engine(tmp_path / "s")
 
 
 # ---- import / export --------------------------------------------------------------------------

@@ -1674,6 +1674,24 @@ def test_a_second_run_into_the_output_dir_of_one_training_is_refused_naming_it(t
     assert steps == list(range(1, len(steps) + 1))  # the first run's records alone
 
 
+def test_an_output_dir_that_cannot_be_locked_trains_with_a_warning(tmp_path, model_dir, data, monkeypatch, caplog):
+    """An output.dir on a file system without ``flock``: the run's hold on it (which refuses a
+    second run there) cannot be taken; the run trains, saying so, instead of stopping on it."""
+    import errno
+    import fcntl
+    real = fcntl.flock
+
+    def no_locks(fd, op):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("train.lock"):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="tiered_offload"):
+        assert train(write_config(tmp_path, model_dir, data, train__max_steps=2, output__export_every=0),
+                     progress=False)["step"] == 2
+    assert "cannot lock" in caplog.text and "train.lock" in caplog.text, caplog.text
+
+
 def test_a_second_command_leaves_the_data_another_is_tokenising_alone(tmp_path, model_dir, data):
     """Two ``train`` commands on one output.dir (the same command started twice; two machines of a
     torchrun job sharing it): the second one found the first's cache unfinished and tokenised into

@@ -33,12 +33,14 @@ class DirectoryLock:
     """
 
     def __init__(self, state_dir: Path, *, path: Path | None = None, what: str | None = None,
-                 advice: str = "give this run another directory"):
+                 advice: str = "give this run another directory", required: bool = True):
         """The lock of ``state_dir`` (``path``: another file; ``what``: the directory as the error
-        names it, and ``advice`` what to do)."""
+        names it, and ``advice`` what to do). A file system that cannot lock is a
+        :class:`StorageDirectoryError`, or, not ``required``, a warning and no lock."""
         self.path = path or state_dir / LOCK
         self._what = what or f"storage directory {state_dir.parent}"
         self._advice = advice
+        self._required = required
         self._fd: int | None = None
         self.took_over: dict | None = None
         """The holder recorded by a previous process that died without releasing the lock."""
@@ -59,6 +61,15 @@ class DirectoryLock:
                        f"subprocess) inherited the lock and still runs: stop it (`fuser -v {self.path}` names it)")
             raise StorageLockedError(f"{self._what} is in use by {who}; the lock is {self.path}. Stop that process, "
                                      f"or {self._advice}") from None
+        except OSError as e:  # (a file system without flock: some network and FUSE ones)
+            os.close(fd)
+            if self._required:
+                raise StorageDirectoryError(e.errno, f"{self._what}: its file system cannot lock {self.path} "
+                                                     f"({e.strerror}), which keeps a second process out; put it on a "
+                                                     f"local disk file system") from None
+            log.warning("%s: its file system cannot lock %s (%s): a second process there would not be refused",
+                        self._what, self.path, e.strerror)
+            return self
         previous = read_holder(fd)
         if previous:
             self.took_over = previous

@@ -341,8 +341,8 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
         raise ConfigError(f"output.dir {out}: cannot create it ({e.strerror or e}); name a directory you can write") from None
     # One run at a time writes an output.dir (its metrics.jsonl, its exports); a dry run writes nothing there.
     held = None if dry_run or not ranks.first else DirectoryLock(
-        out, path=out / ".cache" / "train.lock", what=f"output.dir {out}", advice="give this run another output.dir"
-    ).acquire()
+        out, path=out / ".cache" / "train.lock", what=f"output.dir {out}", advice="give this run another output.dir",
+        required=False).acquire()
     try:
         return _run(cfg, model_dir, out, dry_run, progress, on_step, ranks)
     finally:
