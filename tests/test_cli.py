@@ -1,6 +1,7 @@
 """The command line: bench-io end to end on a small size, profiles, errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -43,6 +44,38 @@ def test_bench_io_bad_path_is_a_clear_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert str(f) in err and "error" in err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--request-sizes", "0"], r"--request-sizes: 0 B is not a positive multiple of 4\.00 KiB"),
+    (["--request-sizes", "1MiB,3000"], r"--request-sizes: 2\.93 KiB is not a positive multiple of 4\.00 KiB"),
+    (["--threads", "0"], r"--threads: 0 is not an integer >= 1"),
+    (["--threads", "4,lots"], r"--threads: 'lots' is not an integer >= 1"),
+    (["--backends", "nope"], r"--backends: unknown mode 'nope'; the modes are posix-direct, posix-buffered, "
+                             r"aiofiles, kvikio"),
+    (["--backends", "kvikio"], r"no mode of --backends can run here: kvikio skipped"),
+    (["--path", "FILE"], r"benchmark path .*file is a file, not a directory"),
+], ids=["request 0", "request not a multiple", "threads 0", "threads not a number", "unknown mode", "none runs",
+        "a file"])
+def test_bench_io_bad_arguments_are_refused_before_measuring(tmp_path, capsys, args, match):
+    """Before: ``--request-sizes 0`` was an untyped ``ValueError`` (``range() arg 3``); ``--threads 0``
+    measured and recommended 0 threads (a profile the store then refuses); ``--threads lots`` an
+    untyped ``ValueError``; an unknown ``--backends`` mode, or none that can run here, ended after
+    the measuring with "the storage returned wrong bytes" (an untyped ``RuntimeError``); a file as
+    ``--path`` was "File exists". Each is refused before anything is measured, naming the flag."""
+    pytest.importorskip("tqdm")
+    if args[0] == "--path":
+        (tmp_path / "file").write_text("x")
+        args = ["--path", str(tmp_path / "file")]
+    elif args[:2] == ["--backends", "kvikio"]:
+        from storage_backends.kvikio_backend import kvikio_status
+        if kvikio_status() is None:
+            pytest.skip("kvikio runs here: a mode that cannot run needs a machine without it")
+    rc = main(["bench-io", "--size", "1MiB", "--no-progress", *args, *(["--path", str(tmp_path / "b")]
+                                                                        if "--path" not in args else [])])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(match, err), err
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "export"])

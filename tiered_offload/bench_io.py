@@ -15,6 +15,7 @@ report says which was used.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import platform
@@ -28,16 +29,22 @@ from pathlib import Path
 import torch
 
 from offload_core.buffers import aligned_empty
-from offload_core.errors import StorageDirectoryError
+from offload_core.errors import ConfigError, StorageDirectoryError
 from offload_core.sizes import format_size, parse_size
 from storage_backends import auto_choice, get_backend_class
 from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.posix import probe_direct_io
+from tiered_offload.checkpoint.lock import kind_of
 from tiered_offload.profile import default_profile_path, filesystem_id, save_profile
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench_io", "drop_page_cache"]
 
 GB = 1e9
+
+
+MODES = ("posix-direct", "posix-buffered", "aiofiles", "kvikio")
+"""The modes ``--backends`` names."""
+PAGE = 4096
 
 
 @dataclass(kw_only=True)
@@ -52,8 +59,24 @@ class BenchConfig:
     """Request (chunk) sizes to try."""
     thread_counts: tuple[int, ...] = (1, 4, 8)
     """I/O thread counts to try."""
-    backends: tuple[str, ...] = ("posix-direct", "posix-buffered", "aiofiles", "kvikio")
+    backends: tuple[str, ...] = MODES
     """Backend modes to try; unavailable ones are reported and skipped."""
+
+    def validate(self) -> "BenchConfig":
+        """Refuse what cannot be measured, before anything is: a :class:`ConfigError` naming the flag."""
+        for r in self.request_sizes:
+            if r <= 0 or r % PAGE:
+                raise ConfigError(f"--request-sizes: {format_size(r)} is not a positive multiple of "
+                                  f"{format_size(PAGE)} (the unit of direct I/O)")
+        for t in self.thread_counts:
+            if not isinstance(t, int) or t < 1:
+                raise ConfigError(f"--threads: {t!r} is not an integer >= 1")
+        for mode in self.backends:
+            if mode not in MODES:
+                raise ConfigError(f"--backends: unknown mode {mode!r}; the modes are {', '.join(MODES)}")
+        if self.size_bytes <= 0:
+            raise ConfigError(f"--size: {self.size_bytes} bytes; give a positive size (512MiB)")
+        return self
 
 
 @dataclass
@@ -109,9 +132,6 @@ def _plan(cfg: BenchConfig, directory: Path) -> tuple[list[tuple[str, int, int]]
             if reason:
                 notes.append(f"kvikio skipped: {reason}")
                 continue
-        elif mode not in ("posix-buffered", "aiofiles"):
-            notes.append(f"{mode}: unknown mode, skipped")
-            continue
         modes.append(mode)
     plan = []
     for mode in modes:
@@ -215,9 +235,14 @@ def plot(results: list[BenchResult], out: str) -> None:
 
 def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
     """Run the benchmark; return the report (what ``--json`` writes)."""
+    cfg.validate()
     created_tmp = cfg.path is None
     directory = Path(tempfile.mkdtemp(prefix=".tiered-offload-bench-", dir=os.getcwd())) if created_tmp \
         else Path(cfg.path).expanduser().absolute()
+    if os.path.lexists(directory) and not directory.is_dir():
+        what = "a file" if directory.is_file() else kind_of(os.lstat(directory).st_mode)
+        raise StorageDirectoryError(errno.ENOTDIR, f"benchmark path {directory} is {what}, not a directory; pass "
+                                                   f"--path a directory (new or existing) on the disk to measure")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -230,6 +255,11 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
         raise DiskFullError(f"bench-io needs {format_size(cfg.size_bytes)} in {directory} but only {format_size(free)} "
                             f"is free; pass a smaller --size", path=str(directory), needed_bytes=cfg.size_bytes, free_bytes=free)
     plan, notes = _plan(cfg, directory)
+    if not plan:
+        if created_tmp:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise ConfigError(f"no mode of --backends can run here: {'; '.join(notes)}; name others "
+                          f"({', '.join(MODES)})")
     host_src = aligned_empty(cfg.size_bytes)
     g = torch.Generator().manual_seed(1234)
     host_src.copy_(torch.randint(0, 256, (cfg.size_bytes,), dtype=torch.uint8, generator=g))
@@ -270,6 +300,14 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
     }
 
 
+def _count(text: str) -> int | str:
+    """A ``--threads`` item: its integer, else the text (refused by :meth:`BenchConfig.validate`)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def main(args) -> int:
     """The ``bench-io`` subcommand (arguments parsed by :mod:`tiered_offload.cli`)."""
     if args.plot:  # before measuring for minutes, not after
@@ -283,9 +321,9 @@ def main(args) -> int:
         path=args.path,
         size_bytes=parse_size(args.size, what="--size"),
         request_sizes=tuple(parse_size(s, what="--request-sizes") for s in args.request_sizes.split(",")),
-        thread_counts=tuple(int(t) for t in args.threads.split(",")),
+        thread_counts=tuple(_count(t) for t in args.threads.split(",")),
         backends=tuple(args.backends.split(",")),
-    )
+    ).validate()
     report = run_bench_io(cfg, progress=not args.no_progress)
     results = [BenchResult(**{k: v for k, v in r.items() if k != "score_GBps"}) for r in report["results"]]
     print(f"bench-io: {format_size(cfg.size_bytes)} per test in {report['path']}"
