@@ -122,6 +122,27 @@ def test_demo_with_a_storage_directory_resumes_where_it_stopped(tmp_path):
     assert main(["inspect", str(tmp_path / "parts")]) == 0
 
 
+@pytest.mark.parametrize("args, match", [
+    (["--batch", "0"], r"--batch must be an integer >= 1, got 0"),
+    (["--layers", "1"], r"--layers must be an integer >= 2 \(the engine streams the blocks\), got 1"),
+    (["--heads", "5"], r"--heads 5 does not divide --d-model 384"),
+    (["--context", "1"], r"--context must be an integer >= 2"),
+    (["--steps", "-1"], r"--steps must be an integer >= 0, got -1"),
+    (["--lr", "inf"], r"--lr must be a finite number > 0, got inf"),
+    (["--d-model", "0"], r"--d-model must be an integer >= 1, got 0"),
+], ids=["batch", "layers", "heads", "context", "steps", "lr", "d-model"])
+def test_demo_bad_arguments_are_refused_naming_the_flag(tmp_path, capsys, monkeypatch, args, match):
+    """``--batch 0`` was an untyped ``RuntimeError`` (``stack expects a non-empty TensorList``);
+    ``--layers 1`` "GPT has no block sequence ... pass blocks="; ``--heads 5`` a shape error from
+    the model's forward; ``--context 1`` "the loss is nan". Each is refused before the model is
+    built, naming the flag."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err
+    assert not list(tmp_path.iterdir())  # (nothing made)
+
+
 def test_bench_io_plot_without_matplotlib_fails_before_measuring(tmp_path, capsys, monkeypatch):
     import tiered_offload.bench_io as bench_io
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from offload_core.errors import ConfigError
 from offload_core.sizes import format_size, parse_size
 from tiered_offload.engine.facade import Engine, empty_init
 from tiered_offload.memstat import peak_rss_bytes
@@ -51,10 +52,26 @@ def load_stdlib_bytes(limit_bytes: int = 32 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
+def _check(*, d_model, layers, heads, context, batch, steps, lr) -> None:
+    """The demo's arguments, each one the model and the training can take (else a
+    :class:`ConfigError` naming its flag), before anything is built."""
+    checks = [("--d-model", d_model, 1, ""), ("--layers", layers, 2, " (the engine streams the blocks)"),
+              ("--heads", heads, 1, ""), ("--context", context, 2, " (a token and the next)"),
+              ("--batch", batch, 1, ""), ("--steps", steps, 0, "")]
+    for flag, value, least, why in checks:
+        if not isinstance(value, int) or value < least:
+            raise ConfigError(f"{flag} must be an integer >= {least}{why}, got {value!r}")
+    if d_model % heads:
+        raise ConfigError(f"--heads {heads} does not divide --d-model {d_model}; pick heads that do (6 for 384)")
+    if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
+        raise ConfigError(f"--lr must be a finite number > 0, got {lr!r}")
+
+
 def run_demo(*, d_model: int = 384, layers: int = 8, heads: int = 6, context: int = 128, batch: int = 8,
              steps: int = 60, lr: float = 2e-3, storage: str | None = None, host_memory: str | int | None = None,
              device: str = "auto", progress: bool = True, seed: int = 0) -> dict:
     """Train the demo model; return a summary (losses, throughput, bytes moved, peak memory)."""
+    _check(d_model=d_model, layers=layers, heads=heads, context=context, batch=batch, steps=steps, lr=lr)
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=256, context=context, d_model=d_model, n_layers=layers, n_heads=heads)
     state_bytes = 16 * cfg.n_params()
