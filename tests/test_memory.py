@@ -137,3 +137,31 @@ def test_a_pytorch_file_is_read_without_holding_it_in_memory(tmp_path):
         assert run.returncode == 0, run.stderr
         grown[how] = int(run.stdout.split()[-1])
     assert grown["released"] <= 8 * MiB and grown["kept"] >= 40 * MiB, grown
+
+
+def test_a_host_budget_beyond_the_machines_memory_is_refused_up_front(tmp_path, caplog):
+    """``host_memory`` larger than this machine's memory (a typo, ``64GiB`` on a 24 GiB machine, or
+    a budget written for another machine): the host tier's mapping failed with the untyped
+    ``OSError: [Errno 12] Cannot allocate memory`` (``OverflowError`` past 8 EiB), or, where the
+    kernel overcommits, was granted and the process killed when the tier filled. It is refused when
+    the engine is built, naming the budget, the memory there is, and what ``auto`` would give; a
+    budget above the memory available now (but within the machine's) is a warning."""
+    import pytest
+    import torch
+    from offload_core.errors import ConfigError
+    from tiered_offload import Engine
+    from tiered_offload.memstat import available_memory_bytes, memory_limit_bytes
+    from tiered_offload_examples.models import GPT, GPTConfig
+
+    def build(host):
+        model = GPT(GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=4))
+        return Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=str(tmp_path / "s"), host_memory=host)
+    limit, _ = memory_limit_bytes()
+    for host in (limit + (1 << 30), 10 ** 19):
+        with pytest.raises(ConfigError, match=r"host_memory .* is more than this machine's memory .*lower it.*auto"):
+            build(host)
+    within = available_memory_bytes() + (limit - available_memory_bytes()) // 2
+    if within > available_memory_bytes() + (64 << 20):  # (a machine with memory in use to stand between them)
+        with caplog.at_level("WARNING", logger="tiered_offload"):
+            build(within).close()
+        assert "more than the memory available now" in caplog.text, caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -10,9 +11,11 @@ from typing import Callable
 import torch
 
 from offload_core.errors import ConfigError
-from offload_core.sizes import parse_size
+from offload_core.sizes import format_size, parse_size
 
-from .memstat import available_memory_bytes
+from .memstat import available_memory_bytes, memory_limit_bytes
+
+log = logging.getLogger(__name__)
 
 PREFETCH_DEPTH = 16
 """The lookahead's default prefetch depth, for a store alone and for the engine's store alike."""
@@ -201,10 +204,26 @@ class StoreConfig:
         pin = self.pin_host_memory if self.pin_host_memory is not None else device.type == "cuda"
         if pin and not torch.cuda.is_available():
             raise ConfigError("pin_host_memory=True needs CUDA; leave it None on CPU-only machines")
+        host = parse_size(host, what="host_budget_bytes")
+        _check_host_budget(host)
         return dataclasses.replace(
-            self, device=device, pin_host_memory=pin,
-            host_budget_bytes=parse_size(host, what="host_budget_bytes"),
+            self, device=device, pin_host_memory=pin, host_budget_bytes=host,
             device_budget_bytes=parse_size(dev_budget, what="device_budget_bytes"))
+
+
+def _check_host_budget(host: int) -> None:
+    """The host tier maps its whole budget when the store opens: one beyond what this process
+    could ever have is refused (the mapping failed untyped, or where the kernel overcommits the
+    process was killed as the tier filled); one beyond what is available now is a warning."""
+    limit, what = memory_limit_bytes()
+    auto = format_size(available_memory_bytes() // 4)
+    if host > limit:
+        raise ConfigError(f"host_memory {format_size(host)} is more than this machine's memory ({what}: "
+                          f"{format_size(limit)}); lower it ('auto': a quarter of the memory available now, {auto})")
+    if host > available_memory_bytes():
+        log.warning("host_memory %s is more than the memory available now (%s): the host tier takes it as it fills, "
+                    "and the kernel may stop the process where it cannot give it; 'auto' gives %s",
+                    format_size(host), format_size(available_memory_bytes()), auto)
 
 
 @dataclass(kw_only=True)

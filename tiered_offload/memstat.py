@@ -10,7 +10,8 @@ import resource
 
 import psutil
 
-__all__ = ["rss_bytes", "peak_rss_bytes", "tune_allocator", "cgroup_memory", "available_memory_bytes"]
+__all__ = ["rss_bytes", "peak_rss_bytes", "tune_allocator", "cgroup_memory", "available_memory_bytes",
+           "memory_limit_bytes"]
 
 log = logging.getLogger(__name__)
 _M_MMAP_THRESHOLD = -3
@@ -107,6 +108,16 @@ def cgroup_memory(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/c
         if limit is not None:
             return limit, _read_int(os.path.join(base, "memory.usage_in_bytes")) or 0
     return None
+
+
+def memory_limit_bytes() -> tuple[int, str]:
+    """``(bytes, what they are)``: the most memory this process could ever have: the machine's
+    memory and swap, or a container's cgroup limit where lower."""
+    limit, what = psutil.virtual_memory().total + psutil.swap_memory().total, "its memory and swap"
+    cgroup = cgroup_memory()
+    if cgroup is not None and cgroup[0] < limit:
+        limit, what = cgroup[0], "its container's memory limit"
+    return limit, what
 
 
 def available_memory_bytes() -> int:
