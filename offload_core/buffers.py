@@ -13,6 +13,8 @@ import mmap
 import numpy as np
 import torch
 
+from offload_core.errors import TierCapacityError
+
 __all__ = ["PAGE", "byte_view", "buffer_nbytes", "is_device_buffer", "aligned_empty", "tensor_bytes", "HostMemory"]
 
 PAGE = 4096
@@ -92,7 +94,7 @@ class HostMemory:
             code = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
             if code != 0:
                 self.release()
-                raise RuntimeError(
+                raise TierCapacityError(
                     f"page-locking {nbytes} bytes of host memory for CUDA failed (cudaError {code}); the system's "
                     f"locked-memory limit may be too low (ulimit -l), or the host budget too large for this machine")
             self.pinned = True
