@@ -1926,8 +1926,8 @@ def test_tokenising_in_batches_gives_each_example_its_own_tokens(tmp_path, model
     """Examples are tokenised a batch at a time (a chunk of text: the fast tokenizer's threads share
     it; one at a time took 2.5x as long on two cores). Each example's ids and loss mask are those it
     has tokenised alone, across batch ends, an example longer than a batch, and empty ones."""
-    from tiered_offload.train import data as data_module
-    monkeypatch.setattr(data_module, "CHUNK", 1 << 9)
+    from tiered_offload.train import sources
+    monkeypatch.setattr(sources, "CHUNK", 1 << 9)  # (read, tokenised and written a chunk at a time)
     texts = sentences(120, seed=9)
     texts[7] = " ".join(texts[:40])  # longer than a batch
     texts[30] = texts[31] = ""
@@ -1965,8 +1965,8 @@ def test_tokenising_holds_no_list_of_the_corpus_tokens(tmp_path, model_dir, pack
     35-280 KiB: 8x the corpus adds under 2 bytes a token (an example's length, 8 bytes, remains)."""
     import tracemalloc
 
-    from tiered_offload.train import data as data_module
-    monkeypatch.setattr(data_module, "CHUNK", 1 << 12)
+    from tiered_offload.train import sources
+    monkeypatch.setattr(sources, "CHUNK", 1 << 12)  # (read, tokenised and written a chunk at a time)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     peaks, tokens = [], []
     for n in (500, 4000):

@@ -1,7 +1,8 @@
-"""Training data for ``tiered-offload train``: read and tokenised once, a chunk at a time (the
-tokens spooled to files as they come), cached as memory-mapped arrays beside the run (a large
-corpus never sits in RAM, as text or as tokens), served in a fixed, seeded order so that a step
-number alone says which sequences it trains on (a resume continues at the same one).
+"""Training data for ``tiered-offload train``: read (:mod:`tiered_offload.train.sources`) and
+tokenised once, a chunk at a time (the tokens spooled to files as they come), cached as
+memory-mapped arrays beside the run (a large corpus never sits in RAM, as text or as tokens),
+served in a fixed, seeded order so that a step number alone says which sequences it trains on (a
+resume continues at the same one).
 
 Each example becomes token ids and a loss mask: every token for ``text`` and ``completion``, the
 response only for ``alpaca``, the assistant's turns only for ``chat`` (rendered with the
@@ -17,7 +18,6 @@ import contextlib
 import errno
 import fcntl
 import functools
-import glob
 import hashlib
 import json
 import logging
@@ -33,16 +33,17 @@ import numpy as np
 import torch
 
 from offload_core.errors import ConfigError, DiskFullError, StorageIOError
-from tiered_offload.checkpoint.lock import kind_of, open_own
+from tiered_offload.checkpoint.lock import open_own
 from tiered_offload.progress import track
+from tiered_offload.train import sources as source_files
 from tiered_offload.train.packing import DOCUMENTS, write_documents
+from tiered_offload.train.sources import ALPACA_PROMPT, Conversation, LastTurn, data_files
+from tiered_offload.train.sources import examples as read_examples
 
 log = logging.getLogger("tiered_offload")
 
 __all__ = ["Dataset", "prepare_data", "ALPACA_PROMPT"]
 
-ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
-                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
 IGNORE = -100
 """The label of a token that carries no loss (Hugging Face's ``ignore_index``)."""
 
@@ -76,297 +77,6 @@ class Dataset:
     def tokens(self, rows: list[int]) -> int:
         """Tokens that carry loss in ``rows``."""
         return int((np.asarray(self.labels[rows]) != IGNORE).sum())
-
-
-CHUNK = 1 << 20
-"""Characters of a data file read at a time, of examples tokenised together, and tokens of packed
-sequences written at a time."""
-
-
-def _chunks(path: Path, what: str):
-    """The text of a UTF-8 file, :data:`CHUNK` characters at a time (newlines translated, as
-    ``read_text``; a leading byte order mark dropped): a corpus is read as it is tokenised, never whole."""
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            while chunk := f.read(CHUNK):
-                yield chunk
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"data.path {path}: cannot read it as UTF-8 {what} ({e})") from None
-
-
-def _lines(path: Path):
-    """``(line, number)`` of a JSON-lines file. A line ends at a newline only: JSON allows U+2028,
-    U+2029 and U+0085 unescaped in a string, where ``str.splitlines`` would split it."""
-    rest, n = "", 0
-    for chunk in _chunks(path, "JSON lines"):
-        *lines, rest = (rest + chunk).split("\n")
-        for line in lines:
-            n += 1
-            yield line, n
-    if rest:
-        yield rest, n + 1
-
-
-SUFFIXES = {"text": (".txt",)}
-"""The data files a directory given as ``data.path`` holds, by ``data.format`` (the others: JSON
-lines, a JSON array, Parquet)."""
-ROWS = (".jsonl", ".json", ".parquet")
-
-
-HUB_DATASETS = "hf://datasets/"
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message, its first line (its type's name where it has none)."""
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def _hub_dataset(spec: str, key: str) -> Path:
-    """The local path of ``hf://datasets/OWNER/NAME[@REVISION]/PATH`` (PATH a file or a glob of the
-    dataset): its files fetched through huggingface_hub's cache (only those PATH matches)."""
-    owner, _, rest = spec[len(HUB_DATASETS):].partition("/")
-    name, _, pattern = rest.partition("/")
-    name, _, revision = name.partition("@")
-    if not (owner and name and pattern):
-        raise ConfigError(f"{key} {spec}: write hf://datasets/OWNER/NAME/PATH, PATH a file or a glob of the dataset "
-                          f"(data/train-*.parquet)")
-    repo = f"{owner}/{name}"
-    try:
-        import huggingface_hub
-        local = huggingface_hub.snapshot_download(repo, repo_type="dataset", revision=revision or None,
-                                                  allow_patterns=[pattern])
-    except Exception as e:  # (no network, not cached, no such dataset, gated, no huggingface_hub)
-        raise ConfigError(f"{key} {spec}: the Hugging Face Hub gave no dataset {repo} ({type(e).__name__}: {first_line(e)}); "
-                          f"download it (hf download --repo-type dataset {repo}) and name its files, or check the "
-                          f"id") from None
-    return Path(local) / pattern
-
-
-def data_files(spec: str, fmt: str, key: str = "data.path") -> list[Path]:
-    """The files ``data.path`` (or ``data.eval_path``, named by ``key``) names: a file; a directory's
-    data files (:data:`SUFFIXES`, not hidden); or a glob's matches; each in name order (a dataset's
-    shards, ``train-00000-of-00003.jsonl`` ..., as one corpus); a Hub dataset's files
-    (``hf://datasets/OWNER/NAME/PATH``) through huggingface_hub's cache."""
-    hub = str(spec).startswith(HUB_DATASETS)
-    path = _hub_dataset(spec, key) if hub else Path(spec).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        suffixes = SUFFIXES.get(fmt, ROWS)
-        files = _files(key, sorted(p for p in path.iterdir() if p.suffix in suffixes and not p.name.startswith(".")))
-        if not files:
-            raise ConfigError(f"{key} {path} holds no data file ({', '.join('*' + x for x in suffixes)}) for "
-                              f"data.format {fmt}; name a file, a directory of them, or a glob")
-        return files
-    if glob.has_magic(str(path)):
-        files = _files(key, sorted(Path(p) for p in glob.glob(str(path))))
-        if not files:
-            raise ConfigError(f"{key} {spec if hub else path} matches no file")
-        return files
-    if os.path.lexists(path):  # (a link to nothing, a FIFO, a device: named)
-        _files(key, [path])
-    raise ConfigError(f"{key} {spec if hub else path} does not exist")
-
-
-def _files(key: str, paths: list[Path]) -> list[Path]:
-    """The files among ``paths`` (a directory's data files, a glob's matches), directories left out;
-    one that is no file (a link to nothing: a Hub cache's blob deleted; a FIFO, a device) is a
-    :class:`ConfigError` naming it: left out, it would train on the others, silently."""
-    for p in paths:
-        if p.is_symlink() and not p.exists():
-            raise ConfigError(f"{key} {p} is a link to {os.readlink(p)}, which does not exist (a download cut short, "
-                              f"a cache cleaned); fetch the data again, or remove the link")
-        if not (p.is_file() or p.is_dir()):
-            raise ConfigError(f"{key} {p} is {kind_of(p.stat().st_mode)}, not a file: the data is read more than "
-                              f"once (a file's first bytes, then its examples), which a pipe cannot give; save the "
-                              f"data to a file and name that")
-    return [p for p in paths if p.is_file()]
-
-
-def _json_array(path: Path) -> bool:
-    """Whether ``path`` is a ``.json`` file holding one array (Alpaca's ``alpaca_data.json``)."""
-    if path.suffix != ".json":
-        return False
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            return f.read(1 << 12).lstrip().startswith("[")
-    except (OSError, UnicodeDecodeError):
-        return False  # (read as JSON lines, whose reader names the fault)
-
-
-COLUMNS = {"completion": ((), ()), "prompt-completion": (("prompt", "completion"), ()),
-           "alpaca": (("instruction", "output"), ("input",)), "chat": ((), ("messages", "conversations"))}
-"""The columns each format reads from a Parquet file: (required, optional); ``completion`` reads
-``data.field``, ``chat`` one of its two."""
-
-
-def _parquet_rows(path: Path, fmt: str, field: str):
-    """``(row, where)`` of each row of a Parquet file (a dict of the columns ``fmt`` reads), a row
-    group at a time: the file is never read whole."""
-    try:
-        import pyarrow
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"{path} is a Parquet file, and reading one needs pyarrow: pip install pyarrow "
-                          f"(or convert it to JSON lines)") from None
-    required, optional = COLUMNS[fmt] if fmt != "completion" else ((field,), ())
-    unreadable = (OSError, pyarrow.ArrowException, ValueError)
-    try:
-        parquet = pq.ParquetFile(path)
-        names = parquet.schema_arrow.names
-    except unreadable as e:
-        raise ConfigError(f"{path}: cannot read it as Parquet ({e}); download it again") from None
-    with parquet:
-        missing = ", ".join(repr(c) for c in required if c not in names)
-        if fmt == "completion" and missing:
-            missing += " (data.field)"
-        elif fmt == "chat" and not set(optional) & set(names):
-            missing = "'messages' (or 'conversations')"
-        if missing:
-            raise ConfigError(f"{path}: no column {missing}; its columns are {', '.join(names) or 'none'}")
-        columns = [c for c in (*required, *optional) if c in names]
-        k = 0
-        for i in range(parquet.num_row_groups):
-            count = parquet.metadata.row_group(i).num_rows
-            try:
-                group = parquet.read_row_group(i, columns=columns)
-            except unreadable as e:
-                raise ConfigError(f"{path}: cannot read its row group {i + 1} of {parquet.num_row_groups} (rows {k + 1}-"
-                                  f"{k + count}) as Parquet ({e}); download it again") from None
-            for rows in group.to_batches(max_chunksize=1024):
-                for row in rows.to_pylist():
-                    k += 1
-                    yield row, f"{path} row {k}"
-
-
-def _rows(path: Path, fmt: str, field: str):
-    """``(JSON value, where)`` of each example of a JSON-lines file, of a JSON array (read whole:
-    a corpus larger than memory belongs in JSON lines) or of a Parquet file."""
-    if path.suffix == ".parquet":
-        yield from _parquet_rows(path, fmt, field)
-        return
-    if _json_array(path):
-        try:
-            items = json.loads(path.read_text(encoding="utf-8-sig"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise ConfigError(f"{path}: cannot read it as a JSON array ({e})") from None
-        for k, row in enumerate(items, 1):
-            yield row, f"{path} item {k}"
-        return
-    for line, n in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            yield json.loads(line), f"{path} line {n}"
-        except ValueError as e:
-            raise ConfigError(f"{path} line {n}: not JSON ({e})") from None
-
-
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
-"""A ShareGPT turn's ``from`` -> the role of a message."""
-
-
-def _sharegpt(turns, where: str) -> list:
-    """ShareGPT's ``conversations`` (``{"from": ..., "value": ...}`` turns) as messages; other
-    shapes are left to the messages' own check."""
-    if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t for t in turns):
-        return turns
-    for i, turn in enumerate(turns, 1):
-        if turn["from"] not in SHAREGPT_ROLES:
-            raise ConfigError(f"{where}: turn {i} is from {turn['from']!r}; a ShareGPT turn is from human, gpt or "
-                              f"system (or write the example as 'messages' with roles its chat template takes)")
-    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")} for t in turns]
-
-
-class Conversation(list):
-    """A chat example's messages, and the tool schemas its row gives its template (``tools``)."""
-
-    def __init__(self, messages, tools: list | None = None):
-        super().__init__(messages)
-        self.tools = tools
-
-    @property
-    def uses_tools(self) -> bool:
-        """Whether the template must render tools or tool calls for it."""
-        return bool(self.tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in self)
-
-
-class LastTurn(Conversation):
-    """A conversation whose loss is on its last turn (an assistant's) only: ``data.chat_turns: each``."""
-
-    @property
-    def continues(self) -> bool:
-        """Whether an assistant turn comes before the last (the example of that turn is this one's beginning)."""
-        return any(m["role"] == "assistant" for m in self[:-1])
-
-
-def _examples(path: Path, fmt: str, field: str, turns: str = "all"):
-    """``(text or (prompt, response) or messages, where)`` of every example of a data file, read as
-    it goes; ``turns``: ``data.chat_turns`` (``each``: a :class:`LastTurn` per assistant turn)."""
-    if fmt == "text" and path.suffix == ".parquet":
-        raise ConfigError(f"{path} is a Parquet file: data.format text reads .txt files; its rows train with "
-                          f"data.format completion (data.field: the column of the text)")
-    if fmt == "text":  # paragraphs: what text.split("\n\n") gives, a chunk at a time
-        rest, i = "", 0
-        for chunk in _chunks(path, "text"):
-            *paragraphs, rest = (rest + chunk).split("\n\n")
-            for para in paragraphs:
-                if para.strip():
-                    i += 1
-                    yield para, f"{path} paragraph {i}"
-        if rest.strip():
-            yield rest, f"{path} paragraph {i + 1}"
-        return
-    for row, where in _rows(path, fmt, field):
-        if not isinstance(row, dict):
-            raise ConfigError(f"{where}: expected a JSON object, found {type(row).__name__}")
-        if fmt == "chat":
-            messages = row.get("messages")
-            if messages is None and row.get("conversations") is not None:
-                messages = _sharegpt(row["conversations"], where)
-            if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or (
-                        m.get("content") is None and isinstance(m.get("tool_calls"), list) and m["tool_calls"]))
-                    for m in messages)):
-                raise ConfigError(f"{where}: a chat example needs 'messages': a list of "
-                                  f"{{\"role\": ..., \"content\": ...}} objects (a null content only beside "
-                                  f"'tool_calls')")
-            tools = row.get("tools")
-            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-                raise ConfigError(f"{where}: 'tools' must be a list of tool schemas (JSON objects), as the chat "
-                                  f"template takes them")
-            if turns == "each":
-                for i, m in enumerate(messages):
-                    if m["role"] == "assistant":
-                        yield LastTurn(messages[:i + 1], tools), f"{where} turn {i + 1}"
-            else:
-                yield Conversation(messages, tools), where
-        elif fmt == "completion":
-            if field in row and row[field] is None:
-                raise ConfigError(f"{where}: its field {field!r} is null; drop the example or give it a text")
-            if field in row and not isinstance(row[field], str):
-                raise ConfigError(f"{where}: its field {field!r} holds {str(row[field])[:40]} "
-                                  f"({type(row[field]).__name__}), not a string")
-            if not isinstance(row.get(field), str):
-                raise ConfigError(f"{where}: no text field {field!r} (data.field); its keys are "
-                                  f"{', '.join(sorted(row)) or 'none'}")
-            yield row[field], where
-        elif fmt == "prompt-completion":
-            for key in ("prompt", "completion"):
-                if not isinstance(row.get(key), str):
-                    raise ConfigError(f"{where}: a prompt-completion example needs a text {key!r}; its keys are "
-                                      f"{', '.join(sorted(row)) or 'none'}")
-            yield (row["prompt"], row["completion"]), where
-        else:  # alpaca
-            for key in ("instruction", "output"):
-                if not isinstance(row.get(key), str):
-                    raise ConfigError(f"{where}: an alpaca example needs a text {key!r}; its keys are "
-                                      f"{', '.join(sorted(row)) or 'none'}")
-            extra = row.get("input") or ""
-            prompt = ALPACA_PROMPT.format(with_input=", paired with an input that provides further context" if extra
-                                          else "", instruction=row["instruction"],
-                                          input_block=f"### Input:\n{extra}\n\n" if extra else "")
-            yield (prompt, row["output"]), where
 
 
 def _size(example) -> int:
@@ -568,7 +278,7 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool |
     ids, labels = output("ids", np.int32, pad), output("labels", np.int32, IGNORE)
     attention = None if packing else output("attention", np.int8, 0)
     if n and packing:
-        rows = max(1, CHUNK // length)
+        rows = max(1, source_files.CHUNK // length)
         for r in range(0, n, rows):
             s, e = first + r * length, first + min(n, r + rows) * length
             t, m = spool.ids[s:e], spool.mask[s:e]
@@ -626,7 +336,7 @@ def prepare_data(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_pos
 
 def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positions: int | None, *,
              again: bool = False) -> tuple[Dataset, Dataset | None]:
-    path = data.path if str(data.path).startswith(HUB_DATASETS) else Path(data.path).expanduser()  # (as named)
+    path = data.path if str(data.path).startswith(source_files.HUB_DATASETS) else Path(data.path).expanduser()  # (as named)
     sources = [data_files(data.path, data.format)]
     if data.eval_path:
         sources.append(data_files(data.eval_path, data.format, "data.eval_path"))
@@ -697,11 +407,11 @@ def _tokenise(data, tokenizer, sources: list[list[Path]], path, cache: Path) -> 
         for name, part in zip(("train", "eval"), sources):
             spool = _Spool(cache / name)
             spools.append(spool)
-            examples = (ex for f in part for ex in _examples(f, data.format, data.field, data.chat_turns))
+            examples = (ex for f in part for ex in read_examples(f, data.format, data.field, data.chat_turns))
             desc = f"tokenising {part[0].name}" + (f" and {len(part) - 1} more" if len(part) > 1 else "")
             tracked = track(examples, desc=desc, unit="example") if name == "train" else examples
             with _parallel_tokenizer():
-                for batch in _batches(tracked, CHUNK):
+                for batch in _batches(tracked, source_files.CHUNK):
                     for (ex, _), encoded in zip(batch, _encode(tokenizer, batch)):
                         spool.add(encoded, continues=isinstance(ex, LastTurn) and ex.continues)
             spool.close()
@@ -759,7 +469,7 @@ def _content(cache: Path) -> str:
     for f in sorted(cache.glob("*.npy")):
         h.update(f.name.encode())
         with open(f, "rb") as stream:
-            while block := stream.read(CHUNK * 16):
+            while block := stream.read(source_files.CHUNK * 16):
                 h.update(block)
     return h.hexdigest()[:12]
 

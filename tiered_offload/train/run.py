@@ -40,7 +40,8 @@ from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config
-from tiered_offload.train.data import first_line, micro_batch_rows, prepare_data
+from tiered_offload.train.data import micro_batch_rows, prepare_data
+from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
 
