@@ -215,15 +215,15 @@ def _check_host_budget(host: int) -> None:
     """The host tier maps its whole budget when the store opens: one beyond what this process
     could ever have is refused (the mapping failed untyped, or where the kernel overcommits the
     process was killed as the tier filled); one beyond what is available now is a warning."""
-    limit, what = memory_limit_bytes()
-    auto = format_size(available_memory_bytes() // 4)
+    (limit, what), available = memory_limit_bytes(), available_memory_bytes()
+    auto = format_size(available // 4)
     if host > limit:
         raise ConfigError(f"host_memory {format_size(host)} is more than this machine's memory ({what}: "
                           f"{format_size(limit)}); lower it ('auto': a quarter of the memory available now, {auto})")
-    if host > available_memory_bytes():
+    if host > available:
         log.warning("host_memory %s is more than the memory available now (%s): the host tier takes it as it fills, "
                     "and the kernel may stop the process where it cannot give it; 'auto' gives %s",
-                    format_size(host), format_size(available_memory_bytes()), auto)
+                    format_size(host), format_size(available), auto)
 
 
 @dataclass(kw_only=True)

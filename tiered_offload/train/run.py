@@ -12,8 +12,8 @@ Under torchrun the ranks share the run (:mod:`tiered_offload.train.ranks`).
 from __future__ import annotations
 
 import contextlib
-import errno
 import copy
+import errno
 import io
 import json
 import logging
@@ -144,8 +144,9 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
                               f"that id{at} ({type(e).__name__}: {first_line(e)}): download it (hf download {repo}"
                               f"{f' --revision {revision}' if revision else ''}; a gated model: hf auth login first), "
                               f"or name its directory") from None
-    for entry in directory.iterdir() if directory.is_dir() else ():  # (skipped by transformers: another tokenizer
-        if entry.is_symlink() and not entry.exists():                 # trained, silently; or "no config.json")
+    # A file that is no file (transformers skips it: another tokenizer trained, silently; or "no config.json")
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        if entry.is_symlink() and not entry.exists():
             raise ConfigError(f"model.path {directory}: {entry.name} is a link to {os.readlink(entry)}, which does not "
                               f"exist (a download cut short, a cache cleaned); download the model again")
         if entry.exists() and not (entry.is_file() or entry.is_dir()):
