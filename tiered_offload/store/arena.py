@@ -143,6 +143,11 @@ class Arena:
         t = torch.empty(0, dtype=torch.uint8, device=self.device)
         return t.set_(self._buffer.untyped_storage(), self._buffer.storage_offset() + offset, (nbytes,))
 
+    def holes(self) -> list[tuple[int, int]]:
+        """The free blocks, ``(offset, bytes)`` in the order of their offsets."""
+        with self._lock:
+            return list(self._free)
+
     @property
     def largest_hole(self) -> int:
         with self._lock:

@@ -67,8 +67,9 @@ class EvictionPolicy(abc.ABC):
         """``keys`` ordered from the best victim to the worst."""
 
     def best_victim(self, keys: Iterable[str]) -> str | None:
-        """The first of :meth:`rank_victims` (None for no keys). The store calls this at every
-        eviction; a policy overrides it to find the one key without ordering them all."""
+        """The first of :meth:`rank_victims` (None for no keys), for a caller that needs one victim;
+        a policy overrides it to find the one key without ordering them all. (The store ranks
+        them all: it clears the run of its arena whose worst copy ranks best.)"""
         ranked = self.rank_victims(keys)
         return ranked[0] if ranked else None
 
@@ -177,24 +178,26 @@ class LookaheadPolicy(EvictionPolicy):
             n = len(self._seq)
             tid = _walker_id()
             cursor = self._cursors.get(tid, self._last)
-            if self._recently_passed(pos, n, cursor):
-                return
             i = bisect.bisect_left(pos, cursor)
+            if self._late(pos, i, n, cursor):
+                return
             # past its last occurrence: the sequence starts over (cyclic, or run again from the top)
             nxt = pos[i] + 1 if i < len(pos) else pos[0] + 1
             self._cursors[tid] = self._last = nxt % n if self._cyclic else min(nxt, n)
 
-    def _recently_passed(self, pos: list[int], n: int, cursor: int) -> bool:
-        """Whether the key (at sorted positions ``pos``) occurs shortly before ``cursor``.
-
-        The window is ``late_window`` positions, at most a quarter of the sequence.
-        """
-        window = min(self.late_window, n // 4)
-        lo = cursor - window
-        i = bisect.bisect_left(pos, max(lo, 0))
-        if i < len(pos) and pos[i] < cursor:
-            return True
-        return self._cyclic and lo < 0 and bisect.bisect_left(pos, n + lo) < len(pos)
+    def _late(self, pos: list[int], i: int, n: int, cursor: int) -> bool:
+        """Whether an access of the key at sorted positions ``pos`` (``i``: the first at or after
+        ``cursor``) is a late one of its occurrence shortly before ``cursor``, which leaves the
+        cursor where it is: that one is at most ``late_window`` positions back (and a quarter of
+        the sequence), and no nearer than the next one ahead. Nearer ahead, it is the next one:
+        where the backward turns, the forward's last blocks come just before the backward's
+        first, and the backward's accesses counted as the forward's late ones left the cursor
+        at the turn; the blocks done looked needed next, and those next evicted for them
+        (``tools/bench_step_modes.py --state-piece-numel 1048576``: the weights read 1.8x what
+        a cache that sees the future reads)."""
+        behind = cursor - pos[i - 1] if i > 0 else cursor + n - pos[-1] if self._cyclic else math.inf
+        ahead = pos[i] - cursor if i < len(pos) else pos[0] + n - cursor if self._cyclic else math.inf
+        return behind <= min(self.late_window, n // 4) and behind <= ahead
 
     def _distance(self, key: str, cursors: Iterable[int] = ()) -> float:
         """Accesses until ``key`` is next needed: the nearest from any of ``cursors`` (default: every

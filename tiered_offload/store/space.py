@@ -9,6 +9,11 @@ The victim rule, in order:
    a copy the device tier also holds goes before anything only the host has.
 4. Otherwise the policy ranks them (LRU, or the lookahead's furthest next use); a prefetch may
    only take the room of a copy needed later than what it fetches (``further_than``).
+5. A copy being written to the disk ranks as if idle: where it is the one to go, a load waits for
+   its write and then drops it (a prefetch does not wait: it loads later).
+6. The copies to go are those of the cheapest run of the arena that, cleared, holds the new copy
+   in one piece: the run whose worst-ranked copy ranks best (then the fewest bytes), so no copy
+   goes whose room would join no hole the new copy fits.
 
 What happens to the victim (:meth:`TierSpace.fate`): a stale copy, or one another tier (or the
 implicit zero) also holds, is dropped; a current device copy the host tier lacks moves down to the
@@ -19,6 +24,7 @@ current copy of anything else is written to the disk first.
 
 from __future__ import annotations
 
+import collections
 import enum
 from typing import Iterable
 
@@ -26,7 +32,7 @@ from offload_core.errors import TierCapacityError
 from offload_core.sizes import format_size
 from tiered_offload.store.arena import Arena
 from tiered_offload.store.policies import EvictionPolicy
-from tiered_offload.store.record import TensorRecord
+from tiered_offload.store.record import OpKind, TensorRecord
 from tiered_offload.store.tiers import Tier
 
 __all__ = ["Fate", "TierSpace"]
@@ -110,42 +116,107 @@ class TierSpace:
         """``rec``'s slot in this tier is gone (call with the store's lock)."""
         self.resident.pop(rec.key, None)
 
-    def pick_victim(self, exclude: TensorRecord, further_than: float | None) -> TensorRecord | None:
+    def pick_victim(self, exclude: TensorRecord, further_than: float | None,
+                    writes: bool = False) -> TensorRecord | None:
         """The copy in this tier to give up its room for ``exclude``, or None (call with the store's
-        lock). One pass over the tier's copies, then one over the idle ones to rank them."""
+        lock): the best-ranked copy (:meth:`victim_order`) of the cheapest run of the arena that,
+        cleared, holds ``exclude`` (:meth:`cheapest_window`). Where pinned copies split every such
+        run, the best-ranked copy anywhere: its room serves once they are released.
+
+        ``writes``: copies being written to the disk count too, and where the best victim is one,
+        the copy returned is that one with its write in flight: the caller waits for the write
+        (the copy is then dropped) rather than evicting a copy needed sooner. A step's optimizer
+        states, written behind its update, are needed only by the next step; evicted in their
+        place, the weights the backward read again (:data:`WRITTEN`)."""
         if exclude.key in self.at_end:  # (one in the way of its place at the end first)
             last = self.tail_victim(exclude, further_than)
             if last is not None:
                 return last
+        order = self.victim_order(exclude, further_than, writes)
+        if not order:
+            return None
+        window = self.cheapest_window(self.arena.block_size(exclude.nbytes), order)
+        return window[0] if window else next(iter(order.values()))
+
+    def victim_order(self, exclude: TensorRecord, further_than: float | None,
+                     writes: bool = False) -> dict[str, TensorRecord]:
+        """The copies that may give up their room now (and with ``writes`` those being written to
+        the disk), best victim first (the victim rule of the module docstring): stale copies (the
+        oldest first), then in the host tier over an exclusive device tier the copies the device
+        also holds, then the policy's ranking; a prefetch's (``further_than``) leaves out the
+        copies the policy needs before that."""
         tier = self.tier
-        twins_first = tier == Tier.HOST and self.exclusive
+        stale: list[TensorRecord] = []
+        twins: dict[str, TensorRecord] = {}
         idle: dict[str, TensorRecord] = {}
-        twins: list[str] = []
-        stale: TensorRecord | None = None
         for key, r in self.resident.items():
             slot = r.slots[tier]
-            if r is exclude or r.op is not None or slot.pins or slot.loading:
+            if r is exclude or slot.pins or slot.loading:
                 continue
-            if slot.version != r.version:
-                if stale is None or r.serial < stale.serial:
-                    stale = r
-            elif stale is None:
+            if r.op is not None:
+                if writes and r.op.is_(OpKind.WRITE_BACK, Tier.DISK) and slot.version == r.version:
+                    idle[key] = r
+            elif slot.version != r.version:
+                stale.append(r)
+            elif self.exclusive and tier == Tier.HOST and Tier.DEVICE in r.slots and r.valid(Tier.DEVICE):
+                twins[key] = r
+            else:
                 idle[key] = r
-                # a host copy the device tier also holds costs nothing to drop (the device copy
-                # moves back down if the device evicts it first): those go before anything only
-                # the host has
-                if twins_first and Tier.DEVICE in r.slots and r.valid(Tier.DEVICE):
-                    twins.append(key)
-        if stale is not None:
-            return stale
-        if twins:
-            return idle[self.policy.best_victim(twins)]
-        if not idle:
-            return None
-        key = self.policy.best_victim(idle)
-        if further_than is not None and self.policy.next_use(key) <= further_than:
-            return None
-        return idle[key]
+        order = {r.key: r for r in sorted(stale, key=lambda r: r.serial)}
+        order.update((k, twins[k]) for k in self.policy.rank_victims(twins))
+        for k in self.policy.rank_victims(idle):
+            if further_than is not None and self.policy.next_use(k) <= further_than:
+                break  # (ranked furthest use first: the rest are needed sooner still)
+            order[k] = idle[k]
+        return order
+
+    def cheapest_window(self, need: int, order: dict[str, TensorRecord]) -> list[TensorRecord]:
+        """The copies of the cheapest contiguous run of the arena, ``need`` bytes or more of holes
+        and of copies in ``order``, that cleared holds a block of ``need`` bytes, best victim first;
+        [] where there is none. Cheapest: its worst-ranked copy is the best, then the fewest bytes to give up.
+
+        The policy's best victim alone is not enough where the arena is split into holes: its room
+        may join no hole, and the next victims went one after the other until two rooms met, the
+        first of them for nothing (``tests/test_store.py``, the test of the cheapest run)."""
+        rank = {k: i for i, k in enumerate(order)}
+        blocked = len(rank)
+        segments = sorted([(r.slots[self.tier].offset, self.arena.block_size(r.nbytes), rank.get(r.key, blocked), r)
+                           for r in self.resident.values()] + [(off, size, -1, None) for off, size in self.arena.holes()],
+                          key=lambda s: s[0])
+        best, chosen = None, []
+        run: list = []  # the contiguous segments since the last pinned copy or gap
+        for seg in segments + [(None, 0, blocked, None)]:
+            if seg[2] == blocked or (run and seg[0] != run[-1][0] + run[-1][1]):
+                best, chosen = self._cheapest_in(run, need, best, chosen)
+                run = [] if seg[2] == blocked else [seg]
+            else:
+                run.append(seg)
+        return chosen
+
+    @staticmethod
+    def _cheapest_in(run: list, need: int, best: tuple | None, chosen: list) -> tuple[tuple | None, list]:
+        """:meth:`cheapest_window` over one contiguous run of segments ``(offset, bytes, rank,
+        record)`` (a hole's rank is -1): the least windows ending at each segment, the worst rank
+        in each kept by a monotonic queue, so a tier of many copies costs one pass."""
+        left, covered, evicted, worst = 0, 0, 0, collections.deque()
+        for right, (off, size, r, _) in enumerate(run):
+            covered += size
+            if r >= 0:
+                evicted += size
+                while worst and run[worst[-1]][2] <= r:
+                    worst.pop()
+                worst.append(right)
+            while covered - run[left][1] >= need:  # (a shorter window that still holds it is never worse)
+                covered -= run[left][1]
+                evicted -= run[left][1] if run[left][2] >= 0 else 0
+                if worst and worst[0] == left:
+                    worst.popleft()
+                left += 1
+            if covered >= need and worst:
+                cost = (run[worst[0]][2], evicted, run[left][0])
+                if best is None or cost < best:
+                    best, chosen = cost, [s[3] for s in sorted(run[left:right + 1], key=lambda s: s[2]) if s[3] is not None]
+        return best, chosen
 
     def fate(self, victim: TensorRecord) -> Fate:
         """What becomes of ``victim``'s copy in this tier (see the module docstring)."""

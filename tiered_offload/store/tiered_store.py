@@ -714,7 +714,12 @@ class TieredStore(CopyChains, Prefetching):
                 offset = space.alloc(rec, further_than)
                 if offset is not None:
                     return self._place(rec, tier, offset)
-                victim = space.pick_victim(rec, further_than)
+                victim = space.pick_victim(rec, further_than, writes=time.monotonic() < deadline)
+                if victim is not None and victim.op is not None:  # (its write to the disk in flight)
+                    if not block:
+                        return None
+                    self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    continue
                 if victim is None:
                     if not block:
                         return None
