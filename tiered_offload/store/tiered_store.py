@@ -13,9 +13,9 @@ without data is implicitly all zeros (version 0) until first written: no disk re
 needed for it, which is why fresh gradients and optimizer states cost no I/O.
 
 Budgets: the host and device tiers take all their memory from an :class:`~tiered_offload.store.arena.Arena`
-of exactly their budget, allocated once, so they cannot exceed it. When a tier is full, its
-eviction policy picks a victim among unpinned, idle copies; a victim holding the only valid copy
-is written back first (device copies through the host pool, or straight to disk with GPUDirect).
+of exactly their budget, allocated once, so they cannot exceed it. When a tier is full, its space
+picks the victims among idle copies (the victim rule: :mod:`~tiered_offload.store.space`); a victim
+holding the only valid copy is written back first (through the host pool, or with GPUDirect).
 
 Operations are asynchronous: :meth:`prefetch`, :meth:`write_back` and :meth:`evict` return an
 :class:`~offload_core.futures.IOFuture`; :meth:`get` waits and pins the copy until
@@ -715,17 +715,12 @@ class TieredStore(CopyChains, Prefetching):
                 if offset is not None:
                     return self._place(rec, tier, offset)
                 victim = space.pick_victim(rec, further_than, writes=time.monotonic() < deadline)
-                if victim is not None and victim.op is not None:  # (its write to the disk in flight)
+                if victim is None or victim.op is not None:  # none now, or the best one's write is in flight
                     if not block:
                         return None
-                    self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
-                    continue
-                if victim is None:
-                    if not block:
-                        return None
-                    if not self._waits.may_wait(self._records.values(), rec, tier):
+                    if victim is None and not self._waits.may_wait(self._records.values(), rec, tier):
                         raise space.capacity_error(self._records.values(), rec, "every resident tensor is pinned or in use")
-                    if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())) and victim is None:
                         raise space.capacity_error(self._records.values(), rec, f"waited {self.config.wait_timeout_s}s")
                     continue
                 fate = space.fate(victim)
