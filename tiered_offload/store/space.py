@@ -119,32 +119,33 @@ class TierSpace:
     def pick_victim(self, exclude: TensorRecord, further_than: float | None,
                     writes: bool = False) -> TensorRecord | None:
         """The copy in this tier to give up its room for ``exclude``, or None (call with the store's
-        lock): the best-ranked copy (:meth:`victim_order`) of the cheapest run of the arena that,
+        lock): the best-ranked copy (:meth:`_ranked`) of the cheapest run of the arena that,
         cleared, holds ``exclude`` (:meth:`cheapest_window`). Where pinned copies split every such
-        run, the best-ranked copy anywhere: its room serves once they are released.
+        run, the best-ranked copy anywhere: its room serves once they are released. Where the best
+        victim's room, with the holes beside it, holds ``exclude``, that run is the cheapest: one
+        pass finds it, nothing is ranked (what most evictions are).
 
         ``writes``: copies being written to the disk count too, and where the best victim is one,
         the copy returned is that one with its write in flight: the caller waits for the write
         (the copy is then dropped) rather than evicting a copy needed sooner. A step's optimizer
         states, written behind its update, are needed only by the next step; evicted in their
-        place, the weights the backward read again (:data:`WRITTEN`)."""
+        place, the weights the backward read again (docs/RESULTS.md, the fiftieth session)."""
         if exclude.key in self.at_end:  # (one in the way of its place at the end first)
             last = self.tail_victim(exclude, further_than)
             if last is not None:
                 return last
-        order = self.victim_order(exclude, further_than, writes)
-        if not order:
-            return None
-        window = self.cheapest_window(self.arena.block_size(exclude.nbytes), order)
-        return window[0] if window else next(iter(order.values()))
+        need = self.arena.block_size(exclude.nbytes)
+        classes = self._candidates(exclude, writes)
+        best = self._ranked(classes, further_than, first=True)
+        if not best or self._room_with_holes(best[0]) >= need:
+            return best[0] if best else None
+        order = {r.key: r for r in self._ranked(classes, further_than)}
+        window = self.cheapest_window(need, order)
+        return window[0] if window else best[0]
 
-    def victim_order(self, exclude: TensorRecord, further_than: float | None,
-                     writes: bool = False) -> dict[str, TensorRecord]:
+    def _candidates(self, exclude: TensorRecord, writes: bool) -> tuple[list, dict, dict]:
         """The copies that may give up their room now (and with ``writes`` those being written to
-        the disk), best victim first (the victim rule of the module docstring): stale copies (the
-        oldest first), then in the host tier over an exclusive device tier the copies the device
-        also holds, then the policy's ranking; a prefetch's (``further_than``) leaves out the
-        copies the policy needs before that."""
+        the disk), in the victim rule's classes: stale, the device's twins, the others."""
         tier = self.tier
         stale: list[TensorRecord] = []
         twins: dict[str, TensorRecord] = {}
@@ -162,13 +163,33 @@ class TierSpace:
                 twins[key] = r
             else:
                 idle[key] = r
-        order = {r.key: r for r in sorted(stale, key=lambda r: r.serial)}
-        order.update((k, twins[k]) for k in self.policy.rank_victims(twins))
-        for k in self.policy.rank_victims(idle):
+        return stale, twins, idle
+
+    def _ranked(self, classes: tuple[list, dict, dict], further_than: float | None,
+                first: bool = False) -> list[TensorRecord]:
+        """The candidates best victim first (the victim rule of the module docstring): stale
+        copies (the oldest first), the device's twins, then the policy's ranking; a prefetch's
+        (``further_than``) leaves out the copies the policy needs before that. ``first``: only
+        the best (one pass)."""
+        stale, twins, idle = classes
+        out = sorted(stale, key=lambda r: r.serial)
+        if first and out:
+            return out[:1]
+        rank = (lambda keys: [k for k in [self.policy.best_victim(keys)] if k is not None]) if first else \
+            self.policy.rank_victims
+        out += [twins[k] for k in rank(twins)]
+        if first and out:
+            return out
+        for k in rank(idle):
             if further_than is not None and self.policy.next_use(k) <= further_than:
                 break  # (ranked furthest use first: the rest are needed sooner still)
-            order[k] = idle[k]
-        return order
+            out.append(idle[k])
+        return out
+
+    def _room_with_holes(self, rec: TensorRecord) -> int:
+        """The bytes of ``rec``'s block and of the holes on either side of it."""
+        off, size = rec.slots[self.tier].offset, self.arena.block_size(rec.nbytes)
+        return size + sum(h for o, h in self.arena.holes() if o + h == off or o == off + size)
 
     def cheapest_window(self, need: int, order: dict[str, TensorRecord]) -> list[TensorRecord]:
         """The copies of the cheapest contiguous run of the arena, ``need`` bytes or more of holes
