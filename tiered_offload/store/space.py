@@ -201,9 +201,9 @@ class TierSpace:
         first of them for nothing (``tests/test_store.py``, the test of the cheapest run)."""
         rank = {k: i for i, k in enumerate(order)}
         blocked = len(rank)
-        segments = sorted([(r.slots[self.tier].offset, self.arena.block_size(r.nbytes), rank.get(r.key, blocked), r)
-                           for r in self.resident.values()] + [(off, size, -1, None) for off, size in self.arena.holes()],
-                          key=lambda s: s[0])
+        copies = [(r.slots[self.tier].offset, self.arena.block_size(r.nbytes), rank.get(r.key, blocked), r)
+                  for r in self.resident.values()]
+        segments = sorted(copies + [(off, size, -1, None) for off, size in self.arena.holes()], key=lambda s: s[0])
         best, chosen = None, []
         run: list = []  # the contiguous segments since the last pinned copy or gap
         for seg in segments + [(None, 0, blocked, None)]:
@@ -236,7 +236,8 @@ class TierSpace:
             if covered >= need and worst:
                 cost = (run[worst[0]][2], evicted, run[left][0])
                 if best is None or cost < best:
-                    best, chosen = cost, [s[3] for s in sorted(run[left:right + 1], key=lambda s: s[2]) if s[3] is not None]
+                    window = sorted(run[left:right + 1], key=lambda s: s[2])
+                    best, chosen = cost, [s[3] for s in window if s[3] is not None]
         return best, chosen
 
     def fate(self, victim: TensorRecord) -> Fate:
