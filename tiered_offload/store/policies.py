@@ -68,8 +68,8 @@ class EvictionPolicy(abc.ABC):
 
     def best_victim(self, keys: Iterable[str]) -> str | None:
         """The first of :meth:`rank_victims` (None for no keys), for a caller that needs one victim;
-        a policy overrides it to find the one key without ordering them all. (The store ranks
-        them all: it clears the run of its arena whose worst copy ranks best.)"""
+        a policy overrides it to find the one key without ordering them all. (The store asks for it
+        at every eviction; where its room joins no hole the new copy fits, it ranks them all.)"""
         ranked = self.rank_victims(keys)
         return ranked[0] if ranked else None
 
@@ -193,8 +193,7 @@ class LookaheadPolicy(EvictionPolicy):
         where the backward turns, the forward's last blocks come just before the backward's
         first, and the backward's accesses counted as the forward's late ones left the cursor
         at the turn; the blocks done looked needed next, and those next evicted for them
-        (``tools/bench_step_modes.py --state-piece-numel 1048576``: the weights read 1.8x what
-        a cache that sees the future reads)."""
+        (``tests/test_store.py``, the test of the turn; docs/RESULTS.md, the fiftieth session)."""
         behind = cursor - pos[i - 1] if i > 0 else cursor + n - pos[-1] if self._cyclic else math.inf
         ahead = pos[i] - cursor if i < len(pos) else pos[0] + n - cursor if self._cyclic else math.inf
         return behind <= min(self.late_window, n // 4) and behind <= ahead

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from typing import Iterable
+from typing import Callable, Iterable
 
 from offload_core.errors import TierCapacityError
 from offload_core.sizes import format_size
@@ -117,7 +117,7 @@ class TierSpace:
         self.resident.pop(rec.key, None)
 
     def pick_victim(self, exclude: TensorRecord, further_than: float | None,
-                    writes: bool = False) -> TensorRecord | None:
+                    writes: Callable[[TensorRecord], bool] | None = None) -> TensorRecord | None:
         """The copy in this tier to give up its room for ``exclude``, or None (call with the store's
         lock): the best-ranked copy (:meth:`_ranked`) of the cheapest run of the arena that,
         cleared, holds ``exclude`` (:meth:`cheapest_window`). Where pinned copies split every such
@@ -125,9 +125,10 @@ class TierSpace:
         victim's room, with the holes beside it, holds ``exclude``, that run is the cheapest: one
         pass finds it, nothing is ranked (what most evictions are).
 
-        ``writes``: copies being written to the disk count too, and where the best victim is one,
-        the copy returned is that one with its write in flight: the caller waits for the write
-        (the copy is then dropped) rather than evicting a copy needed sooner. A step's optimizer
+        ``writes``: copies being written to the disk whose write can end while the caller waits
+        (``writes(copy)``: not one it is starting) count too, and where the best victim is one, the
+        copy returned is that one with its write in flight: the caller waits for the write (the
+        copy is then dropped) rather than evicting a copy needed sooner. A step's optimizer
         states, written behind its update, are needed only by the next step; evicted in their
         place, the weights the backward read again (docs/RESULTS.md, the fiftieth session)."""
         if exclude.key in self.at_end:  # (one in the way of its place at the end first)
@@ -143,9 +144,10 @@ class TierSpace:
         window = self.cheapest_window(need, order)
         return window[0] if window else best[0]
 
-    def _candidates(self, exclude: TensorRecord, writes: bool) -> tuple[list, dict, dict]:
-        """The copies that may give up their room now (and with ``writes`` those being written to
-        the disk), in the victim rule's classes: stale, the device's twins, the others."""
+    def _candidates(self, exclude: TensorRecord, writes: Callable[[TensorRecord], bool] | None
+                    ) -> tuple[list, dict, dict]:
+        """The copies that may give up their room now (and those being written to the disk that
+        ``writes`` accepts), in the victim rule's classes: stale, the device's twins, the others."""
         tier = self.tier
         stale: list[TensorRecord] = []
         twins: dict[str, TensorRecord] = {}
@@ -155,7 +157,7 @@ class TierSpace:
             if r is exclude or slot.pins or slot.loading:
                 continue
             if r.op is not None:
-                if writes and r.op.is_(OpKind.WRITE_BACK, Tier.DISK) and slot.version == r.version:
+                if writes and r.op.is_(OpKind.WRITE_BACK, Tier.DISK) and slot.version == r.version and writes(r):
                     idle[key] = r
             elif slot.version != r.version:
                 stale.append(r)

@@ -705,8 +705,7 @@ class TieredStore(CopyChains, Prefetching):
 
         ``block=False`` (prefetching) never waits: it only drops copies that need no write-back,
         starts the write-back of a dirty victim without waiting for it, and returns None if no
-        room was made. ``further_than`` restricts victims to tensors needed later than that.
-        """
+        room was made. ``further_than`` restricts victims to tensors needed later than that."""
         space = self._spaces[tier]
         deadline = time.monotonic() + self.config.wait_timeout_s
         while True:
@@ -714,7 +713,8 @@ class TieredStore(CopyChains, Prefetching):
                 offset = space.alloc(rec, further_than)
                 if offset is not None:
                     return self._place(rec, tier, offset)
-                victim = space.pick_victim(rec, further_than, writes=time.monotonic() < deadline)
+                writes = self._waits.started_elsewhere if time.monotonic() < deadline else None
+                victim = space.pick_victim(rec, further_than, writes)
                 if victim is None or victim.op is not None:  # none now, or the best one's write is in flight
                     if not block:
                         return None
