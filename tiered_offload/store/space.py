@@ -137,12 +137,11 @@ class TierSpace:
                 return last
         need = self.arena.block_size(exclude.nbytes)
         classes = self._candidates(exclude, writes)
-        best = self._ranked(classes, further_than, first=True)
-        if not best or self._room_with_holes(best[0]) >= need:
-            return best[0] if best else None
-        order = {r.key: r for r in self._ranked(classes, further_than)}
-        window = self.cheapest_window(need, order)
-        return window[0] if window else best[0]
+        best = self._best(classes, further_than)
+        if best is None or self._room_with_holes(best) >= need:
+            return best
+        window = self.cheapest_window(need, self._ranked(classes, further_than))
+        return window[0] if window else best
 
     def _candidates(self, exclude: TensorRecord, writes: Callable[[TensorRecord], bool] | None
                     ) -> tuple[list, dict, dict]:
@@ -167,22 +166,25 @@ class TierSpace:
                 idle[key] = r
         return stale, twins, idle
 
-    def _ranked(self, classes: tuple[list, dict, dict], further_than: float | None,
-                first: bool = False) -> list[TensorRecord]:
+    def _best(self, classes: tuple[list, dict, dict], further_than: float | None) -> TensorRecord | None:
+        """The first of :meth:`_ranked`, in one pass."""
+        stale, twins, idle = classes
+        if stale:
+            return min(stale, key=lambda r: r.serial)
+        if twins:
+            return twins[self.policy.best_victim(twins)]
+        key = self.policy.best_victim(idle)
+        if key is None or (further_than is not None and self.policy.next_use(key) <= further_than):
+            return None
+        return idle[key]
+
+    def _ranked(self, classes: tuple[list, dict, dict], further_than: float | None) -> list[TensorRecord]:
         """The candidates best victim first (the victim rule of the module docstring): stale
         copies (the oldest first), the device's twins, then the policy's ranking; a prefetch's
-        (``further_than``) leaves out the copies the policy needs before that. ``first``: only
-        the best (one pass)."""
+        (``further_than``) leaves out the copies the policy needs before that."""
         stale, twins, idle = classes
-        out = sorted(stale, key=lambda r: r.serial)
-        if first and out:
-            return out[:1]
-        rank = (lambda keys: [k for k in [self.policy.best_victim(keys)] if k is not None]) if first else \
-            self.policy.rank_victims
-        out += [twins[k] for k in rank(twins)]
-        if first and out:
-            return out
-        for k in rank(idle):
+        out = sorted(stale, key=lambda r: r.serial) + [twins[k] for k in self.policy.rank_victims(twins)]
+        for k in self.policy.rank_victims(idle):
             if further_than is not None and self.policy.next_use(k) <= further_than:
                 break  # (ranked furthest use first: the rest are needed sooner still)
             out.append(idle[k])
@@ -193,15 +195,16 @@ class TierSpace:
         off, size = rec.slots[self.tier].offset, self.arena.block_size(rec.nbytes)
         return size + sum(h for o, h in self.arena.holes() if o + h == off or o == off + size)
 
-    def cheapest_window(self, need: int, order: dict[str, TensorRecord]) -> list[TensorRecord]:
+    def cheapest_window(self, need: int, order: list[TensorRecord]) -> list[TensorRecord]:
         """The copies of the cheapest contiguous run of the arena, ``need`` bytes or more of holes
-        and of copies in ``order``, that cleared holds a block of ``need`` bytes, best victim first;
-        [] where there is none. Cheapest: its worst-ranked copy is the best, then the fewest bytes to give up.
+        and of copies in ``order`` (best victim first), that cleared holds a block of ``need``
+        bytes, best victim first; [] where there is none. Cheapest: its worst-ranked copy is the
+        best, then the fewest bytes to give up.
 
         The policy's best victim alone is not enough where the arena is split into holes: its room
         may join no hole, and the next victims went one after the other until two rooms met, the
         first of them for nothing (``tests/test_store.py``, the test of the cheapest run)."""
-        rank = {k: i for i, k in enumerate(order)}
+        rank = {r.key: i for i, r in enumerate(order)}
         blocked = len(rank)
         copies = [(r.slots[self.tier].offset, self.arena.block_size(r.nbytes), rank.get(r.key, blocked), r)
                   for r in self.resident.values()]
