@@ -161,7 +161,7 @@ class TierSpace:
             elif slot.version != r.version:
                 stale.append(r)
             elif self.exclusive and tier == Tier.HOST and Tier.DEVICE in r.slots and r.valid(Tier.DEVICE):
-                twins[key] = r
+                twins[key] = r  # (free to drop: the device copy moves back down if the device evicts it)
             else:
                 idle[key] = r
         return stale, twins, idle
@@ -225,7 +225,7 @@ class TierSpace:
         record)`` (a hole's rank is -1): the least windows ending at each segment, the worst rank
         in each kept by a monotonic queue, so a tier of many copies costs one pass."""
         left, covered, evicted, worst = 0, 0, 0, collections.deque()
-        for right, (off, size, r, _) in enumerate(run):
+        for right, (_, size, r, _) in enumerate(run):
             covered += size
             if r >= 0:
                 evicted += size
