@@ -478,6 +478,69 @@ def test_an_eviction_waits_for_a_dead_copys_write_rather_than_evicting_one_neede
     store.close()
 
 
+def _until(predicate, seconds=5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_load_the_lookahead_made_room_for_starts_when_the_victims_write_ends_not_at_the_next_get():
+    """The walk after a ``get`` finds the room for the next tensor (``N``) held by a dirty copy
+    needed later (``D``): it starts ``D``'s write and gives up the load. When the write ends the
+    store walks again and loads ``N``, with no other ``get``: before, the load waited for the next
+    ``get``, and a disk-bound backward waited for each block's weights with the disk idle through
+    the block's compute (docs/RESULTS.md, the fifty-first session)."""
+    backend = FaultInjectingBackend(MemoryBackend(threads=1), latency_s=0.2)
+    store = make_store(backend, host=2 * 32 * KiB, device=0, policy="lookahead", prefetch_depth=2,
+                       prefetch_share=math.inf)
+    for i, k in enumerate(["A", "N", "D"]):
+        store.register(k, (8 * KiB,), data=torch.full((8 * KiB,), float(i)))
+    store.flush()
+    store.evict("N", Tier.HOST).get()
+    with store.hold("D", "host", dirty=True) as x:
+        x += 1
+    store.declare_access_sequence(["A", "N", "D"])
+    with store.hold("A", "host"):
+        assert store.residency("D")[Tier.HOST] == CopyState.DIRTY  # (its write takes 0.2 s)
+    assert _until(lambda: store.residency("N")[Tier.HOST] == CopyState.CLEAN), store.residency("N")
+    misses = store.stats.misses[Tier.HOST]
+    with store.hold("N", "host") as x:
+        assert torch.equal(x, torch.full((8 * KiB,), 1.0))
+    assert store.stats.misses[Tier.HOST] == misses
+    assert torch.equal(store.read("D"), torch.full((8 * KiB,), 3.0))
+    store.close()
+
+
+def test_the_lookahead_writes_the_dirty_copy_a_zeros_get_will_evict_and_leaves_the_room_to_the_get():
+    """A zero (a gradient ``zero_grad()`` cleared) costs no read, so the lookahead gives it no room
+    ahead of its use (see ``store/prefetch.py``); but where its ``get`` would evict a dirty copy
+    needed later (``D``), the lookahead starts that copy's write, and the ``get`` then drops it at
+    once instead of waiting for the write. The zero takes no room before its ``get``."""
+    backend = FaultInjectingBackend(MemoryBackend(threads=1), latency_s=0.2)
+    store = make_store(backend, host=2 * 32 * KiB, device=0, policy="lookahead", prefetch_depth=2,
+                       prefetch_share=math.inf)
+    store.register("A", (8 * KiB,), data=torch.full((8 * KiB,), 1.0))
+    store.register("D", (8 * KiB,), data=torch.full((8 * KiB,), 2.0))
+    store.register("Z", (8 * KiB,))
+    store.flush()
+    with store.hold("D", "host", dirty=True) as x:
+        x += 1
+    store.declare_access_sequence(["A", "Z", "D"])
+    with store.hold("A", "host"):
+        pass
+    assert _until(lambda: store.residency("D")[Tier.HOST] == CopyState.CLEAN), store.residency("D")
+    assert store.residency("Z")[Tier.HOST] == CopyState.ABSENT
+    t0 = time.perf_counter()
+    with store.hold("Z", "host") as z:
+        assert not z.any()
+    assert time.perf_counter() - t0 < 0.15  # (a write would take 0.2 s)
+    assert torch.equal(store.read("D"), torch.full((8 * KiB,), 3.0))
+    store.close()
+
+
 @pytest.mark.parametrize("share", [0.25, math.inf])
 def test_the_compute_tiers_lookahead_loads_a_share_of_its_budget_ahead(share):
     """Where the host tier is the compute tier, its lookahead prefetches the upcoming tensors only

@@ -16,19 +16,30 @@ walk stops there when there is none; its ``get`` makes room when it is used, as 
 be. Made with the room of tensors needed after it (Belady's rule for loads), the zeros of the
 next backward held a quarter of the host tier through the update and the forward, and the
 optimizer states they pushed out were written and read back (2-3x the disk bytes at a budget
-just under the state; docs/RESULTS.md).
+just under the state; docs/RESULTS.md). Where the room its ``get`` would take is held by a dirty
+copy needed later, the walk starts that copy's write (and takes no room).
+
+A walk that finds the room for a load (or a zero) held by a dirty copy starts its write and gives
+up the load; the write's end walks again (:class:`Rewalk`), so the load starts then and not at the
+next ``get``, after the compute between them. A disk-bound backward waited for each block's weights
+and gradient room in turn with the disk idle through the compute (docs/RESULTS.md, fifty-first session).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator, Sequence
+import threading
+import weakref
+from typing import Callable, Iterable, Iterator, Sequence
 
 from offload_core.errors import TierCapacityError
+from offload_core.futures import IOFuture, completed
 from tiered_offload.store.record import OpKind, TensorRecord
+from tiered_offload.store.space import Fate
 from tiered_offload.store.tiers import Tier
 
-__all__ = ["Lookahead", "Prefetching"]
+__all__ = ["Lookahead", "Prefetching", "Rewalk"]
+
 
 
 class Lookahead:
@@ -142,4 +153,113 @@ class Prefetching:
                 except TierCapacityError:
                     # the tier is full of tensors needed sooner (or, for zeros, has no free room: going
                     # on past them measured worse, the loads after them took the states' room)
+                    if zero:
+                        self._clean_ahead(rec, tier, policy.next_use(key))
                     break
+
+    def _clean_ahead(self, rec: TensorRecord, tier: Tier, further_than: float) -> None:
+        """For a zero the walk found no room for: start writing the dirty copy its ``get`` would
+        evict, where that copy is needed later than the zero, so that the ``get`` finds it clean
+        and drops it at once instead of waiting for its write. The zero takes no room before its
+        use (see the module docstring): only the write moves earlier, into the disk's idle time."""
+        space = self._spaces[tier]
+        with self._lock:
+            victim = space.pick_victim(rec, further_than)
+            if victim is None or victim.op is not None or space.fate(victim) != Fate.WRITE_BACK:
+                return
+            busy = self._begin(victim, OpKind.WRITE_BACK, Tier.DISK, block=False)
+        if busy is not None:
+            try:
+                with self._waits.moving_victim():
+                    fut = self._run(victim, busy, lambda: self._start_write_back(victim, Tier.DISK, block=False))
+            except TierCapacityError:
+                return  # (a device copy with no host room to stage it: its get makes room)
+            self._walk_again_after(fut)
+
+    def _walk_again_after(self, fut: IOFuture) -> None:
+        """Walk the lookahead again once ``fut`` ends: a victim's write (or move down) that a walk
+        started to make room, and then gave up on the load. Walking only after the next ``get``,
+        the load waited for that ``get`` and the disk idled through a block's compute
+        (docs/RESULTS.md, fifty-first session)."""
+        fut.add_done_callback(lambda _f: self._rewalk.kick())
+
+    # ---- moving bytes -------------------------------------------------------------------
+    def prefetch(self, key: str, tier: Tier | str | None = None) -> IOFuture:
+        """Start bringing the current bytes into ``tier``; the future resolves when they are there.
+
+        May block the caller while it makes room (waiting for a dirty victim's write-back).
+        ``prefetch(key, "disk")`` is :meth:`write_back`.
+        """
+        tier = Tier.parse(tier) if tier is not None else self.compute_tier
+        if tier == Tier.DISK:
+            return self.write_back(key, Tier.DISK)
+        tier = self._memory_tier(tier)
+        with self._lock:
+            rec = self._rec(key)
+            if rec.valid(tier):
+                return completed(0, f"prefetch {key}")
+            if rec.op is not None and rec.op.is_(OpKind.LOAD, tier):
+                return rec.op.future
+            # A lookahead load in flight may still give up for lack of room: wait for it to end
+            # (in _begin), then load for this caller if it did not land.
+            busy = self._begin(rec, OpKind.LOAD, tier)
+            if rec.valid(tier):
+                self._end(rec, busy, result=0)
+                return busy
+        return self._run(rec, busy, lambda: self._start_load(rec, tier))
+
+
+class Rewalk:
+    """A thread that runs ``walk`` (the store's lookahead walk) when kicked: after a write that
+    makes room, where no ``get`` would walk before the compute that follows it ends. Kicks that
+    come while one is pending make one walk. Started on the first kick; :meth:`close` stops it.
+    It holds the store weakly: a store dropped unclosed ends it too.
+
+    A walk in this thread follows the cursor of the thread that accessed the sequence last (it is
+    no walker itself). Errors are left to the ``get`` that needs the tensor: a walk is advice."""
+
+    IDLE_CHECK_S = 5.0
+    """How often an idle thread looks whether its store still exists."""
+
+    def __init__(self, walk: Callable[[], None]):
+        self._walk = weakref.WeakMethod(walk)
+        self._cond = threading.Condition()
+        self._pending = self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def kick(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._pending = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tiered-offload-rewalk", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._pending and not self._closed:
+                    self._cond.wait(self.IDLE_CHECK_S)
+                if self._closed:
+                    return
+                pending, self._pending = self._pending, False
+            walk = self._walk()
+            if walk is None:
+                return
+            if pending:
+                try:
+                    walk()
+                except Exception:  # noqa: BLE001 - advice only: the get that needs the tensor meets it
+                    pass
+            del walk
+
+    def close(self) -> None:
+        """Stop the thread (after a walk in progress) and ignore later kicks."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()

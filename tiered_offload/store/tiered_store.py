@@ -47,7 +47,7 @@ from tiered_offload.store.copies import CopyChains
 from tiered_offload.store.disk import DiskTier, open_backend
 from tiered_offload.store.policies import EvictionPolicy, make_policy
 from tiered_offload.store.space import Fate, TierSpace
-from tiered_offload.store.prefetch import Lookahead, Prefetching
+from tiered_offload.store.prefetch import Lookahead, Prefetching, Rewalk
 from tiered_offload.store.record import Operation, OpKind, Slot, StoreStats, TensorRecord
 from tiered_offload.store.tiers import CopyState, Tier
 from tiered_offload.store.waits import WaitRules
@@ -117,6 +117,7 @@ class TieredStore(CopyChains, Prefetching):
                                      demotes=t == Tier.DEVICE and exclusive and self._arenas[Tier.HOST].capacity > 0)
                         for t in _MEMORY_TIERS}
         self._lookahead = Lookahead(cfg, self._spaces, self.backend.supports_device_buffers)
+        self._rewalk = Rewalk(self._prefetch_ahead)
         self._copier = Copier(cfg.device)
         self._copier.open()
         self._opened = True
@@ -126,6 +127,7 @@ class TieredStore(CopyChains, Prefetching):
         """Wait for operations in flight, write dirty tensors back (unless ``flush=False``), release memory."""
         if not self._opened:
             return
+        self._rewalk.close()  # (no load starts behind the flush)
         try:
             if flush:
                 self.flush()
@@ -513,30 +515,6 @@ class TieredStore(CopyChains, Prefetching):
                         raise
 
     # ---- moving bytes -------------------------------------------------------------------
-    def prefetch(self, key: str, tier: Tier | str | None = None) -> IOFuture:
-        """Start bringing the current bytes into ``tier``; the future resolves when they are there.
-
-        May block the caller while it makes room (waiting for a dirty victim's write-back).
-        ``prefetch(key, "disk")`` is :meth:`write_back`.
-        """
-        tier = Tier.parse(tier) if tier is not None else self.compute_tier
-        if tier == Tier.DISK:
-            return self.write_back(key, Tier.DISK)
-        tier = self._memory_tier(tier)
-        with self._lock:
-            rec = self._rec(key)
-            if rec.valid(tier):
-                return completed(0, f"prefetch {key}")
-            if rec.op is not None and rec.op.is_(OpKind.LOAD, tier):
-                return rec.op.future
-            # A lookahead load in flight may still give up for lack of room: wait for it to end
-            # (in _begin), then load for this caller if it did not land.
-            busy = self._begin(rec, OpKind.LOAD, tier)
-            if rec.valid(tier):
-                self._end(rec, busy, result=0)
-                return busy
-        return self._run(rec, busy, lambda: self._start_load(rec, tier))
-
     def write_back(self, key: str, to: Tier | str = Tier.DISK) -> IOFuture:
         """Start copying the current bytes down to ``to`` (DISK, or HOST from the device)."""
         to = Tier.parse(to)
@@ -717,6 +695,8 @@ class TieredStore(CopyChains, Prefetching):
                 victim = space.pick_victim(rec, further_than, writes)
                 if victim is None or victim.op is not None:  # none now, or the best one's write is in flight
                     if not block:
+                        if victim is not None:  # (its room may start the loads the walk wants)
+                            self._walk_again_after(victim.op.future)
                         return None
                     if victim is None and not self._waits.may_wait(self._records.values(), rec, tier):
                         raise space.capacity_error(self._records.values(), rec, "every resident tensor is pinned or in use")
@@ -746,5 +726,6 @@ class TieredStore(CopyChains, Prefetching):
                         raise
                 continue
             if not block:
+                self._walk_again_after(fut)
                 return None
             fut.get()
