@@ -410,7 +410,8 @@ def main() -> int:
                 f"{kind} {format_size(got.get(('disk->host', kind), 0))} / {format_size(got.get(('host->disk', kind), 0))}"
                 for kind in kinds) or "nothing"))
     d, i = runs["deferred"], runs["inline"]
-    print(f"deferred / inline: weights read {d['read'].get('weight', 0) / i['read']['weight']:.2f}x, disk bytes "
+    ratio = lambda a, b: f"{a / b:.2f}x" if b else ("1.00x" if not a else "inf")  # noqa: E731 (none read: at 0.9)
+    print(f"deferred / inline: weights read {ratio(d['read'].get('weight', 0), i['read'].get('weight', 0))}, disk bytes "
           f"{total['deferred'] / total['inline']:.2f}x, step {d['seconds'] / i['seconds']:.2f}x; final weights "
           f"{'bitwise the same' if torch.equal(d['weights'], i['weights']) else 'DIFFERENT'}")
     assert d["deferred"] and not i["deferred"]
