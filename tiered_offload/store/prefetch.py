@@ -41,7 +41,6 @@ from tiered_offload.store.tiers import Tier
 __all__ = ["Lookahead", "Prefetching", "Rewalk"]
 
 
-
 class Lookahead:
     """Prefetch decisions for a store (numbers and records only; the store moves the bytes).
 
