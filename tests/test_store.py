@@ -518,10 +518,14 @@ def test_the_lookahead_writes_the_dirty_copy_a_zeros_get_will_evict_and_leaves_t
     """A zero (a gradient ``zero_grad()`` cleared) costs no read, so the lookahead gives it no room
     ahead of its use (see ``store/prefetch.py``); but where its ``get`` would evict a dirty copy
     needed later (``D``), the lookahead starts that copy's write, and the ``get`` then drops it at
-    once instead of waiting for the write. The zero takes no room before its ``get``."""
+    once instead of waiting for the write. The zero takes no room before its ``get``. (It looks
+    for such a copy only once an eviction in the tier has written one: ``E``'s here.)"""
     backend = FaultInjectingBackend(MemoryBackend(threads=1), latency_s=0.2)
     store = make_store(backend, host=2 * 32 * KiB, device=0, policy="lookahead", prefetch_depth=2,
                        prefetch_share=math.inf)
+    store.register("E", (8 * KiB,), data=torch.full((8 * KiB,), 5.0))
+    with store.hold("E", "host", dirty=True) as x:
+        x += 1
     store.register("A", (8 * KiB,), data=torch.full((8 * KiB,), 1.0))
     store.register("D", (8 * KiB,), data=torch.full((8 * KiB,), 2.0))
     store.register("Z", (8 * KiB,))
@@ -538,6 +542,7 @@ def test_the_lookahead_writes_the_dirty_copy_a_zeros_get_will_evict_and_leaves_t
         assert not z.any()
     assert time.perf_counter() - t0 < 0.15  # (a write would take 0.2 s)
     assert torch.equal(store.read("D"), torch.full((8 * KiB,), 3.0))
+    assert torch.equal(store.read("E"), torch.full((8 * KiB,), 6.0))
     store.close()
 
 

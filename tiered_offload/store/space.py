@@ -70,6 +70,9 @@ class TierSpace:
         self.resident: dict[str, TensorRecord] = {}
         """The tensors with a copy (a slot) in this tier: what :meth:`pick_victim` looks through,
         so that an eviction costs the tier's copies, not every registered tensor."""
+        self.victims_written = False
+        """Whether a victim here was ever written back to make room: until then the lookahead does
+        not look for a dirty copy to write ahead (a pass over the tier's copies a ``get``)."""
         self.at_end: set[str] = set()
         """Keys whose copies stay pinned here through a whole forward (the engine's rest, in the
         compute tier): placed at the end of the arena, or they split the free room a unit's update

@@ -704,6 +704,7 @@ class TieredStore(CopyChains, Prefetching):
                         raise space.capacity_error(self._records.values(), rec, f"waited {self.config.wait_timeout_s}s")
                     continue
                 fate = space.fate(victim)
+                space.victims_written |= fate == Fate.WRITE_BACK
                 if fate == Fate.DROP:
                     self._drop_slot(victim, tier)
                     self._stats.evictions[tier] += 1
