@@ -716,3 +716,44 @@ def test_torch_profiler_sees_the_engine_ranges(tmp_path):
     # the calling thread's ranges (the background step's and the I/O threads' are in the engine's trace)
     assert any(n.startswith("tiered_offload::forward block.") for n in names), sorted(names)[:20]
     assert any(n.startswith(("tiered_offload::backward block.", "tiered_offload::recompute block.")) for n in names)
+
+
+def test_bench_train_times_the_steady_steps_and_leaves_the_last_deferred_update_out():
+    """tools/bench_train.py's rounds: a step to lead in, untimed, then the timed window, whose disk
+    counters are read when its last step returns; the work a deferred step leaves (run whole by
+    ``wait_committed()``) is finished untimed. Timing it charged a deferred step one update not
+    hidden behind a forward per round (docs/RESULTS.md, fifty-second session)."""
+    import sys
+    import time
+    import types
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from bench_train import Config
+    from tiered_offload import Tier
+    moved = {"read": 0}
+    calls = []
+
+    class Store:  # a snapshot of the counters, as engine.stats().store is
+        def __init__(self):
+            self.read = moved["read"]
+
+        def by_kind(self, kinds, since):
+            return {"state": self.read - since.read}
+
+    def stats():
+        return types.SimpleNamespace(bytes_read={Tier.DISK: moved["read"]}, bytes_written={Tier.DISK: 0}, store=Store())
+
+    def step(x):  # each step reads 10 bytes; the update it leaves reads 100 in the finish
+        calls.append(x)
+        moved["read"] += 10
+
+    def finish():
+        time.sleep(0.3)
+        moved["read"] += 100
+    c = Config("disk", step, finish, engine=types.SimpleNamespace(stats=stats))
+    c.run([0, 1, 2], lead_in=True)
+    assert calls == [0, 1, 2]
+    assert c.per_step[0] < 0.1 and c.finish_s[0] >= 0.3  # the finish is not in the steps' time
+    assert c.moved["read"] == [10] and c.read_by_kind == [{"state": 10}]  # nor in their bytes
+    c.run([3, 4], lead_in=False)  # --timed-finish: the round up to the end of its work
+    assert c.per_step[1] >= 0.15 and c.moved["read"][1] == 60

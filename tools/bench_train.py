@@ -18,9 +18,13 @@ Runs 2 and 4 are durable (the storage directory is a committed, resumable state:
 ``--commit-every`` steps); with ``--volatile`` each also runs with ``durable=False``, to show what
 durability costs.
 
-A configuration's time per step is the wall time of its steps in the round, up to the point
-where all its work is done (a background optimizer step is waited for at the end of the round,
-so nothing it does is hidden behind another configuration). For the disk run it prints the
+A configuration's time per step is the wall time of its steady steps in the round: each round
+runs one step untimed first, then ``--steps-per-round`` timed ones, so the window opens and closes
+with one step's deferred work (an update run in the next forward) pending and holds the steady
+state's work; what is left at the end is finished untimed, before the next configuration runs,
+so nothing it does is hidden behind another configuration (``--timed-finish``: each round timed up
+to the end of all its work, the measure before 2026-12-06, which charges a deferred step one
+update not overlapped per round). For the disk run it prints the
 bytes moved per step, the disk throughput measured here, the I/O lower bound (bytes read / read
 rate + bytes written / write rate) and the ratio step / max(compute, I/O bound). The first
 round is a warm-up, not timed, that runs each engine until its plan is final (made, checked,
@@ -111,16 +115,29 @@ class Config:
         self.per_step: list[float] = []
         self.moved = {"read": [], "written": []}
         self.read_by_kind: list[dict[str, float]] = []
+        self.finish_s: list[float] = []
 
-    def run(self, batches):
+    def run(self, batches, lead_in=False):
+        """Run ``batches``, timing them up to the end of their work (``finish``); with ``lead_in``
+        the first runs untimed and the window ends when the last step returns: it opens and closes
+        with one step's deferred work pending, so it holds the steady state's work of the others
+        (the work left is finished untimed, in ``finish_s``)."""
+        if lead_in:
+            self.step(batches[0])
+            batches = batches[1:]
         s0 = self.engine.stats() if self.engine else None
         t0 = time.perf_counter()
         for x in batches:
             self.step(x)
-        self.finish()
+        if not lead_in:
+            self.finish()
         self.per_step.append((time.perf_counter() - t0) / len(batches))
+        s1 = self.engine.stats() if self.engine else None
+        if lead_in:
+            t1 = time.perf_counter()
+            self.finish()
+            self.finish_s.append(time.perf_counter() - t1)
         if self.engine:
-            s1 = self.engine.stats()
             self.moved["read"].append((s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK]) / len(batches))
             self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
             read = s1.store.by_kind(("disk->host", "disk->device"), since=s0.store)
@@ -208,6 +225,18 @@ def _disk_budget(args, base, g, directory) -> int:
     return advised
 
 
+def _rounds(args, configs, g, rows=None) -> None:
+    """A warm-up round that runs each engine until its plan is final, then ``--rounds`` interleaved
+    rounds (every other one in reverse order), each with a step to lead in (see :meth:`Config.run`)."""
+    warm = PlanMonitor.FINAL_AFTER
+    for r in range(args.rounds + 1):
+        lead = r > 0 and not args.timed_finish
+        steps = max(warm, args.steps_per_round) if r == 0 else args.steps_per_round + lead
+        for c in configs if r % 2 == 0 else configs[::-1]:
+            c.run([torch.randint(0, 256, (rows(c) if rows else args.batch, args.context + 1), generator=g)
+                   for _ in range(steps)], lead_in=lead)
+
+
 def main() -> int:  # noqa: C901 - a script
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=512)
@@ -227,6 +256,9 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--commit-every", type=int, default=1, help="commit the durable runs every N steps")
     ap.add_argument("--disk-rate", type=float, default=None, metavar="MB/S",
                     help="hold the disk runs' storage to this rate (tools/slow_disk.py): a disk-bound machine")
+    ap.add_argument("--timed-finish", action="store_true",
+                    help="time each round up to the end of its work (its last step's deferred update and commit) "
+                         "instead of its steady steps after a lead-in step (the measure before 2026-12-06)")
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
     ap.add_argument("--accumulate", type=int, default=0, metavar="N",
                     help="compare N micro-batches per step as a loop of backwards and through forward_backward")
@@ -268,11 +300,7 @@ def main() -> int:  # noqa: C901 - a script
         if args.volatile:
             configs += [engine_config("host-volatile", roomy, durable=False),
                         engine_config("disk-volatile", small, durable=False)]
-        warm = PlanMonitor.FINAL_AFTER  # the warm-up round runs each engine until its plan is final
-        for r in range(args.rounds + 1):
-            for c in configs if r % 2 == 0 else configs[::-1]:
-                c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
-                       for _ in range(max(warm, args.steps_per_round) if r == 0 else args.steps_per_round)])
+        _rounds(args, configs, g)
         for c in configs:  # drop the warm-up round (first steps initialise optimizer states)
             c.per_step = c.per_step[1:]
             c.moved = {k: v[1:] for k, v in c.moved.items()}
@@ -301,6 +329,9 @@ def main() -> int:  # noqa: C901 - a script
     print(f"  the same, every block recomputed, volatile {med['disk-recompute']:7.3f} s/step   engine/in-memory = "
           f"{med['disk-recompute'] / med['plain']:.2f}")
     print(f"disk run, per step: read {format_size(rd)} from disk, wrote {format_size(wr)}")
+    if disk.finish_s:
+        print(f"  the work left at a round's end (its last step's deferred update, the commit), untimed: "
+              f"{statistics.median(disk.finish_s):.3f} s a round")
     print(f"disk rates here: read {r_rate / 1e9:.2f} GB/s, write {w_rate / 1e9:.2f} GB/s -> I/O lower bound "
           f"{io_bound:.3f} s/step; compute {med['compute']:.3f} s/step")
     print(f"disk step / max(compute, I/O bound) = {med['disk'] / max(med['compute'], io_bound):.2f}")
@@ -349,12 +380,7 @@ def accumulate(args) -> int:
         configs = [make("memory", 2 * state, 1, False), make("one", host, 1, False),
                    make("loop", host, n, False), make("fused", host, n, True),
                    make("fused-recompute", host, n, True, "recompute")]
-        warm = PlanMonitor.FINAL_AFTER  # the warm-up round runs each engine until its plan is final
-        for r in range(args.rounds + 1):
-            for c in configs if r % 2 == 0 else configs[::-1]:
-                rows = args.batch if c.name in ("memory", "one") else args.batch * n
-                c.run([torch.randint(0, 256, (rows, args.context + 1), generator=g)
-                       for _ in range(max(warm, args.steps_per_round) if r == 0 else args.steps_per_round)])
+        _rounds(args, configs, g, rows=lambda c: args.batch if c.name in ("memory", "one") else args.batch * n)
         modes = {c.name: _modes(c.engine.activation_modes) for c in configs}
     med = {c.name: statistics.median(c.per_step[1:]) for c in configs}
     rd = {c.name: statistics.median(c.moved["read"][1:]) for c in configs}
@@ -406,11 +432,7 @@ def sweep(args) -> int:
                 engine.step()
                 engine.zero_grad()
             configs.append(Config(f"{f:g}", step, finish=engine.wait_committed, engine=engine))
-        warm = PlanMonitor.FINAL_AFTER  # the warm-up round runs each engine until its plan is final
-        for r in range(args.rounds + 1):
-            for c in configs if r % 2 == 0 else configs[::-1]:
-                c.run([torch.randint(0, 256, (args.batch, args.context + 1), generator=g)
-                       for _ in range(max(warm, args.steps_per_round) if r == 0 else args.steps_per_round)])
+        _rounds(args, configs, g)
         rows = []
         for c in configs[1:]:
             e = c.engine
