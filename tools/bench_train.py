@@ -24,11 +24,11 @@ with one step's deferred work (an update run in the next forward) pending and ho
 state's work; what is left at the end is finished untimed, before the next configuration runs,
 so nothing it does is hidden behind another configuration (``--timed-finish``: each round timed up
 to the end of all its work, the measure before 2026-12-06, which charges a deferred step one
-update not overlapped per round). For the disk run it prints the
-bytes moved per step, the disk throughput measured here, the I/O lower bound (bytes read / read
-rate + bytes written / write rate) and the ratio step / max(compute, I/O bound). The first
-round is a warm-up, not timed, that runs each engine until its plan is final (made, checked,
-revised if it did not earn its disk bytes, its step mode tried where the disk bounds it).
+update not overlapped per round). For the disk run it prints the bytes moved per step, the disk
+throughput measured here, the I/O lower bound (bytes read / read rate + bytes written / write
+rate) and the ratio step / max(compute, I/O bound). The first round is a warm-up, not timed,
+that runs each engine until its plan is final (made, checked, revised if it did not earn its disk
+bytes, its step mode tried where the disk bounds it).
 
     python tools/bench_train.py --d-model 512 --layers 8 --batch 8 --context 128 --rounds 5
 
