@@ -1313,6 +1313,25 @@ def test_a_shard_that_is_no_file_is_named_not_left_out(tmp_path, model_dir, odd,
         _prepared(tmp_path, model_dir, path)
 
 
+@pytest.mark.parametrize("suffix,fmt", [(".jsonl", "completion"), (".json", "alpaca"), (".txt", "text"),
+                                        (".parquet", "completion")])
+def test_a_fifo_put_in_a_data_files_place_after_its_check_is_named_not_waited_on(tmp_path, suffix, fmt):
+    """The data files are checked to be files when the run lists them, and opened when they are
+    tokenised. A FIFO put in a file's place between the two (another process in the directory)
+    made the run wait for a writer forever. Each reader opens its file without waiting and checks
+    what it opened: a FIFO is refused at once, naming it."""
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow.parquet")
+    from tiered_offload.train.sources import examples
+    path = tmp_path / f"train{suffix}"
+    os.mkfifo(path)  # (the check passed on the file that stood here)
+    try:
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(path))} is a FIFO, not a file"):
+            _within(10, lambda: list(examples(path, fmt, "text")))
+    finally:
+        os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))  # (a reader left waiting returns)
+
+
 def _documents(data, pad: int = 3) -> list[tuple[int, int, int]]:
     """``(row, start, end)`` of every example in ``data`` packed as documents: a stretch whose
     position ids count up from 0 (the padding after the last example, all pad tokens, left out)."""

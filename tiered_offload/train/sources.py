@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
 from pathlib import Path
 
 from offload_core.errors import ConfigError
@@ -25,11 +26,26 @@ CHUNK = 1 << 20
 sequences written at a time."""
 
 
+def _open(path: Path, binary: bool = False):
+    """``path`` opened to read (text: UTF-8, a leading byte order mark dropped), without waiting:
+    the files were checked when the run listed them (:func:`_files`), but what stands there when
+    it is read may be something else by then (a FIFO, whose open would wait for a writer forever):
+    that is a :class:`ConfigError` naming it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ConfigError(f"data.path {path} is {kind_of(mode)}, not a file: the data is read as a file; save "
+                          f"it to one and name that")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb") if binary else os.fdopen(fd, encoding="utf-8-sig")
+
+
 def _chunks(path: Path, what: str):
     """The text of a UTF-8 file, :data:`CHUNK` characters at a time (newlines translated, as
     ``read_text``; a leading byte order mark dropped): a corpus is read as it is tokenised, never whole."""
     try:
-        with open(path, encoding="utf-8-sig") as f:
+        with _open(path) as f:
             while chunk := f.read(CHUNK):
                 yield chunk
     except (OSError, UnicodeDecodeError) as e:
@@ -130,7 +146,7 @@ def _json_array(path: Path) -> bool:
     if path.suffix != ".json":
         return False
     try:
-        with open(path, encoding="utf-8-sig") as f:
+        with _open(path) as f:
             return f.read(1 << 12).lstrip().startswith("[")
     except (OSError, UnicodeDecodeError):
         return False  # (read as JSON lines, whose reader names the fault)
@@ -154,11 +170,16 @@ def _parquet_rows(path: Path, fmt: str, field: str):
     required, optional = COLUMNS[fmt] if fmt != "completion" else ((field,), ())
     unreadable = (OSError, pyarrow.ArrowException, ValueError)
     try:
-        parquet = pq.ParquetFile(path)
+        source = _open(path, binary=True)  # (a file object given to it, ParquetFile leaves it open)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it as Parquet ({e}); download it again") from None
+    try:
+        parquet = pq.ParquetFile(source)
         names = parquet.schema_arrow.names
     except unreadable as e:
+        source.close()
         raise ConfigError(f"{path}: cannot read it as Parquet ({e}); download it again") from None
-    with parquet:
+    with source, parquet:
         missing = ", ".join(repr(c) for c in required if c not in names)
         if fmt == "completion" and missing:
             missing += " (data.field)"
@@ -189,7 +210,8 @@ def _rows(path: Path, fmt: str, field: str):
         return
     if _json_array(path):
         try:
-            items = json.loads(path.read_text(encoding="utf-8-sig"))
+            with _open(path) as f:
+                items = json.loads(f.read())
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise ConfigError(f"{path}: cannot read it as a JSON array ({e})") from None
         for k, row in enumerate(items, 1):
