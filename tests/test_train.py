@@ -1313,21 +1313,25 @@ def test_a_shard_that_is_no_file_is_named_not_left_out(tmp_path, model_dir, odd,
         _prepared(tmp_path, model_dir, path)
 
 
-@pytest.mark.parametrize("suffix,fmt", [(".jsonl", "completion"), (".json", "alpaca"), (".txt", "text"),
-                                        (".parquet", "completion")])
-def test_a_fifo_put_in_a_data_files_place_after_its_check_is_named_not_waited_on(tmp_path, suffix, fmt):
+@pytest.mark.parametrize("suffix,fmt", [(".jsonl", "completion"), (".json", "alpaca"), (".json", "array"),
+                                        (".txt", "text"), (".parquet", "completion")])
+def test_a_fifo_put_in_a_data_files_place_after_its_check_is_named_not_waited_on(tmp_path, monkeypatch, suffix, fmt):
     """The data files are checked to be files when the run lists them, and opened when they are
     tokenised. A FIFO put in a file's place between the two (another process in the directory)
     made the run wait for a writer forever. Each reader opens its file without waiting and checks
-    what it opened: a FIFO is refused at once, naming it."""
+    what it opened: a FIFO is refused at once, naming it. (``array``: put there after the file's
+    first bytes were read, which said it holds a JSON array.)"""
     if suffix == ".parquet":
         pytest.importorskip("pyarrow.parquet")
-    from tiered_offload.train.sources import examples
+    from tiered_offload.train import sources
+    if fmt == "array":
+        monkeypatch.setattr(sources, "_json_array", lambda path: True)
+        fmt = "alpaca"
     path = tmp_path / f"train{suffix}"
     os.mkfifo(path)  # (the check passed on the file that stood here)
     try:
-        with pytest.raises(ConfigError, match=rf"{re.escape(str(path))} is a FIFO, not a file"):
-            _within(10, lambda: list(examples(path, fmt, "text")))
+        with pytest.raises(ConfigError, match=rf"^data\.path {re.escape(str(path))} is a FIFO, not a file"):
+            _within(10, lambda: list(sources.examples(path, fmt, "text")))
     finally:
         os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))  # (a reader left waiting returns)
 

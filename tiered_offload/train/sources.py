@@ -212,6 +212,8 @@ def _rows(path: Path, fmt: str, field: str):
         try:
             with _open(path) as f:
                 items = json.loads(f.read())
+        except ConfigError:
+            raise  # (what stands there is no file: named as such)
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise ConfigError(f"{path}: cannot read it as a JSON array ({e})") from None
         for k, row in enumerate(items, 1):
