@@ -7,10 +7,12 @@ import os
 import re
 import select
 import shutil
+import socket
 import stat
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import zlib
 from concurrent.futures import Future
@@ -1336,3 +1338,48 @@ def test_an_attached_scheduler_that_raises_leaves_the_step_untaken_and_the_next_
     assert engine.step_count == 4 and engine.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert same(dict(ref.named_parameters()), weights(engine))
     engine.close()
+
+
+@pytest.mark.parametrize("peer", ["exited", "closed", "elsewhere", "running"])
+def test_a_sharded_close_waits_for_no_rank_that_has_ended(tmp_path, monkeypatch, peer):
+    """A sharded rank's close keeps the commit before its last until every rank's manifest has the
+    last step (``SnapshotCommits._release_at_rest``). A rank that ended without it never commits it:
+    a process of this machine that has exited (its lock file still names it), one that closed (its
+    lock file names no one) or a directory this machine does not see (another node's). The close
+    then keeps the commit at once, where it waited out ``REST_WAIT_S`` (30 s) for nothing. A rank
+    still running is waited for, and its commit lets the close drop the kept one."""
+    from types import SimpleNamespace
+
+    from tiered_offload.checkpoint import session as session_mod
+    from tiered_offload.checkpoint.session import SnapshotCommits
+    own = tmp_path / "rank-0-of-2" / STATE_DIR
+    other = tmp_path / "rank-1-of-2" / STATE_DIR
+    own.mkdir(parents=True)
+    if peer != "elsewhere":
+        other.mkdir(parents=True)
+        pid = os.getpid()
+        if peer == "exited":
+            done = subprocess.Popen([sys.executable, "-c", "pass"])
+            done.wait()
+            pid = done.pid
+        holder = {"pid": pid, "host": socket.gethostname(), "since": "-", "command": "train.py"}
+        (other / "lock").write_text("" if peer == "closed" else json.dumps(holder))
+    started = time.monotonic()
+    commits_at = started + 0.5  # the running rank's manifest reaches the step then
+    monkeypatch.setattr(session_mod, "_manifest_step",
+                        lambda d: 3 if d == own or (peer == "running" and time.monotonic() > commits_at)
+                        else 2)
+    monkeypatch.setattr(SnapshotCommits, "REST_WAIT_S", 6.0)
+    released = []
+    commits = SnapshotCommits.__new__(SnapshotCommits)
+    commits.owed = 3
+    commits.ranks = SimpleNamespace(out_of_step=False,
+                                    peer_state_dirs=lambda d: [other] if d == own else pytest.fail(str(d)))
+    commits.session = SimpleNamespace(files=SimpleNamespace(dir=own),
+                                      committer=SimpleNamespace(release_previous=lambda: released.append(1)))
+    commits._release_at_rest(3)
+    took = time.monotonic() - started
+    if peer == "running":
+        assert 0.5 <= took < 3 and released == [1] and commits.owed is None, (took, released)
+    else:
+        assert took < 2 and released == [] and commits.owed == 3, (took, released)

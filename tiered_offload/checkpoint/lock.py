@@ -20,7 +20,7 @@ from offload_core.errors import StorageDirectoryError, StorageLockedError, Tiere
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOCK", "DirectoryLock", "read_holder", "open_own", "read_own", "create_fresh"]
+__all__ = ["LOCK", "DirectoryLock", "holder_gone", "read_holder", "open_own", "read_own", "create_fresh"]
 
 LOCK = "lock"
 
@@ -104,6 +104,28 @@ def _alive(pid) -> bool:
     except OSError:
         return True
     return True
+
+
+def holder_gone(path: Path) -> bool:
+    """Whether the lock file ``path`` (another process's directory's) names no running holder: it names
+    no one (a clean exit leaves it so) or a process of this machine that has exited. False where that
+    cannot be told: no such file, one that cannot be read, a holder on another machine. A guess, for
+    decisions it may get wrong safely (a process of another PID namespace looks exited)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        if not os.pread(fd, 1, 0):
+            return True
+        holder = read_holder(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return holder.get("host") == socket.gethostname() and not _alive(holder.get("pid"))
 
 
 def read_holder(fd: int) -> dict:

@@ -26,7 +26,7 @@ from .durable import (
     read_committed,
     state_directory,
 )
-from .lock import DirectoryLock
+from .lock import LOCK, DirectoryLock, holder_gone
 from .layout import parse_extent
 
 log = logging.getLogger(__name__)
@@ -488,16 +488,18 @@ class SnapshotCommits(DurableCommits):
         (a whole state's bytes at most). The manifests are read from the ranks' directories:
         ``close`` issues no collective and asks nothing of the ranks' store, since it runs on error
         paths too (a dead rank 0 takes the store with it); their directories are synced before the
-        commit goes (a rename seen is not yet durable). Where the ranks fell out of step, or after
-        :attr:`REST_WAIT_S`, the commit stays until the next start, as before."""
+        commit goes (a rename seen is not yet durable). Where the ranks fell out of step, a rank
+        without the step has ended (:func:`_ended`), or after :attr:`REST_WAIT_S`, the commit stays
+        until the next start, as before."""
         peers = self.ranks.peer_state_dirs(self.session.files.dir)
         if peers is None or self.ranks.out_of_step:
             return
         deadline = time.monotonic() + self.REST_WAIT_S
-        while not all(_manifest_step(p) >= step for p in peers):
-            if time.monotonic() > deadline:
-                log.info("not every rank committed step %d by this rank's close; the commit before it stays until "
-                         "the next start", step)
+        while late := [p for p in peers if _manifest_step(p) < step]:
+            ended = next((p for p in late if _ended(p)), None)
+            if ended is not None or time.monotonic() > deadline:
+                log.info("%s did not commit step %d by this rank's close; the commit before it stays until the next "
+                         "start", ended.parent.name if ended else "not every rank", step)
                 return
             time.sleep(0.05)
         try:  # (a manifest seen renamed may not be durable yet: its directory's entries made so first)
@@ -507,6 +509,12 @@ class SnapshotCommits(DurableCommits):
             return
         self.owed = None
         self.session.committer.release_previous()
+
+
+def _ended(state_dir: Path) -> bool:
+    """Whether the rank of ``state_dir`` (another rank's) can commit nothing more that this machine
+    would see: its directory is not here (another node's), or its lock names no running process."""
+    return not state_dir.is_dir() or holder_gone(state_dir / LOCK)
 
 
 def _manifest_step(state_dir: Path) -> int:
