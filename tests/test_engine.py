@@ -615,7 +615,11 @@ def test_lr_change_through_param_groups(tmp_path):
     (dict(store_config="fast"), r"store_config must be a dict of StoreConfig's fields, got str"),
     (dict(store_config={"bogus": 1, "prefetch_depth": 2}), r"store_config: no StoreConfig field 'bogus'.*prefetch_depth"),
     (dict(store_config={"wait_timeout_s": -1}), r"wait_timeout_s must be > 0, got -1"),
-    (dict(config={"activations": "keep"}), r"config must be an EngineConfig.*EngineConfig\(activations='keep'\)")])
+    (dict(config={"activations": "keep"}), r"config must be an EngineConfig.*EngineConfig\(activations='keep'\)"),
+    # (they were named as StoreConfig's fields, host_budget_bytes and device_budget_bytes)
+    (dict(host_memory="lots"), r"^host_memory: cannot read 'lots' as a byte size; write e\.g\. 4GiB"),
+    (dict(host_memory=-1), r"^host_memory: a size cannot be negative \(-1\)"),
+    (dict(device_memory="1 GB of it"), r"^device_memory: cannot read '1 GB of it' as a byte size")])
 def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, monkeypatch, kwargs, match):
     """Found by trying each argument with a value of another kind: ``storage=123`` trained in a
     directory ``./123`` it made, ``durable="no"`` (truthy) made the run durable, and a device
@@ -624,7 +628,7 @@ def test_an_engine_argument_of_the_wrong_kind_is_refused_naming_it(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     kwargs.setdefault("storage", tmp_path / "s")
     with pytest.raises(ConfigError, match=match):
-        Engine(plain_gpt(2), torch.optim.AdamW, dict(lr=1e-3), host_memory="1MiB", **kwargs)
+        Engine(plain_gpt(2), torch.optim.AdamW, dict(lr=1e-3), **{"host_memory": "1MiB", **kwargs})
     assert not (tmp_path / "123").exists()
 
 

@@ -70,9 +70,12 @@ def _check_kinds(config) -> None:
 
 
 def check_engine_arguments(*, on_nonfinite, resume, durable, commit_every, trace, config, init_from,
-                           store_config) -> None:
+                           store_config, host_memory="auto", device_memory="auto") -> None:
     """Refuse an ``Engine`` argument of the wrong kind or value, naming it, before anything is built
     (a truthy string for a flag, a number for a path: each did something else without a word)."""
+    for name, budget in (("host_memory", host_memory), ("device_memory", device_memory)):
+        if budget != "auto":  # (named as passed: StoreConfig's checks name its own fields)
+            parse_size(budget, what=name)
     if on_nonfinite not in ("raise", "skip"):
         raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
     if resume not in (True, False, "auto"):

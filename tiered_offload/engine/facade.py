@@ -145,7 +145,8 @@ class Engine(EngineViews):
                  init_from: str | os.PathLike | list | None = None, config: EngineConfig | None = None,
                  trace: str | os.PathLike | None = None, process_group=None):
         check_engine_arguments(on_nonfinite=on_nonfinite, resume=resume, durable=durable, commit_every=commit_every,
-                               trace=trace, config=config, init_from=init_from, store_config=store_config)
+                               trace=trace, config=config, init_from=init_from, store_config=store_config,
+                               host_memory=host_memory, device_memory=device_memory)
         tracer = Tracer(trace) if trace is not None else None  # (first: its path is refused before a lock is taken)
         tune_allocator()  # freed temporaries go back to the system: resident memory tracks the budget
         self.model = model

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload_core.errors import ConfigError
+from offload_core.sizes import parse_size
 from tiered_offload.config import check_field_kinds
 
 __all__ = ["ModelSection", "DataSection", "TrainSection", "OffloadSection", "OutputSection", "LoraSection",
@@ -248,6 +249,10 @@ class RunConfig:
                                                       and all(isinstance(n, str) and n for n in names))):
                 raise ConfigError(f"{key} must be a module name, a list of them" + (" or null" if none_ok else
                                   " or all-linear") + f", got {value!r}")
+        for key, budget in (("offload.host_memory", self.offload.host_memory),
+                            ("offload.device_memory", self.offload.device_memory)):
+            if budget != "auto":
+                parse_size(budget, what=key)
         if not (isinstance(self.data.packing, bool) or self.data.packing == "documents"):
             raise ConfigError(f"data.packing must be true, false or documents, got {self.data.packing!r}")
         for key, value in (("offload.durable", self.offload.durable),
