@@ -2436,3 +2436,19 @@ def test_a_step_that_fails_part_way_stops_the_command_and_the_same_command_again
     assert cli_main(["train", "--config", str(config), "--no-progress"]) == 0
     a, b = exported(Path(reference["final"])), exported(tmp_path / "b" / "out" / "final")
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_warm_up_the_run_never_finishes_is_warned_of(tmp_path, model_dir, data, caplog):
+    """``train.warmup_steps`` at or beyond the run's steps (a warm-up set for a long run, kept for a
+    short one): the learning rate never reached ``train.lr``, and nothing said so. Now the start
+    warns, with the rate the last step takes; a warm-up that ends inside the run says nothing."""
+    for warmup, warned in ((8, True), (20, True), (7, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tiered_offload"):
+            train(write_config(tmp_path / str(warmup), model_dir, data, train__warmup_steps=warmup), [],
+                  dry_run=True, progress=False)
+        said = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+        assert bool(said) == warned, (warmup, said)
+        if warned:  # (8 steps, the last one's factor 8 / (warmup + 1) of lr 0.01)
+            assert re.search(rf"train\.warmup_steps {warmup} is not below the run's 8 steps: the learning rate never "
+                             rf"reaches train\.lr 0\.01 \(the last step's is {0.01 * 8 / (warmup + 1):.3g}\)", said[0])

@@ -16,7 +16,22 @@ from offload_core.sizes import parse_size
 from tiered_offload.config import check_field_kinds
 
 __all__ = ["ModelSection", "DataSection", "TrainSection", "OffloadSection", "OutputSection", "LoraSection",
-           "RunConfig", "load_config"]
+           "RunConfig", "load_config", "lr_factor"]
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, floor: float = 0.0) -> float:
+    """The learning rate of step ``step`` (0-based) as a share of the peak: a linear warm-up from 0,
+    then the schedule's decay from the peak to ``floor`` (``train.min_lr`` as a share of it)."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        decay = max(0.0, 1.0 - progress)
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return floor + (1 - floor) * decay if floor else decay
 
 
 @dataclass(kw_only=True)
@@ -109,6 +124,15 @@ class TrainSection:
     autocast training bitwise."""
     eval_every: int = 0
     """Evaluate every this many steps (0: only at the end, when there is evaluation data)."""
+
+    def unfinished_warmup(self, total: int) -> str | None:
+        """What to warn of where the warm-up does not end inside the run's ``total`` steps (a
+        warm-up set for a long run, kept for a short one): the learning rate never reaches ``lr``."""
+        if self.warmup_steps < total:
+            return None
+        last = self.lr * lr_factor(total - 1, total, self.warmup_steps, self.schedule, self.min_lr / self.lr)
+        return (f"train.warmup_steps {self.warmup_steps} is not below the run's {total} steps: the learning rate "
+                f"never reaches train.lr {self.lr:g} (the last step's is {last:.3g}); lower train.warmup_steps")
 
 
 @dataclass(kw_only=True)

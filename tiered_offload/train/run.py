@@ -39,7 +39,7 @@ from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
-from tiered_offload.train.config import RunConfig, load_config
+from tiered_offload.train.config import RunConfig, load_config, lr_factor
 from tiered_offload.train.data import micro_batch_rows, prepare_data
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
@@ -53,21 +53,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
 """Copied from the model directory into every export, so the export is a complete model directory."""
-
-
-def lr_factor(step: int, total: int, warmup: int, schedule: str, floor: float = 0.0) -> float:
-    """The learning rate of step ``step`` (0-based) as a share of the peak: a linear warm-up from 0,
-    then the schedule's decay from the peak to ``floor`` (``train.min_lr`` as a share of it)."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
-    if schedule == "linear":
-        decay = max(0.0, 1.0 - progress)
-    else:
-        decay = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return floor + (1 - floor) * decay if floor else decay
 
 
 HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
@@ -360,6 +345,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
     t = cfg.train
     per_step = t.micro_batch * t.grad_accum * ranks.world
     total = t.max_steps or max(1, math.ceil(t.epochs * len(train_data) / per_step))
+    if ranks.first and (unfinished := t.unfinished_warmup(total)):
+        log.warning("tiered-offload: %s", unfinished)
     directories = _storage_location(cfg.offload.storage)
     location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
     own = directories if ranks.world == 1 else ",".join(  # (this rank's directories: engine/sharding.py)
