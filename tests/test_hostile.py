@@ -137,6 +137,34 @@ def test_verify_and_export_beside_a_live_engine_are_refused_naming_it(tmp_path, 
     assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "out")]) == 0
 
 
+@pytest.mark.parametrize("record", ["[1]", '"train.py"', "5", "null", '{"pid": "x", "host": 7}'])
+def test_a_lock_file_whose_record_is_not_an_object_is_read_as_no_holder(tmp_path, capsys, record):
+    """The lock file names its holder as a JSON object. One holding other JSON (a list, a string, a
+    number: a damaged or hand-edited file) made the engine's start an untyped ``AttributeError``
+    ('list' object has no attribute 'get'), and so ``inspect`` / ``verify`` beside a live holder.
+    Such a record now reads as naming no one: the start takes the lock over, and a second process
+    is refused, typed, as beside "another process"."""
+    import fcntl
+    first = make_engine(tmp_path / "s")
+    train(first, 1)
+    first.close()
+    lock = tmp_path / "s" / STATE_DIR / "lock"
+    lock.write_text(record)
+    again = make_engine(tmp_path / "s", resume=True)  # (a dead holder's record: taken over)
+    again.close()
+    lock.write_text(record)
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a live holder whose record is this)
+        with pytest.raises(StorageLockedError, match=r"in use by (another process|process x on 7)"):
+            make_engine(tmp_path / "s", resume=True)
+        assert cli_main(["verify", str(tmp_path / "s")]) == 2
+        assert "in use by" in capsys.readouterr().err
+        assert cli_main(["inspect", str(tmp_path / "s")]) == 0
+    finally:
+        os.close(fd)
+
+
 def test_two_exports_into_one_directory_are_one_at_a_time(tmp_path, capsys):
     """Two ``tiered-offload export`` commands (or an export and a training script's) writing into
     one directory at once: each wrote its shards under the same temporary names, so one renamed

@@ -112,28 +112,33 @@ def holder_gone(path: Path) -> bool:
     cannot be told: no such file, one that cannot be read, a holder on another machine. A guess, for
     decisions it may get wrong safely (a process of another PID namespace looks exited)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        fd = open_own(path, os.O_RDONLY, StorageDirectoryError)
+    except (TieredOffloadError, OSError):
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        if not os.pread(fd, 1, 0):
-            return True
-        holder = read_holder(fd)
+        raw = os.pread(fd, 4096, 0)
     except OSError:
         return False
     finally:
         os.close(fd)
-    return holder.get("host") == socket.gethostname() and not _alive(holder.get("pid"))
+    holder = _holder(raw)
+    return not raw.strip() or (holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")))
 
 
 def read_holder(fd: int) -> dict:
+    """The holder the lock file open at ``fd`` names; ``{}``: none (empty, unreadable, or not a JSON object)."""
     try:
-        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-        return json.loads(text) if text else {}
-    except (OSError, ValueError):
+        return _holder(os.pread(fd, 4096, 0))
+    except OSError:
         return {}
+
+
+def _holder(raw: bytes) -> dict:
+    try:
+        record = json.loads(raw.decode(errors="replace").strip() or "{}")
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}  # (a list or a number there: damaged, names no one)
 
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
