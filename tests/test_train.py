@@ -2452,3 +2452,15 @@ def test_a_warm_up_the_run_never_finishes_is_warned_of(tmp_path, model_dir, data
         if warned:  # (8 steps, the last one's factor 8 / (warmup + 1) of lr 0.01)
             assert re.search(rf"train\.warmup_steps {warmup} is not below the run's 8 steps: the learning rate never "
                              rf"reaches train\.lr 0\.01 \(the last step's is {0.01 * 8 / (warmup + 1):.3g}\)", said[0])
+
+
+def test_the_commands_warnings_name_the_library_once(tmp_path, model_dir, data):
+    """The command line's log lines name their logger (``WARNING tiered_offload: ...``), and the
+    library's warnings begin with ``tiered-offload:`` for a program that logs them in its own way:
+    the command printed both (``WARNING tiered_offload: tiered-offload: ...``)."""
+    config = write_config(tmp_path, model_dir, data, train__warmup_steps=8)
+    r = subprocess.run([sys.executable, "-m", "tiered_offload", "train", "--config", str(config), "--dry-run",
+                        "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "WARNING tiered_offload: train.warmup_steps 8 is not below the run's 8 steps" in r.stderr, r.stderr[-2000:]
+    assert "tiered-offload: train.warmup_steps" not in r.stderr

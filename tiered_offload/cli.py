@@ -95,10 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Named(logging.Formatter):
+    """The command's log lines name their logger; a message the library begins with ``tiered-offload:``
+    (for programs that log it their own way) loses that prefix here, where it would say it twice."""
+
+    def formatMessage(self, record):
+        record.message = record.message.removeprefix("tiered-offload: ")
+        return super().formatMessage(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for a reported error)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()  # (basicConfig leaves a root logger that has handlers alone)
+    handler.setFormatter(_Named("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
         if args.command == "bench-io":
             from tiered_offload.bench_io import main as bench_main
