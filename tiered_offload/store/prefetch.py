@@ -184,7 +184,11 @@ class Prefetching:
         """Walk the lookahead again once ``fut`` ends: a victim's write (or move down) that a walk
         started to make room, and then gave up on the load. Walking only after the next ``get``,
         the load waited for that ``get`` and the disk idled through a block's compute
-        (docs/RESULTS.md, fifty-first session)."""
+        (docs/RESULTS.md, fifty-first session). Not where it ended already, in this thread (a
+        synchronous backend's, ``threads=0``): the next ``get`` walks, as it did before, and no
+        thread races the caller (a walk there made a synchronous store's hits depend on timing)."""
+        if fut.done():
+            return
         fut.add_done_callback(lambda _f: self._rewalk.kick())
 
     # ---- moving bytes -------------------------------------------------------------------
