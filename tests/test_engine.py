@@ -1014,6 +1014,16 @@ def test_budget_too_small_names_the_block_and_the_bytes():
     assert "block.0" in msg and "at least" in msg and "KiB" in msg
 
 
+@pytest.mark.parametrize("budget, written", [(100, "100 B"), (4095, "4.00 KiB = 4095 bytes"), ("1.5KiB", "1.50 KiB = 1536 bytes")])
+def test_a_budget_that_is_not_whole_pages_is_reported_as_written(budget, written):
+    """A budget the arena rounds down to whole 4 KiB pages was reported as the rounded figure: host_memory=100
+    was "the host budget (0 B) cannot hold ...", as if the user had asked for nothing."""
+    with pytest.raises(TierCapacityError) as info:
+        Engine(plain_gpt(2), storage="memory", host_memory=budget)
+    msg = str(info.value)
+    assert f"host budget ({written}" in msg and "rounded down to whole 4.00 KiB pages" in msg, msg
+
+
 def test_nan_loss_raises_and_leaves_state_untouched():
     engine = Engine(plain_gpt(2), storage="memory", host_memory="1MiB")
     before = dict(engine.named_parameters())

@@ -34,7 +34,7 @@ def check_budgets(store, schedule: Schedule, state_piece_numel: int) -> None:
     need = ws.need
     if need > cap:
         raise TierCapacityError(
-            f"the {compute.name.lower()} budget ({format_size(cap)}) cannot hold one step's working set: "
+            f"the {compute.name.lower()} budget ({_budget(store, compute)}) cannot hold one step's working set: "
             f"{format_size_up(need)} ({need} bytes) needed. Forward and backward keep the weights and gradients of "
             f"the parameters bound for the whole pass ({format_size(ws.rest_bytes)}) plus a streamed unit's weights "
             f"and gradients and the next one's weights (largest: {ws.largest_block} = {format_size(ws.block_bytes)} "
@@ -48,10 +48,22 @@ def check_budgets(store, schedule: Schedule, state_piece_numel: int) -> None:
     staging = STAGED_AT_ONCE * store.footprint(largest, Tier.HOST)
     if compute == Tier.DEVICE and store.capacity(Tier.HOST) < staging:
         raise TierCapacityError(
-            f"host_memory ({format_size(store.capacity(Tier.HOST))}) cannot stage the largest unit "
+            f"host_memory ({_budget(store, Tier.HOST)}) cannot stage the largest unit "
             f"({format_size_up(largest)}) to the GPU: a load and a device victim on its way down pass through the "
             f"host tier at once, and the holes the first leaves must still hold the second, so it must hold "
             f"{STAGED_AT_ONCE} of them. Raise host_memory to at least {format_size_up(staging)}")
+
+
+def _budget(store, tier: Tier) -> str:
+    """A tier's budget as the user gave it, and what the arena made of it where it rounded it down to whole
+    pages (``host_memory=100`` is no page at all: reported as "0 B" alone, it read as a budget never given)."""
+    cap = store.capacity(tier)
+    given = store.config.host_budget_bytes if tier == Tier.HOST else store.config.device_budget_bytes
+    if given == cap:
+        return format_size(cap)
+    text = format_size(given)
+    text = text if text.endswith(" B") else f"{text} = {given} bytes"  # 4095 is "4.00 KiB" to two places
+    return f"{text}, {format_size(cap)} once rounded down to whole {format_size(store.footprint(1, tier))} pages"
 
 
 def check_step_mode(config, store, schedule: Schedule, update_tier: Tier) -> None:
