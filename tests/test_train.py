@@ -2147,6 +2147,19 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["minimum_host_bytes"] > 64 << 10 and any("too small" in line for line in plan["lines"])
 
 
+def test_the_runs_yaml_file_may_be_given_first_without_its_flag(tmp_path, model_dir, data, capsys):
+    """`tiered-offload train run.yaml` (as other fine-tuning commands take their file) was "override 'run.yaml':
+    write section.key=value". The file given first is the run's configuration; overrides follow it."""
+    config = write_config(tmp_path, model_dir, data)
+    assert cli_main(["train", str(config), "--dry-run", "train.max_steps=3"]) == 0
+    assert "first batch" in capsys.readouterr().out and not (tmp_path / "run").exists()
+    # a second file, or one beside --config, is not taken for an override: it is named
+    for argv in (["train", str(config), str(config), "--dry-run"], ["train", "--config", str(config), str(config)]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{str(config)!r} is a file" in err and "one YAML file" in err, err
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Fine-tune a Hugging Face model directory with its training state streamed through "
                                    "the tiers; the same command again continues from the last committed step.")
     t.add_argument("--config", help="the run's YAML file (sections model, data, train, offload, output)")
-    t.add_argument("overrides", nargs="*", metavar="section.key=value", help="override a key of the YAML file")
+    t.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override a key of the YAML file (which may come first, without --config)")
     t.add_argument("--dry-run", action="store_true", help="print the model, the data, the budgets, the first batch; "
                                                          "train nothing")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -106,7 +107,13 @@ class _Named(logging.Formatter):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for a reported error)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "train":  # (overrides either side of the flags: `train run.yaml --dry-run a.b=1`)
+        args.overrides += [a for a in rest if not a.startswith("-")]
+        rest = [a for a in rest if a.startswith("-")]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handler = logging.StreamHandler()  # (basicConfig leaves a root logger that has handlers alone)
     handler.setFormatter(_Named("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
@@ -121,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             return _state_command(args)
         if args.command == "train":
             from tiered_offload.train import train
-            summary = train(args.config, args.overrides, dry_run=args.dry_run, progress=not args.no_progress)
+            config, overrides = args.config, list(args.overrides)
+            if config is None and overrides and "=" not in overrides[0]:
+                config = overrides.pop(0)  # `tiered-offload train run.yaml ...`, as other fine-tuning commands take it
+            summary = train(config, overrides, dry_run=args.dry_run, progress=not args.no_progress)
             if os.environ.get("RANK", "0") != "0":  # (under torchrun: rank 0 says it)
                 return 0
             if summary.get("stopped"):

@@ -379,6 +379,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ru
     for item in overrides:
         key, eq, value = item.partition("=")
         section, dot, name = key.partition(".")
+        if not eq and Path(item).is_file():
+            raise ConfigError(f"override {item!r} is a file, not section.key=value: give the run one YAML file, "
+                              f"first or as --config")
         if not eq or not dot or section not in sections:
             raise ConfigError(f"override {item!r}: write section.key=value (sections: {', '.join(sections)})")
         annotation = {f.name: str(f.type) for f in dataclasses.fields(sections[section])}.get(name, "")
