@@ -36,6 +36,7 @@ from offload_core.errors import (
     DirectIOUnsupportedError,
     ExtentNotFoundError,
     ShortReadError,
+    StorageDirectoryError,
     StorageIOError,
 )
 from offload_core.futures import IOFuture, gather
@@ -163,8 +164,16 @@ class PosixBackend(StorageBackend):
     # ---- life cycle ---------------------------------------------------------------------
     def _open(self) -> None:
         reasons = []
+        seen: dict[tuple[int, int], Path] = {}
         for d in self.directories:
             prepare_directory(d, create=self.create, writable=self.writable)
+            st = d.stat()
+            first = seen.setdefault((st.st_dev, st.st_ino), d)
+            if first is not d:  # stripes s and s + 1 would share a file's offsets: each overwrote the other
+                raise StorageDirectoryError(
+                    f"posix backend: the directory {first} is given twice (as {first} and {d}); stripe s of a tensor "
+                    f"goes to directory s % {len(self.directories)}, so two of them would overwrite each other. "
+                    f"Give each drive's directory once")
             if self.direct_mode is not False:
                 reason = probe_direct_io(d)
                 if reason:
