@@ -1080,6 +1080,51 @@ def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
     assert cli_main(["verify", str(dirs[0]), "--stripe", str(dirs[1])]) == 0
 
 
+def test_a_striped_states_other_directories_are_held_and_taken_in_their_order_only(tmp_path, uninterrupted):
+    """Only a striped state's first directory was locked and read. With its directories swapped, an engine
+    saw no state ("pass resume='auto' to start fresh"), and the fresh start it advised deleted the state's files
+    in the other directory (every tensor of it gone). Given without its second directory, or with other
+    stripe bytes, a resume read the wrong bytes and called the state damaged ("restore it from a copy"); a
+    second engine could train in a directory another used as its stripe."""
+    per_step, _ = uninterrupted
+    a, b, c = (tmp_path / n for n in "abc")
+
+    def spec(*dirs, stripe="16KiB"):
+        return f"posix:{','.join(map(str, dirs))}?stripe_bytes={stripe}"
+
+    engine = make_engine(spec(a, b))
+    torch.manual_seed(123)
+    train(engine, 2)
+    engine.close()
+    before = {p: p.read_bytes() for d in (a, b) for p in d.iterdir() if p.is_file()}
+    refused = [((b, a), "auto", rf"{a}, given as stripe 2 of 2, holds a training state of its own"),
+               ((b, a), True, rf"{a}, given as stripe 2 of 2, holds a training state of its own"),
+               ((b, c), "auto", rf"{b} holds stripe 2 of 2 of the training state whose first directory is {a}"),
+               ((c, b), "auto", rf"{b} holds stripe 2 of 2 of the training state whose first directory is {a}"),
+               ((a,), True, rf"striped over 2 directories \({a}, {b}\); 1 given"),
+               ((a, b, c), True, "striped over 2 directories"),
+               ((a, c), True, rf"{c} is not stripe 2 of 2 of the training state in {a}"),
+               ((a, b), True, "stripes of 16.00 KiB")]
+    for dirs, resume, match in refused:
+        stripe = "32KiB" if match.startswith("stripes") else "16KiB"
+        with pytest.raises(CheckpointError, match=match):
+            make_engine(spec(*dirs, stripe=stripe), resume=resume)
+        assert {p: p.read_bytes() for p in before} == before and all(p.exists() for p in before), dirs
+    engine = make_engine(spec(a, b), resume=True)
+    train(engine, 3)
+    with pytest.raises(StorageLockedError, match=str(b)):  # b is the live engine's: no other trains in it
+        make_engine(spec(c, b), resume="auto")
+    engine.close()
+    shutil.move(a, tmp_path / "a2")  # moved (another mount point): resumed where the state's directories are now
+    shutil.move(b, tmp_path / "b2")
+    engine = make_engine(spec(tmp_path / "a2", tmp_path / "b2"), resume=True)
+    train(engine, 4)
+    assert same(weights(engine), per_step[4])
+    engine.close()
+    with pytest.raises(CheckpointError, match="holds stripe 2 of 2"):  # the stripes' order in the offline tools
+        StateDirectory(tmp_path / "b2", stripes=[tmp_path / "a2"])
+
+
 def test_import_converts_a_bf16_checkpoint_one_bounded_chunk_at_a_time(tmp_path):
     from tiered_offload.checkpoint.safetensors_io import SafetensorsWriter, tensor_bytes
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ from .durable import (
 )
 from .lock import LOCK, DirectoryLock, holder_gone
 from .layout import parse_extent
+from .stripes import check_stripes, hold_stripes, mark_stripes, release_stripes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class CheckpointSession:
         self.store = store
         self.describe = describe
         self.lock: DirectoryLock | None = None
+        self.stripe_locks: list[DirectoryLock] = []
+        """The locks of a striped state's other directories (:mod:`.stripes`)."""
         self.files: StateFiles | None = None
         self.committer: Committer | None = None
         self.recovered: CommittedState | None = None
@@ -65,8 +68,10 @@ class CheckpointSession:
                               f"{backend.location} has none")
         where = state_directory(str(backend.directories[0]))
         self.lock = DirectoryLock(where).acquire()
+        self.stripe_locks = hold_stripes(backend.directories)
         self.files = StateFiles(where)
         state = read_committed(self.files)
+        check_stripes(backend.directories, state and state.manifest, backend.stripe_bytes)
         if state is not None and not resume:
             raise CheckpointError(
                 f"{backend.location} already holds a training state (step {state.manifest['step']}); pass "
@@ -74,6 +79,8 @@ class CheckpointSession:
         if state is None and resume is True:
             raise CheckpointError(f"{backend.location} holds no committed training state to resume "
                                   f"(no {self.files.manifest_path}); pass resume='auto' to start fresh when there is none")
+        if state is None:
+            mark_stripes(backend.directories)  # (before any tensor is written)
         self.recovered = state
         return state
 
@@ -180,6 +187,8 @@ class CheckpointSession:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        release_stripes(self.stripe_locks)
+        self.stripe_locks = []
 
 
 # ---- commit strategies: what a step does to make itself durable ---------------------------------

@@ -47,6 +47,7 @@ from tiered_offload.checkpoint.buffer_file import load as load_buffers
 from tiered_offload.checkpoint.lock import LOCK, open_own, read_holder
 from tiered_offload.checkpoint.safetensors_io import (SafetensorsWriter, byte_tensor, cast_bytes, export_dtype,
                                                       exported_config, exporting, iter_chunks, write_private)
+from tiered_offload.checkpoint.stripes import check_stripes, stripe_of_a_state
 from tiered_offload.progress import counter
 from tiered_offload.store.checksum import describe, hasher_for
 
@@ -69,8 +70,9 @@ class StateDirectory:
             state = read_committed(self.files) if self.path.is_dir() else None
             self._opened = self._stamp()
         if state is None:
-            raise CheckpointError(f"{self.path} holds no training state (no {self.files.manifest_path}); give the "
-                                  f"storage directory an engine trained in")
+            raise CheckpointError((self.path.is_dir() and stripe_of_a_state(self.path))
+                                  or f"{self.path} holds no training state (no {self.files.manifest_path}); give the "
+                                     f"storage directory an engine trained in")
         manifest = self.manifest = state.manifest
         # a step in flight: its intent and the units already rewritten are part of the state
         self.intent, self.recorded = state.intent, state.recorded
@@ -96,6 +98,7 @@ class StateDirectory:
                 f"{self.files.manifest_path} says the state is striped over {len(listed)} directories ({', '.join(listed)}); "
                 f"{len(others) + 1} given. Name the others (`--stripe DIR` for each, in that order) to read it")
         dirs = [self.path, *others]  # the first may have been moved since; the others are the caller's
+        check_stripes(dirs, manifest)
         self.backend = PosixBackend(dirs, direct=False, create=False, writable=False,
                                     **({"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}))
         self.backend.open()
