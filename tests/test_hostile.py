@@ -165,6 +165,31 @@ def test_a_lock_file_whose_record_is_not_an_object_is_read_as_no_holder(tmp_path
         os.close(fd)
 
 
+@pytest.mark.parametrize("damage", ["not json", "a list", "a place past the count", "a fifo"])
+def test_a_damaged_stripe_record_is_a_typed_error_and_deletes_nothing(tmp_path, damage):
+    """A striped state's other directories carry a record of their place (``.tiered-offload/stripe.json``): one
+    damaged, of the wrong shape or no file is a CorruptionError naming it, for an engine and a reader alike."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    spec = f"posix:{a},{b}?stripe_bytes=16KiB"
+    engine = make_engine(spec)
+    train(engine, 1)
+    engine.close()
+    record = b / STATE_DIR / "stripe.json"
+    good = json.loads(record.read_text())
+    record.unlink()
+    if damage == "a fifo":
+        os.mkfifo(record)
+    else:
+        record.write_text({"not json": "{", "a list": "[1, 2]",
+                           "a place past the count": json.dumps({**good, "index": 2})}[damage])
+    before = {p: p.read_bytes() for d in (a, b) for p in d.iterdir() if p.is_file()}
+    with pytest.raises(CorruptionError, match=str(record)):
+        make_engine(spec, resume=True)
+    with pytest.raises(CorruptionError, match=str(record)):
+        StateDirectory(a, stripes=[b])
+    assert {p: p.read_bytes() for p in before} == before
+
+
 def test_two_exports_into_one_directory_are_one_at_a_time(tmp_path, capsys):
     """Two ``tiered-offload export`` commands (or an export and a training script's) writing into
     one directory at once: each wrote its shards under the same temporary names, so one renamed
