@@ -165,6 +165,20 @@ def test_a_lock_file_whose_record_is_not_an_object_is_read_as_no_holder(tmp_path
         os.close(fd)
 
 
+@pytest.mark.parametrize("which", ["first", "stripe"])
+def test_a_file_in_place_of_the_engines_own_directory_is_named(tmp_path, which):
+    """``.tiered-offload`` a regular file (a stray `touch`, a copy gone wrong) made the engine's start an
+    untyped FileExistsError from the lock's mkdir, in the first directory and in a stripe alike."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    stray = (a if which == "first" else b) / STATE_DIR
+    stray.write_text("not a directory")
+    with pytest.raises(StorageDirectoryError, match=rf"{stray} is not a directory"):
+        make_engine(f"posix:{a},{b}?stripe_bytes=16KiB", resume="auto")
+    assert stray.read_text() == "not a directory"
+
+
 @pytest.mark.parametrize("damage", ["not json", "a list", "a place past the count", "a fifo"])
 def test_a_damaged_stripe_record_is_a_typed_error_and_deletes_nothing(tmp_path, damage):
     """A striped state's other directories carry a record of their place (``.tiered-offload/stripe.json``): one

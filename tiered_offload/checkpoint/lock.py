@@ -46,7 +46,12 @@ class DirectoryLock:
         """The holder recorded by a previous process that died without releasing the lock."""
 
     def acquire(self) -> "DirectoryLock":
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # (a regular file where the directory goes)
+            raise StorageDirectoryError(
+                f"{self.path.parent} is not a directory, and the lock of the {self._what} goes in it "
+                f"({self.path}). Move it away, or {self._advice}") from None
         fd = open_own(self.path, os.O_RDWR | os.O_CREAT, StorageDirectoryError)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
