@@ -1123,6 +1123,19 @@ def test_a_striped_states_other_directories_are_held_and_taken_in_their_order_on
     engine.close()
     with pytest.raises(CheckpointError, match="holds stripe 2 of 2"):  # the stripes' order in the offline tools
         StateDirectory(tmp_path / "b2", stripes=[tmp_path / "a2"])
+    # a start killed while it wrote its records (the first's has a new id, the second's an older one) or before
+    # its first manifest: the same call again starts
+    from tiered_offload.checkpoint.stripes import STRIPE, mark_stripes
+    c, d = tmp_path / "fresh" / "c", tmp_path / "fresh" / "d"
+    c.mkdir(parents=True)
+    d.mkdir()
+    mark_stripes([c, d])
+    older = json.loads((d / STATE_DIR / STRIPE).read_text())
+    mark_stripes([c, d])
+    (d / STATE_DIR / STRIPE).write_text(json.dumps(older))
+    engine = make_engine(spec(c, d), resume="auto")
+    train(engine, 1)
+    engine.close()
 
 
 def test_import_converts_a_bf16_checkpoint_one_bounded_chunk_at_a_time(tmp_path):

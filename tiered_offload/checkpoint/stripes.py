@@ -94,11 +94,14 @@ def check_stripes(directories: list[Path], manifest: dict | None, stripe_bytes: 
             raise CheckpointError(
                 f"{first / STATE_DIR / MANIFEST}: the state is striped in stripes of {format_size(theirs)}, and this "
                 f"storage's are {format_size(stripe_bytes)}; give the storage stripe_bytes={theirs} "
-                f"(``posix:{','.join(map(str, dirs))}?stripe_bytes={theirs}``)")
+                f"(`posix:{','.join(map(str, dirs))}?stripe_bytes={theirs}`)")
     for i, d in enumerate(dirs[1:], 1):
         record = read_stripe(d)
-        if record is not None and (own is None or record["state"] != own["state"] or record["index"] != i
-                                   or record["count"] != n):
+        # with no state committed, a record of this place under this first directory is a start that died
+        # before its first manifest (maybe while it wrote the records, so their ids can differ)
+        ours = record is not None and record["index"] == i and record["count"] == n and (
+            record["first"] == str(first) if manifest is None else own is not None and record["state"] == own["state"])
+        if record is not None and not ours:
             raise CheckpointError(_elsewhere(d, record, f"here it is given as stripe {i + 1} of {n} of {first}"))
         if record is None and manifest is not None and own is not None:
             raise CheckpointError(
