@@ -308,7 +308,9 @@ def run(out: Path, cfg: dict) -> int:
     from tiered_offload import Engine, EngineConfig, Tier
     model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
     durable = cfg.get("durable", False)
-    engine = Engine(model, optimizer(model, cfg), storage=out / "state", durable=durable,
+    # striped: each rank's directory in both roots (rank-R-of-W in each), the stripes 16 KiB
+    storage = f"posix:{out / 'state'},{out / 'stripe'}?stripe_bytes=16KiB" if cfg.get("striped") else out / "state"
+    engine = Engine(model, optimizer(model, cfg), storage=storage, durable=durable,
                     resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
                     commit_every=cfg.get("commit_every", 1),
                     init_from=cfg.get("init_from"),

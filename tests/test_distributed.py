@@ -521,18 +521,19 @@ def test_two_machines_with_torchrun_on_localhost(tmp_path):
     assert [d.name for d in (tmp_path / "machine1" / "state").iterdir()] == ["rank-1-of-2"]
 
 
-@pytest.mark.parametrize("after_units,fused", [(2, False), (-1, False), (2, True)],
-                         ids=["mid-update", "before-its-intent", "mid-update-after-forward-backward"])
-def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, tmp_path):
+@pytest.mark.parametrize("after_units,fused,striped", [(2, False, False), (-1, False, True), (2, True, False)],
+                         ids=["mid-update", "before-its-intent-striped", "mid-update-after-forward-backward"])
+def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, striped, tmp_path):
     """Durable sharded training: rank 1 is SIGKILLed in step 3, while its update is half done
     (rank 0 has committed the step: rank 1 finishes it at the restart), or just before its intent
     (rank 0 has written its own: it drops it at the restart, since no rank updated anything); rank
     0 fails on its next collective. The job is started again with the same command: the weights
     after step 5 are bitwise those of a run that was never interrupted. Also with 3 micro-batches
     a step through ``forward_backward`` (4 steps). Each rank at 0.9 of its share of the state: the
-    state streams through its disk, and the steps commit through the journal."""
+    state streams through its disk, and the steps commit through the journal. Killed before its intent,
+    each rank's state is striped over two directories (each rank's in each root)."""
     cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0,
-           "durable": True, "timeout_s": 30, "scheduler": True}
+           "durable": True, "timeout_s": 30, "scheduler": True, "striped": striped}
     cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in build(cfg).parameters()) / 2)
     if fused:
         cfg.update(accumulate=3, fused=True, activations="offload", steps=4)
@@ -546,6 +547,9 @@ def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, tmp_path):
     assert "DistributedError" in log0
     resumed = launch(2, tmp_path / "killed", cfg)[0]["weights"]
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    if striped:  # the bytes really are striped, each rank's in its own directory of each root
+        assert all(any(p.name.startswith("block") for p in (tmp_path / "killed" / "stripe" / f"rank-{r}-of-2").iterdir())
+                   for r in range(2))
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
