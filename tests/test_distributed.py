@@ -548,8 +548,8 @@ def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, striped, tmp
     resumed = launch(2, tmp_path / "killed", cfg)[0]["weights"]
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
     if striped:  # the bytes really are striped, each rank's in its own directory of each root
-        assert all(any(p.name.startswith("block") for p in (tmp_path / "killed" / "stripe" / f"rank-{r}-of-2").iterdir())
-                   for r in range(2))
+        stripes = [tmp_path / "killed" / "stripe" / f"rank-{r}-of-2" for r in range(2)]
+        assert all(any(p.name.startswith("block") for p in d.iterdir()) for d in stripes)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
