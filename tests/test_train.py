@@ -1528,7 +1528,7 @@ def test_a_disk_filled_mid_run_stops_it_typed_and_the_same_command_finishes_it(t
         out = json.loads(r.stdout.strip().splitlines()[-1])
     else:
         import errno
-        import tiered_offload.train.run as run_module
+        import tiered_offload.train.outputs as run_module
 
         class Full:  # (a file whose writes find no room after the first step's)
             def __init__(self, f):
@@ -1607,7 +1607,7 @@ def test_a_tokenizer_file_an_export_cannot_write_is_named(tmp_path, model_dir, d
     untyped ``OSError``. It is a ``DiskFullError`` naming the export and the file, and the same
     command again writes the final export whole."""
     import errno
-    import tiered_offload.train.run as run_module
+    import tiered_offload.train.outputs as run_module
     real = run_module.write_private
 
     def full(path, data, **kw):
@@ -2147,6 +2147,38 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["minimum_host_bytes"] > 64 << 10 and any("too small" in line for line in plan["lines"])
 
 
+def test_step_exports_rotate_only_this_runs_own(tmp_path, model_dir, data):
+    """The rotation of ``step-N`` exports took every ``step-*`` in output.dir: a user's ``step-best/`` stopped the
+    run at its first export with an untyped ValueError (int('best')), a ``step-2-copy/`` was deleted, and a new run
+    into an earlier run's output.dir deleted the export it had just written, keeping the earlier run's step-600."""
+    out = tmp_path / "out"
+    mine = {name: out / name for name in ("step-best", "step-2-copy", "step-600")}
+    for directory in mine.values():
+        directory.mkdir(parents=True)
+        (directory / "note.txt").write_text(directory.name)
+    summary = train(write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=2,
+                                 output__keep=2))
+    assert summary["step"] == 6
+    assert all((d / "note.txt").read_text() == d.name for d in mine.values())  # none of them this run's to rotate
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-2-copy", "step-4", "step-6", "step-600", "step-best"]
+
+
+@pytest.mark.parametrize("target", ["final", "step-4"])
+def test_a_model_path_this_runs_exports_would_replace_or_rotate_away_is_refused(tmp_path, model_dir, data, target):
+    """Fine-tuning on from an earlier run's export in the same output.dir: `final/` (or `step-N/`) was the model
+    this run read, and its own export replaced it (or its rotation deleted it) at the end, so the same command
+    run again from scratch silently started from other weights, or found no model."""
+    out = tmp_path / "out"
+    shutil.copytree(model_dir, out / target)
+    before = {p.name: p.read_bytes() for p in (out / target).iterdir()}
+    with pytest.raises(ConfigError, match=rf"model.path {out / target} is .*output.dir"):
+        train(write_config(tmp_path, out / target, data, train__max_steps=4, output__export_every=2))
+    assert {p.name: p.read_bytes() for p in (out / target).iterdir()} == before
+    # exports elsewhere (or none of step-N's), it trains
+    assert train(write_config(tmp_path / "other", out / target, data, train__max_steps=2,
+                              output__export_every=0))["step"] == 2
+
+
 def test_the_runs_yaml_file_may_be_given_first_without_its_flag(tmp_path, model_dir, data, capsys):
     """`tiered-offload train run.yaml` (as other fine-tuning commands take their file) was "override 'run.yaml':
     write section.key=value". The file given first is the run's configuration; overrides follow it."""
@@ -2379,7 +2411,7 @@ def test_a_disk_that_cannot_hold_the_exports_is_refused_before_training(tmp_path
     front with the figures, nothing trained."""
     import collections
 
-    import tiered_offload.train.run as run
+    import tiered_offload.train.outputs as run
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(run.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 4096))
     config = write_config(tmp_path, model_dir, data)

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import io
 import json
 import logging
 import math
 import os
 import re
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -28,19 +26,19 @@ from pathlib import Path
 import torch
 
 from offload_core.buffers import PAGE
-from offload_core.errors import CheckpointError, ConfigError, DiskFullError, StepFailedError, TieredOffloadError
+from offload_core.errors import CheckpointError, ConfigError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
-from tiered_offload.checkpoint.lock import DirectoryLock, kind_of, read_own
-from tiered_offload.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, exporting, pick_weights,
-                                                      write_private)
+from tiered_offload.checkpoint.lock import DirectoryLock, kind_of
+from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config, lr_factor
 from tiered_offload.train.data import micro_batch_rows, prepare_data
+from tiered_offload.train.outputs import check_export_space, export, metrics_from, refuse_model_in_exports, rotate_exports
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
@@ -48,12 +46,6 @@ from tiered_offload.train.ranks import Ranks
 __all__ = ["train", "lr_factor"]
 
 log = logging.getLogger("tiered_offload")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
-"""Copied from the model directory into every export, so the export is a complete model directory."""
-
 
 HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 """What a Hub id's repository gives ``train`` first: the config, the weights' index, the tokenizer's
@@ -276,28 +268,6 @@ def _sizes(model) -> tuple[int, int]:
     return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
-def _export(engine, model_dir: Path, out: Path, cfg, ranks: Ranks) -> None:
-    """The weights (with LoRA: the adapter alone, or the model with it merged) in ``output.dtype``,
-    and the tokenizer (every rank calls it: rank 0 writes)."""
-    lora = cfg.lora
-    with exporting(out) if ranks.first else contextlib.nullcontext():  # (the weights and the tokenizer: one hold)
-        engine.export_safetensors(out, adapter_only=bool(lora.r) and not lora.merged,
-                                  merged=bool(lora.r) and lora.merged, dtype=cfg.output.dtype)
-        _copy_tokenizer(model_dir, out, ranks)
-
-
-def _copy_tokenizer(model_dir: Path, out: Path, ranks: Ranks) -> None:
-    """The tokenizer's files beside an export (rank 0 writes them)."""
-    for name in TOKENIZER_FILES:
-        if ranks.first and (model_dir / name).is_file():
-            try:
-                write_private(out / name, (model_dir / name).read_bytes())
-            except OSError as e:
-                raise _write_failed(e, out / name, f"{out}: the weights are exported, and the tokenizer's {name} is "
-                                    f"not ({{why}}); free space there, then copy it from {model_dir}, or run the same "
-                                    f"command again (it writes the final export again)") from None
-
-
 def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run: bool = False,
           progress: bool = True, on_step=None) -> dict:
     """Run (or continue) the fine-tuning ``config`` describes; returns a summary (``step``,
@@ -319,6 +289,7 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
+    refuse_model_in_exports(model_dir, out, cfg.output.export_every)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir {out} is a file, not a directory; name a directory (for the exports and "
                           f"metrics.jsonl)")
@@ -362,7 +333,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
 
     torch.manual_seed(t.seed)
     model = _build_model(cfg, hf_config, model_dir)
-    _check_export_space(cfg, out, *_sizes(model), directories, resuming)
+    check_export_space(cfg, out, *_sizes(model), directories, resuming)
     trained = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trained if p.ndim >= 2]
     no_decay = [p for p in trained if p.ndim < 2]
@@ -392,7 +363,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         engine.attach_scheduler(scheduler)
         start = engine.step_count
         changed = _take_hyperparameters(engine, scheduler, t) if resuming else []  # (also at step 0)
-        metrics = _metrics_from(out / "metrics.jsonl", start) if ranks.first else None
+        metrics = metrics_from(out / "metrics.jsonl", start) if ranks.first else None
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
@@ -444,10 +415,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
                                 tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
-                _export(engine, model_dir, out / f"step-{step + 1}", cfg, ranks)
-                old = sorted(out.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-cfg.output.keep]
-                for directory in old if ranks.first else ():
-                    shutil.rmtree(directory, ignore_errors=True)
+                export(engine, model_dir, out / f"step-{step + 1}", cfg, ranks)
+                if ranks.first:
+                    rotate_exports(out, step + 1, cfg.output.keep)
         committed = engine.commit()
         summary = {"step": engine.step_count, "committed": committed, "stopped": stopping(),
                    "final": None, "state_bytes": engine.state_bytes()}
@@ -456,7 +426,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
                 if metrics is not None:
                     metrics.write({"step": engine.step_count, "eval_loss": summary["eval_loss"]})
-            _export(engine, model_dir, out / "final", cfg, ranks)
+            export(engine, model_dir, out / "final", cfg, ranks)
             summary["final"] = str(out / "final")
         return summary
     finally:  # (each part closed whatever the one before raised: the engine commits its steps and unlocks)
@@ -474,74 +444,6 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
 
 
 _LAYOUT = ("r", "targets", "parameters", "dora", "modules_to_save")
-
-
-def _metrics_from(path: Path, start: int):
-    """``metrics.jsonl`` opened to append the steps after ``start``: the records of later steps (a
-    crash's after its last commit, trained again now; an earlier run's, when this one starts over)
-    and a line a kill cut short are dropped first (the file rewritten and swapped in whole), so the
-    file is the run's history, a record a step."""
-    if os.path.lexists(path):
-        kept, dropped = [], 0
-        text = read_own(path, CheckpointError, "Remove it, or name another output.dir").decode(errors="replace")
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-                keep = record["step"] <= start
-            except (ValueError, TypeError, KeyError):
-                keep = False
-            if keep:
-                kept.append(line)
-            else:
-                dropped += 1
-        if dropped:
-            log.warning("tiered-offload: %s: dropped %d record(s) after step %d (steps trained again from the last "
-                        "commit, or an earlier run's)", path, dropped, start)
-            try:
-                write_private(path, "".join(line + "\n" for line in kept))
-            except OSError as e:
-                raise _write_failed(e, path, f"{path}: {{why}} to drop the records after step {start}; free space "
-                                             f"there, then run the same command again") from None
-    return _Metrics(path)
-
-
-class _Metrics:
-    """``metrics.jsonl`` open to append, a record a line, each flushed as it is written. A write that
-    fails (its disk full: something else filled it) stops the run with a typed error naming the
-    file: the engine then closes, its steps committed, and the same command continues the run."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._file = open(path, "a")
-
-    def write(self, record: dict) -> None:
-        try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-        except OSError as e:
-            self._failed(e, f"step {record['step']}'s record")
-
-    def close(self) -> None:
-        try:
-            self._file.close()
-        except OSError as e:  # (nothing is left to write: each record was flushed, or failed already)
-            self._failed(e, "the file's close")
-
-    def _failed(self, e: OSError, what: str) -> None:
-        with contextlib.suppress(OSError):
-            self._file.close()  # (its buffer dropped: a line cut short is dropped at the next start)
-        raise _write_failed(e, self.path, f"{self.path}: {{why}} for {what}; training stopped, and the steps taken "
-                                          f"are committed: free space there, then run the same command again to "
-                                          f"continue (the lost record is not written again)") from None
-
-
-def _write_failed(e: OSError, path: Path, message: str) -> TieredOffloadError:
-    """The error a failed write ``e`` of ``path`` is: ``message`` (its ``{why}`` replaced, not
-    formatted: a path may hold braces) as a :class:`DiskFullError` where the disk had no room, else
-    a :class:`CheckpointError`."""
-    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-    message = message.replace("{why}", "no room on its disk" if full else e.strerror or str(e))
-    return DiskFullError(message, path=str(path)) if full else CheckpointError(message)
 
 
 def _layout_settings(cfg) -> dict:
@@ -625,25 +527,6 @@ def _say_other_settings(saved: dict | None, now: dict, location: str, start: int
         log.warning("tiered-offload: %s was trained with other settings: %s. They apply from step %d on: the batches "
                     "and steps from here are not those of the run the first settings make (the same settings as "
                     "before continue it exactly)", location, ", ".join(differ), start + 1)
-
-
-def _check_export_space(cfg, out: Path, params: int, trained: int, directories: str, resuming: bool) -> None:
-    """Refuse a run whose exports (the ones kept and the final one, fp32; with LoRA the adapter's
-    alone) do not fit the output directory's disk, counting the training state too (16 bytes a
-    trained parameter, 4 a frozen one) where it shares that disk and is new."""
-    per_export = (4 if cfg.output.dtype == "fp32" else 2) * (trained if cfg.lora.r and not cfg.lora.merged else params)
-    exports = per_export * ((cfg.output.keep if cfg.output.export_every else 0) + 1)
-    free = shutil.disk_usage(out).free
-    storage = Path(directories.split(",")[0]).expanduser()
-    while not storage.exists():
-        storage = storage.parent
-    state = 4 * params + 12 * trained if not resuming and os.stat(storage).st_dev == os.stat(out).st_dev else 0
-    if exports + state > free:
-        raise DiskFullError(
-            f"output.dir {out} needs {format_size(exports)} for the exports ({cfg.output.keep if cfg.output.export_every else 0}"
-            f" kept and the final one)" + (f" and the training state {format_size(state)} on the same disk" if state else "")
-            + f", but {format_size(free)} is free; free space, lower output.keep, or put the output elsewhere",
-            path=str(out), needed_bytes=exports + state, free_bytes=free)
 
 
 def _disk_bytes(engine) -> tuple[int, int]:
