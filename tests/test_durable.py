@@ -1112,8 +1112,9 @@ def test_a_striped_states_other_directories_are_held_and_taken_in_their_order_on
         assert {p: p.read_bytes() for p in before} == before and all(p.exists() for p in before), dirs
     engine = make_engine(spec(a, b), resume=True)
     train(engine, 3)
-    with pytest.raises(StorageLockedError, match=str(b)):  # b is the live engine's: no other trains in it
-        make_engine(spec(c, b), resume="auto")
+    for durable in (True, False):  # b is the live engine's: no other trains in it (scratch files share names)
+        with pytest.raises(StorageLockedError, match=str(b)):
+            make_engine(spec(c, b), resume="auto" if durable else False, durable=durable)
     engine.close()
     shutil.move(a, tmp_path / "a2")  # moved (another mount point): resumed where the state's directories are now
     shutil.move(b, tmp_path / "b2")

@@ -240,12 +240,14 @@ class Commits:
         self.tracer = None
         self.lock: DirectoryLock | None = None
         """Scratch storage in a directory is locked too: no second process may train in it."""
+        self.stripe_locks: list[DirectoryLock] = []
 
     def open(self, resume, placement, layout) -> CommittedState | None:
         """Take the directory and read the committed state to resume from (None: start fresh)."""
         backend = self.store.backend if self.store is not None else None
         if backend is not None and backend.supports_durable_state:
             self.lock = DirectoryLock(state_directory(str(backend.directories[0]))).acquire()
+            self.stripe_locks = hold_stripes(backend.directories)  # (its scratch files' names are the same there)
         return None
 
     def start(self, layout, update_unit, update_order, rewrite_bytes, admits) -> None:
@@ -291,6 +293,8 @@ class Commits:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        release_stripes(self.stripe_locks)
+        self.stripe_locks = []
 
 
 NoCommits = Commits
