@@ -2163,6 +2163,29 @@ def test_step_exports_rotate_only_this_runs_own(tmp_path, model_dir, data):
     assert sorted(p.name for p in out.glob("step-*")) == ["step-2-copy", "step-4", "step-6", "step-600", "step-best"]
 
 
+def test_a_step_export_a_kill_cut_short_is_never_left_looking_whole_and_is_written_at_the_resume(
+        tmp_path, model_dir, data, monkeypatch):
+    """A run killed during its step-4 export (after step 4 was committed) left step-4/ with the weights and no
+    tokenizer, a directory that looked like an export; the same command resumed at step 4 and never wrote it
+    again. Now a step export is written aside and renamed into place whole, and a resume at an export's step
+    whose export is missing writes it first."""
+    from tiered_offload.train import outputs
+    copy = outputs.copy_tokenizer
+
+    def killed(model_dir_, out_, ranks_):  # (an exception as the kill: the tokenizer's files never come)
+        raise KeyboardInterrupt("killed mid-export")
+    monkeypatch.setattr(outputs, "copy_tokenizer", killed)
+    config = write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=4)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    out = tmp_path / "out"
+    assert not (out / "step-4").exists()  # no directory that looks like an export
+    monkeypatch.setattr(outputs, "copy_tokenizer", copy)
+    assert train(config)["step"] == 6
+    assert (out / "step-4" / "tokenizer_config.json").is_file() and exported(out / "step-4")
+    assert sorted(p.name for p in out.iterdir() if "step" in p.name) == ["step-4"]  # nothing partial left
+
+
 @pytest.mark.parametrize("target", ["final", "step-4"])
 def test_a_model_path_this_runs_exports_would_replace_or_rotate_away_is_refused(tmp_path, model_dir, data, target):
     """Fine-tuning on from an earlier run's export in the same output.dir: `final/` (or `step-N/`) was the model

@@ -17,12 +17,13 @@ from pathlib import Path
 
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, TieredOffloadError
 from offload_core.sizes import format_size
+from tiered_offload.checkpoint.durable import fsync_directory
 from tiered_offload.checkpoint.lock import read_own
 from tiered_offload.checkpoint.safetensors_io import exporting, write_private
 from tiered_offload.train.ranks import Ranks
 
-__all__ = ["TOKENIZER_FILES", "export", "rotate_exports", "refuse_model_in_exports", "metrics_from", "Metrics",
-           "write_failed", "check_export_space"]
+__all__ = ["TOKENIZER_FILES", "export", "export_step", "rotate_exports", "refuse_model_in_exports", "metrics_from",
+           "Metrics", "write_failed", "check_export_space"]
 
 log = logging.getLogger("tiered_offload")
 
@@ -58,6 +59,24 @@ STEP_EXPORT = re.compile(r"step-(\d+)")
 """The name of a ``step-N`` export: no other entry of output.dir is the rotation's (``step-best/``)."""
 
 
+def export_step(engine, model_dir: Path, out: Path, step: int, cfg, ranks: Ranks) -> None:
+    """``step-N/``: written whole beside it (``.step-N.partial``), renamed into place, then the rotation
+    (every rank calls it: rank 0 writes). So a ``step-N`` is always a complete model directory: a kill
+    mid-export left one with the weights and no tokenizer, which looked whole."""
+    partial, into = out / f".step-{step}.partial", out / f"step-{step}"
+    if ranks.first:
+        shutil.rmtree(partial, ignore_errors=True)  # (a killed export's)
+        if os.path.lexists(into) and (into.is_symlink() or not into.is_dir()):
+            raise CheckpointError(f"{into} is not a directory, and this run exports step {step} there: move it away, "
+                                  f"or give the run another output.dir")
+    export(engine, model_dir, partial, cfg, ranks)
+    if ranks.first:
+        shutil.rmtree(into, ignore_errors=True)  # (an earlier run's export of this step, or this run's)
+        os.rename(partial, into)
+        fsync_directory(out)
+        rotate_exports(out, step, cfg.output.keep)
+
+
 def rotate_exports(out: Path, step: int, keep: int) -> None:
     """Remove all but the ``keep`` latest ``step-N`` exports of steps up to ``step`` (the run's own:
     later ones are another run's, this run writes them again when it gets there, and a user's
@@ -66,6 +85,8 @@ def rotate_exports(out: Path, step: int, keep: int) -> None:
             and int(m.group(1)) <= step and p.is_dir() and not p.is_symlink()]
     for _, directory in sorted(ours)[:-keep]:
         shutil.rmtree(directory, ignore_errors=True)
+    for partial in out.glob(".step-*.partial"):  # (killed exports' remains)
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def refuse_model_in_exports(model_dir: Path, out: Path, export_every: int) -> None:

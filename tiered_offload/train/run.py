@@ -38,7 +38,7 @@ from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config, lr_factor
 from tiered_offload.train.data import micro_batch_rows, prepare_data
-from tiered_offload.train.outputs import check_export_space, export, metrics_from, refuse_model_in_exports, rotate_exports
+from tiered_offload.train.outputs import check_export_space, export, export_step, metrics_from, refuse_model_in_exports
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
@@ -370,6 +370,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         settings = _batch_settings(cfg, train_data)
         if start:
             _say_other_settings(engine.user_state.get("settings"), settings, location, start, changed)
+        every, missing = cfg.output.export_every, ranks.first and not (out / f"step-{start}").is_dir()
+        if start and every and start % every == 0 and ranks.sums([missing])[0]:
+            export_step(engine, model_dir, out, start, cfg, ranks)  # (killed in it: the step was committed before)
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
@@ -415,9 +418,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
                                 tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
-                export(engine, model_dir, out / f"step-{step + 1}", cfg, ranks)
-                if ranks.first:
-                    rotate_exports(out, step + 1, cfg.output.keep)
+                export_step(engine, model_dir, out, step + 1, cfg, ranks)
         committed = engine.commit()
         summary = {"step": engine.step_count, "committed": committed, "stopped": stopping(),
                    "final": None, "state_bytes": engine.state_bytes()}
