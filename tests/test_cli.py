@@ -154,6 +154,25 @@ def test_bench_io_plot_without_matplotlib_fails_before_measuring(tmp_path, capsy
     assert "pip install 'tiered-offload[plot]'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--json", "--plot", "--save-profile"])
+@pytest.mark.parametrize("where", ["under a file", "a directory"])
+def test_bench_io_output_it_cannot_write_is_refused_before_measuring(tmp_path, capsys, monkeypatch, flag, where):
+    """--json to a path under a file (or in no directory), --save-profile there or onto a directory: an untyped
+    FileNotFoundError / FileExistsError after the whole measurement, its results lost."""
+    import tiered_offload.bench_io as bench_io
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    target = tmp_path / "file" / "out.json" if where == "under a file" else tmp_path / "dir"
+    measured = []
+    monkeypatch.setattr(bench_io, "run_bench_io", lambda *a, **k: measured.append(1))
+    rc = main(["bench-io", "--path", str(tmp_path / "d"), "--size", "1MiB", flag, str(target), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not measured, err
+    assert f"{flag} {target}" in err and "nothing was measured" in err, err
+
+
 @pytest.mark.parametrize("version", ["v2", "v1"])
 def test_host_budget_auto_honours_the_container_memory_limit(tmp_path, version, monkeypatch):
     from tiered_offload import memstat

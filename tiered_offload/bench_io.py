@@ -308,6 +308,34 @@ def _count(text: str) -> int | str:
         return text
 
 
+def _check_output(flag: str, path: str | os.PathLike | None) -> None:
+    """Refuse an output file ``flag`` names that cannot be written (a directory there, a file or nothing
+    writable above it), before measuring for minutes: after, it was an untyped error and the results lost."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    above = target.parent
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent  # (--save-profile makes the directories it needs)
+    why = ("it is a directory" if target.is_dir() else
+           f"{above} is not a directory" if not above.is_dir() else
+           f"{above} is not writable by this user" if not os.access(above, os.W_OK | os.X_OK) else None)
+    if why is None and flag != "--save-profile" and above != target.parent:
+        why = f"{target.parent} does not exist"
+    if why:
+        raise ConfigError(f"{flag} {target}: cannot write there ({why}); name a file in a directory you can write "
+                          f"(nothing was measured)")
+
+
+def _write_output(flag: str, path, write) -> None:
+    """Write an output file; a failure (a full disk at the end) is typed, naming it and the flag."""
+    try:
+        write()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e}); the measurement above is complete, "
+                          f"but this file was not written") from None
+
+
 def main(args) -> int:
     """The ``bench-io`` subcommand (arguments parsed by :mod:`tiered_offload.cli`)."""
     if args.plot:  # before measuring for minutes, not after
@@ -317,6 +345,8 @@ def main(args) -> int:
             print("bench-io: --plot needs matplotlib, which is not installed: pip install 'tiered-offload[plot]' "
                   "(or drop --plot); nothing was measured", file=sys.stderr)
             return 2
+    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--save-profile", args.save_profile or None)):
+        _check_output(flag, path)
     cfg = BenchConfig(
         path=args.path,
         size_bytes=parse_size(args.size, what="--size"),
@@ -338,13 +368,16 @@ def main(args) -> int:
     print(f"recommended: {rec['backend']} {json.dumps(rec['options'])}  "
           f"(read {rec['read_GBps']:.2f} GB/s, write {rec['write_GBps']:.2f} GB/s)")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        _write_output("--json", args.json, lambda: Path(args.json).write_text(json.dumps(report, indent=2)))
         print(f"wrote {args.json}")
     if args.plot:
-        plot(results, args.plot)
+        _write_output("--plot", args.plot, lambda: plot(results, args.plot))
         print(f"wrote {args.plot}")
     if args.save_profile is not None:
-        where = save_profile(report, args.save_profile or None)
+        where = []
+        _write_output("--save-profile", args.save_profile or default_profile_path(),
+                      lambda: where.append(save_profile(report, args.save_profile or None)))
+        where = where[0]
         default = args.save_profile in ("", None) or str(where) == str(default_profile_path())
         how = ("stores on this file system use it" if default else
                f"stores on this file system use it with TIERED_OFFLOAD_PROFILE={where} or "
