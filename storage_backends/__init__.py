@@ -182,6 +182,19 @@ class StorageSpec:
         return self.location.split(",")[0] if self.names_directories else None
 
 
+def _directory(path) -> str:
+    """A directory given as a path (alone, or in a list of stripes), as the spec's text: never one a comma
+    would split (``Path("/data/run,1")`` trained in ``/data/run`` and ``./1``), nor one of another kind."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise ConfigError(f"storage directory {path!r} ({type(path).__name__}) is not a path; give each directory "
+                          f"as a str or pathlib.Path")
+    if "," in text:
+        raise ConfigError(f"storage directory {text!r} holds a comma, which separates striped directories in a "
+                          f"storage location; rename it, or give a link to it whose path has none")
+    return text
+
+
 def resolve_storage(storage) -> StorageSpec:
     """Read a ``storage=`` argument: a :class:`StorageBackend`, a directory (``str`` or path), a list
     of directories (striped), or a spec string (``posix:/a,/b?threads=8``, ``memory``, ``zarr:x``)."""
@@ -190,9 +203,9 @@ def resolve_storage(storage) -> StorageSpec:
     if isinstance(storage, StorageBackend):
         return StorageSpec(storage.name, None, {}, storage)
     if isinstance(storage, (list, tuple)):
-        return StorageSpec("posix", ",".join(os.fspath(p) for p in storage))
+        return StorageSpec("posix", ",".join(_directory(p) for p in storage))
     if isinstance(storage, os.PathLike):
-        return StorageSpec("auto", os.fspath(storage))
+        return StorageSpec("auto", _directory(storage))
     if not isinstance(storage, str):  # (str() of it named a directory the caller never meant)
         raise ConfigError(f"storage must be a directory (str or pathlib.Path), a list of directories, a spec string "
                           f"(posix:/a,/b) or a StorageBackend; got {type(storage).__name__} {storage!r}")

@@ -91,6 +91,16 @@ class _Part:
     length: int
 
 
+def _count(what: str, value) -> int:
+    """A thread count given as ``what`` (an option's text, a number, the environment's), as an int."""
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"posix backend: {what} must be an integer >= 1, got {value!r}") from None
+
+
 class PosixBackend(StorageBackend):
     """Files in one or more directories, O_DIRECT where possible, parallel ``preadv``/``pwritev``.
 
@@ -118,11 +128,17 @@ class PosixBackend(StorageBackend):
         super().__init__()
         if isinstance(location, (str, os.PathLike)):
             location = [p for p in str(location).split(",") if p]
+        for p in location:
+            if not isinstance(p, (str, os.PathLike)) or "," in os.fspath(p):
+                raise ConfigError(f"posix backend: storage directory {p!r} ({type(p).__name__}) is not a path "
+                                  f"without a comma (a comma separates striped directories); give each as a str "
+                                  f"or pathlib.Path")
         self.directories = [Path(p).expanduser().absolute() for p in location]
         if not self.directories:
             raise ConfigError("posix backend: give at least one directory")
         # the environment is read when a backend is made, not when this module is imported
-        self.threads = int(threads or os.environ.get("TIERED_OFFLOAD_IO_THREADS") or DEFAULT_THREADS)
+        self.threads = _count("threads", threads) if threads else _count(
+            "TIERED_OFFLOAD_IO_THREADS", os.environ.get("TIERED_OFFLOAD_IO_THREADS") or DEFAULT_THREADS)
         self.chunk_bytes = parse_size(chunk_bytes or os.environ.get("TIERED_OFFLOAD_CHUNK") or DEFAULT_CHUNK,
                                       what="chunk_bytes")
         self.stripe_bytes = parse_size(stripe_bytes, what="stripe_bytes")

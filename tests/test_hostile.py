@@ -846,3 +846,31 @@ def test_an_unknown_storage_option_is_a_typed_error_naming_it(tmp_path):
     from offload_core.errors import ConfigError
     with pytest.raises(ConfigError, match="no option 'bogus'.*threads"):
         make_engine(f"posix:{tmp_path / 's'}?bogus=1")
+
+
+@pytest.mark.parametrize("storage, match", [
+    ("posix:{d}?threads=abc", "threads must be an integer >= 1, got 'abc'"),
+    ("posix:{d}?threads=2.5", "threads must be an integer >= 1, got 2.5"),
+    (["{d}", 5], r"storage directory 5 \(int\)"),
+    (["{d}", None], r"storage directory None \(NoneType\)"),
+    (["{d}", b"/x"], r"storage directory b'/x' \(bytes\)"),
+    ("path {d}/run,1", "holds a comma"),
+    (["{d}/a", "{d}/run,1"], "holds a comma")])
+def test_a_storage_option_or_directory_of_the_wrong_kind_is_a_typed_error_naming_it(tmp_path, storage, match):
+    """threads=abc was an untyped ValueError from int(), a list with a number in it a TypeError from Path(); a
+    pathlib.Path whose name holds a comma (the escape the docs give for a colon) trained in two directories."""
+    from offload_core.errors import ConfigError
+    d = tmp_path / "s"
+    storage = storage.format(d=d) if isinstance(storage, str) else [s.format(d=d) if isinstance(s, str) else s
+                                                                    for s in storage]
+    if isinstance(storage, str) and storage.startswith("path "):  # (a comma in a path: split into two, silently)
+        storage = Path(storage.removeprefix("path "))
+    with pytest.raises(ConfigError, match=match):
+        make_engine(storage)
+
+
+def test_the_io_threads_variable_of_the_wrong_kind_is_named(tmp_path, monkeypatch):
+    from offload_core.errors import ConfigError
+    monkeypatch.setenv("TIERED_OFFLOAD_IO_THREADS", "many")
+    with pytest.raises(ConfigError, match="TIERED_OFFLOAD_IO_THREADS.*'many'"):
+        make_engine(tmp_path / "s")
