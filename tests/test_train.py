@@ -214,7 +214,9 @@ def test_the_example_configuration_reads_as_it_says():
     ("lora.alpha=inf", r"lora\.alpha must be a finite number > 0, got inf"),
     # (at the engine's construction, after the data was tokenised, named as StoreConfig's host_budget_bytes)
     ("offload.host_memory=lots", r"^offload\.host_memory: cannot read 'lots' as a byte size; write e\.g\. 4GiB"),
-    ("offload.device_memory=-1", r"^offload\.device_memory: cannot read '-1' as a byte size")])
+    ("offload.device_memory=-1", r"^offload\.device_memory: cannot read '-1' as a byte size"),
+    # (joined by commas, then split again: /b and c, a directory relative to wherever the command ran)
+    ('offload.storage=["/a", "/b,c"]', r"^offload\.storage: each directory of the list must be a path without a comma")])
 def test_a_bad_optimizer_setting_is_refused_naming_it(tmp_path, setting, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["model.path=m", "data.path=d", f"offload.storage={tmp_path}", "train.max_steps=1", setting])

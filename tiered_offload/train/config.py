@@ -215,6 +215,10 @@ class RunConfig:
         for key, value in need:
             if not value:
                 raise ConfigError(f"{key} is required")
+        listed = self.offload.storage if isinstance(self.offload.storage, list) else []
+        if any(not isinstance(d, str) or "," in d or not d for d in listed):  # (joined by commas: split again)
+            raise ConfigError(f"offload.storage: each directory of the list must be a path without a comma (a comma "
+                              f"separates striped directories), got {listed!r}")
         _choice("data.format", self.data.format, ("text", "completion", "prompt-completion", "alpaca", "chat"))
         _choice("data.chat_turns", self.data.chat_turns, ("all", "each"))
         if self.data.chat_turns != "all" and self.data.format != "chat":
