@@ -8,7 +8,7 @@ first directory was another state's second delete that state's files (its keys a
 resume without a stripe read other bytes and called the state damaged, and a second engine train in
 a directory a live one striped into. Now:
 
-- each directory is locked (:class:`~.lock.DirectoryLock`), the others as the first;
+- every directory is locked (:class:`~.lock.DirectoryLock`), not the first alone;
 - a fresh start writes a record into each (``.tiered-offload/stripe.json``: the state's id, the
   directory's place, how many there are), before any tensor;
 - :func:`check_stripes` refuses, with what to do, a directory given in a place other than its
