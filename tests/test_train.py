@@ -2188,6 +2188,17 @@ def test_a_step_export_a_kill_cut_short_is_never_left_looking_whole_and_is_writt
     assert sorted(p.name for p in out.iterdir() if "step" in p.name) == ["step-4"]  # nothing partial left
 
 
+@pytest.mark.parametrize("inside", ["step-2", "step-2/run", "final"])
+def test_a_storage_directory_inside_an_export_of_the_run_is_refused(tmp_path, model_dir, data, inside):
+    """offload.storage under output.dir/step-2: the rotation (keep 1) deleted the directory at step 4, with the
+    training state in it, mid-run; under final/ the state shares a directory the export rewrites."""
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=rf"offload.storage {out / inside} is inside {inside.split('/')[0]}/"):
+        train(write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=2,
+                           offload__storage=str(out / inside)))
+    assert not (out / inside).exists()
+
+
 @pytest.mark.parametrize("target", ["final", "step-4"])
 def test_a_model_path_this_runs_exports_would_replace_or_rotate_away_is_refused(tmp_path, model_dir, data, target):
     """Fine-tuning on from an earlier run's export in the same output.dir: `final/` (or `step-N/`) was the model

@@ -22,7 +22,7 @@ from tiered_offload.checkpoint.lock import read_own
 from tiered_offload.checkpoint.safetensors_io import exporting, write_private
 from tiered_offload.train.ranks import Ranks
 
-__all__ = ["TOKENIZER_FILES", "export", "export_step", "rotate_exports", "refuse_model_in_exports", "metrics_from",
+__all__ = ["TOKENIZER_FILES", "export", "export_step", "rotate_exports", "refuse_inside_exports", "metrics_from",
            "Metrics", "write_failed", "check_export_space"]
 
 log = logging.getLogger("tiered_offload")
@@ -57,13 +57,15 @@ def copy_tokenizer(model_dir: Path, out: Path, ranks: Ranks) -> None:
 
 STEP_EXPORT = re.compile(r"step-(\d+)")
 """The name of a ``step-N`` export: no other entry of output.dir is the rotation's (``step-best/``)."""
+PARTIAL = re.compile(r"\.step-(\d+)\.partial")
+"""A ``step-N`` export being written (:func:`export_step`), removed where a kill left it."""
 
 
 def export_step(engine, model_dir: Path, out: Path, step: int, cfg, ranks: Ranks) -> None:
     """``step-N/``: written whole beside it (``.step-N.partial``), renamed into place, then the rotation
     (every rank calls it: rank 0 writes). So a ``step-N`` is always a complete model directory: a kill
     mid-export left one with the weights and no tokenizer, which looked whole."""
-    partial, into = out / f".step-{step}.partial", out / f"step-{step}"
+    partial, into = out / f".step-{step}.partial", out / f"step-{step}"  # (PARTIAL, STEP_EXPORT)
     if ranks.first:
         shutil.rmtree(partial, ignore_errors=True)  # (a killed export's)
         if os.path.lexists(into) and (into.is_symlink() or not into.is_dir()):
@@ -89,20 +91,31 @@ def rotate_exports(out: Path, step: int, keep: int) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def refuse_model_in_exports(model_dir: Path, out: Path, export_every: int) -> None:
+def refuse_inside_exports(model_dir: Path, storage: list[str], out: Path, export_every: int) -> None:
     """Refuse ``model.path`` where this run's exports would replace it (``final/``; ``step-N/``, which
-    the rotation also deletes): a run continued from an earlier run's export in the same output.dir.
-    The same command from scratch would then silently start from this run's weights, or from none."""
-    try:
-        model, into = model_dir.resolve(), out.resolve()
-    except OSError:  # (unresolvable: nothing of the exports' to be)
-        return
-    name = model.name if model.parent == into else None
-    if name == "final" or (export_every and name and STEP_EXPORT.fullmatch(name)):
+    the rotation also deletes: a run continued from an earlier run's export in the same output.dir,
+    which the same command from scratch would then start from this run's weights, or from none),
+    and an ``offload.storage`` directory inside one (the rotation deleted the training state mid-run)."""
+    def export_holding(path: Path) -> str | None:  # (the export of output.dir that path is or is inside)
+        try:
+            inside = path.expanduser().resolve().relative_to(out.expanduser().resolve())
+        except (OSError, ValueError):
+            return None
+        name = inside.parts[0] if inside.parts else None
+        return name if name == "final" or (export_every and name and (
+            STEP_EXPORT.fullmatch(name) or PARTIAL.fullmatch(name))) else None
+
+    if name := export_holding(model_dir):
         raise ConfigError(
-            f"model.path {model_dir} is {name}/ of output.dir {out}, which this run's exports "
+            f"model.path {model_dir} is in {name}/ of output.dir {out}, which this run's exports "
             f"{'replace at its end' if name == 'final' else 'replace and rotate away'}: copy the model elsewhere "
             f"and point model.path there, or give the run another output.dir")
+    for directory in storage:
+        if name := export_holding(Path(directory)):
+            raise ConfigError(
+                f"offload.storage {directory} is inside {name}/ of output.dir {out}, which this run's exports "
+                f"{'rewrite' if name == 'final' else 'replace and rotate away'} (with the training state in it); put "
+                f"the storage elsewhere")
 
 
 def metrics_from(path: Path, start: int):

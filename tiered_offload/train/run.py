@@ -38,7 +38,7 @@ from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config, lr_factor
 from tiered_offload.train.data import micro_batch_rows, prepare_data
-from tiered_offload.train.outputs import check_export_space, export, export_step, metrics_from, refuse_model_in_exports
+from tiered_offload.train.outputs import check_export_space, export, export_step, metrics_from, refuse_inside_exports
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
@@ -289,7 +289,8 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
-    refuse_model_in_exports(model_dir, out, cfg.output.export_every)
+    refuse_inside_exports(model_dir, _storage_location(cfg.offload.storage).split(","), out,
+                          cfg.output.export_every)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir {out} is a file, not a directory; name a directory (for the exports and "
                           f"metrics.jsonl)")
