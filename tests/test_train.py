@@ -216,7 +216,9 @@ def test_the_example_configuration_reads_as_it_says():
     ("offload.host_memory=lots", r"^offload\.host_memory: cannot read 'lots' as a byte size; write e\.g\. 4GiB"),
     ("offload.device_memory=-1", r"^offload\.device_memory: cannot read '-1' as a byte size"),
     # (joined by commas, then split again: /b and c, a directory relative to wherever the command ran)
-    ('offload.storage=["/a", "/b,c"]', r"^offload\.storage: each directory of the list must be a path without a comma")])
+    ('offload.storage=["/a", "/b,c"]', r"^offload\.storage: each directory of the list must be a path without a comma"),
+    # (an empty output.dir wrote final/ and metrics.jsonl into the directory the command ran in)
+    ("output.dir=", r"^output\.dir is required")])
 def test_a_bad_optimizer_setting_is_refused_naming_it(tmp_path, setting, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["model.path=m", "data.path=d", f"offload.storage={tmp_path}", "train.max_steps=1", setting])

@@ -211,7 +211,8 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         """Check every value; a :class:`ConfigError` names the key and what to change."""
-        need = [("model.path", self.model.path), ("data.path", self.data.path), ("offload.storage", self.offload.storage)]
+        need = [("model.path", self.model.path), ("data.path", self.data.path), ("offload.storage", self.offload.storage),
+                ("output.dir", self.output.dir)]  # (output.dir= wrote final/ and metrics.jsonl where the command ran)
         for key, value in need:
             if not value:
                 raise ConfigError(f"{key} is required")
