@@ -74,7 +74,11 @@ def export_step(engine, model_dir: Path, out: Path, step: int, cfg, ranks: Ranks
     export(engine, model_dir, partial, cfg, ranks)
     if ranks.first:
         shutil.rmtree(into, ignore_errors=True)  # (an earlier run's export of this step, or this run's)
-        os.rename(partial, into)
+        try:
+            os.rename(partial, into)
+        except OSError as e:  # (what was there could not all be removed: a file this user may not delete)
+            raise CheckpointError(f"{into}: cannot put step {step}'s export there ({e.strerror or e}); it is in "
+                                  f"{partial}. Clear {into}, or give the run another output.dir") from None
         fsync_directory(out)
         rotate_exports(out, step, cfg.output.keep)
 
