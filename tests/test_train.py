@@ -2190,6 +2190,46 @@ def test_a_step_export_a_kill_cut_short_is_never_left_looking_whole_and_is_writt
     assert sorted(p.name for p in out.iterdir() if "step" in p.name) == ["step-4"]  # nothing partial left
 
 
+def test_a_record_a_kill_cut_off_after_its_step_was_committed_is_written_at_the_resume(tmp_path, model_dir, data,
+                                                                                       monkeypatch):
+    """Found by `python tools/crash_loop_train.py --kills 30 --seed 2`: a kill after a step's commit and before its
+    record (in the evaluation it waits for) left metrics.jsonl without that step for good, as the resume went on
+    from the next. And a kill in the final export, after the final evaluation's record, wrote that record twice
+    at the next start. Now the step's part of the record is committed with it and written at the resume (the
+    evaluation run again, on the same weights); a final evaluation already there is not written again."""
+    from tiered_offload.train import outputs
+    from tiered_offload.train import run as run_module
+    compared = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss")
+
+    def history(out):
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [tuple(r.get(k) for k in compared) for r in map(json.loads, lines)]
+    whole = write_config(tmp_path / "whole", model_dir, data, train__max_steps=6, output__export_every=0)
+    train(whole)
+    write, export = outputs.Metrics.write, outputs.export
+    cuts = {"record": 4, "export": 1}
+
+    def cut_record(self, record):  # (an exception as the kill, after step 4's commit)
+        if record.get("step") == cuts["record"] and "loss" in record:
+            cuts["record"] = None
+            raise KeyboardInterrupt("killed before step 4's record")
+        write(self, record)
+
+    def cut_export(*a, **k):
+        if cuts["export"]:
+            cuts["export"] = None
+            raise KeyboardInterrupt("killed in the final export")
+        export(*a, **k)
+    monkeypatch.setattr(outputs.Metrics, "write", cut_record)
+    monkeypatch.setattr(run_module, "export", cut_export)
+    config = write_config(tmp_path / "cut", model_dir, data, train__max_steps=6, output__export_every=0)
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            train(config)
+    assert train(config)["step"] == 6
+    assert history(tmp_path / "cut" / "out") == history(tmp_path / "whole" / "out")
+
+
 @pytest.mark.parametrize("inside", ["step-2", "step-2/run", "final"])
 def test_a_storage_directory_inside_an_export_of_the_run_is_refused(tmp_path, model_dir, data, inside):
     """offload.storage under output.dir/step-2: the rotation (keep 1) deleted the directory at step 4, with the

@@ -127,6 +127,7 @@ def metrics_from(path: Path, start: int):
     crash's after its last commit, trained again now; an earlier run's, when this one starts over)
     and a line a kill cut short are dropped first (the file rewritten and swapped in whole), so the
     file is the run's history, a record a step."""
+    last = None
     if os.path.lexists(path):
         kept, dropped = [], 0
         text = read_own(path, CheckpointError, "Remove it, or name another output.dir").decode(errors="replace")
@@ -138,6 +139,7 @@ def metrics_from(path: Path, start: int):
                 keep = False
             if keep:
                 kept.append(line)
+                last = record
             else:
                 dropped += 1
         if dropped:
@@ -148,7 +150,7 @@ def metrics_from(path: Path, start: int):
             except OSError as e:
                 raise write_failed(e, path, f"{path}: {{why}} to drop the records after step {start}; free space "
                                              f"there, then run the same command again") from None
-    return Metrics(path)
+    return Metrics(path, last)
 
 
 class Metrics:
@@ -156,11 +158,24 @@ class Metrics:
     fails (its disk full: something else filled it) stops the run with a typed error naming the
     file: the engine then closes, its steps committed, and the same command continues the run."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, last: dict | None = None):
         self.path = path
+        self.last = last
+        """The last record in the file (None: none): where a resume finds the step it resumes at
+        without its record (killed between the step's commit and its record), or the run's final
+        evaluation there already."""
         self._file = open(path, "a")
 
+    @property
+    def last_step(self) -> int:
+        return self.last["step"] if self.last else 0
+
+    def holds_final_evaluation(self, step: int) -> bool:
+        """Whether the last record is the final evaluation of ``step`` (killed after it: not again)."""
+        return self.last is not None and set(self.last) == {"step", "eval_loss"} and self.last["step"] == step
+
     def write(self, record: dict) -> None:
+        self.last = record
         try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -178,7 +193,7 @@ class Metrics:
             self._file.close()  # (its buffer dropped: a line cut short is dropped at the next start)
         raise write_failed(e, self.path, f"{self.path}: {{why}} for {what}; training stopped, and the steps taken "
                                           f"are committed: free space there, then run the same command again to "
-                                          f"continue (the lost record is not written again)") from None
+                                          f"continue") from None
 
 
 def write_failed(e: OSError, path: Path, message: str) -> TieredOffloadError:

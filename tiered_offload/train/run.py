@@ -371,6 +371,24 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         settings = _batch_settings(cfg, train_data)
         if start:
             _say_other_settings(engine.user_state.get("settings"), settings, location, start, changed)
+        def record_step(step: int, loss: float, tokens: float, own: list, seconds, read, written) -> dict:
+            """A step's record in metrics.jsonl (``own``: this rank's part, committed with the step, whose
+            learning rate and gradient norm are every rank's), with its evaluation where one is due."""
+            record = {"step": step, "loss": loss, "lr": own[2], "grad_norm": own[3], "tokens": int(tokens),
+                      "tokens_per_s": tokens / seconds if seconds else None, "seconds": seconds}
+            if eval_data is not None and t.eval_every and step % t.eval_every == 0:
+                record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
+            record["disk_read_bytes"], record["disk_written_bytes"] = read, written
+            return record
+
+        saved = engine.user_state.get("record") if start else None
+        if saved is not None and ranks.sums([metrics is not None and metrics.last_step < start])[0]:
+            loss, tokens = ranks.sums(saved[:2])  # (killed between the step's commit and its record)
+            record = record_step(start, loss / ranks.world, tokens, saved, None, None, None)
+            if metrics is not None:
+                metrics.write(record)
+            if on_step is not None and ranks.first:
+                on_step(start, record)
         every, missing = cfg.output.export_every, ranks.first and not (out / f"step-{start}").is_dir()
         if start and every and start % every == 0 and ranks.sums([missing])[0]:
             export_step(engine, model_dir, out, start, cfg, ranks)  # (killed in it: the step was committed before)
@@ -396,27 +414,25 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                           engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
             checked_documents = True  # (the model's first step in this process: before it is taken)
             norm = engine.clip_grad_norm_(t.clip) if t.clip else None
-            engine.user_state = {"micro_batches": (step + 1) * t.grad_accum, "settings": settings}
-            lr = engine.param_groups[0]["lr"]
+            # this rank's part of the step's record, committed with the step: a kill before the record is
+            # written leaves the resume what to write it from
+            own = [sum(losses) / len(losses), tokens, engine.param_groups[0]["lr"],
+                   None if norm is None else float(norm)]
+            engine.user_state = {"micro_batches": (step + 1) * t.grad_accum, "settings": settings, "record": own}
             engine.step()
             engine.zero_grad()
             now = _disk_bytes(engine)
-            loss, tokens, read, written, stops = ranks.sums([sum(losses) / len(losses), tokens, now[0] - moved[0],
-                                                              now[1] - moved[1], stop["signal"] is not None])
+            loss, tokens, read, written, stops = ranks.sums([own[0], own[1], now[0] - moved[0], now[1] - moved[1],
+                                                              stop["signal"] is not None])
             agreed, moved, seconds = stops > 0, now, time.perf_counter() - t0
-            record = {"step": step + 1, "loss": loss / ranks.world, "lr": lr,
-                      "grad_norm": None if norm is None else float(norm), "tokens": int(tokens),
-                      "tokens_per_s": tokens / seconds if seconds > 0 else None, "seconds": seconds}
-            if eval_data is not None and t.eval_every and (step + 1) % t.eval_every == 0:
-                record["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
-            record["disk_read_bytes"], record["disk_written_bytes"] = int(read), int(written)
+            record = record_step(step + 1, loss / ranks.world, tokens, own, seconds, int(read), int(written))
             if metrics is not None:
                 metrics.write(record)
             if on_step is not None and ranks.first:
                 on_step(step + 1, record)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}",
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                                 tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if cfg.output.export_every and (step + 1) % cfg.output.export_every == 0:
                 export_step(engine, model_dir, out, step + 1, cfg, ranks)
@@ -426,7 +442,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         if not summary["stopped"]:
             if eval_data is not None:
                 summary["eval_loss"] = _evaluate(engine, model, eval_data, t.micro_batch, t.precision, ranks)
-                if metrics is not None:
+                if metrics is not None and not metrics.holds_final_evaluation(engine.step_count):
                     metrics.write({"step": engine.step_count, "eval_loss": summary["eval_loss"]})
             export(engine, model_dir, out / "final", cfg, ranks)
             summary["final"] = str(out / "final")

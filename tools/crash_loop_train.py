@@ -1,0 +1,190 @@
+"""Kill ``tiered-offload train`` with SIGKILL at random moments, run the same command again, repeat;
+check that what the command leaves is what an uninterrupted run of it leaves.
+
+    python tools/crash_loop_train.py --kills 20            # about 3 minutes here
+
+A small Llama, its tokenizer and its data are built here (``tools/bench_finetune.py``'s ``build``).
+A worker runs the command (``tiered_offload.cli.main(["train", "--config", ...])``) in a fork of a
+zygote (``tools/zygote.py``), and says READY once its imports are done; the driver kills it after a
+random delay within the command's own time (so kills land in the tokenising, placing the weights, the
+steps and their commits, the step exports, the evaluation and the final export), starts it again
+until it exits 0 (at most ``--per-run`` kills a run), and checks the directories against those of an
+uninterrupted run of the same command:
+
+- ``final/``: every file bitwise the same (the weights, ``config.json``, the tokenizer's files);
+- each ``step-N/`` kept: there, complete and bitwise the same; no ``.step-N.partial`` left;
+- ``metrics.jsonl``: one record a step, 1..N, in order, with the same loss, learning rate, gradient
+  norm, tokens and evaluation loss, and the final evaluation's record.
+
+Then it starts over in fresh directories, until ``--kills`` kills have landed. Exit status 1 if a
+run differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
+
+WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+"""The environment every worker runs in (its zygote's)."""
+
+COMPARED = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss")
+"""What of a ``metrics.jsonl`` record must match the uninterrupted run's (not its times nor disk bytes)."""
+
+
+def worker(config: Path) -> int:
+    """Run the command on ``config``, saying READY once what it imports is imported."""
+    import transformers  # noqa: F401 (the command's own imports, before READY: kills land in its work)
+
+    from tiered_offload.cli import main
+    print("READY", flush=True)
+    return main(["train", "--config", str(config), "--no-progress"])
+
+
+def write_config(directory: Path, model: Path, data: Path, steps: int, host_bytes: int) -> Path:
+    import yaml
+    cfg = {"model": {"path": str(model)},
+           "data": {"path": str(data), "format": "completion", "field": "text", "max_seq_len": 48, "packing": True,
+                    "eval_fraction": 0.05},
+           "train": {"micro_batch": 4, "grad_accum": 2, "max_steps": steps, "lr": 3e-3, "schedule": "cosine",
+                     "warmup_steps": 2, "clip": 1.0, "seed": 0, "eval_every": 4},
+           "offload": {"storage": str(directory / "state"), "host_memory": host_bytes, "commit_every": 1},
+           "output": {"dir": str(directory / "out"), "export_every": 3, "keep": 2}}
+    path = directory / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _start(zygote, config: Path):
+    """Fork a worker; returns it and an event set when it has said READY."""
+    proc = zygote.launch(HERE, ["--worker", str(config)], stderr_to_stdout=True)
+    ready, lines = threading.Event(), []
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "READY":
+                ready.set()
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, ready, lines
+
+
+def run_once(zygote, config: Path, kill_after: float | None, timeout: float = 600) -> tuple[int, float, str]:
+    """One start of the command: killed ``kill_after`` s after READY (None: left to finish). Returns its
+    exit status, its seconds after READY and its output."""
+    proc, ready, lines = _start(zygote, config)
+    if not ready.wait(timeout=120):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("a worker never said READY:\n" + "".join(lines[-40:]))
+    t0 = time.monotonic()
+    try:
+        code = proc.wait(timeout=kill_after if kill_after is not None else timeout)
+    except Exception:  # (subprocess.TimeoutExpired: its time is up)
+        proc.send_signal(signal.SIGKILL)
+        code = proc.wait(timeout=60)
+    return code, time.monotonic() - t0, "".join(lines)
+
+
+def _metrics(out: Path) -> list[tuple]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [tuple(r.get(k) for k in COMPARED) for r in records]
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def differences(got: Path, want: Path) -> list[str]:
+    """How the output directory ``got`` differs from the uninterrupted run's ``want``."""
+    problems = []
+    if _metrics(got) != _metrics(want):
+        problems.append(f"metrics.jsonl differs: {_metrics(got)} against {_metrics(want)}")
+    exports = sorted(p.name for p in want.iterdir() if p.is_dir() and (p.name == "final" or p.name.startswith("step-")))
+    mine = sorted(p.name for p in got.iterdir() if p.is_dir() and not p.name.startswith(".cache"))
+    if mine != exports:
+        problems.append(f"exports {mine}, the uninterrupted run's {exports}")
+    for name in exports:
+        if (got / name).is_dir() and _files(got / name) != _files(want / name):
+            problems.append(f"{name}/ differs from the uninterrupted run's ({sorted(_files(got / name))})")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--per-run", type=int, default=4, help="kills at most in one run before it may finish")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(Path(args.worker))
+    from bench_finetune import build
+    from zygote import Zygote
+
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="crash-loop-train-"))
+    try:
+        model = build(work, args.layers, args.width)
+        import transformers
+        n = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model)).num_parameters()
+        host = 16 * n * 6 // 10  # six tenths of the training state: it streams through the disk
+        with Zygote(env=WORKER_ENV) as zygote:
+            (work / "whole").mkdir()
+            code, whole_s, log = run_once(zygote, write_config(work / "whole", model, work / "train.jsonl", args.steps,
+                                                                host), None)
+            if code != 0:
+                print(log)
+                raise SystemExit("the uninterrupted run failed")
+            print(f"uninterrupted: {whole_s:.1f} s after its imports; {args.steps} steps, host {host} bytes "
+                  f"(0.6 of the state)", flush=True)
+            kills, runs, bad = 0, 0, 0
+            while kills < args.kills:
+                runs += 1
+                d = work / f"run-{runs}"
+                d.mkdir()
+                config = write_config(d, model, work / "train.jsonl", args.steps, host)
+                starts, mine = 0, 0
+                while True:
+                    starts += 1
+                    kill = rng.uniform(0, whole_s) if mine < args.per_run and kills < args.kills else None
+                    code, _, log = run_once(zygote, config, kill)
+                    if code == -signal.SIGKILL:
+                        kills, mine = kills + 1, mine + 1
+                        continue
+                    if code != 0:
+                        print(log[-4000:])
+                        bad += 1
+                        print(f"run {runs}: start {starts} exited {code}", flush=True)
+                        break
+                    problems = differences(d / "out", work / "whole" / "out")
+                    bad += bool(problems)
+                    print(f"run {runs}: {mine} kills in {starts} starts: "
+                          + ("same as the uninterrupted run" if not problems else "; ".join(problems)), flush=True)
+                    break
+                shutil.rmtree(d, ignore_errors=True)
+            print(f"{kills} kills over {runs} runs: {runs - bad} of {runs} the same as the uninterrupted run")
+            return 1 if bad else 0
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
