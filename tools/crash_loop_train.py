@@ -143,7 +143,8 @@ def main() -> int:
     try:
         model = build(work, args.layers, args.width)
         import transformers
-        n = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model)).num_parameters()
+        config = transformers.AutoConfig.from_pretrained(model)
+        n = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
         host = 16 * n * 6 // 10  # six tenths of the training state: it streams through the disk
         with Zygote(env=WORKER_ENV) as zygote:
             (work / "whole").mkdir()
