@@ -2230,6 +2230,15 @@ def test_a_record_a_kill_cut_off_after_its_step_was_committed_is_written_at_the_
     assert history(tmp_path / "cut" / "out") == history(tmp_path / "whole" / "out")
 
 
+def test_the_commands_crash_loop_ends_each_run_as_an_uninterrupted_one():
+    """`tools/crash_loop_train.py`, short (the long loop: `--kills 30`): the command SIGKILLed at random moments and
+    run again until it finishes leaves final/, the step-N/ exports and metrics.jsonl as an uninterrupted run does."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "crash_loop_train.py"), "--kills", "4", "--seed", "5",
+                        "--steps", "6"], capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"^4 kills over (\d+) runs: \1 of \1 the same as the uninterrupted run$", r.stdout, re.M), r.stdout
+
+
 @pytest.mark.parametrize("inside", ["step-2", "step-2/run", "final"])
 def test_a_storage_directory_inside_an_export_of_the_run_is_refused(tmp_path, model_dir, data, inside):
     """offload.storage under output.dir/step-2: the rotation (keep 1) deleted the directory at step 4, with the
