@@ -2261,6 +2261,10 @@ def test_a_model_path_this_runs_exports_would_replace_or_rotate_away_is_refused(
     with pytest.raises(ConfigError, match=rf"model.path {out / target} is .*output.dir"):
         train(write_config(tmp_path, out / target, data, train__max_steps=4, output__export_every=2))
     assert {p.name: p.read_bytes() for p in (out / target).iterdir()} == before
+    data_there = out / target / "train.jsonl"  # (the data too: a step-N/ is replaced whole, then rotated away)
+    shutil.copy(data, data_there)
+    with pytest.raises(ConfigError, match=rf"data.path {data_there} is in {target}/ of output.dir"):
+        train(write_config(tmp_path, model_dir, data_there, train__max_steps=4, output__export_every=2))
     # exports elsewhere (or none of step-N's), it trains
     assert train(write_config(tmp_path / "other", out / target, data, train__max_steps=2,
                               output__export_every=0))["step"] == 2

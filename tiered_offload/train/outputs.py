@@ -95,27 +95,30 @@ def rotate_exports(out: Path, step: int, keep: int) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def refuse_inside_exports(model_dir: Path, storage: list[str], out: Path, export_every: int) -> None:
-    """Refuse ``model.path`` where this run's exports would replace it (``final/``; ``step-N/``, which
-    the rotation also deletes: a run continued from an earlier run's export in the same output.dir,
-    which the same command from scratch would then start from this run's weights, or from none),
-    and an ``offload.storage`` directory inside one (the rotation deleted the training state mid-run)."""
-    def export_holding(path: Path) -> str | None:  # (the export of output.dir that path is or is inside)
+def refuse_inside_exports(reads: dict[str, str | Path | None], storage: list[str], out: Path,
+                          export_every: int) -> None:
+    """Refuse what the run reads (``model.path``, ``data.path``, ``lora.adapter``: ``reads``, by key)
+    where this run's exports would replace it (``final/``; ``step-N/``, which the rotation also
+    deletes: a run continued from an earlier run's export in the same output.dir, which the same
+    command from scratch would then start from this run's weights, or from none), and an
+    ``offload.storage`` directory inside one (the rotation deleted the training state mid-run)."""
+    def export_holding(path) -> str | None:  # (the export of output.dir that path is or is inside)
         try:
-            inside = path.expanduser().resolve().relative_to(out.expanduser().resolve())
+            inside = Path(path).expanduser().resolve().relative_to(out.expanduser().resolve())
         except (OSError, ValueError):
             return None
         name = inside.parts[0] if inside.parts else None
         return name if name == "final" or (export_every and name and (
             STEP_EXPORT.fullmatch(name) or PARTIAL.fullmatch(name))) else None
 
-    if name := export_holding(model_dir):
-        raise ConfigError(
-            f"model.path {model_dir} is in {name}/ of output.dir {out}, which this run's exports "
-            f"{'replace at its end' if name == 'final' else 'replace and rotate away'}: copy the model elsewhere "
-            f"and point model.path there, or give the run another output.dir")
+    for key, path in reads.items():
+        if path and (name := export_holding(path)):
+            raise ConfigError(
+                f"{key} {path} is in {name}/ of output.dir {out}, which this run's exports "
+                f"{'replace at its end' if name == 'final' else 'replace and rotate away'}: copy it elsewhere "
+                f"and point {key} there, or give the run another output.dir")
     for directory in storage:
-        if name := export_holding(Path(directory)):
+        if name := export_holding(directory):
             raise ConfigError(
                 f"offload.storage {directory} is inside {name}/ of output.dir {out}, which this run's exports "
                 f"{'rewrite' if name == 'final' else 'replace and rotate away'} (with the training state in it); put "

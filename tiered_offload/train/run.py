@@ -289,8 +289,8 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
     cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
-    refuse_inside_exports(model_dir, _storage_location(cfg.offload.storage).split(","), out,
-                          cfg.output.export_every)
+    refuse_inside_exports({"model.path": model_dir, "data.path": cfg.data.path, "lora.adapter": cfg.lora.adapter},
+                          _storage_location(cfg.offload.storage).split(","), out, cfg.output.export_every)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir {out} is a file, not a directory; name a directory (for the exports and "
                           f"metrics.jsonl)")
