@@ -371,6 +371,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         settings = _batch_settings(cfg, train_data)
         if start:
             _say_other_settings(engine.user_state.get("settings"), settings, location, start, changed)
+
         def record_step(step: int, loss: float, tokens: float, own: list, seconds, read, written) -> dict:
             """A step's record in metrics.jsonl (``own``: this rank's part, committed with the step, whose
             learning rate and gradient norm are every rank's), with its evaluation where one is due."""
