@@ -53,7 +53,8 @@ def worker(config: Path) -> int:
     return main(["train", "--config", str(config), "--no-progress"])
 
 
-def write_config(directory: Path, model: Path, data: Path, steps: int, host_bytes: int, commit_every: int = 1) -> Path:
+def write_config(directory: Path, model: Path, data: Path, steps: int, host_bytes: int, commit_every: int = 1,
+                 lora: int = 0) -> Path:
     import yaml
     cfg = {"model": {"path": str(model)},
            "data": {"path": str(data), "format": "completion", "field": "text", "max_seq_len": 48, "packing": True,
@@ -62,7 +63,8 @@ def write_config(directory: Path, model: Path, data: Path, steps: int, host_byte
                      "warmup_steps": 2, "clip": 1.0, "seed": 0, "eval_every": 4},
            "offload": {"storage": str(directory / "state"), "host_memory": host_bytes,
                        "commit_every": commit_every},
-           "output": {"dir": str(directory / "out"), "export_every": 3, "keep": 2}}
+           "output": {"dir": str(directory / "out"), "export_every": 3, "keep": 2},
+           "lora": {"r": lora}}
     path = directory / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -133,6 +135,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--commit-every", type=int, default=1, help="offload.commit_every (above 1: snapshot commits)")
+    ap.add_argument("--lora", type=int, default=0, help="lora.r (0: every parameter trains)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     if args.worker:
@@ -151,7 +154,7 @@ def main() -> int:
         with Zygote(env=WORKER_ENV) as zygote:
             (work / "whole").mkdir()
             code, whole_s, log = run_once(zygote, write_config(work / "whole", model, work / "train.jsonl", args.steps,
-                                                                host, args.commit_every), None)
+                                                                host, args.commit_every, args.lora), None)
             if code != 0:
                 print(log)
                 raise SystemExit("the uninterrupted run failed")
@@ -162,7 +165,8 @@ def main() -> int:
                 runs += 1
                 d = work / f"run-{runs}"
                 d.mkdir()
-                config = write_config(d, model, work / "train.jsonl", args.steps, host, args.commit_every)
+                config = write_config(d, model, work / "train.jsonl", args.steps, host, args.commit_every,
+                                      args.lora)
                 starts, mine = 0, 0
                 while True:
                     starts += 1
