@@ -391,6 +391,25 @@ def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all
     assert all(code != 0 and "another number of ranks (rank-0-of-2" in err for code, _, err in refused), refused
 
 
+def test_under_torchrun_a_record_cut_off_after_its_step_is_written_at_the_resume_from_every_ranks_part(
+        tmp_path, model_dir, data, zygote):
+    """Sharded, each rank commits its own part of a step's record (its loss and tokens): a resume at a step whose
+    record rank 0's metrics.jsonl lacks (a kill after the step's commit) sums the ranks' parts again, and runs
+    the evaluation again, to the record the run wrote before."""
+    config = write_config(tmp_path, model_dir, data, train__max_steps=2, output__export_every=0,
+                          train__grad_accum=1, train__eval_every=2)
+    _torchrun(zygote, config, 2)
+    path = tmp_path / "out" / "metrics.jsonl"
+    written = _records(tmp_path / "out")
+    assert [r["step"] for r in written] == [1, 2, 2]  # (the steps; the final evaluation)
+    path.write_text("".join(json.dumps(r) + "\n" for r in written[:1]))  # as killed before step 2's record
+    _torchrun(zygote, config, 2, "train.max_steps=3")
+    again = _records(tmp_path / "out")
+    assert [r["step"] for r in again] == [1, 2, 3, 3]
+    for key in ("loss", "lr", "grad_norm", "tokens", "eval_loss"):
+        assert again[1][key] == written[1][key], (key, again[1], written[1])
+
+
 def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, model_dir, zygote):
     """Local rank 0 tokenises while the others wait; where it fails (here: no example), the others
     do not wait on: each says the same error and exits."""
