@@ -2,6 +2,7 @@
 check that what the command leaves is what an uninterrupted run of it leaves.
 
     python tools/crash_loop_train.py --kills 20            # about 3 minutes here
+    python tools/crash_loop_train.py --kills 20 data.packing=documents train.grad_accum=1
 
 A small Llama, its tokenizer and its data are built here (``tools/bench_finetune.py``'s ``build``).
 A worker runs the command (``tiered_offload.cli.main(["train", "--config", ...])``) in a fork of a
@@ -44,13 +45,13 @@ COMPARED = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss")
 """What of a ``metrics.jsonl`` record must match the uninterrupted run's (not its times nor disk bytes)."""
 
 
-def worker(config: Path) -> int:
+def worker(config: Path, overrides: list[str]) -> int:
     """Run the command on ``config``, saying READY once what it imports is imported."""
     import transformers  # noqa: F401 (the command's own imports, before READY: kills land in its work)
 
     from tiered_offload.cli import main
     print("READY", flush=True)
-    return main(["train", "--config", str(config), "--no-progress"])
+    return main(["train", "--config", str(config), "--no-progress", *overrides])
 
 
 def write_config(directory: Path, model: Path, data: Path, steps: int, host_bytes: int, commit_every: int = 1,
@@ -70,9 +71,9 @@ def write_config(directory: Path, model: Path, data: Path, steps: int, host_byte
     return path
 
 
-def _start(zygote, config: Path):
+def _start(zygote, config: Path, overrides: list[str]):
     """Fork a worker; returns it and an event set when it has said READY."""
-    proc = zygote.launch(HERE, ["--worker", str(config)], stderr_to_stdout=True)
+    proc = zygote.launch(HERE, ["--worker", str(config), *overrides], stderr_to_stdout=True)
     ready, lines = threading.Event(), []
 
     def pump():
@@ -84,10 +85,11 @@ def _start(zygote, config: Path):
     return proc, ready, lines
 
 
-def run_once(zygote, config: Path, kill_after: float | None, timeout: float = 600) -> tuple[int, float, str]:
+def run_once(zygote, config: Path, kill_after: float | None, overrides: list[str] = (),
+             timeout: float = 600) -> tuple[int, float, str]:
     """One start of the command: killed ``kill_after`` s after READY (None: left to finish). Returns its
     exit status, its seconds after READY and its output."""
-    proc, ready, lines = _start(zygote, config)
+    proc, ready, lines = _start(zygote, config, list(overrides))
     if not ready.wait(timeout=120):
         proc.kill()
         proc.wait()
@@ -128,6 +130,8 @@ def differences(got: Path, want: Path) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", metavar="section.key=value",
+                    help="the command's own settings over the loop's (data.packing=documents, train.grad_accum=1)")
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--per-run", type=int, default=4, help="kills at most in one run before it may finish")
     ap.add_argument("--steps", type=int, default=10)
@@ -139,7 +143,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     if args.worker:
-        return worker(Path(args.worker))
+        return worker(Path(args.worker), args.overrides)
     from bench_finetune import build
     from zygote import Zygote
 
@@ -154,7 +158,8 @@ def main() -> int:
         with Zygote(env=WORKER_ENV) as zygote:
             (work / "whole").mkdir()
             code, whole_s, log = run_once(zygote, write_config(work / "whole", model, work / "train.jsonl", args.steps,
-                                                                host, args.commit_every, args.lora), None)
+                                                                host, args.commit_every, args.lora), None,
+                                          args.overrides)
             if code != 0:
                 print(log)
                 raise SystemExit("the uninterrupted run failed")
@@ -171,7 +176,7 @@ def main() -> int:
                 while True:
                     starts += 1
                     kill = rng.uniform(0, whole_s) if mine < args.per_run and kills < args.kills else None
-                    code, _, log = run_once(zygote, config, kill)
+                    code, _, log = run_once(zygote, config, kill, args.overrides)
                     if code == -signal.SIGKILL:
                         kills, mine = kills + 1, mine + 1
                         continue
