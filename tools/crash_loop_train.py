@@ -3,6 +3,7 @@ check that what the command leaves is what an uninterrupted run of it leaves.
 
     python tools/crash_loop_train.py --kills 20            # about 3 minutes here
     python tools/crash_loop_train.py --kills 20 data.packing=documents train.grad_accum=1
+    python tools/crash_loop_train.py --kills 30 --world 2   # torchrun's 2 ranks, a random one killed
 
 A small Llama, its tokenizer and its data are built here (``tools/bench_finetune.py``'s ``build``).
 A worker runs the command (``tiered_offload.cli.main(["train", "--config", ...])``) in a fork of a
@@ -71,36 +72,66 @@ def write_config(directory: Path, model: Path, data: Path, steps: int, host_byte
     return path
 
 
-def _start(zygote, config: Path, overrides: list[str]):
-    """Fork a worker; returns it and an event set when it has said READY."""
-    proc = zygote.launch(HERE, ["--worker", str(config), *overrides], stderr_to_stdout=True)
-    ready, lines = threading.Event(), []
-
-    def pump():
-        for line in proc.stdout:
-            lines.append(line)
-            if line.strip() == "READY":
-                ready.set()
-    threading.Thread(target=pump, daemon=True).start()
-    return proc, ready, lines
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def run_once(zygote, config: Path, kill_after: float | None, overrides: list[str] = (),
-             timeout: float = 600) -> tuple[int, float, str]:
-    """One start of the command: killed ``kill_after`` s after READY (None: left to finish). Returns its
-    exit status, its seconds after READY and its output."""
-    proc, ready, lines = _start(zygote, config, list(overrides))
-    if not ready.wait(timeout=120):
-        proc.kill()
-        proc.wait()
-        raise RuntimeError("a worker never said READY:\n" + "".join(lines[-40:]))
+def _start(zygote, config: Path, overrides: list[str], world: int):
+    """Fork the command's ranks (one: no torchrun environment); returns each with an event set when it
+    has said READY, and its output's lines."""
+    port, started = _free_port(), []
+    for rank in range(world):
+        env = {} if world == 1 else dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                                         LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                                         MASTER_PORT=str(port))
+        proc = zygote.launch(HERE, ["--worker", str(config), *overrides], env, stderr_to_stdout=True)
+        ready, lines = threading.Event(), []
+
+        def pump(proc=proc, ready=ready, lines=lines):
+            for line in proc.stdout:
+                lines.append(line)
+                if line.strip() == "READY":
+                    ready.set()
+        threading.Thread(target=pump, daemon=True).start()
+        started.append((proc, ready, lines))
+    return started
+
+
+def run_once(zygote, config: Path, kill_after: float | None, overrides: list[str] = (), world: int = 1,
+             rng: random.Random | None = None, timeout: float = 600) -> tuple[int, float, str]:
+    """One start of the command (``world`` ranks, as torchrun starts them): a rank drawn by ``rng``
+    killed ``kill_after`` s after every rank said READY (None: left to finish); the others then end
+    on their own (a ``DistributedError``), or are killed after a minute. Returns the exit status
+    (-9 where a rank was killed, else the first nonzero, else 0), its seconds after READY and the
+    output of every rank."""
+    started = _start(zygote, config, list(overrides), world)
+    procs = [p for p, _, _ in started]
+
+    def output() -> str:
+        return "".join(f"[rank {r}] {line}" for r, (_, _, lines) in enumerate(started) for line in lines)
+    if not all(ready.wait(timeout=120) for _, ready, _ in started):
+        for p in procs:
+            p.kill()
+        raise RuntimeError("a worker never said READY:\n" + output()[-4000:])
     t0 = time.monotonic()
+    killed = None
     try:
-        code = proc.wait(timeout=kill_after if kill_after is not None else timeout)
+        procs[0].wait(timeout=kill_after if kill_after is not None else timeout)
     except Exception:  # (subprocess.TimeoutExpired: its time is up)
-        proc.send_signal(signal.SIGKILL)
-        code = proc.wait(timeout=60)
-    return code, time.monotonic() - t0, "".join(lines)
+        killed = (rng or random).randrange(world)
+        procs[killed].send_signal(signal.SIGKILL)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=60 if killed is not None else timeout))
+        except Exception:  # (a rank that outlived its killed peer by a minute: hung)
+            p.send_signal(signal.SIGKILL)
+            codes.append(p.wait(timeout=60))
+    code = -signal.SIGKILL if killed is not None else next((c for c in codes if c), 0)
+    return code, time.monotonic() - t0, output()
 
 
 def _metrics(out: Path) -> list[tuple]:
@@ -140,6 +171,8 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--commit-every", type=int, default=1, help="offload.commit_every (above 1: snapshot commits)")
     ap.add_argument("--lora", type=int, default=0, help="lora.r (0: every parameter trains)")
+    ap.add_argument("--world", type=int, default=1, help="ranks, as torchrun --nproc_per_node starts them (a random "
+                                                         "one killed)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     if args.worker:
@@ -159,7 +192,7 @@ def main() -> int:
             (work / "whole").mkdir()
             code, whole_s, log = run_once(zygote, write_config(work / "whole", model, work / "train.jsonl", args.steps,
                                                                 host, args.commit_every, args.lora), None,
-                                          args.overrides)
+                                          args.overrides, args.world)
             if code != 0:
                 print(log)
                 raise SystemExit("the uninterrupted run failed")
@@ -176,7 +209,7 @@ def main() -> int:
                 while True:
                     starts += 1
                     kill = rng.uniform(0, whole_s) if mine < args.per_run and kills < args.kills else None
-                    code, _, log = run_once(zygote, config, kill, args.overrides)
+                    code, _, log = run_once(zygote, config, kill, args.overrides, args.world, rng)
                     if code == -signal.SIGKILL:
                         kills, mine = kills + 1, mine + 1
                         continue
