@@ -1,7 +1,8 @@
 """What ``tiered-offload train`` writes into ``output.dir``: the exports (``step-N/``, rotated, and
 ``final/``, each a complete model directory: the weights and the tokenizer's files), and
 ``metrics.jsonl`` (a record a step, the run's history). Also the checks before a run that protect
-them: the exports' room, and a model directory this run's exports would replace or rotate away.
+them: the exports' room, and what the run reads, or its storage, inside an export it would replace
+or rotate away.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def export_step(engine, model_dir: Path, out: Path, step: int, cfg, ranks: Ranks
     """``step-N/``: written whole beside it (``.step-N.partial``), renamed into place, then the rotation
     (every rank calls it: rank 0 writes). So a ``step-N`` is always a complete model directory: a kill
     mid-export left one with the weights and no tokenizer, which looked whole."""
-    partial, into = out / f".step-{step}.partial", out / f"step-{step}"  # (PARTIAL, STEP_EXPORT)
+    partial, into = out / f".step-{step}.partial", out / f"step-{step}"
     if ranks.first:
         shutil.rmtree(partial, ignore_errors=True)  # (a killed export's)
         if os.path.lexists(into) and (into.is_symlink() or not into.is_dir()):
@@ -91,7 +92,7 @@ def rotate_exports(out: Path, step: int, keep: int) -> None:
             and int(m.group(1)) <= step and p.is_dir() and not p.is_symlink()]
     for _, directory in sorted(ours)[:-keep]:
         shutil.rmtree(directory, ignore_errors=True)
-    for partial in out.glob(".step-*.partial"):  # (killed exports' remains)
+    for partial in [p for p in out.iterdir() if PARTIAL.fullmatch(p.name)]:  # (killed exports' remains)
         shutil.rmtree(partial, ignore_errors=True)
 
 
