@@ -327,10 +327,11 @@ def _check_output(flag: str, path: str | os.PathLike | None) -> None:
                           f"(nothing was measured)")
 
 
-def _write_output(flag: str, path, write) -> None:
-    """Write an output file; a failure (a full disk at the end) is typed, naming it and the flag."""
+def _write_output(flag: str, path, write):
+    """Write an output file (``write()``, whose result is returned); a failure (a full disk at the
+    end) is typed, naming it and the flag."""
     try:
-        write()
+        return write()
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e}); the measurement above is complete, "
                           f"but this file was not written") from None
@@ -374,10 +375,8 @@ def main(args) -> int:
         _write_output("--plot", args.plot, lambda: plot(results, args.plot))
         print(f"wrote {args.plot}")
     if args.save_profile is not None:
-        where = []
-        _write_output("--save-profile", args.save_profile or default_profile_path(),
-                      lambda: where.append(save_profile(report, args.save_profile or None)))
-        where = where[0]
+        where = _write_output("--save-profile", args.save_profile or default_profile_path(),
+                              lambda: save_profile(report, args.save_profile or None))
         default = args.save_profile in ("", None) or str(where) == str(default_profile_path())
         how = ("stores on this file system use it" if default else
                f"stores on this file system use it with TIERED_OFFLOAD_PROFILE={where} or "
