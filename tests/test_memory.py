@@ -76,31 +76,46 @@ def test_saved_activations_count_in_the_budget(tmp_path, zygote):
     """Batch 16: the blocks' saved activations together are more than twice the host budget. Kept
     or offloaded through the store, they cost the process, outside the host tier's arena, no more
     than recomputing does (which stores only each block's input), up to one block's activations
-    while its forward runs."""
-    recompute = _run(tmp_path, zygote, "r", 16, "64MiB", "recompute", 4)
+    while its forward runs.
+
+    Peak RSS is noisy, mostly upward: measured 2026-12-07, the recompute run's peak outside the
+    arena spans 117-169 MiB over 15 runs, and a CI run under load put an offload run 78 MiB above
+    its recompute run (209.7 against 131.5 MiB). A comparison over the limit is measured once more
+    and the lesser peak of each mode's two runs compared: activations escaping the budget (the saved
+    tensors held until the backward, checked by hand) put both keep runs 122-141 MiB above both
+    recompute runs, so they still fail it."""
+    runs = {"recompute": [_run(tmp_path, zygote, "r0", 16, "64MiB", "recompute", 4)]}
+
+    def outside(r):  # what the process holds outside the host tier's arena (whose pages count once touched)
+        return r["peak"] - r["base"] - r["arena_peak"]
+
+    recompute = runs["recompute"][0]
     # nothing a forward saved outlives its backward: an autograd graph holding a hook that holds the
     # graph's tensors would leak a batch's activations (140 MiB here) every step, 280 MiB from the
     # second step to the fourth; the heap itself swings from step to step (measured 2026-12-02: -71
     # to +22 MiB against the second step, and +74 once, which failed the 64 MiB this allowed before)
     assert recompute["rss"][-1] - recompute["rss"][1] < 128 * MiB, recompute
     for mode in ("keep", "offload"):
-        r = _run(tmp_path, zygote, mode, 16, "64MiB", mode, 4)
+        r = _run(tmp_path, zygote, f"{mode}0", 16, "64MiB", mode, 4)
+        runs[mode] = [r]
         assert r["rss"][-1] - r["rss"][1] < 128 * MiB, r
         assert r["modes"] == [mode] * 10, r  # no block fell back to recomputation
         total = sum(r["activations"].values())
         one_block = max(r["activations"].values())
         assert total > 2 * r["host"], r
-        # what the process holds outside the host tier's arena (whose pages count once touched)
-        outside = r["peak"] - r["base"] - r["arena_peak"]
-        baseline = recompute["peak"] - recompute["base"] - recompute["arena_peak"]
         assert r["arena_peak"] <= r["host"]
         # peak RSS of two processes differs by a few tens of MiB from run to run (heap layout,
-        # threads): allow 32 MiB of that; activations escaping the budget would add all 140 MiB
+        # threads): allow 32 MiB of that; activations escaping the budget would add 122-141 MiB
         slack = 2 * one_block + 32 * MiB
         assert total > 2 * slack, r
-        assert outside <= baseline + slack, (
-            f"{mode}: {outside / MiB:.1f} MiB of peak RSS growth outside the arena, recompute {baseline / MiB:.1f} "
-            f"MiB; the activations ({total / MiB:.1f} MiB, {one_block / MiB:.1f} MiB per block) escaped the budget")
+        if outside(r) > min(map(outside, runs["recompute"])) + slack:  # (measured once more: see above)
+            for m in {mode, "recompute"}:
+                runs[m].append(_run(tmp_path, zygote, f"{m}{len(runs[m])}", 16, "64MiB", m, 4))
+        peak, baseline = min(map(outside, runs[mode])), min(map(outside, runs["recompute"]))
+        assert peak <= baseline + slack, (
+            f"{mode}: {peak / MiB:.1f} MiB of peak RSS growth outside the arena, recompute {baseline / MiB:.1f} "
+            f"MiB; the activations ({total / MiB:.1f} MiB, {one_block / MiB:.1f} MiB per block) escaped the budget: "
+            f"{[round(outside(x) / MiB, 1) for x in runs[mode]]} against {[round(outside(x) / MiB, 1) for x in runs['recompute']]}")
 
 
 BIN_SCRIPT = textwrap.dedent("""
