@@ -277,6 +277,38 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize("earlier", ["metrics", "final", "step-N"])
+def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused_unless_told_to_overwrite(tmp_path, model_dir, data,
+                                                                                         earlier, capsys):
+    """An earlier run's output.dir given to a run with a new offload.storage (the old state deleted, moved, or
+    another experiment's) started over there: its first step dropped the earlier run's metrics.jsonl records
+    with a warning, and its exports replaced the earlier run's final/ and step-N/. As in transformers' example
+    scripts, it is refused before anything is written, naming what is there and what to do; the dry run says the
+    same, and output.overwrite=true starts the run there as before."""
+    out = tmp_path / "out"
+    out.mkdir()
+    records = "".join(json.dumps({"step": s, "loss": 2.0 / s}) + "\n" for s in (1, 2, 3))
+    if earlier == "metrics":
+        (out / "metrics.jsonl").write_text(records)
+    else:
+        (out / ("final" if earlier == "final" else "step-600")).mkdir()
+        (out / ("final" if earlier == "final" else "step-600") / "model.safetensors").write_bytes(b"earlier")
+    before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    named = {"metrics": "metrics.jsonl with 3 records", "final": "final/", "step-N": "step-600/"}[earlier]
+    config = write_config(tmp_path, model_dir, data, train__max_steps=2, train__warmup_steps=0, output__export_every=0)
+    for argv in (["train", str(config)], ["train", str(config), "--dry-run"]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"output.dir {out} holds an earlier run's outputs ({named})" in err and "output.overwrite=true" in err, err
+        assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*")
+                if p.is_file() and ".cache" not in p.parts} == before
+        assert not (tmp_path / "run").exists()  # nothing of a training state either
+    assert train(config, ["output.overwrite=true"])["step"] == 2
+    assert [r["step"] for r in _records(out)] == [1, 2, 2]  # this run's steps and final evaluation only
+    # the run's own state continues there as before: a resume is never refused
+    assert train(config, ["train.max_steps=3"])["step"] == 3
+
+
 def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data, zygote):
     """Also the metrics: the steps a crash lost after the last commit (here 4 and 5) are trained
     again, and ``metrics.jsonl`` held their first records too (step 4, 5, then 4, 5 again: a plot
@@ -2173,14 +2205,15 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
 def test_step_exports_rotate_only_this_runs_own(tmp_path, model_dir, data):
     """The rotation of ``step-N`` exports took every ``step-*`` in output.dir: a user's ``step-best/`` stopped the
     run at its first export with an untyped ValueError (int('best')), a ``step-2-copy/`` was deleted, and a new run
-    into an earlier run's output.dir deleted the export it had just written, keeping the earlier run's step-600."""
+    into an earlier run's output.dir deleted the export it had just written, keeping the earlier run's step-600
+    (such a run is refused now unless told to overwrite: its step-600 is still not this run's to rotate)."""
     out = tmp_path / "out"
     mine = {name: out / name for name in ("step-best", "step-2-copy", "step-600")}
     for directory in mine.values():
         directory.mkdir(parents=True)
         (directory / "note.txt").write_text(directory.name)
     summary = train(write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=2,
-                                 output__keep=2))
+                                 output__keep=2, output__overwrite=True))
     assert summary["step"] == 6
     assert all((d / "note.txt").read_text() == d.name for d in mine.values())  # none of them this run's to rotate
     assert sorted(p.name for p in out.glob("step-*")) == ["step-2-copy", "step-4", "step-6", "step-600", "step-best"]

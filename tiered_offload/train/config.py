@@ -196,6 +196,10 @@ class OutputSection:
     dtype: str = "fp32"
     """The exported weights' dtype: ``fp32`` (as trained), ``bf16`` or ``fp16`` (half the files; what
     is mostly served), cast from the fp32 state as ``model.to(dtype)`` casts."""
+    overwrite: bool = False
+    """Start a new run in an output.dir that holds an earlier run's outputs (``metrics.jsonl``
+    records, ``final/``, ``step-N/``) though ``offload.storage`` holds no state to continue: its
+    records are dropped and its exports replaced as this run writes its own. Without it, refused."""
 
 
 @dataclass(kw_only=True)

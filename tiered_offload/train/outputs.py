@@ -1,8 +1,8 @@
 """What ``tiered-offload train`` writes into ``output.dir``: the exports (``step-N/``, rotated, and
 ``final/``, each a complete model directory: the weights and the tokenizer's files), and
 ``metrics.jsonl`` (a record a step, the run's history). Also the checks before a run that protect
-them: the exports' room, and what the run reads, or its storage, inside an export it would replace
-or rotate away.
+them: the exports' room, what the run reads, or its storage, inside an export it would replace or
+rotate away, and a fresh run over an earlier run's outputs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from tiered_offload.checkpoint.lock import read_own
 from tiered_offload.checkpoint.safetensors_io import exporting, write_private
 from tiered_offload.train.ranks import Ranks
 
-__all__ = ["TOKENIZER_FILES", "export", "export_step", "rotate_exports", "refuse_inside_exports", "metrics_from",
-           "Metrics", "write_failed", "check_export_space"]
+__all__ = ["TOKENIZER_FILES", "export", "export_step", "rotate_exports", "refuse_inside_exports", "refuse_earlier_run",
+           "metrics_from", "Metrics", "write_failed", "check_export_space"]
 
 log = logging.getLogger("tiered_offload")
 
@@ -124,6 +124,33 @@ def refuse_inside_exports(reads: dict[str, str | Path | None], storage: list[str
                 f"offload.storage {directory} is inside {name}/ of output.dir {out}, which this run's exports "
                 f"{'rewrite' if name == 'final' else 'replace and rotate away'} (with the training state in it); put "
                 f"the storage elsewhere")
+
+
+def refuse_earlier_run(out: Path, location: str) -> None:
+    """Refuse a fresh run (``location`` holds no state to continue) in an output.dir holding an
+    earlier run's outputs: its ``metrics.jsonl`` records, ``final/``, its ``step-N/`` exports. It
+    would drop the records at its first step and replace the exports with its own (without
+    ``output.overwrite``: what transformers' example scripts refuse too). Nothing is read but a
+    listing and the records' file."""
+    found = []
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file():
+        text = read_own(metrics, CheckpointError, "Remove it, or name another output.dir").decode(errors="replace")
+        records = 0
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                records += isinstance(json.loads(line)["step"], int)
+        if records:
+            found.append(f"metrics.jsonl with {records} record{'s' if records > 1 else ''}")
+    exports = sorted((int(m.group(1)), p.name) for p in out.iterdir() if (m := STEP_EXPORT.fullmatch(p.name))
+                     and p.is_dir())
+    found += ["final/"] * (out / "final").is_dir() + [f"{name}/" for _, name in exports]
+    if found:
+        raise ConfigError(
+            f"output.dir {out} holds an earlier run's outputs ({', '.join(found)}), and offload.storage {location} "
+            f"holds no training state to continue: this run would start over, drop those records and replace the "
+            f"exports. Name another output.dir, give offload.storage the earlier run's state to continue it, or set "
+            f"output.overwrite=true to start over there")
 
 
 def metrics_from(path: Path, start: int):

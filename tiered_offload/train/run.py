@@ -38,7 +38,8 @@ from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config, lr_factor
 from tiered_offload.train.data import micro_batch_rows, prepare_data
-from tiered_offload.train.outputs import check_export_space, export, export_step, metrics_from, refuse_inside_exports
+from tiered_offload.train.outputs import (check_export_space, export, export_step, metrics_from, refuse_earlier_run,
+                                          refuse_inside_exports)
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
@@ -328,6 +329,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
     root = Path(directories.split(",")[0]).expanduser()
     resuming |= ranks.world > 1 and any(  # (another number of ranks' state: the engine refuses it, naming them)
         p.name.split("-of-")[-1] != str(ranks.world) for p in root.glob("rank-*-of-*"))
+    if not resuming and not cfg.output.overwrite:  # (every rank: none has written there yet)
+        refuse_earlier_run(out, location)
     if dry_run:
         with contextlib.redirect_stdout(io.StringIO()) if not ranks.first else contextlib.nullcontext():
             return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
