@@ -451,6 +451,20 @@ def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, 
     assert all(code != 0 and f"data.path {empty} holds no example" in err for code, _, err in done), done
 
 
+def test_under_torchrun_a_fresh_run_into_an_earlier_runs_output_dir_stops_every_rank_with_the_refusal(
+        tmp_path, model_dir, data, zygote):
+    """Every rank checks output.dir before the engine is built (none has written there yet), so each says
+    the refusal and exits; none waits on for the others in the engine's collectives."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    done = _finish_ranks(_start_ranks(zygote, write_config(tmp_path, model_dir, data, train__max_steps=2), 2),
+                         timeout=240)
+    assert all(code != 0 and "holds an earlier run's outputs (metrics.jsonl with 1 record)" in err
+               for code, _, err in done), done
+    assert (out / "metrics.jsonl").read_text() == json.dumps({"step": 1, "loss": 2.0}) + "\n"
+
+
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, model_dir, data, zygote):
     """SIGINT to one rank of a torchrun (a scheduler's SIGTERM may also reach one first): every rank
     finishes the same step, commits and exits 0 (one rank stopping alone would leave the others
