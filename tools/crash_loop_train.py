@@ -4,6 +4,7 @@ check that what the command leaves is what an uninterrupted run of it leaves.
     python tools/crash_loop_train.py --kills 20            # about 3 minutes here
     python tools/crash_loop_train.py --kills 20 data.packing=documents train.grad_accum=1
     python tools/crash_loop_train.py --kills 30 --world 2   # torchrun's 2 ranks, a random one killed
+    python tools/crash_loop_train.py --kills 40 --draw      # each run's settings drawn (SETTINGS below)
 
 A small Llama, its tokenizer and its data are built here (``tools/bench_finetune.py``'s ``build``).
 A worker runs the command (``tiered_offload.cli.main(["train", "--config", ...])``) in a fork of a
@@ -19,7 +20,8 @@ uninterrupted run of the same command:
   norm, tokens and evaluation loss, and the final evaluation's record.
 
 Then it starts over in fresh directories, until ``--kills`` kills have landed. Exit status 1 if a
-run differs.
+run differs. ``--draw``: each run draws its own settings from :data:`SETTINGS` (with the command line's
+over them), and has its own uninterrupted run to be compared with.
 """
 
 from __future__ import annotations
@@ -43,6 +45,34 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 """The environment every worker runs in (its zygote's)."""
 
 COMPARED = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss")
+
+SETTINGS = {
+    "data.packing": ["true", "false", "documents"],
+    "data.eval_fraction": ["0", "0.05"],
+    "train.micro_batch": ["2", "4"],
+    "train.grad_accum": ["1", "2", "3"],
+    "train.schedule": ["cosine", "linear", "constant"],
+    "train.clip": ["1.0", "null"],
+    "train.eval_every": ["0", "3", "4"],
+    "train.weight_decay": ["0", "0.01"],
+    "offload.commit_every": ["1", "2", "3"],
+    "output.export_every": ["0", "2", "3"],
+    "output.keep": ["1", "2"],
+    "output.dtype": ["fp32", "bf16"],
+    "lora.r": ["0", "0", "4"],
+    "lora.merged": ["false", "true"],
+    "lora.dropout": ["0", "0.1"],
+}
+"""What ``--draw`` draws each run's settings from (a value each, uniformly; ``lora.merged`` and
+``lora.dropout`` apply with ``lora.r`` above 0)."""
+
+
+def draw(rng: random.Random) -> list[str]:
+    """One run's settings drawn from :data:`SETTINGS`."""
+    picked = {key: rng.choice(values) for key, values in SETTINGS.items()}
+    if picked["lora.r"] == "0":
+        del picked["lora.merged"], picked["lora.dropout"]
+    return [f"{key}={value}" for key, value in picked.items()]
 """What of a ``metrics.jsonl`` record must match the uninterrupted run's (not its times nor disk bytes)."""
 
 
@@ -173,6 +203,7 @@ def main() -> int:
     ap.add_argument("--lora", type=int, default=0, help="lora.r (0: every parameter trains)")
     ap.add_argument("--world", type=int, default=1, help="ranks, as torchrun --nproc_per_node starts them (a random "
                                                          "one killed)")
+    ap.add_argument("--draw", action="store_true", help="each run's settings drawn from SETTINGS (seeded by --seed)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     if args.worker:
@@ -189,18 +220,35 @@ def main() -> int:
         n = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
         host = 16 * n * 6 // 10  # six tenths of the training state: it streams through the disk
         with Zygote(env=WORKER_ENV) as zygote:
-            (work / "whole").mkdir()
-            code, whole_s, log = run_once(zygote, write_config(work / "whole", model, work / "train.jsonl", args.steps,
-                                                                host, args.commit_every, args.lora), None,
-                                          args.overrides, args.world)
-            if code != 0:
-                print(log)
-                raise SystemExit("the uninterrupted run failed")
-            print(f"uninterrupted: {whole_s:.1f} s after its imports; {args.steps} steps, host {host} bytes "
-                  f"(0.6 of the state)", flush=True)
+            def uninterrupted(directory: Path, overrides: list[str]) -> float | None:
+                """The uninterrupted run's seconds; None: the command refused the drawn settings (exit 2)."""
+                directory.mkdir()
+                code, seconds, log = run_once(zygote, write_config(directory, model, work / "train.jsonl", args.steps,
+                                                                   host, args.commit_every, args.lora), None,
+                                              overrides, args.world)
+                if code == 2 and args.draw:
+                    print(f"refused: {' '.join(overrides)}: {log.strip().splitlines()[-1][:300]}", flush=True)
+                    return None
+                if code != 0:
+                    print(log)
+                    raise SystemExit(f"the uninterrupted run failed ({' '.join(overrides)})")
+                return seconds
+            whole_s = None if args.draw else uninterrupted(work / "whole", args.overrides)
+            if whole_s is not None:
+                print(f"uninterrupted: {whole_s:.1f} s after its imports; {args.steps} steps, host {host} bytes "
+                      f"(0.6 of the state)", flush=True)
             kills, runs, bad = 0, 0, 0
             while kills < args.kills:
                 runs += 1
+                overrides, whole = args.overrides, work / "whole"
+                if args.draw:
+                    overrides, whole = [*draw(rng), *args.overrides], work / f"whole-{runs}"
+                    whole_s = uninterrupted(whole, overrides)
+                    if whole_s is None:
+                        runs -= 1
+                        shutil.rmtree(whole, ignore_errors=True)
+                        continue
+                    print(f"run {runs}: {' '.join(overrides)} (uninterrupted: {whole_s:.1f} s)", flush=True)
                 d = work / f"run-{runs}"
                 d.mkdir()
                 config = write_config(d, model, work / "train.jsonl", args.steps, host, args.commit_every,
@@ -209,7 +257,7 @@ def main() -> int:
                 while True:
                     starts += 1
                     kill = rng.uniform(0, whole_s) if mine < args.per_run and kills < args.kills else None
-                    code, _, log = run_once(zygote, config, kill, args.overrides, args.world, rng)
+                    code, _, log = run_once(zygote, config, kill, overrides, args.world, rng)
                     if code == -signal.SIGKILL:
                         kills, mine = kills + 1, mine + 1
                         continue
@@ -218,12 +266,14 @@ def main() -> int:
                         bad += 1
                         print(f"run {runs}: start {starts} exited {code}", flush=True)
                         break
-                    problems = differences(d / "out", work / "whole" / "out")
+                    problems = differences(d / "out", whole / "out")
                     bad += bool(problems)
                     print(f"run {runs}: {mine} kills in {starts} starts: "
                           + ("same as the uninterrupted run" if not problems else "; ".join(problems)), flush=True)
                     break
                 shutil.rmtree(d, ignore_errors=True)
+                if args.draw:
+                    shutil.rmtree(whole, ignore_errors=True)
             print(f"{kills} kills over {runs} runs: {runs - bad} of {runs} the same as the uninterrupted run")
             return 1 if bad else 0
     finally:
