@@ -79,8 +79,8 @@ def test_saved_activations_count_in_the_budget(tmp_path, zygote):
     while its forward runs.
 
     Peak RSS is noisy, mostly upward: measured 2026-12-07, the recompute run's peak outside the
-    arena spans 117-169 MiB over 15 runs, and a CI run under load put an offload run 78 MiB above
-    its recompute run (209.7 against 131.5 MiB). A comparison over the limit is measured once more
+    arena spans 123-169 MiB over 8 runs (4 beside two busy processes), and a CI run put an offload
+    run 78 MiB above its recompute run (209.7 against 131.5 MiB). A comparison over the limit is measured once more
     and the lesser peak of each mode's two runs compared: activations escaping the budget (the saved
     tensors held until the backward, checked by hand) put both keep runs 122-141 MiB above both
     recompute runs, so they still fail it."""
