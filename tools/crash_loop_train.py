@@ -55,6 +55,7 @@ SETTINGS = {
     "train.clip": ["1.0", "null"],
     "train.eval_every": ["0", "3", "4"],
     "train.weight_decay": ["0", "0.01"],
+    "train.precision": ["fp32", "fp32", "bf16-autocast"],
     "offload.commit_every": ["1", "2", "3"],
     "output.export_every": ["0", "2", "3"],
     "output.keep": ["1", "2"],
