@@ -199,7 +199,8 @@ class OutputSection:
     overwrite: bool = False
     """Start a new run in an output.dir that holds an earlier run's outputs (``metrics.jsonl``
     records, ``final/``, ``step-N/``) though ``offload.storage`` holds no state to continue: its
-    records are dropped and its exports replaced as this run writes its own. Without it, refused."""
+    records are dropped at the first step, and its exports replaced where this run writes the same
+    (its other ``step-N/`` stay). Without it, refused."""
 
 
 @dataclass(kw_only=True)
