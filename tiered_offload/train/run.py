@@ -312,14 +312,6 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
 
 def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step, ranks: Ranks) -> dict:
     from tiered_offload import Engine
-    hf_config, tokenizer = _config_and_tokenizer(model_dir)
-    train_data, eval_data = ranks.once_per_machine(lambda: prepare_data(
-        cfg.data, tokenizer, model_dir, out / ".cache", getattr(hf_config, "max_position_embeddings", None)))
-    t = cfg.train
-    per_step = t.micro_batch * t.grad_accum * ranks.world
-    total = t.max_steps or max(1, math.ceil(t.epochs * len(train_data) / per_step))
-    if ranks.first and (unfinished := t.unfinished_warmup(total)):
-        log.warning("tiered-offload: %s", unfinished)
     directories = _storage_location(cfg.offload.storage)
     location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
     own = directories if ranks.world == 1 else ",".join(  # (this rank's directories: engine/sharding.py)
@@ -329,8 +321,16 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
     root = Path(directories.split(",")[0]).expanduser()
     resuming |= ranks.world > 1 and any(  # (another number of ranks' state: the engine refuses it, naming them)
         p.name.split("-of-")[-1] != str(ranks.world) for p in root.glob("rank-*-of-*"))
-    if not resuming and not cfg.output.overwrite:  # (every rank: none has written there yet)
+    if not resuming and not cfg.output.overwrite:  # (every rank, before the data is tokenised)
         refuse_earlier_run(out, location)
+    hf_config, tokenizer = _config_and_tokenizer(model_dir)
+    train_data, eval_data = ranks.once_per_machine(lambda: prepare_data(
+        cfg.data, tokenizer, model_dir, out / ".cache", getattr(hf_config, "max_position_embeddings", None)))
+    t = cfg.train
+    per_step = t.micro_batch * t.grad_accum * ranks.world
+    total = t.max_steps or max(1, math.ceil(t.epochs * len(train_data) / per_step))
+    if ranks.first and (unfinished := t.unfinished_warmup(total)):
+        log.warning("tiered-offload: %s", unfinished)
     if dry_run:
         with contextlib.redirect_stdout(io.StringIO()) if not ranks.first else contextlib.nullcontext():
             return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
