@@ -299,7 +299,8 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused_unless_told_to_o
     for argv in (["train", str(config)], ["train", str(config), "--dry-run"]):
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
-        assert f"output.dir {out} holds an earlier run's outputs ({named})" in err and "output.overwrite=true" in err, err
+        assert f"output.dir {out} holds an earlier run's outputs ({named})" in err, err
+        assert "output.overwrite=true" in err, err
         assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*")
                 if p.is_file() and ".cache" not in p.parts} == before
         assert not (tmp_path / "run").exists()  # nothing of a training state either
