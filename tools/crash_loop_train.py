@@ -20,8 +20,9 @@ uninterrupted run of the same command:
   norm, tokens and evaluation loss, and the final evaluation's record.
 
 Then it starts over in fresh directories, until ``--kills`` kills have landed. Exit status 1 if a
-run differs. ``--draw``: each run draws its own settings from :data:`SETTINGS` (with the command line's
-over them), and has its own uninterrupted run to be compared with.
+run differs. ``--draw``: each run draws its own settings from :data:`SETTINGS` and its host budget from
+:data:`HOST_FRACTIONS` (with the command line's over them), and has its own uninterrupted run to be
+compared with.
 """
 
 from __future__ import annotations
@@ -68,11 +69,16 @@ SETTINGS = {
 ``lora.dropout`` apply with ``lora.r`` above 0)."""
 
 
-def draw(rng: random.Random) -> list[str]:
-    """One run's settings drawn from :data:`SETTINGS`."""
+HOST_FRACTIONS = [0.35, 0.6, 0.6, 1.2]
+"""The host budgets ``--draw`` draws from, of the training state (above 1: it all fits in memory)."""
+
+
+def draw(rng: random.Random, state_bytes: int) -> list[str]:
+    """One run's settings drawn from :data:`SETTINGS`, and its host budget from :data:`HOST_FRACTIONS`."""
     picked = {key: rng.choice(values) for key, values in SETTINGS.items()}
     if picked["lora.r"] == "0":
         del picked["lora.merged"], picked["lora.dropout"]
+    picked["offload.host_memory"] = str(int(rng.choice(HOST_FRACTIONS) * state_bytes))
     return [f"{key}={value}" for key, value in picked.items()]
 """What of a ``metrics.jsonl`` record must match the uninterrupted run's (not its times nor disk bytes)."""
 
@@ -243,7 +249,7 @@ def main() -> int:
                 runs += 1
                 overrides, whole = args.overrides, work / "whole"
                 if args.draw:
-                    overrides, whole = [*draw(rng), *args.overrides], work / f"whole-{runs}"
+                    overrides, whole = [*draw(rng, 16 * n), *args.overrides], work / f"whole-{runs}"
                     whole_s = uninterrupted(whole, overrides)
                     if whole_s is None:
                         runs -= 1
