@@ -46,6 +46,7 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 """The environment every worker runs in (its zygote's)."""
 
 COMPARED = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss")
+"""What of a ``metrics.jsonl`` record must match the uninterrupted run's (not its times nor disk bytes)."""
 
 SETTINGS = {
     "data.packing": ["true", "false", "documents"],
@@ -80,7 +81,6 @@ def draw(rng: random.Random, state_bytes: int) -> list[str]:
         del picked["lora.merged"], picked["lora.dropout"]
     picked["offload.host_memory"] = str(int(rng.choice(HOST_FRACTIONS) * state_bytes))
     return [f"{key}={value}" for key, value in picked.items()]
-"""What of a ``metrics.jsonl`` record must match the uninterrupted run's (not its times nor disk bytes)."""
 
 
 def worker(config: Path, overrides: list[str]) -> int:
@@ -244,7 +244,7 @@ def main() -> int:
             if whole_s is not None:
                 print(f"uninterrupted: {whole_s:.1f} s after its imports; {args.steps} steps, host {host} bytes "
                       f"(0.6 of the state)", flush=True)
-            kills, runs, bad = 0, 0, 0
+            kills, runs, bad, refused = 0, 0, 0, 0
             while kills < args.kills:
                 runs += 1
                 overrides, whole = args.overrides, work / "whole"
@@ -252,9 +252,12 @@ def main() -> int:
                     overrides, whole = [*draw(rng, 16 * n), *args.overrides], work / f"whole-{runs}"
                     whole_s = uninterrupted(whole, overrides)
                     if whole_s is None:
-                        runs -= 1
+                        runs, refused = runs - 1, refused + 1
                         shutil.rmtree(whole, ignore_errors=True)
+                        if refused == 20:  # (the command line's settings, say, refused with any drawn)
+                            raise SystemExit("20 drawings in a row refused: see the settings above")
                         continue
+                    refused = 0
                     print(f"run {runs}: {' '.join(overrides)} (uninterrupted: {whole_s:.1f} s)", flush=True)
                 d = work / f"run-{runs}"
                 d.mkdir()
