@@ -454,8 +454,8 @@ def test_an_error_in_the_data_under_torchrun_stops_every_rank_with_it(tmp_path, 
 
 def test_under_torchrun_a_fresh_run_into_an_earlier_runs_output_dir_stops_every_rank_with_the_refusal(
         tmp_path, model_dir, data, zygote):
-    """Every rank checks output.dir before the engine is built (none has written there yet), so each says
-    the refusal and exits; none waits on for the others in the engine's collectives."""
+    """Every rank checks output.dir before the data is tokenised and the engine built (none has written there
+    yet), so each says the refusal and exits; none waits on for the others in the engine's collectives."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
