@@ -639,6 +639,47 @@ def test_the_foresight_reference_keeps_what_is_needed_soonest():
 
 
 
+def test_the_fused_order_moves_each_update_into_the_backward_after_its_units_last_access():
+    """tools/bench_step_modes.py ``--fused-order``: a deferred step's updates (run in the next
+    forward) moved into the backward before, each right after its unit's last access there, with
+    the zeroing of its gradient; other threads' accesses and the counted steps stay where they were."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from bench_step_modes import fused_order
+    events, marks = [], []
+
+    def mark(*what):
+        marks.append((len(events), what))
+
+    def use(unit, kind, op="get"):
+        events.append((op, f"{unit}/{kind}", 4))
+    mark("step", 0)
+    use("b0", "weight"), use("b1", "weight")  # forward
+    mark("backward-start")
+    use("b1", "weight"), use("b1", "grad", "dirty"), use("b0", "weight"), use("b0", "grad", "dirty")
+    mark("backward-end")
+    mark("step", 1)
+    mark("update-start", "b0")
+    use("b0", "state"), use("rest", "weight"), use("b0", "weight", "dirty")  # (rest: another thread's)
+    mark("update-end", "b0")
+    use("b0", "grad", "zero"), use("b0", "weight")
+    mark("update-start", "b1")
+    use("b1", "state"), use("b1", "weight", "dirty")
+    mark("update-end", "b1")
+    use("b1", "grad", "zero"), use("b1", "weight")
+    mark("step", 2)
+    reordered, first, last = fused_order(events, marks, 1, 2)
+    assert [f"{op} {key}" for op, key, _ in reordered] == [
+        "get b0/weight", "get b1/weight",
+        "get b1/weight", "dirty b1/grad", "get b1/state", "dirty b1/weight", "zero b1/grad",
+        "get b0/weight", "dirty b0/grad", "get b0/state", "dirty b0/weight", "zero b0/grad",
+        "get rest/weight", "get b0/weight", "get b1/weight"]
+    assert (first, last) == (12, 15)  # step 1: from the other thread's access on
+    # an update with no backward before it stays where it ran
+    assert fused_order(events[11:], [(p - 11, w) for p, w in marks if p >= 11], 1, 2) == (events[11:], None, 4)
+
+
 def _cheapest_by_trying_every_cache(events, capacity, count_from, count_to, pins):
     """The least bytes of :func:`bench_step_modes.least`'s program, found by trying every keep-or-drop choice."""
     from bench_step_modes import as_caching

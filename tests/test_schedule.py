@@ -257,6 +257,20 @@ def test_the_access_sequence_names_each_micro_batchs_activations():
                             "block.1/activations.1", "block.1/weight"]
 
 
+def test_a_step_in_the_backward_is_declared_after_each_blocks_backward():
+    """``fused`` (``backward(step=True)``): each block's update (its weights, gradients and optimizer
+    states) right after its backward's keys (over every micro-batch), the rest's after the last
+    block, and no step phase after."""
+    s = Schedule(units(n_blocks=2), ("m",))
+    seq = s.access_sequence([Phase.BACKWARD, Phase.FORWARD], overlap=False, fused=True, repeat=2)
+    backward = ["block.1/weight", "block.1/grad"] * 2 + ["block.1/weight", "block.1/grad", "block.1/state.m"]
+    backward += ["block.0/weight", "block.0/grad"] * 2 + ["block.0/weight", "block.0/grad", "block.0/state.m"]
+    assert seq == backward + ["rest/weight", "rest/grad", "rest/state.m", "rest/weight", "rest/grad",
+                              "block.0/weight", "block.0/weight", "block.1/weight", "block.1/weight"]
+    assert s.access_sequence([Phase.FORWARD, Phase.BACKWARD, Phase.STEP], overlap=False, fused=True) == \
+        s.access_sequence([Phase.FORWARD, Phase.BACKWARD], overlap=False, fused=True)
+
+
 def test_the_link_floor_is_a_floor_of_each_placement():
     """The device link per step: to an update on the host, every rewritten weight up once more
     plus what the device cannot keep between a block's forward and backward, and the gradients

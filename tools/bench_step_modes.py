@@ -12,6 +12,8 @@ the whole step (``commit()``, an export) runs a deferred step whole, as inline.
     python tools/bench_step_modes.py --steps 12
     python tools/bench_step_modes.py --steps 10 --prefetch-depth 2
     python tools/bench_step_modes.py --steps 10 --disk-rate 300   # a disk of 300 MB/s: disk-bound
+    python tools/bench_step_modes.py --steps 8 --fused-order     # the updates moved into the backward
+    python tools/bench_step_modes.py --steps 8 --step-in-backward --disk-rate 300   # the engine doing that
 
 Beside each mode's measured bytes it prints what a cache that sees the future would move for the
 same accesses: every ``get`` of the measured steps is recorded in the order the engine made it
@@ -26,6 +28,13 @@ And the least bytes any cache of the budget could move for the same accesses, a 
 (:func:`least`: an integer program, solved by SciPy's HiGHS; ``--least-seconds 0`` skips it):
 once with the engine's pins (a tensor got stays in memory until released), once with only the
 tensor used in memory at each access. Their distance is what the pins cost.
+
+``--fused-order`` asks what another order would save: the deferred run's accesses with each
+unit's update moved into the backward, right after the unit's gradient is final (as PyTorch's
+"optimizer step in the backward" does, :func:`fused_order`). Gradients then live one block long,
+and the update's state traffic falls in the backward, where the disk idled. ``--step-in-backward``
+runs a third engine that does it (``backward(loss, step=True)``, the same numbers); then no run
+clips, so that all three end bitwise the same.
 """
 
 from __future__ import annotations
@@ -67,9 +76,18 @@ class Accesses:
 
     def __init__(self, store, tier=None):
         self.events, self.on, self._lock, self.tier = [], False, threading.Lock(), tier
+        self.marks: list[tuple[int, tuple]] = []
+        """``(position in events, what)``: where a unit's update began or ended, a backward, a step
+        (:meth:`mark`; :func:`fused_order`)."""
         for name, op in (("get", "get"), ("release", "release"), ("mark_dirty", "dirty"), ("write", "write"),
                          ("create", "create"), ("zero", "zero"), ("register", "register"), ("unregister", "gone")):
             setattr(store, name, self._wrap(store, getattr(store, name), op))
+
+    def mark(self, *what) -> None:
+        """Note that ``what`` happens here, between two events (while :attr:`on`)."""
+        if self.on:
+            with self._lock:
+                self.marks.append((len(self.events), what))
 
     def _as_seen(self, store, op: str, args: tuple, kwargs: dict) -> str | None:
         if self.tier is None or op not in self._TIER_ARG:
@@ -97,6 +115,69 @@ class Accesses:
 
 def _kind(key: str) -> str:
     return key.rsplit("/", 1)[-1].split(".")[0]  # weight, grad, state, activations
+
+
+def _unit(key: str) -> str:
+    return key.rsplit("/", 1)[0]  # block.3, rest
+
+
+def fused_order(events: list, marks: list, first: int, last: int) -> tuple[list, int, int]:
+    """The recorded accesses reordered as if each unit's update ran in the backward, right after
+    that unit's last access there (its gradient final; the order PyTorch's "optimizer step in the
+    backward", a post-accumulate-grad hook per parameter, makes): each update's accesses (between
+    the marks ``update-start`` and ``update-end`` of its unit, and the zeroing of its gradient
+    right after) moved from where the deferred step ran them (the next forward) to the backward
+    before. Returns the events and the range of steps ``first`` to ``last`` (the marks ``step``)
+    in them. What a cache could move for that order (``--step-in-backward`` measures the engine's)."""
+    items: list[tuple] = []  # ("mark", what) and ("event", event), in recorded order
+    at = 0
+    for position, what in marks + [(len(events), ("end",))]:
+        items += [("event", e) for e in events[at:position]]
+        items.append(("mark", what))
+        at = position
+    kept, segments, i = [], [], 0  # the items without the updates; (item index, unit, its accesses)
+    while i < len(items):
+        kind, what = items[i]
+        if kind == "mark" and what[0] == "update-start":
+            unit, j, moved = what[1], i + 1, []
+            while items[j] != ("mark", ("update-end", unit)):
+                if items[j][0] == "event" and _unit(items[j][1][1]) == unit:
+                    moved.append(items[j][1])
+                else:
+                    kept.append(items[j])  # another thread's access, or a mark: where it was
+                j += 1
+            if j + 1 < len(items) and items[j + 1][0] == "event" and items[j + 1][1][:2] == ("zero", f"{unit}/grad"):
+                moved.append(items[j + 1][1])
+                j += 1
+            segments.append((len(kept), unit, moved))
+            i = j + 1
+        else:
+            kept.append(items[i])
+            i += 1
+    backwards, start = [], None
+    for k, (kind, what) in enumerate(kept):
+        if kind == "mark" and what[0] == "backward-start":
+            start = k
+        elif kind == "mark" and what[0] == "backward-end" and start is not None:
+            backwards.append((start, k))
+    after: dict[int, list] = {}
+    for where, unit, moved in segments:
+        before = [b for b in backwards if b[1] <= where]
+        used = ([k for k in range(*before[-1]) if kept[k][0] == "event" and _unit(kept[k][1][1]) == unit]
+                if before else [])
+        after.setdefault(used[-1] if used else where - 1, []).extend(moved)
+    out, count_from, count_to = [], None, None
+    for k in range(-1, len(kept)):
+        if k >= 0:
+            kind, what = kept[k]
+            if kind == "event":
+                out.append(what)
+            elif what == ("step", first):
+                count_from = len(out)
+            elif what == ("step", last):
+                count_to = len(out)
+        out.extend(after.get(k, []))
+    return out, count_from, count_to
 
 
 def foresight(events: list, capacity: int, count_from: int, count_to: int) -> tuple[dict, dict]:
@@ -278,7 +359,7 @@ def least(events: list, capacity: int, count_from: int, count_to: int, *, pins: 
             "at_least": (res.mip_dual_bound if res.status != 0 else res.fun) + constant}
 
 
-def run(base, defer: bool, args, directory: str) -> dict:
+def run(base, defer: bool, args, directory: str, in_backward: bool = False) -> dict:
     n = sum(p.numel() for p in base.parameters())
     storage = SlowDisk(directory, args.disk_rate * 1e6) if args.disk_rate else directory
     engine = Engine(copy.deepcopy(base), torch.optim.AdamW, dict(lr=1e-4), storage=storage,
@@ -288,6 +369,18 @@ def run(base, defer: bool, args, directory: str) -> dict:
                                         **({"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None
                                            else {})))
     accesses, phases = Accesses(engine.store), {}
+    update_unit, backward = engine._update_unit, engine.backward
+
+    def marked_update(unit, *a, **k):
+        accesses.mark("update-start", unit.name)
+        update_unit(unit, *a, **k)
+        accesses.mark("update-end", unit.name)
+
+    def marked_backward(loss, **kwargs):
+        accesses.mark("backward-start")
+        backward(loss, **kwargs)
+        accesses.mark("backward-end")
+    engine._update_unit, engine.backward = marked_update, marked_backward
     g = torch.Generator().manual_seed(1)
     warm = args.steps // 2
     # one step recorded before the measured ones (the reference's cache fills) and one after them
@@ -295,6 +388,7 @@ def run(base, defer: bool, args, directory: str) -> dict:
     for step in range(args.steps + 1):
         if step == warm - 1:
             accesses.on = True
+        accesses.mark("step", step)
         if step == warm:
             count_from = len(accesses.events)
             before, t0 = engine.store.stats, time.perf_counter()
@@ -305,11 +399,16 @@ def run(base, defer: bool, args, directory: str) -> dict:
         s0 = engine.store.stats
         loss = loss_of(engine, x)
         s1 = engine.store.stats
-        engine.backward(loss)
+        if in_backward:  # the step, and zero_grad, in it
+            engine.backward(loss, step=True)
+        else:
+            engine.backward(loss)
         s2 = engine.store.stats
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        engine.zero_grad()
+        if not (in_backward or args.step_in_backward):  # (no clipping beside a step in the backward: bitwise)
+            engine.clip_grad_norm_(1.0)
+        if not in_backward:
+            engine.step()
+            engine.zero_grad()
         if warm <= step < args.steps:  # the disk bytes by phase (a deferred step's updates run in the forward)
             for phase, a, b in (("forward", s0, s1), ("backward", s1, s2), ("step", s2, engine.store.stats)):
                 for way in ("disk->host", "host->disk"):
@@ -324,13 +423,22 @@ def run(base, defer: bool, args, directory: str) -> dict:
     capacity = engine.store.capacity(engine.store.compute_tier)
     fewest = {pins: least(accesses.events, capacity, count_from, count_to, pins=pins, time_limit=args.least_seconds)
               for pins in (True, False)} if args.least_seconds else {}
+    fused = None
+    if args.fused_order and defer:
+        events, first, last = fused_order(accesses.events, accesses.marks, warm, args.steps)
+        got_read, got_written = foresight(events, capacity, first, last)
+        units, kinds = engine.schedule.units, len(engine.schedule.state_kinds)
+        beyond = max(0, 4 * sum(u.numel + kinds * u.state_numel for u in units) - capacity)
+        fused = dict(foresight=(sum(got_read.values()) / per, sum(got_written.values()) / per), floor=2 * beyond,
+                     least={pins: least(events, capacity, first, last, pins=pins, time_limit=args.least_seconds)
+                            for pins in (True, False)} if args.least_seconds else {})
     weights = torch.cat([p.detach().flatten() for _, p in engine.named_parameters()])
     engine.close()
     read = {k: v / per for k, v in after.by_kind(("disk->host",), since=before).items()}
     written = {k: v / per for k, v in after.by_kind(("host->disk",), since=before).items()}
     waited = (after.io_wait_seconds - before.io_wait_seconds) / per
     return dict(read=read, written=written, seconds=seconds, waited=waited, floors=floors, deferred=mode,
-                weights=weights, reference=reference, phases=phases, least=fewest)
+                weights=weights, reference=reference, phases=phases, least=fewest, fused=fused)
 
 
 def main() -> int:
@@ -349,6 +457,12 @@ def main() -> int:
                     help="EngineConfig.prefetch_depth (default: the engine's): fewer bytes ahead, fewer evicted early")
     ap.add_argument("--state-piece-numel", type=int, default=EngineConfig().state_piece_numel,
                     help="EngineConfig.state_piece_numel: the optimizer states an update holds at once, in elements")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="a third engine, each step run in its backward (backward(loss, step=True)); no run clips")
+    ap.add_argument("--fused-order", action="store_true",
+                    help="also the deferred run's accesses reordered with each unit's update in the backward, right "
+                         "after its gradient is final: what a cache that sees the future, and the least any cache, "
+                         "would move for that order (--step-in-backward: what the engine moves)")
     ap.add_argument("--least-seconds", type=float, default=300,
                     help="time for each least-bytes program (needs SciPy; 0: not computed)")
     args = ap.parse_args()
@@ -357,6 +471,8 @@ def main() -> int:
     n = sum(p.numel() for p in base.parameters())
     with tempfile.TemporaryDirectory(dir=".", prefix=".bench-step-modes-") as d:
         runs = {"deferred": run(base, True, args, f"{d}/deferred"), "inline": run(base, False, args, f"{d}/inline")}
+        if args.step_in_backward:
+            runs["in the backward"] = run(base, False, args, f"{d}/in-backward", in_backward=True)
     floors = runs["inline"]["floors"]
     floor = floors["disk_read"] + floors["disk_written"]
     print(f"model: {n / 1e6:.1f}M parameters, state {format_size(16 * n)}, host budget {args.host_fraction} x state; "
@@ -386,6 +502,19 @@ def main() -> int:
                 f"{'' if got['proven'] else '>= '}{format_size(got['at_least'] / (args.steps - args.steps // 2))} "
                 f"({total[name] / (got['at_least'] / (args.steps - args.steps // 2)):.2f}x)"
                 for pins, got in r["least"].items()))
+    fused = runs["deferred"]["fused"]
+    if fused is not None:
+        ahead = sum(fused["foresight"])
+        print(f"the deferred run's accesses with each update in the backward (the order of a step in it): foresight "
+              f"{format_size(ahead)} per step ({ahead / floor:.2f}x the plan's floor; "
+              f"{ahead / max(1, sum(sum(x.values()) for x in runs['deferred']['reference'])):.2f}x the deferred "
+              f"order's foresight; {ahead / total['deferred']:.2f}x the deferred run's measured bytes); that order's "
+              f"own floor (the weights and states memory cannot hold, each way) {format_size(fused['floor'])}")
+        for pins, got in fused["least"].items():
+            per = args.steps - args.steps // 2
+            print(f"  the least, {'with the engine pins' if pins else 'only the tensor used in memory'}: "
+                  f"{'' if got['proven'] else '>= '}{format_size(got['at_least'] / per)} "
+                  f"({got['at_least'] / per / floor:.2f}x the plan's floor)")
     if args.disk_rate:
         rate = args.disk_rate * 1e6
         print(f"at {args.disk_rate:g} MB/s: the floor's bytes take {floor / rate:.3f} s; " + "; ".join(
@@ -410,12 +539,19 @@ def main() -> int:
                 f"{kind} {format_size(got.get(('disk->host', kind), 0))} / {format_size(got.get(('host->disk', kind), 0))}"
                 for kind in kinds) or "nothing"))
     d, i = runs["deferred"], runs["inline"]
+    b = runs.get("in the backward")
+    if b is not None:
+        print(f"in the backward / deferred: disk bytes {total['in the backward'] / total['deferred']:.2f}x, step "
+              f"{b['seconds'] / d['seconds']:.2f}x, gradients read + written "
+              f"{format_size(b['read'].get('grad', 0) + b['written'].get('grad', 0))}; final weights "
+              f"{'bitwise the same' if torch.equal(b['weights'], d['weights']) else 'DIFFERENT'}")
     ratio = lambda a, b: f"{a / b:.2f}x" if b else ("1.00x" if not a else "inf")  # noqa: E731 (none read: at 0.9)
     print(f"deferred / inline: weights read {ratio(d['read'].get('weight', 0), i['read'].get('weight', 0))}, disk bytes "
           f"{total['deferred'] / total['inline']:.2f}x, step {d['seconds'] / i['seconds']:.2f}x; final weights "
           f"{'bitwise the same' if torch.equal(d['weights'], i['weights']) else 'DIFFERENT'}")
     assert d["deferred"] and not i["deferred"]
-    return 0 if torch.equal(d["weights"], i["weights"]) else 1
+    same = torch.equal(d["weights"], i["weights"]) and (b is None or torch.equal(b["weights"], d["weights"]))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

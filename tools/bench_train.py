@@ -32,6 +32,9 @@ bytes, its step mode tried where the disk bounds it).
 
     python tools/bench_train.py --d-model 512 --layers 8 --batch 8 --context 128 --rounds 5
 
+``--step-in-backward``: every engine runs its step in the backward (``backward(loss, step=True)``,
+not clipped; plain PyTorch still clips), the durable ones with ``--commit-every`` of 2 or more.
+
 ``--sweep 0.25,0.33,0.5`` runs, instead, plain PyTorch and the engine (``durable=False``) at each
 of those host budgets (fractions of the state), to show what a budget buys: its step time, whether
 its step overlaps the next forward, its activation modes, its disk bytes per step, and what its
@@ -259,6 +262,9 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--timed-finish", action="store_true",
                     help="time each round up to the end of its work (its last step's deferred update and commit) "
                          "instead of its steady steps after a lead-in step (the measure before 2026-12-06)")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="the engines run each step in the backward (backward(loss, step=True)), without clipping; "
+                         "durable runs need --commit-every 2 or more")
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
     ap.add_argument("--accumulate", type=int, default=0, metavar="N",
                     help="compare N micro-batches per step as a loop of backwards and through forward_backward")
@@ -279,6 +285,9 @@ def main() -> int:  # noqa: C901 - a script
             engines.append(engine)
 
             def step(x):
+                if args.step_in_backward:  # step() and zero_grad() in the backward (no clipping)
+                    engine.backward(loss_of(engine, x), step=True)
+                    return
                 engine.backward(loss_of(engine, x))
                 engine.clip_grad_norm_(1.0)
                 engine.step()
@@ -318,7 +327,9 @@ def main() -> int:  # noqa: C901 - a script
     rd, wr = statistics.median(disk.moved["read"]), statistics.median(disk.moved["written"])
     io_bound = rd / r_rate + wr / w_rate
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state_bytes)}; batch {args.batch} x "
-          f"{args.context} tokens; AdamW + clipping; {args.rounds} interleaved rounds of {args.steps_per_round} steps, medians")
+          f"{args.context} tokens; AdamW + clipping"
+          + ("; the engines' step in the backward, not clipped" if args.step_in_backward else "")
+          + f"; {args.rounds} interleaved rounds of {args.steps_per_round} steps, medians")
     print(f"plain PyTorch in memory                     {med['plain']:7.3f} s/step")
     print(f"engine, state fits host tier                {med['host']:7.3f} s/step   engine/in-memory = "
           f"{med['host'] / med['plain']:.2f}   ({flags['host']})")

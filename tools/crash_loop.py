@@ -57,7 +57,8 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-           buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0) -> None:
+           buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
+           in_backward: bool = False) -> None:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -87,20 +88,24 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     modes = set()
     while engine.step_count < steps:
         x = torch.randint(0, 256, (4, 33))  # the global RNG: a resume must restore it exactly
+        if in_backward:  # (no clipping: the step runs in the backward)
+            engine.user_state = {"batches": engine.step_count + 1}
         if accumulate > 1:  # the micro-batches through each block together
             parts = list(x.repeat(accumulate, 1).chunk(accumulate))
             inputs = [p[:, :-1] for p in parts]
             targets = {id(i): p[:, 1:].flatten() for i, p in zip(inputs, parts)}
-            losses = engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]))
+            losses = engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]),
+                                             step=in_backward)
             loss = sum(losses) / accumulate
         else:
             logits = engine(x[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-            engine.backward(loss)
-        engine.clip_grad_norm_(1.0)
-        engine.user_state = {"batches": engine.step_count + 1}
-        engine.step()
-        engine.zero_grad()
+            engine.backward(loss, step=in_backward)
+        if not in_backward:
+            engine.clip_grad_norm_(1.0)
+            engine.user_state = {"batches": engine.step_count + 1}
+            engine.step()
+            engine.zero_grad()
         print(f"STEP {engine.step_count} {loss.item():.6f}" + (f" {_digest(engine)}" if digests else ""), flush=True)
         modes.add(engine.step_mode)
     print("MODES " + " ".join(sorted(modes)), flush=True)
@@ -156,13 +161,15 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 
 def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
                  host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
-                 buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0) -> list[str]:
+                 buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
+                 in_backward: bool = False) -> list[str]:
     """A worker's command-line arguments (``main`` parses them in the fork as in a fresh process)."""
     return (["--worker", str(directory), "--steps", str(steps), "--layers", str(layers), "--out", str(out),
              "--commit-every", str(commit_every), "--host-fraction", str(host_fraction),
              "--device-fraction", str(device_fraction), "--optimizer", optimizer]
             + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
-            + ["--accumulate", str(accumulate), "--dropout", str(dropout), "--own-noise", str(own_noise)])
+            + ["--accumulate", str(accumulate), "--dropout", str(dropout), "--own-noise", str(own_noise)]
+            + (["--step-in-backward"] if in_backward else []))
 
 
 def _zygote() -> Zygote:
@@ -366,7 +373,7 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
                optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0,
-               own_noise: float = 0.0, zygote: Zygote | None = None) -> dict:
+               own_noise: float = 0.0, in_backward: bool = False, zygote: Zygote | None = None) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -384,7 +391,9 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     ``dropout`` > 0: the model draws random numbers in every forward (with ``accumulate``, a resumed
     engine's first step runs the loop and learns the draws, the uninterrupted run's passes replay them).
     ``own_noise`` > 0: every block masks its input with numbers drawn from a ``torch.Generator`` of
-    its own (a commit saves its state; a resume restores it). ``zygote``: where the workers fork
+    its own (a commit saves its state; a resume restores it). ``in_backward``: each step runs in the
+    backward (``backward(loss, step=True)``, ``forward_backward(..., step=True)``; no clipping; needs
+    snapshot commits: ``commit_every`` > 1 or the state in memory). ``zygote``: where the workers fork
     from (one started with :data:`WORKER_ENV`; None: a zygote of the loop's own).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
@@ -394,7 +403,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     """
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
-                   optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise)
+                   optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise,
+                   in_backward=in_backward)
     if zygote is not None:
         return _loop(_runs_workers(zygote), work, kills, steps, layers, rng, flip_bits, options, log)
     with _zygote() as zygote:
@@ -553,13 +563,18 @@ def main() -> None:
     ap.add_argument("--try-step-modes", action="store_true",
                     help="the engine tries its step deferred once its plan is final, whatever the disk's load "
                          "(TIERED_OFFLOAD_DEFER_STEP=try): kills land across the change of step mode")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="each step run in the backward (backward(loss, step=True)); needs --commit-every 2 or more")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
-               args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise)
+               args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise,
+               args.step_in_backward)
         return
+    if args.step_in_backward and (args.commit_every < 2 and args.host_fraction <= 1.2 or args.device_fraction):
+        ap.error("--step-in-backward needs snapshot commits (--commit-every 2 or more) and no device tier")
     if args.try_step_modes:  # (the zygote, and so every worker, inherits it)
         os.environ["TIERED_OFFLOAD_DEFER_STEP"] = "try"
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))
@@ -568,7 +583,8 @@ def main() -> None:
         summary = crash_loop(work, args.kills, args.steps, args.layers, args.seed, commit_every=args.commit_every,
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
                              flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
-                             accumulate=args.accumulate, dropout=args.dropout, own_noise=args.own_noise)
+                             accumulate=args.accumulate, dropout=args.dropout, own_noise=args.own_noise,
+                             in_backward=args.step_in_backward)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

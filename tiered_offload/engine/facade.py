@@ -46,6 +46,7 @@ from tiered_offload.engine.preflight import (check_budgets, check_disk, check_st
                                              optimizer_tier)
 from tiered_offload.engine.schedule import Phase, Schedule
 from tiered_offload.engine.sharding import Local, Placement, Sharded, distributed_group, engine_storage
+from tiered_offload.engine.step_in_backward import StepInBackward, open_step
 from tiered_offload.engine.streaming import BlockStreamer
 from tiered_offload.engine.train_state import StepUpdates, TrainState
 from tiered_offload.engine.views import EngineViews
@@ -106,35 +107,32 @@ class Engine(EngineViews):
         blocks: dotted name of the block sequence when it cannot be found automatically.
         device: ``"auto"`` (CUDA when available; under torchrun with several ranks, the GPU
             numbered ``LOCAL_RANK``), ``"cuda"``, ``"cuda:N"``, ``"cpu"``.
-        on_nonfinite: ``"raise"`` (default) or ``"skip"``: what to do when a loss or gradient
-            is NaN or infinite. Either way no weight or optimizer state is touched.
-        recompute: recompute every block in backward from its input (True), or keep its
-            activations and its weights resident until backward, as plain PyTorch does (False).
-            ``"auto"``: False when the whole training state fits the compute tier, else each block
-            as :attr:`EngineConfig.activations` says (by default the planner chooses, per block,
-            between keeping its saved activations, offloading them and recomputing).
+        on_nonfinite: ``"raise"`` (default) or ``"skip"``: what to do when a loss or gradient is NaN or
+            infinite. Either way no weight or optimizer state is touched (but see ``backward(step=True)``).
+        recompute: recompute every block in backward from its input (True), or keep its activations and
+            its weights resident until backward, as plain PyTorch does (False). ``"auto"``: False when the
+            whole training state fits the compute tier, else each block as :attr:`EngineConfig.activations`
+            says (by default the planner chooses, per block: keep, offload or recompute its activations).
         store_config: extra :class:`StoreConfig` fields (policy, prefetch_depth...).
         durable: keep the storage directory a consistent, resumable training state after every
             step (see :mod:`.durable`). Default: on when ``storage`` is a directory (or several),
             off for a temporary directory, ``"memory"`` or a backend object.
-        commit_every: with ``durable``, commit every Nth step (and at :meth:`close`): a crash loses
-            at most N-1 steps and resumes exactly from the last commit. N > 1 (and any state that
-            fits the compute tier) commits by snapshot, in the background beside the next forward
-            and backward, and may use up to twice the state's disk space while it does.
+        commit_every: with ``durable``, commit every Nth step (and at :meth:`close`): a crash loses at
+            most N-1 steps and resumes exactly from the last commit. N > 1 (and any state that fits the
+            compute tier) commits by snapshot, in the background beside the next forward and backward,
+            and may use up to twice the state's disk space while it does.
         resume: continue the training state in ``storage`` (True: it must hold one; ``"auto"``:
             if it holds one, else start fresh). False refuses a directory that holds a state.
-        init_from: a safetensors file, or a directory of safetensors shards with its index (or,
-            without those, PyTorch's ``pytorch_model.bin`` or its shards, memory-mapped), to
-            load the weights from (Hugging Face parameter names), streamed one tensor at a time;
-            for a PEFT model, ``[BASE, ADAPTER]``: the base's checkpoint and a directory its
-            ``save_pretrained`` wrote, whose adapter the training continues.
+        init_from: a safetensors file, or a directory of safetensors shards with its index (or, without
+            those, PyTorch's ``pytorch_model.bin`` or its shards, memory-mapped), to load the weights from
+            (Hugging Face parameter names), streamed one tensor at a time; for a PEFT model,
+            ``[BASE, ADAPTER]``: the base's checkpoint and a directory its ``save_pretrained`` wrote.
         config: tuning knobs (:class:`~tiered_offload.config.EngineConfig`).
         trace: write a step timeline (Chrome / Perfetto trace JSON) of the whole run to this file
             at :meth:`close`; :meth:`tracing` records a stretch of it instead.
-        process_group: shard the training state over this ``torch.distributed`` group (default:
-            the default group, when it is initialised with more than one rank). Each rank stores
-            its slice of every unit in its own directory inside ``storage``
-            (``rank-R-of-W``); see :mod:`tiered_offload.engine.sharding`.
+        process_group: shard the training state over this ``torch.distributed`` group (default: the default
+            group, when it is initialised with more than one rank). Each rank stores its slice of every unit
+            in its own directory inside ``storage`` (``rank-R-of-W``); see :mod:`tiered_offload.engine.sharding`.
     """
 
     def __init__(self, model: nn.Module, optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer = torch.optim.AdamW,
@@ -336,8 +334,14 @@ class Engine(EngineViews):
 
     @_engine_time
     @_between_collectives
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients."""
+    def backward(self, loss: torch.Tensor, step: bool = False) -> bool | None:
+        """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients.
+        ``step=True``: :meth:`step` and :meth:`zero_grad` too, run in the backward (:mod:`.step_in_backward`)."""
+        if step:
+            return StepInBackward.run(self, lambda arm: self._backward(loss), arm_now=True)[1]
+        self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         _check_loss(loss)
         self._placement.set_phase(f"step {self.step_count + 1}, backward")
         # every rank backpropagates, or none does
@@ -364,15 +368,18 @@ class Engine(EngineViews):
             self._streamer.backward_ran()
             self._streamer.unbind_rest()
 
-    def forward_backward(self, micro_batches, loss_fn) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches, loss_fn, step: bool = False) -> list[torch.Tensor]:
         """``for b in micro_batches: self.backward(loss_fn(self(b), b))`` with each block's weights
         fetched once for all of them (block 0 for every micro-batch, then block 1, ...; backward in
         reverse): the same gradients bitwise; returns the losses (detached). A dict micro-batch is
         passed as keyword arguments. With dropout, a shape's first call runs as the loop and learns
         the draws (see :mod:`~tiered_offload.engine.micro_batches`); ``stats().forward_backward_loops``
-        counts the calls that ran as the loop, by reason."""
+        counts the calls that ran as the loop, by reason. ``step=True``: then :meth:`step` and
+        :meth:`zero_grad`, as :meth:`backward`'s."""
         self._check_open()
         self._gradients.settle()
+        if step:
+            return StepInBackward.run(self, lambda arm: forward_backward(self, micro_batches, loss_fn, arm), False)[0]
         return forward_backward(self, micro_batches, loss_fn)
 
     # ---- optimizer ----------------------------------------------------------------------
@@ -423,13 +430,7 @@ class Engine(EngineViews):
         self.train_state.check_scheduler()
         if not self._gradients.usable(self.on_nonfinite):
             return False
-        hypers = [self._spec.hyper(g) for g in self.param_groups]
-        if self._optimizer_view is not None:
-            self._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
-            _warn_of_a_scheduler_not_saved(self)
-        self.train_state.step_scheduler(saved=self.durable)  # (first: a refusal leaves the step untaken)
-        self._phase(Phase.STEP)
-        self._monitor.iteration_boundary()
+        hypers = open_step(self)
         scale = self._gradients.take_scale()
         updates = self.train_state.advance(
             (lambda group, count, scalars: self._spec.next_scalars(hypers[group], count, scalars))
@@ -512,8 +513,8 @@ class Engine(EngineViews):
                 hook.remove()
             self._streamer.close()
             self._streamer.unbind_rest()
-            self._pipeline.settle()  # (a failed step already reported is not raised again: no commit follows it)
-            if not self._pipeline.failed:
+            self._pipeline.settle()  # (a failed or torn step already reported is not raised again: no commit follows)
+            if not self._pipeline.failed and self._torn is None:
                 self._commits.close()  # the last commit finished; no journal work left running when the backend closes
         finally:
             if self._tracer is not None:
@@ -595,19 +596,6 @@ _NOT_SAVED = ("{what} cannot be saved or copied whole (torch.save, pickle, copy.
               "optimizer state live in the engine's store. Save the weights with engine.export_safetensors(DIR) "
               "(from_pretrained(DIR), or init_from=DIR, reads them back); a durable storage directory keeps the "
               "whole training state (resume=True)")
-
-
-def _warn_of_a_scheduler_not_saved(engine: Engine) -> None:
-    """Once: a scheduler built over ``engine.optimizer`` (its ``step`` wrapped) that a durable run
-    does not save (not attached): a resume would start its schedule again."""
-    view = engine._optimizer_view
-    if (engine.durable and engine.train_state.scheduler is None and not getattr(view, "_told_of_scheduler", False)
-            and hasattr(view.__dict__.get("step"), "_wrapped_by_lr_sched")):
-        view._told_of_scheduler = True
-        log.warning("a learning-rate scheduler is built over the engine's optimizer but not attached: the storage "
-                    "directory saves the learning rates, not the scheduler's position, so a resume restarts its "
-                    "schedule. engine.attach_scheduler(scheduler) saves it (then the engine steps it: call "
-                    "engine.step() only)")
 
 
 def _check_loss(loss) -> None:

@@ -290,21 +290,23 @@ def _call(engine, batch):
     return engine(**batch) if isinstance(batch, dict) else engine(batch)
 
 
-def _loop(engine, micro_batches: Sequence, loss_fn, recorder: Recorder | None = None) -> list[torch.Tensor]:
+def _loop(engine, micro_batches: Sequence, loss_fn, recorder: Recorder | None = None, arm=None) -> list[torch.Tensor]:
     """The loop, each backward outside the caller's autocast (as PyTorch advises, and as the
     micro-batches' threads run theirs), each forward with autocast's casts of its own (as in the
     usual loop's region per forward, and as each thread's cache of them is); ``recorder`` notes what
-    each micro-batch draws."""
+    each micro-batch draws; ``arm`` is called as the last backward starts (a step run in it)."""
     losses = []
     state = autocast_state(engine.device)
     outside = [(kind, dtype) for kind, dtype, _ in state]
     mark = recorder.mark if recorder is not None else lambda where: None
-    for b in micro_batches:
+    for i, b in enumerate(micro_batches):
         if state:  # a weight used several times: its cached cast shared would sum its gradient otherwise
             torch.clear_autocast_cache()
         mark("start")
         loss = loss_fn(_call(engine, b), b)
         mark("loss")
+        if arm is not None and i == len(micro_batches) - 1:
+            arm()
         with contextlib.ExitStack() as stack:
             for kind, dtype in outside:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=False))
@@ -314,9 +316,11 @@ def _loop(engine, micro_batches: Sequence, loss_fn, recorder: Recorder | None = 
     return losses
 
 
-def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[torch.Tensor]:
+def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, Any], torch.Tensor],
+                     arm: Callable[[], None] | None = None) -> list[torch.Tensor]:
     """Run every micro-batch's forward and backward (see the module's docstring); returns the
-    losses (detached), as the loop's ``loss.detach()``."""
+    losses (detached), as the loop's ``loss.detach()``. ``arm``: called as the last backward
+    starts (the loop's last, the pass's only; :mod:`~tiered_offload.engine.step_in_backward`)."""
     micro_batches = list(micro_batches)
     if not micro_batches:
         raise ModelInputError("forward_backward needs at least one micro-batch")
@@ -325,10 +329,10 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
     streamer = engine._streamer
     if len(micro_batches) == 1:
-        return _loop(engine, micro_batches, loss_fn)
+        return _loop(engine, micro_batches, loss_fn, arm=arm)
     if streamer.modes is None:
         engine._monitor.ran_loop("the whole state fits the compute tier: no block is read again")
-        return _loop(engine, micro_batches, loss_fn)
+        return _loop(engine, micro_batches, loss_fn, arm=arm)
     key = signature(micro_batches)
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
@@ -345,7 +349,7 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     if trusted:
         t0 = time.perf_counter()
         try:
-            losses = _vertical(engine, micro_batches, loss_fn, expected, streams, undone)
+            losses = _vertical(engine, micro_batches, loss_fn, expected, streams, undone, arm)
         finally:
             engine._monitor.engine_seconds += time.perf_counter() - t0
         if losses is not None:
@@ -354,9 +358,9 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
             return losses
     engine._monitor.ran_loop(*(undone[0] if undone else (why or "its pass was undone",)))
     if refused:
-        return _loop(engine, micro_batches, loss_fn)
+        return _loop(engine, micro_batches, loss_fn, arm=arm)
     recorder = Recorder(streams)
-    losses = _loop(engine, micro_batches, loss_fn, recorder)
+    losses = _loop(engine, micro_batches, loss_fn, recorder, arm)
     learned = recorder.script()
     if learned is None:
         streamer.rng_scripts.refuse(key)
@@ -392,7 +396,7 @@ def _learned(script: RngScript | None, learned: RngScript, missed: bool) -> RngS
 
 
 def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams: Streams,
-              why: list[tuple]) -> list[torch.Tensor] | None:
+              why: list[tuple], arm=None) -> list[torch.Tensor] | None:
     """The micro-batches in vertical order; None if undone before any backward (run the loop;
     ``why`` says why)."""
     streamer, device, n = engine._streamer, engine.device, len(micro_batches)
@@ -441,6 +445,8 @@ def _vertical(engine, micro_batches: list, loss_fn, expected: Expected, streams:
                     raise _Undone()
                 turns.backward_started = streamer.in_backward = True
                 engine._commits.before_backward(engine._await)
+                if arm is not None:
+                    arm()
             losses[k] = loss.detach()
             with torch.autograd.set_multithreading_enabled(False), streamer.backward_of(loss):
                 loss.backward()

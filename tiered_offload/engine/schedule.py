@@ -194,7 +194,7 @@ class Schedule:
 
     def access_sequence(self, phases: Iterable[Phase], *, overlap: bool, activations: bool = False,
                         repeat: int = 1, idle: frozenset[str] = frozenset(),
-                        stepless: frozenset[str] = frozenset()) -> list[str]:
+                        stepless: frozenset[str] = frozenset(), fused: bool = False) -> list[str]:
         """The keys one iteration made of ``phases`` touches, in order, as the lookahead sees it.
 
         With the step overlapped, the cycle starts with the step's units (in forward order)
@@ -206,6 +206,8 @@ class Schedule:
         many micro-batches). ``idle``: units whose gradients and optimizer states this iteration
         leaves alone (frozen whole mid-run): their weights alone. ``stepless``: units the step
         leaves alone whose gradients the backward still adds to (sharded: reduced with the ranks').
+        ``fused``: the step runs in the backward, each block's update after its last backward,
+        the other units' after the backward (:mod:`~tiered_offload.engine.step_in_backward`).
         """
         phases = [Phase(p) for p in phases]
         order = self.update_order()
@@ -228,6 +230,13 @@ class Schedule:
             Phase.CLIP: [],  # the norms come from backward: clipping reads nothing
             Phase.STEP: [k for u in order for k in step(u)],
         }
+        if fused:
+            blocks = [b.name for b in self.blocks]
+            body[Phase.BACKWARD] = [key for b in reversed(self.blocks) for key in [*(
+                key for k in range(repeat) for key in [b.weight_key, b.grad_key if b.name not in idle else None,
+                                                       *act(b, k)] if key), *step(b)]]
+            body[Phase.BACKWARD] += [k for u in order if u.name not in blocks for k in step(u)]
+            body[Phase.STEP] = []
         if not overlap or Phase.STEP not in phases:
             i = phases.index(Phase.STEP) if Phase.STEP in phases else 0
             return [k for p in phases[i:] + phases[:i] for k in body[p]]

@@ -70,10 +70,9 @@ class BlockStreamer:
     * ``recompute``: only the block's inputs go into the store; backward runs the block again.
 
     Args:
-        store: the tiered store; binding: the model split into units; pipeline: the step in
-        flight (a unit is used only once its update is done); device: where compute runs;
-        modes: a mode per block; None: keep every block's graph *and* its weights and gradients
-        pinned until backward, as plain PyTorch does (when the whole state fits).
+        store: the tiered store; binding: the model split into units; pipeline: the step in flight (a unit is
+        used only once its update is done); device: where compute runs; modes: a mode per block; None: keep
+        every block's graph *and* its weights and gradients pinned until backward, as PyTorch does (all fits).
     """
 
     def __init__(self, store, binding: ModelBinding, pipeline: UpdatePipeline, device: torch.device,
@@ -136,6 +135,7 @@ class BlockStreamer:
         """The block inputs whose gradients the blocks' backwards add up in PyTorch's order."""
         self.turns = None
         """In ``forward_backward``: the micro-batches' :class:`~.micro_batches.Turns`."""
+        self.step_in_backward = None  # the StepInBackward of the backward running (:mod:`.step_in_backward`)
         self.micro_batches = 1
         """Micro-batches the last forward pass ran through each block together (``forward_backward``)."""
         self.rng_scripts = RngScripts()
@@ -185,18 +185,18 @@ class BlockStreamer:
             streamer.step_pins = [b(big, "weight"), b(big, "grad"), b(big, "piece")]
         return streamer
 
-    def access_sequence(self, schedule, phases, inline: bool = False) -> list[str]:
-        """The access order of one iteration made of ``phases`` as these passes run it (each
-        block once per micro-batch, its activations in the store or not), with the step's units
-        interleaved with the next forward where it overlaps it or is deferred to it (``inline``: a
-        deferred step that runs whole before, as :meth:`UpdatePipeline.wait` for every unit does)."""
-        interleaved = not inline and (self.overlap_step or self.defer_step)
+    def access_sequence(self, schedule, phases, inline: bool = False, fused: bool = False) -> list[str]:
+        """The access order of one iteration made of ``phases`` as these passes run it (each block once per
+        micro-batch, its activations in the store or not), with the step's units interleaved with the next
+        forward where it overlaps it or is deferred to it (``inline``: a deferred step that runs whole before,
+        as :meth:`UpdatePipeline.wait` for every unit does; ``fused``: in the backward, :mod:`.step_in_backward`)."""
+        interleaved = not inline and not fused and (self.overlap_step or self.defer_step)
         # (sharded: the backward still reduces an idle unit's gradients with the ranks', alike on each)
         idle = frozenset(u.name for u in self.binding.units if u.idle())
         one = self.sharding is None
         return schedule.access_sequence(phases, overlap=interleaved, repeat=self.micro_batches,
                                         activations=self.modes is not None, idle=idle if one else frozenset(),
-                                        stepless=frozenset() if one else idle)
+                                        stepless=frozenset() if one else idle, fused=fused)
 
     @property
     def in_backward(self) -> bool:
@@ -538,6 +538,8 @@ class BlockStreamer:
         finally:
             self.full.release(unit, grad=grad, extra=extra)
             self.discard(stash)
+        if grad and self.step_in_backward is not None:  # (after a backward that raised, nothing)
+            self.step_in_backward.block_done(unit)
 
     def _adds_to_buffer(self, unit: Unit, leaves: list[ParamSlot]) -> bool:
         """Whether a block call's backward needs the unit's gradient buffer: not where no parameter of

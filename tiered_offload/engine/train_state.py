@@ -85,8 +85,15 @@ class TrainState:
         """Count one optimizer step: every optimized parameter with a gradient gets one more update.
         ``next_scalars(group, count, scalars)``: its optimizer scalar state after the step (the slot
         holds that from now on, as the step count; the update starts from the one recorded here)."""
+        updates = self.advance_slots([slot for _, slot in self.param_order], next_scalars)
+        self.step_count += 1
+        return updates
+
+    def advance_slots(self, slots, next_scalars=None) -> StepUpdates:
+        """:meth:`advance` for ``slots`` alone (one unit's, updated in the backward), the step
+        count left as it is."""
         updates = StepUpdates()
-        for _, slot in self.param_order:
+        for slot in slots:
             if not slot.optimized:
                 continue
             if slot.has_grad:
@@ -97,7 +104,6 @@ class TrainState:
                 slot.updates += 1
             else:
                 updates.no_grad.append(slot.name)
-        self.step_count += 1
         return updates
 
     def step_scheduler(self, saved: bool) -> None:

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from offload_core.errors import ConfigError, EngineClosedError, TieredOffloadError
+from offload_core.errors import ConfigError, EngineClosedError, TensorStateError, TieredOffloadError
 from tiered_offload.checkpoint.adapter import export_adapter, merged_export
 from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.safetensors_io import export_dtype, exporting
@@ -29,12 +29,18 @@ __all__ = ["EngineViews"]
 class EngineViews:
     """The model's mode, sizes, state, plan, stats and tracing of an engine (a part of :class:`Engine`)."""
 
+    _torn: str | None = None
+    """Why every call is refused: a step run in the backward was half applied (:mod:`.step_in_backward`)."""
+
     def _check_open(self) -> None:
-        """Refuse a call that needs the store once :meth:`~Engine.close` released it."""
+        """Refuse a call that needs the store once :meth:`~Engine.close` released it, or once a step
+        was torn."""
         if self.store is None:
             raise EngineClosedError("this engine is closed (close(), or its with block ended): its storage is "
                                     "released. Build a new engine to go on: resume=True on its durable directory, "
                                     "or init_from an export")
+        if self._torn is not None:
+            raise TensorStateError(self._torn)
 
     # ---- the model's mode -----------------------------------------------------------------
     def train(self, mode: bool = True):

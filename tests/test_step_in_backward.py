@@ -1,0 +1,251 @@
+"""``backward(loss, step=True)`` and ``forward_backward(..., step=True)``: the optimizer step run in
+the backward, each unit updated once its gradient is final, trains as ``loss.backward();
+opt.step(); opt.zero_grad()`` in PyTorch, bitwise; gradients never reach the disk; what it cannot
+run exactly is refused before anything runs (tiered_offload/engine/step_in_backward.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offload_core.errors import ConfigError, NonFiniteError, TensorStateError
+from tiered_offload import Engine, EngineConfig
+from tiered_offload_examples.models import GPT, GPTConfig
+
+
+def _gpt(dropout=0.0):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, context=33, d_model=32, n_layers=4, n_heads=4, dropout=dropout))
+
+
+def _loss(model, x):
+    logits = model(x[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def _state_bytes(model):
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
+def _engine(ref, tmp_path, optimizer=torch.optim.AdamW, kwargs=None, fraction=0.4, activations="recompute", **more):
+    more.setdefault("durable", False)
+    return Engine(copy.deepcopy(ref), optimizer, kwargs or dict(lr=1e-2), storage=tmp_path / "s",
+                  host_memory=int(_state_bytes(ref) * fraction), config=EngineConfig(activations=activations), **more)
+
+
+def _batches(n, seed=1, batch=4):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (batch, 33), generator=g) for _ in range(n)]
+
+
+def _same_weights(engine, ref):
+    ours = dict(engine.named_parameters())
+    return all(torch.equal(ours[name], p.detach()) for name, p in ref.named_parameters())
+
+
+def _grad_bytes_written(engine, since):
+    return engine.store.stats.by_kind(("host->disk",), since=since).get("grad", 0)
+
+
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+              "nadam": (torch.optim.NAdam, dict(lr=1e-2)),  # (scalars kept per parameter: mu_product)
+              "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9))}
+
+
+@pytest.mark.parametrize("activations", ["recompute", "keep", "offload"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_step_in_the_backward_trains_as_pytorch_bitwise_and_writes_no_gradient(tmp_path, activations, name):
+    """At 0.4 of the state (a unit's update fits beside the backward's pins, the state does not),
+    four steps of ``backward(loss, step=True)``: PyTorch's losses and weights, bitwise, and not a
+    byte of gradient written to disk (the deferred and inline steps write them: checked beside)."""
+    cls, kwargs = OPTIMIZERS[name]
+    ref = _gpt()
+    engine = _engine(ref, tmp_path, cls, kwargs, activations=activations)
+    capacity = engine.store.capacity(engine.store.compute_tier)
+    assert engine.schedule.defer_budget() <= capacity and not engine.schedule.fits(capacity)
+    opt = cls(ref.parameters(), **kwargs)
+    before = engine.store.stats
+    with engine:
+        for x in _batches(4):
+            loss = _loss(engine, x)
+            assert engine.backward(loss, step=True) is True
+            expected = _loss(ref, x)
+            expected.backward()
+            opt.step()
+            opt.zero_grad()
+            assert torch.equal(loss.detach(), expected.detach())
+        assert engine.step_count == 4 and _same_weights(engine, ref)
+        assert _grad_bytes_written(engine, before) == 0
+    # the same engine without it writes gradients at this budget
+    unfused = _engine(_gpt(), tmp_path / "b", cls, kwargs, activations=activations)
+    with unfused:
+        before = unfused.store.stats
+        for x in _batches(4):
+            unfused.backward(_loss(unfused, x))
+            unfused.step()
+            unfused.zero_grad()
+        assert _grad_bytes_written(unfused, before) > 0 and _same_weights(unfused, ref)
+
+
+def _micro_loss(out, x):
+    """``forward_backward``'s loss of a micro-batch ``x`` of 33 tokens (the model predicts each next one)."""
+    return F.cross_entropy(out[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+
+def test_accumulated_backwards_and_a_forward_backward_pass_step_in_their_last_backward(tmp_path):
+    """``backward(l1); backward(l2, step=True)`` and ``forward_backward(micro_batches, loss_fn,
+    step=True)`` (the vertical pass: a block updated after the last micro-batch's turn at it):
+    PyTorch's accumulation loop, bitwise. Only the pass keeps every gradient off the disk."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    looped, passed = _engine(ref, tmp_path / "a"), _engine(ref, tmp_path / "b")
+    with looped, passed:
+        before = [looped.store.stats, passed.store.stats]
+        for step in range(3):
+            micro = _batches(3, seed=10 + step, batch=2)
+            for i, x in enumerate(micro):
+                looped.backward(_micro_loss(looped(x), x), step=i == len(micro) - 1)
+            got = passed.forward_backward(micro, _micro_loss, step=True)
+            want = []
+            for x in micro:
+                loss = _micro_loss(ref(x), x)
+                loss.backward()
+                want.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert passed.stats().forward_backward_loops == {}  # every call ran the pass
+        assert looped.step_count == passed.step_count == 3
+        # the loop's earlier backwards keep their gradients for the last one (here some on disk); the pass none
+        assert _grad_bytes_written(looped, before[0]) > 0 and _grad_bytes_written(passed, before[1]) == 0
+        assert _same_weights(looped, ref) and _same_weights(passed, ref)
+
+
+def test_with_dropout_the_loop_that_learns_the_draws_and_the_passes_after_it_step_in_their_backward(tmp_path):
+    """Dropout: ``forward_backward``'s first call of a shape runs the loop (its last backward
+    carries the step), the next ones the pass: PyTorch's, bitwise, both ways."""
+    ref = _gpt(dropout=0.1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = _engine(ref, tmp_path)
+    got, want = [], []
+    torch.manual_seed(5)
+    with engine:
+        for step in range(3):
+            got += engine.forward_backward(_batches(2, seed=20 + step, batch=2), _micro_loss, step=True)
+        loops = engine.stats().forward_backward_loops
+        torch.manual_seed(5)
+        for step in range(3):
+            for x in _batches(2, seed=20 + step, batch=2):
+                loss = _micro_loss(ref(x), x)
+                loss.backward()
+                want.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        assert sum(loops.values()) == 1 and _same_weights(engine, ref)  # the first call learned the draws
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_what_the_step_in_the_backward_cannot_run_exactly_is_refused_before_anything_runs(tmp_path):
+    """A device tier, and journal commits (durable, one commit a step, the state beyond memory):
+    ``ConfigError`` naming what to do, raised before the backward (no gradient, no update); the
+    same engine then trains with ``backward``, ``step`` and ``zero_grad``."""
+    ref = _gpt()
+    x = _batches(1)[0]
+    device = _engine(ref, tmp_path / "d", store_config={"device_budget_bytes": _state_bytes(ref) // 3}, fraction=0.8)
+    journal = _engine(ref, tmp_path / "j", durable=True)
+    assert journal.commit_mode == "journal"
+    for engine, says in ((device, "a device tier"), (journal, "commit_every=2 or more")):
+        with engine:
+            loss = _loss(engine, x)
+            with pytest.raises(ConfigError, match=says):
+                engine.backward(loss, step=True)
+            assert engine.step_count == 0 and _same_weights(engine, ref)
+            engine.backward(loss)  # the graph is whole: the call ran nothing
+            assert engine.step()
+
+
+def test_where_the_budget_holds_no_update_beside_the_backwards_pins_the_step_runs_after_it(tmp_path):
+    """Below :meth:`Schedule.defer_budget` the step runs after the backward, as ``step()``: the
+    same numbers (and gradients written, as there)."""
+    ref = _gpt()
+    probe = _engine(ref, tmp_path / "p")
+    low, least = probe.schedule.defer_budget() - 4096, probe.minimum_budget()
+    probe.close()
+    assert low >= least
+    engine = Engine(copy.deepcopy(ref), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", durable=False,
+                    host_memory=low, config=EngineConfig(activations="recompute"))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with engine:
+        for x in _batches(3):
+            assert engine.backward(_loss(engine, x), step=True)
+            _loss(ref, x).backward()
+            opt.step()
+            opt.zero_grad()
+        assert engine.step_count == 3 and _same_weights(engine, ref)
+
+
+def _inf_gradient_in(engine, block: int):
+    """A hook that makes one parameter's gradient in ``block`` infinite (the loss stays finite)."""
+    param = dict(engine.model.named_parameters())[f"blocks.{block}.ln1.weight"]
+    return param.register_hook(lambda g: g * float("inf"))
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_a_non_finite_gradient_in_the_last_block_stops_the_step_before_any_update(tmp_path, on_nonfinite):
+    """The last block's gradient (the first to be final) not finite: no update runs in the
+    backward, and the step after it raises or skips as ``step()`` does, nothing changed; the
+    engine goes on."""
+    ref = _gpt()
+    engine = _engine(ref, tmp_path, on_nonfinite=on_nonfinite)
+    x = _batches(1)[0]
+    with engine:
+        hook = _inf_gradient_in(engine, 3)
+        loss = _loss(engine, x)
+        if on_nonfinite == "raise":
+            with pytest.raises(NonFiniteError, match="blocks?.3"):
+                engine.backward(loss, step=True)
+            engine.zero_grad()
+        else:
+            assert engine.backward(loss, step=True) is False
+        assert engine.step_count == 0 and _same_weights(engine, ref)
+        hook.remove()
+        assert engine.backward(_loss(engine, x), step=True)
+        _loss(ref, x).backward()
+        torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
+        assert _same_weights(engine, ref)
+
+
+def test_a_non_finite_gradient_below_an_updated_block_tears_the_step_and_the_storage_keeps_the_last_commit(tmp_path):
+    """Durable, snapshot commits every 2 steps: two steps, committed; at the third, block 0's
+    gradient turns infinite after blocks 3-1 were updated. ``NonFiniteError`` says the step is half
+    applied; every later call is refused; nothing is committed; a resume goes on from step 2 as
+    PyTorch does, bitwise."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = _batches(4)
+    engine = _engine(ref, tmp_path, durable=True, commit_every=2)
+    assert engine.commit_mode == "snapshot"
+    with engine:
+        for x in batches[:2]:
+            assert engine.backward(_loss(engine, x), step=True)
+        assert engine.wait_committed() == 2
+        _inf_gradient_in(engine, 0)
+        with pytest.raises(NonFiniteError, match=r"blocks?\.0.*half applied.*resume=True"):
+            engine.backward(_loss(engine, batches[2]), step=True)
+        with pytest.raises(TensorStateError, match="half applied"):
+            engine(batches[3][:, :-1])
+    for x in batches[:2]:
+        _loss(ref, x).backward()
+        opt.step()
+        opt.zero_grad()
+    resumed = Engine.resume(tmp_path / "s", copy.deepcopy(_gpt()), host_memory=int(_state_bytes(ref) * 0.4),
+                            commit_every=2, config=EngineConfig(activations="recompute"))
+    with resumed:
+        assert resumed.step_count == 2 and _same_weights(resumed, ref)
+        for x in batches[2:]:
+            assert resumed.backward(_loss(resumed, x), step=True)
+            _loss(ref, x).backward()
+            opt.step()
+            opt.zero_grad()
+        assert _same_weights(resumed, ref)

@@ -1,0 +1,235 @@
+"""``engine.backward(loss, step=True)`` and ``engine.forward_backward(..., step=True)``: the
+optimizer step run inside the backward, each unit updated right after its gradient is final.
+
+The same numbers as ``backward(loss); step(); zero_grad()`` (and as ``forward_backward``, then
+``step`` and ``zero_grad``): every elementwise or per-parameter optimizer updates each parameter
+from its own gradient and state alone, so the order of the units does not change a bit, and
+nothing the user could do between the backward and the step (clipping) is possible here. What
+changes is the order of the bytes. A deferred or inline step needs every gradient beside the
+weights and states when it begins, so at a budget below the state the backward writes gradients
+to disk and the update reads them back. Here a block's gradient lives from its backward to its
+update, a moment later, while its weights are still in memory, and is then forgotten: gradients
+never reach the disk, the update's state traffic falls in the backward (where the disk idled),
+and a step moves what memory cannot hold of the weights and states, once each way
+(``tools/bench_step_modes.py --fused-order`` bounds it; docs/RESULTS.md, fifty-sixth session).
+
+Whatever a loop sets between its backward and ``step()`` to be committed with the step
+(``engine.user_state``) it sets before the call: the step's record is taken at its end.
+
+**When a block's gradient is final**: when its buffers are released after its backward
+(:meth:`BlockStreamer.backward_buffers`), in the last backward of the step (the one called with
+``step=True``; ``forward_backward``: its last micro-batch's, or the pass's last turn at the
+block), unless the block was called more than once and another call's backward is still to come
+(:meth:`RepeatedCalls.repeated`). Everything else (the rest: embeddings, final norm, head, whose
+gradients the whole backward adds to; a block whose graph was kept pinned) is updated after the
+backward, in the usual order.
+
+**What is checked first.** The step opens at the first final block: if any gradient so far is
+not finite (or a loss was, with ``on_nonfinite="skip"``), nothing is updated in the backward and
+the step runs after it as :meth:`Engine.step` does (raising or skipping, nothing changed). A
+gradient that turns non-finite later in the backward (a block below, or the rest), once some
+block was updated, cannot be undone: the step is **torn**. The engine then raises
+:class:`NonFiniteError` naming what was updated, refuses every later call, and commits nothing
+(durable: the storage keeps the last commit; resume from it). Non-finite values nearly always
+show first at the loss or in the last block's gradient, both checked before any update.
+
+**Refused** (``ConfigError`` at the call, nothing run): several processes (a gradient is final
+only once the ranks reduced it, and the ranks agree on finiteness at the end); a device tier
+(the update's placement between tiers is planned for whole steps); journal commits (a journal's
+intent names every gradient before the update, which a step in the backward does not have:
+``commit_every`` >= 2 commits by snapshots). Where the compute tier cannot hold a unit's update
+beside what the backward pins (the rest's weights and gradients; :meth:`Schedule.defer_budget`),
+the step runs after the backward, as ``step()`` (same numbers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from offload_core.errors import ConfigError, NonFiniteError
+from tiered_offload.engine.schedule import Phase
+from tiered_offload.store.tiers import Tier
+
+__all__ = ["StepInBackward", "open_step"]
+
+log = logging.getLogger(__name__)
+
+
+def open_step(engine) -> list[dict]:
+    """What every optimizer step does before its first update, once its checks passed: read the
+    groups' hyperparameters, step the attached scheduler (a refusal leaves the step untaken), and
+    record the phase. Returns the hyperparameters."""
+    hypers = [engine._spec.hyper(g) for g in engine.param_groups]
+    if engine._optimizer_view is not None:
+        engine._optimizer_view._opt_called = True  # what an LR scheduler checks to know a step happened
+        _warn_of_a_scheduler_not_saved(engine)
+    engine.train_state.step_scheduler(saved=engine.durable)
+    engine._phase(Phase.STEP)
+    engine._monitor.iteration_boundary()
+    return hypers
+
+
+def _warn_of_a_scheduler_not_saved(engine) -> None:
+    """Once: a scheduler built over ``engine.optimizer`` (its ``step`` wrapped) that a durable run
+    does not save (not attached): a resume would start its schedule again."""
+    view = engine._optimizer_view
+    if (engine.durable and engine.train_state.scheduler is None and not getattr(view, "_told_of_scheduler", False)
+            and hasattr(view.__dict__.get("step"), "_wrapped_by_lr_sched")):
+        view._told_of_scheduler = True
+        log.warning("a learning-rate scheduler is built over the engine's optimizer but not attached: the storage "
+                    "directory saves the learning rates, not the scheduler's position, so a resume restarts its "
+                    "schedule. engine.attach_scheduler(scheduler) saves it (then the engine steps it: call "
+                    "engine.step() only)")
+
+
+class StepInBackward:
+    """One step run in a backward (see the module's docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.armed = False
+        """The backward running is the step's last: a block's gradient is final at its release."""
+        self.fuse = True
+        """False: no more updates in the backward (the step runs after it, or it is torn)."""
+        self.hypers: list[dict] | None = None
+        """Set when the step opened (its first update): the hyperparameters of every update."""
+        self.scale = None
+        self.done: set[str] = set()
+        self.updated: list[str] = []
+        self.bad: list[str] = []
+        """Units whose gradients were not finite, found after the step opened."""
+
+    @staticmethod
+    def refusal(engine) -> str | None:
+        """Why a step cannot run in this engine's backward (None: it can)."""
+        what = ("several processes" if engine._placement.world > 1 else
+                "a device tier" if engine.store.capacity(Tier.DEVICE) else
+                "journal commits (every step durable unit by unit)" if engine.commit_mode == "journal" else None)
+        if what is None:
+            return None
+        return (f"backward(step=True) runs the optimizer step inside the backward, which this engine's {what} does "
+                f"not allow (tiered_offload/engine/step_in_backward.py says why). Call backward(loss), step() and "
+                f"zero_grad(): the same numbers" + (", or pass commit_every=2 or more (snapshot commits)"
+                                                    if engine.commit_mode == "journal" else ""))
+
+    @classmethod
+    def run(cls, engine, backward: Callable[[Callable[[], None]], object], arm_now: bool) -> tuple[object, bool]:
+        """Run ``backward(arm)`` (a backward or ``forward_backward``, which calls ``arm`` as its
+        last backward starts; ``arm_now``: it is one backward) with the step in it, then the step's
+        end; returns what ``backward`` returned and whether the step was taken (as :meth:`Engine.step`)."""
+        why = cls.refusal(engine)
+        if why is not None:
+            raise ConfigError(why)
+        engine._await()
+        fused = cls(engine)
+        fused.timed = arm_now  # (backward() counts its time as the engine's; forward_backward() its own)
+        if arm_now:
+            fused.arm()
+        try:
+            engine._streamer.step_in_backward = fused
+            try:
+                result = backward(fused.arm)
+            finally:
+                engine._streamer.step_in_backward = None
+            return result, fused.finish()
+        except BaseException as e:
+            if fused.hypers is not None and engine._torn is None:  # some update ran: the step is half applied
+                fused._tear(e)
+            raise
+
+    def arm(self) -> None:
+        """The step's last backward starts: declare the access order with each unit's update after
+        its backward (where the budget holds an update beside the backward's pins)."""
+        engine = self.engine
+        if engine.store.capacity(engine.store.compute_tier) < engine.schedule.defer_budget():
+            if self.fuse:
+                log.info("backward(step=True): the %s budget cannot hold a unit's update beside the rest's weights and "
+                         "gradients; the step runs after the backward", engine.store.compute_tier.name.lower())
+            self.fuse = False
+            return
+        self.armed = True
+        order = engine._streamer.access_sequence(engine.schedule, [Phase.BACKWARD, Phase.FORWARD], fused=True)
+        engine.store.declare_access_sequence(order)
+
+    def block_done(self, unit) -> None:
+        """A block's buffers were released after a backward of it (the streamer calls this): update
+        it if its gradient is final."""
+        streamer = self.engine._streamer
+        if not (self.armed and self.fuse) or unit.name in self.done or streamer.calls.repeated(unit):
+            return
+        if streamer.turns is not None and not streamer.turns.is_last():
+            return
+        if self.hypers is None and not self._open():
+            return
+        self._update(unit)
+
+    def _open(self) -> bool:
+        """The step's first update is due: check every gradient so far, then open the step as
+        :meth:`Engine.step` does. False: a gradient or loss was not finite; nothing runs in the
+        backward (the step after it raises or skips, nothing updated)."""
+        engine = self.engine
+        if engine._gradients.skip_step or not all(s.grads_finite for s in engine._streamer.gradients.values()):
+            self.fuse = False
+            return False
+        engine._commits.wait()  # the last commit has written what it snapshots before this step changes it
+        engine.train_state.check_scheduler()
+        self.hypers = open_step(engine)
+        self.scale = engine._gradients.take_scale()
+        return True
+
+    def _update(self, unit) -> None:
+        """Update ``unit`` (its optimized parameters with a gradient), then forget its gradient:
+        nothing reads it again this step, so it is never written."""
+        engine = self.engine
+        self.done.add(unit.name)
+        if not engine._streamer.gradients[unit.name].grads_finite:
+            self.bad.append(unit.name)
+            self.fuse = False
+            return
+        spec, hypers = engine._spec, self.hypers
+        scalars = (lambda group, count, s: spec.next_scalars(hypers[group], count, s)) if spec.scalars else None
+        updates = engine.train_state.advance_slots(unit.params, scalars)
+        if updates.before:
+            engine._update_unit(unit, hypers, self.scale, updates)
+            self.updated.append(unit.name)
+        if unit.grad_key and unit.is_block:
+            engine.store.zero(unit.grad_key)
+
+    def finish(self) -> bool:
+        """After the backward: the units not updated in it, the step counted and committed, the
+        gradients forgotten (``zero_grad()``). Returns whether the step was taken."""
+        engine = self.engine
+        if self.hypers is None:  # nothing ran in the backward: the step as step() runs it
+            taken = type(engine).step.__wrapped__(engine) if self.timed else engine.step()  # (timed once)
+            engine.zero_grad()
+            return taken
+        if not self.bad:
+            for layout in engine.schedule.update_order():
+                unit = engine._units_by_name[layout.name]
+                if unit.name not in self.done:
+                    self._update(unit)
+        if self.bad:
+            error = NonFiniteError(
+                f"non-finite gradients in {', '.join(self.bad)}, found in backward(step=True) after "
+                f"{len(self.updated)} unit(s) were updated ({', '.join(self.updated[:4])}"
+                f"{', ...' if len(self.updated) > 4 else ''}): this step is half applied and cannot be undone. "
+                + ("Build the engine again with resume=True: the storage keeps the last commit"
+                   if engine.durable else "Start again from the last export")
+                + "; to keep a step whole when a gradient is not finite, call backward(loss), step(), zero_grad()")
+            self._tear(error)
+            raise error
+        engine.train_state.step_count += 1
+        then = engine._commits.begin_step(self.hypers, self.scale, None)  # (snapshots: the step's record now)
+        if then is not None:
+            then()
+        engine._phases = []
+        engine.zero_grad()
+        return True
+
+    def _tear(self, error: BaseException) -> None:
+        """The step is half applied: no commit may record it, and the engine refuses every later call."""
+        self.engine._commits.fail(error)
+        self.engine._torn = (f"a step run in the backward was half applied ({type(error).__name__}: {error}); this "
+                             f"engine's state mixes two steps. Close it"
+                             + (", and build it again with resume=True" if self.engine.durable else ""))
