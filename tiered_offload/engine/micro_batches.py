@@ -329,10 +329,10 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
     # the whole state in the compute tier (nothing re-read), or one micro-batch: the loop
     streamer = engine._streamer
     if len(micro_batches) == 1:
-        return _loop(engine, micro_batches, loss_fn, arm=arm)
+        return _loop(engine, micro_batches, loss_fn, None, arm)
     if streamer.modes is None:
         engine._monitor.ran_loop("the whole state fits the compute tier: no block is read again")
-        return _loop(engine, micro_batches, loss_fn, arm=arm)
+        return _loop(engine, micro_batches, loss_fn, None, arm)
     key = signature(micro_batches)
     streams, script = Streams(engine.device), streamer.rng_scripts.get(key)
     refused = streamer.rng_scripts.refused(key)  # draws no pass can replay: the loop, unrecorded
@@ -358,7 +358,7 @@ def forward_backward(engine, micro_batches: Sequence, loss_fn: Callable[[Any, An
             return losses
     engine._monitor.ran_loop(*(undone[0] if undone else (why or "its pass was undone",)))
     if refused:
-        return _loop(engine, micro_batches, loss_fn, arm=arm)
+        return _loop(engine, micro_batches, loss_fn, None, arm)
     recorder = Recorder(streams)
     losses = _loop(engine, micro_batches, loss_fn, recorder, arm)
     learned = recorder.script()
