@@ -271,6 +271,19 @@ def test_a_step_in_the_backward_is_declared_after_each_blocks_backward():
         s.access_sequence([Phase.FORWARD, Phase.BACKWARD], overlap=False, fused=True)
 
 
+def test_a_step_in_the_backward_moves_what_memory_cannot_hold_of_the_weights_and_states_once_each_way():
+    """``Schedule.floors_in_backward``: no gradient waits for the update, so the disk floor is the
+    weights and states beyond memory (read), and of those the rewritten ones (written: a frozen
+    unit's weights are read only), below :meth:`Schedule.floors`, which counts the gradients."""
+    s = Schedule(units(n_blocks=3, block=1000, rest=5000, frozen_rest=5000), ("m", "v"))
+    weights, states = (3 * 1000 + 5000) * 4, 2 * 3 * 1000 * 4
+    got = s.floors_in_backward(10_000)
+    assert got == {"disk_read": weights + states - 10_000, "disk_written": 3 * 1000 * 4 + states - 10_000}
+    plain = s.floors(10_000, 0, update_on_host=True, journal=False)
+    assert got["disk_read"] <= plain["disk_read"] and got["disk_written"] < plain["disk_written"]
+    assert s.floors_in_backward(10 ** 9) == {"disk_read": 0, "disk_written": 0}
+
+
 def test_the_link_floor_is_a_floor_of_each_placement():
     """The device link per step: to an update on the host, every rewritten weight up once more
     plus what the device cannot keep between a block's forward and backward, and the gradients

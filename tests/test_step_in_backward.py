@@ -77,6 +77,8 @@ def test_a_step_in_the_backward_trains_as_pytorch_bitwise_and_writes_no_gradient
             assert torch.equal(loss.detach(), expected.detach())
         assert engine.step_count == 4 and _same_weights(engine, ref)
         assert _grad_bytes_written(engine, before) == 0
+        floors = engine.stats().floors  # the plan names the floor of this order, below the step()'s
+        assert 0 < floors["in_backward"]["disk_read"] < floors["disk_read"]
     # the same engine without it writes gradients at this budget
     unfused = _engine(_gpt(), tmp_path / "b", cls, kwargs, activations=activations)
     with unfused:

@@ -160,7 +160,11 @@ class Plan:
             link = "" if f["link"] is None else f"; device link >= {f['link'] / mib:.1f} MiB"
             lines.append(f"floors per step: disk >= {f['disk_read'] / mib:.1f} MiB read + {f['disk_written'] / mib:.1f} "
                          f"MiB written{link}; the update runs in the {f['update']} tier"
-                         + (f" ({f['update_why']})" if f.get("update_why") else "") + f", gradients {f['gradients']}")
+                         + (f" ({f['update_why']})" if f.get("update_why") else "") + f", gradients {f['gradients']}"
+                         + ("" if not f.get("in_backward") else
+                            f"; with the step in the backward (backward(loss, step=True)) disk >= "
+                            f"{f['in_backward']['disk_read'] / mib:.1f} MiB read + "
+                            f"{f['in_backward']['disk_written'] / mib:.1f} MiB written"))
         if self.predicted_step_s is None:
             lines.append("predicted step: not yet (measured over the first iterations)")
         else:

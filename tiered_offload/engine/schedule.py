@@ -383,6 +383,16 @@ class Schedule:
                 link = 2 * max(0, weights + states + largest_grad - device)
         return {"disk_read": read, "disk_written": written, "link": link}
 
+    def floors_in_backward(self, memory: int) -> dict[str, int]:
+        """:meth:`floors` for a step run in the backward (:mod:`~tiered_offload.engine.step_in_backward`;
+        no device tier): each gradient is consumed by its unit's update as it is made, so a step
+        reads what of the weights and optimizer states ``memory`` cannot hold, and writes what of
+        those it rewrites (a trained unit's weights, every state) memory cannot hold."""
+        weights = sum(u.numel for u in self.units) * FP32_BYTES
+        rewritten = sum(u.numel for u in self.units if u.state_numel) * FP32_BYTES
+        states = sum(len(self.state_kinds) * u.state_numel for u in self.units) * FP32_BYTES
+        return {"disk_read": max(0, weights + states - memory), "disk_written": max(0, rewritten + states - memory)}
+
     def resident_bytes(self) -> int:
         """Compute-tier bytes of the whole training state held at once: each tensor (a unit's
         weights, gradients, each piece of each state kind) as the tier stores it (aligned). Beyond
