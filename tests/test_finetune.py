@@ -245,25 +245,33 @@ def _buffers(model) -> dict[str, torch.Tensor]:
     return {name: b.detach().clone() for name, b in model.named_buffers() if name in saved}
 
 
-def train_engine(engine, data, loss_fn, clip, fused=False, habits=None, start=0):
+def train_engine(engine, data, loss_fn, clip, fused=False, habits=None, start=0, in_backward=False):
     """The loop of ``train`` through the engine (``start``: the index of ``data``'s first step);
-    ``fused``: each step's micro-batches through ``engine.forward_backward`` instead of a backward each."""
+    ``fused``: each step's micro-batches through ``engine.forward_backward`` instead of a backward each;
+    ``in_backward``: the step (and ``zero_grad``) run in the last backward, ``step=True`` (no
+    clipping, nothing logged before the step, the gradients zeroed every step)."""
     habits = habits or Habits()
+    assert not in_backward or (clip is None and habits.steps_in_backward()), "no step() of its own to precede"
     losses = []
     for s, step in enumerate(data, start):
         habits.freeze(engine.model, s)
         if fused:
             with habits.forward():
-                losses += [loss.item() for loss in fused_step(engine, step, functools.partial(habits.loss, loss_fn))]
+                losses += [loss.item() for loss in fused_step(engine, step, functools.partial(habits.loss, loss_fn),
+                                                              in_backward)]
         else:
             for m, (ids, route) in enumerate(step):
                 habits.switch(engine.model, (s, m), "forward")
                 with habits.forward():
                     loss = habits.loss(loss_fn, engine, ids, route) / len(step)
                 habits.switch(engine.model, (s, m), "backward")
-                engine.backward(loss)
+                engine.backward(loss, step=in_backward and m == len(step) - 1)
                 habits.switch(engine.model, (s, m), "after")
                 losses.append(loss.item())
+        if in_backward:
+            losses += habits.logged(engine, loss_fn, s, "after-step", engine.model)
+            habits.exported(engine.model, s, engine)
+            continue
         losses += habits.logged(engine, loss_fn, s, "before-step", engine.model)
         if clip is not None:
             engine.clip_grad_norm_(clip)
@@ -341,6 +349,13 @@ class Habits:
                 model.get_parameter(name).requires_grad_(flag)
             except AttributeError:
                 model.get_submodule(name).requires_grad_(flag)
+
+    def steps_in_backward(self) -> bool:
+        """Whether a loop of these habits can run its step in the backward (``step=True``): nothing
+        between its last backward and its step (no ``clip_value``, no log before the step), and the
+        gradients zeroed after every step."""
+        return (self.clip_value is None and self.zero_grad_every == 1
+                and all(when != "before-step" for when, _ in self.logs.values()))
 
     def zeroes_after(self, step: int) -> bool:
         """Whether the loop zeroes the gradients after step ``step`` (see ``zero_grad_every``)."""
@@ -431,9 +446,10 @@ class _Called(Exception):
     pass
 
 
-def fused_step(engine, step, loss_fn):
+def fused_step(engine, step, loss_fn, in_backward=False):
     """One step's micro-batches through ``engine.forward_backward``: each given as the arguments
-    ``loss_fn`` calls the model with (by name), its loss ``loss_fn``'s on the engine's output."""
+    ``loss_fn`` calls the model with (by name), its loss ``loss_fn``'s on the engine's output
+    (``in_backward``: with ``step=True``)."""
     def capture(*args, **kwargs):
         raise _Called(args, kwargs)
     signature = inspect.signature(engine.model.forward)
@@ -450,7 +466,7 @@ def fused_step(engine, step, loss_fn):
     def loss_of(out, b):
         ids, route = step[next(i for i, x in enumerate(micro_batches) if x is b)]
         return loss_fn(lambda *_, **__: out, ids, route) / len(step)
-    return engine.forward_backward(micro_batches, loss_of)
+    return engine.forward_backward(micro_batches, loss_of, step=in_backward)
 
 
 def _storage(storage, path: Path):
@@ -465,12 +481,12 @@ def _storage(storage, path: Path):
 
 def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, accumulate=1, clip=None,
                  routes=None, shapes=None, resume_at=None, host_fraction=0.4, host=None, config=None, storage="dir",
-                 inspect=None, fused=False, device="cpu", habits=None, **engine_kwargs):
+                 inspect=None, fused=False, device="cpu", habits=None, in_backward=False, **engine_kwargs):
     """Train ``make()`` in memory and through the engine (state on disk, host budget below it);
     ``shapes``: the micro-batches' (see :func:`batches`);
     with ``resume_at``, the engine is closed after that many steps and a new one resumes; ``fused``:
     the micro-batches through ``forward_backward``; both on ``device``; ``habits``: :class:`Habits`
-    in both loops. Returns the engine's final weights, the reference model and the engine's state bytes."""
+    in both loops; ``in_backward``: the engine's step run in its last backward (``step=True``). Returns the engine's final weights, the reference model and the engine's state bytes."""
     ref = make()
     start = copy.deepcopy(ref.state_dict())
     order = [n for n, _ in ref.named_parameters()]  # (PEFT's LoRA on a parameter moves it last in a forward)
@@ -496,12 +512,12 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
         host = int(16 * sum(p.numel() for p in ref.parameters()) * host_fraction)
     engine = build(False)
     split = steps if resume_at is None else resume_at
-    losses = train_engine(engine, data[:split], loss_fn, clip, fused, habits)
+    losses = train_engine(engine, data[:split], loss_fn, clip, fused, habits, in_backward=in_backward)
     if resume_at is not None:
         engine.close()
         engine = build(True)
         assert engine.step_count == resume_at - sum(s < resume_at for s, _ in habits.poisoned)
-        losses += train_engine(engine, data[split:], loss_fn, clip, fused, habits, start=split)
+        losses += train_engine(engine, data[split:], loss_fn, clip, fused, habits, start=split, in_backward=in_backward)
     assert same_losses(losses, losses_ref), "losses differ from PyTorch's"
     weights = dict(engine.named_parameters())
     reference = dict(ref.named_parameters())

@@ -251,3 +251,31 @@ def test_a_non_finite_gradient_below_an_updated_block_tears_the_step_and_the_sto
             opt.step()
             opt.zero_grad()
         assert _same_weights(resumed, ref)
+
+
+@pytest.mark.parametrize("case", ["moe", "llama-resumed", "gpt2-twice", "lora"])
+def test_model_kinds_train_with_the_step_in_the_backward_as_pytorch(tmp_path, case, monkeypatch):
+    """``tests/test_finetune.py::check_parity`` with the step in the last backward: a routed MoE
+    (an expert no token reached keeps its weights, as ``torch.optim`` skips it), Llama with
+    Trainer's groups resumed from a snapshot commit, GPT-2 with dropout whose blocks are called
+    twice before each backward (the update waits for the last call), a LoRA model (frozen base)."""
+    import test_finetune as tf
+    from tiered_offload.engine.step_in_backward import StepInBackward
+    opened, real = [], StepInBackward._open
+    monkeypatch.setattr(StepInBackward, "_open", lambda self: opened.append(True) and real(self))
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
+    if case == "moe":
+        weights, _, start, _ = tf.check_parity(tf.make_moe, adamw, tmp_path, routes=[[0, 1], [1, 2], [2, 0]], steps=3,
+                                               accumulate=2, fused=True, in_backward=True, durable=False,
+                                               host_fraction=0.6)
+        assert all(torch.equal(weights[k], start[k]) for k in weights if ".experts.3." in k)
+    elif case == "llama-resumed":
+        tf.check_parity(tf.make_llama, lambda m: torch.optim.AdamW(tf.hf_groups(m), lr=1e-3), tmp_path,
+                        loss_fn=tf.hf_loss, steps=4, accumulate=2, resume_at=2, commit_every=2, in_backward=True)
+    elif case == "gpt2-twice":
+        tf.check_parity(lambda: tf.make_gpt2(dropout=0.1), adamw, tmp_path, loss_fn=tf.hf_loss, steps=3, accumulate=2,
+                        habits=tf.Habits(twice=True), in_backward=True, durable=False)
+    else:
+        tf.check_parity(tf.make_lora, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), tmp_path, storage=None,
+                        host_fraction=0.6, in_backward=True)
+    assert opened  # the steps opened in a backward: blocks were updated there

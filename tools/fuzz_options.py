@@ -8,7 +8,8 @@ resume, durability and ``commit_every``, host and device budgets (the device tie
 exclusive or inclusive caching), the update's placement, activation modes, the step's mode, its
 lead, piece and chunk sizes and the prefetch depth; and what a loop does besides training
 (``test_finetune.Habits``: a NaN loss, an LR schedule, held-out losses logged around the step,
-exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls).
+exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls), and
+where nothing runs between the last backward and the step, the step in that backward (``step=True``).
 ``--wide`` adds T5 and BART, frozen parameters, LoRA layers, Trainer's parameter groups and
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
@@ -227,6 +228,10 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
         kw["commit_every"] = rng.choice([1, 2])
     if stores is not None:
         kw["storage"] = draw_store(stores, store, kw["durable"])
+    # the step in the last backward (drawn last: a seed draws the rest as before), where nothing runs between
+    # the backward and the step and the engine runs it (no device tier; durable, snapshot commits)
+    kw["in_backward"] = (kw["clip"] is None and kw["habits"].steps_in_backward() and "device_budget_bytes" not in store
+                         and (not kw["durable"] or kw["commit_every"] > 1) and rng.random() < 0.5)
     case = {"model": name, "optimizer": opt, **{k: v for k, v in kw.items() if k != "loss_fn"},
             "config": config, "store_config": store}
     return case, dict(kw, make=make, make_optimizer=optimizers[opt], config=config, store_config=store)
