@@ -45,6 +45,7 @@ the step runs after the backward, as ``step()`` (same numbers).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable
 
 from offload_core.errors import ConfigError, NonFiniteError
@@ -54,6 +55,9 @@ from tiered_offload.store.tiers import Tier
 __all__ = ["StepInBackward", "open_step"]
 
 log = logging.getLogger(__name__)
+
+_TOLD: "weakref.WeakSet" = weakref.WeakSet()
+"""Engines told once that their budget runs the step after the backward."""
 
 
 def open_step(engine) -> list[dict]:
@@ -99,6 +103,8 @@ class StepInBackward:
         self.updated: list[str] = []
         self.bad: list[str] = []
         """Units whose gradients were not finite, found after the step opened."""
+        self.timed = False
+        """Whether the call it runs in counts its time as the engine's (``backward``; not ``forward_backward``)."""
 
     @staticmethod
     def refusal(engine) -> str | None:
@@ -123,7 +129,7 @@ class StepInBackward:
             raise ConfigError(why)
         engine._await()
         fused = cls(engine)
-        fused.timed = arm_now  # (backward() counts its time as the engine's; forward_backward() its own)
+        fused.timed = arm_now
         if arm_now:
             fused.arm()
         try:
@@ -143,7 +149,8 @@ class StepInBackward:
         its backward (where the budget holds an update beside the backward's pins)."""
         engine = self.engine
         if engine.store.capacity(engine.store.compute_tier) < engine.schedule.defer_budget():
-            if self.fuse:
+            if engine not in _TOLD:
+                _TOLD.add(engine)
                 log.info("backward(step=True): the %s budget cannot hold a unit's update beside the rest's weights and "
                          "gradients; the step runs after the backward", engine.store.compute_tier.name.lower())
             self.fuse = False
@@ -206,9 +213,8 @@ class StepInBackward:
             return taken
         if not self.bad:
             for layout in engine.schedule.update_order():
-                unit = engine._units_by_name[layout.name]
-                if unit.name not in self.done:
-                    self._update(unit)
+                if layout.name not in self.done and not self.bad:
+                    self._update(engine._units_by_name[layout.name])
         if self.bad:
             error = NonFiniteError(
                 f"non-finite gradients in {', '.join(self.bad)}, found in backward(step=True) after "
