@@ -88,8 +88,7 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
     modes = set()
     while engine.step_count < steps:
         x = torch.randint(0, 256, (4, 33))  # the global RNG: a resume must restore it exactly
-        if in_backward:  # (no clipping: the step runs in the backward)
-            engine.user_state = {"batches": engine.step_count + 1}
+        engine.user_state = {"batches": engine.step_count + 1}  # (committed with the step)
         if accumulate > 1:  # the micro-batches through each block together
             parts = list(x.repeat(accumulate, 1).chunk(accumulate))
             inputs = [p[:, :-1] for p in parts]
@@ -101,9 +100,8 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
             logits = engine(x[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
             engine.backward(loss, step=in_backward)
-        if not in_backward:
+        if not in_backward:  # (in the backward: no clipping, the step and zero_grad() ran there)
             engine.clip_grad_norm_(1.0)
-            engine.user_state = {"batches": engine.step_count + 1}
             engine.step()
             engine.zero_grad()
         print(f"STEP {engine.step_count} {loss.item():.6f}" + (f" {_digest(engine)}" if digests else ""), flush=True)

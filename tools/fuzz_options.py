@@ -8,8 +8,8 @@ resume, durability and ``commit_every``, host and device budgets (the device tie
 exclusive or inclusive caching), the update's placement, activation modes, the step's mode, its
 lead, piece and chunk sizes and the prefetch depth; and what a loop does besides training
 (``test_finetune.Habits``: a NaN loss, an LR schedule, held-out losses logged around the step,
-exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls), and
-where nothing runs between the last backward and the step, the step in that backward (``step=True``).
+exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls). A quarter
+of the cases run the step in the last backward (``step=True``), their loop made one that can.
 ``--wide`` adds T5 and BART, frozen parameters, LoRA layers, Trainer's parameter groups and
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,

@@ -223,19 +223,20 @@ class Schedule:
 
         def step(u: UnitLayout) -> list[str]:
             return [] if u.name in idle or u.name in stepless else self._step_keys(u)
+
+        def backward(b: UnitLayout) -> list[str]:  # a block's backward, each micro-batch's
+            return [key for k in range(repeat) for key in [b.weight_key, b.grad_key if b.name not in idle else None,
+                                                           *act(b, k)] if key]
         body = {
             Phase.FORWARD: [k for u in order for k in forward(u)],
-            Phase.BACKWARD: [key for b in reversed(self.blocks) for k in range(repeat)
-                             for key in [b.weight_key, b.grad_key if b.name not in idle else None, *act(b, k)] if key],
+            Phase.BACKWARD: [key for b in reversed(self.blocks) for key in backward(b)],
             Phase.CLIP: [],  # the norms come from backward: clipping reads nothing
             Phase.STEP: [k for u in order for k in step(u)],
         }
-        if fused:
-            blocks = [b.name for b in self.blocks]
-            body[Phase.BACKWARD] = [key for b in reversed(self.blocks) for key in [*(
-                key for k in range(repeat) for key in [b.weight_key, b.grad_key if b.name not in idle else None,
-                                                       *act(b, k)] if key), *step(b)]]
-            body[Phase.BACKWARD] += [k for u in order if u.name not in blocks for k in step(u)]
+        if fused:  # each block's update after its backward, the other units' after the last block's
+            blocks = {b.name for b in self.blocks}
+            body[Phase.BACKWARD] = [key for b in reversed(self.blocks) for key in backward(b) + step(b)]
+            body[Phase.BACKWARD] += [key for u in order if u.name not in blocks for key in step(u)]
             body[Phase.STEP] = []
         if not overlap or Phase.STEP not in phases:
             i = phases.index(Phase.STEP) if Phase.STEP in phases else 0

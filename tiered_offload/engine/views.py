@@ -20,6 +20,7 @@ from tiered_offload.checkpoint.session import JournalCommits
 from tiered_offload.engine.planner import Plan
 from tiered_offload.engine.schedule import FP32_BYTES
 from tiered_offload.engine.stats import EngineStats
+from tiered_offload.engine.step_in_backward import StepInBackward
 from tiered_offload.store.tiers import Tier
 from tiered_offload.trace import Tracer
 
@@ -136,7 +137,7 @@ class EngineViews:
         journal = isinstance(self._commits, JournalCommits)
         return {**self.schedule.floors(host + device, device, update_on_host=self._updater.tier == Tier.HOST,
                                        journal=journal),
-                "in_backward": None if device or self._placement.world > 1 else self.schedule.floors_in_backward(host),
+                "in_backward": None if StepInBackward.refusal(self) else self.schedule.floors_in_backward(host),
                 "update": self._updater.tier.name.lower(), "update_why": self._updater.why,
                 "gradients": "to the disk before each step's record (a crash redoes the update from them)" if journal
                 else "in memory until the update (to the disk only when memory is short)"}
