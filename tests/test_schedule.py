@@ -278,10 +278,18 @@ def test_a_step_in_the_backward_moves_what_memory_cannot_hold_of_the_weights_and
     s = Schedule(units(n_blocks=3, block=1000, rest=5000, frozen_rest=5000), ("m", "v"))
     weights, states = (3 * 1000 + 5000) * 4, 2 * 3 * 1000 * 4
     got = s.floors_in_backward(10_000)
-    assert got == {"disk_read": weights + states - 10_000, "disk_written": 3 * 1000 * 4 + states - 10_000}
+    assert got == {"disk_read": weights + states - 10_000, "disk_written": 3 * 1000 * 4 + states - 10_000, "link": None}
     plain = s.floors(10_000, 0, update_on_host=True, journal=False)
     assert got["disk_read"] <= plain["disk_read"] and got["disk_written"] < plain["disk_written"]
-    assert s.floors_in_backward(10 ** 9) == {"disk_read": 0, "disk_written": 0}
+    assert s.floors_in_backward(10 ** 9) == {"disk_read": 0, "disk_written": 0, "link": None}
+    # a device tier of 6,000 bytes under an update on the host holds weights only (it has room for
+    # 6,000 of their 32,000 bytes): the host's 4,000 and those hold the rest; the link as the step's
+    device = s.floors_in_backward(10_000, 6_000, update_on_host=True)
+    assert device == {"disk_read": weights + states - 4_000 - 6_000, "disk_written": 3 * 1000 * 4 + states - 10_000,
+                      "link": s.floors(10_000, 6_000, update_on_host=True, journal=False)["link"]}
+    # a device tier larger than the weights: the room beyond them holds nothing of the states
+    wide = s.floors_in_backward(40_000, 36_000, update_on_host=True)
+    assert wide["disk_read"] == states - 4_000 and wide["disk_written"] == max(0, 3 * 1000 * 4 + states - 4_000 - weights)
 
 
 def test_the_link_floor_is_a_floor_of_each_placement():

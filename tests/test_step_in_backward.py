@@ -14,9 +14,9 @@ from tiered_offload import Engine, EngineConfig
 from tiered_offload_examples.models import GPT, GPTConfig
 
 
-def _gpt(dropout=0.0):
+def _gpt(dropout=0.0, layers=4):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=128, context=33, d_model=32, n_layers=4, n_heads=4, dropout=dropout))
+    return GPT(GPTConfig(vocab_size=128, context=33, d_model=32, n_layers=layers, n_heads=4, dropout=dropout))
 
 
 def _loss(model, x):
@@ -28,10 +28,12 @@ def _state_bytes(model):
     return 16 * sum(p.numel() for p in model.parameters())
 
 
-def _engine(ref, tmp_path, optimizer=torch.optim.AdamW, kwargs=None, fraction=0.4, activations="recompute", **more):
+def _engine(ref, tmp_path, optimizer=torch.optim.AdamW, kwargs=None, fraction=0.4, activations="recompute",
+            optimizer_device="auto", **more):
     more.setdefault("durable", False)
     return Engine(copy.deepcopy(ref), optimizer, kwargs or dict(lr=1e-2), storage=tmp_path / "s",
-                  host_memory=int(_state_bytes(ref) * fraction), config=EngineConfig(activations=activations), **more)
+                  host_memory=int(_state_bytes(ref) * fraction),
+                  config=EngineConfig(activations=activations, optimizer_device=optimizer_device), **more)
 
 
 def _batches(n, seed=1, batch=4):
@@ -148,16 +150,62 @@ def test_with_dropout_the_loop_that_learns_the_draws_and_the_passes_after_it_ste
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def _link_bytes(engine, since):
+    """Bytes copied into and out of the device tier since ``since`` (a store's stats), by kind."""
+    return engine.store.stats.by_kind(("host->device", "device->host"), since=since)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_with_a_device_tier_the_step_in_the_backward_trains_as_pytorch_wherever_the_update_runs(tmp_path, where):
+    """A device tier (the CPU stand-in: a quarter of the state) over a host tier (3/8): with the
+    update in either tier, ``backward(loss, step=True)`` gives PyTorch's losses and weights,
+    bitwise (on the stand-in the two placements' references are the same arithmetic; the GPU check
+    holds each to its own on CUDA), and not a byte of gradient reaches the disk. In the host tier
+    the device sends each gradient down once and receives no state; the plan states the link's
+    floor for this order and the measured bytes are not below it."""
+    ref = _gpt(layers=10)
+    state = _state_bytes(ref)
+    engine = _engine(ref, tmp_path, fraction=0.375, optimizer_device=where,
+                     store_config={"device_budget_bytes": state // 4})
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    grads = sum(p.numel() for p in ref.parameters()) * 4
+    in_backward = []  # per unit updated: whether it ran inside the backward (the blocks) or after it (the rest)
+    update_unit = engine._update_unit
+    engine._update_unit = lambda unit, *a: (in_backward.append(engine._streamer.step_in_backward is not None),
+                                            update_unit(unit, *a))[1]
+    with engine:
+        assert engine._updater.tier.name.lower() == where
+        for i, x in enumerate(_batches(5)):
+            if i == 2:
+                before = engine.store.stats
+            loss = _loss(engine, x)
+            assert engine.backward(loss, step=True) is True
+            expected = _loss(ref, x)
+            expected.backward()
+            opt.step()
+            opt.zero_grad()
+            assert torch.equal(loss.detach(), expected.detach())
+        assert engine.step_count == 5 and _same_weights(engine, ref)
+        assert in_backward.count(True) == 5 * 10 and in_backward.count(False) == 5  # 10 blocks in, the rest after
+        assert _grad_bytes_written(engine, before) == 0
+        link = _link_bytes(engine, before)
+        floors = engine.stats().floors["in_backward"]
+        assert floors["link"] > 0 and sum(link.values()) / 3 >= floors["link"], (link, floors)
+        if where == "host":
+            assert "state" not in link, link
+            moved = engine.store.stats.by_kind(("device->host",), since=before)
+            assert moved["grad"] / 3 == grads, moved  # each gradient down once a step
+
+
 def test_what_the_step_in_the_backward_cannot_run_exactly_is_refused_before_anything_runs(tmp_path):
-    """A device tier, and journal commits (durable, one commit a step, the state beyond memory):
-    ``ConfigError`` naming what to do, raised before the backward (no gradient, no update); the
-    same engine then trains with ``backward``, ``step`` and ``zero_grad``."""
+    """Journal commits (durable, one commit a step, the state beyond memory): ``ConfigError``
+    naming what to do, raised before the backward (no gradient, no update); the same engine then
+    trains with ``backward``, ``step`` and ``zero_grad``."""
     ref = _gpt()
     x = _batches(1)[0]
-    device = _engine(ref, tmp_path / "d", store_config={"device_budget_bytes": _state_bytes(ref) // 3}, fraction=0.8)
     journal = _engine(ref, tmp_path / "j", durable=True)
     assert journal.commit_mode == "journal"
-    for engine, says in ((device, "a device tier"), (journal, "commit_every=2 or more")):
+    for engine, says in ((journal, "commit_every=2 or more"),):
         with engine:
             loss = _loss(engine, x)
             with pytest.raises(ConfigError, match=says):

@@ -26,6 +26,7 @@ ratios against the inclusive, deep-window configuration measured in the same run
     python tools/bench_tiers.py --placements       # the optimizer step on the device against on the host
     python tools/bench_tiers.py --placements --disk-rate 300   # the same with the disk the bottleneck
     python tools/bench_tiers.py --placements --least 300      # and the least link bytes for the same accesses
+    python tools/bench_tiers.py --placements --step-in-backward   # and each placement with the step in the backward
 
 ``--least SECONDS`` records the device tier's accesses from the first measured round on and gives
 the least bytes any device tier of the budget could copy in and out for them over the rounds after
@@ -70,6 +71,15 @@ PLACEMENTS = {
 """``--placements``: where the optimizer step runs (``EngineConfig.optimizer_device``); the last
 one recomputes every block's inputs (no saved activation crosses the link: the weights' and
 gradients' traffic alone, against the plan's link floor)."""
+IN_BACKWARD = {
+    "update on the device, recomputed": ("exclusive", None, "device", "recompute"),
+    "update on the device, recomputed, in the backward": ("exclusive", None, "device", "recompute", True),
+    "update on the host, recomputed, in the backward": ("exclusive", None, "host", "recompute", True),
+}
+"""``--step-in-backward``: each placement, every block recomputed (the plans' choices of activations
+differ from run to run, and an offloaded one crosses the link), with the step run after the
+backward and in it (``backward(loss, step=True)``; then no configuration clips, so that all
+train alike)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -111,11 +121,19 @@ def main(argv=None) -> int:
     ap.add_argument("--least", type=float, default=0, metavar="SECONDS",
                     help="the least link bytes for the device tier's accesses of the rounds after the first, each "
                          "configuration's program given this long (needs SciPy and --rounds 2 or more)")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="with --placements: each placement with the step run in the backward too (no configuration "
+                         "clips then)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs, base_name = CONFIGS, BASELINE
     if args.placements:
         configs, base_name = PLACEMENTS, "update on the device"
+        if args.step_in_backward:
+            configs = {**PLACEMENTS, **IN_BACKWARD}
+    elif args.step_in_backward:
+        ap.error("--step-in-backward goes with --placements")
+    clip = not args.step_in_backward
     if args.shares:
         shares = [float(x) for x in args.shares.split(",")]
         configs = {f"exclusive, share {x:g}": ("exclusive", x, "device") for x in shares}
@@ -137,6 +155,7 @@ def main(argv=None) -> int:
                            for r in range(args.rounds)]
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), generator=g) for _ in range(n_batches)]
     engines, results = {}, {name: [] for name in configs}
+    in_backward = {name for name, c in configs.items() if c[4:5] == (True,)}  # (IN_BACKWARD's)
     try:
         for i, (name, (caching, share, placement, *activations)) in enumerate(configs.items()):
             torch.manual_seed(0)
@@ -165,10 +184,14 @@ def main(argv=None) -> int:
                 for x in batches[spans[r][0]:spans[r][1]]:
                     logits = engine(x[:, :-1].to(device))
                     loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].to(device).flatten())
-                    engine.backward(loss)
-                    engine.clip_grad_norm_(1.0)
-                    engine.step()
-                    engine.zero_grad()
+                    if name in in_backward:
+                        engine.backward(loss, step=True)
+                    else:
+                        engine.backward(loss)
+                        if clip:
+                            engine.clip_grad_norm_(1.0)
+                        engine.step()
+                        engine.zero_grad()
                     losses[name].append(loss.item())
                 engine._await()  # the step's background work belongs to this configuration's time
                 _sync(device)
@@ -187,9 +210,10 @@ def main(argv=None) -> int:
             print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
         first = next(iter(engines))
         plan = engines[first].plan.summary()
-        link_floor = {name: (engine.stats().floors or {}).get("link") for name, engine in engines.items()}
-        disk_floor = {name: sum((engine.stats().floors or {}).get(k) or 0 for k in ("disk_read", "disk_written"))
-                      for name, engine in engines.items()}
+        floors = {name: (lambda f: (f or {}).get("in_backward") if name in in_backward else f)(engine.stats().floors)
+                  or {} for name, engine in engines.items()}
+        link_floor = {name: f.get("link") for name, f in floors.items()}
+        disk_floor = {name: sum(f.get(k) or 0 for k in ("disk_read", "disk_written")) for name, f in floors.items()}
         activations = {name: engine.plan.summary().splitlines()[0] for name, engine in engines.items()}
         fewest = {name: least(recorded[name].events, engine.store.capacity(Tier.DEVICE), *windows[name],
                               time_limit=args.least) for name, engine in engines.items() if name in windows}
@@ -212,7 +236,7 @@ def main(argv=None) -> int:
               f"{med['into_device'] / state:>8.2f}x {med['out_of_device'] / state:>9.2f}x {med['s'] / base['s']:>12.2f}"
               f" {disk:>18.2f}")
     print(f"(bytes per step as multiples of the state, {format_size(state)}; base: {base_name}; losses of every "
-          f"configuration {'identical' if same else 'DIFFERENT'})")
+          f"configuration {'identical' if same else 'DIFFERENT'}{'' if clip else '; no clipping'})")
     for name, med in report["configs"].items():
         link = (med["into_device"] + med["out_of_device"]) / cfg.n_params()
         med["link_bytes_per_parameter"] = link
@@ -224,7 +248,10 @@ def main(argv=None) -> int:
               + (f"; the plan's floor {floor / cfg.n_params():.1f}, {floor / state:.2f}x)" if floor else ")")
               + f"\n{'':<32} by kind: {kinds or 'nothing'}\n{'':<32} {activations[name]}"
               + f"\n{'':<32} disk writes written over before any read: "
-                f"{med['disk_written_unread'] / max(1.0, med['disk_written']):.0%} of them")
+                f"{med['disk_written_unread'] / max(1.0, med['disk_written']):.0%} of them"
+              + (f"; disk bytes {(med['disk_read'] + med['disk_written']) / disk_floor[name]:.2f}x the plan's floor "
+                 f"({disk_floor[name] / state:.2f}x the state{', in the backward' if name in in_backward else ''})"
+                 if disk_floor[name] else ""))
         got = fewest.get(name)
         if got is not None:
             steps = (args.rounds - 1) * args.steps_per_round

@@ -571,8 +571,8 @@ def main() -> None:
                args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise,
                args.step_in_backward)
         return
-    if args.step_in_backward and (args.commit_every < 2 and args.host_fraction <= 1.2 or args.device_fraction):
-        ap.error("--step-in-backward needs snapshot commits (--commit-every 2 or more) and no device tier")
+    if args.step_in_backward and args.commit_every < 2 and args.host_fraction <= 1.2:
+        ap.error("--step-in-backward needs snapshot commits (--commit-every 2 or more)")
     if args.try_step_modes:  # (the zygote, and so every worker, inherits it)
         os.environ["TIERED_OFFLOAD_DEFER_STEP"] = "try"
     work = Path(tempfile.mkdtemp(prefix="crash-loop-"))

@@ -230,14 +230,13 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
         kw["storage"] = draw_store(stores, store, kw["durable"])
     # a quarter of the cases run the step in the last backward (drawn last: a seed draws the rest as before),
     # made a loop that can: nothing between the backward and the step (no clipping, no log before the step,
-    # the gradients zeroed every step), no device tier, snapshot commits where durable
+    # the gradients zeroed every step), snapshot commits where durable
     kw["in_backward"] = rng.random() < 0.25
     if kw["in_backward"]:
         kw["clip"] = None
         h = kw["habits"]
         h.clip_value, h.zero_grad_every = None, 1
         h.logs = {s: ("after-step", how) for s, (_, how) in h.logs.items()}
-        store.pop("device_budget_bytes", None), store.pop("tier_caching", None), store.pop("host_prefetch_share", None)
         if kw["durable"]:
             kw["commit_every"] = 2
     case = {"model": name, "optimizer": opt, **{k: v for k, v in kw.items() if k != "loss_fn"},

@@ -93,7 +93,15 @@ class UnitUpdater:
         weights and gradients of the units in ``stepping`` are about to be rewritten (zeroed):
         the device's lookahead leaves them alone until then (a copy fetched now would be stale)."""
         self.store.declare_access_sequence(keys, tier=self.store.compute_tier, cyclic=False)
-        self.store.rewrite_due([k for u in stepping if u.state_numel for k in self._rewritten(u)], self.store.compute_tier)
+        for u in stepping:
+            self.due(u)
+
+    def due(self, unit) -> None:
+        """``unit``'s weights and gradients in the device tier are about to be rewritten (zeroed)
+        by its update in the host tier: the device's lookahead leaves them alone until then, and
+        its copies go as the update reads them (see :meth:`TieredStore.rewrite_due`)."""
+        if unit.state_numel:
+            self.store.rewrite_due(self._rewritten(unit), self.store.compute_tier)
 
     def _rewritten(self, unit) -> list[str]:
         """The keys of ``unit`` a step rewrites (weights) or zeroes (gradients), as this store holds them."""

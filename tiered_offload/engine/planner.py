@@ -164,7 +164,9 @@ class Plan:
                          + ("" if not f.get("in_backward") else
                             f"; with the step in the backward (backward(loss, step=True)) disk >= "
                             f"{f['in_backward']['disk_read'] / mib:.1f} MiB read + "
-                            f"{f['in_backward']['disk_written'] / mib:.1f} MiB written"))
+                            f"{f['in_backward']['disk_written'] / mib:.1f} MiB written"
+                            + ("" if f["in_backward"].get("link") is None else
+                               f", device link >= {f['in_backward']['link'] / mib:.1f} MiB")))
         if self.predicted_step_s is None:
             lines.append("predicted step: not yet (measured over the first iterations)")
         else:

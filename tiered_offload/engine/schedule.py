@@ -384,15 +384,20 @@ class Schedule:
                 link = 2 * max(0, weights + states + largest_grad - device)
         return {"disk_read": read, "disk_written": written, "link": link}
 
-    def floors_in_backward(self, memory: int) -> dict[str, int]:
-        """:meth:`floors` for a step run in the backward (:mod:`~tiered_offload.engine.step_in_backward`;
-        no device tier): each gradient is consumed by its unit's update as it is made, so a step
-        reads what of the weights and optimizer states ``memory`` cannot hold, and writes what of
-        those it rewrites (a trained unit's weights, every state) memory cannot hold."""
+    def floors_in_backward(self, memory: int, device: int = 0, *, update_on_host: bool = False) -> dict[str, int | None]:
+        """:meth:`floors` for a step run in the backward (:mod:`~tiered_offload.engine.step_in_backward`):
+        each gradient is consumed by its unit's update as it is made, so a step reads what of the
+        weights and optimizer states ``memory`` cannot hold (under an update on the host the device
+        tier, ``device`` of it, holds weights only), and writes what of those it rewrites (a trained
+        unit's weights, every state) memory cannot hold. The link moves what it moves for
+        :meth:`floors`: the gradients' order changes, not their bytes."""
         weights = sum(u.numel for u in self.units) * FP32_BYTES
         rewritten = sum(u.numel for u in self.units if u.state_numel) * FP32_BYTES
         states = sum(len(self.state_kinds) * u.state_numel for u in self.units) * FP32_BYTES
-        return {"disk_read": max(0, weights + states - memory), "disk_written": max(0, rewritten + states - memory)}
+        held = memory - device + min(weights, device) if device and update_on_host else memory
+        link = self.floors(memory, device, update_on_host=update_on_host, journal=False)["link"]
+        return {"disk_read": max(0, weights + states - held), "disk_written": max(0, rewritten + states - held),
+                "link": link}
 
     def resident_bytes(self) -> int:
         """Compute-tier bytes of the whole training state held at once: each tensor (a unit's

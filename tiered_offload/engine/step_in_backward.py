@@ -33,24 +33,30 @@ block was updated, cannot be undone: the step is **torn**. The engine then raise
 (durable: the storage keeps the last commit; resume from it). Non-finite values nearly always
 show first at the loss or in the last block's gradient, both checked before any update.
 
+**With a device tier** the update runs where ``optimizer_device`` placed it, as ``step()``'s does.
+In the host tier below it (ZeRO-Offload's arrangement), the host reads a block's gradient and
+weights from the device right after its backward, and the device's copies go as they land
+(:meth:`UnitUpdater.due`: both are rewritten now); the device's lookahead follows the rest of the
+backward and the next forward only. In the device tier, the order is the host-only one.
+
 **Refused** (``ConfigError`` at the call, nothing run): several processes (a gradient is final
-only once the ranks reduced it, and the ranks agree on finiteness at the end); a device tier
-(the update's placement between tiers is planned for whole steps); journal commits (a journal's
-intent names every gradient before the update, which a step in the backward does not have:
-``commit_every`` >= 2 commits by snapshots). Where the compute tier cannot hold a unit's update
-beside what the backward pins (the rest's weights and gradients; :meth:`Schedule.defer_budget`),
-the step runs after the backward, as ``step()`` (same numbers).
+only once the ranks reduced it, and the ranks agree on finiteness at the end); journal commits (a
+journal's intent names every gradient before the update, which a step in the backward does not
+have: ``commit_every`` >= 2 commits by snapshots). Where the compute tier cannot hold a unit's
+update beside what the backward pins (the rest's weights and gradients; :meth:`Schedule.defer_budget`;
+an update in the host tier pins nothing of the backward's), the step runs after the backward, as
+``step()`` (same numbers).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Callable
 
 from offload_core.errors import ConfigError, NonFiniteError
 from tiered_offload.engine.schedule import Phase
-from tiered_offload.store.tiers import Tier
 
 __all__ = ["StepInBackward", "open_step"]
 
@@ -110,7 +116,6 @@ class StepInBackward:
     def refusal(engine) -> str | None:
         """Why a step cannot run in this engine's backward (None: it can)."""
         what = ("several processes" if engine._placement.world > 1 else
-                "a device tier" if engine.store.capacity(Tier.DEVICE) else
                 "journal commits (every step durable unit by unit)" if engine.commit_mode == "journal" else None)
         if what is None:
             return None
@@ -147,8 +152,10 @@ class StepInBackward:
     def arm(self) -> None:
         """The step's last backward starts: declare the access order with each unit's update after
         its backward (where the budget holds an update beside the backward's pins)."""
-        engine = self.engine
-        if engine.store.capacity(engine.store.compute_tier) < engine.schedule.defer_budget():
+        engine, updater = self.engine, self.engine._updater
+        # (an update in the host tier below a device tier: the backward pins nothing there, and the
+        # engine's construction checked that the host holds a unit's update)
+        if not updater.in_lower_tier and engine.store.capacity(engine.store.compute_tier) < engine.schedule.defer_budget():
             if engine not in _TOLD:
                 _TOLD.add(engine)
                 log.info("backward(step=True): the %s budget cannot hold a unit's update beside the rest's weights and "
@@ -156,8 +163,10 @@ class StepInBackward:
             self.fuse = False
             return
         self.armed = True
-        order = engine._streamer.access_sequence(engine.schedule, [Phase.BACKWARD, Phase.FORWARD], fused=True)
-        engine.store.declare_access_sequence(order)
+        order = functools.partial(engine._streamer.access_sequence, engine.schedule)
+        engine.store.declare_access_sequence(order([Phase.BACKWARD, Phase.FORWARD], fused=True))
+        if updater.in_lower_tier:  # the device tier sees the rest of the backward only (as under step()):
+            updater.device_sequence(order([Phase.BACKWARD]), [])  # a forward's weight fetched now takes its room
 
     def block_done(self, unit) -> None:
         """A block's buffers were released after a backward of it (the streamer calls this): update
@@ -198,6 +207,8 @@ class StepInBackward:
         scalars = (lambda group, count, s: spec.next_scalars(hypers[group], count, s)) if spec.scalars else None
         updates = engine.train_state.advance_slots(unit.params, scalars)
         if updates.before:
+            if engine._updater.in_lower_tier:  # the device's copies go as the host reads them: both change now
+                engine._updater.due(unit)
             engine._update_unit(unit, hypers, self.scale, updates)
             self.updated.append(unit.name)
         if unit.grad_key and unit.is_block:
@@ -226,6 +237,9 @@ class StepInBackward:
             self._tear(error)
             raise error
         engine.train_state.step_count += 1
+        if engine._updater.in_lower_tier:  # the device tier's order from here: the next forward and backward
+            engine._updater.device_sequence(
+                engine._streamer.access_sequence(engine.schedule, [Phase.FORWARD, Phase.BACKWARD]), [])
         then = engine._commits.begin_step(self.hypers, self.scale, None)  # (snapshots: the step's record now)
         if then is not None:
             then()

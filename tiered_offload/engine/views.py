@@ -134,10 +134,10 @@ class EngineViews:
         """What a step cannot avoid moving (:meth:`Schedule.floors`), where the update runs, and
         where the gradients wait for it."""
         host, device = self.store.capacity(Tier.HOST), self.store.capacity(Tier.DEVICE)
-        journal = isinstance(self._commits, JournalCommits)
-        return {**self.schedule.floors(host + device, device, update_on_host=self._updater.tier == Tier.HOST,
-                                       journal=journal),
-                "in_backward": None if StepInBackward.refusal(self) else self.schedule.floors_in_backward(host),
+        journal, on_host = isinstance(self._commits, JournalCommits), self._updater.tier == Tier.HOST
+        return {**self.schedule.floors(host + device, device, update_on_host=on_host, journal=journal),
+                "in_backward": None if StepInBackward.refusal(self)
+                else self.schedule.floors_in_backward(host + device, device, update_on_host=on_host),
                 "update": self._updater.tier.name.lower(), "update_why": self._updater.why,
                 "gradients": "to the disk before each step's record (a crash redoes the update from them)" if journal
                 else "in memory until the update (to the disk only when memory is short)"}
