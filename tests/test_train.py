@@ -130,18 +130,25 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
 @pytest.mark.parametrize("schedule", [dict(train__schedule="cosine"),
                                       dict(train__schedule="linear", train__betas=[0.9, 0.95], train__eps=1e-6,
                                            train__min_lr=2e-3, train__weight_decay=0.1),
-                                      dict(data__packing="documents")], ids=["defaults", "adam-settings", "documents"])
-def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule):
+                                      dict(data__packing="documents"),
+                                      dict(train__clip=None, offload__commit_every=2)],
+                         ids=["defaults", "adam-settings", "documents", "no-clipping"])
+def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule, monkeypatch):
     """The recipe the command runs, written out in plain PyTorch on the model ``from_pretrained``
     loads: the same micro-batches in the same order, the loss averaged over the accumulation,
     AdamW with weight decay on the matrices only, the warm-up and schedule (``train.min_lr``: the
     floor a linear or cosine decay ends at), clipping. Its losses and final weights are the run's,
     bitwise (the engine streams the state through the disk; the evaluations between steps change
-    nothing)."""
+    nothing). Without clipping (``train.clip: null``) every step runs in the backward
+    (``forward_backward(..., step=True)``), every block updated inside it."""
+    from tiered_offload.engine.step_in_backward import StepInBackward
     from tiered_offload.train.data import micro_batch_rows
     from tiered_offload.train.run import lr_factor
     config = write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=0, **schedule)
-    records = []
+    records, inside = [], []
+    update = StepInBackward._update
+    monkeypatch.setattr(StepInBackward, "_update", lambda self, unit: (
+        inside.append(self.engine._streamer.step_in_backward is not None), update(self, unit))[1])
     summary = train(config, progress=False, on_step=lambda s, r: records.append(r))
     cfg = load_config(config, [])
     t = cfg.train
@@ -172,14 +179,16 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
             loss = model(**batch).loss / t.grad_accum
             loss.backward()
             losses.append(loss.item() * t.grad_accum)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip) if t.clip else None
         assert (record["loss"], record["grad_norm"], record["lr"]) == (
-            sum(losses) / len(losses), float(norm), optimizer.param_groups[0]["lr"]), step
+            sum(losses) / len(losses), norm if norm is None else float(norm), optimizer.param_groups[0]["lr"]), step
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
     final = exported(Path(summary["final"]))
     assert set(final) == set(model.state_dict()) and all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+    blocks = model.config.num_hidden_layers
+    assert inside == ([True] * blocks + [False]) * t.max_steps if not t.clip else not inside, inside
 
 
 def test_the_example_configuration_reads_as_it_says():

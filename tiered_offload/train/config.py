@@ -113,7 +113,9 @@ class TrainSection:
     eps: float = 1e-8
     """AdamW's ``eps``, added to the denominator."""
     clip: float | None = 1.0
-    """Clip the global gradient norm to this (None: no clipping)."""
+    """Clip the global gradient norm to this (None: no clipping; then, on one process with snapshot
+    commits or none, each step runs in the backward: ``forward_backward(..., step=True)``, the same
+    numbers, no gradient written to the disk)."""
     seed: int = 0
     """Seeds the data order and everything random in training."""
     precision: str = "fp32"

@@ -34,6 +34,7 @@ from tiered_offload.checkpoint.lock import DirectoryLock, kind_of
 from tiered_offload.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, pick_weights
 from tiered_offload.checkpoint.schema import check_index, parse_json
 from tiered_offload.checkpoint.torch_bin import BIN_INDEX_NAME, BIN_SINGLE_NAME
+from tiered_offload.engine.step_in_backward import StepInBackward
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config, lr_factor
@@ -400,6 +401,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
         moved, checked_documents, agreed = _disk_bytes(engine), False, False
+        in_backward = not t.clip and StepInBackward.refusal(engine) is None
+        if in_backward and ranks.first:
+            log.info("tiered-offload: train.clip is null: each step runs in the backward (no gradient reaches the disk)")
 
         def stopping() -> bool:  # one process: now; ranks: as they agreed after the last step (below)
             return stop["signal"] is not None if ranks.world == 1 else agreed
@@ -414,17 +418,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 tokens += train_data.tokens(rows)
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
             with _precision(t.precision, engine), checked or contextlib.nullcontext():  # (the backwards outside)
-                losses = [loss.item() * t.grad_accum for loss in
-                          engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
+                own = _train_step(engine, batches, t, tokens, in_backward,
+                                  {"micro_batches": (step + 1) * t.grad_accum, "settings": settings})
             checked_documents = True  # (the model's first step in this process: before it is taken)
-            norm = engine.clip_grad_norm_(t.clip) if t.clip else None
-            # this rank's part of the step's record, committed with the step: a kill before the record is
-            # written leaves the resume what to write it from
-            own = [sum(losses) / len(losses), tokens, engine.param_groups[0]["lr"],
-                   None if norm is None else float(norm)]
-            engine.user_state = {"micro_batches": (step + 1) * t.grad_accum, "settings": settings, "record": own}
-            engine.step()
-            engine.zero_grad()
             now = _disk_bytes(engine)
             loss, tokens, read, written, stops = ranks.sums([own[0], own[1], now[0] - moved[0], now[1] - moved[1],
                                                               stop["signal"] is not None])
@@ -463,6 +459,36 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+
+def _train_step(engine, batches: list, t, tokens: int, in_backward: bool, state: dict) -> list:
+    """One optimizer step over ``batches`` (the step's micro-batches); returns this rank's part of
+    its record, ``[mean loss, tokens, lr, gradient norm]``. The record is committed with the step
+    (``engine.user_state``: ``state`` and the record): a kill before the run writes it leaves the
+    resume what to write it from. ``in_backward`` (``train.clip`` null, and the engine allows it):
+    the step runs in the backward (``forward_backward(..., step=True)``, the same numbers); the
+    record is set as the last micro-batch's loss is known, before any update."""
+    lr = engine.param_groups[0]["lr"]  # (the step's: the scheduler moves it as the step opens)
+    if not in_backward:
+        losses = [loss.item() * t.grad_accum for loss in
+                  engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
+        norm = engine.clip_grad_norm_(t.clip) if t.clip else None
+        own = [sum(losses) / len(losses), tokens, lr, None if norm is None else float(norm)]
+        engine.user_state = {**state, "record": own}
+        engine.step()
+        engine.zero_grad()
+        return own
+    seen: dict[int, float] = {}
+
+    def loss_fn(out, batch):
+        loss = out.loss / t.grad_accum
+        seen[next(i for i, b in enumerate(batches) if b is batch)] = loss.item() * t.grad_accum
+        if len(seen) == len(batches):  # (a pass undone before its backward runs them again: the same values)
+            losses = [seen[i] for i in range(len(batches))]
+            engine.user_state = {**state, "record": [sum(losses) / len(losses), tokens, lr, None]}
+        return loss
+    engine.forward_backward(batches, loss_fn, step=True)
+    return engine.user_state["record"]
 
 
 _LAYOUT = ("r", "targets", "parameters", "dora", "modules_to_save")
