@@ -143,6 +143,7 @@ class StepInBackward:
                 result = backward(fused.arm)
             finally:
                 engine._streamer.step_in_backward = None
+                engine.store.keep_twins(())  # (the blocks' updates ran: see arm)
             return result, fused.finish()
         except BaseException as e:
             if fused.hypers is not None and engine._torn is None:  # some update ran: the step is half applied
@@ -167,6 +168,8 @@ class StepInBackward:
         engine.store.declare_access_sequence(order([Phase.BACKWARD, Phase.FORWARD], fused=True))
         if updater.in_lower_tier:  # the device tier sees the rest of the backward only (as under step()):
             updater.device_sequence(order([Phase.BACKWARD]), [])  # a forward's weight fetched now takes its room
+            # and the host keeps its copy of a block's weights beside the device's until the update reads it
+            engine.store.keep_twins(b.weight_key for b in engine.schedule.blocks if b.state_numel)
 
     def block_done(self, unit) -> None:
         """A block's buffers were released after a backward of it (the streamer calls this): update

@@ -6,7 +6,9 @@ The victim rule, in order:
 1. Only an idle copy can go: unpinned, not loading, no operation in flight on its tensor.
 2. A stale copy (an older version than the tensor's) goes first: it holds nothing anyone needs.
 3. In the host tier below a device tier that caches other tensors (``tier_caching="exclusive"``),
-   a copy the device tier also holds goes before anything only the host has.
+   a copy the device tier also holds goes before anything only the host has; not one an update
+   in the host tier reads soon (:attr:`TierSpace.kept_twins`: a block's weights during a step in
+   the backward), which would come back down the link for it.
 4. Otherwise the policy ranks them (LRU, or the lookahead's furthest next use); a prefetch may
    only take the room of a copy needed later than what it fetches (``further_than``).
 5. A copy being written to the disk ranks as if idle: where it is the one to go, a load waits for
@@ -73,6 +75,9 @@ class TierSpace:
         self.victims_written = False
         """Whether a victim here was ever written back to make room: until then the lookahead does
         not look for a dirty copy to write ahead (a pass over the tier's copies a ``get``)."""
+        self.kept_twins: set[str] = set()
+        """Keys whose copy here is not among the device's twins (rule 3) while the device holds one
+        too: an update in this tier reads them soon (:meth:`TieredStore.keep_twins`)."""
         self.at_end: set[str] = set()
         """Keys whose copies stay pinned here through a whole forward (the engine's rest, in the
         compute tier): placed at the end of the arena, or they split the free room a unit's update
@@ -163,7 +168,8 @@ class TierSpace:
                     idle[key] = r
             elif slot.version != r.version:
                 stale.append(r)
-            elif self.exclusive and tier == Tier.HOST and Tier.DEVICE in r.slots and r.valid(Tier.DEVICE):
+            elif (self.exclusive and tier == Tier.HOST and Tier.DEVICE in r.slots and r.valid(Tier.DEVICE)
+                  and key not in self.kept_twins):
                 twins[key] = r  # (free to drop: the device copy moves back down if the device evicts it)
             else:
                 idle[key] = r

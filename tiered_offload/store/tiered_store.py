@@ -199,6 +199,14 @@ class TieredStore(CopyChains, Prefetching):
         pinned (:attr:`TierSpace.at_end`). Their copies in a tier below come and go: those are placed as any."""
         self._spaces[self.compute_tier].at_end.update(keys)
 
+    def keep_twins(self, keys: Iterable[str]) -> None:
+        """Until called again: the host tier's copies of ``keys`` rank as any copy, not as the
+        device's twins (the first to go, :mod:`~tiered_offload.store.space`), while the device
+        holds them too: an update in the host tier reads them soon, and a copy given up now comes
+        back down the link then."""
+        with self._lock:
+            self._spaces[Tier.HOST].kept_twins = set(keys)
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._records)
