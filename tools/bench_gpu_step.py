@@ -4,6 +4,7 @@ state, against the same model trained in plain PyTorch on that GPU (where it fit
 
     python tools/bench_gpu_step.py --json step.json                 # 1.07B parameters, 17 GB of state
     python tools/bench_gpu_step.py --layers 2 --d-model 256 --device cpu   # a smoke run anywhere
+    python tools/bench_gpu_step.py --optimizer-device host --micro-batches 4 --step-in-backward
 
 Reports, per side: seconds per step (median of the timed steps), model TFLOP/s (6 x parameters x
 tokens per step over the step time; the engine's recomputation is not counted), and for the
@@ -52,13 +53,15 @@ def _loss(model, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
 
 
-def _fused_loss(engine, x: torch.Tensor, n: int) -> torch.Tensor:
+def _fused_loss(engine, x: torch.Tensor, n: int, step: bool = False) -> torch.Tensor:
     """The batch as ``n`` micro-batches through ``engine.forward_backward``; the mean loss (its
-    gradients accumulated, as the loop of ``n`` backwards of ``loss / n`` leaves them)."""
+    gradients accumulated, as the loop of ``n`` backwards of ``loss / n`` leaves them; ``step``:
+    the optimizer step run in the backward)."""
     parts = list(x.chunk(n))
     inputs = [p[:, :-1] for p in parts]
     targets = {id(i): p[:, 1:].flatten() for i, p in zip(inputs, parts)}
-    losses = engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / n)
+    losses = engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / n,
+                                     step=step)
     return sum(losses)
 
 
@@ -113,10 +116,12 @@ def _waits_by_phase(trace_path: Path) -> dict:
 
 def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int, storage: str,
                host_memory: str, device_memory: str, trace_dir: Path, optimizer_device: str = "auto",
-               micro_batches: int = 1, progress=None) -> dict:
+               micro_batches: int = 1, progress=None, in_backward: bool = False) -> dict:
     """The engine's steps; ``progress(out)`` after each (a run cut short by a time limit keeps
     the steps it measured). The last batch is a traced step, not timed: the trace's end waits for
-    its own update, which the next forward would otherwise hide (it ran about 2x a step)."""
+    its own update, which the next forward would otherwise hide (it ran about 2x a step).
+    ``in_backward``: each step runs in the backward (``step=True``; no clipping), against the
+    floors of that order."""
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with empty_init():
@@ -131,7 +136,7 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
            "host_arena_pinned": host_arena.pinned, "backend": engine.store.backend.name,
            "recompute": engine.recompute, "optimizer_device": optimizer_device,
            "update_tier": engine._updater.tier.name.lower(), "update_why": engine._updater.why,
-           "micro_batches": micro_batches, "steps": []}
+           "micro_batches": micro_batches, "in_backward": in_backward, "steps": []}
     try:
         for i, x in enumerate(batches):
             last = i == len(batches) - 1
@@ -142,13 +147,14 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
             t = time.perf_counter()
             with ctx:
                 if micro_batches > 1:
-                    loss = _fused_loss(engine, x.to(device), micro_batches)
+                    loss = _fused_loss(engine, x.to(device), micro_batches, step=in_backward)
                 else:
                     loss = _loss(engine, x.to(device))
-                    engine.backward(loss)
-                engine.clip_grad_norm_(1.0)
-                engine.step()
-                engine.zero_grad()
+                    engine.backward(loss, step=in_backward)
+                if not in_backward:
+                    engine.clip_grad_norm_(1.0)
+                    engine.step()
+                    engine.zero_grad()
                 value = loss.item()
                 _sync(device)
             dt = time.perf_counter() - t
@@ -182,7 +188,9 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
             out["io_by_phase"] = by_phase(events["traceEvents"] if isinstance(events, dict) else events)
         if len(out["steps"]) > 1:
             out["traced_step"] = out["steps"].pop()
-        out["floors"] = engine.stats().floors  # what a step cannot avoid moving, beside the measured
+        floors = engine.stats().floors  # what a step cannot avoid moving, beside the measured
+        out["floors"] = floors["in_backward"] if in_backward else floors
+        out["floors_of_step"] = floors
         out["plan"] = engine.plan.summary()  # its modes and why (the step mode tried where the disk bounds it)
     finally:
         engine.close()
@@ -219,8 +227,8 @@ def against_floors(engine: dict, warmup: int, bench_io: dict | None = None) -> d
     if all("disk_written_unread" in x for x in timed):  # (a report from before 2026-12-05 has none)
         out["unread_write_share"] = mean("disk_written_unread") / max(1, mean("disk_written"))
     f = engine.get("floors") or {}
-    if f:
-        out["disk_over_floor"] = out["disk_per_step"] / max(1, f["disk_read"] + f["disk_written"])
+    if f and f["disk_read"] + f["disk_written"] > 0:  # (a floor of 0, the state fits memory: no ratio)
+        out["disk_over_floor"] = out["disk_per_step"] / (f["disk_read"] + f["disk_written"])
         if f.get("link") is not None:
             out["link_over_floor"] = out["link_per_step"] / max(1, f["link"])
         if bench_io:
@@ -272,6 +280,9 @@ def main(argv=None) -> int:
                     help="where the optimizer step runs (EngineConfig.optimizer_device)")
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="split each step's batch into N micro-batches through engine.forward_backward")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="each step in the backward (backward(loss, step=True) or forward_backward(..., step=True); "
+                         "no clipping): against that order's floors")
     ap.add_argument("--bench-io", default=None, metavar="JSON",
                     help="bench-io's --json report: the step against the disk floor's time at its rates")
     ap.add_argument("--summarize", default=None, metavar="REPORT",
@@ -310,7 +321,7 @@ def main(argv=None) -> int:
                 Path(args.json).write_text(json.dumps(report | {"engine_partial": steps_so_far}, indent=2, default=str))
         e = engine_run(cfg, _batches(cfg, args.batch, args.steps + 1), device, min(args.warmup, args.steps - 1), storage,
                        args.host_memory, args.device_memory, trace_dir, args.optimizer_device, args.micro_batches,
-                       progress=partial)
+                       progress=partial, in_backward=args.step_in_backward)
         e["TFLOPs"] = flops / e["step_s"] / 1e12
         report["engine"] = e
         if "step_s" in p:

@@ -270,7 +270,10 @@ def step_time_section(check: Check, quick: bool):
         # the optimizer step where its state lives, on the GPU, as the planner places it with 4
         # micro-batches through forward_backward (the batch split: the same tokens per step)
         runs = [("host", ["--optimizer-device", "host"]), ("device", ["--optimizer-device", "device"]),
-                ("auto_4_micro_batches", ["--optimizer-device", "auto", "--micro-batches", "4"])]
+                ("auto_4_micro_batches", ["--optimizer-device", "auto", "--micro-batches", "4"]),
+                # the step in the backward (no clipping): no gradient on the disk, the host keeps the weights
+                ("host_4_micro_batches_in_backward", ["--optimizer-device", "host", "--micro-batches", "4",
+                                                      "--step-in-backward"])]
         for i, (name, extra) in enumerate(runs):
             left = limit - sum(v.get("seconds", 0) for v in out.values())
             t = time.monotonic()
