@@ -24,8 +24,10 @@ order of importance, each with its own time limit inside ``--budget-s``:
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
    below its 17 GB state, 10 steps (steady state 4-10) against plain PyTorch on the same GPU, with
    the optimizer step on the host, on the device, and placed by the planner with 4 micro-batches
-   through ``forward_backward``, each against the plan's floors, each step's mode and bytes in its
-   report (rewritten after every step: a run the time limit cuts keeps the steps it measured).
+   through ``forward_backward``, and on the host with 4 micro-batches and the step in the backward
+   (``step=True``, no clipping), each against the plan's floors (the last against that order's),
+   each step's mode and bytes in its report (rewritten after every step: a run the time limit cuts
+   keeps the steps it measured).
 6. ``tiers``: ``tools/bench_tiers.py --placements`` on CUDA: PCIe bytes per parameter per step with
    the optimizer step on the device and on the host, in one run, if time is left.
 7. ``suite``: the whole test suite, verbose (pytest-xdist where installed), with what time is left
