@@ -1492,13 +1492,16 @@ def test_best_fit_places_every_example_in_a_sequence_that_holds_it():
         assert np.array_equal(where, best_fit(lengths.copy(), capacity))
 
 
+@pytest.mark.parametrize("clip", [1.0, None], ids=["clipped", "in-backward"])
 @pytest.mark.parametrize("kind", ["opt", "mamba"])
 def test_packing_documents_with_a_model_whose_attention_ignores_position_ids_is_refused(tmp_path, model_dir, data,
-                                                                                         kind):
+                                                                                         kind, clip):
     """A model whose forward builds no attention mask from the position ids (OPT's masks and
     positions come from the attention mask; a state-space model carries its state from one
     example into the next) would train each example on the ones before it: refused at the first
-    step, naming the model and the setting, with nothing trained."""
+    step, naming the model and the setting, with nothing trained. Without clipping (the step in
+    the backward, snapshot commits) too: the check's step runs after its backward."""
+    more = {} if clip else dict(train__clip=None, offload__commit_every=2)
     other = tmp_path / f"tiny-{kind}"
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     tokenizer.save_pretrained(other)
@@ -1515,12 +1518,13 @@ def test_packing_documents_with_a_model_whose_attention_ignores_position_ids_is_
     model.save_pretrained(other)
     records = []
     config = write_config(tmp_path, other, data, train__max_steps=2, output__export_every=0,
-                          data__packing="documents")
+                          data__packing="documents", **more)
     with pytest.raises(ConfigError, match=rf"data.packing: documents.*{type(model).__name__}.*packing: true or false"):
         train(config, progress=False, on_step=lambda s, r: records.append(r))
     assert records == []
-    again = train(write_config(tmp_path, other, data, train__max_steps=2, output__export_every=0), progress=False)
-    fresh = train(write_config(tmp_path / "fresh", other, data, train__max_steps=2, output__export_every=0),
+    again = train(write_config(tmp_path, other, data, train__max_steps=2, output__export_every=0, **more),
+                  progress=False)
+    fresh = train(write_config(tmp_path / "fresh", other, data, train__max_steps=2, output__export_every=0, **more),
                   progress=False)
     assert again["step"] == 2 and _same_weights(exported(Path(again["final"])), exported(Path(fresh["final"])))
 

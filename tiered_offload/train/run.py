@@ -417,9 +417,16 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 batches.append(train_data.batch(rows))
                 tokens += train_data.tokens(rows)
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
-            with _precision(t.precision, engine), checked or contextlib.nullcontext():  # (the backwards outside)
-                own = _train_step(engine, batches, t, tokens, in_backward,
-                                  {"micro_batches": (step + 1) * t.grad_accum, "settings": settings})
+
+            def around(checked=checked) -> contextlib.ExitStack:  # the forwards' (and the backwards') context
+                stack = contextlib.ExitStack()
+                stack.enter_context(_precision(t.precision, engine))
+                if checked is not None:
+                    stack.enter_context(checked)
+                return stack
+            # (a check of the model's first forward in this process raises after it: a step after the backward)
+            own = _train_step(engine, batches, t, tokens, in_backward and checked is None, around,
+                              {"micro_batches": (step + 1) * t.grad_accum, "settings": settings})
             checked_documents = True  # (the model's first step in this process: before it is taken)
             now = _disk_bytes(engine)
             loss, tokens, read, written, stops = ranks.sums([own[0], own[1], now[0] - moved[0], now[1] - moved[1],
@@ -461,17 +468,19 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                     signal.signal(s, handler)
 
 
-def _train_step(engine, batches: list, t, tokens: int, in_backward: bool, state: dict) -> list:
-    """One optimizer step over ``batches`` (the step's micro-batches); returns this rank's part of
-    its record, ``[mean loss, tokens, lr, gradient norm]``. The record is committed with the step
-    (``engine.user_state``: ``state`` and the record): a kill before the run writes it leaves the
-    resume what to write it from. ``in_backward`` (``train.clip`` null, and the engine allows it):
-    the step runs in the backward (``forward_backward(..., step=True)``, the same numbers); the
-    record is set as the last micro-batch's loss is known, before any update."""
+def _train_step(engine, batches: list, t, tokens: int, in_backward: bool, around, state: dict) -> list:
+    """One optimizer step over ``batches`` (the step's micro-batches), their forwards and backwards
+    in the context ``around()`` makes; returns this rank's part of the step's record, ``[mean loss,
+    tokens, lr, gradient norm]``. The record is committed with the step (``engine.user_state``:
+    ``state`` and the record): a kill before the run writes it leaves the resume what to write it
+    from. ``in_backward`` (``train.clip`` null, and the engine allows it): the step runs in the
+    backward (``forward_backward(..., step=True)``, the same numbers); the record is set as the
+    last micro-batch's loss is known, before any update."""
     lr = engine.param_groups[0]["lr"]  # (the step's: the scheduler moves it as the step opens)
     if not in_backward:
-        losses = [loss.item() * t.grad_accum for loss in
-                  engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
+        with around():
+            losses = [loss.item() * t.grad_accum for loss in
+                      engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
         norm = engine.clip_grad_norm_(t.clip) if t.clip else None
         own = [sum(losses) / len(losses), tokens, lr, None if norm is None else float(norm)]
         engine.user_state = {**state, "record": own}
@@ -487,7 +496,8 @@ def _train_step(engine, batches: list, t, tokens: int, in_backward: bool, state:
             losses = [seen[i] for i in range(len(batches))]
             engine.user_state = {**state, "record": [sum(losses) / len(losses), tokens, lr, None]}
         return loss
-    engine.forward_backward(batches, loss_fn, step=True)
+    with around():
+        engine.forward_backward(batches, loss_fn, step=True)
     return engine.user_state["record"]
 
 
