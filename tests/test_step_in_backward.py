@@ -46,6 +46,19 @@ def _same_weights(engine, ref):
     return all(torch.equal(ours[name], p.detach()) for name, p in ref.named_parameters())
 
 
+def _beside_pytorch(engine, ref, opt, batches):
+    """A step in the backward (``backward(loss, step=True)``) for each of ``batches``, and PyTorch's
+    ``loss.backward(); opt.step(); opt.zero_grad()`` on ``ref``: the same loss each step, bitwise."""
+    for x in batches:
+        loss = _loss(engine, x)
+        assert engine.backward(loss, step=True) is True
+        expected = _loss(ref, x)
+        expected.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(loss.detach(), expected.detach())
+
+
 def _grad_bytes_written(engine, since):
     return engine.store.stats.by_kind(("host->disk",), since=since).get("grad", 0)
 
@@ -69,14 +82,7 @@ def test_a_step_in_the_backward_trains_as_pytorch_bitwise_and_writes_no_gradient
     opt = cls(ref.parameters(), **kwargs)
     before = engine.store.stats
     with engine:
-        for x in _batches(4):
-            loss = _loss(engine, x)
-            assert engine.backward(loss, step=True) is True
-            expected = _loss(ref, x)
-            expected.backward()
-            opt.step()
-            opt.zero_grad()
-            assert torch.equal(loss.detach(), expected.detach())
+        _beside_pytorch(engine, ref, opt, _batches(4))
         assert engine.step_count == 4 and _same_weights(engine, ref)
         assert _grad_bytes_written(engine, before) == 0
         floors = engine.stats().floors  # the plan names the floor of this order, below the step()'s
@@ -176,16 +182,10 @@ def test_with_a_device_tier_the_step_in_the_backward_trains_as_pytorch_wherever_
                                             update_unit(unit, *a))[1]
     with engine:
         assert engine._updater.tier.name.lower() == where
-        for i, x in enumerate(_batches(5)):
-            if i == 2:
-                before = engine.store.stats
-            loss = _loss(engine, x)
-            assert engine.backward(loss, step=True) is True
-            expected = _loss(ref, x)
-            expected.backward()
-            opt.step()
-            opt.zero_grad()
-            assert torch.equal(loss.detach(), expected.detach())
+        batches = _batches(5)
+        _beside_pytorch(engine, ref, opt, batches[:2])
+        before = engine.store.stats
+        _beside_pytorch(engine, ref, opt, batches[2:])
         assert engine.step_count == 5 and _same_weights(engine, ref)
         assert in_backward.count(True) == 5 * 10 and in_backward.count(False) == 5  # 10 blocks in, the rest after
         assert _grad_bytes_written(engine, before) == 0
