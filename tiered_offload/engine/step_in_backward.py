@@ -36,8 +36,12 @@ show first at the loss or in the last block's gradient, both checked before any 
 **With a device tier** the update runs where ``optimizer_device`` placed it, as ``step()``'s does.
 In the host tier below it (ZeRO-Offload's arrangement), the host reads a block's gradient and
 weights from the device right after its backward, and the device's copies go as they land
-(:meth:`UnitUpdater.due`: both are rewritten now); the device's lookahead follows the rest of the
-backward and the next forward only. In the device tier, the order is the host-only one.
+(:meth:`UnitUpdater.due`: both are rewritten now). The device's lookahead follows the rest of the
+backward only (fetching the next forward's weights then took the room of the blocks below), and
+from the step's end the next forward and backward. The host keeps its copy of each block's
+weights while the device holds them too (:meth:`TieredStore.keep_twins`), so the update finds
+them there instead of reading them back down the link. In the device tier, the order is the
+host-only one.
 
 **Refused** (``ConfigError`` at the call, nothing run): several processes (a gradient is final
 only once the ranks reduced it, and the ranks agree on finiteness at the end); journal commits (a

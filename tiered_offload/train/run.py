@@ -417,15 +417,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 batches.append(train_data.batch(rows))
                 tokens += train_data.tokens(rows)
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
-
-            def around(checked=checked) -> contextlib.ExitStack:  # the forwards' (and the backwards') context
-                stack = contextlib.ExitStack()
-                stack.enter_context(_precision(t.precision, engine))
-                if checked is not None:
-                    stack.enter_context(checked)
-                return stack
             # (a check of the model's first forward in this process raises after it: a step after the backward)
-            own = _train_step(engine, batches, t, tokens, in_backward and checked is None, around,
+            own = _train_step(engine, batches, t, tokens, in_backward and checked is None,
+                              lambda checked=checked: _forwards(t.precision, engine, checked),
                               {"micro_batches": (step + 1) * t.grad_accum, "settings": settings})
             checked_documents = True  # (the model's first step in this process: before it is taken)
             now = _disk_bytes(engine)
@@ -466,6 +460,14 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _forwards(precision: str, engine, checked):
+    """The context of a step's forwards and backwards: its precision, and the check of the model's
+    first forward in this process (``checked``; None: none)."""
+    with _precision(precision, engine), checked or contextlib.nullcontext():
+        yield
 
 
 def _train_step(engine, batches: list, t, tokens: int, in_backward: bool, around, state: dict) -> list:
