@@ -9,7 +9,8 @@ exclusive or inclusive caching), the update's placement, activation modes, the s
 lead, piece and chunk sizes and the prefetch depth; and what a loop does besides training
 (``test_finetune.Habits``: a NaN loss, an LR schedule, held-out losses logged around the step,
 exports and reads of the weights between steps, bf16 autocast, the optimizer's own calls). A quarter
-of the cases run the step in the last backward (``step=True``), their loop made one that can.
+of the cases run the step in the last backward (``step=True``), their loop made one that can
+(``--in-backward``: every case).
 ``--wide`` adds T5 and BART, frozen parameters, LoRA layers, Trainer's parameter groups and
 ``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
@@ -183,11 +184,12 @@ def _seeded(make):
 
 
 def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Random | None = None,
-         loops: random.Random | None = None) -> tuple[dict, dict]:
+         loops: random.Random | None = None, in_backward: bool = False) -> tuple[dict, dict]:
     """One case: what it is (printable) and ``check_parity``'s keyword arguments (``wide``: the
     optimizers of :data:`WIDE_OPTIMIZERS` too; pass ``models(wide=True)`` with it; ``stores``: a
     second generator the storage and the store's options are drawn from, :func:`draw_store`;
-    ``loops``: a third one, :func:`loop_habits`; pass ``models(loops=True)`` with it)."""
+    ``loops``: a third one, :func:`loop_habits`; pass ``models(loops=True)`` with it; ``in_backward``:
+    the step in the last backward whatever the draw)."""
     optimizers = {**OPTIMIZERS, **(WIDE_OPTIMIZERS if wide else {})}
     name = rng.choice(sorted(zoo))
     make, loss, blocks = zoo[name]
@@ -231,7 +233,7 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
     # a quarter of the cases run the step in the last backward (drawn last: a seed draws the rest as before),
     # made a loop that can: nothing between the backward and the step (no clipping, no log before the step,
     # the gradients zeroed every step), snapshot commits where durable
-    kw["in_backward"] = rng.random() < 0.25
+    kw["in_backward"] = rng.random() < 0.25 or in_backward
     if kw["in_backward"]:
         kw["clip"] = None
         h = kw["habits"]
@@ -462,6 +464,7 @@ def main() -> int:
                                                           "twice, a block's unsaved input changed in place too")
     ap.add_argument("--stores", action="store_true", help="the storage backend, striping and the store's options "
                                                            "too (from a second generator: the rest as without it)")
+    ap.add_argument("--in-backward", action="store_true", help="every case runs the step in its last backward")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
@@ -486,7 +489,7 @@ def main() -> int:
                 attempt = functools.partial(run_sharded, case, zygote=zygote)
             else:
                 case, kw = draw(rng, zoo, args.wide, random.Random(f"stores-{seed}") if args.stores else None,
-                                random.Random(f"loops-{seed}") if args.loops else None)
+                                random.Random(f"loops-{seed}") if args.loops else None, args.in_backward)
                 attempt = functools.partial(run, kw)
             t0 = time.monotonic()
             faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # a hang: every stack, then out
