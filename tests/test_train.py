@@ -2228,6 +2228,16 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["disk_floor_read_bytes"] == plan["state_bytes"] - (64 << 10)
     assert plan["disk_floor_written_bytes"] == plan["state_bytes"]
     assert plan["minimum_host_bytes"] > 64 << 10 and any("too small" in line for line in plan["lines"])
+    assert any("(journal commits; the step after the backward)" in line for line in plan["lines"])
+    assert plan["step"] == "after the backward"
+    # without clipping, with snapshot commits, the run steps in the backward: no gradient on the disk, so
+    # the floor is the weights and states beyond the budget, read and (all of them trained) written
+    info = train(write_config(tmp_path / "fused", model_dir, data, offload__host_memory="64KiB", train__clip=None,
+                              offload__commit_every=2), dry_run=True)
+    plan, weights = info["plan"], info["parameters"] * 4
+    assert plan["step"] == "in the backward" and any("snapshot commits every 2 steps" in line and
+                                                     "in the backward" in line for line in plan["lines"])
+    assert plan["disk_floor_read_bytes"] == plan["disk_floor_written_bytes"] == 3 * weights - (64 << 10)
 
 
 def test_step_exports_rotate_only_this_runs_own(tmp_path, model_dir, data):

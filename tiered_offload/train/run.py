@@ -334,7 +334,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         log.warning("tiered-offload: %s", unfinished)
     if dry_run:
         with contextlib.redirect_stdout(io.StringIO()) if not ranks.first else contextlib.nullcontext():
-            return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
+            return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location,
+                            ranks.world)
 
     torch.manual_seed(t.seed)
     model = _build_model(cfg, hf_config, model_dir)
@@ -617,7 +618,8 @@ def _evaluate(engine, model, data, micro_batch: int, precision: str, ranks: Rank
     return total / max(1, count)
 
 
-def _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location) -> dict:
+def _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location,
+             world: int = 1) -> dict:
     """What the run would do, without building or training anything."""
     model = _build_model(cfg, hf_config, model_dir)
     if cfg.lora.adapter and not resuming:
@@ -638,16 +640,17 @@ def _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total,
           f" ({info['eval_sequences']} held out); {total} steps of {cfg.train.micro_batch} x {cfg.train.grad_accum}")
     print(f"storage        {location} ({'resumes its committed state' if resuming else 'a fresh run'}); host "
           f"budget {cfg.offload.host_memory}, device budget {cfg.offload.device_memory}")
-    info["plan"] = _plan_preview(model, cfg)
+    info["plan"] = _plan_preview(model, cfg, world)
     for line in info["plan"]["lines"]:
         print(f"plan           {line}")
     print(f"first batch    {info['first_sequence']!r}")
     return info
 
 
-def _plan_preview(model, cfg) -> dict:
+def _plan_preview(model, cfg, world: int = 1) -> dict:
     """The engine's plan for this model and budget, from sizes alone (nothing allocated): the
-    streamed units, the minimum budget, the commit mode and the least disk bytes a step moves."""
+    streamed units, the minimum budget, the commit mode, where the step runs (``world``: the ranks)
+    and the least disk bytes a step moves (one process's, as the engine's own plan states it)."""
     from tiered_offload.config import EngineConfig, StoreConfig
     from tiered_offload.engine.binding import ModelBinding
     from tiered_offload.engine.optim_spec import read_optimizer
@@ -663,7 +666,14 @@ def _plan_preview(model, cfg) -> dict:
     resident = schedule.resident_bytes()
     beyond = 0 if schedule.fits(host // PAGE * PAGE) else resident - host
     # the engine's own floors (its plan shows the same): journal commits when the state exceeds the budget
-    floors = schedule.floors(host, 0, update_on_host=True, journal=beyond > 0)
+    # and each step commits; without clipping and a journal, the step runs in the backward (_train_step)
+    every = cfg.offload.commit_every
+    journal = beyond > 0 and every == 1
+    in_backward = not cfg.train.clip and not journal and world == 1
+    floors = (schedule.floors_in_backward(host) if in_backward else
+              schedule.floors(host, 0, update_on_host=True, journal=journal))
+    commits = "journal commits" if journal else "snapshot commits" + (f" every {every} steps" if every > 1 else "")
+    step = "in the backward" if in_backward else "after the backward"
     lines = [f"{len(binding.blocks)} units streamed ({sum(u.in_sequence for u in binding.blocks)} of {binding.seq_name}, "
              f"{sum(not u.in_sequence for u in binding.blocks)} other stacks' blocks, embeddings and heads)",
              f"host budget {format_size(host)}: minimum {format_size(need)}"
@@ -673,8 +683,10 @@ def _plan_preview(model, cfg) -> dict:
                                                f"exceeds it by {format_size(beyond)} (its tensors as the host tier "
                                                f"stores them, aligned: {format_size(resident)}): a step reads at least "
                                                f"{format_size(floors['disk_read'])} and writes "
-                                               f"{format_size(floors['disk_written'])} (journal commits)"),
+                                               f"{format_size(floors['disk_written'])} ({commits}; the step "
+                                               f"{step}" + (", train.clip null: no gradient on the disk)"
+                                                            if in_backward else ")")),
              "step time: measured and planned after the second step (engine.plan, logged)"]
     return {"units": len(binding.blocks), "minimum_host_bytes": need, "host_bytes": host, "state_bytes": state,
             "disk_floor_read_bytes": floors["disk_read"], "disk_floor_written_bytes": floors["disk_written"],
-            "lines": lines}
+            "step": step, "lines": lines}
