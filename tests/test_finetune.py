@@ -486,7 +486,8 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     ``shapes``: the micro-batches' (see :func:`batches`);
     with ``resume_at``, the engine is closed after that many steps and a new one resumes; ``fused``:
     the micro-batches through ``forward_backward``; both on ``device``; ``habits``: :class:`Habits`
-    in both loops; ``in_backward``: the engine's step run in its last backward (``step=True``). Returns the engine's final weights, the reference model and the engine's state bytes."""
+    in both loops; ``in_backward``: the engine's step run in its last backward (``step=True``). Returns
+    the engine's final weights, the reference model and the engine's state bytes."""
     ref = make()
     start = copy.deepcopy(ref.state_dict())
     order = [n for n, _ in ref.named_parameters()]  # (PEFT's LoRA on a parameter moves it last in a forward)

@@ -289,7 +289,8 @@ def test_a_step_in_the_backward_moves_what_memory_cannot_hold_of_the_weights_and
                       "link": s.floors(10_000, 6_000, update_on_host=True, journal=False)["link"]}
     # a device tier larger than the weights: the room beyond them holds nothing of the states
     wide = s.floors_in_backward(40_000, 36_000, update_on_host=True)
-    assert wide["disk_read"] == states - 4_000 and wide["disk_written"] == max(0, 3 * 1000 * 4 + states - 4_000 - weights)
+    assert wide["disk_read"] == states - 4_000
+    assert wide["disk_written"] == max(0, 3 * 1000 * 4 + states - 4_000 - weights)
 
 
 def test_the_link_floor_is_a_floor_of_each_placement():

@@ -384,7 +384,8 @@ class Schedule:
                 link = 2 * max(0, weights + states + largest_grad - device)
         return {"disk_read": read, "disk_written": written, "link": link}
 
-    def floors_in_backward(self, memory: int, device: int = 0, *, update_on_host: bool = False) -> dict[str, int | None]:
+    def floors_in_backward(self, memory: int, device: int = 0, *,
+                           update_on_host: bool = False) -> dict[str, int | None]:
         """:meth:`floors` for a step run in the backward (:mod:`~tiered_offload.engine.step_in_backward`):
         each gradient is consumed by its unit's update as it is made, so a step reads what of the
         weights and optimizer states ``memory`` cannot hold (under an update on the host the device

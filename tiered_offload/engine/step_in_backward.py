@@ -160,11 +160,12 @@ class StepInBackward:
         engine, updater = self.engine, self.engine._updater
         # (an update in the host tier below a device tier: the backward pins nothing there, and the
         # engine's construction checked that the host holds a unit's update)
-        if not updater.in_lower_tier and engine.store.capacity(engine.store.compute_tier) < engine.schedule.defer_budget():
+        compute = engine.store.compute_tier
+        if not updater.in_lower_tier and engine.store.capacity(compute) < engine.schedule.defer_budget():
             if engine not in _TOLD:
                 _TOLD.add(engine)
                 log.info("backward(step=True): the %s budget cannot hold a unit's update beside the rest's weights and "
-                         "gradients; the step runs after the backward", engine.store.compute_tier.name.lower())
+                         "gradients; the step runs after the backward", compute.name.lower())
             self.fuse = False
             return
         self.armed = True

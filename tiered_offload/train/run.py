@@ -404,7 +404,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         moved, checked_documents, agreed = _disk_bytes(engine), False, False
         in_backward = not t.clip and StepInBackward.refusal(engine) is None
         if in_backward and ranks.first:
-            log.info("tiered-offload: train.clip is null: each step runs in the backward (no gradient reaches the disk)")
+            log.info("tiered-offload: train.clip is null: each step runs in the backward (no gradient reaches the "
+                     "disk)")
 
         def stopping() -> bool:  # one process: now; ranks: as they agreed after the last step (below)
             return stop["signal"] is not None if ranks.world == 1 else agreed
