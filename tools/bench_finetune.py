@@ -8,6 +8,11 @@ metrics and progress included), the hand-written loop's the same way. Prints the
 steady-state steps and their ratio (target <= 1.05).
 
     python tools/bench_finetune.py --rounds 3 --steps 6
+    python tools/bench_finetune.py --rounds 3 --steps 6 --without-clipping
+
+``--without-clipping``: instead, the command against itself with ``train.clip: null``, which runs
+each step in the backward (both with ``offload.commit_every: 2``, snapshot commits): step time and
+disk bytes per step (from ``metrics.jsonl``'s records), and their ratios.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--host-fraction", type=float, default=0.5)
+    ap.add_argument("--without-clipping", action="store_true",
+                    help="the command with train.clip 1.0 against null (the step in the backward) instead")
     args = ap.parse_args()
     import transformers
 
@@ -69,6 +76,8 @@ def main() -> None:
     n = transformers.LlamaForCausalLM(hf).num_parameters()
     host = int(16 * n * args.host_fraction)
     command, by_hand = [], []
+    if args.without_clipping:
+        return _without_clipping(args, work, model_dir, n, host)
     for r in range(args.rounds):
         total = args.steps
         overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
@@ -108,6 +117,36 @@ def main() -> None:
                       "ratio": round(a / b, 3)}, indent=1))
     print(f"tiered-offload train: {a:.3f} s/step; the same loop by hand: {b:.3f} s/step; ratio {a / b:.3f} "
           f"(target <= 1.05)")
+
+
+def _without_clipping(args, work: Path, model_dir: Path, n: int, host: int) -> None:
+    """The command with ``train.clip`` 1.0 and null, alternating by round: seconds and disk bytes per
+    steady step (the first step of each run left out)."""
+    from tiered_offload.train import load_config, train
+    runs = {"clip 1.0": [], "clip null": []}
+    for r in range(args.rounds):
+        for name, clip in (("clip 1.0", "1.0"), ("clip null", "null"))[::1 if r % 2 == 0 else -1]:
+            tag = f"{name.replace(' ', '-')}-{r}"
+            overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
+                         "train.micro_batch=4", "train.grad_accum=2", f"train.max_steps={args.steps}",
+                         "train.lr=1.0e-3", "train.warmup_steps=1", f"train.clip={clip}",
+                         f"offload.storage={work / tag}", f"offload.host_memory={host}", "offload.commit_every=2",
+                         f"output.dir={work / f'out-{tag}'}", "output.export_every=0"]
+            marks, records = [], []
+            train(load_config(None, overrides), progress=False,
+                  on_step=lambda s, rec: (marks.append(time.perf_counter()), records.append(rec)))
+            runs[name] += [(b - a, rec["disk_read_bytes"] + rec["disk_written_bytes"])
+                           for a, b, rec in zip(marks, marks[1:], records[1:])]
+    med = {name: (statistics.median(x[0] for x in rows), statistics.median(x[1] for x in rows))
+           for name, rows in runs.items()}
+    (a, da), (b, db) = med["clip null"], med["clip 1.0"]
+    print(json.dumps({"parameters": n, "state_bytes": 16 * n, "host_budget": host,
+                      "steps_each": len(runs["clip null"]),
+                      **{f"{k}_s_per_step": round(v[0], 4) for k, v in med.items()},
+                      **{f"{k}_disk_bytes_per_step": v[1] for k, v in med.items()},
+                      "step_ratio": round(a / b, 3), "disk_ratio": round(da / db, 3)}, indent=1))
+    print(f"tiered-offload train, train.clip null (the step in the backward) / clip 1.0: step {a:.3f} / {b:.3f} s "
+          f"= {a / b:.3f}; disk bytes per step {da / 2**20:.1f} / {db / 2**20:.1f} MiB = {da / db:.3f}")
 
 
 if __name__ == "__main__":
