@@ -345,9 +345,18 @@ def run(out: Path, cfg: dict) -> int:
     if cfg.get("fail") and cfg["fail"][0] == rank:  # an error in the middle of a step's update on this rank
         _fail_during_update(engine, *cfg["fail"][1:])
     losses, step_modes, state_reads = [], [engine.step_mode], []
+    in_backward = bool(cfg.get("in_backward"))  # the step in the last backward (step=True): no clip, no step()
+    updated_in_backward = []  # per unit updated: whether it ran inside the backward
+    update_unit = engine._update_unit
+    engine._update_unit = lambda unit, *a: (updated_in_backward.append(engine._streamer.step_in_backward is not None),
+                                            update_unit(unit, *a))[1]
     while engine.step_count < cfg["steps"]:
         step = engine.step_count
         freeze(model, cfg, step)
+        hook = None
+        if cfg.get("inf_grad") and cfg["inf_grad"][:2] == [rank, step]:  # this rank's gradient of a block: inf
+            param = dict(model.named_parameters())[f"blocks.{cfg['inf_grad'][2]}.ln1.weight"]
+            hook = param.register_hook(lambda g: g * float("inf"))
         # this rank's micro-batches of this step are shorter (dropout draws less than in the others)
         cut = CONTEXT // 2 + 1 if cfg.get("short") == [rank, step] else CONTEXT + 1
         if cfg.get("fused"):  # the micro-batches through each block together
@@ -360,7 +369,7 @@ def run(out: Path, cfg: dict) -> int:
                 logits = getattr(out, "logits", out)  # (a Hugging Face model's output)
                 loss = F.cross_entropy(logits.flatten(0, 1), targets[id(b)]) / cfg["accumulate"]
                 return loss * float("nan") if nan and b is inputs[-1] else loss
-            losses += [x.item() for x in engine.forward_backward(inputs, loss_fn)]
+            losses += [x.item() for x in engine.forward_backward(inputs, loss_fn, step=in_backward)]
         for micro in range(0 if cfg.get("fused") else cfg["accumulate"]):
             if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
                 os._exit(17)
@@ -375,8 +384,13 @@ def run(out: Path, cfg: dict) -> int:
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             if cfg.get("zero_grad_late") and micro == 0:  # PyTorch loops' other order: between forward and backward
                 engine.zero_grad()
-            engine.backward(loss)
+            engine.backward(loss, step=in_backward and micro == cfg["accumulate"] - 1)
             losses.append(loss.item())
+        if hook is not None:
+            hook.remove()
+        if in_backward:
+            step_modes.append(engine.step_mode)
+            continue
         if cfg.get("clip_value"):
             engine.clip_grad_value_(cfg["clip_value"])
         if cfg.get("clip"):
@@ -402,7 +416,9 @@ def run(out: Path, cfg: dict) -> int:
               "disk_read": engine.store.stats.bytes_read[Tier.DISK],
               "disk_written": engine.store.stats.bytes_written[Tier.DISK],
               "refused_groups": getattr(engine, "refused_groups", []), "step_modes": step_modes,
-              "plan_reasons": list(engine.plan.reasons), "commits": type(engine._commits).__name__}
+              "plan_reasons": list(engine.plan.reasons), "commits": type(engine._commits).__name__,
+              "updated_in_backward": updated_in_backward,
+              "grad_written": engine.store.stats.by_kind(("host->disk", "device->disk")).get("grad", 0)}
     engine.close()
     result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()
                                 if f.is_file() and not f.name.startswith("."))

@@ -374,12 +374,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_ranks(zygote, config: Path, world: int, *overrides: str) -> list:
+def _start_ranks(zygote, config: Path, world: int, *overrides: str, flags: tuple = ()) -> list:
     """``world`` ranks of ``torchrun --nproc_per_node WORLD -m tiered_offload train``, forked from the
     suite's zygote with the environment torchrun gives each (a launch through torchrun itself takes
     a fresh interpreter per rank and the launcher's: `test_two_machines_with_torchrun_on_localhost`
-    in test_distributed.py runs one)."""
-    port, args = _free_port(), ["train", "--config", str(config), "--no-progress", *overrides]
+    in test_distributed.py runs one). ``flags``: the command's own, before ``train`` (``-v``)."""
+    port, args = _free_port(), [*flags, "train", "--config", str(config), "--no-progress", *overrides]
     return [zygote.launch(ROOT / "tests" / "cli_worker.py", args, dict(
         RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in range(world)]
@@ -431,6 +431,29 @@ def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all
     assert (tmp_path / "ranks" / "out" / "final" / "tokenizer.json").is_file()
     refused = _finish_ranks(_start_ranks(zygote, sharded, 3, "train.max_steps=6"))  # (nothing started over)
     assert all(code != 0 and "another number of ranks (rank-0-of-2" in err for code, _, err in refused), refused
+
+
+def test_under_torchrun_without_clipping_the_ranks_step_in_the_backward_as_one_process(tmp_path, model_dir, data,
+                                                                                       zygote):
+    """``train.clip: null`` on 2 ranks: each step runs in the backward on every rank (each updates its
+    slice of a block right after the ranks reduced its gradient), and the run is one process's with
+    ``grad_accum`` doubled, also without clipping, to rounding: the records and the export."""
+    sharded = write_config(tmp_path / "ranks", model_dir, data, train__max_steps=3, output__export_every=0,
+                           train__grad_accum=1, train__clip=None, offload__commit_every=2)
+    done = _finish_ranks(_start_ranks(zygote, sharded, 2, flags=("-v",)))
+    assert all(code == 0 for code, _, _ in done) and "each step runs in the backward" in done[0][2], done
+    one = write_config(tmp_path / "one", model_dir, data, train__max_steps=3, output__export_every=0,
+                       train__grad_accum=2, train__clip=None, offload__commit_every=2)
+    train(one, progress=False)
+    ranks, alone = ([r for r in _records(tmp_path / d / "out") if "loss" in r] for d in ("ranks", "one"))  # (steps)
+    assert [r["step"] for r in ranks] == [r["step"] for r in alone] == [1, 2, 3]
+    for a, b in zip(ranks, alone):
+        assert a["grad_norm"] is None is b["grad_norm"] and a["lr"] == b["lr"] and a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+    got, want = exported(tmp_path / "ranks" / "out" / "final"), exported(tmp_path / "one" / "out" / "final")
+    assert set(got) == set(want)
+    have, w = (torch.cat([d[k].flatten() for k in sorted(want)]) for d in (got, want))
+    assert ((have - w).norm() / w.norm()).item() <= 1e-6 and ((have - w).abs().max() / w.abs().max()).item() <= 1e-6
 
 
 def test_under_torchrun_a_record_cut_off_after_its_step_is_written_at_the_resume_from_every_ranks_part(

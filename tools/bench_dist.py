@@ -23,11 +23,18 @@ pass for all of them), and prints both runs' volumes per optimizer step, their r
 the two ended with the same weights bit for bit.
 
     python tools/bench_dist.py --ranks 2 --commit-every 4 --rounds 2
+    python tools/bench_dist.py --ranks 1,2 --step-in-backward --rounds 2 --accumulate 2
 
 trains durably instead (each rank's directory the checkpoint), every step committed against every
 4th (snapshot commits), the two interleaved over the rounds; prints each one's step time and disk
 bytes written per step (the commits' included), their ratios, the commit mode each rank ran, and
 whether the two ended with the same weights bit for bit.
+
+``--step-in-backward`` runs each world size with the step after the backward (``step()``) against
+the step in it (``step=True``: each rank updates its slice of a block once the ranks reduced its
+gradient), neither clipping, interleaved over the rounds (with ``--accumulate N``: N micro-batches
+through ``forward_backward``); prints each one's step time, disk bytes per rank, how many updates ran
+inside the backward, their ratios, and whether the two ended with the same weights bit for bit.
 """
 
 from __future__ import annotations
@@ -72,6 +79,10 @@ def rank_main(args) -> int:
     engine = Engine(model, torch.optim.AdamW, dict(lr=1e-4), storage=Path(args.out) / "state",
                     durable=args.durable, commit_every=args.every,
                     host_memory=max(int(share * args.budget_fraction), args.min_host), device="cpu")
+    inside = []  # per update: whether it ran inside the backward
+    update_unit = engine._update_unit
+    engine._update_unit = lambda unit, *a: (inside.append(engine._streamer.step_in_backward is not None),
+                                            update_unit(unit, *a))[1]
     g = torch.Generator().manual_seed(rank)
     per_rank, micro = args.batch // world, max(1, args.accumulate)
     times, disk_r, disk_w, coll = [], [], [], []
@@ -83,12 +94,16 @@ def rank_main(args) -> int:
         if args.fused:  # forward_backward takes the inputs; the loss finds each one's targets
             inputs = [b[:, :-1] for b in parts]
             targets = {id(i): b[:, 1:].flatten() for i, b in zip(inputs, parts)}
-            engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / micro)
-        for b in [] if args.fused else parts:
-            engine.backward(F.cross_entropy(engine(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()) / micro)
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        engine.zero_grad()
+            engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / micro,
+                                    step=args.in_backward)
+        for i, b in enumerate([] if args.fused else parts):
+            engine.backward(F.cross_entropy(engine(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()) / micro,
+                            step=args.in_backward and i == len(parts) - 1)
+        if not args.in_backward:
+            if not args.step_in_backward:  # (the comparison with the step in the backward clips in neither)
+                engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
         if world > 1:
             dist.barrier()
         dt = time.perf_counter() - t
@@ -107,7 +122,8 @@ def rank_main(args) -> int:
               "collective_per_step": {k: statistics.median(c[k] for c in coll) for k in coll[0]},
               "state_bytes": engine.state_bytes(), "local_state_bytes": engine.local_state_bytes(),
               "host_budget": engine.store.capacity("host"), "parameters": n,
-              "gathered_ahead": engine._streamer.gathered_ahead, "commits": commits}
+              "gathered_ahead": engine._streamer.gathered_ahead, "commits": commits,
+              "updates": len(inside), "updates_in_backward": sum(inside)}
     engine.close()
     Path(args.out, f"rank-{rank}.json").write_text(json.dumps(result))
     if world > 1:
@@ -123,7 +139,8 @@ def run(world: int, args) -> list[dict]:
     cmd = [sys.executable, __file__, "--rank-main", "--out", str(out)] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
         if k in ("layers", "d_model", "heads", "context", "batch", "steps", "budget_fraction", "min_host",
-                 "accumulate", "every")] + (["--fused"] if args.fused else []) + (["--durable"] if args.durable else [])
+                 "accumulate", "every")] + (["--fused"] if args.fused else []) + (["--durable"] if args.durable else []
+    ) + (["--in-backward"] if args.in_backward else []) + (["--step-in-backward"] if args.step_in_backward else [])
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -159,7 +176,10 @@ def main() -> int:
     ap.add_argument("--commit-every", type=int, default=0, metavar="N",
                     help="durable: every step committed against every Nth")
     ap.add_argument("--rounds", type=int, default=2, help="with --commit-every: rounds of the two, interleaved")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="the step after the backward against in it (step=True), neither clipping")
     ap.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--in-backward", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--durable", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--every", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -167,6 +187,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.rank_main:
         return rank_main(args)
+    if args.step_in_backward:
+        return in_backward(args)
     if args.accumulate:
         return accumulate(args)
     if args.commit_every:
@@ -236,6 +258,39 @@ def accumulate(args) -> int:
               f"{ratio(lambda r: r['disk_read_per_step']):.2f}x, reduce-scatter {reductions:.2f}x, step {step:.2f}x; "
               f"final weights {'bitwise the same' if same else 'DIFFERENT'}")
     args.fused = False
+    return 0
+
+
+def in_backward(args) -> int:
+    """Each world size with the step after the backward and in it, interleaved over the rounds."""
+    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    n = sum(p.numel() for p in _model(args).parameters())
+    args.fused = args.accumulate > 1
+    print(f"{n / 1e6:.1f}M parameters, state {mib(16 * n)}, host budget {args.budget_fraction:g} x each rank's share; "
+          f"{max(1, args.accumulate)} micro-batch(es) per step{' (forward_backward)' if args.fused else ''}, no "
+          f"clipping; medians of {args.steps - 1} steps after a warm-up, then over {args.rounds} rounds")
+    print("| ranks | step | s / step | disk read / rank / step | written | updates in the backward |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for world in [int(w) for w in args.ranks.split(",")]:
+        got: dict[bool, list] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for inside in got:
+                args.in_backward = inside
+                got[inside].append(run(world, args))
+        summary = {}
+        for inside, runs in got.items():
+            step = statistics.median(max(r["step_s"] for r in res) for res in runs)
+            read = statistics.median(res[0]["disk_read_per_step"] for res in runs)
+            written = statistics.median(res[0]["disk_written_per_step"] for res in runs)
+            summary[inside] = (step, read + written)
+            r0 = runs[-1][0]
+            print(f"| {world} | {'in the backward' if inside else 'after it'} | {step:.3f} | {mib(read)} | "
+                  f"{mib(written)} | {r0['updates_in_backward']} of {r0['updates']} |")
+        (s0, d0), (s1, d1) = summary[False], summary[True]
+        same = len({r["weights_sha256"] for runs in got.values() for res in runs for r in res}) == 1
+        print(f"{world} rank(s), in the backward / after it: step {s1 / s0:.2f}x, disk bytes per rank "
+              f"{d1 / max(d0, 1):.2f}x; final weights {'bitwise the same' if same else 'DIFFERENT'}", flush=True)
+    args.fused = args.in_backward = False
     return 0
 
 

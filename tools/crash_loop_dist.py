@@ -12,6 +12,11 @@ directory and SIGKILLs a random rank after a random delay, so kills land in star
 steps and the commits (the other rank stops on its next collective); it starts the job again until
 a run finishes, whose final weights must equal the uninterrupted run's byte for byte. Then the
 next configuration, until ``--kills`` kills have landed.
+
+``--step-in-backward``: no clipping, each step run in its backward (``backward(loss, step=True)``),
+6 blocks (at 0.6 of a share the state streams and a block's update fits beside the backward's pins;
+at 0.9 it does not: the step runs after the backward), ``commit_every`` drawn where a journal does
+not commit (a journal refuses it: 2 or 3, or 1 where the share fits memory).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--step-in-backward", action="store_true")
     args = ap.parse_args()
     import torch
 
@@ -48,7 +54,13 @@ def main() -> int:
             cfg = {"layers": 4, "optimizer": "adamw", "steps": args.steps, "accumulate": 1, "clip": 1.0,
                    "durable": True, "timeout_s": 30, "scheduler": True, "commit_every": rng.choice([1, 2, 3])}
             share = 16 * sum(p.numel() for p in build(cfg).parameters()) / args.ranks
-            cfg["host_memory"] = max(int(rng.choice([0.9, 3.0]) * share), 300 << 10)  # (the least it trains in)
+            fraction = rng.choice([0.9, 3.0])
+            if args.step_in_backward:  # 6 blocks: at 0.6 of a share a block's update fits beside the backward's pins
+                cfg["layers"], fraction = 6, rng.choice([0.6, 0.6, 0.9, 3.0])
+                share = 16 * sum(p.numel() for p in build(cfg).parameters()) / args.ranks
+                # (a journal commits only at commit_every 1 with the state beyond memory: it refuses the step)
+                cfg.update(clip=None, in_backward=True, commit_every=rng.choice([2, 3] if fraction < 1 else [1, 2, 3]))
+            cfg["host_memory"] = max(int(fraction * share), 300 << 10)  # (the least it trains in)
             base = Path(tmp) / f"run-{runs}"
             (base / "once").mkdir(parents=True)
             (base / "killed").mkdir()
@@ -79,8 +91,10 @@ def main() -> int:
             have = torch.load(base / "killed" / "rank-0.pt", weights_only=False)["weights"]
             same = all(torch.equal(have[k], whole["weights"][k]) for k in whole["weights"])
             failures += not same
-            print(f"run {runs}: commit_every {cfg['commit_every']}, {whole['commits']}, {landed} kills in {starts} "
-                  f"starts: {'bitwise' if same else 'DIFFERENT'}", flush=True)
+            inside = (f", {sum(whole['updated_in_backward'])} of {len(whole['updated_in_backward'])} updates in the "
+                      f"backward" if args.step_in_backward else "")  # (the uninterrupted run's, rank 0)
+            print(f"run {runs}: commit_every {cfg['commit_every']}, {whole['commits']}{inside}, {landed} kills in "
+                  f"{starts} starts: {'bitwise' if same else 'DIFFERENT'}", flush=True)
             runs += 1
     print(f"{kills} kills over {runs} runs: {runs - failures} of {runs} bitwise; starts where a rank went back a "
           f"commit: {back}, dropped a step's intent: {dropped}")

@@ -43,13 +43,18 @@ weights while the device holds them too (:meth:`TieredStore.keep_twins`), so the
 them there instead of reading them back down the link. In the device tier, the order is the
 host-only one.
 
-**Refused** (``ConfigError`` at the call, nothing run): several processes (a gradient is final
-only once the ranks reduced it, and the ranks agree on finiteness at the end); journal commits (a
-journal's intent names every gradient before the update, which a step in the backward does not
-have: ``commit_every`` >= 2 commits by snapshots). Where the compute tier cannot hold a unit's
-update beside what the backward pins (the rest's weights and gradients; :meth:`Schedule.defer_budget`;
-an update in the host tier pins nothing of the backward's), the step runs after the backward, as
-``step()`` (same numbers).
+**Several processes** (sharded): a block's gradient is final once the ranks reduced it, which
+its backward does before its buffers are released, so each rank updates its slice there. The
+ranks agree (one flag, one collective) whether the step runs in the backward at all, whether
+every gradient is finite as it opens, and whether each unit's is before its update: a rank's
+slice alone may hold the infinite value, and every rank must update a unit, or stop, alike.
+
+**Refused** (``ConfigError`` at the call, nothing run): journal commits (a journal's intent names
+every gradient before the update, which a step in the backward does not have: ``commit_every``
+>= 2 commits by snapshots). Where the compute tier cannot hold a unit's update beside what the
+backward pins (the rest's weights and gradients; :meth:`Schedule.defer_budget`; an update in the
+host tier pins nothing of the backward's), the step runs after the backward, as ``step()`` (same
+numbers; ranks: where any rank lacks the room).
 """
 
 from __future__ import annotations
@@ -119,14 +124,12 @@ class StepInBackward:
     @staticmethod
     def refusal(engine) -> str | None:
         """Why a step cannot run in this engine's backward (None: it can)."""
-        what = ("several processes" if engine._placement.world > 1 else
-                "journal commits (every step durable unit by unit)" if engine.commit_mode == "journal" else None)
-        if what is None:
+        if engine.commit_mode != "journal":
             return None
-        return (f"backward(step=True) runs the optimizer step inside the backward, which this engine's {what} does "
-                f"not allow (tiered_offload/engine/step_in_backward.py says why). Call backward(loss), step() and "
-                f"zero_grad(): the same numbers" + (", or pass commit_every=2 or more (snapshot commits)"
-                                                    if engine.commit_mode == "journal" else ""))
+        return ("backward(step=True) runs the optimizer step inside the backward, which this engine's journal commits "
+                "(every step durable unit by unit) do not allow (tiered_offload/engine/step_in_backward.py says why). "
+                "Call backward(loss), step() and zero_grad(): the same numbers, or pass commit_every=2 or more "
+                "(snapshot commits)")
 
     @classmethod
     def run(cls, engine, backward: Callable[[Callable[[], None]], object], arm_now: bool) -> tuple[object, bool]:
@@ -161,7 +164,8 @@ class StepInBackward:
         # (an update in the host tier below a device tier: the backward pins nothing there, and the
         # engine's construction checked that the host holds a unit's update)
         compute = engine.store.compute_tier
-        if not updater.in_lower_tier and engine.store.capacity(compute) < engine.schedule.defer_budget():
+        room = updater.in_lower_tier or engine.store.capacity(compute) >= engine.schedule.defer_budget()
+        if not engine._placement.all_agree(room, "room for the step in the backward"):  # (ranks: all or none)
             if engine not in _TOLD:
                 _TOLD.add(engine)
                 log.info("backward(step=True): the %s budget cannot hold a unit's update beside the rest's weights and "
@@ -193,7 +197,8 @@ class StepInBackward:
         :meth:`Engine.step` does. False: a gradient or loss was not finite; nothing runs in the
         backward (the step after it raises or skips, nothing updated)."""
         engine = self.engine
-        if engine._gradients.skip_step or not all(s.grads_finite for s in engine._streamer.gradients.values()):
+        usable = not engine._gradients.skip_step and all(s.grads_finite for s in engine._streamer.gradients.values())
+        if not engine._placement.all_agree(usable, "the gradients' finiteness as the step in the backward opens"):
             self.fuse = False
             return False
         engine._commits.wait()  # the last commit has written what it snapshots before this step changes it
@@ -207,7 +212,9 @@ class StepInBackward:
         nothing reads it again this step, so it is never written."""
         engine = self.engine
         self.done.add(unit.name)
-        if not engine._streamer.gradients[unit.name].grads_finite:
+        # (ranks: a rank's slice of it may be the one not finite; every rank updates it, or none does)
+        if not engine._placement.all_agree(engine._streamer.gradients[unit.name].grads_finite,
+                                           f"{unit.name}'s gradient finiteness before its update"):
             self.bad.append(unit.name)
             self.fuse = False
             return
@@ -219,8 +226,9 @@ class StepInBackward:
                 engine._updater.due(unit)
             engine._update_unit(unit, hypers, self.scale, updates)
             self.updated.append(unit.name)
-        if unit.grad_key and unit.is_block:
-            engine.store.zero(unit.grad_key)
+        key = engine._placement.grad_key(unit)  # (ranks: None where this rank's slice holds no gradient)
+        if key and unit.is_block:
+            engine.store.zero(key)
 
     def finish(self) -> bool:
         """After the backward: the units not updated in it, the step counted and committed, the

@@ -334,8 +334,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         log.warning("tiered-offload: %s", unfinished)
     if dry_run:
         with contextlib.redirect_stdout(io.StringIO()) if not ranks.first else contextlib.nullcontext():
-            return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location,
-                            ranks.world)
+            return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
 
     torch.manual_seed(t.seed)
     model = _build_model(cfg, hf_config, model_dir)
@@ -619,8 +618,7 @@ def _evaluate(engine, model, data, micro_batch: int, precision: str, ranks: Rank
     return total / max(1, count)
 
 
-def _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location,
-             world: int = 1) -> dict:
+def _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location) -> dict:
     """What the run would do, without building or training anything."""
     model = _build_model(cfg, hf_config, model_dir)
     if cfg.lora.adapter and not resuming:
@@ -641,17 +639,17 @@ def _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total,
           f" ({info['eval_sequences']} held out); {total} steps of {cfg.train.micro_batch} x {cfg.train.grad_accum}")
     print(f"storage        {location} ({'resumes its committed state' if resuming else 'a fresh run'}); host "
           f"budget {cfg.offload.host_memory}, device budget {cfg.offload.device_memory}")
-    info["plan"] = _plan_preview(model, cfg, world)
+    info["plan"] = _plan_preview(model, cfg)
     for line in info["plan"]["lines"]:
         print(f"plan           {line}")
     print(f"first batch    {info['first_sequence']!r}")
     return info
 
 
-def _plan_preview(model, cfg, world: int = 1) -> dict:
+def _plan_preview(model, cfg) -> dict:
     """The engine's plan for this model and budget, from sizes alone (nothing allocated): the
-    streamed units, the minimum budget, the commit mode, where the step runs (``world``: the ranks)
-    and the least disk bytes a step moves (one process's, as the engine's own plan states it)."""
+    streamed units, the minimum budget, the commit mode, where the step runs and the least disk
+    bytes a step moves (one process's, as the engine's own plan states it)."""
     from tiered_offload.config import EngineConfig, StoreConfig
     from tiered_offload.engine.binding import ModelBinding
     from tiered_offload.engine.optim_spec import read_optimizer
@@ -670,7 +668,7 @@ def _plan_preview(model, cfg, world: int = 1) -> dict:
     # and each step commits; without clipping and a journal, the step runs in the backward (_train_step)
     every = cfg.offload.commit_every
     journal = beyond > 0 and every == 1
-    in_backward = not cfg.train.clip and not journal and world == 1
+    in_backward = not cfg.train.clip and not journal
     floors = (schedule.floors_in_backward(host) if in_backward else
               schedule.floors(host, 0, update_on_host=True, journal=journal))
     commits = "journal commits" if journal else "snapshot commits" + (f" every {every} steps" if every > 1 else "")
