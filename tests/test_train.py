@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from offload_core.errors import CheckpointError, ConfigError, DiskFullError, TierCapacityError  # noqa: E402
+from tiered_offload import format_size  # noqa: E402
 from tiered_offload.cli import main as cli_main  # noqa: E402
 from tiered_offload.train import load_config, train  # noqa: E402
 from tiered_offload.train.data import IGNORE, prepare_data  # noqa: E402
@@ -2261,6 +2262,15 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["step"] == "in the backward" and any("snapshot commits every 2 steps" in line and
                                                      "in the backward" in line for line in plan["lines"])
     assert plan["disk_floor_read_bytes"] == plan["disk_floor_written_bytes"] == 3 * weights - (64 << 10)
+    assert not any("without clipping" in line for line in plan["lines"])
+    # clipping, with snapshot commits: the plan says what the step in the backward would move instead
+    info = train(write_config(tmp_path / "clipped", model_dir, data, offload__host_memory="64KiB",
+                              offload__commit_every=2), dry_run=True)
+    plan = info["plan"]
+    assert plan["step"] == "after the backward" and plan["disk_floor_read_bytes"] > 3 * weights - (64 << 10)
+    said = format_size(3 * weights - (64 << 10))
+    assert any(f"train.clip: null) each step would run in the backward: at least {said} read and {said} written"
+               in line for line in plan["lines"]), plan["lines"]
 
 
 def test_step_exports_rotate_only_this_runs_own(tmp_path, model_dir, data):

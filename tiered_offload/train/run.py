@@ -686,6 +686,11 @@ def _plan_preview(model, cfg) -> dict:
                                                f"{step}" + (", train.clip null: no gradient on the disk)"
                                                             if in_backward else ")")),
              "step time: measured and planned after the second step (engine.plan, logged)"]
+    if beyond > 0 and cfg.train.clip and not journal:  # what the step in the backward would move instead
+        other = schedule.floors_in_backward(host)
+        lines.insert(-1, f"without clipping (train.clip: null) each step would run in the backward: at least "
+                         f"{format_size(other['disk_read'])} read and {format_size(other['disk_written'])} written, no "
+                         f"gradient on the disk")
     return {"units": len(binding.blocks), "minimum_host_bytes": need, "host_bytes": host, "state_bytes": state,
             "disk_floor_read_bytes": floors["disk_read"], "disk_floor_written_bytes": floors["disk_written"],
             "step": step, "lines": lines}
