@@ -533,6 +533,22 @@ def test_a_rank_whose_update_failed_and_lives_on_stops_its_peers_at_once_naming_
     assert (tmp_path / "rank-1.error").read_text().startswith("StepFailedError: the optimizer step failed")
 
 
+def test_a_rank_whose_update_in_the_backward_failed_stops_its_peers_at_once_naming_its_error(tmp_path):
+    """The same, with the step in the backward: rank 1's update of its third step fails inside the
+    backward after 2 blocks (the step is torn there: half applied); rank 0, waiting in a collective
+    of the same backward, stops within a second with a DistributedError naming rank 1's error."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 4, "accumulate": 1, "clip": None, "activations": "recompute",
+           "in_backward": True, "fail": [1, 1, 2], "linger": 30, "timeout_s": 90}
+    n = sum(p.numel() for p in build(cfg).parameters())
+    cfg["host_memory"] = int(0.6 * 16 * n / 2)
+    results = launch(2, tmp_path, cfg, timeout=150, check=False)
+    assert [code for code, _ in results] == [18, 18], "\n".join(log[-2000:] for _, log in results)
+    got = (tmp_path / "rank-0.error").read_text()
+    assert got.startswith("DistributedError: rank 0 of 2:") and "during step 3, backward" in got, got
+    assert "rank 1 stopped with RuntimeError: an error in the optimizer's code" in got, got
+    assert (tmp_path / "rank-1.error").read_text() == "RuntimeError: an error in the optimizer's code"
+
+
 def test_ranks_that_build_different_models_are_refused_at_start(tmp_path):
     cfg = {"layers": 4, "optimizer": "sgd", "steps": 1, "accumulate": 1, "clip": None, "host_memory": "64MiB",
            "odd_rank": 1}
