@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from offload_core.errors import ConfigError, NonFiniteError, TensorStateError
-from tiered_offload import Engine, EngineConfig
+from tiered_offload import Engine, EngineConfig, format_size
 from tiered_offload_examples.models import GPT, GPTConfig
 
 
@@ -221,7 +221,8 @@ def test_what_the_step_in_the_backward_cannot_run_exactly_is_refused_before_anyt
 
 def test_where_the_budget_holds_no_update_beside_the_backwards_pins_the_step_runs_after_it(tmp_path):
     """Below :meth:`Schedule.defer_budget` the step runs after the backward, as ``step()``: the
-    same numbers (and gradients written, as there)."""
+    same numbers (and gradients written, as there); the plan gives no floor of the order it does
+    not run, and says what budget would run it."""
     ref = _gpt()
     probe = _engine(ref, tmp_path / "p")
     low, least = probe.schedule.defer_budget() - 4096, probe.minimum_budget()
@@ -237,6 +238,13 @@ def test_where_the_budget_holds_no_update_beside_the_backwards_pins_the_step_run
             opt.step()
             opt.zero_grad()
         assert engine.step_count == 3 and _same_weights(engine, ref)
+        floors = engine.stats().floors
+        assert floors["in_backward"] is None
+        assert floors["in_backward_needs"] == f"host_memory >= {format_size(low + 4096)} ({low + 4096} bytes)"
+        assert "steps after the backward at this budget" in str(engine.plan)
+    roomy = _engine(ref, tmp_path / "r")
+    with roomy:
+        assert roomy.stats().floors["in_backward"] and roomy.stats().floors["in_backward_needs"] is None
 
 
 def _inf_gradient_in(engine, block: int):

@@ -2254,21 +2254,31 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["minimum_host_bytes"] > 64 << 10 and any("too small" in line for line in plan["lines"])
     assert any("(journal commits; the step after the backward)" in line for line in plan["lines"])
     assert plan["step"] == "after the backward"
-    # without clipping, with snapshot commits, the run steps in the backward: no gradient on the disk, so
-    # the floor is the weights and states beyond the budget, read and (all of them trained) written
+    # without clipping, with snapshot commits, the run steps in the backward where a unit's update fits beside
+    # the backward's pins (not in 64 KiB: the plan names the budget that does)
     info = train(write_config(tmp_path / "fused", model_dir, data, offload__host_memory="64KiB", train__clip=None,
                               offload__commit_every=2), dry_run=True)
-    plan, weights = info["plan"], info["parameters"] * 4
+    assert info["plan"]["step"] == "after the backward"
+    said = re.search(r"train\.clip is null, but a unit's update does not fit beside the backward's pins: "
+                     r"offload\.host_memory >= \S+ \S+ \((\d+) bytes\) runs it in the backward", str(info["plan"]["lines"]))
+    assert said, info["plan"]["lines"]
+    room = int(said.group(1))
+    # there no gradient reaches the disk, so the floor is the weights and states beyond the budget, read and
+    # (all of them trained) written
+    info = train(write_config(tmp_path / "fused", model_dir, data, offload__host_memory=room, train__clip=None,
+                              offload__commit_every=2), dry_run=True)
+    plan, weights, host = info["plan"], info["parameters"] * 4, info["plan"]["host_bytes"]
+    assert host == room // 4096 * 4096 >= room - 4095
     assert plan["step"] == "in the backward" and any("snapshot commits every 2 steps" in line and
                                                      "in the backward" in line for line in plan["lines"])
-    assert plan["disk_floor_read_bytes"] == plan["disk_floor_written_bytes"] == 3 * weights - (64 << 10)
+    assert plan["disk_floor_read_bytes"] == plan["disk_floor_written_bytes"] == 3 * weights - host
     assert not any("without clipping" in line for line in plan["lines"])
     # clipping, with snapshot commits: the plan says what the step in the backward would move instead
-    info = train(write_config(tmp_path / "clipped", model_dir, data, offload__host_memory="64KiB",
+    info = train(write_config(tmp_path / "clipped", model_dir, data, offload__host_memory=room,
                               offload__commit_every=2), dry_run=True)
     plan = info["plan"]
-    assert plan["step"] == "after the backward" and plan["disk_floor_read_bytes"] > 3 * weights - (64 << 10)
-    said = format_size(3 * weights - (64 << 10))
+    assert plan["step"] == "after the backward" and plan["disk_floor_read_bytes"] > 3 * weights - host
+    said = format_size(3 * weights - host)
     assert any(f"train.clip: null) each step would run in the backward: at least {said} read and {said} written"
                in line for line in plan["lines"]), plan["lines"]
 

@@ -189,7 +189,7 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
         if len(out["steps"]) > 1:
             out["traced_step"] = out["steps"].pop()
         floors = engine.stats().floors  # what a step cannot avoid moving, beside the measured
-        out["floors"] = floors["in_backward"] if in_backward else floors
+        out["floors"] = (floors["in_backward"] or floors) if in_backward else floors  # (no room: it ran after)
         out["floors_of_step"] = floors
         out["plan"] = engine.plan.summary()  # its modes and why (the step mode tried where the disk bounds it)
     finally:

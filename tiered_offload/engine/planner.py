@@ -166,7 +166,10 @@ class Plan:
                             f"{f['in_backward']['disk_read'] / mib:.1f} MiB read + "
                             f"{f['in_backward']['disk_written'] / mib:.1f} MiB written"
                             + ("" if f["in_backward"].get("link") is None else
-                               f", device link >= {f['in_backward']['link'] / mib:.1f} MiB")))
+                               f", device link >= {f['in_backward']['link'] / mib:.1f} MiB"))
+                         + ("" if not f.get("in_backward_needs") else
+                            f"; backward(loss, step=True) steps after the backward at this budget (a unit's update "
+                            f"does not fit beside the backward's pins: {f['in_backward_needs']} runs it in the backward)"))
         if self.predicted_step_s is None:
             lines.append("predicted step: not yet (measured over the first iterations)")
         else:

@@ -54,7 +54,8 @@ every gradient before the update, which a step in the backward does not have: ``
 >= 2 commits by snapshots). Where the compute tier cannot hold a unit's update beside what the
 backward pins (the rest's weights and gradients; :meth:`Schedule.defer_budget`; an update in the
 host tier pins nothing of the backward's), the step runs after the backward, as ``step()`` (same
-numbers; ranks: where any rank lacks the room).
+numbers; ranks: where any rank lacks the room), and the plan says so, naming the budget that runs
+it in the backward (:meth:`StepInBackward.short_of_room`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,17 @@ class StepInBackward:
                 "Call backward(loss), step() and zero_grad(): the same numbers, or pass commit_every=2 or more "
                 "(snapshot commits)")
 
+    @staticmethod
+    def short_of_room(engine) -> int | None:
+        """The compute-tier budget a unit's update needs beside what the backward pins
+        (:meth:`Schedule.defer_budget`), where this engine's is less: the step then runs after the
+        backward. None where it holds one (an update in the host tier below a device tier pins
+        nothing of the backward's)."""
+        if engine._updater.in_lower_tier:
+            return None
+        need = engine.schedule.defer_budget()
+        return need if engine.store.capacity(engine.store.compute_tier) < need else None
+
     @classmethod
     def run(cls, engine, backward: Callable[[Callable[[], None]], object], arm_now: bool) -> tuple[object, bool]:
         """Run ``backward(arm)`` (a backward or ``forward_backward``, which calls ``arm`` as its
@@ -164,7 +176,7 @@ class StepInBackward:
         # (an update in the host tier below a device tier: the backward pins nothing there, and the
         # engine's construction checked that the host holds a unit's update)
         compute = engine.store.compute_tier
-        room = updater.in_lower_tier or engine.store.capacity(compute) >= engine.schedule.defer_budget()
+        room = self.short_of_room(engine) is None
         if not engine._placement.all_agree(room, "room for the step in the backward"):  # (ranks: all or none)
             if engine not in _TOLD:
                 _TOLD.add(engine)

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from offload_core.errors import ConfigError, EngineClosedError, TensorStateError, TieredOffloadError
+from offload_core.sizes import format_size
 from tiered_offload.checkpoint.adapter import export_adapter, merged_export
 from tiered_offload.checkpoint.export import export_weights
 from tiered_offload.checkpoint.safetensors_io import export_dtype, exporting
@@ -135,9 +136,12 @@ class EngineViews:
         where the gradients wait for it."""
         host, device = self.store.capacity(Tier.HOST), self.store.capacity(Tier.DEVICE)
         journal, on_host = isinstance(self._commits, JournalCommits), self._updater.tier == Tier.HOST
+        short = StepInBackward.short_of_room(self)  # (then backward(step=True) steps after the backward)
         return {**self.schedule.floors(host + device, device, update_on_host=on_host, journal=journal),
-                "in_backward": None if StepInBackward.refusal(self)
+                "in_backward": None if StepInBackward.refusal(self) or short
                 else self.schedule.floors_in_backward(host + device, device, update_on_host=on_host),
+                "in_backward_needs": short and f"{self.store.compute_tier.name.lower()}_memory >= {format_size(short)} "
+                                               f"({short} bytes)",
                 "update": self._updater.tier.name.lower(), "update_why": self._updater.why,
                 "gradients": "to the disk before each step's record (a crash redoes the update from them)" if journal
                 else "in memory until the update (to the disk only when memory is short)"}

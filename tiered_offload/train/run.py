@@ -668,7 +668,10 @@ def _plan_preview(model, cfg) -> dict:
     # and each step commits; without clipping and a journal, the step runs in the backward (_train_step)
     every = cfg.offload.commit_every
     journal = beyond > 0 and every == 1
-    in_backward = not cfg.train.clip and not journal
+    # (and where a unit's update fits beside the backward's pins; on a GPU, the engine's placement decides)
+    defer = -(-schedule.defer_budget() // PAGE) * PAGE  # (in whole pages, as the host tier counts its budget)
+    room = torch.cuda.is_available() or host >= defer
+    in_backward = not cfg.train.clip and not journal and room
     floors = (schedule.floors_in_backward(host) if in_backward else
               schedule.floors(host, 0, update_on_host=True, journal=journal))
     commits = "journal commits" if journal else "snapshot commits" + (f" every {every} steps" if every > 1 else "")
@@ -684,9 +687,13 @@ def _plan_preview(model, cfg) -> dict:
                                                f"{format_size(floors['disk_read'])} and writes "
                                                f"{format_size(floors['disk_written'])} ({commits}; the step "
                                                f"{step}" + (", train.clip null: no gradient on the disk)"
-                                                            if in_backward else ")")),
+                                                            if in_backward else ")")
+                                               + ("" if room or cfg.train.clip or journal else
+                                                  f"; train.clip is null, but a unit's update does not fit "
+                                                  f"beside the backward's pins: offload.host_memory >= "
+                                                  f"{format_size(defer)} ({defer} bytes) runs it in the backward")),
              "step time: measured and planned after the second step (engine.plan, logged)"]
-    if beyond > 0 and cfg.train.clip and not journal:  # what the step in the backward would move instead
+    if beyond > 0 and cfg.train.clip and not journal and room:  # what the step in the backward would move instead
         other = schedule.floors_in_backward(host)
         lines.insert(-1, f"without clipping (train.clip: null) each step would run in the backward: at least "
                          f"{format_size(other['disk_read'])} read and {format_size(other['disk_written'])} written, no "
