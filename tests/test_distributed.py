@@ -401,7 +401,8 @@ def test_sharded_lora_steps_in_the_backward_on_ranks_whose_slice_of_a_block_hold
     want = torch.cat([w.detach().flatten() for w in expected.values()])
     have = torch.cat([results[0]["weights"][k].flatten() for k in expected])
     assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
-    assert all(r["updated_in_backward"].count(True) == 3 * 3 for r in results), [r["updated_in_backward"] for r in results]
+    inside = [r["updated_in_backward"] for r in results]
+    assert all(updates.count(True) == 3 * 3 for updates in inside), inside
 
 
 @pytest.mark.parametrize("block, says", [(5, "no weight or optimizer state was updated"), (0, "half applied")],

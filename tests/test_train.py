@@ -2260,7 +2260,8 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
                               offload__commit_every=2), dry_run=True)
     assert info["plan"]["step"] == "after the backward"
     said = re.search(r"train\.clip is null, but a unit's update does not fit beside the backward's pins: "
-                     r"offload\.host_memory >= \S+ \S+ \((\d+) bytes\) runs it in the backward", str(info["plan"]["lines"]))
+                     r"offload\.host_memory >= \S+ \S+ \((\d+) bytes\) runs it in the backward",
+                     str(info["plan"]["lines"]))
     assert said, info["plan"]["lines"]
     room = int(said.group(1))
     # there no gradient reaches the disk, so the floor is the weights and states beyond the budget, read and

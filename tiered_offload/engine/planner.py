@@ -168,8 +168,9 @@ class Plan:
                             + ("" if f["in_backward"].get("link") is None else
                                f", device link >= {f['in_backward']['link'] / mib:.1f} MiB"))
                          + ("" if not f.get("in_backward_needs") else
-                            f"; backward(loss, step=True) steps after the backward at this budget (a unit's update "
-                            f"does not fit beside the backward's pins: {f['in_backward_needs']} runs it in the backward)"))
+                            f"; backward(loss, step=True) steps after the backward at this budget (a unit's "
+                            f"update does not fit beside the backward's pins: {f['in_backward_needs']} runs it "
+                            f"in the backward)"))
         if self.predicted_step_s is None:
             lines.append("predicted step: not yet (measured over the first iterations)")
         else:
