@@ -2254,6 +2254,11 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["minimum_host_bytes"] > 64 << 10 and any("too small" in line for line in plan["lines"])
     assert any("(journal commits; the step after the backward)" in line for line in plan["lines"])
     assert plan["step"] == "after the backward"
+    journal = train(write_config(tmp_path / "journal", model_dir, data, offload__host_memory="64KiB",
+                                 train__clip=None), dry_run=True)["plan"]  # (no clipping: the journal keeps it out)
+    assert journal["step"] == "after the backward" and any(
+        "journal commits keep the step out of the backward: offload.commit_every >= 2 runs it there" in line
+        for line in journal["lines"]), journal["lines"]
     # without clipping, with snapshot commits, the run steps in the backward where a unit's update fits beside
     # the backward's pins (not in 64 KiB: the plan names the budget that does)
     info = train(write_config(tmp_path / "fused", model_dir, data, offload__host_memory="64KiB", train__clip=None,

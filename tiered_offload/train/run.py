@@ -688,7 +688,10 @@ def _plan_preview(model, cfg) -> dict:
                                                f"{format_size(floors['disk_written'])} ({commits}; the step "
                                                f"{step}" + (", train.clip null: no gradient on the disk)"
                                                             if in_backward else ")")
-                                               + ("" if room or cfg.train.clip or journal else
+                                               + ("" if in_backward or cfg.train.clip else
+                                                  "; train.clip is null, but journal commits keep the step out "
+                                                  "of the backward: offload.commit_every >= 2 runs it there"
+                                                  if journal else
                                                   f"; train.clip is null, but a unit's update does not fit "
                                                   f"beside the backward's pins: offload.host_memory >= "
                                                   f"{format_size(defer)} ({defer} bytes) runs it in the backward")),
