@@ -65,7 +65,9 @@ backward summed a call's uses first, where PyTorch adds each use in turn
 buffers a training forward after the step had changed (``test_finetune.train``), and the aiofiles
 backend's tasks holding a forward's context variables, its graph with them (``storage_backends/_aio.py``).
 ``--calls`` came after the bugs it checks were found by probes (``block_nodes.slotted``); run on the
-code before that fix, it failed its first two draws of each of those models.
+code before that fix, it failed its first two draws of each of those models. ``--sharded
+--in-backward`` found a rank whose slice of a LoRA block holds no gradient forgetting one all the
+same in its update in the backward (``step_in_backward._update``).
 Exits 1 if any case failed.
 """
 
