@@ -219,10 +219,10 @@ def test_what_the_step_in_the_backward_cannot_run_exactly_is_refused_before_anyt
             assert engine.step()
 
 
-def test_where_the_budget_holds_no_update_beside_the_backwards_pins_the_step_runs_after_it(tmp_path):
+def test_where_the_budget_holds_no_update_beside_the_backwards_pins_the_step_runs_after_it(tmp_path, caplog):
     """Below :meth:`Schedule.defer_budget` the step runs after the backward, as ``step()``: the
-    same numbers (and gradients written, as there); the plan gives no floor of the order it does
-    not run, and says what budget would run it."""
+    same numbers (and gradients written, as there); the engine warns once, and the plan gives no
+    floor of the order it does not run: both say what budget would run it."""
     ref = _gpt()
     probe = _engine(ref, tmp_path / "p")
     low, least = probe.schedule.defer_budget() - 4096, probe.minimum_budget()
@@ -242,6 +242,8 @@ def test_where_the_budget_holds_no_update_beside_the_backwards_pins_the_step_run
         assert floors["in_backward"] is None
         assert floors["in_backward_needs"] == f"host_memory >= {format_size(low + 4096)} ({low + 4096} bytes)"
         assert "steps after the backward at this budget" in str(engine.plan)
+        said = [r.getMessage() for r in caplog.records if "backward(step=True)" in r.getMessage()]
+        assert len(said) == 1 and f"host_memory >= {low + 4096} bytes runs it in the backward" in said[0], said
     roomy = _engine(ref, tmp_path / "r")
     with roomy:
         assert roomy.stats().floors["in_backward"] and roomy.stats().floors["in_backward_needs"] is None

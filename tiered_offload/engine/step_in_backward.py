@@ -175,13 +175,16 @@ class StepInBackward:
         engine, updater = self.engine, self.engine._updater
         # (an update in the host tier below a device tier: the backward pins nothing there, and the
         # engine's construction checked that the host holds a unit's update)
-        compute = engine.store.compute_tier
-        room = self.short_of_room(engine) is None
-        if not engine._placement.all_agree(room, "room for the step in the backward"):  # (ranks: all or none)
-            if engine not in _TOLD:
+        short = self.short_of_room(engine)
+        if not engine._placement.all_agree(short is None, "room for the step in the backward"):  # (ranks: all or none)
+            if engine not in _TOLD:  # (once: the plan says it too)
                 _TOLD.add(engine)
-                log.info("backward(step=True): the %s budget cannot hold a unit's update beside the rest's weights and "
-                         "gradients; the step runs after the backward", compute.name.lower())
+                tier = engine.store.compute_tier.name.lower()
+                log.warning("backward(step=True): %s; the step runs after the backward (the same numbers, its "
+                            "gradients through the disk where memory is short)",
+                            f"the {tier} budget cannot hold a unit's update beside the backward's pins: {tier}_memory "
+                            f">= {short} bytes runs it in the backward" if short else
+                            "another rank's budget cannot hold a unit's update beside the backward's pins")
             self.fuse = False
             return
         self.armed = True

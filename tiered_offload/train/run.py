@@ -402,7 +402,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
         moved, checked_documents, agreed = _disk_bytes(engine), False, False
         in_backward = not t.clip and StepInBackward.refusal(engine) is None
-        if in_backward and ranks.first:
+        if in_backward and ranks.first and StepInBackward.short_of_room(engine) is None:  # (else the engine warns)
             log.info("tiered-offload: train.clip is null: each step runs in the backward (no gradient reaches the "
                      "disk)")
 
