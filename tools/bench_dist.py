@@ -35,6 +35,8 @@ the step in it (``step=True``: each rank updates its slice of a block once the r
 gradient), neither clipping, interleaved over the rounds (with ``--accumulate N``: N micro-batches
 through ``forward_backward``); prints each one's step time, disk bytes per rank, how many updates ran
 inside the backward, their ratios, and whether the two ended with the same weights bit for bit.
+``--disk-rate MB/S`` holds each rank's disk to that rate (each rank its own drive, as on N GPUs
+with N drives: ``tools/slow_disk.py``'s rule on the file backend each rank's engine opens).
 """
 
 from __future__ import annotations
@@ -64,9 +66,30 @@ def _model(args):
                          n_heads=args.heads))
 
 
+def _slow_disk(rate: float) -> None:
+    """This process's file backends, together, no faster than ``rate`` bytes per second (one drive
+    serving reads and writes in turn: :class:`slow_disk.SlowDisk`'s rule; sharded ranks take
+    ``storage=`` a directory, not a backend object, so the rule goes on the class they open)."""
+    import threading
+
+    from storage_backends.posix import PosixBackend
+    transfer, lock, free_at = PosixBackend._transfer_part, threading.Lock(), [0.0]
+
+    def slow(self, key, part, mv, *, read):
+        with lock:  # this part's turn on the drive
+            start = max(time.monotonic(), free_at[0])
+            free_at[0] = done_at = start + part.length / rate
+        n = transfer(self, key, part, mv, read=read)
+        time.sleep(max(0.0, done_at - time.monotonic()))
+        return n
+    PosixBackend._transfer_part = slow
+
+
 def rank_main(args) -> int:
     """One rank (RANK / WORLD_SIZE in the environment when more than one)."""
     import torch.distributed as dist
+    if args.disk_rate:
+        _slow_disk(args.disk_rate * 1e6)
 
     from tiered_offload import Engine, Tier
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -139,8 +162,9 @@ def run(world: int, args) -> list[dict]:
     cmd = [sys.executable, __file__, "--rank-main", "--out", str(out)] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
         if k in ("layers", "d_model", "heads", "context", "batch", "steps", "budget_fraction", "min_host",
-                 "accumulate", "every")] + (["--fused"] if args.fused else []) + (["--durable"] if args.durable else []
-    ) + (["--in-backward"] if args.in_backward else []) + (["--step-in-backward"] if args.step_in_backward else [])
+                 "accumulate", "every", "disk_rate")] + [
+        f"--{flag.replace('_', '-')}" for flag in ("fused", "durable", "in_backward", "step_in_backward")
+        if getattr(args, flag)]
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -176,6 +200,8 @@ def main() -> int:
     ap.add_argument("--commit-every", type=int, default=0, metavar="N",
                     help="durable: every step committed against every Nth")
     ap.add_argument("--rounds", type=int, default=2, help="with --commit-every: rounds of the two, interleaved")
+    ap.add_argument("--disk-rate", type=float, default=0, metavar="MB/S",
+                    help="each rank's disk held to this rate (its own drive)")
     ap.add_argument("--step-in-backward", action="store_true",
                     help="the step after the backward against in it (step=True), neither clipping")
     ap.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
@@ -268,7 +294,7 @@ def in_backward(args) -> int:
     args.fused = args.accumulate > 1
     print(f"{n / 1e6:.1f}M parameters, state {mib(16 * n)}, host budget {args.budget_fraction:g} x each rank's share; "
           f"{max(1, args.accumulate)} micro-batch(es) per step{' (forward_backward)' if args.fused else ''}, no "
-          f"clipping; medians of {args.steps - 1} steps after a warm-up, then over {args.rounds} rounds")
+          f"clipping{f'; each rank its own disk held to {args.disk_rate:g} MB/s' if args.disk_rate else ''}; medians of {args.steps - 1} steps after a warm-up, then over {args.rounds} rounds")
     print("| ranks | step | s / step | disk read / rank / step | written | updates in the backward |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     for world in [int(w) for w in args.ranks.split(",")]:
