@@ -36,7 +36,7 @@ gradient), neither clipping, interleaved over the rounds (with ``--accumulate N`
 through ``forward_backward``); prints each one's step time, disk bytes per rank, how many updates ran
 inside the backward, their ratios, and whether the two ended with the same weights bit for bit.
 ``--disk-rate MB/S`` holds each rank's disk to that rate (each rank its own drive, as on N GPUs
-with N drives: ``tools/slow_disk.py``'s rule on the file backend each rank's engine opens).
+with N drives: ``tools/slow_disk.py``'s ``slow_file_backends``).
 """
 
 from __future__ import annotations
@@ -66,30 +66,12 @@ def _model(args):
                          n_heads=args.heads))
 
 
-def _slow_disk(rate: float) -> None:
-    """This process's file backends, together, no faster than ``rate`` bytes per second (one drive
-    serving reads and writes in turn: :class:`slow_disk.SlowDisk`'s rule; sharded ranks take
-    ``storage=`` a directory, not a backend object, so the rule goes on the class they open)."""
-    import threading
-
-    from storage_backends.posix import PosixBackend
-    transfer, lock, free_at = PosixBackend._transfer_part, threading.Lock(), [0.0]
-
-    def slow(self, key, part, mv, *, read):
-        with lock:  # this part's turn on the drive
-            start = max(time.monotonic(), free_at[0])
-            free_at[0] = done_at = start + part.length / rate
-        n = transfer(self, key, part, mv, read=read)
-        time.sleep(max(0.0, done_at - time.monotonic()))
-        return n
-    PosixBackend._transfer_part = slow
-
-
 def rank_main(args) -> int:
     """One rank (RANK / WORLD_SIZE in the environment when more than one)."""
     import torch.distributed as dist
-    if args.disk_rate:
-        _slow_disk(args.disk_rate * 1e6)
+    if args.disk_rate:  # (this rank's own drive)
+        from slow_disk import slow_file_backends
+        slow_file_backends(args.disk_rate * 1e6)
 
     from tiered_offload import Engine, Tier
     world = int(os.environ.get("WORLD_SIZE", "1"))
