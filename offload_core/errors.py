@@ -15,6 +15,7 @@ import errno as _errno
 __all__ = [
     "CorruptionError",
     "StepFailedError",
+    "ClipTornError",
     "EngineClosedError",
     "StorageLockedError",
     "CheckpointError",
@@ -153,6 +154,18 @@ class StepFailedError(TieredOffloadError, RuntimeError):
     def __init__(self, what: str, how_to_go_on: str = ""):
         super().__init__(f"{what} {how_to_go_on}".rstrip())
         self.what = what
+
+
+class ClipTornError(StepFailedError):
+    """A step run in the backward unclipped (``clip_norm``: exact while the gradients' total norm is
+    within it) found the norm over the limit after some units were updated: the step is half applied
+    (a :class:`StepFailedError`); the storage keeps the last commit. ``norm``: the total norm (``bound``:
+    a lower bound of it, found before the backward ended); ``clip_norm``: the limit. Resume, and run
+    that step clipped after the backward."""
+
+    def __init__(self, what: str, how_to_go_on: str, norm: float, clip_norm: float, bound: bool = False):
+        super().__init__(what, how_to_go_on)
+        self.norm, self.clip_norm, self.bound = norm, clip_norm, bound
 
 
 class EngineClosedError(TieredOffloadError, RuntimeError):

@@ -324,7 +324,7 @@ def test_model_kinds_train_with_the_step_in_the_backward_as_pytorch(tmp_path, ca
     import test_finetune as tf
     from tiered_offload.engine.step_in_backward import StepInBackward
     opened, real = [], StepInBackward._open
-    monkeypatch.setattr(StepInBackward, "_open", lambda self: opened.append(True) and real(self))
+    monkeypatch.setattr(StepInBackward, "_open", lambda self, unit: opened.append(real(self, unit)) or opened[-1])
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
     if case == "moe":
         weights, _, start, _ = tf.check_parity(tf.make_moe, adamw, tmp_path, routes=[[0, 1], [1, 2], [2, 0]], steps=3,
@@ -340,4 +340,4 @@ def test_model_kinds_train_with_the_step_in_the_backward_as_pytorch(tmp_path, ca
     else:
         tf.check_parity(tf.make_lora, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), tmp_path, storage=None,
                         host_fraction=0.6, in_backward=True)
-    assert opened  # the steps opened in a backward: blocks were updated there
+    assert any(opened)  # the steps opened in a backward: blocks were updated there

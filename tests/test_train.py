@@ -132,25 +132,33 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
                                       dict(train__schedule="linear", train__betas=[0.9, 0.95], train__eps=1e-6,
                                            train__min_lr=2e-3, train__weight_decay=0.1),
                                       dict(data__packing="documents"),
-                                      dict(train__clip=None, offload__commit_every=2)],
-                         ids=["defaults", "adam-settings", "documents", "no-clipping"])
-def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule, monkeypatch):
+                                      dict(train__clip=None, offload__commit_every=2),
+                                      dict(offload__commit_every=2, train__clip=1.2)],
+                         ids=["defaults", "adam-settings", "documents", "no-clipping", "clipped-in-backward"])
+def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule, monkeypatch,
+                                                                caplog):
     """The recipe the command runs, written out in plain PyTorch on the model ``from_pretrained``
     loads: the same micro-batches in the same order, the loss averaged over the accumulation,
     AdamW with weight decay on the matrices only, the warm-up and schedule (``train.min_lr``: the
     floor a linear or cosine decay ends at), clipping. Its losses and final weights are the run's,
     bitwise (the engine streams the state through the disk; the evaluations between steps change
     nothing). Without clipping (``train.clip: null``) every step runs in the backward
-    (``forward_backward(..., step=True)``), every block updated inside it."""
+    (``forward_backward(..., step=True)``), every block updated inside it. With clipping and
+    snapshot commits (``clipped-in-backward``), every step after the first runs in the backward
+    here (:class:`ClipSpeculation` told to try each one): those over ``train.clip`` are torn, run
+    again after the backward from the last commit, and reported once each in metrics.jsonl."""
     from tiered_offload.engine.step_in_backward import StepInBackward
     from tiered_offload.train.data import micro_batch_rows
     from tiered_offload.train.run import lr_factor
+    from tiered_offload.train.steps import ClipSpeculation
     config = write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=0, **schedule)
-    records, inside = [], []
+    records, inside = {}, []
     update = StepInBackward._update
     monkeypatch.setattr(StepInBackward, "_update", lambda self, unit: (
         inside.append(self.engine._streamer.step_in_backward is not None), update(self, unit))[1])
-    summary = train(config, progress=False, on_step=lambda s, r: records.append(r))
+    monkeypatch.setattr(ClipSpeculation, "MARGIN", float("inf"))  # (each step after one with a known norm)
+    monkeypatch.setattr(ClipSpeculation, "HOLD", 1)  # (the torn step alone runs after the backward)
+    summary = train(config, progress=False, on_step=lambda s, r: records.__setitem__(s, r))
     cfg = load_config(config, [])
     t = cfg.train
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -172,8 +180,9 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
             return (s + 1) / (t.warmup_steps + 1)
         return floor + (1 - floor) * lr_factor(s, t.max_steps, t.warmup_steps, t.schedule)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    for step, record in enumerate(records):
-        losses = []
+    assert sorted(records) == list(range(1, t.max_steps + 1))
+    for step in range(t.max_steps):
+        record, losses = records[step + 1], []
         for micro in range(t.grad_accum):
             batch = train_data.batch(micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro,
                                                       t.micro_batch))
@@ -189,7 +198,23 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
     final = exported(Path(summary["final"]))
     assert set(final) == set(model.state_dict()) and all(torch.equal(final[k], v) for k, v in model.state_dict().items())
     blocks = model.config.num_hidden_layers
-    assert inside == ([True] * blocks + [False]) * t.max_steps if not t.clip else not inside, inside
+    torn = [r.getMessage() for r in caplog.records if "over train.clip" in r.getMessage()]
+    if "offload__commit_every" not in schedule:  # (journal commits: after the backward)
+        assert not inside and not torn
+    elif not t.clip:
+        assert inside == ([True] * blocks + [False]) * t.max_steps and not torn, inside
+    else:  # the steps tried in the backward (the policy's, each tear holding the next ones after it) over the
+        sim, over, under = ClipSpeculation(t.clip), [], []  # limit were torn, the others ran there
+        for step in range(1, t.max_steps + 1):
+            if sim.allows(step):
+                (over if records[step]["grad_norm"] > t.clip else under).append(step)
+                if over and over[-1] == step:
+                    sim.torn()
+            sim.seen(records[step]["grad_norm"])
+        assert over and under and [int(re.search(r"step (\d+) ran", m)[1]) for m in torn] == over, (over, torn)
+        assert inside.count(True) >= blocks * len(under), inside
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == list(range(1, t.max_steps + 1))
 
 
 def test_the_example_configuration_reads_as_it_says():

@@ -76,6 +76,15 @@ class Gradients:
         self.scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
 
+    def total_norm(self, taken: dict | None = None) -> torch.Tensor | None:
+        """The global L2 norm as :meth:`clip` takes it, with ``taken`` (unit name ->
+        :meth:`Placement.norm_part`) for the units whose gradients an update in the backward forgot."""
+        return self.placement.grad_norm(self.store, self.schedule, self.binding.param_order, self.norms, 2.0, taken)
+
+    def norm_part(self, unit) -> tuple[object, float]:
+        """:meth:`Placement.norm_part` of ``unit``'s gradient (taken before an update forgets it)."""
+        return self.placement.norm_part(self.store, unit, self.norms)
+
     def norms(self, unit, norm_type: float) -> list[torch.Tensor]:
         """Norms of each trainable parameter's gradient in ``unit``: those the backward that last
         changed it computed (L2, :meth:`BlockStreamer.gradients_done`), else read back."""

@@ -98,6 +98,8 @@ class PlanMonitor:
         """Time spent in the engine's calls (forward, backward, clipping, step)."""
         self.loops: dict[str, int] = {}
         """Why ``forward_backward`` ran the loop instead of a pass -> how many calls it did."""
+        self.updates_in_backward = 0
+        """Units updated inside a backward (:attr:`EngineStats.updates_in_backward`)."""
         self.measured: list[StepMeasurement] = []
         self._last: _Counters | None = None
         self._check_at = 1 + self.PLAN_FROM + self.CHECK_AFTER
@@ -343,4 +345,5 @@ class PlanMonitor:
         return EngineStats(self.store.stats, self.parameter_count, len(m),
                            mid([x.seconds for x in m]), mid([x.disk_read for x in m]),
                            mid([x.disk_written for x in m]), moved / busy if busy > 0 else None,
-                           mid([x.link for x in m]), self.floors, dict(self.loops))
+                           mid([x.link for x in m]), self.floors, dict(self.loops),
+                           self.updates_in_backward)

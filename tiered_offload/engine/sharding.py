@@ -523,20 +523,29 @@ class Placement:
         """Whether this process writes the exported model (rank 0; the others send their slices)."""
         return True
 
-    def grad_norm(self, store, schedule, param_order, unit_norms, norm_type: float) -> torch.Tensor | None:
+    def grad_norm(self, store, schedule, param_order, unit_norms, norm_type: float,
+                  taken: dict | None = None) -> torch.Tensor | None:
         """The global gradient norm over the parameters that have a gradient (None: none has).
         ``unit_norms(unit, norm_type)``: the norms of a unit's trainable parameters, in order
-        (mostly computed by the backward: no pass over the gradients on disk)."""
+        (mostly computed by the backward: no pass over the gradients on disk). ``taken``: unit name
+        -> :meth:`norm_part` taken before an update forgot its gradient (L2 only)."""
         norms: dict[int, torch.Tensor] = {}
         for unit in schedule.clip_order():
             if unit.grad_key is None:
                 continue
-            for slot, n in zip(unit.trainable(), unit_norms(unit, norm_type)):
+            parts = taken[unit.name] if taken and unit.name in taken else unit_norms(unit, norm_type)
+            for slot, n in zip(unit.trainable(), parts):
                 norms[id(slot)] = n
         ordered = [norms[id(s)] for _, s in param_order if s.has_grad]
         if not ordered:
             return None
         return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+
+    def norm_part(self, store, unit, unit_norms) -> tuple[object, float]:
+        """What :meth:`grad_norm` (L2) needs of ``unit``'s gradient, taken now, and its sum of squares
+        (a lower bound's part): here the norm of each of its trainable parameters' gradients."""
+        norms = unit_norms(unit, 2.0) if unit.grad_key is not None else []
+        return norms, sum(float(n) ** 2 for n in norms)
 
 
 class Local(Placement):
@@ -661,17 +670,27 @@ class Sharded(Placement):
     def writes_exports(self) -> bool:
         return self.rank == 0
 
-    def grad_norm(self, store, schedule, param_order, unit_norms, norm_type: float) -> torch.Tensor | None:
+    def grad_norm(self, store, schedule, param_order, unit_norms, norm_type: float,
+                  taken: dict | None = None) -> torch.Tensor | None:
         """The global L2 norm from every rank's gradient slices (sum of squares, reduced over ranks)."""
         if norm_type != 2.0:
             raise ConfigError(f"sharded training clips by the L2 norm only (norm_type=2.0), got {norm_type}")
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for unit in schedule.units:
-            key = self.layout(unit).grad_key
-            if key is not None:
-                with store.hold(key) as g:
-                    total += g.double().square().sum().to(total.device)
+            if taken and unit.name in taken:
+                total += taken[unit.name]
+            elif self.layout(unit).grad_key is not None:
+                total += self.norm_part(store, unit, unit_norms)[0]
         self.sharding.all_reduce(total, dist.ReduceOp.SUM, "the gradient norm")
         if not any(s.has_grad for _, s in param_order):
             return None
         return total.sqrt().float().reshape(())
+
+    def norm_part(self, store, unit, unit_norms) -> tuple[object, float]:
+        """This rank's sum of squares of ``unit``'s gradient slice (zero: it holds none)."""
+        key = self.layout(unit).grad_key
+        if key is None:
+            return torch.zeros((), dtype=torch.float64, device=self.device), 0.0
+        with store.hold(key) as g:
+            part = g.double().square().sum().to(self.device)
+        return part, float(part)

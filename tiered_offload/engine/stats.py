@@ -40,6 +40,9 @@ class EngineStats:
     fetched per micro-batch) instead of one pass, by reason (the first of each is logged with its
     particulars). A shape's first call with dropout is one ("... drew other random numbers than
     none"): it learns the draws the next passes replay."""
+    updates_in_backward: int = 0
+    """Units updated inside a backward (``step=True``; :mod:`~tiered_offload.engine.step_in_backward`)
+    since the engine opened; the others' updates ran after their backward."""
 
     @property
     def read_bytes_per_param_per_step(self) -> float | None:

@@ -65,7 +65,9 @@ import logging
 import weakref
 from typing import Callable
 
-from offload_core.errors import ConfigError, NonFiniteError
+import torch
+
+from offload_core.errors import ClipTornError, ConfigError, NonFiniteError
 from tiered_offload.engine.schedule import Phase
 
 __all__ = ["StepInBackward", "open_step"]
@@ -106,8 +108,19 @@ def _warn_of_a_scheduler_not_saved(engine) -> None:
 class StepInBackward:
     """One step run in a backward (see the module's docstring)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, clip_norm: float | None = None, on_norm: Callable | None = None):
         self.engine = engine
+        self.clip_norm, self.on_norm = clip_norm, on_norm
+        """The clipping limit (None: no clipping), and who is told the step's total norm before its commit."""
+        self.taken: dict[str, object] = {}
+        """``clip_norm``: each unit updated in the backward -> what the total norm needs of its gradient,
+        taken before the update forgot it (:meth:`Placement.norm_part`)."""
+        self.squares = 0.0
+        """The sum of the squares of those units' gradients: the total norm is at least its root."""
+        self.over: float | None = None
+        """The total norm, where it is over ``clip_norm`` (a lower bound where found in the backward)."""
+        self.norm = None
+        """The step's total norm (``clip_norm``), once known."""
         self.armed = False
         """The backward running is the step's last: a block's gradient is final at its release."""
         self.fuse = True
@@ -133,6 +146,20 @@ class StepInBackward:
                 "(snapshot commits)")
 
     @staticmethod
+    def check_clip(step: bool, clip_norm, on_norm) -> None:
+        """Refuse, before anything runs, a ``clip_norm`` that cannot be exact (see the module's docstring)."""
+        if on_norm is not None and clip_norm is None:
+            raise ConfigError("on_norm is told the total norm of a step clipped in the backward: pass clip_norm too")
+        if clip_norm is None:
+            return
+        if not step:
+            raise ConfigError("clip_norm clips a step run in the backward (step=True); to clip before step(), call "
+                              "clip_grad_norm_(max_norm) between backward(loss) and step()")
+        if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not 0 < clip_norm < float("inf"):
+            raise ConfigError(f"clip_norm must be a positive finite number (the largest total gradient norm, as "
+                              f"clip_grad_norm_'s max_norm), got {clip_norm!r}")
+
+    @staticmethod
     def short_of_room(engine) -> int | None:
         """The compute-tier budget a unit's update needs beside what the backward pins
         (:meth:`Schedule.defer_budget`), where this engine's is less: the step then runs after the
@@ -144,15 +171,17 @@ class StepInBackward:
         return need if engine.store.capacity(engine.store.compute_tier) < need else None
 
     @classmethod
-    def run(cls, engine, backward: Callable[[Callable[[], None]], object], arm_now: bool) -> tuple[object, bool]:
+    def run(cls, engine, backward: Callable[[Callable[[], None]], object], arm_now: bool,
+            clip_norm: float | None = None, on_norm: Callable | None = None) -> tuple[object, bool]:
         """Run ``backward(arm)`` (a backward or ``forward_backward``, which calls ``arm`` as its
         last backward starts; ``arm_now``: it is one backward) with the step in it, then the step's
-        end; returns what ``backward`` returned and whether the step was taken (as :meth:`Engine.step`)."""
+        end; returns what ``backward`` returned and whether the step was taken (as :meth:`Engine.step`).
+        ``clip_norm``, ``on_norm``: see the module's docstring."""
         why = cls.refusal(engine)
         if why is not None:
             raise ConfigError(why)
         engine._await()
-        fused = cls(engine)
+        fused = cls(engine, clip_norm, on_norm)
         fused.timed = arm_now
         if arm_now:
             fused.arm()
@@ -203,18 +232,21 @@ class StepInBackward:
             return
         if streamer.turns is not None and not streamer.turns.is_last():
             return
-        if self.hypers is None and not self._open():
+        if self.hypers is None and not self._open(unit):
             return
         self._update(unit)
 
-    def _open(self) -> bool:
-        """The step's first update is due: check every gradient so far, then open the step as
-        :meth:`Engine.step` does. False: a gradient or loss was not finite; nothing runs in the
-        backward (the step after it raises or skips, nothing updated)."""
+    def _open(self, unit) -> bool:
+        """The step's first update (of ``unit``) is due: check every gradient so far, then open the
+        step as :meth:`Engine.step` does. False: a gradient or loss was not finite, or ``unit``'s norm
+        is over ``clip_norm``; nothing runs in the backward (the step after it raises or skips,
+        nothing updated; or clips)."""
         engine = self.engine
         usable = not engine._gradients.skip_step and all(s.grads_finite for s in engine._streamer.gradients.values())
         if not engine._placement.all_agree(usable, "the gradients' finiteness as the step in the backward opens"):
             self.fuse = False
+            return False
+        if not self._within_limit(unit):
             return False
         engine._commits.wait()  # the last commit has written what it snapshots before this step changes it
         engine.train_state.check_scheduler()
@@ -233,6 +265,8 @@ class StepInBackward:
             self.bad.append(unit.name)
             self.fuse = False
             return
+        if not self._within_limit(unit):
+            return
         spec, hypers = engine._spec, self.hypers
         scalars = (lambda group, count, s: spec.next_scalars(hypers[group], count, s)) if spec.scalars else None
         updates = engine.train_state.advance_slots(unit.params, scalars)
@@ -241,18 +275,64 @@ class StepInBackward:
                 engine._updater.due(unit)
             engine._update_unit(unit, hypers, self.scale, updates)
             self.updated.append(unit.name)
+            if engine._streamer.step_in_backward is self:
+                engine._monitor.updates_in_backward += 1
         key = engine._placement.grad_key(unit)  # (ranks: None where this rank's slice holds no gradient)
         if key and unit.is_block:
             engine.store.zero(key)
+
+    def _within_limit(self, unit) -> bool:
+        """``clip_norm``: take what the total norm needs of ``unit``'s gradient before its update
+        forgets it; False (no more updates in the backward) where the units so far already put the
+        norm over the limit (ranks: where any rank's do). Once the total is known, True."""
+        if self.clip_norm is None or self.norm is not None or unit.name in self.taken:
+            return True
+        engine = self.engine
+        self.taken[unit.name], squares = engine._gradients.norm_part(unit)
+        self.squares += squares
+        low = self.squares ** 0.5  # (a bound with room for rounding: over it, clipping surely scales)
+        if engine._placement.all_agree(not low > self.clip_norm * (1 + 1e-4) + 1e-5, "the gradient norm's bound"):
+            return True
+        self.over, self.fuse = low, False
+        return False
+
+    def _clip_at_the_end(self) -> None:
+        """``clip_norm``, before the units not updated in the backward: the step's total norm, as
+        ``clip_grad_norm_`` takes it; where clipping would scale, the step cannot be exact (:attr:`over`)."""
+        if self.clip_norm is None or self.over is not None or self.bad:
+            return
+        engine = self.engine
+        total = engine._gradients.total_norm(self.taken)
+        self.norm = torch.tensor(0.0) if total is None else total
+        if bool(torch.isfinite(self.norm)) and float(torch.clamp(self.clip_norm / (self.norm + 1e-6), max=1.0)) != 1.0:
+            self.over = float(self.norm)  # (a norm not finite: a gradient is, which its update finds below)
 
     def finish(self) -> bool:
         """After the backward: the units not updated in it, the step counted and committed, the
         gradients forgotten (``zero_grad()``). Returns whether the step was taken."""
         engine = self.engine
         if self.hypers is None:  # nothing ran in the backward: the step as step() runs it
+            if self.clip_norm is not None:
+                clip = type(engine).clip_grad_norm_
+                self.norm = (clip.__wrapped__ if self.timed else clip)(engine, self.clip_norm)  # (timed once)
+                if self.on_norm is not None:
+                    self.on_norm(self.norm)
             taken = type(engine).step.__wrapped__(engine) if self.timed else engine.step()  # (timed once)
             engine.zero_grad()
             return taken
+        self._clip_at_the_end()
+        if self.over is not None:
+            error = ClipTornError(
+                f"the gradients' total norm is {self.over:.6g}{' or more' if self.norm is None else ''}, over "
+                f"clip_norm={self.clip_norm:g}, found in backward(step=True) after {len(self.updated)} unit(s) were "
+                f"updated unclipped ({', '.join(self.updated[:4])}{', ...' if len(self.updated) > 4 else ''}): this "
+                f"step is half applied and cannot be undone.",
+                ("Build the engine again with resume=True (the storage keeps the last commit) and run this step "
+                 "clipped after the backward: backward(loss), clip_grad_norm_(max_norm), step(), zero_grad()"
+                 if engine.durable else "Start again from the last export")
+                + " (tiered-offload train does this itself)", self.over, self.clip_norm, self.norm is None)
+            self._tear(error)
+            raise error
         if not self.bad:
             for layout in engine.schedule.update_order():
                 if layout.name not in self.done and not self.bad:
@@ -271,6 +351,8 @@ class StepInBackward:
         if engine._updater.in_lower_tier:  # the device tier's order from here: the next forward and backward
             engine._updater.device_sequence(
                 engine._streamer.access_sequence(engine.schedule, [Phase.FORWARD, Phase.BACKWARD]), [])
+        if self.norm is not None and self.on_norm is not None:
+            self.on_norm(self.norm)
         then = engine._commits.begin_step(self.hypers, self.scale, None)  # (snapshots: the step's record now)
         if then is not None:
             then()

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from offload_core.buffers import PAGE
-from offload_core.errors import CheckpointError, ConfigError, StepFailedError, TieredOffloadError
+from offload_core.errors import CheckpointError, ClipTornError, ConfigError, StepFailedError, TieredOffloadError
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
@@ -44,6 +44,7 @@ from tiered_offload.train.outputs import (check_export_space, export, export_ste
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
+from tiered_offload.train.steps import ClipSpeculation, train_step
 
 __all__ = ["train", "lr_factor"]
 
@@ -280,15 +281,25 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     exports."""
     from tiered_offload import progress as bars
     with Ranks() as ranks, bars.shown(progress and not dry_run and ranks.first):
+        cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
+        speculation = ClipSpeculation(cfg.train.clip)
         try:
-            return _train(config, overrides, dry_run, progress and ranks.first, on_step, ranks)
+            while True:
+                try:
+                    return _train(cfg, dry_run, progress and ranks.first, on_step, ranks, speculation)
+                except ClipTornError as e:  # (train.steps says why; the storage keeps the last commit)
+                    step = speculation.torn()
+                    held = speculation.held_until
+                    log.warning("tiered-offload: step %d ran in the backward but its gradient norm is %s%.4g, over "
+                                "train.clip %g: it runs again from the last commit, clipped after the backward (the "
+                                "same numbers), %s", step, "at least " if e.bound else "", e.norm, e.clip_norm,
+                                "as do the steps to %d" % held if held > step else "and the next in the backward")
         except StepFailedError as e:  # (the engine's advice is its API's: say the command's)
             raise StepFailedError(e.what, "Run the same command again: it resumes from the last step the storage "
                                           "recorded.") from e.__cause__
 
 
-def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ranks) -> dict:
-    cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
+def _train(cfg, dry_run: bool, progress: bool, on_step, ranks: Ranks, speculation: ClipSpeculation) -> dict:
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
     refuse_inside_exports({"model.path": model_dir, "data.path": cfg.data.path, "lora.adapter": cfg.lora.adapter},
@@ -305,13 +316,14 @@ def _train(config, overrides, dry_run: bool, progress: bool, on_step, ranks: Ran
         out, path=out / ".cache" / "train.lock", what=f"output.dir {out}", advice="give this run another output.dir",
         required=False).acquire()
     try:
-        return _run(cfg, model_dir, out, dry_run, progress, on_step, ranks)
+        return _run(cfg, model_dir, out, dry_run, progress, on_step, ranks, speculation)
     finally:
         if held is not None:
             held.release()
 
 
-def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step, ranks: Ranks) -> dict:
+def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step, ranks: Ranks,
+         speculation: ClipSpeculation) -> dict:
     from tiered_offload import Engine
     directories = _storage_location(cfg.offload.storage)
     location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
@@ -401,10 +413,13 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
         moved, checked_documents, agreed = _disk_bytes(engine), False, False
-        in_backward = not t.clip and StepInBackward.refusal(engine) is None
+        in_backward = StepInBackward.refusal(engine) is None  # (train.steps: where the step runs)
+        speculation.resumed(engine.user_state.get("record") if start else None)
         if in_backward and ranks.first and StepInBackward.short_of_room(engine) is None:  # (else the engine warns)
-            log.info("tiered-offload: train.clip is null: each step runs in the backward (no gradient reaches the "
-                     "disk)")
+            log.info("tiered-offload: " + ("each step runs in the backward (no gradient reaches the disk)" if not t.clip
+                     else f"a step runs in the backward (no gradient reaches the disk) after one whose gradient norm "
+                          f"was at most {ClipSpeculation.MARGIN:g} x train.clip; one found over train.clip there is "
+                          f"run again after the backward, from the last commit (the same numbers)"))
 
         def stopping() -> bool:  # one process: now; ranks: as they agreed after the last step (below)
             return stop["signal"] is not None if ranks.world == 1 else agreed
@@ -419,9 +434,11 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 tokens += train_data.tokens(rows)
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
             # (a check of the model's first forward in this process raises after it: a step after the backward)
-            own = _train_step(engine, batches, t, tokens, in_backward and checked is None,
-                              lambda checked=checked: _forwards(t.precision, engine, checked),
-                              {"micro_batches": (step + 1) * t.grad_accum, "settings": settings})
+            fused = in_backward and checked is None and speculation.allows(step + 1)
+            own = train_step(engine, batches, t, tokens, fused,
+                             lambda checked=checked: _forwards(t.precision, engine, checked),
+                             {"micro_batches": (step + 1) * t.grad_accum, "settings": settings})
+            speculation.seen(own[3])
             checked_documents = True  # (the model's first step in this process: before it is taken)
             now = _disk_bytes(engine)
             loss, tokens, read, written, stops = ranks.sums([own[0], own[1], now[0] - moved[0], now[1] - moved[1],
@@ -469,39 +486,6 @@ def _forwards(precision: str, engine, checked):
     first forward in this process (``checked``; None: none)."""
     with _precision(precision, engine), checked or contextlib.nullcontext():
         yield
-
-
-def _train_step(engine, batches: list, t, tokens: int, in_backward: bool, around, state: dict) -> list:
-    """One optimizer step over ``batches`` (the step's micro-batches), their forwards and backwards
-    in the context ``around()`` makes; returns this rank's part of the step's record, ``[mean loss,
-    tokens, lr, gradient norm]``. The record is committed with the step (``engine.user_state``:
-    ``state`` and the record): a kill before the run writes it leaves the resume what to write it
-    from. ``in_backward`` (``train.clip`` null, and the engine allows it): the step runs in the
-    backward (``forward_backward(..., step=True)``, the same numbers); the record is set as the
-    last micro-batch's loss is known, before any update."""
-    lr = engine.param_groups[0]["lr"]  # (the step's: the scheduler moves it as the step opens)
-    if not in_backward:
-        with around():
-            losses = [loss.item() * t.grad_accum for loss in
-                      engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
-        norm = engine.clip_grad_norm_(t.clip) if t.clip else None
-        own = [sum(losses) / len(losses), tokens, lr, None if norm is None else float(norm)]
-        engine.user_state = {**state, "record": own}
-        engine.step()
-        engine.zero_grad()
-        return own
-    seen: dict[int, float] = {}
-
-    def loss_fn(out, batch):
-        loss = out.loss / t.grad_accum
-        seen[next(i for i, b in enumerate(batches) if b is batch)] = loss.item() * t.grad_accum
-        if len(seen) == len(batches):  # (a pass undone before its backward runs them again: the same values)
-            losses = [seen[i] for i in range(len(batches))]
-            engine.user_state = {**state, "record": [sum(losses) / len(losses), tokens, lr, None]}
-        return loss
-    with around():
-        engine.forward_backward(batches, loss_fn, step=True)
-    return engine.user_state["record"]
 
 
 _LAYOUT = ("r", "targets", "parameters", "dora", "modules_to_save")

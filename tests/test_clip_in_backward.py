@@ -1,0 +1,149 @@
+"""``backward(loss, step=True, clip_norm=c)`` and ``forward_backward(..., step=True, clip_norm=c)``:
+the step in the backward with PyTorch's gradient clipping (``clip_grad_norm_(params, c)`` before
+``step()``). While the total norm is within ``c`` PyTorch scales every gradient by exactly 1.0, so
+the step run unclipped in the backward is the clipped step, bitwise; over it, the step runs after
+the backward clipped (no unit updated yet), or is torn with :class:`ClipTornError` and the storage
+keeps the last commit (tiered_offload/engine/step_in_backward.py)."""
+
+import copy
+
+import pytest
+import torch
+
+from offload_core.errors import ClipTornError, ConfigError, StepFailedError, TensorStateError
+from test_step_in_backward import (_batches, _engine, _gpt, _grad_bytes_written, _loss, _micro_loss, _same_weights,
+                                   _state_bytes)
+from tiered_offload import Engine, EngineConfig
+
+
+def _pytorch_step(ref, opt, micro, clip_norm):
+    """PyTorch's clipped step over the micro-batches ``micro``: their losses and the total norm."""
+    losses = []
+    for x in micro:
+        loss = _micro_loss(ref(x), x) if len(micro) > 1 else _loss(ref, x)
+        loss.backward()
+        losses.append(loss.detach())
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_norm)
+    opt.step()
+    opt.zero_grad()
+    return losses, norm
+
+
+def _norms(ref, x, *prefixes):
+    """The total gradient norm of ``ref``'s loss on ``x``, then that of the parameters named with
+    each of ``prefixes``; the gradients are left as they were."""
+    saved = [None if p.grad is None else p.grad.clone() for p in ref.parameters()]
+    _loss(ref, x).backward()
+    norms = [float(torch.nn.utils.get_total_norm([p.grad for n, p in ref.named_parameters() if n.startswith(prefix)]))
+             for prefix in ("", *prefixes)]
+    for p, g in zip(ref.parameters(), saved):
+        p.grad = g
+    return norms
+
+
+@pytest.mark.parametrize("call", ["backward", "forward_backward"])
+def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_writes_no_gradient(tmp_path, call):
+    """A limit above every step's norm: the losses, the norm each step reports (``on_norm``, before
+    the step's commit) and the weights are PyTorch's clipped step's, bitwise; every block is updated
+    in the backward, and no gradient byte reaches the disk."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = _engine(ref, tmp_path, kwargs=dict(lr=1e-2, weight_decay=0.1))
+    reported = []
+    with engine:
+        before = engine.store.stats
+        for step in range(4):
+            micro = _batches(2 if call == "forward_backward" else 1, seed=20 + step, batch=2)
+            if call == "backward":
+                got = [_loss(engine, micro[0])]
+                assert engine.backward(got[0], step=True, clip_norm=50.0, on_norm=reported.append) is True
+            else:
+                got = engine.forward_backward(micro, _micro_loss, step=True, clip_norm=50.0, on_norm=reported.append)
+            want, norm = _pytorch_step(ref, opt, micro, 50.0)
+            assert all(torch.equal(a.detach(), b) for a, b in zip(got, want, strict=True))
+            assert torch.equal(reported[-1], norm) and 0 < float(norm) < 50.0
+        assert engine.step_count == 4 and len(reported) == 4 and _same_weights(engine, ref)
+        assert engine.stats().updates_in_backward == 4 * 4  # (4 blocks a step)
+        assert _grad_bytes_written(engine, before) == 0
+
+
+def test_a_norm_over_the_limit_in_the_first_final_block_runs_the_clipped_step_after_the_backward(tmp_path):
+    """A limit below the last block's own gradient norm (the first known): no unit is updated in the
+    backward; the step runs after it, clipped, as PyTorch's (bitwise), and the engine goes on."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = _engine(ref, tmp_path)
+    reported = []
+    with engine:
+        for step in range(3):
+            x = _batches(1, seed=30 + step)[0]
+            loss = _loss(engine, x)
+            assert engine.backward(loss, step=True, clip_norm=1e-3, on_norm=reported.append) is True
+            want, norm = _pytorch_step(ref, opt, [x], 1e-3)
+            assert torch.equal(loss.detach(), want[0]) and torch.equal(reported[-1], norm) and float(norm) > 1e-3
+        assert engine.stats().updates_in_backward == 0
+        assert engine.step_count == 3 and _same_weights(engine, ref)
+
+
+@pytest.mark.parametrize("where", ["in-the-rest", "in-a-block"])
+def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_goes_on_as_pytorch(tmp_path, where):
+    """Durable, snapshot commits every 2 steps. Two steps within the limit, committed; the third's
+    limit lies between its blocks' norm and its total norm (``in-the-rest``: the blocks are updated
+    before the rest tells the total is over), or between the last block's norm and the last two's
+    (``in-a-block``: block 2 tells, and no block below it is updated): :class:`ClipTornError` (a
+    :class:`StepFailedError`) names the norm (or its bound) and the limit; every later call is
+    refused; a resume goes on from step 2 and runs that step clipped after the backward, as
+    PyTorch does, bitwise."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = _batches(4)
+    engine = _engine(ref, tmp_path, durable=True, commit_every=2)
+    with engine:
+        for x in batches[:2]:
+            assert engine.backward(_loss(engine, x), step=True, clip_norm=50.0)
+            _pytorch_step(ref, opt, [x], 50.0)
+        assert engine.wait_committed() == 2
+        total, blocks, top, top_two = _norms(ref, batches[2], "blocks.", "blocks.3.", ("blocks.3.", "blocks.2."))
+        assert top < 0.9 * top_two and blocks < 0.9 * total  # (the head and embeddings' gradients carry the rest)
+        limit = (total + blocks) / 2 if where == "in-the-rest" else (top + top_two) / 2
+        before = engine.stats().updates_in_backward
+        with pytest.raises(ClipTornError, match=r"over clip_norm.*half applied.*resume=True") as torn:
+            engine.backward(_loss(engine, batches[2]), step=True, clip_norm=limit)
+        assert isinstance(torn.value, StepFailedError) and torn.value.clip_norm == limit
+        if where == "in-the-rest":
+            assert abs(torn.value.norm - total) <= 1e-5 * total and not torn.value.bound and "block.0" in str(torn.value)
+            assert engine.stats().updates_in_backward - before == 4
+        else:
+            assert abs(torn.value.norm - top_two) <= 1e-5 * top_two and torn.value.bound and "block.3" in str(torn.value)
+            assert engine.stats().updates_in_backward - before == 1 and "or more" in str(torn.value)
+        with pytest.raises(TensorStateError, match="half applied"):
+            engine(batches[3][:, :-1])
+    resumed = Engine.resume(tmp_path / "s", copy.deepcopy(_gpt()), host_memory=int(_state_bytes(ref) * 0.4),
+                            commit_every=2, config=EngineConfig(activations="recompute"))
+    with resumed:
+        assert resumed.step_count == 2 and _same_weights(resumed, ref)
+        x = batches[2]  # the torn step again, clipped after the backward (what train does)
+        resumed.backward(_loss(resumed, x))
+        norm = resumed.clip_grad_norm_(limit)
+        assert resumed.step()
+        resumed.zero_grad()
+        assert torch.equal(norm, _pytorch_step(ref, opt, [x], limit)[1]) and float(norm) > limit
+        assert resumed.backward(_loss(resumed, batches[3]), step=True, clip_norm=50.0)
+        _pytorch_step(ref, opt, [batches[3]], 50.0)
+        assert _same_weights(resumed, ref)
+
+
+def test_clip_norm_is_refused_where_it_cannot_be_exact(tmp_path):
+    """``clip_norm`` without ``step=True`` (clip with ``clip_grad_norm_`` then), or not a positive
+    finite number: ``ConfigError`` before anything runs; the graph stays whole."""
+    ref = _gpt()
+    with _engine(ref, tmp_path) as engine:
+        loss = _loss(engine, _batches(1)[0])
+        for kwargs, says in ((dict(clip_norm=1.0), "step=True"), (dict(step=True, clip_norm=0.0), "positive"),
+                             (dict(step=True, clip_norm=float("inf")), "positive"),
+                             (dict(step=True, on_norm=print), "clip_norm")):
+            with pytest.raises(ConfigError, match=says):
+                engine.backward(loss, **kwargs)
+        assert engine.step_count == 0
+        engine.backward(loss, step=True, clip_norm=50.0)
+        assert engine.step_count == 1

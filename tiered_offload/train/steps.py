@@ -1,0 +1,98 @@
+"""One optimizer step of ``tiered-offload train``, and where it runs.
+
+The step runs in the backward (``forward_backward(..., step=True)``: no gradient reaches the disk,
+docs/RESULTS.md) where the engine allows it (snapshot commits, ``offload.commit_every >= 2``), else
+after it. With clipping (``train.clip``, the default) a step in the backward runs unclipped,
+``clip_norm=train.clip``: while the gradients' total norm is within the limit, PyTorch scales them
+by exactly 1.0, so that is the clipped step, bitwise. A norm found over it once some unit was updated
+tears the step (:class:`ClipTornError`): :func:`tiered_offload.train.run.train` then resumes from the
+last commit and runs that step after the backward, clipped (the replay is the same numbers: the
+data order is the step count). :class:`ClipSpeculation` decides when to try, so that tears stay rare:
+after a step whose norm was at most :attr:`ClipSpeculation.MARGIN` of the limit, and not for a
+while after a tear.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ClipSpeculation", "train_step"]
+
+
+class ClipSpeculation:
+    """When a clipped step runs in the backward (see the module's docstring). Kept across the
+    resumes a tear causes in one command."""
+
+    MARGIN = 0.8
+    """A step runs in the backward after one whose total norm was at most this share of the limit."""
+    HOLD = 16
+    """Steps from a torn one on that run after the backward; doubled at each further tear."""
+
+    def __init__(self, clip: float | None):
+        self.clip = clip
+        self.last_norm: float | None = None
+        """The gradient norm of the step before the next (None: not known)."""
+        self.held_until = 0
+        """The last step (counted from 1) that runs after the backward because of a tear (the torn
+        step and the :attr:`HOLD` - 1 after it)."""
+        self.hold = self.HOLD
+        self.tried: int | None = None
+        """The step last run in the backward with clipping."""
+        self.tears = 0
+
+    def resumed(self, record: list | None) -> None:
+        """The run goes on from a committed step whose record is ``record`` (None: none)."""
+        self.last_norm = None if not record else record[3]
+
+    def allows(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) may run in the backward, as far as clipping goes."""
+        if self.clip is None:
+            return True
+        ok = step > self.held_until and self.last_norm is not None and self.last_norm <= self.MARGIN * self.clip
+        self.tried = step if ok else None
+        return ok
+
+    def seen(self, norm: float | None) -> None:
+        self.last_norm = norm
+
+    def torn(self) -> int:
+        """The step tried in the backward was torn: hold the next ones after it. Returns that step."""
+        step, self.tried = self.tried, None
+        self.tears += 1
+        self.held_until, self.hold = step + self.hold - 1, min(2 * self.hold, 1024)
+        return step
+
+
+def train_step(engine, batches: list, t, tokens: int, in_backward: bool, around, state: dict) -> list:
+    """One optimizer step over ``batches`` (the step's micro-batches), their forwards and backwards
+    in the context ``around()`` makes; returns this rank's part of the step's record, ``[mean loss,
+    tokens, lr, gradient norm]``. The record is committed with the step (``engine.user_state``:
+    ``state`` and the record): a kill before the run writes it leaves the resume what to write it
+    from. ``in_backward``: the step runs in the backward (``forward_backward(..., step=True)``,
+    clipped by ``clip_norm``: the module's docstring); the record is set as the last micro-batch's
+    loss is known, before any update, and its norm before the step's commit."""
+    lr = engine.param_groups[0]["lr"]  # (the step's: the scheduler moves it as the step opens)
+    if not in_backward:
+        with around():
+            losses = [loss.item() * t.grad_accum for loss in
+                      engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
+        norm = engine.clip_grad_norm_(t.clip) if t.clip else None
+        own = [sum(losses) / len(losses), tokens, lr, None if norm is None else float(norm)]
+        engine.user_state = {**state, "record": own}
+        engine.step()
+        engine.zero_grad()
+        return own
+    seen: dict[int, float] = {}
+
+    def loss_fn(out, batch):
+        loss = out.loss / t.grad_accum
+        seen[next(i for i, b in enumerate(batches) if b is batch)] = loss.item() * t.grad_accum
+        if len(seen) == len(batches):  # (a pass undone before its backward runs them again: the same values)
+            losses = [seen[i] for i in range(len(batches))]
+            engine.user_state = {**state, "record": [sum(losses) / len(losses), tokens, lr, None]}
+        return loss
+
+    def on_norm(norm) -> None:
+        engine.user_state = {**engine.user_state, "record": [*engine.user_state["record"][:3], float(norm)]}
+    with around():
+        engine.forward_backward(batches, loss_fn, step=True, clip_norm=t.clip or None,
+                                on_norm=on_norm if t.clip else None)
+    return engine.user_state["record"]
