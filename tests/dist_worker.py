@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from offload_core.errors import ClipTornError
 from tiered_offload_examples.models import GPT, GPTConfig
 
 VOCAB, CONTEXT = 64, 16
@@ -345,7 +346,11 @@ def run(out: Path, cfg: dict) -> int:
     if cfg.get("fail") and cfg["fail"][0] == rank:  # an error in the middle of a step's update on this rank
         _fail_during_update(engine, *cfg["fail"][1:])
     losses, step_modes, state_reads = [], [engine.step_mode], []
-    in_backward = bool(cfg.get("in_backward"))  # the step in the last backward (step=True): no clip, no step()
+    in_backward = bool(cfg.get("in_backward"))  # the step in the last backward (step=True): no step()
+    norms, torn = [], None  # each step's total gradient norm (clipped runs); the error that tore a step
+    # (in the backward, clipped: clip_norm, each norm told as it is known)
+    clipped = dict(clip_norm=cfg["clip"], on_norm=lambda n: norms.append(float(n))) if in_backward and cfg.get(
+        "clip") else {}
     updated_in_backward = []  # per unit updated: whether it ran inside the backward
     update_unit = engine._update_unit
     engine._update_unit = lambda unit, *a: (updated_in_backward.append(engine._streamer.step_in_backward is not None),
@@ -357,6 +362,8 @@ def run(out: Path, cfg: dict) -> int:
         if cfg.get("inf_grad") and cfg["inf_grad"][:2] == [rank, step]:  # this rank's gradient of a block: inf
             param = dict(model.named_parameters())[f"blocks.{cfg['inf_grad'][2]}.ln1.weight"]
             hook = param.register_hook(lambda g: g * float("inf"))
+        if cfg.get("big_grad") and cfg["big_grad"][:2] == [rank, step]:  # this rank's embeddings' gradient: scaled
+            hook = model.tok.weight.register_hook(lambda g: g * cfg["big_grad"][2])
         # this rank's micro-batches of this step are shorter (dropout draws less than in the others)
         cut = CONTEXT // 2 + 1 if cfg.get("short") == [rank, step] else CONTEXT + 1
         if cfg.get("fused"):  # the micro-batches through each block together
@@ -369,7 +376,11 @@ def run(out: Path, cfg: dict) -> int:
                 logits = getattr(out, "logits", out)  # (a Hugging Face model's output)
                 loss = F.cross_entropy(logits.flatten(0, 1), targets[id(b)]) / cfg["accumulate"]
                 return loss * float("nan") if nan and b is inputs[-1] else loss
-            losses += [x.item() for x in engine.forward_backward(inputs, loss_fn, step=in_backward)]
+            try:
+                losses += [x.item() for x in engine.forward_backward(inputs, loss_fn, step=in_backward, **clipped)]
+            except ClipTornError as e:
+                torn = str(e)
+                break
         for micro in range(0 if cfg.get("fused") else cfg["accumulate"]):
             if cfg.get("die") == [rank, step]:  # a rank that dies mid-step: its peers must not hang
                 os._exit(17)
@@ -384,8 +395,15 @@ def run(out: Path, cfg: dict) -> int:
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             if cfg.get("zero_grad_late") and micro == 0:  # PyTorch loops' other order: between forward and backward
                 engine.zero_grad()
-            engine.backward(loss, step=in_backward and micro == cfg["accumulate"] - 1)
+            last = in_backward and micro == cfg["accumulate"] - 1
             losses.append(loss.item())
+            try:
+                engine.backward(loss, step=last, **(clipped if last else {}))
+            except ClipTornError as e:
+                torn = str(e)
+                break
+        if torn is not None:
+            break
         if hook is not None:
             hook.remove()
         if in_backward:
@@ -394,7 +412,7 @@ def run(out: Path, cfg: dict) -> int:
         if cfg.get("clip_value"):
             engine.clip_grad_value_(cfg["clip_value"])
         if cfg.get("clip"):
-            engine.clip_grad_norm_(cfg["clip"])
+            norms.append(float(engine.clip_grad_norm_(cfg["clip"])))
         engine.step()
         step_modes.append(engine.step_mode)
         reads: dict[str, int] = {}  # per unit: its optimizer states' reads from the disk so far
@@ -405,6 +423,13 @@ def run(out: Path, cfg: dict) -> int:
         state_reads.append(reads)
         if not cfg.get("zero_grad_late") and (step + 1) % cfg.get("zero_every", 1) == 0:
             engine.zero_grad()
+    if torn is not None:  # (the engine refuses every call but close: its state mixes two steps)
+        engine.close()
+        torch.save({"torn": torn, "step_count": engine.step_count, "losses": losses, "norms": norms,
+                    "updated_in_backward": updated_in_backward}, out / f"rank-{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     weights = dict(engine.named_parameters())
     exported = [str(f) for f in engine.export_safetensors(out / "export", merged=cfg.get("export") == "merged")
                 ] if cfg.get("export") else []
@@ -417,7 +442,8 @@ def run(out: Path, cfg: dict) -> int:
               "disk_written": engine.store.stats.bytes_written[Tier.DISK],
               "refused_groups": getattr(engine, "refused_groups", []), "step_modes": step_modes,
               "plan_reasons": list(engine.plan.reasons), "commits": type(engine._commits).__name__,
-              "updated_in_backward": updated_in_backward,
+              "updated_in_backward": updated_in_backward, "norms": norms, "torn": torn,
+              "step_count": engine.step_count,
               "grad_written": engine.store.stats.by_kind(("host->disk", "device->disk")).get("grad", 0)}
     engine.close()
     result["files_bytes"] = sum(f.stat().st_size for d in result["directory"].split(",") for f in Path(d).iterdir()

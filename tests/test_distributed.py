@@ -387,6 +387,43 @@ def test_sharded_ranks_step_in_the_backward_as_they_step_after_it(fused, tmp_pat
         assert a["grad_written"] > 0
 
 
+@pytest.mark.parametrize("clip", [50.0, 1e-3], ids=["within", "over-at-once"])
+def test_sharded_ranks_clip_in_the_backward_as_they_clip_after_it(clip, tmp_path):
+    """``forward_backward(..., step=True, clip_norm=c)`` on 2 ranks against ``clip_grad_norm_(c)``
+    then ``step()`` on the same ranks: the same norms (each rank's ``on_norm``, before the commit),
+    losses and weights, bitwise. Within the limit each block is updated in the backward; a limit the
+    last block's slices already exceed (``over-at-once``: the ranks agree on the bound) updates none
+    there, and the step runs after the backward, clipped."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 3, "accumulate": 2, "scheduler": True, "fused": True,
+           "activations": "recompute", "clip": clip}
+    n = sum(p.numel() for p in build(cfg).parameters())
+    cfg["host_memory"] = int(0.6 * 16 * n / 2)
+    after = launch(2, tmp_path / "after", cfg)
+    inside = launch(2, tmp_path / "in", dict(cfg, in_backward=True))
+    assert all(torch.equal(inside[0]["weights"][k], w) for k, w in after[0]["weights"].items())
+    for a, b in zip(after, inside):
+        assert b["losses"] == a["losses"] and b["norms"] == a["norms"] == after[0]["norms"] and len(a["norms"]) == 3
+        assert (max(a["norms"]) < clip) == (clip == 50.0) and min(a["norms"]) > 1e-3
+        assert b["updated_in_backward"].count(True) == (3 * 6 if clip == 50.0 else 0)
+
+
+def test_a_norm_over_the_limit_on_one_rank_tears_the_clipped_step_in_the_backward_on_every_rank_alike(tmp_path):
+    """Rank 1's embeddings' gradient scaled 1e4 at step 1 (the blocks' norms within the limit, so
+    their slices are updated in the backward): the total norm, reduced over the ranks after the
+    backward, is over it on every rank, so every rank raises :class:`ClipTornError` with the same
+    norm, its step count still 1 (a step-after-the-backward run clips that step instead)."""
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 3, "accumulate": 2, "scheduler": True, "fused": True,
+           "activations": "recompute", "clip": 50.0, "big_grad": [1, 1, 1e4], "in_backward": True}
+    n = sum(p.numel() for p in build(cfg).parameters())
+    cfg["host_memory"] = int(0.6 * 16 * n / 2)
+    results = launch(2, tmp_path, cfg)
+    assert all(r["torn"] is not None and "over clip_norm=50" in r["torn"] and "half applied" in r["torn"]
+               for r in results), [r["torn"] for r in results]
+    norms = [float(re.search(r"total norm is ([0-9.e+]+)", r["torn"])[1]) for r in results]
+    assert norms[0] == norms[1] > 50.0 and all(r["step_count"] == 1 for r in results)
+    assert all(r["updated_in_backward"].count(True) == 2 * 6 for r in results)  # (step 0's blocks and step 1's)
+
+
 def test_sharded_lora_steps_in_the_backward_on_ranks_whose_slice_of_a_block_holds_no_gradient(tmp_path):
     """PEFT's LoRA on a Llama over 3 ranks, the step in the backward (found by ``tools/fuzz_options.py
     --sharded --in-backward``): a block's trainable adapters are a prefix of its layout, so the

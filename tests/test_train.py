@@ -133,7 +133,7 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
                                            train__min_lr=2e-3, train__weight_decay=0.1),
                                       dict(data__packing="documents"),
                                       dict(train__clip=None, offload__commit_every=2),
-                                      dict(offload__commit_every=2, train__clip=1.2)],
+                                      dict(offload__commit_every=2, train__clip=1.2, train__clip_in_backward=1e9)],
                          ids=["defaults", "adam-settings", "documents", "no-clipping", "clipped-in-backward"])
 def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule, monkeypatch,
                                                                 caplog):
@@ -145,8 +145,8 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
     nothing). Without clipping (``train.clip: null``) every step runs in the backward
     (``forward_backward(..., step=True)``), every block updated inside it. With clipping and
     snapshot commits (``clipped-in-backward``), every step after the first runs in the backward
-    here (:class:`ClipSpeculation` told to try each one): those over ``train.clip`` are torn, run
-    again after the backward from the last commit, and reported once each in metrics.jsonl."""
+    here (``train.clip_in_backward`` large: each one is tried): those over ``train.clip`` are torn,
+    run again after the backward from the last commit, and reported once each in metrics.jsonl."""
     from tiered_offload.engine.step_in_backward import StepInBackward
     from tiered_offload.train.data import micro_batch_rows
     from tiered_offload.train.run import lr_factor
@@ -156,7 +156,6 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
     update = StepInBackward._update
     monkeypatch.setattr(StepInBackward, "_update", lambda self, unit: (
         inside.append(self.engine._streamer.step_in_backward is not None), update(self, unit))[1])
-    monkeypatch.setattr(ClipSpeculation, "MARGIN", float("inf"))  # (each step after one with a known norm)
     monkeypatch.setattr(ClipSpeculation, "HOLD", 1)  # (the torn step alone runs after the backward)
     summary = train(config, progress=False, on_step=lambda s, r: records.__setitem__(s, r))
     cfg = load_config(config, [])
@@ -203,8 +202,8 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
         assert not inside and not torn
     elif not t.clip:
         assert inside == ([True] * blocks + [False]) * t.max_steps and not torn, inside
-    else:  # the steps tried in the backward (the policy's, each tear holding the next ones after it) over the
-        sim, over, under = ClipSpeculation(t.clip), [], []  # limit were torn, the others ran there
+    else:  # of the steps tried in the backward (the policy's: a tear holds the next ones after it), those over
+        sim, over, under = ClipSpeculation(t.clip, t.clip_in_backward), [], []  # the limit were torn
         for step in range(1, t.max_steps + 1):
             if sim.allows(step):
                 (over if records[step]["grad_norm"] > t.clip else under).append(step)
@@ -245,6 +244,9 @@ def test_the_example_configuration_reads_as_it_says():
     ("train.lr=inf", r"train\.lr must be a finite number > 0, got inf"),
     ("train.eps=inf", r"train\.eps must be a finite number > 0, got inf"),
     ("train.clip=inf", r"train\.clip must be a finite number > 0 or null \(no clipping\), got inf"),
+    ("train.clip_in_backward=-1", r"train\.clip_in_backward must be a finite number >= 0 \(0: a clipped step never "
+                                  r"runs in the backward\), got -1"),
+    ("train.clip_in_backward=null", r"train\.clip_in_backward must be a finite number >= 0"),
     ("train.epochs=inf", r"train\.epochs must be a finite number > 0"),
     ("lora.alpha=inf", r"lora\.alpha must be a finite number > 0, got inf"),
     # (at the engine's construction, after the data was tokenised, named as StoreConfig's host_budget_bytes)
@@ -2277,7 +2279,8 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["disk_floor_read_bytes"] == plan["state_bytes"] - (64 << 10)
     assert plan["disk_floor_written_bytes"] == plan["state_bytes"]
     assert plan["minimum_host_bytes"] > 64 << 10 and any("too small" in line for line in plan["lines"])
-    assert any("(journal commits; the step after the backward)" in line for line in plan["lines"])
+    assert any("(journal commits; the step after the backward); journal commits keep the step out of the "
+               "backward: offload.commit_every >= 2 runs it there" in line for line in plan["lines"]), plan["lines"]
     assert plan["step"] == "after the backward"
     journal = train(write_config(tmp_path / "journal", model_dir, data, offload__host_memory="64KiB",
                                  train__clip=None), dry_run=True)["plan"]  # (no clipping: the journal keeps it out)
@@ -2289,7 +2292,7 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     info = train(write_config(tmp_path / "fused", model_dir, data, offload__host_memory="64KiB", train__clip=None,
                               offload__commit_every=2), dry_run=True)
     assert info["plan"]["step"] == "after the backward"
-    said = re.search(r"train\.clip is null, but a unit's update does not fit beside the backward's pins: "
+    said = re.search(r"a unit's update does not fit beside the backward's pins: "
                      r"offload\.host_memory >= \S+ \S+ \((\d+) bytes\) runs it in the backward",
                      str(info["plan"]["lines"]))
     assert said, info["plan"]["lines"]
@@ -2304,13 +2307,15 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
                                                      "in the backward" in line for line in plan["lines"])
     assert plan["disk_floor_read_bytes"] == plan["disk_floor_written_bytes"] == 3 * weights - host
     assert not any("without clipping" in line for line in plan["lines"])
-    # clipping, with snapshot commits: the plan says what the step in the backward would move instead
+    # clipping, with snapshot commits: the plan's floors are the step's after the backward; it says what a step
+    # in the backward (train.steps.ClipSpeculation: where the last norm was well within the limit) moves instead
     info = train(write_config(tmp_path / "clipped", model_dir, data, offload__host_memory=room,
                               offload__commit_every=2), dry_run=True)
     plan = info["plan"]
     assert plan["step"] == "after the backward" and plan["disk_floor_read_bytes"] > 3 * weights - host
     said = format_size(3 * weights - host)
-    assert any(f"train.clip: null) each step would run in the backward: at least {said} read and {said} written"
+    assert any(f"a step after one whose gradient norm was at most 0.8 x train.clip runs in the backward, clipped "
+               f"exactly (one over the limit there runs again after it): at least {said} read and {said} written"
                in line for line in plan["lines"]), plan["lines"]
 
 

@@ -12,7 +12,12 @@ steady-state steps and their ratio (target <= 1.05).
 
 ``--without-clipping``: instead, the command against itself with ``train.clip: null``, which runs
 each step in the backward (both with ``offload.commit_every: 2``, snapshot commits): step time and
-disk bytes per step (from ``metrics.jsonl``'s records), and their ratios.
+disk bytes per step (from ``metrics.jsonl``'s records), and their ratios. ``--clip-in-backward``:
+the command with ``train.clip: CLIP`` (``--clip``) trying its steps in the backward
+(``train.clip_in_backward`` 0.8, the default) against never (0); also how many steps ran there and
+how many were torn (run again after the backward).
+
+    python tools/bench_finetune.py --rounds 3 --steps 6 --clip-in-backward --clip 5.0
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ def main() -> None:
     ap.add_argument("--host-fraction", type=float, default=0.5)
     ap.add_argument("--without-clipping", action="store_true",
                     help="the command with train.clip 1.0 against null (the step in the backward) instead")
+    ap.add_argument("--clip-in-backward", action="store_true",
+                    help="the command with train.clip_in_backward 0.8 against 0 (clipped steps tried in the backward)")
+    ap.add_argument("--clip", type=float, default=1.0, help="train.clip of --clip-in-backward")
     args = ap.parse_args()
     import transformers
 
@@ -77,7 +85,11 @@ def main() -> None:
     host = int(16 * n * args.host_fraction)
     command, by_hand = [], []
     if args.without_clipping:
-        return _without_clipping(args, work, model_dir, n, host)
+        return _ways(args, work, model_dir, n, host, {"clip 1.0": ["train.clip=1.0"], "clip null": ["train.clip=null"]})
+    if args.clip_in_backward:
+        return _ways(args, work, model_dir, n, host, {
+            "clipped after": [f"train.clip={args.clip}", "train.clip_in_backward=0"],
+            "clipped, tried in the backward": [f"train.clip={args.clip}", "train.clip_in_backward=0.8"]})
     for r in range(args.rounds):
         total = args.steps
         overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
@@ -119,34 +131,56 @@ def main() -> None:
           f"(target <= 1.05)")
 
 
-def _without_clipping(args, work: Path, model_dir: Path, n: int, host: int) -> None:
-    """The command with ``train.clip`` 1.0 and null, alternating by round: seconds and disk bytes per
-    steady step (the first step of each run left out)."""
-    from tiered_offload.train import load_config, train
-    runs = {"clip 1.0": [], "clip null": []}
+def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, list[str]]) -> None:
+    """The command in two ways (settings over the common ones; the second against the first),
+    alternating by round: seconds and disk bytes per steady step (the first step of each run left
+    out), and how many steps ran in the backward and were torn there (run again after it)."""
+    import logging
+
+    from tiered_offload.train import load_config, run, train
+    runs = {name: [] for name in ways}
+    counts = {name: {"in_backward": 0, "steps": 0, "torn": 0} for name in ways}
+    step_fn = run.train_step
+
+    class Torn(logging.Handler):
+        def emit(self, record):
+            if "over train.clip" in record.getMessage():
+                counts[current]["torn"] += 1
+    logging.getLogger("tiered_offload").addHandler(Torn())
     for r in range(args.rounds):
-        for name, clip in (("clip 1.0", "1.0"), ("clip null", "null"))[::1 if r % 2 == 0 else -1]:
-            tag = f"{name.replace(' ', '-')}-{r}"
+        for name, settings in list(ways.items())[::1 if r % 2 == 0 else -1]:
+            current, tag = name, f"{list(ways).index(name)}-{r}"
             overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
                          "train.micro_batch=4", "train.grad_accum=2", f"train.max_steps={args.steps}",
-                         "train.lr=1.0e-3", "train.warmup_steps=1", f"train.clip={clip}",
+                         "train.lr=1.0e-3", "train.warmup_steps=1", *settings,
                          f"offload.storage={work / tag}", f"offload.host_memory={host}", "offload.commit_every=2",
                          f"output.dir={work / f'out-{tag}'}", "output.export_every=0"]
             marks, records = [], []
-            train(load_config(None, overrides), progress=False,
-                  on_step=lambda s, rec: (marks.append(time.perf_counter()), records.append(rec)))
+
+            def counted(engine, batches, t, tokens, in_backward, *rest, name=name):
+                counts[name]["steps"] += 1
+                counts[name]["in_backward"] += bool(in_backward)
+                return step_fn(engine, batches, t, tokens, in_backward, *rest)
+            run.train_step = counted
+            try:
+                train(load_config(None, overrides), progress=False,
+                      on_step=lambda s, rec: (marks.append(time.perf_counter()), records.append(rec)))
+            finally:
+                run.train_step = step_fn
             runs[name] += [(b - a, rec["disk_read_bytes"] + rec["disk_written_bytes"])
                            for a, b, rec in zip(marks, marks[1:], records[1:])]
     med = {name: (statistics.median(x[0] for x in rows), statistics.median(x[1] for x in rows))
            for name, rows in runs.items()}
-    (a, da), (b, db) = med["clip null"], med["clip 1.0"]
-    print(json.dumps({"parameters": n, "state_bytes": 16 * n, "host_budget": host,
-                      "steps_each": len(runs["clip null"]),
+    first, second = ways
+    (b, db), (a, da) = med[first], med[second]
+    print(json.dumps({"parameters": n, "state_bytes": 16 * n, "host_budget": host, "steps_each": len(runs[second]),
                       **{f"{k}_s_per_step": round(v[0], 4) for k, v in med.items()},
                       **{f"{k}_disk_bytes_per_step": v[1] for k, v in med.items()},
-                      "step_ratio": round(a / b, 3), "disk_ratio": round(da / db, 3)}, indent=1))
-    print(f"tiered-offload train, train.clip null (the step in the backward) / clip 1.0: step {a:.3f} / {b:.3f} s "
-          f"= {a / b:.3f}; disk bytes per step {da / 2**20:.1f} / {db / 2**20:.1f} MiB = {da / db:.3f}")
+                      "step_calls": counts, "step_ratio": round(a / b, 3), "disk_ratio": round(da / db, 3)}, indent=1))
+    print(f"tiered-offload train, {second} / {first}: step {a:.3f} / {b:.3f} s = {a / b:.3f}; disk bytes per step "
+          f"{da / 2**20:.1f} / {db / 2**20:.1f} MiB = {da / db:.3f}; steps run in the backward (of those run, "
+          f"a torn one counted twice): {counts[second]['in_backward']} of {counts[second]['steps']}, "
+          f"{counts[second]['torn']} torn")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ SETTINGS = {
     "train.micro_batch": ["2", "4"],
     "train.grad_accum": ["1", "2", "3"],
     "train.schedule": ["cosine", "linear", "constant"],
-    "train.clip": ["1.0", "null"],
+    "train.clip": ["1.0", "1.8", "null"],
+    "train.clip_in_backward": ["0.8", "100"],  # (100: each step tried in the backward, a norm over the limit torn)
     "train.eval_every": ["0", "3", "4"],
     "train.weight_decay": ["0", "0.01"],
     "train.precision": ["fp32", "fp32", "bf16-autocast"],
@@ -239,6 +240,9 @@ def main() -> int:
                 if code != 0:
                     print(log)
                     raise SystemExit(f"the uninterrupted run failed ({' '.join(overrides)})")
+                torn = sum(line.startswith("[rank 0]") and "over train.clip" in line for line in log.splitlines())
+                if torn:  # (train.clip_in_backward: a step tried in the backward over the limit, run again)
+                    print(f"the uninterrupted run tore {torn} step(s) in the backward and ran them again", flush=True)
                 return seconds
             whole_s = None if args.draw else uninterrupted(work / "whole", args.overrides)
             if whole_s is not None:

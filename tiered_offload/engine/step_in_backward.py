@@ -4,7 +4,7 @@ optimizer step run inside the backward, each unit updated right after its gradie
 The same numbers as ``backward(loss); step(); zero_grad()`` (and as ``forward_backward``, then
 ``step`` and ``zero_grad``): every elementwise or per-parameter optimizer updates each parameter
 from its own gradient and state alone, so the order of the units does not change a bit, and
-nothing the user could do between the backward and the step (clipping) is possible here. What
+nothing the user could do between the backward and the step is possible here (clipping: below). What
 changes is the order of the bytes. A deferred or inline step needs every gradient beside the
 weights and states when it begins, so at a budget below the state the backward writes gradients
 to disk and the update reads them back. Here a block's gradient lives from its backward to its
@@ -32,6 +32,20 @@ block was updated, cannot be undone: the step is **torn**. The engine then raise
 :class:`NonFiniteError` naming what was updated, refuses every later call, and commits nothing
 (durable: the storage keeps the last commit; resume from it). Non-finite values nearly always
 show first at the loss or in the last block's gradient, both checked before any update.
+
+**Clipping** (``clip_norm=c``: ``clip_grad_norm_(c)`` before the step). PyTorch multiplies every
+gradient by ``min(c / (norm + 1e-6), 1)``: by exactly 1.0 while the total norm is within the limit, so
+the step run unclipped in the backward is then the clipped step, bitwise. Each unit's part of the
+norm (:meth:`Placement.norm_part`: its parameters' norms, which its backward computed; ranks: the
+sum of squares of their slice) is taken before its update forgets its gradient, and the total is
+taken from those as :meth:`Engine.clip_grad_norm_` takes it, before the rest's update, and told
+(``on_norm``) before the step's record is committed. The units so far bound the norm from below:
+where the bound is over the limit before any update (the last block's own norm), nothing runs in
+the backward and the step runs after it, clipped; once some unit was updated, a norm over the limit
+(its bound in the backward, or the total at its end) tears the step (:class:`ClipTornError`, as a
+non-finite gradient below: resume, then run the step clipped after the backward).
+``tiered-offload train`` does that itself (:mod:`tiered_offload.train.steps`), trying the step in the
+backward only where the last norm was well within the limit.
 
 **With a device tier** the update runs where ``optimizer_device`` placed it, as ``step()``'s does.
 In the host tier below it (ZeRO-Offload's arrangement), the host reads a block's gradient and

@@ -113,9 +113,15 @@ class TrainSection:
     eps: float = 1e-8
     """AdamW's ``eps``, added to the denominator."""
     clip: float | None = 1.0
-    """Clip the global gradient norm to this (None: no clipping; then, on one process with snapshot
-    commits or none, each step runs in the backward: ``forward_backward(..., step=True)``, the same
-    numbers, no gradient written to the disk)."""
+    """Clip the global gradient norm to this (None: no clipping). With snapshot commits
+    (``offload.commit_every >= 2``) a step runs in the backward (``forward_backward(..., step=True)``,
+    the same numbers, no gradient written to the disk): without clipping each one; with it, as
+    ``clip_in_backward`` says."""
+    clip_in_backward: float = 0.8
+    """With clipping and snapshot commits: a step runs in the backward, clipped exactly
+    (``clip_norm``), after one whose gradient norm was at most this share of ``clip``. Within the
+    limit that is the clipped step, bitwise; a norm over it there tears the step, which runs again from
+    the last commit, after the backward (:mod:`tiered_offload.train.steps`). 0: never."""
     seed: int = 0
     """Seeds the data order and everything random in training."""
     precision: str = "fp32"
@@ -272,6 +278,9 @@ class RunConfig:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction!r}")
         if self.train.clip is not None and not (_number(self.train.clip) and 0 < self.train.clip < math.inf):
             raise ConfigError(f"train.clip must be a finite number > 0 or null (no clipping), got {self.train.clip!r}")
+        if not (_number(t.clip_in_backward) and 0 <= t.clip_in_backward < math.inf):
+            raise ConfigError(f"train.clip_in_backward must be a finite number >= 0 (0: a clipped step never runs in "
+                              f"the backward), got {t.clip_in_backward!r}")
         if not isinstance(self.lora.r, int) or isinstance(self.lora.r, bool) or self.lora.r < 0:
             raise ConfigError(f"lora.r must be an integer >= 0 (0: no LoRA), got {self.lora.r!r}")
         if not (isinstance(self.lora.dropout, (int, float)) and 0 <= self.lora.dropout < 1):

@@ -282,7 +282,7 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     from tiered_offload import progress as bars
     with Ranks() as ranks, bars.shown(progress and not dry_run and ranks.first):
         cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
-        speculation = ClipSpeculation(cfg.train.clip)
+        speculation = ClipSpeculation(cfg.train.clip, cfg.train.clip_in_backward)
         try:
             while True:
                 try:
@@ -418,8 +418,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         if in_backward and ranks.first and StepInBackward.short_of_room(engine) is None:  # (else the engine warns)
             log.info("tiered-offload: " + ("each step runs in the backward (no gradient reaches the disk)" if not t.clip
                      else f"a step runs in the backward (no gradient reaches the disk) after one whose gradient norm "
-                          f"was at most {ClipSpeculation.MARGIN:g} x train.clip; one found over train.clip there is "
-                          f"run again after the backward, from the last commit (the same numbers)"))
+                          f"was at most {t.clip_in_backward:g} x train.clip; one found over train.clip there runs "
+                          f"again from the last commit, after the backward (the same numbers)"))
 
         def stopping() -> bool:  # one process: now; ranks: as they agreed after the last step (below)
             return stop["signal"] is not None if ranks.world == 1 else agreed
@@ -649,7 +649,8 @@ def _plan_preview(model, cfg) -> dict:
     resident = schedule.resident_bytes()
     beyond = 0 if schedule.fits(host // PAGE * PAGE) else resident - host
     # the engine's own floors (its plan shows the same): journal commits when the state exceeds the budget
-    # and each step commits; without clipping and a journal, the step runs in the backward (_train_step)
+    # and each step commits; without a journal, the step runs in the backward (train.steps: with clipping, where
+    # the last norm was well within the limit, so its floors are the step's after the backward)
     every = cfg.offload.commit_every
     journal = beyond > 0 and every == 1
     # (and where a unit's update fits beside the backward's pins; on a GPU, the engine's placement decides)
@@ -672,19 +673,19 @@ def _plan_preview(model, cfg) -> dict:
                                                f"{format_size(floors['disk_written'])} ({commits}; the step "
                                                f"{step}" + (", train.clip null: no gradient on the disk)"
                                                             if in_backward else ")")
-                                               + ("" if in_backward or cfg.train.clip else
-                                                  "; train.clip is null, but journal commits keep the step out "
-                                                  "of the backward: offload.commit_every >= 2 runs it there"
-                                                  if journal else
-                                                  f"; train.clip is null, but a unit's update does not fit "
-                                                  f"beside the backward's pins: offload.host_memory >= "
-                                                  f"{format_size(defer)} ({defer} bytes) runs it in the backward")),
+                                               + ("" if in_backward or not (journal or not room) else
+                                                  "; journal commits keep the step out of the backward: "
+                                                  "offload.commit_every >= 2 runs it there" if journal else
+                                                  f"; a unit's update does not fit beside the backward's pins: "
+                                                  f"offload.host_memory >= {format_size(defer)} ({defer} bytes) "
+                                                  f"runs it in the backward")),
              "step time: measured and planned after the second step (engine.plan, logged)"]
-    if beyond > 0 and cfg.train.clip and not journal and room:  # what the step in the backward would move instead
+    if beyond > 0 and cfg.train.clip and cfg.train.clip_in_backward and not journal and room:  # a step in the backward
         other = schedule.floors_in_backward(host)
-        lines.insert(-1, f"without clipping (train.clip: null) each step would run in the backward: at least "
-                         f"{format_size(other['disk_read'])} read and {format_size(other['disk_written'])} written, no "
-                         f"gradient on the disk")
+        lines.insert(-1, f"a step after one whose gradient norm was at most {cfg.train.clip_in_backward:g} x train.clip "
+                         f"runs in the backward, clipped exactly (one over the limit there runs again after it): at "
+                         f"least {format_size(other['disk_read'])} read and {format_size(other['disk_written'])} "
+                         f"written, no gradient on the disk")
     return {"units": len(binding.blocks), "minimum_host_bytes": need, "host_bytes": host, "state_bytes": state,
             "disk_floor_read_bytes": floors["disk_read"], "disk_floor_written_bytes": floors["disk_written"],
             "step": step, "lines": lines}

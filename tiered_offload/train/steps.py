@@ -8,8 +8,8 @@ by exactly 1.0, so that is the clipped step, bitwise. A norm found over it once 
 tears the step (:class:`ClipTornError`): :func:`tiered_offload.train.run.train` then resumes from the
 last commit and runs that step after the backward, clipped (the replay is the same numbers: the
 data order is the step count). :class:`ClipSpeculation` decides when to try, so that tears stay rare:
-after a step whose norm was at most :attr:`ClipSpeculation.MARGIN` of the limit, and not for a
-while after a tear.
+after a step whose norm was at most ``train.clip_in_backward`` of the limit, and not for a while after
+a tear.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ class ClipSpeculation:
     """When a clipped step runs in the backward (see the module's docstring). Kept across the
     resumes a tear causes in one command."""
 
-    MARGIN = 0.8
-    """A step runs in the backward after one whose total norm was at most this share of the limit."""
     HOLD = 16
     """Steps from a torn one on that run after the backward; doubled at each further tear."""
 
-    def __init__(self, clip: float | None):
-        self.clip = clip
+    def __init__(self, clip: float | None, margin: float):
+        self.clip, self.margin = clip, margin
+        """The limit, and the share of it the last step's norm may reach for the next to be tried."""
         self.last_norm: float | None = None
         """The gradient norm of the step before the next (None: not known)."""
         self.held_until = 0
@@ -46,7 +45,7 @@ class ClipSpeculation:
         """Whether step ``step`` (counted from 1) may run in the backward, as far as clipping goes."""
         if self.clip is None:
             return True
-        ok = step > self.held_until and self.last_norm is not None and self.last_norm <= self.MARGIN * self.clip
+        ok = step > self.held_until and self.last_norm is not None and self.last_norm <= self.margin * self.clip
         self.tried = step if ok else None
         return ok
 
