@@ -248,24 +248,26 @@ def _buffers(model) -> dict[str, torch.Tensor]:
 def train_engine(engine, data, loss_fn, clip, fused=False, habits=None, start=0, in_backward=False):
     """The loop of ``train`` through the engine (``start``: the index of ``data``'s first step);
     ``fused``: each step's micro-batches through ``engine.forward_backward`` instead of a backward each;
-    ``in_backward``: the step (and ``zero_grad``) run in the last backward, ``step=True`` (no
-    clipping, nothing logged before the step, the gradients zeroed every step)."""
+    ``in_backward``: the step (and ``zero_grad``) run in the last backward, ``step=True`` (clipped by
+    ``clip_norm=clip``; nothing logged before the step, the gradients zeroed every step)."""
     habits = habits or Habits()
-    assert not in_backward or (clip is None and habits.steps_in_backward()), "no step() of its own to precede"
+    assert not in_backward or habits.steps_in_backward(), "no step() of its own to precede"
+    clipped = {"clip_norm": clip} if in_backward and clip is not None else {}
     losses = []
     for s, step in enumerate(data, start):
         habits.freeze(engine.model, s)
         if fused:
             with habits.forward():
                 losses += [loss.item() for loss in fused_step(engine, step, functools.partial(habits.loss, loss_fn),
-                                                              in_backward)]
+                                                              in_backward, clipped)]
         else:
             for m, (ids, route) in enumerate(step):
                 habits.switch(engine.model, (s, m), "forward")
                 with habits.forward():
                     loss = habits.loss(loss_fn, engine, ids, route) / len(step)
                 habits.switch(engine.model, (s, m), "backward")
-                engine.backward(loss, step=in_backward and m == len(step) - 1)
+                last = in_backward and m == len(step) - 1
+                engine.backward(loss, step=last, **(clipped if last else {}))
                 habits.switch(engine.model, (s, m), "after")
                 losses.append(loss.item())
         if in_backward:
@@ -446,10 +448,10 @@ class _Called(Exception):
     pass
 
 
-def fused_step(engine, step, loss_fn, in_backward=False):
+def fused_step(engine, step, loss_fn, in_backward=False, clipped=None):
     """One step's micro-batches through ``engine.forward_backward``: each given as the arguments
     ``loss_fn`` calls the model with (by name), its loss ``loss_fn``'s on the engine's output
-    (``in_backward``: with ``step=True``)."""
+    (``in_backward``: with ``step=True``, and ``clipped``'s ``clip_norm``)."""
     def capture(*args, **kwargs):
         raise _Called(args, kwargs)
     signature = inspect.signature(engine.model.forward)
@@ -466,7 +468,7 @@ def fused_step(engine, step, loss_fn, in_backward=False):
     def loss_of(out, b):
         ids, route = step[next(i for i, x in enumerate(micro_batches) if x is b)]
         return loss_fn(lambda *_, **__: out, ids, route) / len(step)
-    return engine.forward_backward(micro_batches, loss_of, step=in_backward)
+    return engine.forward_backward(micro_batches, loss_of, step=in_backward, **(clipped or {}))
 
 
 def _storage(storage, path: Path):
@@ -486,7 +488,8 @@ def check_parity(make, make_optimizer, tmp_path, *, loss_fn=lm_loss, steps=3, ac
     ``shapes``: the micro-batches' (see :func:`batches`);
     with ``resume_at``, the engine is closed after that many steps and a new one resumes; ``fused``:
     the micro-batches through ``forward_backward``; both on ``device``; ``habits``: :class:`Habits`
-    in both loops; ``in_backward``: the engine's step run in its last backward (``step=True``). Returns
+    in both loops; ``in_backward``: the engine's step run in its last backward (``step=True``, clipped
+    by ``clip_norm=clip``: a norm over it found after an update raises ``ClipTornError``). Returns
     the engine's final weights, the reference model and the engine's state bytes."""
     ref = make()
     start = copy.deepcopy(ref.state_dict())

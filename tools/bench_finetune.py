@@ -17,7 +17,10 @@ the command with ``train.clip: CLIP`` (``--clip``) trying its steps in the backw
 (``train.clip_in_backward`` 0.8, the default) against never (0); also how many steps ran there and
 how many were torn (run again after the backward).
 
-    python tools/bench_finetune.py --rounds 3 --steps 6 --clip-in-backward --clip 5.0
+    python tools/bench_finetune.py --rounds 3 --steps 6 --clip-in-backward --clip 5.0 --disk-rate 150
+
+``--disk-rate MB/S``: the storage no faster than that, reads and writes together
+(``tools/slow_disk.py``): a disk-bound machine on this compute-bound one.
 """
 
 from __future__ import annotations
@@ -71,8 +74,13 @@ def main() -> None:
     ap.add_argument("--clip-in-backward", action="store_true",
                     help="the command with train.clip_in_backward 0.8 against 0 (clipped steps tried in the backward)")
     ap.add_argument("--clip", type=float, default=1.0, help="train.clip of --clip-in-backward")
+    ap.add_argument("--disk-rate", type=float, default=0, metavar="MB/S", help="the storage held to this rate")
     args = ap.parse_args()
     import transformers
+    if args.disk_rate:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from slow_disk import slow_file_backends
+        slow_file_backends(args.disk_rate * 1e6)
 
     from tiered_offload import Engine, empty_init
     from tiered_offload.train import load_config, train
@@ -174,6 +182,7 @@ def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, 
     first, second = ways
     (b, db), (a, da) = med[first], med[second]
     print(json.dumps({"parameters": n, "state_bytes": 16 * n, "host_budget": host, "steps_each": len(runs[second]),
+                      "disk_rate_MBps": args.disk_rate or None,
                       **{f"{k}_s_per_step": round(v[0], 4) for k, v in med.items()},
                       **{f"{k}_disk_bytes_per_step": v[1] for k, v in med.items()},
                       "step_calls": counts, "step_ratio": round(a / b, 3), "disk_ratio": round(da / db, 3)}, indent=1))

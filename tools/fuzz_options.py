@@ -25,7 +25,9 @@ place after it ran, where it did not save it. Every case must end one of two way
 
 * **ok**: PyTorch's losses and weights bit for bit (``tests/test_finetune.py::check_parity``);
 * **refused**: a typed error raised while the engine is built (a budget that cannot hold one step's
-  working set), with the numbers.
+  working set), with the numbers;
+* **torn**: a step clipped in the backward (``clip_norm``) by a limit every norm here is over
+  (1e-4), found so only once a block was updated (:class:`ClipTornError`: right).
 
 Anything else is a failure: a different number, an error in the middle of training, or a hang
 (the store's ``wait_timeout_s`` is 20 s here, and a case that runs ``--case-timeout`` seconds is
@@ -233,11 +235,12 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
     if stores is not None:
         kw["storage"] = draw_store(stores, store, kw["durable"])
     # a quarter of the cases run the step in the last backward (drawn last: a seed draws the rest as before),
-    # made a loop that can: nothing between the backward and the step (no clipping, no log before the step,
-    # the gradients zeroed every step), snapshot commits where durable
+    # made a loop that can: nothing between the backward and the step (clipping by clip_norm: within the limit,
+    # or over it, at the last block's own norm where the step then runs after the backward, else torn; no log
+    # before the step, the gradients zeroed every step), snapshot commits where durable
     kw["in_backward"] = rng.random() < 0.25 or in_backward
     if kw["in_backward"]:
-        kw["clip"] = None
+        kw["clip"] = rng.choice([None, 1e6, 1e-4])
         h = kw["habits"]
         h.clip_value, h.zero_grad_every = None, 1
         h.logs = {s: ("after-step", how) for s, (_, how) in h.logs.items()}
@@ -336,9 +339,11 @@ def freezes(rng: random.Random, model, steps: int) -> dict:
 
 
 def run(case_kw: dict, directory: pathlib.Path) -> str:
-    """``"ok"`` or ``"refused: ..."``; raises what failed. Every engine built is closed."""
+    """``"ok"``, ``"refused: ..."`` or ``"torn: ..."`` (a step clipped in the backward by a limit every
+    norm here is over, found so after an update: right, and checked no further); raises what failed.
+    Every engine built is closed."""
     import test_finetune
-    from offload_core.errors import ConfigError, TierCapacityError
+    from offload_core.errors import ClipTornError, ConfigError, TierCapacityError
     from tiered_offload import Engine, EngineConfig
 
     built: list = []
@@ -363,6 +368,10 @@ def run(case_kw: dict, directory: pathlib.Path) -> str:
         return "ok"
     except Refused as r:
         return f"refused: {str(r)[:100]}"
+    except ClipTornError as e:
+        if kw["clip"] is None or kw["clip"] >= 1:  # (1e6: within every norm here)
+            raise
+        return f"torn: {str(e)[:100]}"
     finally:
         test_finetune.Engine = real
         for e in built:
@@ -479,7 +488,7 @@ def main() -> int:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # (save_pretrained's, in the export checks)
     zoo = models(args.wide, args.loops, args.zoo, args.calls)
-    counts = {"ok": 0, "refused": 0, "failed": 0}
+    counts = {"ok": 0, "refused": 0, "failed": 0, "torn": 0}
     with contextlib.ExitStack() as stack:
         for _ in range(args.load):  # each spins until this process is gone (a hang's dump exits it at once)
             spinner = subprocess.Popen([sys.executable, "-c", f"import os\nwhile os.getppid() == {os.getpid()}: pass"])
@@ -512,7 +521,8 @@ def main() -> int:
             print(f"{seed:6d} {time.monotonic() - t0:5.1f}s {outcome}", flush=True)
     print(f"{args.cases} cases: {counts['ok']} {'within 1e-6' if args.sharded else 'bitwise'}, "
           f"{counts['refused']} refused at construction, "
-          f"{counts['failed']} failed")
+          + (f"{counts['torn']} torn (clipped in the backward by a limit every norm is over), " if counts["torn"] else "")
+          + f"{counts['failed']} failed")
     return 1 if counts["failed"] else 0
 
 
