@@ -276,7 +276,8 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     """Run (or continue) the fine-tuning ``config`` describes; returns a summary (``step``,
     ``stopped``: a signal ended it early, ``final``: the final export's directory).
     ``on_step(step, record)`` is called after every step (tests, dashboards; under torchrun, on rank 0,
-    with the ranks' record: :mod:`tiered_offload.train.ranks`). ``progress``: a bar
+    with the ranks' record: :mod:`tiered_offload.train.ranks`; a step torn in the backward and the steps
+    since the last commit run again, :mod:`tiered_offload.train.steps`, and are told again). ``progress``: a bar
     for the training and for the long steps before it (tokenising, placing the weights) and the
     exports."""
     from tiered_offload import progress as bars
