@@ -14,8 +14,8 @@ steady-state steps and their ratio (target <= 1.05).
 each step in the backward (both with ``offload.commit_every: 2``, snapshot commits): step time and
 disk bytes per step (from ``metrics.jsonl``'s records), and their ratios. ``--clip-in-backward``:
 the command with ``train.clip: CLIP`` (``--clip``) trying its steps in the backward
-(``train.clip_in_backward`` 0.8, the default) against never (0); also how many steps ran there and
-how many were torn (run again after the backward).
+(``train.clip_in_backward`` 0.8, the default, or ``--share``) against never (0); also how many steps
+ran there and how many were torn (run again after the backward).
 
     python tools/bench_finetune.py --rounds 3 --steps 6 --clip-in-backward --clip 5.0 --disk-rate 150
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--clip-in-backward", action="store_true",
                     help="the command with train.clip_in_backward 0.8 against 0 (clipped steps tried in the backward)")
     ap.add_argument("--clip", type=float, default=1.0, help="train.clip of --clip-in-backward")
+    ap.add_argument("--share", type=float, default=0.8, help="train.clip_in_backward of --clip-in-backward's tries")
     ap.add_argument("--disk-rate", type=float, default=0, metavar="MB/S", help="the storage held to this rate")
     args = ap.parse_args()
     import transformers
@@ -97,7 +98,7 @@ def main() -> None:
     if args.clip_in_backward:
         return _ways(args, work, model_dir, n, host, {
             "clipped after": [f"train.clip={args.clip}", "train.clip_in_backward=0"],
-            "clipped, tried in the backward": [f"train.clip={args.clip}", "train.clip_in_backward=0.8"]})
+            "clipped, tried in the backward": [f"train.clip={args.clip}", f"train.clip_in_backward={args.share}"]})
     for r in range(args.rounds):
         total = args.steps
         overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
@@ -147,7 +148,7 @@ def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, 
 
     from tiered_offload.train import load_config, run, train
     runs = {name: [] for name in ways}
-    counts = {name: {"in_backward": 0, "steps": 0, "torn": 0} for name in ways}
+    counts = {name: {"in_backward": 0, "steps": 0, "torn": 0, "runs_s": 0.0} for name in ways}
     step_fn = run.train_step
 
     class Torn(logging.Handler):
@@ -170,11 +171,13 @@ def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, 
                 counts[name]["in_backward"] += bool(in_backward)
                 return step_fn(engine, batches, t, tokens, in_backward, *rest)
             run.train_step = counted
+            t0 = time.perf_counter()
             try:
                 train(load_config(None, overrides), progress=False,
                       on_step=lambda s, rec: (marks.append(time.perf_counter()), records.append(rec)))
             finally:
                 run.train_step = step_fn
+            counts[name]["runs_s"] += time.perf_counter() - t0  # (the whole command: a tear's replay too)
             runs[name] += [(b - a, rec["disk_read_bytes"] + rec["disk_written_bytes"])
                            for a, b, rec in zip(marks, marks[1:], records[1:])]
     med = {name: (statistics.median(x[0] for x in rows), statistics.median(x[1] for x in rows))
@@ -189,7 +192,7 @@ def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, 
     print(f"tiered-offload train, {second} / {first}: step {a:.3f} / {b:.3f} s = {a / b:.3f}; disk bytes per step "
           f"{da / 2**20:.1f} / {db / 2**20:.1f} MiB = {da / db:.3f}; steps run in the backward (of those run, "
           f"a torn one counted twice): {counts[second]['in_backward']} of {counts[second]['steps']}, "
-          f"{counts[second]['torn']} torn")
+          f"{counts[second]['torn']} torn; whole runs {counts[second]['runs_s']:.1f} / {counts[first]['runs_s']:.1f} s")
 
 
 if __name__ == "__main__":
