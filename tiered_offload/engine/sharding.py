@@ -680,7 +680,7 @@ class Sharded(Placement):
             if taken and unit.name in taken:
                 total += taken[unit.name]
             elif self.layout(unit).grad_key is not None:
-                total += self.norm_part(store, unit, unit_norms)[0]
+                total += self._squares(store, unit)
         self.sharding.all_reduce(total, dist.ReduceOp.SUM, "the gradient norm")
         if not any(s.has_grad for _, s in param_order):
             return None
@@ -688,9 +688,12 @@ class Sharded(Placement):
 
     def norm_part(self, store, unit, unit_norms) -> tuple[object, float]:
         """This rank's sum of squares of ``unit``'s gradient slice (zero: it holds none)."""
+        part = self._squares(store, unit)
+        return part, float(part)
+
+    def _squares(self, store, unit) -> torch.Tensor:
         key = self.layout(unit).grad_key
         if key is None:
-            return torch.zeros((), dtype=torch.float64, device=self.device), 0.0
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         with store.hold(key) as g:
-            part = g.double().square().sum().to(self.device)
-        return part, float(part)
+            return g.double().square().sum().to(self.device)
