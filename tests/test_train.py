@@ -484,6 +484,34 @@ def test_under_torchrun_without_clipping_the_ranks_step_in_the_backward_as_one_p
     assert ((have - w).norm() / w.norm()).item() <= 1e-6 and ((have - w).abs().max() / w.abs().max()).item() <= 1e-6
 
 
+def test_under_torchrun_clipped_steps_torn_in_the_backward_run_again_on_every_rank_as_one_process(
+        tmp_path, model_dir, data, zygote):
+    """``train.clip 1.2`` on 2 ranks, every step tried in the backward (``train.clip_in_backward``
+    large): step 2 is over the limit there, so every rank tears it alike, and the run goes on from
+    the last commit with it, and the 15 after it, clipped after the backward. The run is one process's with
+    ``grad_accum`` doubled (clipping after the backward), to rounding: the records (the norms too)
+    and the export; metrics.jsonl has each step once."""
+    clipped = dict(train__max_steps=4, output__export_every=0, train__clip=1.2, offload__commit_every=2)
+    sharded = write_config(tmp_path / "ranks", model_dir, data, train__grad_accum=1, train__clip_in_backward=1e9,
+                           **clipped)
+    done = _finish_ranks(_start_ranks(zygote, sharded, 2))
+    assert all(code == 0 for code, _, _ in done), done
+    torn = [int(m) for m in re.findall(r"step (\d+) ran in the backward but its gradient norm", done[0][2])]
+    assert torn == [2] and "as do the steps to 17" in done[0][2], done[0][2][-3000:]
+    one = write_config(tmp_path / "one", model_dir, data, train__grad_accum=2, train__clip_in_backward=0, **clipped)
+    train(one, progress=False)
+    ranks, alone = ([r for r in _records(tmp_path / d / "out") if "loss" in r] for d in ("ranks", "one"))  # (steps)
+    assert [r["step"] for r in ranks] == [r["step"] for r in alone] == [1, 2, 3, 4]
+    for a, b in zip(ranks, alone):
+        assert a["lr"] == b["lr"] and a["tokens"] == b["tokens"], (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                   rel=1e-5), (a, b)
+    assert alone[0]["grad_norm"] < 1.2 * 0.8 < 1.2 < alone[1]["grad_norm"]  # (step 2 tried after step 1, torn)
+    got, want = exported(tmp_path / "ranks" / "out" / "final"), exported(tmp_path / "one" / "out" / "final")
+    have, w = (torch.cat([d[k].flatten() for k in sorted(want)]) for d in (got, want))
+    assert set(got) == set(want) and ((have - w).abs().max() / w.abs().max()).item() <= 1e-6
+
+
 def test_under_torchrun_a_record_cut_off_after_its_step_is_written_at_the_resume_from_every_ranks_part(
         tmp_path, model_dir, data, zygote):
     """Sharded, each rank commits its own part of a step's record (its loss and tokens): a resume at a step whose
