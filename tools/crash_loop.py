@@ -58,35 +58,65 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
            buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
-           in_backward: bool = False) -> None:
+           in_backward: bool = False, clip: float = 0.0) -> None:
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
+    from offload_core.errors import ClipTornError
     from tiered_offload import Engine
     from tiered_offload_examples.models import GPT, GPTConfig
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4, dropout=dropout))
-    if buffers:  # every block counts its calls in a persistent buffer its output depends on
-        model.blocks = torch.nn.ModuleList(_counted(b) for b in model.blocks)
-    if own_noise:  # every block draws from a generator of its own: a commit must save where it is
-        model.blocks = torch.nn.ModuleList(_noisy(b, i, own_noise) for i, b in enumerate(model.blocks))
-    n = sum(p.numel() for p in model.parameters())
-    # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
-    # state does not quite fit, units stream through the disk and commits use the journal
-    opt_cls, opt_kwargs = OPTIMIZERS[optimizer]
-    engine = Engine(model, getattr(torch.optim, opt_cls), opt_kwargs, storage=directory,
-                    host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every,
-                    # a device tier of CPU memory: the GPU's three tiers on the CPU
-                    store_config={"device_budget_bytes": int(16 * n * device_fraction)} if device_fraction else None)
-    sched = torch.optim.lr_scheduler.LinearLR(engine.optimizer, start_factor=1.0, end_factor=0.1, total_iters=steps)
-    engine.attach_scheduler(sched)
-    if engine.step_count:
-        assert engine.user_state == {"batches": engine.step_count}, (engine.user_state, engine.step_count)
-    print(f"START {engine.step_count} {_digest(engine)}", flush=True)  # the weights it resumed with
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=256, context=32, d_model=64, n_layers=layers, n_heads=4, dropout=dropout))
+        if buffers:  # every block counts its calls in a persistent buffer its output depends on
+            model.blocks = torch.nn.ModuleList(_counted(b) for b in model.blocks)
+        if own_noise:  # every block draws from a generator of its own: a commit must save where it is
+            model.blocks = torch.nn.ModuleList(_noisy(b, i, own_noise) for i, b in enumerate(model.blocks))
+        n = sum(p.numel() for p in model.parameters())
+        # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
+        # state does not quite fit, units stream through the disk and commits use the journal
+        opt_cls, opt_kwargs = OPTIMIZERS[optimizer]
+        engine = Engine(model, getattr(torch.optim, opt_cls), opt_kwargs, storage=directory,
+                        host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every,
+                        # a device tier of CPU memory: the GPU's three tiers on the CPU
+                        store_config={"device_budget_bytes": int(16 * n * device_fraction)} if device_fraction
+                        else None)
+        sched = torch.optim.lr_scheduler.LinearLR(engine.optimizer, start_factor=1.0, end_factor=0.1,
+                                                  total_iters=steps)
+        engine.attach_scheduler(sched)
+        if engine.step_count:
+            assert engine.user_state == {"batches": engine.step_count}, (engine.user_state, engine.step_count)
+        print(f"START {engine.step_count} {_digest(engine)}", flush=True)  # the weights it resumed with
+        return engine
+
+    # clip: each step clipped at it in the backward (clip_norm); one torn there runs again, after a resume in
+    # this process (as tiered-offload train does), clipped after the backward
+    torn: set[int] = set()
+    while True:
+        engine = build()
+        try:
+            modes = _train(engine, steps, accumulate, in_backward, clip, torn, digests)
+            break
+        except ClipTornError:
+            torn.add(engine.step_count + 1)
+            print(f"TORN {engine.step_count + 1}", flush=True)
+            engine.close()
+    print("MODES " + " ".join(sorted(modes)), flush=True)
+    weights = {k: v.numpy() for k, v in engine.named_parameters()}
+    engine.close()
+    np.savez(out, **weights)
+    print("DONE", flush=True)
+
+
+def _train(engine, steps: int, accumulate: int, in_backward: bool, clip: float, torn: set, digests: bool) -> set:
+    """The worker's steps (see :func:`worker`) to ``steps``; returns the step modes seen."""
+    import torch
+    import torch.nn.functional as F
     modes = set()
     while engine.step_count < steps:
+        fused = in_backward and engine.step_count + 1 not in torn
+        clipped = {"clip_norm": clip} if fused and clip else {}
         x = torch.randint(0, 256, (4, 33))  # the global RNG: a resume must restore it exactly
         engine.user_state = {"batches": engine.step_count + 1}  # (committed with the step)
         if accumulate > 1:  # the micro-batches through each block together
@@ -94,23 +124,20 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
             inputs = [p[:, :-1] for p in parts]
             targets = {id(i): p[:, 1:].flatten() for i, p in zip(inputs, parts)}
             losses = engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]),
-                                             step=in_backward)
+                                             step=fused, **clipped)
             loss = sum(losses) / accumulate
         else:
             logits = engine(x[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-            engine.backward(loss, step=in_backward)
-        if not in_backward:  # (in the backward: no clipping, the step and zero_grad() ran there)
-            engine.clip_grad_norm_(1.0)
+            engine.backward(loss, step=fused, **clipped)
+        if not fused:  # (in the backward: the step and zero_grad() ran there; clipped by clip_norm, or not at all)
+            if not in_backward or clip:
+                engine.clip_grad_norm_(clip or 1.0)
             engine.step()
             engine.zero_grad()
         print(f"STEP {engine.step_count} {loss.item():.6f}" + (f" {_digest(engine)}" if digests else ""), flush=True)
         modes.add(engine.step_mode)
-    print("MODES " + " ".join(sorted(modes)), flush=True)
-    weights = {k: v.numpy() for k, v in engine.named_parameters()}
-    engine.close()
-    np.savez(out, **weights)
-    print("DONE", flush=True)
+    return modes
 
 
 def _counted(block):
@@ -160,14 +187,14 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
                  host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
                  buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
-                 in_backward: bool = False) -> list[str]:
+                 in_backward: bool = False, clip: float = 0.0) -> list[str]:
     """A worker's command-line arguments (``main`` parses them in the fork as in a fresh process)."""
     return (["--worker", str(directory), "--steps", str(steps), "--layers", str(layers), "--out", str(out),
              "--commit-every", str(commit_every), "--host-fraction", str(host_fraction),
              "--device-fraction", str(device_fraction), "--optimizer", optimizer]
             + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
             + ["--accumulate", str(accumulate), "--dropout", str(dropout), "--own-noise", str(own_noise)]
-            + (["--step-in-backward"] if in_backward else []))
+            + (["--step-in-backward"] if in_backward else []) + (["--clip-in-backward", str(clip)] if clip else []))
 
 
 def _zygote() -> Zygote:
@@ -279,7 +306,7 @@ def reference(zygote: Zygote, work: Path, steps: int, layers: int,
     watchdog.start()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    boot, modes = None, []
+    boot, modes, torn = None, [], []
     digests = {}
     for line in proc.stdout:
         if line.startswith("START") and boot is None:
@@ -289,6 +316,8 @@ def reference(zygote: Zygote, work: Path, steps: int, layers: int,
             digests[int(line.split()[1])] = line.split()[3]
         if line.startswith("MODES"):
             modes = line.split()[1:]
+        if line.startswith("TORN"):
+            torn.append(int(line.split()[1]))
     stderr = proc.stderr.read()
     proc.wait(timeout=REFERENCE_TIMEOUT_S)
     watchdog.cancel()
@@ -300,7 +329,8 @@ def reference(zygote: Zygote, work: Path, steps: int, layers: int,
     manifest = json.loads((d / ".tiered-offload" / "manifest.json").read_text().split(" ", 1)[1])
     weights_and_states = sum(t["nbytes"] for t in manifest["tensors"].values())
     state = weights_and_states // (1 + len(manifest["optimizer"]["states"])) * (2 + len(manifest["optimizer"]["states"]))
-    return out, boot, time.perf_counter() - t0, peak, state, digests, " and ".join(modes)
+    return out, boot, time.perf_counter() - t0, peak, state, digests, " and ".join(modes) + (
+        f"; steps torn in the backward, run again: {torn}" if torn else "")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -371,7 +401,8 @@ _TYPED = ("CorruptionError", "CheckpointError", "ExtentNotFoundError", "ShortRea
 def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, log=print, commit_every: int = 1,
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
                optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0,
-               own_noise: float = 0.0, in_backward: bool = False, zygote: Zygote | None = None) -> dict:
+               own_noise: float = 0.0, in_backward: bool = False, zygote: Zygote | None = None,
+               clip: float = 0.0) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -391,7 +422,9 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     ``own_noise`` > 0: every block masks its input with numbers drawn from a ``torch.Generator`` of
     its own (a commit saves its state; a resume restores it). ``in_backward``: each step runs in the
     backward (``backward(loss, step=True)``, ``forward_backward(..., step=True)``; no clipping; needs
-    snapshot commits: ``commit_every`` > 1 or the state in memory). ``zygote``: where the workers fork
+    snapshot commits: ``commit_every`` > 1 or the state in memory); ``clip`` > 0 with it: clipped at
+    ``clip`` there (``clip_norm``), a step torn over it run again after the backward, resumed in the
+    same process (``TORN`` and a second ``START`` line). ``zygote``: where the workers fork
     from (one started with :data:`WORKER_ENV`; None: a zygote of the loop's own).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
@@ -402,7 +435,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
                    optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise,
-                   in_backward=in_backward)
+                   in_backward=in_backward, clip=clip)
     if zygote is not None:
         return _loop(_runs_workers(zygote), work, kills, steps, layers, rng, flip_bits, options, log)
     with _zygote() as zygote:
@@ -563,13 +596,16 @@ def main() -> None:
                          "(TIERED_OFFLOAD_DEFER_STEP=try): kills land across the change of step mode")
     ap.add_argument("--step-in-backward", action="store_true",
                     help="each step run in the backward (backward(loss, step=True)); needs --commit-every 2 or more")
+    ap.add_argument("--clip-in-backward", type=float, default=0.0, metavar="CLIP",
+                    help="with --step-in-backward: each step clipped at CLIP in the backward (clip_norm); one torn "
+                         "there (its norm over CLIP) runs again after the backward, resumed in the same process")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
                args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise,
-               args.step_in_backward)
+               args.step_in_backward, args.clip_in_backward)
         return
     if args.step_in_backward and args.commit_every < 2 and args.host_fraction <= 1.2:
         ap.error("--step-in-backward needs snapshot commits (--commit-every 2 or more)")
@@ -582,7 +618,7 @@ def main() -> None:
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
                              flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
                              accumulate=args.accumulate, dropout=args.dropout, own_noise=args.own_noise,
-                             in_backward=args.step_in_backward)
+                             in_backward=args.step_in_backward, clip=args.clip_in_backward)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "
