@@ -416,7 +416,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         moved, checked_documents, agreed = _disk_bytes(engine), False, False
         in_backward = StepInBackward.refusal(engine) is None  # (train.steps: where the step runs)
         speculation.resumed(engine.user_state.get("record") if start else None)
-        if in_backward and ranks.first and StepInBackward.short_of_room(engine) is None:  # (else the engine warns)
+        if (in_backward and (not t.clip or t.clip_in_backward) and ranks.first
+                and StepInBackward.short_of_room(engine) is None):  # (else the engine warns)
             log.info("tiered-offload: " + ("each step runs in the backward (no gradient reaches the disk)" if not t.clip
                      else f"a step runs in the backward (no gradient reaches the disk) after one whose gradient norm "
                           f"was at most {t.clip_in_backward:g} x train.clip; one found over train.clip there runs "
