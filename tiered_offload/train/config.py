@@ -114,9 +114,9 @@ class TrainSection:
     """AdamW's ``eps``, added to the denominator."""
     clip: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping). With snapshot commits
-    (``offload.commit_every >= 2``) a step runs in the backward (``forward_backward(..., step=True)``,
-    the same numbers, no gradient written to the disk): without clipping each one; with it, as
-    ``clip_in_backward`` says."""
+    (``offload.commit_every >= 2``, or a state the host budget holds) a step runs in the backward
+    (``forward_backward(..., step=True)``, the same numbers, no gradient written to the disk):
+    without clipping each one; with it, as ``clip_in_backward`` says."""
     clip_in_backward: float = 0.8
     """With clipping and snapshot commits: a step runs in the backward, clipped exactly
     (``clip_norm``), after one whose gradient norm was at most this share of ``clip``. Within the
