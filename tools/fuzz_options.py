@@ -385,8 +385,9 @@ def draw_sharded(rng: random.Random, in_backward: bool = False) -> dict:
     """A sharded case: ``tests/dist_worker.py``'s configuration (2-3 ranks, each its slice of the
     state), checked against one process training plain PyTorch on every rank's batches
     (``tests/test_distributed.py::reference``) to 1e-6 of the largest weight: the ranks' gradients
-    are summed in another order than one process's. A third of the cases that do not clip run
-    the step in the last backward (``in_backward``: every case, its clipping left out)."""
+    are summed in another order than one process's. A third of the cases that do not clip by value
+    run the step in the last backward, those that clip by norm clipped there by ``clip_norm`` 50
+    (within every norm here; ``in_backward``: every case, its clipping by value left out)."""
     model = rng.choice(["gpt", "gpt", "moe", "llama", "mixtral"])  # (mixtral: LoRA on its router and experts too)
     layers = 4 if model in ("moe", "mixtral") else rng.choice([3, 4, 6])
     fused = model != "moe" and rng.random() < 0.4  # (the worker's micro-batches carry no routes)
@@ -417,8 +418,9 @@ def draw_sharded(rng: random.Random, in_backward: bool = False) -> dict:
         cfg["frozen_below"] = rng.choice([1, 2])  # the embeddings and the lower blocks frozen at build
     if cfg["durable"] and rng.random() < 0.3:  # snapshot commits every 2-3 steps (drawn last too)
         cfg["commit_every"] = rng.choice([2, 3])
-    if in_backward or (cfg["clip"] is None and "clip_value" not in cfg and rng.random() < 0.35):  # (drawn last too)
-        cfg.update(clip=None, in_backward=True)
+    if in_backward or ("clip_value" not in cfg and rng.random() < 0.35):  # (drawn last too)
+        # clipped by clip_norm within the limit (50: above every norm here), where the case clips
+        cfg.update(clip=50.0 if cfg["clip"] else None, in_backward=True)
         cfg.pop("clip_value", None)
         if cfg["durable"] and cfg.get("commit_every", 1) == 1:  # (a journal refuses it)
             cfg["commit_every"] = 2
