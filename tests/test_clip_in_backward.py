@@ -41,16 +41,23 @@ def _norms(ref, x, *prefixes):
     return norms
 
 
-@pytest.mark.parametrize("call", ["backward", "forward_backward"])
-def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_writes_no_gradient(tmp_path, call):
+@pytest.mark.parametrize("call, where", [("backward", None), ("forward_backward", None), ("backward", "host"),
+                                         ("forward_backward", "device")])
+def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_writes_no_gradient(tmp_path, call,
+                                                                                                    where):
     """A limit above every step's norm: the losses, the norm each step reports (``on_norm``, before
     the step's commit) and the weights are PyTorch's clipped step's, bitwise; every block is updated
-    in the backward, and no gradient byte reaches the disk."""
-    ref = _gpt()
+    in the backward, and no gradient byte reaches the disk. ``where``: a device tier (the CPU
+    stand-in, a quarter of the state) over the host tier, the update in that tier."""
+    layers = 4 if where is None else 10
+    ref = _gpt(layers=layers)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    engine = _engine(ref, tmp_path, kwargs=dict(lr=1e-2, weight_decay=0.1))
+    tier = {} if where is None else dict(fraction=0.375, optimizer_device=where,
+                                         store_config={"device_budget_bytes": _state_bytes(ref) // 4})
+    engine = _engine(ref, tmp_path, kwargs=dict(lr=1e-2, weight_decay=0.1), **tier)
     reported = []
     with engine:
+        assert where is None or engine._updater.tier.name.lower() == where
         before = engine.store.stats
         for step in range(4):
             micro = _batches(2 if call == "forward_backward" else 1, seed=20 + step, batch=2)
@@ -63,7 +70,7 @@ def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_
             assert all(torch.equal(a.detach(), b) for a, b in zip(got, want, strict=True))
             assert torch.equal(reported[-1], norm) and 0 < float(norm) < 50.0
         assert engine.step_count == 4 and len(reported) == 4 and _same_weights(engine, ref)
-        assert engine.stats().updates_in_backward == 4 * 4  # (4 blocks a step)
+        assert engine.stats().updates_in_backward == 4 * layers  # (every block, every step)
         assert _grad_bytes_written(engine, before) == 0
 
 
