@@ -334,15 +334,12 @@ class Engine(EngineViews):
 
     @_engine_time
     @_between_collectives
-    def backward(self, loss: torch.Tensor, step: bool = False, clip_norm: float | None = None,
-                 on_norm=None) -> bool | None:
+    def backward(self, loss: torch.Tensor, step: bool = False, clip_norm=None, on_norm=None) -> bool | None:
         """Back-propagate ``loss`` (any scalar computed from the engine's output), accumulating gradients.
-        ``step=True``: :meth:`step` and :meth:`zero_grad` too, run in the backward (:mod:`.step_in_backward`);
-        ``clip_norm``: clipped as by :meth:`clip_grad_norm_` before the step (``on_norm(total_norm)`` is
-        called before the step's commit), exact or :class:`ClipTornError` (see that module)."""
-        StepInBackward.check_clip(step, clip_norm, on_norm)
-        if step:
-            return StepInBackward.run(self, lambda arm: self._backward(loss), True, clip_norm, on_norm)[1]
+        ``step=True``: :meth:`step` and :meth:`zero_grad` too, run in the backward; ``clip_norm``: clipped first
+        (``on_norm(total norm)`` before the step's commit; exact, or ``ClipTornError``: :mod:`.step_in_backward`)."""
+        if step or clip_norm is not None or on_norm is not None:  # (StepInBackward.check_clip)
+            return StepInBackward.run(self, lambda arm: self._backward(loss), True, step, clip_norm, on_norm)[1]
         self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -372,21 +369,17 @@ class Engine(EngineViews):
             self._streamer.backward_ran()
             self._streamer.unbind_rest()
 
-    def forward_backward(self, micro_batches, loss_fn, step: bool = False, clip_norm: float | None = None,
-                         on_norm=None) -> list[torch.Tensor]:
-        """``for b in micro_batches: self.backward(loss_fn(self(b), b))`` with each block's weights
-        fetched once for all of them (block 0 for every micro-batch, then block 1, ...; backward in
-        reverse): the same gradients bitwise; returns the losses (detached). A dict micro-batch is
-        passed as keyword arguments. With dropout, a shape's first call runs as the loop and learns
-        the draws (see :mod:`~tiered_offload.engine.micro_batches`); ``stats().forward_backward_loops``
-        counts the calls that ran as the loop, by reason. ``step=True`` (``clip_norm``, ``on_norm``):
-        then :meth:`step` and :meth:`zero_grad`, as :meth:`backward`'s."""
+    def forward_backward(self, micro_batches, loss_fn, step=False, clip_norm=None, on_norm=None) -> list[torch.Tensor]:
+        """``for b in micro_batches: self.backward(loss_fn(self(b), b))`` with each block's weights fetched once
+        for all of them (block 0 for every micro-batch, then block 1, ...; backward in reverse): the same gradients
+        bitwise; returns the losses (detached). A dict micro-batch gives keyword arguments. With dropout a shape's
+        first call runs as the loop, learning the draws (:mod:`.micro_batches`; ``stats().forward_backward_loops``
+        counts such calls, by reason). ``step``, ``clip_norm``, ``on_norm``: as :meth:`backward`'s."""
         self._check_open()
-        StepInBackward.check_clip(step, clip_norm, on_norm)
         self._gradients.settle()
-        if step:
+        if step or clip_norm is not None or on_norm is not None:
             return StepInBackward.run(self, lambda arm: forward_backward(self, micro_batches, loss_fn, arm), False,
-                                      clip_norm, on_norm)[0]
+                                      step, clip_norm, on_norm)[0]
         return forward_backward(self, micro_batches, loss_fn)
 
     # ---- optimizer ----------------------------------------------------------------------

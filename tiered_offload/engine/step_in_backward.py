@@ -185,12 +185,13 @@ class StepInBackward:
         return need if engine.store.capacity(engine.store.compute_tier) < need else None
 
     @classmethod
-    def run(cls, engine, backward: Callable[[Callable[[], None]], object], arm_now: bool,
+    def run(cls, engine, backward: Callable[[Callable[[], None]], object], arm_now: bool, step: bool = True,
             clip_norm: float | None = None, on_norm: Callable | None = None) -> tuple[object, bool]:
         """Run ``backward(arm)`` (a backward or ``forward_backward``, which calls ``arm`` as its
         last backward starts; ``arm_now``: it is one backward) with the step in it, then the step's
         end; returns what ``backward`` returned and whether the step was taken (as :meth:`Engine.step`).
-        ``clip_norm``, ``on_norm``: see the module's docstring."""
+        ``step``, ``clip_norm``, ``on_norm``: the call's (:meth:`check_clip`; the module's docstring)."""
+        cls.check_clip(step, clip_norm, on_norm)
         why = cls.refusal(engine)
         if why is not None:
             raise ConfigError(why)
