@@ -35,7 +35,6 @@ class ClipSpeculation:
         self.hold = self.HOLD
         self.tried: int | None = None
         """The step last run in the backward with clipping."""
-        self.tears = 0
 
     def resumed(self, record: list | None) -> None:
         """The run goes on from a committed step whose record is ``record`` (None: none)."""
@@ -55,7 +54,6 @@ class ClipSpeculation:
     def torn(self) -> int:
         """The step tried in the backward was torn: hold the next ones after it. Returns that step."""
         step, self.tried = self.tried, None
-        self.tears += 1
         self.held_until, self.hold = step + self.hold - 1, min(2 * self.hold, 1024)
         return step
 
