@@ -545,7 +545,7 @@ class Placement:
         """What :meth:`grad_norm` (L2) needs of ``unit``'s gradient, taken now, and its sum of squares
         (a lower bound's part): here the norm of each of its trainable parameters' gradients."""
         norms = unit_norms(unit, 2.0) if unit.grad_key is not None else []
-        return norms, sum(float(n) ** 2 for n in norms)
+        return norms, float(torch.stack(norms).double().square().sum()) if norms else 0.0  # (one sync)
 
 
 class Local(Placement):
