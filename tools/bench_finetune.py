@@ -14,8 +14,9 @@ steady-state steps and their ratio (target <= 1.05).
 each step in the backward (both with ``offload.commit_every: 2``, snapshot commits): step time and
 disk bytes per step (from ``metrics.jsonl``'s records), and their ratios. ``--clip-in-backward``:
 the command with ``train.clip: CLIP`` (``--clip``) trying its steps in the backward
-(``train.clip_in_backward`` 0.8, the default, or ``--share``) against never (0); also how many steps
-ran there and how many were torn (run again after the backward).
+(``train.clip_in_backward`` 0.8, the default, or ``--share``) against never (0), or against the
+default ``offload.commit_every: 1`` (journal commits; ``--against-journal``); also how many steps ran
+there and how many were torn (run again after the backward).
 
     python tools/bench_finetune.py --rounds 3 --steps 6 --clip-in-backward --clip 5.0 --disk-rate 150
 
@@ -75,6 +76,8 @@ def main() -> None:
                     help="the command with train.clip_in_backward 0.8 against 0 (clipped steps tried in the backward)")
     ap.add_argument("--clip", type=float, default=1.0, help="train.clip of --clip-in-backward")
     ap.add_argument("--share", type=float, default=0.8, help="train.clip_in_backward of --clip-in-backward's tries")
+    ap.add_argument("--against-journal", action="store_true",
+                    help="with --clip-in-backward: against the default offload.commit_every 1 (journal commits)")
     ap.add_argument("--disk-rate", type=float, default=0, metavar="MB/S", help="the storage held to this rate")
     args = ap.parse_args()
     import transformers
@@ -95,9 +98,11 @@ def main() -> None:
     command, by_hand = [], []
     if args.without_clipping:
         return _ways(args, work, model_dir, n, host, {"clip 1.0": ["train.clip=1.0"], "clip null": ["train.clip=null"]})
-    if args.clip_in_backward:
+    if args.clip_in_backward:  # (a way's settings come after the common ones: offload.commit_every 2)
+        first = (("journal, clipped after", ["offload.commit_every=1"]) if args.against_journal else
+                 ("clipped after", ["train.clip_in_backward=0"]))
         return _ways(args, work, model_dir, n, host, {
-            "clipped after": [f"train.clip={args.clip}", "train.clip_in_backward=0"],
+            first[0]: [f"train.clip={args.clip}", *first[1]],
             "clipped, tried in the backward": [f"train.clip={args.clip}", f"train.clip_in_backward={args.share}"]})
     for r in range(args.rounds):
         total = args.steps
@@ -161,8 +166,8 @@ def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, 
             current, tag = name, f"{list(ways).index(name)}-{r}"
             overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
                          "train.micro_batch=4", "train.grad_accum=2", f"train.max_steps={args.steps}",
-                         "train.lr=1.0e-3", "train.warmup_steps=1", *settings,
-                         f"offload.storage={work / tag}", f"offload.host_memory={host}", "offload.commit_every=2",
+                         "train.lr=1.0e-3", "train.warmup_steps=1", f"offload.storage={work / tag}",
+                         f"offload.host_memory={host}", "offload.commit_every=2", *settings,
                          f"output.dir={work / f'out-{tag}'}", "output.export_every=0"]
             marks, records = [], []
 
