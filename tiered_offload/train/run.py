@@ -677,7 +677,8 @@ def _plan_preview(model, cfg) -> dict:
                                                             if in_backward else ")")
                                                + ("" if in_backward or not (journal or not room) else
                                                   "; journal commits keep the step out of the backward: "
-                                                  "offload.commit_every >= 2 runs it there" if journal else
+                                                  "offload.commit_every >= 2 runs it there (snapshot commits: up "
+                                                  "to twice the state on disk)" if journal else
                                                   f"; a unit's update does not fit beside the backward's pins: "
                                                   f"offload.host_memory >= {format_size(defer)} ({defer} bytes) "
                                                   f"runs it in the backward")),
