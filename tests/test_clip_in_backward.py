@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from offload_core.errors import ClipTornError, ConfigError, StepFailedError, TensorStateError
+from offload_core.errors import ClipTornError, ConfigError, NonFiniteError, StepFailedError, TensorStateError
 from test_step_in_backward import (_batches, _engine, _gpt, _grad_bytes_written, _loss, _micro_loss, _same_weights,
                                    _state_bytes)
 from tiered_offload import Engine, EngineConfig
@@ -138,6 +138,19 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
         assert resumed.backward(_loss(resumed, batches[3]), step=True, clip_norm=50.0)
         _pytorch_step(ref, opt, [batches[3]], 50.0)
         assert _same_weights(resumed, ref)
+
+
+@pytest.mark.parametrize("where", ["blocks.0.ln1.weight", "tok.weight"])
+def test_a_gradient_not_finite_below_updated_blocks_is_named_so_not_a_norm_over_the_limit(tmp_path, where):
+    """``clip_norm`` and a gradient that turns infinite below updated blocks (block 0, or the
+    embeddings in the rest, whose total norm is then infinite too): the step is torn as without
+    clipping, a :class:`NonFiniteError` naming the unit, not a :class:`ClipTornError`."""
+    ref = _gpt()
+    with _engine(ref, tmp_path) as engine:
+        dict(engine.model.named_parameters())[where].register_hook(lambda g: g * float("inf"))
+        with pytest.raises(NonFiniteError, match=r"(block\.0|rest).*half applied") as torn:
+            engine.backward(_loss(engine, _batches(1)[0]), step=True, clip_norm=50.0)
+        assert not isinstance(torn.value, ClipTornError)
 
 
 def test_clip_norm_is_refused_where_it_cannot_be_exact(tmp_path):

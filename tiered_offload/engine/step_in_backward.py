@@ -319,8 +319,11 @@ class StepInBackward:
         engine = self.engine
         total = engine._gradients.total_norm(self.taken)
         self.norm = torch.tensor(0.0) if total is None else total
-        if bool(torch.isfinite(self.norm)) and float(torch.clamp(self.clip_norm / (self.norm + 1e-6), max=1.0)) != 1.0:
-            self.over = float(self.norm)  # (a norm not finite: a gradient is, which its update finds below)
+        if not bool(torch.isfinite(self.norm)) and not engine._placement.all_agree(
+                all(s.grads_finite for s in engine._streamer.gradients.values()), "the gradients' finiteness"):
+            return  # (a gradient is not finite: its update below finds it, NonFiniteError)
+        if not bool(torch.isfinite(self.norm)) or float(torch.clamp(self.clip_norm / (self.norm + 1e-6), max=1.0)) != 1:
+            self.over = float(self.norm)  # (a norm that overflowed from finite gradients: clipping zeroes them)
 
     def finish(self) -> bool:
         """After the backward: the units not updated in it, the step counted and committed, the
