@@ -203,7 +203,8 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
     elif not t.clip:
         assert inside == ([True] * blocks + [False]) * t.max_steps and not torn, inside
     else:  # of the steps tried in the backward (the policy's: a tear holds the next ones after it), those over
-        sim, over, under = ClipSpeculation(t.clip, t.clip_in_backward), [], []  # the limit were torn
+        sim, over, under = ClipSpeculation(t.clip, t.clip_in_backward, cfg.offload.commit_every), [], []  # the
+        # limit were torn
         for step in range(1, t.max_steps + 1):
             if sim.allows(step):
                 (over if records[step]["grad_norm"] > t.clip else under).append(step)
@@ -214,6 +215,25 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
         assert inside.count(True) >= blocks * len(under), inside
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, t.max_steps + 1))
+
+
+def test_clipped_steps_are_tried_in_the_backward_where_a_tear_is_unlikely_and_cheap():
+    """``train.steps.ClipSpeculation``: a clipped step is tried in the backward after one whose
+    norm was at most ``train.clip_in_backward`` of the limit (none known: not), only where a tear
+    would run at most 4 steps again (with a commit every 10 steps, the first 4 after each), and not
+    for 16 steps from a torn one on (32 after the next tear). Without clipping, every step."""
+    from tiered_offload.train.steps import ClipSpeculation
+    policy = ClipSpeculation(1.0, 0.8, every=10)
+    assert not policy.allows(1)  # (no norm known yet)
+    policy.seen(0.5)
+    assert [k for k in range(2, 25) if policy.allows(k)] == [2, 3, 4, 11, 12, 13, 14, 21, 22, 23, 24]
+    policy.seen(0.81)
+    assert not policy.allows(31)
+    policy.seen(0.8)
+    assert policy.allows(31) and policy.torn() == 31 and policy.held_until == 46
+    assert [k for k in range(32, 75) if policy.allows(k)] == [51, 52, 53, 54, 61, 62, 63, 64, 71, 72, 73, 74]
+    assert policy.allows(71) and policy.torn() == 71 and policy.held_until == 71 + 32 - 1
+    assert ClipSpeculation(None, 0.8, every=10).allows(7)
 
 
 def test_the_example_configuration_reads_as_it_says():

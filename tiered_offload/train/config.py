@@ -121,7 +121,8 @@ class TrainSection:
     """With clipping and snapshot commits: a step runs in the backward, clipped exactly
     (``clip_norm``), after one whose gradient norm was at most this share of ``clip``. Within the
     limit that is the clipped step, bitwise; a norm over it there tears the step, which runs again from
-    the last commit, after the backward (:mod:`tiered_offload.train.steps`). 0: never."""
+    the last commit, after the backward (:mod:`tiered_offload.train.steps`: only steps a tear would
+    run at most 4 again are tried, the first after each commit). 0: never."""
     seed: int = 0
     """Seeds the data order and everything random in training."""
     precision: str = "fp32"

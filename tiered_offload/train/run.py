@@ -283,7 +283,7 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     from tiered_offload import progress as bars
     with Ranks() as ranks, bars.shown(progress and not dry_run and ranks.first):
         cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
-        speculation = ClipSpeculation(cfg.train.clip, cfg.train.clip_in_backward)
+        speculation = ClipSpeculation(cfg.train.clip, cfg.train.clip_in_backward, cfg.offload.commit_every)
         try:
             while True:
                 try:

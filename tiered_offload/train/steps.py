@@ -7,9 +7,9 @@ after it. With clipping (``train.clip``, the default) a step in the backward run
 by exactly 1.0, so that is the clipped step, bitwise. A norm found over it once some unit was updated
 tears the step (:class:`ClipTornError`): :func:`tiered_offload.train.run.train` then resumes from the
 last commit and runs that step after the backward, clipped (the replay is the same numbers: the
-data order is the step count). :class:`ClipSpeculation` decides when to try, so that tears stay rare:
-after a step whose norm was at most ``train.clip_in_backward`` of the limit, and not for a while after
-a tear.
+data order is the step count). :class:`ClipSpeculation` decides when to try, so that tears stay rare
+and cheap: after a step whose norm was at most ``train.clip_in_backward`` of the limit, not for a while
+after a tear, and only where a tear would run few steps again.
 """
 
 from __future__ import annotations
@@ -23,10 +23,15 @@ class ClipSpeculation:
 
     HOLD = 16
     """Steps from a torn one on that run after the backward; doubled at each further tear."""
+    REPLAY = 4
+    """A step is tried only where a tear would run at most this many steps again (those since the
+    last commit, itself included): with ``offload.commit_every`` above it, the first ones after each
+    commit. A tear costs those steps and the engine built again."""
 
-    def __init__(self, clip: float | None, margin: float):
-        self.clip, self.margin = clip, margin
-        """The limit, and the share of it the last step's norm may reach for the next to be tried."""
+    def __init__(self, clip: float | None, margin: float, every: int = 1):
+        self.clip, self.margin, self.every = clip, margin, every
+        """The limit, the share of it the last step's norm may reach for the next to be tried, and
+        the steps between two commits (snapshot commits: at each multiple of ``every``)."""
         self.last_norm: float | None = None
         """The gradient norm of the step before the next (None: not known)."""
         self.held_until = 0
@@ -44,7 +49,8 @@ class ClipSpeculation:
         """Whether step ``step`` (counted from 1) may run in the backward, as far as clipping goes."""
         if self.clip is None:
             return True
-        ok = step > self.held_until and self.last_norm is not None and self.last_norm <= self.margin * self.clip
+        ok = (step > self.held_until and (step - 1) % self.every < self.REPLAY and self.last_norm is not None
+              and self.last_norm <= self.margin * self.clip)
         self.tried = step if ok else None
         return ok
 
