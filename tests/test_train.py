@@ -2365,6 +2365,11 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert any(f"a step after one whose gradient norm was at most 0.8 x train.clip runs in the backward, clipped "
                f"exactly (one over the limit there runs again after it): at least {said} read and {said} written"
                in line for line in plan["lines"]), plan["lines"]
+    # a commit every 8 steps: only the first 4 after each are tried (a tear replays the steps since the last commit)
+    plan = train(write_config(tmp_path / "clipped-8", model_dir, data, offload__host_memory=room,
+                              offload__commit_every=8), dry_run=True)["plan"]
+    assert any("at most 0.8 x train.clip (and among the first 4 after each commit) runs in the backward" in line
+               for line in plan["lines"]), plan["lines"]
 
 
 def test_step_exports_rotate_only_this_runs_own(tmp_path, model_dir, data):

@@ -686,7 +686,9 @@ def _plan_preview(model, cfg) -> dict:
     if beyond > 0 and cfg.train.clip and cfg.train.clip_in_backward and not journal and room:  # a step in the backward
         other = schedule.floors_in_backward(host)
         lines.insert(-1, f"a step after one whose gradient norm was at most {cfg.train.clip_in_backward:g} x train.clip "
-                         f"runs in the backward, clipped exactly (one over the limit there runs again after it): at "
+                         + (f"(and among the first {ClipSpeculation.REPLAY} after each commit) "
+                            if every > ClipSpeculation.REPLAY else "")
+                         + f"runs in the backward, clipped exactly (one over the limit there runs again after it): at "
                          f"least {format_size(other['disk_read'])} read and {format_size(other['disk_written'])} "
                          f"written, no gradient on the disk")
     return {"units": len(binding.blocks), "minimum_host_bytes": need, "host_bytes": host, "state_bytes": state,
