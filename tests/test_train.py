@@ -217,6 +217,26 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, t.max_steps + 1))
 
 
+def test_a_signal_during_a_step_torn_in_the_backward_stops_the_run_at_the_last_commit(tmp_path, model_dir, data,
+                                                                                    monkeypatch):
+    """SIGTERM arrives while step 2 runs in the backward, and that step is then torn over
+    ``train.clip``. Before, the run went back to the last commit and trained on, the signal lost
+    with the attempt. Now it stops there, as a signal stops it after a step: committed, the
+    summary says so."""
+    from tiered_offload.engine.step_in_backward import StepInBackward
+    clip_at_the_end = StepInBackward._clip_at_the_end
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # (the run's handler takes it: a step in flight)
+        clip_at_the_end(self)
+    monkeypatch.setattr(StepInBackward, "_clip_at_the_end", signalled)
+    config = write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=0, train__clip=1.2,
+                          train__clip_in_backward=1e9, offload__commit_every=2)
+    summary = train(config, progress=False)
+    assert summary["stopped"] and summary["step"] == 0 and summary["final"] is None, summary
+    assert not [r for r in _records(tmp_path / "out") if "loss" in r]  # (step 1 went back with the commit)
+
+
 def test_clipped_steps_are_tried_in_the_backward_where_a_tear_is_unlikely_and_cheap():
     """``train.steps.ClipSpeculation``: a clipped step is tried in the backward after one whose
     norm was at most ``train.clip_in_backward`` of the limit (none known: not), only where a tear

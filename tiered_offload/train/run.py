@@ -284,10 +284,11 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
     with Ranks() as ranks, bars.shown(progress and not dry_run and ranks.first):
         cfg = config if isinstance(config, RunConfig) else load_config(config, list(overrides))
         speculation = ClipSpeculation(cfg.train.clip, cfg.train.clip_in_backward, cfg.offload.commit_every)
+        stop = {"signal": None}  # (SIGINT / SIGTERM: one during a torn step stops the run at the last commit)
         try:
             while True:
                 try:
-                    return _train(cfg, dry_run, progress and ranks.first, on_step, ranks, speculation)
+                    return _train(cfg, dry_run, progress and ranks.first, on_step, ranks, speculation, stop)
                 except ClipTornError as e:  # (train.steps says why; the storage keeps the last commit)
                     step = speculation.torn()
                     held = speculation.held_until
@@ -300,7 +301,8 @@ def train(config: RunConfig | str | Path, overrides: list[str] = (), *, dry_run:
                                           "recorded.") from e.__cause__
 
 
-def _train(cfg, dry_run: bool, progress: bool, on_step, ranks: Ranks, speculation: ClipSpeculation) -> dict:
+def _train(cfg, dry_run: bool, progress: bool, on_step, ranks: Ranks, speculation: ClipSpeculation,
+           stop: dict) -> dict:
     model_dir = _model_dir(cfg.model.path, dry_run)
     out = Path(cfg.output.dir).expanduser()
     refuse_inside_exports({"model.path": model_dir, "data.path": cfg.data.path, "lora.adapter": cfg.lora.adapter},
@@ -317,14 +319,14 @@ def _train(cfg, dry_run: bool, progress: bool, on_step, ranks: Ranks, speculatio
         out, path=out / ".cache" / "train.lock", what=f"output.dir {out}", advice="give this run another output.dir",
         required=False).acquire()
     try:
-        return _run(cfg, model_dir, out, dry_run, progress, on_step, ranks, speculation)
+        return _run(cfg, model_dir, out, dry_run, progress, on_step, ranks, speculation, stop)
     finally:
         if held is not None:
             held.release()
 
 
 def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step, ranks: Ranks,
-         speculation: ClipSpeculation) -> dict:
+         speculation: ClipSpeculation, stop: dict) -> dict:
     from tiered_offload import Engine
     directories = _storage_location(cfg.offload.storage)
     location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
@@ -371,7 +373,6 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         if resuming:
             _refuse_another_layout(cfg, own, location)
         raise
-    stop = {"signal": None}
     previous = {s: signal.signal(s, lambda n, _f: stop.update(signal=n)) for s in (signal.SIGINT, signal.SIGTERM)}
     metrics = None
     bar = None
@@ -413,7 +414,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-        moved, checked_documents, agreed = _disk_bytes(engine), False, False
+        moved, checked_documents = _disk_bytes(engine), False
+        agreed = ranks.sums([stop["signal"] is not None])[0] > 0  # (a signal during a torn step: stop at its commit)
         in_backward = StepInBackward.refusal(engine) is None  # (train.steps: where the step runs)
         speculation.resumed(engine.user_state.get("record") if start else None)
         if (in_backward and (not t.clip or t.clip_in_backward) and ranks.first
