@@ -523,7 +523,8 @@ def main() -> int:
             print(f"{seed:6d} {time.monotonic() - t0:5.1f}s {outcome}", flush=True)
     print(f"{args.cases} cases: {counts['ok']} {'within 1e-6' if args.sharded else 'bitwise'}, "
           f"{counts['refused']} refused at construction, "
-          + (f"{counts['torn']} torn (clipped in the backward by a limit every norm is over), " if counts["torn"] else "")
+          + (f"{counts['torn']} torn (clipped in the backward by a limit every norm is over), "
+             if counts["torn"] else "")
           + f"{counts['failed']} failed")
     return 1 if counts["failed"] else 0
 

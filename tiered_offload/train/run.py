@@ -687,7 +687,8 @@ def _plan_preview(model, cfg) -> dict:
              "step time: measured and planned after the second step (engine.plan, logged)"]
     if beyond > 0 and cfg.train.clip and cfg.train.clip_in_backward and not journal and room:  # a step in the backward
         other = schedule.floors_in_backward(host)
-        lines.insert(-1, f"a step after one whose gradient norm was at most {cfg.train.clip_in_backward:g} x train.clip "
+        share = cfg.train.clip_in_backward
+        lines.insert(-1, f"a step after one whose gradient norm was at most {share:g} x train.clip "
                          + (f"(and among the first {ClipSpeculation.REPLAY} after each commit) "
                             if every > ClipSpeculation.REPLAY else "")
                          + f"runs in the backward, clipped exactly (one over the limit there runs again after it): at "
