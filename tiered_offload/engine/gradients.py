@@ -63,8 +63,7 @@ class Gradients:
         them; a scale of 1, from a norm measured with ``inf`` or under the limit, changes no bit).
         ``error_if_nonfinite``: a non-finite norm raises, as PyTorch's, and nothing is clipped."""
         self.settle()
-        total = self.placement.grad_norm(self.store, self.schedule, self.binding.param_order,
-                                         self.norms, norm_type)
+        total = self.total_norm(norm_type)
         if total is None:
             return torch.tensor(0.0)  # as torch: nothing to clip
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -76,10 +75,12 @@ class Gradients:
         self.scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total
 
-    def total_norm(self, taken: dict | None = None) -> torch.Tensor | None:
-        """The global L2 norm as :meth:`clip` takes it, with ``taken`` (unit name ->
-        :meth:`Placement.norm_part`) for the units whose gradients an update in the backward forgot."""
-        return self.placement.grad_norm(self.store, self.schedule, self.binding.param_order, self.norms, 2.0, taken)
+    def total_norm(self, norm_type: float = 2.0, taken: dict | None = None) -> torch.Tensor | None:
+        """The global norm over the parameters that have a gradient (None: none has), with ``taken``
+        (L2: unit name -> :meth:`Placement.norm_part`) for the units whose gradients an update in the
+        backward forgot."""
+        return self.placement.grad_norm(self.store, self.schedule, self.binding.param_order, self.norms, norm_type,
+                                        taken)
 
     def norm_part(self, unit) -> tuple[object, float]:
         """:meth:`Placement.norm_part` of ``unit``'s gradient (taken before an update forgets it)."""

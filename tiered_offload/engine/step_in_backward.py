@@ -317,7 +317,7 @@ class StepInBackward:
         if self.clip_norm is None or self.over is not None or self.bad:
             return
         engine = self.engine
-        total = engine._gradients.total_norm(self.taken)
+        total = engine._gradients.total_norm(taken=self.taken)
         self.norm = torch.tensor(0.0) if total is None else total
         if not bool(torch.isfinite(self.norm)) and not engine._placement.all_agree(
                 all(s.grads_finite for s in engine._streamer.gradients.values()), "the gradients' finiteness"):
