@@ -110,7 +110,9 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
             assert engine.backward(_loss(engine, x), step=True, clip_norm=50.0)
             _pytorch_step(ref, opt, [x], 50.0)
         assert engine.wait_committed() == 2
-        total, blocks, top, top_two = _norms(ref, batches[2], "blocks.", "blocks.3.", ("blocks.3.", "blocks.2."))
+        # (the bounds count the final norm's gradient, final before block 3's backward)
+        total, blocks, top, top_two = _norms(ref, batches[2], "blocks.", ("blocks.3.", "ln_f."),
+                                             ("blocks.3.", "blocks.2.", "ln_f."))
         assert top < 0.9 * top_two and blocks < 0.9 * total  # (the head and embeddings' gradients carry the rest)
         limit = (total + blocks) / 2 if where == "in-the-rest" else (top + top_two) / 2
         before = engine.stats().updates_in_backward
@@ -140,6 +142,45 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
         assert resumed.backward(_loss(resumed, batches[3]), step=True, clip_norm=50.0)
         _pytorch_step(ref, opt, [batches[3]], 50.0)
         assert _same_weights(resumed, ref)
+
+
+@pytest.mark.parametrize("case", ["one-backward", "device-tier", "accumulated"])
+def test_an_untied_heads_gradient_bounds_the_norm_before_any_update_and_a_norm_it_puts_over_tears_nothing(tmp_path,
+                                                                                                       case):
+    """A head not tied to the embeddings: its gradient is final at the top of the backward, so the
+    bound at the last block (before any update) counts it, with the final norm's. A limit between
+    the last block's own norm and that bound: nothing runs in the backward, the step runs after it
+    clipped, as PyTorch's (bitwise), where the head's norm used to be found only at the end (a tear,
+    every block updated). ``device-tier``: the rest's gradients on the CPU stand-in of a device;
+    ``accumulated``: a first micro-batch's backward, then the last with the step (the head's gradient
+    is the sum of both when its norm is taken)."""
+    ref = _gpt(layers=10 if case == "device-tier" else 4)
+    ref.head.weight = torch.nn.Parameter(ref.tok.weight.detach().clone() * 3)  # untied
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    micro = _batches(2 if case == "accumulated" else 1, seed=7)
+    top_block = f"blocks.{len(ref.blocks) - 1}."
+    for x in micro:  # (the losses the engine's backward calls take below: the norms of their sums)
+        (_micro_loss(ref(x), x) if case == "accumulated" else _loss(ref, x)).backward()
+    top, head, ln_f = (float(torch.nn.utils.get_total_norm([p.grad for n, p in ref.named_parameters()
+                                                            if n.startswith(prefix)]))
+                       for prefix in (top_block, "head.", "ln_f."))
+    ref.zero_grad()
+    bound = (top ** 2 + head ** 2 + ln_f ** 2) ** 0.5
+    assert bound > 1.02 * top
+    limit = (top + bound) / 2
+    tier = {} if case != "device-tier" else dict(fraction=0.375, optimizer_device="device",
+                                                 store_config={"device_budget_bytes": _state_bytes(ref) // 4})
+    reported = []
+    with _engine(ref, tmp_path, **tier) as engine:
+        if case == "accumulated":
+            engine.backward(_micro_loss(engine(micro[0]), micro[0]))
+            loss = _micro_loss(engine(micro[1]), micro[1])
+        else:
+            loss = _loss(engine, micro[0])
+        assert engine.backward(loss, step=True, clip_norm=limit, on_norm=reported.append) is True
+        want, norm = _pytorch_step(ref, opt, micro, limit)
+        assert torch.equal(loss.detach(), want[-1]) and torch.equal(reported[0], norm) and float(norm) > limit
+        assert engine.stats().updates_in_backward == 0 and engine.step_count == 1 and _same_weights(engine, ref)
 
 
 @pytest.mark.parametrize("where", ["blocks.0.ln1.weight", "tok.weight"])

@@ -39,9 +39,11 @@ the step run unclipped in the backward is then the clipped step, bitwise. Each u
 norm (:meth:`Placement.norm_part`: its parameters' norms, which its backward computed; ranks: the
 sum of squares of their slice) is taken before its update forgets its gradient, and the total is
 taken from those as :meth:`Engine.clip_grad_norm_` takes it, before the rest's update, and told
-(``on_norm``) before the step's record is committed. The units so far bound the norm from below:
-where the bound is over the limit before any update (the last block's own norm), nothing runs in
-the backward and the step runs after it, clipped; once some unit was updated, a norm over the limit
+(``on_norm``) before the step's record is committed. The units so far bound the norm from below,
+with the rest's parameters whose gradients are final (one backward on one process: an untied head's
+and the final norm's, final at the top of the backward; :meth:`StepInBackward._watch_rest`):
+where the bound is over the limit before any update (the last block's own norm and those), nothing
+runs in the backward and the step runs after it, clipped; once some unit was updated, a norm over the limit
 (its bound in the backward, or the total at its end) tears the step (:class:`ClipTornError`, as a
 non-finite gradient below: resume, then run the step clipped after the backward).
 ``tiered-offload train`` does that itself (:mod:`tiered_offload.train.steps`), trying the step in the
@@ -130,7 +132,11 @@ class StepInBackward:
         """``clip_norm``: each unit updated in the backward -> what the total norm needs of its gradient,
         taken before the update forgot it (:meth:`Placement.norm_part`)."""
         self.squares = 0.0
-        """The sum of the squares of those units' gradients: the total norm is at least its root."""
+        """The sum of the squares of those units' gradients, and of the rest's parameters' whose gradients
+        are final (:meth:`_watch_rest`): the total norm is at least its root."""
+        self.final_rest: list[torch.Tensor] = []
+        """The rest's parameters whose gradient turned final since the bound last took them."""
+        self._hooks: list = []
         self.over: float | None = None
         """The total norm, where it is over ``clip_norm`` (a lower bound where found in the backward)."""
         self.norm = None
@@ -207,6 +213,8 @@ class StepInBackward:
             finally:
                 engine._streamer.step_in_backward = None
                 engine.store.keep_twins(())  # (the blocks' updates ran: see arm)
+                for hook in fused._hooks:
+                    hook.remove()
             return result, fused.finish()
         except BaseException as e:
             if fused.hypers is not None and engine._torn is None:  # some update ran: the step is half applied
@@ -232,6 +240,8 @@ class StepInBackward:
             self.fuse = False
             return
         self.armed = True
+        if self.clip_norm is not None and engine._placement.sharding is None and engine._streamer.turns is None:
+            self._watch_rest()
         order = functools.partial(engine._streamer.access_sequence, engine.schedule)
         engine.store.declare_access_sequence(order([Phase.BACKWARD, Phase.FORWARD], fused=True))
         if updater.in_lower_tier:  # the device tier sees the rest of the backward only (as under step()):
@@ -304,12 +314,31 @@ class StepInBackward:
             return True
         engine = self.engine
         self.taken[unit.name], squares = engine._gradients.norm_part(unit)
-        self.squares += squares
+        self.squares += squares + self._final_rest_squares()
         low = self.squares ** 0.5  # (a bound with room for rounding: over it, clipping surely scales)
         if engine._placement.all_agree(not low > self.clip_norm * (1 + 1e-4) + 1e-5, "the gradient norm's bound"):
             return True
         self.over, self.fuse = low, False
         return False
+
+    def _watch_rest(self) -> None:
+        """One backward on one process: a rest parameter's gradient is final once autograd has added
+        this backward's part to it (its AccumulateGrad runs once per backward, as soon as its inputs
+        are summed), so its norm joins the bound. An untied head's is known before the last block's
+        update: a norm that the head puts over the limit then tears nothing. (Not in a
+        ``forward_backward`` pass, where each micro-batch adds to its own buffer of the rest's
+        gradients until its backward ends; nor on ranks, which reduce the rest's at the end.)"""
+        def final(param) -> None:
+            if param.requires_grad:
+                self.final_rest.append(param)
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(final)
+                       for slot in self.engine._streamer.rest.trainable()]
+
+    def _final_rest_squares(self) -> float:
+        """The sum of the squares of the gradients of the rest's parameters that turned final since
+        the last call (each parameter's norm, as ``clip_grad_norm_`` takes it)."""
+        grads, self.final_rest = [p.grad for p in self.final_rest if p.grad is not None], []
+        return float(torch.stack(torch._foreach_norm(grads)).double().square().sum()) if grads else 0.0
 
     def _clip_at_the_end(self) -> None:
         """``clip_norm``, before the units not updated in the backward: the step's total norm, as
