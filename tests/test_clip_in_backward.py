@@ -183,6 +183,25 @@ def test_an_untied_heads_gradient_bounds_the_norm_before_any_update_and_a_norm_i
         assert engine.stats().updates_in_backward == 0 and engine.step_count == 1 and _same_weights(engine, ref)
 
 
+def test_a_parameter_of_the_rest_frozen_mid_run_is_left_out_of_the_bound_as_of_the_norm(tmp_path):
+    """The final norm's weight frozen after two steps (``requires_grad_(False)``, as PyTorch
+    allows): the clipped steps in the backward go on as PyTorch's, bitwise, its gradient counted in
+    no bound (fuzz seed 137976 froze a T5's rest mid-run: the bound's hook raised on it)."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    reported = []
+    with _engine(ref, tmp_path) as engine:
+        for step, x in enumerate(_batches(4, seed=40)):
+            if step == 2:
+                for model in (ref, engine.model):
+                    model.ln_f.weight.requires_grad_(False)
+            loss = _loss(engine, x)
+            assert engine.backward(loss, step=True, clip_norm=50.0, on_norm=reported.append) is True
+            want, norm = _pytorch_step(ref, opt, [x], 50.0)
+            assert torch.equal(loss.detach(), want[0]) and torch.equal(reported[-1], norm)
+        assert engine.stats().updates_in_backward == 4 * 4 and _same_weights(engine, ref)
+
+
 @pytest.mark.parametrize("where", ["blocks.0.ln1.weight", "tok.weight"])
 def test_a_gradient_not_finite_below_updated_blocks_is_named_so_not_a_norm_over_the_limit(tmp_path, where):
     """``clip_norm`` and a gradient that turns infinite below updated blocks (block 0, or the

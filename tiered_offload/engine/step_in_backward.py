@@ -332,7 +332,7 @@ class StepInBackward:
             if param.requires_grad:
                 self.final_rest.append(param)
         self._hooks = [slot.param.register_post_accumulate_grad_hook(final)
-                       for slot in self.engine._streamer.rest.trainable()]
+                       for slot in self.engine._streamer.rest.training()]  # (not those frozen since)
 
     def _final_rest_squares(self) -> float:
         """The sum of the squares of the gradients of the rest's parameters that turned final since
