@@ -355,8 +355,12 @@ def run(out: Path, cfg: dict) -> int:
     update_unit = engine._update_unit
     engine._update_unit = lambda unit, *a: (updated_in_backward.append(engine._streamer.step_in_backward is not None),
                                             update_unit(unit, *a))[1]
+    # retear: the steps an earlier start of this job tore in the backward (any rank's record) run after it, clipped
+    torn_steps = {s for f in out.glob("torn-rank-*.json") for s in json.loads(f.read_text())} if cfg.get(
+        "retear") else set()
     while engine.step_count < cfg["steps"]:
         step = engine.step_count
+        fuse = in_backward and step not in torn_steps  # this step in the backward
         freeze(model, cfg, step)
         hook = None
         if cfg.get("inf_grad") and cfg["inf_grad"][:2] == [rank, step]:  # this rank's gradient of a block: inf
@@ -377,7 +381,7 @@ def run(out: Path, cfg: dict) -> int:
                 loss = F.cross_entropy(logits.flatten(0, 1), targets[id(b)]) / cfg["accumulate"]
                 return loss * float("nan") if nan and b is inputs[-1] else loss
             try:
-                losses += [x.item() for x in engine.forward_backward(inputs, loss_fn, step=in_backward, **clipped)]
+                losses += [x.item() for x in engine.forward_backward(inputs, loss_fn, step=fuse, **(clipped if fuse else {}))]
             except ClipTornError as e:
                 torn = str(e)
                 break
@@ -395,7 +399,7 @@ def run(out: Path, cfg: dict) -> int:
             loss = loss_of(engine, (ids[:, :cut], route[:, :cut]), cfg.get("model") == "moe") / cfg["accumulate"]
             if cfg.get("zero_grad_late") and micro == 0:  # PyTorch loops' other order: between forward and backward
                 engine.zero_grad()
-            last = in_backward and micro == cfg["accumulate"] - 1
+            last = fuse and micro == cfg["accumulate"] - 1
             losses.append(loss.item())
             try:
                 engine.backward(loss, step=last, **(clipped if last else {}))
@@ -406,7 +410,7 @@ def run(out: Path, cfg: dict) -> int:
             break
         if hook is not None:
             hook.remove()
-        if in_backward:
+        if fuse:
             step_modes.append(engine.step_mode)
             continue
         if cfg.get("clip_value"):
@@ -425,6 +429,8 @@ def run(out: Path, cfg: dict) -> int:
             engine.zero_grad()
     if torn is not None:  # (the engine refuses every call but close: its state mixes two steps)
         engine.close()
+        if cfg.get("retear"):  # the next start of this job runs it after the backward, clipped (as train does)
+            (out / f"torn-rank-{rank}.json").write_text(json.dumps(sorted(torn_steps | {step})))
         torch.save({"torn": torn, "step_count": engine.step_count, "losses": losses, "norms": norms,
                     "updated_in_backward": updated_in_backward}, out / f"rank-{rank}.pt")
         dist.barrier()

@@ -16,7 +16,11 @@ next configuration, until ``--kills`` kills have landed.
 ``--step-in-backward``: no clipping, each step run in its backward (``backward(loss, step=True)``),
 6 blocks (at 0.6 of a share the state streams and a block's update fits beside the backward's pins;
 at 0.9 it does not: the step runs after the backward), ``commit_every`` drawn where a journal does
-not commit (a journal refuses it: 2 or 3, or 1 where the share fits memory).
+not commit (a journal refuses it: 2 or 3, or 1 where the share fits memory). With ``--clip-in-backward C``
+clipped by ``clip_norm=C``: a step whose norm turns out over ``C`` after some unit's update is torn
+(``ClipTornError``, on every rank); the ranks record it and exit, and the job's next start resumes
+from the last commit and runs the torn steps after the backward, clipped, as ``tiered-offload train``
+does in-process. A torn start is started again, not counted as a kill; both runs tear alike.
 """
 
 from __future__ import annotations
@@ -40,14 +44,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--step-in-backward", action="store_true")
+    ap.add_argument("--clip-in-backward", type=float, default=None, metavar="C",
+                    help="with --step-in-backward: clip_norm=C in the backward (tears start the job again)")
     args = ap.parse_args()
+    if args.clip_in_backward is not None and not args.step_in_backward:
+        ap.error("--clip-in-backward needs --step-in-backward")
     import torch
 
     import test_distributed
     from dist_worker import build
     from zygote import Zygote
     rng = random.Random(args.seed)
-    kills = runs = failures = back = dropped = 0
+    kills = runs = failures = back = dropped = tears = 0
     with tempfile.TemporaryDirectory(prefix="crash-loop-dist-") as tmp, Zygote() as zygote:
         test_distributed._ZYGOTE = zygote
         while kills < args.kills:
@@ -59,14 +67,20 @@ def main() -> int:
                 cfg["layers"], fraction = 6, rng.choice([0.6, 0.6, 0.9, 3.0])
                 share = 16 * sum(p.numel() for p in build(cfg).parameters()) / args.ranks
                 # (a journal commits only at commit_every 1 with the state beyond memory: it refuses the step)
-                cfg.update(clip=None, in_backward=True, commit_every=rng.choice([2, 3] if fraction < 1 else [1, 2, 3]))
+                cfg.update(clip=args.clip_in_backward, in_backward=True, retear=args.clip_in_backward is not None,
+                           commit_every=rng.choice([2, 3] if fraction < 1 else [1, 2, 3]))
             cfg["host_memory"] = max(int(fraction * share), 300 << 10)  # (the least it trains in)
             base = Path(tmp) / f"run-{runs}"
             (base / "once").mkdir(parents=True)
             (base / "killed").mkdir()
             t0 = time.perf_counter()
             whole = test_distributed.launch(args.ranks, base / "once", cfg)[0]
+            torn = 0
+            while whole["torn"]:  # (a step torn in the backward: the job starts again, that step after it)
+                torn += 1
+                whole = test_distributed.launch(args.ranks, base / "once", cfg)[0]
             span = time.perf_counter() - t0
+            tears += torn
             starts, landed = 0, 0
             while True:
                 starts += 1
@@ -79,7 +93,9 @@ def main() -> int:
                           "\n".join(f"-- rank {r}:\n{log[-8000:]}" for r, (_, log) in enumerate(got)))
                     return 1
                 if all(code == 0 for code, _ in got):
-                    break
+                    if not torch.load(base / "killed" / "rank-0.pt", weights_only=False)["torn"]:
+                        break
+                    continue  # (torn: start again)
                 # the other rank stops typed, or the kill landed after training, in the worker's last barrier
                 if got[victim][0] != -9 or any(code not in (0, -9) and "DistributedError" not in log
                                                and "in run\n    dist.barrier()" not in log for code, log in got):
@@ -92,12 +108,14 @@ def main() -> int:
             same = all(torch.equal(have[k], whole["weights"][k]) for k in whole["weights"])
             failures += not same
             inside = (f", {sum(whole['updated_in_backward'])} of {len(whole['updated_in_backward'])} updates in the "
-                      f"backward" if args.step_in_backward else "")  # (the uninterrupted run's, rank 0)
+                      f"backward" if args.step_in_backward else "")  # (the uninterrupted run's last start, rank 0)
+            inside += f", {torn} steps torn" if args.clip_in_backward is not None else ""
             print(f"run {runs}: commit_every {cfg['commit_every']}, {whole['commits']}{inside}, {landed} kills in "
                   f"{starts} starts: {'bitwise' if same else 'DIFFERENT'}", flush=True)
             runs += 1
     print(f"{kills} kills over {runs} runs: {runs - failures} of {runs} bitwise; starts where a rank went back a "
-          f"commit: {back}, dropped a step's intent: {dropped}")
+          f"commit: {back}, dropped a step's intent: {dropped}"
+          + (f"; steps torn in the uninterrupted runs: {tears}" if args.clip_in_backward is not None else ""))
     return 1 if failures else 0
 
 
