@@ -14,6 +14,7 @@ from offload_core.errors import ClipTornError, ConfigError, NonFiniteError, Step
 from test_step_in_backward import (_batches, _engine, _gpt, _grad_bytes_written, _loss, _micro_loss, _same_weights,
                                    _state_bytes)
 from tiered_offload import Engine, EngineConfig
+from tiered_offload.engine import micro_batches
 
 
 def _pytorch_step(ref, opt, micro, clip_norm):
@@ -144,23 +145,25 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
         assert _same_weights(resumed, ref)
 
 
-@pytest.mark.parametrize("case", ["one-backward", "device-tier", "accumulated"])
-def test_an_untied_heads_gradient_bounds_the_norm_before_any_update_and_a_norm_it_puts_over_tears_nothing(tmp_path,
-                                                                                                       case):
+@pytest.mark.parametrize("case", ["one-backward", "device-tier", "accumulated", "forward_backward"])
+def test_an_untied_heads_gradient_bounds_the_norm_before_any_update_and_a_norm_it_puts_over_tears_nothing(
+        tmp_path, monkeypatch, case):
     """A head not tied to the embeddings: its gradient is final at the top of the backward, so the
     bound at the last block (before any update) counts it, with the final norm's. A limit between
     the last block's own norm and that bound: nothing runs in the backward, the step runs after it
     clipped, as PyTorch's (bitwise), where the head's norm used to be found only at the end (a tear,
     every block updated). ``device-tier``: the rest's gradients on the CPU stand-in of a device;
     ``accumulated``: a first micro-batch's backward, then the last with the step (the head's gradient
-    is the sum of both when its norm is taken)."""
+    is the sum of both when its norm is taken); ``forward_backward``: two micro-batches through each
+    block together (the head's gradient final once both backwards passed it, before the last
+    block's last turn)."""
     ref = _gpt(layers=10 if case == "device-tier" else 4)
     ref.head.weight = torch.nn.Parameter(ref.tok.weight.detach().clone() * 3)  # untied
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    micro = _batches(2 if case == "accumulated" else 1, seed=7)
+    micro = _batches(1 if case in ("one-backward", "device-tier") else 2, seed=7)
     top_block = f"blocks.{len(ref.blocks) - 1}."
     for x in micro:  # (the losses the engine's backward calls take below: the norms of their sums)
-        (_micro_loss(ref(x), x) if case == "accumulated" else _loss(ref, x)).backward()
+        (_loss(ref, x) if len(micro) == 1 else _micro_loss(ref(x), x)).backward()
     top, head, ln_f = (float(torch.nn.utils.get_total_norm([p.grad for n, p in ref.named_parameters()
                                                             if n.startswith(prefix)]))
                        for prefix in (top_block, "head.", "ln_f."))
@@ -172,14 +175,24 @@ def test_an_untied_heads_gradient_bounds_the_norm_before_any_update_and_a_norm_i
                                                  store_config={"device_budget_bytes": _state_bytes(ref) // 4})
     reported = []
     with _engine(ref, tmp_path, **tier) as engine:
-        if case == "accumulated":
+        if case == "forward_backward":
+            passes = []
+            vertical = micro_batches._vertical
+            with monkeypatch.context() as m:
+                m.setattr(micro_batches, "_vertical", lambda *a: passes.append(vertical(*a)) or passes[-1])
+                got = engine.forward_backward(micro, _micro_loss, step=True, clip_norm=limit, on_norm=reported.append)
+            want, norm = _pytorch_step(ref, opt, micro, limit)
+            assert passes and passes[0] is not None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        elif case == "accumulated":
             engine.backward(_micro_loss(engine(micro[0]), micro[0]))
             loss = _micro_loss(engine(micro[1]), micro[1])
         else:
             loss = _loss(engine, micro[0])
-        assert engine.backward(loss, step=True, clip_norm=limit, on_norm=reported.append) is True
-        want, norm = _pytorch_step(ref, opt, micro, limit)
-        assert torch.equal(loss.detach(), want[-1]) and torch.equal(reported[0], norm) and float(norm) > limit
+        if case != "forward_backward":
+            assert engine.backward(loss, step=True, clip_norm=limit, on_norm=reported.append) is True
+            want, norm = _pytorch_step(ref, opt, micro, limit)
+            assert torch.equal(loss.detach(), want[-1])
+        assert torch.equal(reported[0], norm) and float(norm) > limit
         assert engine.stats().updates_in_backward == 0 and engine.step_count == 1 and _same_weights(engine, ref)
 
 

@@ -40,8 +40,8 @@ norm (:meth:`Placement.norm_part`: its parameters' norms, which its backward com
 sum of squares of their slice) is taken before its update forgets its gradient, and the total is
 taken from those as :meth:`Engine.clip_grad_norm_` takes it, before the rest's update, and told
 (``on_norm``) before the step's record is committed. The units so far bound the norm from below,
-with the rest's parameters whose gradients are final (one backward on one process: an untied head's
-and the final norm's, final at the top of the backward; :meth:`StepInBackward._watch_rest`):
+with the rest's parameters whose gradients are final (on one process: an untied head's and the
+final norm's, final at the top of the backward; :meth:`StepInBackward._watch_rest`):
 where the bound is over the limit before any update (the last block's own norm and those), nothing
 runs in the backward and the step runs after it, clipped; once some unit was updated, a norm over the limit
 (its bound in the backward, or the total at its end) tears the step (:class:`ClipTornError`, as a
@@ -240,7 +240,7 @@ class StepInBackward:
             self.fuse = False
             return
         self.armed = True
-        if self.clip_norm is not None and engine._placement.sharding is None and engine._streamer.turns is None:
+        if self.clip_norm is not None and engine._placement.sharding is None:
             self._watch_rest()
         order = functools.partial(engine._streamer.access_sequence, engine.schedule)
         engine.store.declare_access_sequence(order([Phase.BACKWARD, Phase.FORWARD], fused=True))
@@ -322,17 +322,22 @@ class StepInBackward:
         return False
 
     def _watch_rest(self) -> None:
-        """One backward on one process: a rest parameter's gradient is final once autograd has added
-        this backward's part to it (its AccumulateGrad runs once per backward, as soon as its inputs
-        are summed), so its norm joins the bound. An untied head's is known before the last block's
-        update: a norm that the head puts over the limit then tears nothing. (Not in a
-        ``forward_backward`` pass, where each micro-batch adds to its own buffer of the rest's
-        gradients until its backward ends; nor on ranks, which reduce the rest's at the end.)"""
+        """On one process: a rest parameter's gradient is final once every backward of the step's
+        last pass added its part (its AccumulateGrad runs once in a backward, as soon as its inputs
+        are summed: one backward, or ``forward_backward``'s micro-batches, each at its turn, into the
+        one buffer), so its norm joins the bound. An untied head's is known before the last block's
+        update: a norm the head puts over the limit then tears nothing. (Not on ranks: each reduces
+        its part of the rest's gradients at the end of its backward.)"""
+        streamer = self.engine._streamer
+        backwards = streamer.micro_batches if streamer.turns is not None else 1  # (a pass: all its micro-batches')
+        arrived: dict[int, int] = {}
+
         def final(param) -> None:
-            if param.requires_grad:
+            arrived[id(param)] = arrived.get(id(param), 0) + 1
+            if param.requires_grad and arrived[id(param)] == backwards:
                 self.final_rest.append(param)
         self._hooks = [slot.param.register_post_accumulate_grad_hook(final)
-                       for slot in self.engine._streamer.rest.training()]  # (not those frozen since)
+                       for slot in streamer.rest.training()]  # (not those frozen since)
 
     def _final_rest_squares(self) -> float:
         """The sum of the squares of the gradients of the rest's parameters that turned final since
