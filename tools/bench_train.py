@@ -46,6 +46,7 @@ the same 4 through ``engine.forward_backward`` (each block's weights fetched onc
 them); and the engine in memory (one micro-batch's compute). It prints the disk bytes per
 optimizer step of each and the ratios: reads of 4 fused / reads of one, and the fused step /
 (4 x one micro-batch's in-memory step + one micro-batch disk step's I/O floor at the measured rates).
+With ``--step-in-backward`` every engine runs its step in the last backward (``step=True``), unclipped.
 With ``--dropout 0.1`` every forward draws random numbers: the first ``forward_backward`` of
 an engine runs the loop and learns the draws, the later ones draw the loop's numbers block by block.
 Its warm-up round, too, runs each engine until its plan is final, so the timed rounds measure the
@@ -370,18 +371,22 @@ def accumulate(args) -> int:
                         host_memory=host, durable=False, config=EngineConfig(activations=activations))
         engines.append(engine)
 
+        inside = args.step_in_backward  # (the step in the last backward, unclipped)
+
         def step(x):
             parts = list(x.chunk(micro))
             if fused:  # forward_backward takes the inputs; the loss finds each one's targets
                 inputs = [p[:, :-1] for p in parts]
                 targets = {id(i): p[:, 1:].flatten() for i, p in zip(inputs, parts)}
-                engine.forward_backward(inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / micro)
+                loss = lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / micro  # noqa: E731
+                engine.forward_backward(inputs, loss, step=inside)
             else:
-                for b in parts:
-                    engine.backward(loss_of(engine, b) / micro)
-            engine.clip_grad_norm_(1.0)
-            engine.step()
-            engine.zero_grad()
+                for k, b in enumerate(parts):
+                    engine.backward(loss_of(engine, b) / micro, step=inside and k == micro - 1)
+            if not inside:
+                engine.clip_grad_norm_(1.0)
+                engine.step()
+                engine.zero_grad()
         return Config(name, step, finish=engine.wait_committed, engine=engine)
     with _engines(args, directory) as engines:
         write_rate, read_rate = disk_rates(directory)
@@ -398,7 +403,8 @@ def accumulate(args) -> int:
     wr = {c.name: statistics.median(c.moved["written"][1:]) for c in configs}
     floor_one = rd["one"] / read_rate + wr["one"] / write_rate
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, state {format_size(state)}, host budget {host / state:.2f} x "
-          f"state; micro-batch {args.batch} x {args.context} tokens, {n} per optimizer step; {args.rounds} interleaved "
+          f"state;{' the step in the last backward, unclipped;' if args.step_in_backward else ''} micro-batch "
+          f"{args.batch} x {args.context} tokens, {n} per optimizer step; {args.rounds} interleaved "
           f"rounds of {args.steps_per_round} steps, medians; disk {format_size(read_rate)}/s read, "
           f"{format_size(write_rate)}/s written")
     print("| run | s / optimizer step | disk read / step | disk written / step |")
