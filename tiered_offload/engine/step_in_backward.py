@@ -328,7 +328,9 @@ class StepInBackward:
         one buffer), so its norm joins the bound. An untied head's is known before the last block's
         update: a norm the head puts over the limit then tears nothing. (Not on ranks: each reduces
         its part of the rest's gradients at the end of its backward.)"""
-        streamer = self.engine._streamer
+        for hook in self._hooks:  # (armed again: only this backward's count)
+            hook.remove()
+        streamer, self.final_rest = self.engine._streamer, []
         backwards = streamer.micro_batches if streamer.turns is not None else 1  # (a pass: all its micro-batches')
         arrived: dict[int, int] = {}
 
