@@ -13,7 +13,7 @@ import torch
 from offload_core.errors import ClipTornError, ConfigError, NonFiniteError, StepFailedError, TensorStateError
 from test_step_in_backward import (_batches, _engine, _gpt, _grad_bytes_written, _loss, _micro_loss, _same_weights,
                                    _state_bytes)
-from tiered_offload import Engine, EngineConfig
+from tiered_offload import Engine, EngineConfig, Tier
 from tiered_offload.engine import micro_batches
 
 
@@ -95,8 +95,9 @@ def test_a_norm_over_the_limit_in_the_first_final_block_runs_the_clipped_step_af
 
 @pytest.mark.parametrize("where", ["in-the-rest", "in-a-block"])
 def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_goes_on_as_pytorch(tmp_path, where):
-    """Durable, snapshot commits every 2 steps. Two steps within the limit, committed; the third's
-    limit lies between its blocks' norm and its total norm (``in-the-rest``: the blocks are updated
+    """Durable, snapshot commits every 2 steps. Two steps within the limit, committed (unclipped:
+    no clipped step before the third tells how its norm grows from its first bound, so nothing
+    predicts it over); the third's limit lies between its blocks' norm and its total norm (``in-the-rest``: the blocks are updated
     before the rest tells the total is over), or between the last block's norm and the last two's
     (``in-a-block``: block 2 tells, and no block below it is updated): :class:`ClipTornError` (a
     :class:`StepFailedError`) names the norm (or its bound) and the limit; every later call is
@@ -108,8 +109,8 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
     engine = _engine(ref, tmp_path, durable=True, commit_every=2)
     with engine:
         for x in batches[:2]:
-            assert engine.backward(_loss(engine, x), step=True, clip_norm=50.0)
-            _pytorch_step(ref, opt, [x], 50.0)
+            assert engine.backward(_loss(engine, x), step=True)
+            _pytorch_step(ref, opt, [x], 50.0)  # (within 50: PyTorch scales by exactly 1.0)
         assert engine.wait_committed() == 2
         # (the bounds count the final norm's gradient, final before block 3's backward)
         total, blocks, top, top_two = _norms(ref, batches[2], "blocks.", ("blocks.3.", "ln_f."),
@@ -143,6 +144,61 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
         assert resumed.backward(_loss(resumed, batches[3]), step=True, clip_norm=50.0)
         _pytorch_step(ref, opt, [batches[3]], 50.0)
         assert _same_weights(resumed, ref)
+
+
+def test_a_norm_that_the_last_steps_growth_predicts_over_the_limit_runs_the_step_after_the_backward_not_torn(
+        tmp_path):
+    """Two clipped steps within the limit: each tells how its total norm grew from its bound at the
+    first unit checked (:attr:`Gradients.growth`). The third step's limit lies between its blocks'
+    norm and its total, where the bound alone finds it over only after every block was updated (the
+    test above: a tear). The bound at its first unit times that growth is over the limit: nothing
+    runs in the backward, the step runs after it, clipped, as PyTorch's (bitwise); no tear."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = _batches(4)
+    reported = []
+    with _engine(ref, tmp_path, durable=True, commit_every=2) as engine:
+        for x in batches[:2]:
+            assert engine.backward(_loss(engine, x), step=True, clip_norm=50.0, on_norm=reported.append)
+            _pytorch_step(ref, opt, [x], 50.0)
+        assert engine.stats().updates_in_backward == 8
+        total, blocks = _norms(ref, batches[2], "blocks.")
+        limit = (total + blocks) / 2
+        assert engine.backward(_loss(engine, batches[2]), step=True, clip_norm=limit, on_norm=reported.append)
+        norm = _pytorch_step(ref, opt, [batches[2]], limit)[1]
+        assert torch.equal(reported[-1], norm) and float(norm) > limit
+        assert engine.stats().updates_in_backward == 8 and engine.step_count == 3 and _same_weights(engine, ref)
+        assert engine.backward(_loss(engine, batches[3]), step=True, clip_norm=50.0)  # (within again: in it)
+        _pytorch_step(ref, opt, [batches[3]], 50.0)
+        assert engine.stats().updates_in_backward == 12 and _same_weights(engine, ref)
+
+
+def test_a_step_that_runs_after_the_backward_when_it_would_open_moves_the_bytes_of_a_step_after_it(tmp_path):
+    """Every step over its limit at its first bound (``forward_backward(..., step=True,
+    clip_norm=1e-3)``): each runs after the backward, clipped; its disk reads are those of the
+    same loop written with ``clip_grad_norm_`` and ``step()`` (within 10%; the lookahead's timing
+    moves a few). The lookahead had been told the backward's order with the updates in it, and
+    loaded their states for nothing: 15% more reads before the order was declared again."""
+    ref = _gpt(layers=8)
+    reads = {}
+    for way in ("after", "inside"):
+        engine = _engine(ref, tmp_path / way, fraction=0.3, durable=True, commit_every=2)
+        with engine:
+            for step in range(7):
+                if step == 1:  # (the first step warms up)
+                    before = engine.store.stats
+                micro = _batches(2, seed=50 + step, batch=2)
+                if way == "inside":
+                    engine.forward_backward(micro, _micro_loss, step=True, clip_norm=1e-3)
+                else:
+                    engine.forward_backward(micro, _micro_loss)
+                    engine.clip_grad_norm_(1e-3)
+                    engine.step()
+                    engine.zero_grad()
+                engine.wait_committed()
+            reads[way] = engine.store.stats.bytes_read[Tier.DISK] - before.bytes_read[Tier.DISK]
+            assert engine.stats().updates_in_backward == 0 and engine.step_count == 7
+    assert reads["after"] > 0 and reads["inside"] <= 1.1 * reads["after"], reads
 
 
 @pytest.mark.parametrize("case", ["one-backward", "device-tier", "accumulated", "forward_backward"])

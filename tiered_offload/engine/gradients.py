@@ -54,6 +54,9 @@ class Gradients:
         :meth:`settle_owed` applies it before anything reads or adds to them; forgetting drops it."""
         self.skip_step = False
         """A non-finite loss was seen with ``on_nonfinite="skip"``: the step is skipped."""
+        self.growth: float | None = None
+        """The last step clipped in the backward (``clip_norm``): its total norm over the norm's bound
+        at its first unit (:meth:`StepInBackward._within_limit` predicts the next step's total with it)."""
 
     # ---- clipping ----------------------------------------------------------------------------------
     def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool = False) -> torch.Tensor:

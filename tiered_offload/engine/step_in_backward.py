@@ -43,9 +43,12 @@ taken from those as :meth:`Engine.clip_grad_norm_` takes it, before the rest's u
 with the rest's parameters whose gradients are final (on one process: an untied head's and the
 final norm's, final at the top of the backward; :meth:`StepInBackward._watch_rest`):
 where the bound is over the limit before any update (the last block's own norm and those), nothing
-runs in the backward and the step runs after it, clipped; once some unit was updated, a norm over the limit
-(its bound in the backward, or the total at its end) tears the step (:class:`ClipTornError`, as a
-non-finite gradient below: resume, then run the step clipped after the backward).
+runs in the backward and the step runs after it, clipped. So it does where that first bound, grown
+as the last clipped step's total grew from its own (:attr:`Gradients.growth`), would be over: a
+jump in the norm seen at the top of the backward costs the step's gradients on disk, not a tear.
+Once some unit was updated, a norm over the limit (its bound in the backward, or the total at its
+end) tears the step (:class:`ClipTornError`, as a non-finite gradient below: resume, then run the
+step clipped after the backward).
 ``tiered-offload train`` does that itself (:mod:`tiered_offload.train.steps`), trying the step in the
 backward only where the last norm was well within the limit.
 
@@ -78,6 +81,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from typing import Callable
 
@@ -139,6 +143,8 @@ class StepInBackward:
         self._hooks: list = []
         self.over: float | None = None
         """The total norm, where it is over ``clip_norm`` (a lower bound where found in the backward)."""
+        self.first: float | None = None
+        """The bound at the first unit's check (before any update)."""
         self.norm = None
         """The step's total norm (``clip_norm``), once known."""
         self.armed = False
@@ -268,10 +274,10 @@ class StepInBackward:
         nothing updated; or clips)."""
         engine = self.engine
         usable = not engine._gradients.skip_step and all(s.grads_finite for s in engine._streamer.gradients.values())
-        if not engine._placement.all_agree(usable, "the gradients' finiteness as the step in the backward opens"):
-            self.fuse = False
-            return False
-        if not self._within_limit(unit):
+        if not engine._placement.all_agree(usable, "the gradients' finiteness as the step in the backward opens") \
+                or not self._within_limit(unit):
+            self.fuse = False  # the lookahead's order again the usual one: the states of updates that do not come
+            engine._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP])  # would be loaded into the backward
             return False
         engine._commits.wait()  # the last commit has written what it snapshots before this step changes it
         engine.train_state.check_scheduler()
@@ -316,9 +322,14 @@ class StepInBackward:
         self.taken[unit.name], squares = engine._gradients.norm_part(unit)
         self.squares += squares + self._final_rest_squares()
         low = self.squares ** 0.5  # (a bound with room for rounding: over it, clipping surely scales)
-        if engine._placement.all_agree(not low > self.clip_norm * (1 + 1e-4) + 1e-5, "the gradient norm's bound"):
+        over = low > self.clip_norm * (1 + 1e-4) + 1e-5
+        likely = False
+        if self.first is None:  # the first unit, before any update: the total predicted from the last step's
+            self.first, growth = low, engine._gradients.growth  # (which grew from its bound so)
+            likely = growth is not None and low * growth > self.clip_norm  # (then no update: no tear)
+        if engine._placement.all_agree(not (over or likely), "the gradient norm's bound"):
             return True
-        self.over, self.fuse = low, False
+        self.over, self.fuse = low if over else None, False
         return False
 
     def _watch_rest(self) -> None:
@@ -361,6 +372,13 @@ class StepInBackward:
         if not bool(torch.isfinite(self.norm)) or float(torch.clamp(self.clip_norm / (self.norm + 1e-6), max=1.0)) != 1:
             self.over = float(self.norm)  # (a norm that overflowed from finite gradients: clipping zeroes them)
 
+    def _learn_growth(self) -> None:
+        """The step's total norm over its bound at the first unit: how much the norm grows after that
+        check (:attr:`Gradients.growth`; kept where both are finite and the bound is not zero)."""
+        total = float(self.norm)
+        if self.first and math.isfinite(total) and math.isfinite(self.first):
+            self.engine._gradients.growth = max(total / self.first, 1.0)
+
     def finish(self) -> bool:
         """After the backward: the units not updated in it, the step counted and committed, the
         gradients forgotten (``zero_grad()``). Returns whether the step was taken."""
@@ -369,6 +387,7 @@ class StepInBackward:
             if self.clip_norm is not None:
                 clip = type(engine).clip_grad_norm_
                 self.norm = (clip.__wrapped__ if self.timed else clip)(engine, self.clip_norm)  # (timed once)
+                self._learn_growth()
                 if self.on_norm is not None:
                     self.on_norm(self.norm)
             taken = type(engine).step.__wrapped__(engine) if self.timed else engine.step()  # (timed once)
@@ -405,8 +424,10 @@ class StepInBackward:
         if engine._updater.in_lower_tier:  # the device tier's order from here: the next forward and backward
             engine._updater.device_sequence(
                 engine._streamer.access_sequence(engine.schedule, [Phase.FORWARD, Phase.BACKWARD]), [])
-        if self.norm is not None and self.on_norm is not None:
-            self.on_norm(self.norm)
+        if self.norm is not None:
+            self._learn_growth()
+            if self.on_norm is not None:
+                self.on_norm(self.norm)
         then = engine._commits.begin_step(self.hypers, self.scale, None)  # (snapshots: the step's record now)
         if then is not None:
             then()
