@@ -97,12 +97,12 @@ def test_a_norm_over_the_limit_in_the_first_final_block_runs_the_clipped_step_af
 def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_goes_on_as_pytorch(tmp_path, where):
     """Durable, snapshot commits every 2 steps. Two steps within the limit, committed (unclipped:
     no clipped step before the third tells how its norm grows from its first bound, so nothing
-    predicts it over); the third's limit lies between its blocks' norm and its total norm (``in-the-rest``: the blocks are updated
-    before the rest tells the total is over), or between the last block's norm and the last two's
-    (``in-a-block``: block 2 tells, and no block below it is updated): :class:`ClipTornError` (a
-    :class:`StepFailedError`) names the norm (or its bound) and the limit; every later call is
-    refused; a resume goes on from step 2 and runs that step clipped after the backward, as
-    PyTorch does, bitwise."""
+    predicts it over); the third's limit lies between its blocks' norm and its total norm
+    (``in-the-rest``: the blocks are updated before the rest tells the total is over), or between
+    the last block's norm and the last two's (``in-a-block``: block 2 tells, and no block below it
+    is updated): :class:`ClipTornError` (a :class:`StepFailedError`) names the norm (or its bound)
+    and the limit; every later call is refused; a resume goes on from step 2 and runs that step
+    clipped after the backward, as PyTorch does, bitwise."""
     ref = _gpt()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     batches = _batches(4)
