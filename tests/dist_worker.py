@@ -307,6 +307,7 @@ def run(out: Path, cfg: dict) -> int:
         from tiered_offload.engine.pipeline import UpdatePipeline
         UpdatePipeline.run = slowed_step_mode(cfg["slow_step_mode"][str(rank)])
     from tiered_offload import Engine, EngineConfig, Tier
+    from tiered_offload.engine.step_in_backward import StepInBackward
     model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
     durable = cfg.get("durable", False)
     # striped: each rank's directory in both roots (rank-R-of-W in each), the stripes 16 KiB
@@ -353,7 +354,7 @@ def run(out: Path, cfg: dict) -> int:
         "clip") else {}
     updated_in_backward = []  # per unit updated: whether it ran inside the backward
     update_unit = engine._update_unit
-    engine._update_unit = lambda unit, *a: (updated_in_backward.append(engine._streamer.step_in_backward is not None),
+    engine._update_unit = lambda unit, *a: (updated_in_backward.append(StepInBackward.updating(engine)),
                                             update_unit(unit, *a))[1]
     # retear: the steps an earlier start of this job tore in the backward (any rank's record) run after it, clipped
     torn_steps = {s for f in out.glob("torn-rank-*.json") for s in json.loads(f.read_text())} if cfg.get(

@@ -146,31 +146,38 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
         assert _same_weights(resumed, ref)
 
 
+@pytest.mark.parametrize("where", [None, "host"])
 def test_a_norm_that_the_last_steps_growth_predicts_over_the_limit_runs_the_step_after_the_backward_not_torn(
-        tmp_path):
+        tmp_path, where):
     """Two clipped steps within the limit: each tells how its total norm grew from its bound at the
     first unit checked (:attr:`Gradients.growth`). The third step's limit lies between its blocks'
     norm and its total, where the bound alone finds it over only after every block was updated (the
     test above: a tear). The bound at its first unit times that growth is over the limit: nothing
-    runs in the backward, the step runs after it, clipped, as PyTorch's (bitwise); no tear."""
-    ref = _gpt()
+    runs in the backward, the step runs after it, clipped, as PyTorch's (bitwise); no tear. The
+    fourth, within again, runs in the backward (its order told the lookahead only as it opens:
+    the last did not). ``host``: a device tier (the CPU stand-in) over the host, the update there."""
+    ref = _gpt(layers=4 if where is None else 10)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     batches = _batches(4)
     reported = []
-    with _engine(ref, tmp_path, durable=True, commit_every=2) as engine:
+    tier = {} if where is None else dict(fraction=0.375, optimizer_device=where,
+                                         store_config={"device_budget_bytes": _state_bytes(ref) // 4})
+    blocks = len(ref.blocks)
+    with _engine(ref, tmp_path, durable=True, commit_every=2, **tier) as engine:
         for x in batches[:2]:
             assert engine.backward(_loss(engine, x), step=True, clip_norm=50.0, on_norm=reported.append)
             _pytorch_step(ref, opt, [x], 50.0)
-        assert engine.stats().updates_in_backward == 8
-        total, blocks = _norms(ref, batches[2], "blocks.")
-        limit = (total + blocks) / 2
+        assert engine.stats().updates_in_backward == 2 * blocks
+        total, of_blocks = _norms(ref, batches[2], "blocks.")
+        limit = (total + of_blocks) / 2
         assert engine.backward(_loss(engine, batches[2]), step=True, clip_norm=limit, on_norm=reported.append)
         norm = _pytorch_step(ref, opt, [batches[2]], limit)[1]
         assert torch.equal(reported[-1], norm) and float(norm) > limit
-        assert engine.stats().updates_in_backward == 8 and engine.step_count == 3 and _same_weights(engine, ref)
+        assert engine.stats().updates_in_backward == 2 * blocks and engine.step_count == 3
+        assert _same_weights(engine, ref)
         assert engine.backward(_loss(engine, batches[3]), step=True, clip_norm=50.0)  # (within again: in it)
         _pytorch_step(ref, opt, [batches[3]], 50.0)
-        assert engine.stats().updates_in_backward == 12 and _same_weights(engine, ref)
+        assert engine.stats().updates_in_backward == 3 * blocks and _same_weights(engine, ref)
 
 
 def test_a_step_that_runs_after_the_backward_when_it_would_open_moves_the_bytes_of_a_step_after_it(tmp_path):

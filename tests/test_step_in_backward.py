@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from offload_core.errors import ConfigError, NonFiniteError, TensorStateError
 from tiered_offload import Engine, EngineConfig, format_size
+from tiered_offload.engine.step_in_backward import StepInBackward
 from tiered_offload_examples.models import GPT, GPTConfig
 
 
@@ -178,7 +179,7 @@ def test_with_a_device_tier_the_step_in_the_backward_trains_as_pytorch_wherever_
     grads = sum(p.numel() for p in ref.parameters()) * 4
     in_backward = []  # per unit updated: whether it ran inside the backward (the blocks) or after it (the rest)
     update_unit = engine._update_unit
-    engine._update_unit = lambda unit, *a: (in_backward.append(engine._streamer.step_in_backward is not None),
+    engine._update_unit = lambda unit, *a: (in_backward.append(StepInBackward.updating(engine)),
                                             update_unit(unit, *a))[1]
     with engine:
         assert engine._updater.tier.name.lower() == where
@@ -322,7 +323,6 @@ def test_model_kinds_train_with_the_step_in_the_backward_as_pytorch(tmp_path, ca
     Trainer's groups resumed from a snapshot commit, GPT-2 with dropout whose blocks are called
     twice before each backward (the update waits for the last call), a LoRA model (frozen base)."""
     import test_finetune as tf
-    from tiered_offload.engine.step_in_backward import StepInBackward
     opened, real = [], StepInBackward._open
     monkeypatch.setattr(StepInBackward, "_open", lambda self, unit: opened.append(real(self, unit)) or opened[-1])
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731

@@ -74,6 +74,7 @@ def rank_main(args) -> int:
         slow_file_backends(args.disk_rate * 1e6)
 
     from tiered_offload import Engine, Tier
+    from tiered_offload.engine.step_in_backward import StepInBackward
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
@@ -86,7 +87,7 @@ def rank_main(args) -> int:
                     host_memory=max(int(share * args.budget_fraction), args.min_host), device="cpu")
     inside = []  # per update: whether it ran inside the backward
     update_unit = engine._update_unit
-    engine._update_unit = lambda unit, *a: (inside.append(engine._streamer.step_in_backward is not None),
+    engine._update_unit = lambda unit, *a: (inside.append(StepInBackward.updating(engine)),
                                             update_unit(unit, *a))[1]
     g = torch.Generator().manual_seed(rank)
     per_rank, micro = args.batch // world, max(1, args.accumulate)

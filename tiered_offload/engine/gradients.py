@@ -57,6 +57,8 @@ class Gradients:
         self.growth: float | None = None
         """The last step clipped in the backward (``clip_norm``): its total norm over the norm's bound
         at its first unit (:meth:`StepInBackward._within_limit` predicts the next step's total with it)."""
+        self.opened: bool | None = None
+        """Whether the last step in the backward ran there (False: not, for its norm; None: no step yet)."""
 
     # ---- clipping ----------------------------------------------------------------------------------
     def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool = False) -> torch.Tensor:

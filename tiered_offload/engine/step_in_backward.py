@@ -158,6 +158,8 @@ class StepInBackward:
         self.updated: list[str] = []
         self.bad: list[str] = []
         """Units whose gradients were not finite, found after the step opened."""
+        self.lazy = False
+        """The fused order is declared only as the step opens (:meth:`arm`)."""
         self.timed = False
         """Whether the call it runs in counts its time as the engine's (``backward``; not ``forward_backward``)."""
 
@@ -170,6 +172,13 @@ class StepInBackward:
                 "(every step durable unit by unit) do not allow (tiered_offload/engine/step_in_backward.py says why). "
                 "Call backward(loss), step() and zero_grad(): the same numbers, or pass commit_every=2 or more "
                 "(snapshot commits)")
+
+    @staticmethod
+    def updating(engine) -> bool:
+        """Whether a step run in ``engine``'s backward has opened: an update now is one of its (the
+        forwards of ``forward_backward(..., step=True)`` run the last step's deferred updates first)."""
+        fused = engine._streamer.step_in_backward
+        return fused is not None and fused.hypers is not None
 
     @staticmethod
     def check_clip(step: bool, clip_norm, on_norm) -> None:
@@ -207,7 +216,6 @@ class StepInBackward:
         why = cls.refusal(engine)
         if why is not None:
             raise ConfigError(why)
-        engine._await()
         fused = cls(engine, clip_norm, on_norm)
         fused.timed = arm_now
         if arm_now:
@@ -229,8 +237,11 @@ class StepInBackward:
 
     def arm(self) -> None:
         """The step's last backward starts: declare the access order with each unit's update after
-        its backward (where the budget holds an update beside the backward's pins)."""
-        engine, updater = self.engine, self.engine._updater
+        its backward (where the budget holds an update beside the backward's pins), once the last
+        step's updates are done (``forward_backward``'s forwards waited for each unit's, so a step
+        deferred to them overlapped them: waiting before them took that away, 15% of a step)."""
+        engine = self.engine
+        engine._await()
         # (an update in the host tier below a device tier: the backward pins nothing there, and the
         # engine's construction checked that the host holds a unit's update)
         short = self.short_of_room(engine)
@@ -248,6 +259,16 @@ class StepInBackward:
         self.armed = True
         if self.clip_norm is not None and engine._placement.sharding is None:
             self._watch_rest()
+        # the last clipped step did not open for its norm: this one likely will not either, and the fused
+        # order would load its updates' states into the backward for nothing (declared if it opens)
+        self.lazy = self.clip_norm is not None and engine._gradients.opened is False
+        if not self.lazy:
+            self._declare_fused()
+
+    def _declare_fused(self) -> None:
+        """Tell the lookahead the backward's order with each unit's update after its backward, then
+        the next forward."""
+        engine, updater = self.engine, self.engine._updater
         order = functools.partial(engine._streamer.access_sequence, engine.schedule)
         engine.store.declare_access_sequence(order([Phase.BACKWARD, Phase.FORWARD], fused=True))
         if updater.in_lower_tier:  # the device tier sees the rest of the backward only (as under step()):
@@ -276,9 +297,15 @@ class StepInBackward:
         usable = not engine._gradients.skip_step and all(s.grads_finite for s in engine._streamer.gradients.values())
         if not engine._placement.all_agree(usable, "the gradients' finiteness as the step in the backward opens") \
                 or not self._within_limit(unit):
-            self.fuse = False  # the lookahead's order again the usual one: the states of updates that do not come
-            engine._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP])  # would be loaded into the backward
+            self.fuse = False
+            if self.clip_norm is not None and self.first is not None:
+                engine._gradients.opened = False
+            if not self.lazy:  # the usual order again: the fused one would load the updates' states for nothing
+                engine._declare([Phase.FORWARD, Phase.BACKWARD, Phase.STEP])
             return False
+        if self.lazy:
+            self._declare_fused()
+        engine._gradients.opened = True
         engine._commits.wait()  # the last commit has written what it snapshots before this step changes it
         engine.train_state.check_scheduler()
         self.hypers = open_step(engine)
