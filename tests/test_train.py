@@ -133,24 +133,34 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
                                            train__min_lr=2e-3, train__weight_decay=0.1),
                                       dict(data__packing="documents"),
                                       dict(train__clip=None, offload__commit_every=2),
-                                      dict(offload__commit_every=2, train__clip=1.2, train__clip_in_backward=1e9)],
-                         ids=["defaults", "adam-settings", "documents", "no-clipping", "clipped-in-backward"])
+                                      dict(offload__commit_every=2, train__clip=1.2),
+                                      dict(offload__commit_every=2, train__clip=1.2, train__clip_in_backward=1e9,
+                                           unpredicted=True)],
+                         ids=["defaults", "adam-settings", "documents", "no-clipping", "clipped-in-backward",
+                              "clipped-in-backward-torn"])
 def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule, monkeypatch,
                                                                 caplog):
     """The recipe the command runs, written out in plain PyTorch on the model ``from_pretrained``
-    loads: the same micro-batches in the same order, the loss averaged over the accumulation,
-    AdamW with weight decay on the matrices only, the warm-up and schedule (``train.min_lr``: the
-    floor a linear or cosine decay ends at), clipping. Its losses and final weights are the run's,
-    bitwise (the engine streams the state through the disk; the evaluations between steps change
-    nothing). Without clipping (``train.clip: null``) every step runs in the backward
-    (``forward_backward(..., step=True)``), every block updated inside it. With clipping and
-    snapshot commits (``clipped-in-backward``), every step after the first runs in the backward
-    here (``train.clip_in_backward`` large: each one is tried): those over ``train.clip`` are torn,
-    run again after the backward from the last commit, and reported once each in metrics.jsonl."""
+    loads: the same micro-batches in the same order, the loss averaged over the accumulation, AdamW
+    with weight decay on the matrices only, the warm-up and schedule (``train.min_lr``: the floor a
+    linear or cosine decay ends at), clipping. Its losses and final weights are the run's, bitwise
+    (the engine streams the state through the disk; the evaluations between steps change nothing).
+    Without clipping (``train.clip: null``) every step runs in the backward (``forward_backward(...,
+    step=True)``), every block updated inside it. With clipping and snapshot commits
+    (``clipped-in-backward``), every step is tried in the backward (``train.clip_in_backward:
+    true``, the default); the engine keeps those its norm's prediction puts over ``train.clip`` out
+    of it (the first try, which learns how the norm grows, too); steps within run in it, and one
+    torn (a jump the prediction missed) was over the limit. Without the prediction
+    (``clipped-in-backward-torn``: ``TIERED_OFFLOAD_CLIP_PREDICT=0``, the bound alone) those over
+    ``train.clip`` are torn, run again after the backward from the last commit, and reported once
+    each in metrics.jsonl."""
     from tiered_offload.engine.step_in_backward import StepInBackward
     from tiered_offload.train.data import micro_batch_rows
     from tiered_offload.train.run import lr_factor
     from tiered_offload.train.steps import ClipSpeculation
+    schedule = dict(schedule)
+    if schedule.pop("unpredicted", False):
+        monkeypatch.setenv("TIERED_OFFLOAD_CLIP_PREDICT", "0")
     config = write_config(tmp_path, model_dir, data, train__max_steps=6, output__export_every=0, **schedule)
     records, inside = {}, []
     update = StepInBackward._update
@@ -202,6 +212,12 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
         assert not inside and not torn
     elif not t.clip:
         assert inside == ([True] * blocks + [False]) * t.max_steps and not torn, inside
+    elif os.environ.get("TIERED_OFFLOAD_CLIP_PREDICT") != "0":  # (a step within in it; a torn one over the limit:
+        # a jump the prediction missed, step 2 here, its norm 1.26 where 1.06 was predicted)
+        within = [s for s in range(2, t.max_steps + 1) if records[s]["grad_norm"] <= t.clip]
+        steps = [int(re.search(r"step (\d+) ran", m)[1]) for m in torn]
+        assert all(records[s]["grad_norm"] > t.clip for s in steps), (steps, records)
+        assert within and blocks <= inside.count(True) <= blocks * (len(within) + len(steps)), (within, inside)
     else:  # of the steps tried in the backward (the policy's: a tear holds the next ones after it), those over
         sim, over, under = ClipSpeculation(t.clip, t.clip_in_backward, cfg.offload.commit_every), [], []  # the
         # limit were torn
@@ -222,9 +238,11 @@ def test_a_signal_during_a_step_torn_in_the_backward_stops_the_run_at_the_last_c
     """SIGTERM arrives while step 2 runs in the backward, and that step is then torn over
     ``train.clip``. Before, the run went back to the last commit and trained on, the signal lost
     with the attempt. Now it stops there, as a signal stops it after a step: committed, the
-    summary says so."""
+    summary says so. (``TIERED_OFFLOAD_CLIP_PREDICT=0``: the engine's prediction of the norm would
+    keep step 2 out of the backward.)"""
     from tiered_offload.engine.step_in_backward import StepInBackward
     clip_at_the_end = StepInBackward._clip_at_the_end
+    monkeypatch.setenv("TIERED_OFFLOAD_CLIP_PREDICT", "0")
 
     def signalled(self):
         os.kill(os.getpid(), signal.SIGTERM)  # (the run's handler takes it: a step in flight)
@@ -241,7 +259,9 @@ def test_clipped_steps_are_tried_in_the_backward_where_a_tear_is_unlikely_and_ch
     """``train.steps.ClipSpeculation``: a clipped step is tried in the backward after one whose
     norm was at most ``train.clip_in_backward`` of the limit (none known: not), only where a tear
     would run at most 4 steps again (with a commit every 10 steps, the first 4 after each), and not
-    for 16 steps from a torn one on (32 after the next tear). Without clipping, every step."""
+    for 16 steps from a torn one on (32 after the next tear). ``true`` (the default): every step but
+    those, whatever the last norm (the engine predicts each one's); ``false``: none. Without
+    clipping, every step."""
     from tiered_offload.train.steps import ClipSpeculation
     policy = ClipSpeculation(1.0, 0.8, every=10)
     assert not policy.allows(1)  # (no norm known yet)
@@ -254,6 +274,12 @@ def test_clipped_steps_are_tried_in_the_backward_where_a_tear_is_unlikely_and_ch
     assert [k for k in range(32, 75) if policy.allows(k)] == [51, 52, 53, 54, 61, 62, 63, 64, 71, 72, 73, 74]
     assert policy.allows(71) and policy.torn() == 71 and policy.held_until == 71 + 32 - 1
     assert ClipSpeculation(None, 0.8, every=10).allows(7)
+    always = ClipSpeculation(1.0, True, every=10)
+    assert always.allows(1)  # (no norm known: the engine's first try learns its prediction, and updates nothing there)
+    always.seen(5.0)
+    assert [k for k in range(2, 15) if always.allows(k)] == [2, 3, 4, 11, 12, 13, 14]
+    assert always.allows(21) and always.torn() == 21 and not always.allows(36) and always.allows(41)
+    assert not ClipSpeculation(1.0, False, every=1).allows(2) and not ClipSpeculation(1.0, 0, every=1).allows(2)
 
 
 def test_the_example_configuration_reads_as_it_says():
@@ -284,9 +310,9 @@ def test_the_example_configuration_reads_as_it_says():
     ("train.lr=inf", r"train\.lr must be a finite number > 0, got inf"),
     ("train.eps=inf", r"train\.eps must be a finite number > 0, got inf"),
     ("train.clip=inf", r"train\.clip must be a finite number > 0 or null \(no clipping\), got inf"),
-    ("train.clip_in_backward=-1", r"train\.clip_in_backward must be a finite number >= 0 \(0: a clipped step never "
-                                  r"runs in the backward\), got -1"),
-    ("train.clip_in_backward=null", r"train\.clip_in_backward must be a finite number >= 0"),
+    ("train.clip_in_backward=-1", r"train\.clip_in_backward must be true \(each clipped step tried in the backward\), "
+                                  r"false \(never\) or a finite number >= 0 .*, got -1"),
+    ("train.clip_in_backward=null", r"train\.clip_in_backward must be true .*, got None"),
     ("train.epochs=inf", r"train\.epochs must be a finite number > 0"),
     ("lora.alpha=inf", r"lora\.alpha must be a finite number > 0, got inf"),
     # (at the engine's construction, after the data was tokenised, named as StoreConfig's host_budget_bytes)
@@ -442,15 +468,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_ranks(zygote, config: Path, world: int, *overrides: str, flags: tuple = ()) -> list:
+def _start_ranks(zygote, config: Path, world: int, *overrides: str, flags: tuple = (), env: dict | None = None) -> list:
     """``world`` ranks of ``torchrun --nproc_per_node WORLD -m tiered_offload train``, forked from the
     suite's zygote with the environment torchrun gives each (a launch through torchrun itself takes
     a fresh interpreter per rank and the launcher's: `test_two_machines_with_torchrun_on_localhost`
-    in test_distributed.py runs one). ``flags``: the command's own, before ``train`` (``-v``)."""
+    in test_distributed.py runs one). ``flags``: the command's own, before ``train`` (``-v``);
+    ``env``: more of the ranks' environment."""
     port, args = _free_port(), [*flags, "train", "--config", str(config), "--no-progress", *overrides]
     return [zygote.launch(ROOT / "tests" / "cli_worker.py", args, dict(
         RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in range(world)]
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))) for r in range(world)]
 
 
 def _finish_ranks(ranks: list, timeout: float = 300) -> list[tuple[int, str, str]]:
@@ -527,14 +554,15 @@ def test_under_torchrun_without_clipping_the_ranks_step_in_the_backward_as_one_p
 def test_under_torchrun_clipped_steps_torn_in_the_backward_run_again_on_every_rank_as_one_process(
         tmp_path, model_dir, data, zygote):
     """``train.clip 1.2`` on 2 ranks, every step tried in the backward (``train.clip_in_backward``
-    large): step 2 is over the limit there, so every rank tears it alike, and the run goes on from
-    the last commit with it, and the 15 after it, clipped after the backward. The run is one process's with
-    ``grad_accum`` doubled (clipping after the backward), to rounding: the records (the norms too)
-    and the export; metrics.jsonl has each step once."""
+    large; ``TIERED_OFFLOAD_CLIP_PREDICT=0``, the bound alone deciding, as if a spike no prediction
+    saw): step 2 is over the limit there, so every rank tears it alike, and the run goes on from the
+    last commit with it, and the 15 after it, clipped after the backward. The run is one process's
+    with ``grad_accum`` doubled (clipping after the backward), to rounding: the records (the norms
+    too) and the export; metrics.jsonl has each step once."""
     clipped = dict(train__max_steps=4, output__export_every=0, train__clip=1.2, offload__commit_every=2)
     sharded = write_config(tmp_path / "ranks", model_dir, data, train__grad_accum=1, train__clip_in_backward=1e9,
                            **clipped)
-    done = _finish_ranks(_start_ranks(zygote, sharded, 2))
+    done = _finish_ranks(_start_ranks(zygote, sharded, 2, env={"TIERED_OFFLOAD_CLIP_PREDICT": "0"}))
     assert all(code == 0 for code, _, _ in done), done
     torn = [int(m) for m in re.findall(r"step (\d+) ran in the backward but its gradient norm", done[0][2])]
     assert torn == [2] and "as do the steps to 17" in done[0][2], done[0][2][-3000:]
@@ -2376,20 +2404,22 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     assert plan["disk_floor_read_bytes"] == plan["disk_floor_written_bytes"] == 3 * weights - host
     assert not any("without clipping" in line for line in plan["lines"])
     # clipping, with snapshot commits: the plan's floors are the step's after the backward; it says what a step
-    # in the backward (train.steps.ClipSpeculation: where the last norm was well within the limit) moves instead
+    # in the backward (train.steps.ClipSpeculation: each tried, the engine keeping those it predicts over the
+    # limit out of it) moves instead
     info = train(write_config(tmp_path / "clipped", model_dir, data, offload__host_memory=room,
                               offload__commit_every=2), dry_run=True)
     plan = info["plan"]
     assert plan["step"] == "after the backward" and plan["disk_floor_read_bytes"] > 3 * weights - host
     said = format_size(3 * weights - host)
-    assert any(f"a step after one whose gradient norm was at most 0.8 x train.clip runs in the backward, clipped "
-               f"exactly (one over the limit there runs again after it): at least {said} read and {said} written"
-               in line for line in plan["lines"]), plan["lines"]
-    # a commit every 8 steps: only the first 4 after each are tried (a tear replays the steps since the last commit)
+    assert any(f"a step runs in the backward unless the engine predicts its gradient norm over train.clip (the first "
+               f"after a start learns it), clipped exactly (one over the limit there runs again after it): at least "
+               f"{said} read and {said} written" in line for line in plan["lines"]), plan["lines"]
+    # a commit every 8 steps: only the first 4 after each are tried (a tear replays the steps since the last commit);
+    # a share of the limit: after a step whose norm was at most that
     plan = train(write_config(tmp_path / "clipped-8", model_dir, data, offload__host_memory=room,
-                              offload__commit_every=8), dry_run=True)["plan"]
-    assert any("at most 0.8 x train.clip (and among the first 4 after each commit) runs in the backward" in line
-               for line in plan["lines"]), plan["lines"]
+                              offload__commit_every=8, train__clip_in_backward=0.8), dry_run=True)["plan"]
+    assert any("a step runs in the backward after one whose gradient norm was at most 0.8 x train.clip (and among "
+               "the first 4 after each commit), clipped exactly" in line for line in plan["lines"]), plan["lines"]
 
 
 def test_step_exports_rotate_only_this_runs_own(tmp_path, model_dir, data):

@@ -14,7 +14,8 @@ steady-state steps and their ratio (target <= 1.05).
 each step in the backward (both with ``offload.commit_every: 2``, snapshot commits): step time and
 disk bytes per step (from ``metrics.jsonl``'s records), and their ratios. ``--clip-in-backward``:
 the command with ``train.clip: CLIP`` (``--clip``) trying its steps in the backward
-(``train.clip_in_backward`` 0.8, the default, or ``--share``) against never (0), or against the
+(``train.clip_in_backward``: true, the default, each step tried and the engine's prediction of its
+norm deciding; or ``--share``, a share of the limit) against never (0), or against the
 default ``offload.commit_every: 1`` (journal commits; ``--against-journal``); also how many steps ran
 there and how many were torn (run again after the backward).
 
@@ -73,9 +74,10 @@ def main() -> None:
     ap.add_argument("--without-clipping", action="store_true",
                     help="the command with train.clip 1.0 against null (the step in the backward) instead")
     ap.add_argument("--clip-in-backward", action="store_true",
-                    help="the command with train.clip_in_backward 0.8 against 0 (clipped steps tried in the backward)")
+                    help="the command with train.clip_in_backward true against 0 (clipped steps tried in the backward)")
     ap.add_argument("--clip", type=float, default=1.0, help="train.clip of --clip-in-backward")
-    ap.add_argument("--share", type=float, default=0.8, help="train.clip_in_backward of --clip-in-backward's tries")
+    ap.add_argument("--share", default="true",
+                    help="train.clip_in_backward of --clip-in-backward's tries (true: each; a share of --clip)")
     ap.add_argument("--against-journal", action="store_true",
                     help="with --clip-in-backward: against the default offload.commit_every 1 (journal commits)")
     ap.add_argument("--disk-rate", type=float, default=0, metavar="MB/S", help="the storage held to this rate")
@@ -148,12 +150,13 @@ def main() -> None:
 def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, list[str]]) -> None:
     """The command in two ways (settings over the common ones; the second against the first),
     alternating by round: seconds and disk bytes per steady step (the first step of each run left
-    out), and how many steps ran in the backward and were torn there (run again after it)."""
+    out), and how many steps were tried in the backward, ran there (a unit updated there) and were
+    torn there (run again after it)."""
     import logging
 
     from tiered_offload.train import load_config, run, train
     runs = {name: [] for name in ways}
-    counts = {name: {"in_backward": 0, "steps": 0, "torn": 0, "runs_s": 0.0} for name in ways}
+    counts = {name: {"in_backward": 0, "ran_there": 0, "steps": 0, "torn": 0, "runs_s": 0.0} for name in ways}
     step_fn = run.train_step
 
     class Torn(logging.Handler):
@@ -174,7 +177,11 @@ def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, 
             def counted(engine, batches, t, tokens, in_backward, *rest, name=name):
                 counts[name]["steps"] += 1
                 counts[name]["in_backward"] += bool(in_backward)
-                return step_fn(engine, batches, t, tokens, in_backward, *rest)
+                before = engine.stats().updates_in_backward
+                try:
+                    return step_fn(engine, batches, t, tokens, in_backward, *rest)
+                finally:  # (a step tried there that the engine kept after it updated none there)
+                    counts[name]["ran_there"] += engine.stats().updates_in_backward > before
             run.train_step = counted
             t0 = time.perf_counter()
             try:
@@ -195,9 +202,10 @@ def _ways(args, work: Path, model_dir: Path, n: int, host: int, ways: dict[str, 
                       **{f"{k}_disk_bytes_per_step": v[1] for k, v in med.items()},
                       "step_calls": counts, "step_ratio": round(a / b, 3), "disk_ratio": round(da / db, 3)}, indent=1))
     print(f"tiered-offload train, {second} / {first}: step {a:.3f} / {b:.3f} s = {a / b:.3f}; disk bytes per step "
-          f"{da / 2**20:.1f} / {db / 2**20:.1f} MiB = {da / db:.3f}; steps run in the backward (of those run, "
+          f"{da / 2**20:.1f} / {db / 2**20:.1f} MiB = {da / db:.3f}; steps tried in the backward (of those run, "
           f"a torn one counted twice): {counts[second]['in_backward']} of {counts[second]['steps']}, "
-          f"{counts[second]['torn']} torn; whole runs {counts[second]['runs_s']:.1f} / {counts[first]['runs_s']:.1f} s")
+          f"{counts[second]['ran_there']} ran there, {counts[second]['torn']} torn; whole runs "
+          f"{counts[second]['runs_s']:.1f} / {counts[first]['runs_s']:.1f} s")
 
 
 if __name__ == "__main__":

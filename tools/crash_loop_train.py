@@ -55,7 +55,8 @@ SETTINGS = {
     "train.grad_accum": ["1", "2", "3"],
     "train.schedule": ["cosine", "linear", "constant"],
     "train.clip": ["1.0", "1.8", "null"],
-    "train.clip_in_backward": ["0.8", "100"],  # (100: each step tried in the backward, a norm over the limit torn)
+    "train.clip_in_backward": ["true", "0.8", "100"],  # (true: each step tried, the engine's prediction deciding;
+    # 100: each tried, the prediction too)
     "train.eval_every": ["0", "3", "4"],
     "train.weight_decay": ["0", "0.01"],
     "train.precision": ["fp32", "fp32", "bf16-autocast"],

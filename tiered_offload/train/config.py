@@ -117,12 +117,14 @@ class TrainSection:
     (``offload.commit_every >= 2``, or a state the host budget holds) a step runs in the backward
     (``forward_backward(..., step=True)``, the same numbers, no gradient written to the disk):
     without clipping each one; with it, as ``clip_in_backward`` says."""
-    clip_in_backward: float = 0.8
-    """With clipping and snapshot commits: a step runs in the backward, clipped exactly
-    (``clip_norm``), after one whose gradient norm was at most this share of ``clip``. Within the
-    limit that is the clipped step, bitwise; a norm over it there tears the step, which runs again from
-    the last commit, after the backward (:mod:`tiered_offload.train.steps`: only steps a tear would
-    run at most 4 again are tried, the first after each commit). 0: never."""
+    clip_in_backward: bool | float = True
+    """With clipping and snapshot commits: which steps are tried in the backward, clipped exactly
+    (``clip_norm``). ``true``: each (the engine keeps one out of it where its norm, predicted at the
+    top of the backward, would be over ``clip``; its first after a start, to learn the prediction); a
+    number: after a step whose gradient norm was at most this share of ``clip``; ``false`` or 0:
+    never. Within the limit that is the clipped step, bitwise; a norm found over it there tears the
+    step, which runs again from the last commit, after the backward (:mod:`tiered_offload.train.steps`:
+    only steps a tear would run at most 4 again are tried, the first after each commit)."""
     seed: int = 0
     """Seeds the data order and everything random in training."""
     precision: str = "fp32"
@@ -279,9 +281,11 @@ class RunConfig:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.data.eval_fraction!r}")
         if self.train.clip is not None and not (_number(self.train.clip) and 0 < self.train.clip < math.inf):
             raise ConfigError(f"train.clip must be a finite number > 0 or null (no clipping), got {self.train.clip!r}")
-        if not (_number(t.clip_in_backward) and 0 <= t.clip_in_backward < math.inf):
-            raise ConfigError(f"train.clip_in_backward must be a finite number >= 0 (0: a clipped step never runs in "
-                              f"the backward), got {t.clip_in_backward!r}")
+        if not (isinstance(t.clip_in_backward, bool) or _number(t.clip_in_backward) and
+                0 <= t.clip_in_backward < math.inf):
+            raise ConfigError(f"train.clip_in_backward must be true (each clipped step tried in the backward), false "
+                              f"(never) or a finite number >= 0 (a step tried after one whose norm was at most that "
+                              f"share of train.clip; 0: never), got {t.clip_in_backward!r}")
         if not isinstance(self.lora.r, int) or isinstance(self.lora.r, bool) or self.lora.r < 0:
             raise ConfigError(f"lora.r must be an integer >= 0 (0: no LoRA), got {self.lora.r!r}")
         if not (isinstance(self.lora.dropout, (int, float)) and 0 <= self.lora.dropout < 1):

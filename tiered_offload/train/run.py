@@ -421,9 +421,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         if (in_backward and (not t.clip or t.clip_in_backward) and ranks.first
                 and StepInBackward.short_of_room(engine) is None):  # (else the engine warns)
             log.info("tiered-offload: " + ("each step runs in the backward (no gradient reaches the disk)" if not t.clip
-                     else f"a step runs in the backward (no gradient reaches the disk) after one whose gradient norm "
-                          f"was at most {t.clip_in_backward:g} x train.clip; one found over train.clip there runs "
-                          f"again from the last commit, after the backward (the same numbers)"))
+                     else f"a step runs in the backward (no gradient reaches the disk) {_tried(t.clip_in_backward)}; "
+                          f"one found over train.clip there runs again from the last commit, after the backward (the "
+                          f"same numbers)"))
 
         def stopping() -> bool:  # one process: now; ranks: as they agreed after the last step (below)
             return stop["signal"] is not None if ranks.world == 1 else agreed
@@ -578,6 +578,13 @@ def _say_other_settings(saved: dict | None, now: dict, location: str, start: int
                     "before continue it exactly)", location, ", ".join(differ), start + 1)
 
 
+def _tried(share: bool | float) -> str:
+    """Which clipped steps ``train.clip_in_backward`` tries in the backward, in words."""
+    if share is True:
+        return "unless the engine predicts its gradient norm over train.clip (the first after a start learns it)"
+    return f"after one whose gradient norm was at most {share:g} x train.clip"
+
+
 def _disk_bytes(engine) -> tuple[int, int]:
     stats = engine.stats().store
     return stats.bytes_read[Tier.DISK], stats.bytes_written[Tier.DISK]
@@ -687,11 +694,10 @@ def _plan_preview(model, cfg) -> dict:
              "step time: measured and planned after the second step (engine.plan, logged)"]
     if beyond > 0 and cfg.train.clip and cfg.train.clip_in_backward and not journal and room:  # a step in the backward
         other = schedule.floors_in_backward(host)
-        share = cfg.train.clip_in_backward
-        lines.insert(-1, f"a step after one whose gradient norm was at most {share:g} x train.clip "
-                         + (f"(and among the first {ClipSpeculation.REPLAY} after each commit) "
+        lines.insert(-1, f"a step runs in the backward {_tried(cfg.train.clip_in_backward)}"
+                         + (f" (and among the first {ClipSpeculation.REPLAY} after each commit)"
                             if every > ClipSpeculation.REPLAY else "")
-                         + f"runs in the backward, clipped exactly (one over the limit there runs again after it): at "
+                         + f", clipped exactly (one over the limit there runs again after it): at "
                          f"least {format_size(other['disk_read'])} read and {format_size(other['disk_written'])} "
                          f"written, no gradient on the disk")
     return {"units": len(binding.blocks), "minimum_host_bytes": need, "host_bytes": host, "state_bytes": state,

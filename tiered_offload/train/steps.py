@@ -8,8 +8,10 @@ by exactly 1.0, so that is the clipped step, bitwise. A norm found over it once 
 tears the step (:class:`ClipTornError`): :func:`tiered_offload.train.run.train` then resumes from the
 last commit and runs that step after the backward, clipped (the replay is the same numbers: the
 data order is the step count). :class:`ClipSpeculation` decides when to try, so that tears stay rare
-and cheap: after a step whose norm was at most ``train.clip_in_backward`` of the limit, not for a while
-after a tear, and only where a tear would run few steps again.
+and cheap: each step (``train.clip_in_backward: true``, the default: the engine itself keeps a step
+whose norm it predicts over the limit after the backward, and its first, to learn the prediction;
+:mod:`tiered_offload.engine.step_in_backward`), or after a step whose norm was at most that share of
+the limit; not for a while after a tear, and only where a tear would run few steps again.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ class ClipSpeculation:
     last commit, itself included): with ``offload.commit_every`` above it, the first ones after each
     commit. A tear costs those steps and the engine built again."""
 
-    def __init__(self, clip: float | None, margin: float, every: int = 1):
+    def __init__(self, clip: float | None, margin: bool | float, every: int = 1):
         self.clip, self.margin, self.every = clip, margin, every
-        """The limit, the share of it the last step's norm may reach for the next to be tried, and
-        the steps between two commits (snapshot commits: at each multiple of ``every``)."""
+        """The limit, the share of it the last step's norm may reach for the next to be tried (True:
+        any; False: never), and the steps between two commits (snapshot commits: at each multiple of
+        ``every``)."""
         self.last_norm: float | None = None
         """The gradient norm of the step before the next (None: not known)."""
         self.held_until = 0
@@ -49,8 +52,8 @@ class ClipSpeculation:
         """Whether step ``step`` (counted from 1) may run in the backward, as far as clipping goes."""
         if self.clip is None:
             return True
-        ok = (step > self.held_until and (step - 1) % self.every < self.REPLAY and self.last_norm is not None
-              and self.last_norm <= self.margin * self.clip)
+        ok = (step > self.held_until and (step - 1) % self.every < self.REPLAY and bool(self.margin) and (
+            self.margin is True or self.last_norm is not None and self.last_norm <= self.margin * self.clip))
         self.tried = step if ok else None
         return ok
 
