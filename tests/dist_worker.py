@@ -382,7 +382,8 @@ def run(out: Path, cfg: dict) -> int:
                 loss = F.cross_entropy(logits.flatten(0, 1), targets[id(b)]) / cfg["accumulate"]
                 return loss * float("nan") if nan and b is inputs[-1] else loss
             try:
-                losses += [x.item() for x in engine.forward_backward(inputs, loss_fn, step=fuse, **(clipped if fuse else {}))]
+                losses += [x.item() for x in engine.forward_backward(inputs, loss_fn, step=fuse,
+                                                                      **(clipped if fuse else {}))]
             except ClipTornError as e:
                 torn = str(e)
                 break

@@ -41,19 +41,17 @@ sum of squares of their slice) is taken before its update forgets its gradient, 
 taken from those as :meth:`Engine.clip_grad_norm_` takes it, before the rest's update, and told
 (``on_norm``) before the step's record is committed. The units so far bound the norm from below,
 with the rest's parameters whose gradients are final (on one process: an untied head's and the
-final norm's, final at the top of the backward; :meth:`StepInBackward._watch_rest`):
-where the bound is over the limit before any update (the last block's own norm and those), nothing
-runs in the backward and the step runs after it, clipped. So it does where that first bound, grown
-as the last clipped step's total grew from its own (:attr:`Gradients.growth`), would be over 0.9 of
-the limit: a jump in the norm seen at the top of the backward costs the step's gradients on disk,
-not a tear.
-An engine's first clipped step (no growth known yet: a tear's resume builds a new one) runs after
-the backward, to learn it (``TIERED_OFFLOAD_CLIP_PREDICT=0``: neither, the bound alone decides).
-Once some unit was updated, a norm over the limit (its bound in the backward, or the total at its
-end) tears the step (:class:`ClipTornError`, as a non-finite gradient below: resume, then run the
-step clipped after the backward).
-``tiered-offload train`` does that itself (:mod:`tiered_offload.train.steps`), trying the step in the
-backward only where the last norm was well within the limit.
+final norm's, final at the top of the backward; :meth:`StepInBackward._watch_rest`): where the
+bound is over the limit before any update (the last block's own norm and those), nothing runs in
+the backward and the step runs after it, clipped. So it does where that first bound, grown as the
+last clipped step's total grew from its own (:attr:`Gradients.growth`), would be over 0.9 of the
+limit: a jump in the norm seen at the top of the backward costs the step's gradients on disk, not
+a tear. An engine's first clipped step (no growth known yet: a tear's resume builds a new one)
+runs after the backward, to learn it (``TIERED_OFFLOAD_CLIP_PREDICT=0``: neither, the bound alone
+decides). Once some unit was updated, a norm over the limit (its bound in the backward, or the
+total at its end) tears the step (:class:`ClipTornError`, as a non-finite gradient below: resume,
+then run the step clipped after the backward). ``tiered-offload train`` does that itself
+(:mod:`tiered_offload.train.steps`), trying each step in the backward by default.
 
 **With a device tier** the update runs where ``optimizer_device`` placed it, as ``step()``'s does.
 In the host tier below it (ZeRO-Offload's arrangement), the host reads a block's gradient and
