@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from conftest import DEVICES
 from offload_core.errors import ClipTornError, ConfigError, NonFiniteError, StepFailedError, TensorStateError
 from test_step_in_backward import (_batches, _engine, _gpt, _grad_bytes_written, _loss, _micro_loss, _same_weights,
                                    _state_bytes)
@@ -17,16 +18,25 @@ from tiered_offload import Engine, EngineConfig, Tier
 from tiered_offload.engine import micro_batches
 
 
-def _pytorch_step(ref, opt, micro, clip_norm):
-    """PyTorch's clipped step over the micro-batches ``micro``: their losses and the total norm."""
+def _pytorch_step(ref, opt, micro, clip_norm, masters=None):
+    """PyTorch's clipped step over the micro-batches ``micro``: their losses and the total norm.
+    ``masters``: ``opt`` steps these CPU copies of ``ref``'s parameters, fed its (clipped)
+    gradients, and the new weights are copied back (what an update in the host tier below a GPU equals)."""
     losses = []
     for x in micro:
         loss = _micro_loss(ref(x), x) if len(micro) > 1 else _loss(ref, x)
         loss.backward()
         losses.append(loss.detach())
     norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_norm)
+    for m, p in zip(masters or [], ref.parameters(), strict=False):
+        m.grad = None if p.grad is None else p.grad.detach().cpu()
     opt.step()
     opt.zero_grad()
+    if masters:
+        with torch.no_grad():
+            for m, p in zip(masters, ref.parameters(), strict=True):
+                p.copy_(m)
+        ref.zero_grad()
     return losses, norm
 
 
@@ -42,22 +52,34 @@ def _norms(ref, x, *prefixes):
     return norms
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("call, where", [("backward", None), ("forward_backward", None), ("backward", "host"),
                                          ("forward_backward", "device")])
 def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_writes_no_gradient(tmp_path, call,
-                                                                                                    where):
+                                                                                                    where, device,
+                                                                                                    deterministic):
     """A limit above every step's norm: the losses, the norm each step reports (``on_norm``, before the
     step's commit) and the weights are PyTorch's clipped step's, bitwise. The first step runs after
     the backward (it learns how the norm grows from its first bound: :attr:`Gradients.growth`); from
     the second on every block is updated in the backward, and from the third (the first's update,
     deferred to the second's forwards, done) no gradient byte reaches the disk. ``where``: a device
-    tier (the CPU stand-in, a quarter of the state) over the host tier, the update in that tier."""
-    layers = 4 if where is None else 10
+    tier (the CPU stand-in, a quarter of the state) over the host tier, the update in that tier. On
+    CUDA (the GPU check runs it) the device tier is the GPU's, a quarter of the state (``where``
+    None: the planner places the update), and each placement is held to its own reference: an
+    update in the host tier to PyTorch's optimizer stepping CPU copies of the parameters."""
+    layers = 4 if where is None and device == "cpu" else 10
     ref = _gpt(layers=layers)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    tier = {} if where is None else dict(fraction=0.375, optimizer_device=where,
-                                         store_config={"device_budget_bytes": _state_bytes(ref) // 4})
+    state = _state_bytes(ref)
+    if device == "cpu":
+        tier = {} if where is None else dict(fraction=0.375, optimizer_device=where,
+                                             store_config={"device_budget_bytes": state // 4})
+    else:
+        tier = dict(fraction=0.375, optimizer_device=where or "auto", device=device, device_memory=state // 4)
     engine = _engine(ref, tmp_path, kwargs=dict(lr=1e-2, weight_decay=0.1), **tier)
+    ref.to(device)
+    masters = ([p.detach().cpu().clone().requires_grad_() for p in ref.parameters()]
+               if device != "cpu" and engine._updater.in_lower_tier else None)
+    opt = torch.optim.AdamW(masters or ref.parameters(), lr=1e-2, weight_decay=0.1)
     reported = []
     with engine:
         assert where is None or engine._updater.tier.name.lower() == where
@@ -66,15 +88,19 @@ def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_
                 assert engine.stats().updates_in_backward == 0 and engine._gradients.growth >= 1.0
             if step == 2:
                 before = engine.store.stats
-            micro = _batches(2 if call == "forward_backward" else 1, seed=20 + step, batch=2)
+            micro = [x.to(device) for x in _batches(2 if call == "forward_backward" else 1, seed=20 + step, batch=2)]
             if call == "backward":
                 got = [_loss(engine, micro[0])]
                 assert engine.backward(got[0], step=True, clip_norm=50.0, on_norm=reported.append) is True
             else:
                 got = engine.forward_backward(micro, _micro_loss, step=True, clip_norm=50.0, on_norm=reported.append)
-            want, norm = _pytorch_step(ref, opt, micro, 50.0)
+            want, norm = _pytorch_step(ref, opt, micro, 50.0, masters)
             assert all(torch.equal(a.detach(), b) for a, b in zip(got, want, strict=True))
-            assert torch.equal(reported[-1], norm) and 0 < float(norm) < 50.0
+            assert 0 < float(norm) < 50.0
+            if device == "cpu":
+                assert torch.equal(reported[-1], norm)
+            else:  # (the norm is told, not applied: within the limit the step's scale is 1.0 either way)
+                assert abs(float(reported[-1]) - float(norm)) <= 1e-6 * float(norm), (reported[-1], norm)
         assert engine.step_count == 4 and len(reported) == 4 and _same_weights(engine, ref)
         assert engine.stats().updates_in_backward == 3 * layers  # (every block, every step but the first)
         assert _grad_bytes_written(engine, before) == 0

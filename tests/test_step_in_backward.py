@@ -44,7 +44,7 @@ def _batches(n, seed=1, batch=4):
 
 def _same_weights(engine, ref):
     ours = dict(engine.named_parameters())
-    return all(torch.equal(ours[name], p.detach()) for name, p in ref.named_parameters())
+    return all(torch.equal(ours[name], p.detach().cpu()) for name, p in ref.named_parameters())
 
 
 def _beside_pytorch(engine, ref, opt, batches):

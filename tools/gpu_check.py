@@ -18,9 +18,10 @@ order of importance, each with its own time limit inside ``--budget-s``:
    (GPT-2 and Llama tiny, state on disk, host and device budgets a quarter of the state, against
    PyTorch on the same GPU; each ``optimizer_device`` placement against its reference),
    ``forward_backward`` on CUDA against the loop (with dropout too: Philox offsets replayed, one
-   loop per engine), the block call's checks and sums on CUDA (a saved input changed in place, a
-   weight read twice in each of two calls), and the store's Hypothesis state machine with a
-   CUDA device tier.
+   loop per engine), the step in the backward (``step=True``, ``clip_norm`` within the limit) with
+   each placement against its reference, the block call's checks and sums on CUDA (a saved input
+   changed in place, a weight read twice in each of two calls), and the store's Hypothesis state
+   machine with a CUDA device tier.
 5. ``step_time``: ``tools/bench_gpu_step.py``: a 1.07B-parameter model, device and host budgets far
    below its 17 GB state, 10 steps (steady state 4-10) against plain PyTorch on the same GPU, with
    the optimizer step on the host, on the device, and placed by the planner with 4 micro-batches
@@ -205,6 +206,8 @@ def tests_section(check: Check, quick: bool):
             # in the device tier against PyTorch's on the GPU
             ("engine_parity_cuda", ["tests/test_engine.py", "-k", "parity_adamw_hf or runs_where_told"], {}),
             ("forward_backward_cuda", ["tests/test_finetune.py", "-k", "forward_backward_on_cuda"], {}),
+            # the step in the backward (step=True) clipped within its limit, each placement against its reference
+            ("step_in_backward_cuda", ["tests/test_clip_in_backward.py", "-k", "within_the_limit"], {}),
             # a saved block input changed in place (its witness on a CUDA tensor); a weight read twice in
             # each of two calls (repeated_calls._StartFrom, the backward on autograd's device thread)
             ("block_calls_cuda", ["tests/test_conformance.py", "-k", "checks_and_sums_hold_on_cuda"], {}),
