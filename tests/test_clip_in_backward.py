@@ -6,12 +6,14 @@ the backward clipped (no unit updated yet), or is torn with :class:`ClipTornErro
 keeps the last commit (tiered_offload/engine/step_in_backward.py)."""
 
 import copy
+import shutil
 
 import pytest
 import torch
 
 from conftest import DEVICES
 from offload_core.errors import ClipTornError, ConfigError, NonFiniteError, StepFailedError, TensorStateError
+from test_hostile import rewrite_manifest
 from test_step_in_backward import (_batches, _engine, _gpt, _grad_bytes_written, _loss, _micro_loss, _same_weights,
                                    _state_bytes)
 from tiered_offload import Engine, EngineConfig, Tier
@@ -60,7 +62,7 @@ def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_
                                                                                                     deterministic):
     """A limit above every step's norm: the losses, the norm each step reports (``on_norm``, before the
     step's commit) and the weights are PyTorch's clipped step's, bitwise. The first step runs after
-    the backward (it learns how the norm grows from its first bound: :attr:`Gradients.growth`); from
+    the backward (it learns how the norm grows from its first bound: :attr:`TrainState.clip_growth`); from
     the second on every block is updated in the backward, and from the third (the first's update,
     deferred to the second's forwards, done) no gradient byte reaches the disk. ``where``: a device
     tier (the CPU stand-in, a quarter of the state) over the host tier, the update in that tier. On
@@ -85,7 +87,7 @@ def test_within_the_limit_the_step_in_the_backward_is_pytorchs_clipped_step_and_
         assert where is None or engine._updater.tier.name.lower() == where
         for step in range(4):
             if step == 1:
-                assert engine.stats().updates_in_backward == 0 and engine._gradients.growth >= 1.0
+                assert engine.stats().updates_in_backward == 0 and engine.train_state.clip_growth >= 1.0
             if step == 2:
                 before = engine.store.stats
             micro = [x.to(device) for x in _batches(2 if call == "forward_backward" else 1, seed=20 + step, batch=2)]
@@ -182,11 +184,43 @@ def test_a_norm_over_the_limit_found_after_updates_tears_the_step_and_a_resume_g
         assert _same_weights(resumed, ref)
 
 
+def test_a_resumed_engine_predicts_its_first_clipped_step_from_the_committed_growth(tmp_path):
+    """Durable, snapshot commits every 2 steps: the first clipped step runs after the backward and
+    learns how the norm grows from its first bound (:attr:`TrainState.clip_growth`); the second runs
+    in it; both are committed with that growth. A resumed engine reads it back, so its first clipped
+    step runs in the backward (every block updated there), as PyTorch's, bitwise; a state saved
+    without it (before it was saved) makes that step run after the backward again, to learn it."""
+    ref = _gpt()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batches = _batches(4)
+    blocks = len(ref.blocks)
+    with _engine(ref, tmp_path, durable=True, commit_every=2) as engine:
+        for x in batches[:2]:
+            assert engine.backward(_loss(engine, x), step=True, clip_norm=50.0)
+            _pytorch_step(ref, opt, [x], 50.0)
+        assert engine.wait_committed() == 2 and engine.stats().updates_in_backward == blocks
+        growth = engine.train_state.clip_growth
+        assert growth is not None and growth >= 1.0
+    shutil.copytree(tmp_path / "s", tmp_path / "older")  # (as saved before the growth was: its record without it)
+    rewrite_manifest(tmp_path / "older", lambda m: m["meta"].pop("clip_growth") and None)
+    for state, saved in ((tmp_path / "s", True), (tmp_path / "older", False)):
+        resumed = Engine.resume(state, copy.deepcopy(_gpt()), host_memory=int(_state_bytes(ref) * 0.4),
+                                commit_every=2, config=EngineConfig(activations="recompute"))
+        with resumed:
+            assert resumed.step_count == 2 and resumed.train_state.clip_growth == (growth if saved else None)
+            loss = _loss(resumed, batches[2])
+            assert resumed.backward(loss, step=True, clip_norm=50.0)
+            assert resumed.stats().updates_in_backward == (blocks if saved else 0)
+            if saved:
+                want = _pytorch_step(ref, opt, [batches[2]], 50.0)[0][0]
+                assert torch.equal(loss.detach(), want) and _same_weights(resumed, ref)
+
+
 @pytest.mark.parametrize("where", [None, "host"])
 def test_a_norm_that_the_last_steps_growth_predicts_over_the_limit_runs_the_step_after_the_backward_not_torn(
         tmp_path, where):
     """Two clipped steps within the limit (the first after the backward, the second in it): each tells
-    how its total norm grew from its bound at the first unit checked (:attr:`Gradients.growth`). The
+    how its total norm grew from its bound at the first unit checked (:attr:`TrainState.clip_growth`). The
     third step's limit lies between its blocks' norm and its total, where the bound alone finds it
     over only after every block was updated (the test above: a tear). The bound at its first unit
     times that growth is over the limit: nothing runs in the backward, the step runs after it,

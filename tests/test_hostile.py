@@ -462,6 +462,8 @@ MANIFEST_MUTATIONS = {
     "an integer extent": lambda m: m["tensors"]["block.0/weight"].update(extent=7),
     "a bad dtype": lambda m: m["tensors"]["block.0/weight"].update(dtype="complex512"),
     "an unknown optimizer placement": lambda m: m["meta"].update(update_tier="tpu"),
+    "a clipped step's growth below 1": lambda m: m["meta"].update(clip_growth=0.5),
+    "a clipped step's growth a string": lambda m: m["meta"].update(clip_growth="1.2"),
     "the model's generators a number": lambda m: m["meta"]["rng"].update(own=7),
     "a generator's state a list": lambda m: m["meta"]["rng"].update(own={"blocks.0.gen": [1, 2]}),
     "deep nesting": lambda m: json.dumps(m)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",

@@ -2411,8 +2411,8 @@ def test_dry_run_trains_nothing(tmp_path, model_dir, data, capsys):
     plan = info["plan"]
     assert plan["step"] == "after the backward" and plan["disk_floor_read_bytes"] > 3 * weights - host
     said = format_size(3 * weights - host)
-    assert any(f"a step runs in the backward unless the engine predicts its gradient norm over train.clip (the first "
-               f"after a start learns it), clipped exactly (one over the limit there runs again after it): at least "
+    assert any(f"a step runs in the backward unless the engine predicts its gradient norm over train.clip (the run's "
+               f"first learns it), clipped exactly (one over the limit there runs again after it): at least "
                f"{said} read and {said} written" in line for line in plan["lines"]), plan["lines"]
     # a commit every 8 steps: only the first 4 after each are tried (a tear replays the steps since the last commit);
     # a share of the limit: after a step whose norm was at most that

@@ -282,6 +282,10 @@ def _check_meta(meta: dict, where: str) -> None:
     _opt(_obj, _field(meta, "scheduler", where), f"{where}.scheduler")
     if _opt(_str, meta.get("update_tier"), f"{where}.update_tier") not in (None, "host", "device"):
         raise _Fail(f"{where}.update_tier", f"expected 'host' or 'device', found {meta['update_tier']!r}")
+    growth = meta.get("clip_growth")
+    if growth is not None and (not isinstance(growth, (int, float)) or isinstance(growth, bool)
+                               or not 1.0 <= growth < float("inf")):
+        raise _Fail(f"{where}.clip_growth", f"expected a finite number of at least 1, found {growth!r}")
     for k, v in _obj(meta.get("param_updates", {}), f"{where}.param_updates").items():
         _int(v, f"{where}.param_updates[{k!r}]")
     for k, v in _obj(meta.get("param_scalars", {}), f"{where}.param_scalars").items():

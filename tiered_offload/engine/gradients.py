@@ -54,9 +54,6 @@ class Gradients:
         :meth:`settle_owed` applies it before anything reads or adds to them; forgetting drops it."""
         self.skip_step = False
         """A non-finite loss was seen with ``on_nonfinite="skip"``: the step is skipped."""
-        self.growth: float | None = None
-        """The last step clipped in the backward (``clip_norm``): its total norm over the norm's bound
-        at its first unit (:meth:`StepInBackward._within_limit` predicts the next step's total with it)."""
         self.opened: bool | None = None
         """Whether the last step in the backward ran there (False: not, for its norm; None: no step yet)."""
 

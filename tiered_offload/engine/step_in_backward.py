@@ -44,11 +44,11 @@ with the rest's parameters whose gradients are final (on one process: an untied 
 final norm's, final at the top of the backward; :meth:`StepInBackward._watch_rest`): where the
 bound is over the limit before any update (the last block's own norm and those), nothing runs in
 the backward and the step runs after it, clipped. So it does where that first bound, grown as the
-last clipped step's total grew from its own (:attr:`Gradients.growth`), would be over 0.9 of the
-limit: a jump in the norm seen at the top of the backward costs the step's gradients on disk, not
-a tear. An engine's first clipped step (no growth known yet: a tear's resume builds a new one)
-runs after the backward, to learn it (``TIERED_OFFLOAD_CLIP_PREDICT=0``: neither, the bound alone
-decides). Once some unit was updated, a norm over the limit (its bound in the backward, or the
+last clipped step's total grew from its own (:attr:`TrainState.clip_growth`, committed with each
+step), would be over 0.9 of the limit: a jump in the norm seen at the top of the backward costs the
+step's gradients on disk, not a tear. A run's first clipped step (no growth known yet: none
+committed) runs after the backward, to learn it (``TIERED_OFFLOAD_CLIP_PREDICT=0``: neither, the
+bound alone decides). Once some unit was updated, a norm over the limit (its bound in the backward, or the
 total at its end) tears the step (:class:`ClipTornError`, as a non-finite gradient below: resume,
 then run the step clipped after the backward). ``tiered-offload train`` does that itself
 (:mod:`tiered_offload.train.steps`), trying each step in the backward by default.
@@ -365,7 +365,7 @@ class StepInBackward:
         over = low > self.clip_norm * (1 + 1e-4) + 1e-5
         likely = False
         if self.first is None:  # the first unit, before any update: the total predicted from the last step's
-            self.first, growth = low, engine._gradients.growth  # (which grew from its bound so)
+            self.first, growth = low, engine.train_state.clip_growth  # (which grew from its bound so)
             likely = _predicts() and (growth is None or low * growth > _MARGIN * self.clip_norm)  # (no update: no tear)
         if engine._placement.all_agree(not (over or likely), "the gradient norm's bound"):
             return True
@@ -414,10 +414,10 @@ class StepInBackward:
 
     def _learn_growth(self) -> None:
         """The step's total norm over its bound at the first unit: how much the norm grows after that
-        check (:attr:`Gradients.growth`; kept where both are finite and the bound is not zero)."""
+        check (:attr:`TrainState.clip_growth`; kept where both are finite and the bound is not zero)."""
         total = float(self.norm)
         if self.first and math.isfinite(total) and math.isfinite(self.first):
-            self.engine._gradients.growth = max(total / self.first, 1.0)
+            self.engine.train_state.clip_growth = max(total / self.first, 1.0)
 
     def finish(self) -> bool:
         """After the backward: the units not updated in it, the step counted and committed, the

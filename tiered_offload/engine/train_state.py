@@ -71,6 +71,11 @@ class TrainState:
         """Where the optimizer step runs below a device tier (``"host"`` / ``"device"``), saved with
         every step: a resumed ``optimizer_device="auto"`` keeps it (see
         :func:`~tiered_offload.engine.preflight.optimizer_tier`)."""
+        self.clip_growth: float | None = None
+        """The last step clipped in the backward (``clip_norm``): its total norm over the norm's bound
+        at its first unit (:meth:`StepInBackward._within_limit` predicts the next step's total with
+        it), saved with every step: a resumed engine's first clipped step need not run after the
+        backward to learn it."""
         self._resumed_scheduler_state = None
         self._resumed_param_groups = None
         self._resumed_tensors: list[dict] = []
@@ -204,6 +209,7 @@ class TrainState:
         return {"step_count": self.step_count, "rng": rng, "user_state": user, "scheduler": scheduler,
                 "param_updates": updates, **buffers, **({"param_scalars": scalars} if scalars else {}),
                 **({"update_tier": self.update_tier} if self.update_tier else {}),
+                **({"clip_growth": self.clip_growth} if self.clip_growth is not None else {}),
                 "param_groups": [jsonable({k: v for k, v in g.items() if k != "params"}, "the optimizer's param_groups")
                                  for g in self.param_groups], **_tensor_kinds(self.param_groups)}
 
@@ -236,6 +242,7 @@ class TrainState:
         self._load_generators(meta["rng"].get("own", {}), where)
         self.user_state = meta["user_state"]
         self.update_tier = meta.get("update_tier")
+        self.clip_growth = meta.get("clip_growth")  # (None: saved before it was, or no step clipped in the backward)
         self._resumed_scheduler_state = meta["scheduler"]
         self._resumed_param_groups = meta["param_groups"]
 

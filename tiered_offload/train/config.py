@@ -120,9 +120,9 @@ class TrainSection:
     clip_in_backward: bool | float = True
     """With clipping and snapshot commits: which steps are tried in the backward, clipped exactly
     (``clip_norm``). ``true``: each (the engine keeps one out of it where its norm, predicted at the
-    top of the backward, would be over ``clip``; its first after a start, to learn the prediction); a
-    number: after a step whose gradient norm was at most this share of ``clip``; ``false`` or 0:
-    never. Within the limit that is the clipped step, bitwise; a norm found over it there tears the
+    top of the backward, would be over ``clip``; a run's first, to learn the prediction, which each
+    commit keeps); a number: after a step whose gradient norm was at most this share of ``clip``;
+    ``false`` or 0: never. Within the limit that is the clipped step, bitwise; a norm found over it there tears the
     step, which runs again from the last commit, after the backward (:mod:`tiered_offload.train.steps`:
     only steps a tear would run at most 4 again are tried, the first after each commit)."""
     seed: int = 0

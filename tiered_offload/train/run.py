@@ -581,7 +581,7 @@ def _say_other_settings(saved: dict | None, now: dict, location: str, start: int
 def _tried(share: bool | float) -> str:
     """Which clipped steps ``train.clip_in_backward`` tries in the backward, in words."""
     if share is True:
-        return "unless the engine predicts its gradient norm over train.clip (the first after a start learns it)"
+        return "unless the engine predicts its gradient norm over train.clip (the run's first learns it)"
     return f"after one whose gradient norm was at most {share:g} x train.clip"
 
 
