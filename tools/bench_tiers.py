@@ -92,7 +92,9 @@ def _link_routes(before, after, steps: int) -> dict[str, float]:
     created there), and both ways per kind of tensor (``link:weight``...)."""
     per = lambda ways: {k: n / steps for k, n in after.by_kind(ways, since=before).items()}  # noqa: E731
     return {"into_device": sum(per(("host->device",)).values()), "out_of_device": sum(per(("device->host",)).values()),
-            **{f"link:{k}": n for k, n in per(after.LINK).items()}}
+            **{f"link:{k}": n for k, n in per(after.LINK).items()},
+            **{f"disk_read:{k}": n for k, n in per(("disk->host",)).items()},
+            **{f"disk_written:{k}": n for k, n in per(("host->disk",)).items()}}
 
 
 def main(argv=None) -> int:
@@ -243,10 +245,14 @@ def main(argv=None) -> int:
         floor = link_floor[name]
         med["link_floor_bytes"] = floor
         kinds = ", ".join(f"{k[5:]} {v / cfg.n_params():.1f}" for k, v in sorted(med.items()) if k.startswith("link:"))
+        disk_kinds = "; ".join(way.replace("_", " ") + " " + (", ".join(
+            f"{k.split(':')[1]} {v / cfg.n_params():.2f}" for k, v in sorted(med.items()) if k.startswith(way + ":"))
+            or "nothing") for way in ("disk_read", "disk_written"))
         print(f"{name:<32} device link: {link:5.1f} bytes per parameter per step "
               f"({(med['into_device'] + med['out_of_device']) / state:.2f}x the state"
               + (f"; the plan's floor {floor / cfg.n_params():.1f}, {floor / state:.2f}x)" if floor else ")")
               + f"\n{'':<32} by kind: {kinds or 'nothing'}\n{'':<32} {activations[name]}"
+              + f"\n{'':<32} disk bytes per parameter per step by kind: {disk_kinds}"
               + f"\n{'':<32} disk writes written over before any read: "
                 f"{med['disk_written_unread'] / max(1.0, med['disk_written']):.0%} of them"
               + (f"; disk bytes {(med['disk_read'] + med['disk_written']) / disk_floor[name]:.2f}x the plan's floor "
