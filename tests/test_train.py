@@ -1901,6 +1901,29 @@ def test_what_is_not_a_regular_file_among_the_runs_own_files_is_no_hang(tmp_path
     assert (final / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
 
 
+def test_the_log_says_where_the_steps_run_and_a_state_that_fits_memory_runs_them_after_the_backward(tmp_path,
+                                                                                                      model_dir, data,
+                                                                                                      caplog):
+    """``train.clip: null`` with snapshot commits: where the state streams, each step runs in the
+    backward, and the log says so. Where the whole state fits the host budget the engine keeps
+    PyTorch's graphs and streams nothing: the step runs after the backward, in memory, and the log
+    says that instead of claiming the step runs in the backward."""
+    said = {}
+    for name, budget in (("streamed", state_budget(model_dir)), ("fits", "1GiB")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="tiered_offload"):
+            summary = train(write_config(tmp_path / name, model_dir, data, train__clip=None, train__max_steps=2,
+                                         offload__commit_every=2, offload__host_memory=budget,
+                                         output__export_every=0), progress=False)
+        assert summary["step"] == 2
+        said[name] = [r.getMessage() for r in caplog.records if "step" in r.getMessage() and "backward" in r.getMessage()]
+    assert any("each step runs in the backward" in m for m in said["streamed"]), said
+    assert not any("fits the memory budget" in m for m in said["streamed"]), said
+    assert any("the whole state fits the memory budget: each step runs after the backward, in memory" in m
+               for m in said["fits"]), said
+    assert not any("each step runs in the backward" in m for m in said["fits"]), said
+
+
 def test_a_second_run_into_the_output_dir_of_one_training_is_refused_naming_it(tmp_path, model_dir, data):
     """Two runs with one ``output.dir`` and their own ``offload.storage`` (a second experiment
     started without changing the output): both trained, their records interleaved in one

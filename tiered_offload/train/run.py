@@ -418,8 +418,11 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         agreed = ranks.sums([stop["signal"] is not None])[0] > 0  # (a signal during a torn step: stop at its commit)
         in_backward = StepInBackward.refusal(engine) is None  # (train.steps: where the step runs)
         speculation.resumed(engine.user_state.get("record") if start else None)
-        if (in_backward and (not t.clip or t.clip_in_backward) and ranks.first
-                and StepInBackward.short_of_room(engine) is None):  # (else the engine warns)
+        if in_backward and ranks.first and engine.activation_modes is None:  # (PyTorch's graphs, nothing streamed)
+            log.info("tiered-offload: the whole state fits the memory budget: each step runs after the backward, in "
+                     "memory (no gradient reaches the disk either way)")
+        elif (in_backward and (not t.clip or t.clip_in_backward) and ranks.first
+              and StepInBackward.short_of_room(engine) is None):  # (else the engine warns)
             log.info("tiered-offload: " + ("each step runs in the backward (no gradient reaches the disk)" if not t.clip
                      else f"a step runs in the backward (no gradient reaches the disk) {_tried(t.clip_in_backward)}; "
                           f"one found over train.clip there runs again from the last commit, after the backward (the "
