@@ -1916,7 +1916,7 @@ def test_the_log_says_where_the_steps_run_and_a_state_that_fits_memory_runs_them
                                          offload__commit_every=2, offload__host_memory=budget,
                                          output__export_every=0), progress=False)
         assert summary["step"] == 2
-        said[name] = [r.getMessage() for r in caplog.records if "step" in r.getMessage() and "backward" in r.getMessage()]
+        said[name] = [m for m in (r.getMessage() for r in caplog.records) if "step" in m and "backward" in m]
     assert any("each step runs in the backward" in m for m in said["streamed"]), said
     assert not any("fits the memory budget" in m for m in said["streamed"]), said
     assert any("the whole state fits the memory budget: each step runs after the backward, in memory" in m
