@@ -1907,9 +1907,12 @@ def test_the_log_says_where_the_steps_run_and_a_state_that_fits_memory_runs_them
     """``train.clip: null`` with snapshot commits: where the state streams, each step runs in the
     backward, and the log says so. Where the whole state fits the host budget the engine keeps
     PyTorch's graphs and streams nothing: the step runs after the backward, in memory, and the log
-    says that instead of claiming the step runs in the backward."""
+    says that instead of claiming the step runs in the backward; so does ``--dry-run``'s plan."""
     said = {}
     for name, budget in (("streamed", state_budget(model_dir)), ("fits", "1GiB")):
+        plan = train(write_config(tmp_path / f"{name}-dry", model_dir, data, train__clip=None, offload__commit_every=2,
+                                  offload__host_memory=budget), dry_run=True)["plan"]  # (--dry-run says the same)
+        assert plan["step"] == ("in the backward" if name == "streamed" else "after the backward"), plan
         caplog.clear()
         with caplog.at_level("INFO", logger="tiered_offload"):
             summary = train(write_config(tmp_path / name, model_dir, data, train__clip=None, train__max_steps=2,

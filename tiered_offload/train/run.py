@@ -670,7 +670,7 @@ def _plan_preview(model, cfg) -> dict:
     # (and where a unit's update fits beside the backward's pins; on a GPU, the engine's placement decides)
     defer = -(-schedule.defer_budget() // PAGE) * PAGE  # (in whole pages, as the host tier counts its budget)
     room = torch.cuda.is_available() or host >= defer
-    in_backward = not cfg.train.clip and not journal and room
+    in_backward = not cfg.train.clip and not journal and room and beyond > 0  # (a state that fits: PyTorch's graphs)
     floors = (schedule.floors_in_backward(host) if in_backward else
               schedule.floors(host, 0, update_on_host=True, journal=journal))
     commits = "journal commits" if journal else "snapshot commits" + (f" every {every} steps" if every > 1 else "")
