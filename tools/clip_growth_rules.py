@@ -94,7 +94,8 @@ def main() -> int:
         seen = record(layers, width, float(lr), int(accumulation or 1), args.steps, args.host_fraction)
         runs.append((spec, seen))
         print(f"{spec}: growths " + " ".join(f"{t / f:.2f}" for f, t in seen), flush=True)
-    print(f"\n| rule for the predicted total | steps run in the backward | tears | kept out |\n| --- | ---: | ---: | ---: |")
+    print("\n| rule for the predicted total | steps run in the backward | tears | kept out |")
+    print("| --- | ---: | ---: | ---: |")
     for name, grow in RULES.items():
         total = [0, 0, 0]
         for _, seen in runs:
