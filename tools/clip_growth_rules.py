@@ -68,6 +68,12 @@ def record(layers: int, width: int, lr: float, accumulation: int, steps: int, ho
     return seen
 
 
+def limits(seen: list) -> list[float]:
+    """The limits a run is replayed at: its norms' quantiles 1/20..19/20, and 5% above each."""
+    norms = sorted(t for _, t in seen)
+    return [f * norms[q * len(norms) // 20] for q in range(1, 20) for f in (1.0, 1.05)]
+
+
 def replay(seen: list, limit: float, grow) -> tuple[int, int, int]:
     """Steps run in the backward, torn, kept out, at ``limit`` under the rule ``grow(growths)``."""
     growths, ran, torn, out = [], 0, 0, 0
@@ -99,19 +105,15 @@ def main() -> int:
     for name, grow in RULES.items():
         total = [0, 0, 0]
         for _, seen in runs:
-            norms = sorted(t for _, t in seen)
-            for q in range(1, 20):
-                for limit in (norms[q * len(norms) // 20], 1.05 * norms[q * len(norms) // 20]):
-                    total = [a + b for a, b in zip(total, replay(seen, limit, grow))]
+            for limit in limits(seen):
+                total = [a + b for a, b in zip(total, replay(seen, limit, grow))]
         print(f"| {name} | {total[0]} | {total[1]} | {total[2]} |")
     for spec, seen in runs:  # where the engine's rule tore a step: which steps, and their growth
         growths, torn = [], set()
-        norms = sorted(t for _, t in seen)
         for i, (first, total) in enumerate(seen):
-            for q in range(1, 20):
-                for limit in (norms[q * len(norms) // 20], 1.05 * norms[q * len(norms) // 20]):
-                    if growths and first <= limit and first * growths[-1] <= MARGIN * limit < limit < total:
-                        torn.add((i, round(growths[-1], 2), round(total / first, 2)))
+            if growths and any(first <= limit < total and first * growths[-1] <= MARGIN * limit
+                               for limit in limits(seen)):
+                torn.add((i, round(growths[-1], 2), round(total / first, 2)))
             growths.append(max(total / first, 1.0))
         for i, was, now in sorted(torn):
             print(f"{spec}: step {i} tore under the engine's rule at some limit (growth {was} before, {now} there)")
