@@ -48,9 +48,9 @@ last clipped step's total grew from its own (:attr:`TrainState.clip_growth`, com
 step), would be over 0.9 of the limit: a jump in the norm seen at the top of the backward costs the
 step's gradients on disk, not a tear. A run's first clipped step (no growth known yet: none
 committed) runs after the backward, to learn it (``TIERED_OFFLOAD_CLIP_PREDICT=0``: neither, the
-bound alone decides). Once some unit was updated, a norm over the limit (its bound in the
-backward, or the total at its end) tears the step (:class:`ClipTornError`, as a non-finite
-gradient below: resume, then run the step clipped after the backward). ``tiered-offload train`` does that itself
+bound alone decides). Once some unit was updated, a norm over the limit (its bound in the backward,
+or the total at its end) tears the step (:class:`ClipTornError`, as a non-finite gradient below:
+resume, then run the step clipped after the backward). ``tiered-offload train`` does that itself
 (:mod:`tiered_offload.train.steps`), trying each step in the backward by default.
 
 **With a device tier** the update runs where ``optimizer_device`` placed it, as ``step()``'s does.

@@ -122,9 +122,10 @@ class TrainSection:
     (``clip_norm``). ``true``: each (the engine keeps one out of it where its norm, predicted at the
     top of the backward, would be over ``clip``; a run's first, to learn the prediction, which each
     commit keeps); a number: after a step whose gradient norm was at most this share of ``clip``;
-    ``false`` or 0: never. Within the limit that is the clipped step, bitwise; a norm found over it there tears the
-    step, which runs again from the last commit, after the backward (:mod:`tiered_offload.train.steps`:
-    only steps a tear would run at most 4 again are tried, the first after each commit)."""
+    ``false`` or 0: never. Within the limit that is the clipped step, bitwise; a norm found over it
+    there tears the step, which runs again from the last commit, after the backward
+    (:mod:`tiered_offload.train.steps`: only steps a tear would run at most 4 again are tried, the
+    first after each commit)."""
     seed: int = 0
     """Seeds the data order and everything random in training."""
     precision: str = "fp32"
