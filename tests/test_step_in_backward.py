@@ -168,9 +168,11 @@ def test_with_a_device_tier_the_step_in_the_backward_trains_as_pytorch_wherever_
     update in either tier, ``backward(loss, step=True)`` gives PyTorch's losses and weights,
     bitwise (on the stand-in the two placements' references are the same arithmetic; the GPU check
     holds each to its own on CUDA), and not a byte of gradient reaches the disk. In the host tier
-    the device sends each gradient down once, receives no state, and hardly sends weights down (the
-    host keeps its copy for the update: ``TieredStore.keep_twins``), within 0.8x the state a step
-    (issue 21's target); the plan states the link's floor for this order, and the bytes are not below it."""
+    the device sends each gradient down once, receives no state, and sends a block's weights down
+    about once (the host keeps its copy for the update: ``TieredStore.keep_twins``; the new weights
+    it is offered after the update go down again in the forward), within 1.15x the state a step
+    (0.67x before the offer: link bytes for disk bytes, the next test; issue 21's 0.8x is for
+    ``step()``); the plan states the link's floor for this order, and the bytes are not below it."""
     ref = _gpt(layers=10)
     state = _state_bytes(ref)
     engine = _engine(ref, tmp_path, fraction=0.375, optimizer_device=where,
@@ -197,9 +199,38 @@ def test_with_a_device_tier_the_step_in_the_backward_trains_as_pytorch_wherever_
             assert "state" not in link, link
             moved = engine.store.stats.by_kind(("device->host",), since=before)
             assert moved["grad"] / 3 == grads, moved  # each gradient down once a step
-            # the host keeps its copy of a block's weights until the update reads it (0.67x measured; the
-            # step() moves 1.05x the state, its weights down 5.8 bytes a parameter)
-            assert moved.get("weight", 0) / 3 <= 0.1 * grads and sum(link.values()) / 3 <= 0.8 * state, (moved, link)
+            # the host keeps its copy of a block's weights until the update reads it; the device then takes
+            # the new ones (offered) and gives most back in the forward: weights down 1.17-1.21x a step, 1.44-1.47x
+            # without the host's copy kept; the link 0.98-1.00x the state a step (0.67x before the offer)
+            assert moved.get("weight", 0) / 3 <= 1.3 * grads and sum(link.values()) / 3 <= 1.15 * state, (moved, link)
+
+
+def test_with_the_update_on_the_host_a_larger_device_tier_keeps_more_optimizer_states_off_the_disk(tmp_path):
+    """The update in the host tier below a device tier, in the backward: each block's new weights
+    are offered to the device (room nothing needed sooner holds), and the host's copy goes first.
+    Before, the host held every updated block's weights (their only current copy) until the next
+    forward and gave up the optimizer states for them. The optimizer states read from the disk per
+    step, in bytes a parameter (of Adam's 8), with the device at a quarter of the state and at half:
+    before, 7.68 and 7.46 (a device twice as large kept 3% more of them in memory); now 5.38-5.48
+    and 4.23. Bitwise PyTorch's at both sizes."""
+    ref = _gpt(layers=10)
+    state = _state_bytes(ref)
+    reads = {}
+    for device in (4, 2):
+        engine = _engine(ref, tmp_path / f"d{device}", fraction=0.375, optimizer_device="host",
+                         store_config={"device_budget_bytes": state // device})
+        plain = copy.deepcopy(ref)
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        with engine:
+            batches = _batches(10)
+            _beside_pytorch(engine, plain, opt, batches[:4])
+            engine._await()
+            before = engine.store.stats
+            _beside_pytorch(engine, plain, opt, batches[4:])
+            engine._await()
+            assert _same_weights(engine, plain)
+            reads[device] = engine.store.stats.by_kind(("disk->host",), since=before).get("state", 0) / 6 / (state / 16)
+    assert reads[4] <= 0.85 * 8 and reads[2] <= 0.7 * 8, reads
 
 
 def test_what_the_step_in_the_backward_cannot_run_exactly_is_refused_before_anything_runs(tmp_path):

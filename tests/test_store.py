@@ -1134,6 +1134,59 @@ def test_the_lookahead_makes_zeros_only_in_room_nothing_else_needs():
     assert run(room=5) == (True, list("abcd"), 0)  # free room: made ahead
 
 
+def test_an_offered_copy_takes_only_room_that_nothing_needed_sooner_holds():
+    """``TieredStore.offer``: a copy brought up ahead of its use as the lookahead brings one, into
+    free room or the room of copies the tier needs later (or never again), never evicting one
+    needed sooner; None where there is no such room or the tier holds the current bytes. (The
+    update in the host tier offers each block's new weights to the device: tests/test_step_in_backward.py.)"""
+    store = make_store(MemoryBackend(threads=0), host=64 * KiB, device=12 * KiB, policy="lookahead", prefetch_depth=0)
+    for k in ("a", "b", "c", "w"):
+        store.register(k, (KiB,), data=torch.full((KiB,), float(ord(k))))
+    store.declare_access_sequence(["a", "b", "c", "a", "w"], tier="device", cyclic=False)
+    with store.hold("a", "device"):
+        pass
+    store.prefetch("b", "device").get()
+    with store.hold("w", "host", dirty=True) as x:  # new bytes, in the host tier only
+        x.add_(1)
+    store.offer("w", "device").get()  # the device's free room
+    assert store.residency("w")[Tier.DEVICE] == CopyState.DIRTY
+    assert store.offer("w", "device") is None  # there already
+    store.prefetch("c", "device").get()  # full: w, needed last, goes down
+    assert store.residency("w")[Tier.DEVICE] == CopyState.ABSENT
+    assert store.offer("w", "device") is None  # a, b, c are all needed before w: nothing moves
+    assert [store.residency(k)[Tier.DEVICE] != CopyState.ABSENT for k in "abcw"] == [True, True, True, False]
+    with store.hold("b", "device"), store.hold("c", "device"):
+        pass  # b and c are never needed again: w takes the room of one of them
+    store.offer("w", "device").get()
+    assert store.residency("a")[Tier.DEVICE] != CopyState.ABSENT
+    with store.hold("w", "device") as x:
+        assert torch.equal(x, torch.full((KiB,), float(ord("w")) + 1))
+    store.close()
+
+
+def test_a_host_copy_kept_beside_the_devices_goes_first_again_once_released():
+    """``keep_twins``: the host's copy of a key the device holds too ranks as any copy (an update
+    in the host tier reads it soon), not as the device's twin, the first to go; ``release_twin``
+    (the update has read it) makes it the first again."""
+    def victim(keep: bool, release: bool) -> str:
+        store = make_store(MemoryBackend(threads=0), host=12 * KiB, device=12 * KiB)
+        for k in ("x", "y"):
+            store.register(k, (KiB,), data=torch.ones(KiB))
+        with store.hold("y", "device"):  # y: in both memory tiers, used more recently than x
+            pass
+        store.keep_twins(["y"] if keep else [])
+        if release:
+            store.release_twin("y")
+        store.register("z", (KiB,), data=torch.ones(KiB))
+        store.register("v", (KiB,), data=torch.ones(KiB))  # the host tier is full: one of x, y goes
+        gone = [k for k in "xy" if store.residency(k)[Tier.HOST] == CopyState.ABSENT]
+        store.close()
+        return "".join(gone)
+    assert victim(keep=False, release=False) == "y"
+    assert victim(keep=True, release=False) == "x"  # LRU's choice
+    assert victim(keep=True, release=True) == "y"
+
+
 def test_a_sequence_that_is_not_cyclic_stops_at_its_end_and_starts_over():
     p = LookaheadPolicy(["a", "b", "c"], cyclic=False)
     for k in "abc":

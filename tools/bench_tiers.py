@@ -276,9 +276,13 @@ def main(argv=None) -> int:
         rate = args.disk_rate * 1e6
         for name, med in report["configs"].items():
             moved = med["disk_read"] + med["disk_written"]
-            med["step_vs_bytes_time"], med["step_vs_floor_time"] = med["s"] / (moved / rate), med["s"] * rate / disk_floor[name]
-            print(f"{name:<32} the disk held to {args.disk_rate:g} MB/s: step / its bytes' time {med['step_vs_bytes_time']:.2f}, "
-                  f"step / the plan's disk floor's time ({disk_floor[name] / rate:.3f} s) {med['step_vs_floor_time']:.2f}")
+            floor = disk_floor[name]  # (0 where the plan's order needs no disk byte: no ratio to it)
+            med["step_vs_bytes_time"] = med["s"] / (moved / rate) if moved else None
+            med["step_vs_floor_time"] = med["s"] * rate / floor if floor else None
+            print(f"{name:<32} the disk held to {args.disk_rate:g} MB/s: step / its bytes' time "
+                  + (f"{med['step_vs_bytes_time']:.2f}" if moved else "- (no disk byte)")
+                  + f", step / the plan's disk floor's time ({floor / rate:.3f} s) "
+                  + (f"{med['step_vs_floor_time']:.2f}" if floor else "- (the floor is 0)"))
     print(f"\nthe plan of '{first}' (its disk bytes per step predicted, and measured over three steps):\n  "
           + plan.replace("\n", "\n  "))
     report["plan"] = plan

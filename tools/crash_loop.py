@@ -58,12 +58,12 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
            buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
-           in_backward: bool = False, clip: float = 0.0) -> None:
+           in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto") -> None:
     import numpy as np
     import torch
 
     from offload_core.errors import ClipTornError
-    from tiered_offload import Engine
+    from tiered_offload import Engine, EngineConfig
     from tiered_offload_examples.models import GPT, GPTConfig
 
     def build():
@@ -81,7 +81,7 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
                         host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every,
                         # a device tier of CPU memory: the GPU's three tiers on the CPU
                         store_config={"device_budget_bytes": int(16 * n * device_fraction)} if device_fraction
-                        else None)
+                        else None, config=EngineConfig(optimizer_device=optimizer_device))
         sched = torch.optim.lr_scheduler.LinearLR(engine.optimizer, start_factor=1.0, end_factor=0.1,
                                                   total_iters=steps)
         engine.attach_scheduler(sched)
@@ -187,14 +187,15 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
                  host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
                  buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
-                 in_backward: bool = False, clip: float = 0.0) -> list[str]:
+                 in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto") -> list[str]:
     """A worker's command-line arguments (``main`` parses them in the fork as in a fresh process)."""
     return (["--worker", str(directory), "--steps", str(steps), "--layers", str(layers), "--out", str(out),
              "--commit-every", str(commit_every), "--host-fraction", str(host_fraction),
              "--device-fraction", str(device_fraction), "--optimizer", optimizer]
             + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
             + ["--accumulate", str(accumulate), "--dropout", str(dropout), "--own-noise", str(own_noise)]
-            + (["--step-in-backward"] if in_backward else []) + (["--clip-in-backward", str(clip)] if clip else []))
+            + (["--step-in-backward"] if in_backward else []) + (["--clip-in-backward", str(clip)] if clip else [])
+            + ["--optimizer-device", optimizer_device])
 
 
 def _zygote() -> Zygote:
@@ -402,7 +403,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
                optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0,
                own_noise: float = 0.0, in_backward: bool = False, zygote: Zygote | None = None,
-               clip: float = 0.0) -> dict:
+               clip: float = 0.0, optimizer_device: str = "auto") -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -412,7 +413,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     uninterrupted run's at that step; every finished episode's weights are compared whole.
     ``commit_every`` > 1 or ``host_fraction`` > 1 (the state fits the host tier) exercise the
     snapshot commits; a resume then starts from a multiple of ``commit_every``. ``device_fraction``
-    > 0 gives the engine a device tier of CPU memory of that share of the state (the GPU's path).
+    > 0 gives the engine a device tier of CPU memory of that share of the state (the GPU's path), and
+    ``optimizer_device`` says where the update runs there (``EngineConfig.optimizer_device``).
     ``optimizer``: a key of :data:`OPTIMIZERS` (``adafactor``: one that works on whole parameters).
     ``buffers``: every block counts its calls in a persistent buffer its output depends on (the
     buffers' extent committed with each step, restored with it). ``accumulate`` > 1: each step runs
@@ -435,7 +437,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
                    optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise,
-                   in_backward=in_backward, clip=clip)
+                   in_backward=in_backward, clip=clip, optimizer_device=optimizer_device)
     if zygote is not None:
         return _loop(_runs_workers(zygote), work, kills, steps, layers, rng, flip_bits, options, log)
     with _zygote() as zygote:
@@ -579,6 +581,8 @@ def main() -> None:
                     help="host budget as a fraction of the state (> 1: it fits, and commits are snapshots)")
     ap.add_argument("--device-fraction", type=float, default=0.0,
                     help="a device tier of CPU memory of this fraction of the state (0: none, as on a CPU machine)")
+    ap.add_argument("--optimizer-device", choices=["auto", "host", "device"], default="auto",
+                    help="with --device-fraction: where the optimizer step runs (EngineConfig.optimizer_device)")
     ap.add_argument("--flip-bits", type=float, default=0.0, metavar="P",
                     help="after a kill, with probability P flip a bit of the journal or a committed extent and check "
                          "the next start resumes bitwise or refuses with a typed error, deleting nothing")
@@ -605,7 +609,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
                args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise,
-               args.step_in_backward, args.clip_in_backward)
+               args.step_in_backward, args.clip_in_backward, args.optimizer_device)
         return
     if args.step_in_backward and args.commit_every < 2 and args.host_fraction <= 1.2:
         ap.error("--step-in-backward needs snapshot commits (--commit-every 2 or more)")
@@ -618,7 +622,8 @@ def main() -> None:
                              host_fraction=args.host_fraction, device_fraction=args.device_fraction,
                              flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
                              accumulate=args.accumulate, dropout=args.dropout, own_noise=args.own_noise,
-                             in_backward=args.step_in_backward, clip=args.clip_in_backward)
+                             in_backward=args.step_in_backward, clip=args.clip_in_backward,
+                             optimizer_device=args.optimizer_device)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

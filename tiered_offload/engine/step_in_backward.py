@@ -284,8 +284,9 @@ class StepInBackward:
         engine, updater = self.engine, self.engine._updater
         order = functools.partial(engine._streamer.access_sequence, engine.schedule)
         engine.store.declare_access_sequence(order([Phase.BACKWARD, Phase.FORWARD], fused=True))
-        if updater.in_lower_tier:  # the device tier sees the rest of the backward only (as under step()):
-            updater.device_sequence(order([Phase.BACKWARD]), [])  # a forward's weight fetched now takes its room
+        if updater.in_lower_tier:  # the device tier's own order: the rest of the backward, then the next forward
+            updater.device_sequence(order([Phase.BACKWARD, Phase.FORWARD]), [])  # (where the new weights it is
+            # offered rank: _offer_up)
             # and the host keeps its copy of a block's weights beside the device's until the update reads it
             engine.store.keep_twins(b.weight_key for b in engine.schedule.blocks if b.state_numel)
 
@@ -346,11 +347,24 @@ class StepInBackward:
                 engine._updater.due(unit)
             engine._update_unit(unit, hypers, self.scale, updates)
             self.updated.append(unit.name)
+            if engine._updater.in_lower_tier:
+                self._offer_up(unit)
             if engine._streamer.step_in_backward is self:
                 engine._monitor.updates_in_backward += 1
         key = engine._placement.grad_key(unit)  # (ranks: None where this rank's slice holds no gradient)
         if key and unit.is_block:
             engine.store.zero(key)
+
+    def _offer_up(self, unit) -> None:
+        """After ``unit``'s update in the host tier: its new weights go up to the device where it has
+        room that nothing needed sooner holds, and the host's copy is the device's twin (the first to
+        go) again. Otherwise the host held each updated block's weights, the only current copy, until
+        the next forward, and gave up the optimizer states for them: a device tier twice as large
+        saved no disk byte (docs/RESULTS.md, sixty-second session)."""
+        store = self.engine.store
+        if unit.weight_key in store:
+            store.release_twin(unit.weight_key)
+            store.offer(unit.weight_key, store.compute_tier)
 
     def _within_limit(self, unit) -> bool:
         """``clip_norm``: take what the total norm needs of ``unit``'s gradient before its update

@@ -191,6 +191,28 @@ class Prefetching:
             return
         fut.add_done_callback(lambda _f: self._rewalk.kick())
 
+    def offer(self, key: str, tier: Tier | str) -> IOFuture | None:
+        """Start bringing ``key``'s current bytes up into ``tier`` as the lookahead brings what it
+        expects next: into room that is free or held by copies ``tier``'s policy needs later than
+        ``key`` (nothing needed sooner is evicted for it). Returns the load's future, or None where
+        there is no such room or ``key`` is busy, there already, or due to be rewritten there. Advice:
+        the caller needs nothing of it (the update in the host tier under a step in the backward
+        offers each block's new weights to the device; :mod:`tiered_offload.engine.step_in_backward`)."""
+        tier = self._memory_tier(tier)
+        policy = self._policies[tier]
+        with self._lock:
+            rec = self._rec(key)
+            if not self._lookahead.wants(rec, tier):
+                return None
+            busy = self._begin(rec, OpKind.LOOKAHEAD, tier, block=False)
+            if busy is None:
+                return None
+        distance = policy.next_use(key)
+        try:
+            return self._run(rec, busy, lambda: self._start_load(rec, tier, block=False, further_than=distance))
+        except TierCapacityError:
+            return None
+
     # ---- moving bytes -------------------------------------------------------------------
     def prefetch(self, key: str, tier: Tier | str | None = None) -> IOFuture:
         """Start bringing the current bytes into ``tier``; the future resolves when they are there.

@@ -207,6 +207,12 @@ class TieredStore(CopyChains, Prefetching):
         with self._lock:
             self._spaces[Tier.HOST].kept_twins = set(keys)
 
+    def release_twin(self, key: str) -> None:
+        """``key`` leaves :meth:`keep_twins`: its host copy ranks as the device's twin again (the
+        update that was to read it has)."""
+        with self._lock:
+            self._spaces[Tier.HOST].kept_twins.discard(key)
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._records)
