@@ -171,7 +171,7 @@ def test_with_a_device_tier_the_step_in_the_backward_trains_as_pytorch_wherever_
     the device sends each gradient down once, receives no state, and sends a block's weights down
     about once (the host keeps its copy for the update: ``TieredStore.keep_twins``; the new weights
     it is offered after the update go down again in the forward), within 1.15x the state a step
-    (0.67x before the offer: link bytes for disk bytes, the next test; issue 21's 0.8x is for
+    (0.67x before the offer: link bytes for disk bytes, the next test; issue 21's 0.8x is stated for
     ``step()``); the plan states the link's floor for this order, and the bytes are not below it."""
     ref = _gpt(layers=10)
     state = _state_bytes(ref)

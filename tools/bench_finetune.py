@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -81,18 +82,27 @@ def main() -> None:
     ap.add_argument("--against-journal", action="store_true",
                     help="with --clip-in-backward: against the default offload.commit_every 1 (journal commits)")
     ap.add_argument("--disk-rate", type=float, default=0, metavar="MB/S", help="the storage held to this rate")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (its models, data and runs)")
     args = ap.parse_args()
-    import transformers
     if args.disk_rate:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from slow_disk import slow_file_backends
         slow_file_backends(args.disk_rate * 1e6)
+    work = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
+    try:
+        _bench(args, work)
+    finally:  # (each run wrote 0.1-0.6 GB there)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _bench(args, work: Path) -> None:
+    import transformers
 
     from tiered_offload import Engine, empty_init
     from tiered_offload.train import load_config, train
     from tiered_offload.train.data import micro_batch_rows, prepare_data
     from tiered_offload.train.run import lr_factor
-    work = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
     model_dir = build(work, args.layers, args.width)
     hf = transformers.AutoConfig.from_pretrained(model_dir)
     n = transformers.LlamaForCausalLM(hf).num_parameters()

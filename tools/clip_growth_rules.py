@@ -21,6 +21,7 @@ predicted total at limits spread over the run's own norms (its quantiles, and 5%
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -50,18 +51,19 @@ def record(layers: int, width: int, lr: float, accumulation: int, steps: int, ho
         seen.append((self.first, float(self.norm)))
         return learn(self)
     work = Path(tempfile.mkdtemp(prefix="clip-growth-"))
-    model_dir = bench_finetune.build(work, layers, width)
-    n = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(model_dir)).num_parameters()
-    overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
-                 "train.micro_batch=4", f"train.grad_accum={accumulation}", f"train.max_steps={steps}",
-                 f"train.lr={lr}", "train.warmup_steps=5", "train.clip=1e9", f"offload.storage={work / 'state'}",
-                 f"offload.host_memory={int(16 * n * host_fraction)}", "offload.commit_every=4",
-                 f"output.dir={work / 'out'}", "output.export_every=0"]
-    step_in_backward.StepInBackward._learn_growth = spy
     try:
+        model_dir = bench_finetune.build(work, layers, width)
+        n = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(model_dir)).num_parameters()
+        overrides = [f"model.path={model_dir}", f"data.path={work / 'train.jsonl'}", "data.max_seq_len=128",
+                     "train.micro_batch=4", f"train.grad_accum={accumulation}", f"train.max_steps={steps}",
+                     f"train.lr={lr}", "train.warmup_steps=5", "train.clip=1e9", f"offload.storage={work / 'state'}",
+                     f"offload.host_memory={int(16 * n * host_fraction)}", "offload.commit_every=4",
+                     f"output.dir={work / 'out'}", "output.export_every=0"]
+        step_in_backward.StepInBackward._learn_growth = spy
         train(load_config(None, overrides), progress=False)
     finally:
         step_in_backward.StepInBackward._learn_growth = learn
+        shutil.rmtree(work, ignore_errors=True)  # (each run wrote 0.1 GB there)
     missing = sum(first is None for first, _ in seen)
     if missing:
         raise SystemExit(f"{missing} of {len(seen)} steps took no first bound (were they run in the backward?)")
