@@ -284,9 +284,8 @@ class StepInBackward:
         engine, updater = self.engine, self.engine._updater
         order = functools.partial(engine._streamer.access_sequence, engine.schedule)
         engine.store.declare_access_sequence(order([Phase.BACKWARD, Phase.FORWARD], fused=True))
-        if updater.in_lower_tier:  # the device tier's own order: the rest of the backward, then the next forward
-            updater.device_sequence(order([Phase.BACKWARD, Phase.FORWARD]), [])  # (where the new weights it is
-            # offered rank: _offer_up)
+        if updater.in_lower_tier:  # the device tier's own order: the rest of the backward, then the next
+            updater.device_sequence(order([Phase.BACKWARD, Phase.FORWARD]), [])  # forward (new weights: _offer_up)
             # and the host keeps its copy of a block's weights beside the device's until the update reads it
             engine.store.keep_twins(b.weight_key for b in engine.schedule.blocks if b.state_numel)
 

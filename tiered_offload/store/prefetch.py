@@ -146,15 +146,20 @@ class Prefetching:
                     if busy is None:
                         continue
                 # zeros cost no read: they take only room that nothing else needs (see the docstring)
-                distance = math.inf if zero else policy.next_use(key)
-                try:
-                    self._run(rec, busy, lambda r=rec, t=tier, d=distance: self._start_load(r, t, block=False, further_than=d))
-                except TierCapacityError:
+                if self._load_ahead(rec, tier, busy, math.inf if zero else policy.next_use(key)) is None:
                     # the tier is full of tensors needed sooner (or, for zeros, has no free room: going
                     # on past them measured worse, the loads after them took the states' room)
                     if zero:
                         self._clean_ahead(rec, tier, policy.next_use(key))
                     break
+
+    def _load_ahead(self, rec: TensorRecord, tier: Tier, busy: IOFuture, further_than: float) -> IOFuture | None:
+        """Run the load ahead of ``rec`` into ``tier`` that ``busy`` claimed, evicting only copies needed
+        later than ``further_than`` accesses from now; None where that leaves no room for it."""
+        try:
+            return self._run(rec, busy, lambda: self._start_load(rec, tier, block=False, further_than=further_than))
+        except TierCapacityError:
+            return None
 
     def _clean_ahead(self, rec: TensorRecord, tier: Tier, further_than: float) -> None:
         """For a zero the walk found no room for: start writing the dirty copy its ``get`` would
@@ -207,11 +212,7 @@ class Prefetching:
             busy = self._begin(rec, OpKind.LOOKAHEAD, tier, block=False)
             if busy is None:
                 return None
-        distance = policy.next_use(key)
-        try:
-            return self._run(rec, busy, lambda: self._start_load(rec, tier, block=False, further_than=distance))
-        except TierCapacityError:
-            return None
+        return self._load_ahead(rec, tier, busy, policy.next_use(key))
 
     # ---- moving bytes -------------------------------------------------------------------
     def prefetch(self, key: str, tier: Tier | str | None = None) -> IOFuture:
