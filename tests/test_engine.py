@@ -487,12 +487,32 @@ def test_a_resumed_auto_run_keeps_its_optimizer_placement(tmp_path, monkeypatch)
             engine.step()
             engine.zero_grad()
     weak_cpu = UpdateRates(host_Bps=1e3, device_Bps=1e12, link_Bps=1e12)
-    monkeypatch.setattr(facade, "measure_update_rates", lambda spec, device, link: weak_cpu)
+    monkeypatch.setattr(facade, "measure_update_rates", lambda spec, device, disk, journal, link: weak_cpu)
     with Engine(plain_gpt(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "run", resume=True, **kw) as engine:
         assert engine.step_count == 2 and engine._updater.tier == Tier.HOST
         assert "as the run this one resumes was trained ('host'" in engine.plan.summary()
     with Engine(plain_gpt(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "new", **kw) as engine:
         assert engine._updater.tier == Tier.DEVICE and "measured: " in engine.plan.summary()
+
+
+def test_auto_weighs_the_disk_that_a_bench_io_profile_measured(tmp_path, monkeypatch):
+    """A device tier of half the state holds more than the weights: under an update on the device
+    its room keeps optimizer states off the disk. On the stand-in the link alone puts the update on
+    the host; with a bench-io profile of a slow disk ``"auto"`` weighs the disk bytes too and puts it
+    on the device, and the plan says which numbers decided."""
+    from tiered_offload.profile import filesystem_id, save_profile
+    monkeypatch.setenv("TIERED_OFFLOAD_PROFILE", "none")  # (not the user's own profile: the one named below)
+    state = 16 * sum(p.numel() for p in plain_gpt().parameters())
+    slow = save_profile({"filesystem": filesystem_id(tmp_path),
+                         "recommended": {"options": {}, "read_GBps": 1e-4, "write_GBps": 1e-4}}, tmp_path / "p.json")
+    kw = dict(host_memory=state // 4, durable=False)
+    with Engine(plain_gpt(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "run", **kw,
+                store_config={"device_budget_bytes": state // 2}) as engine:
+        assert engine._updater.tier == Tier.HOST and "the disk not weighed" in engine.plan.summary()
+    with Engine(plain_gpt(), torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / "profiled", **kw,
+                store_config={"device_budget_bytes": state // 2, "io_profile": str(slow)}) as engine:
+        assert engine._updater.tier == Tier.DEVICE
+        assert "disk 0.00 / 0.00 GB/s read / written" in engine.plan.summary()
 
 
 def test_device_and_host_tiers_together_cut_disk_reads(tmp_path):

@@ -326,6 +326,21 @@ def test_the_disk_floor_counts_what_the_update_reads():
     assert s.floors(w, 0, update_on_host=True, journal=False)["disk_read"] == g + states
     assert s.floors(w + g + states, 0, update_on_host=True, journal=False)["disk_read"] == 0
 
+class TwoTiers:
+    """A store's budgets as :func:`~tiered_offload.engine.preflight.optimizer_tier` sees them."""
+
+    def __init__(self, device, host):
+        from tiered_offload.store.tiers import Tier
+        self.compute_tier = Tier.DEVICE
+        self.caps = {Tier.DEVICE: device, Tier.HOST: host}
+
+    def capacity(self, tier):
+        return self.caps[tier]
+
+    def link_rate(self):
+        return 1e10
+
+
 def test_auto_places_the_update_by_measured_rates():
     """``optimizer_device="auto"``: the device when the state fits it or the host cannot hold a
     unit's update; otherwise the placement whose update and link traffic take less time at the
@@ -333,18 +348,7 @@ def test_auto_places_the_update_by_measured_rates():
     from offload_core.errors import TierCapacityError
     from tiered_offload.engine.preflight import UpdateRates, optimizer_tier
     from tiered_offload.store.tiers import Tier
-
-    class Store:
-        compute_tier = Tier.DEVICE
-
-        def __init__(self, device, host):
-            self.caps = {Tier.DEVICE: device, Tier.HOST: host}
-
-        def capacity(self, tier):
-            return self.caps[tier]
-
-        def link_rate(self):
-            return 1e10
+    Store = TwoTiers
     s = Schedule(units(n_blocks=4, block=1000, rest=1000), KINDS)
     state = s.state_bytes()
     slow_cpu = UpdateRates(host_Bps=1e6, device_Bps=1e12, link_Bps=1e10)  # a GPU box with a weak CPU
@@ -378,6 +382,36 @@ def test_auto_places_the_update_by_measured_rates():
         raise RuntimeError("this optimizer needs a closure")
     where, why = optimizer_tier("auto", short, s, measure=broken)
     assert where == Tier.HOST and "could not be measured: this optimizer needs a closure" in why
+
+
+def test_auto_weighs_the_disk_where_its_bench_io_profile_gives_its_rates():
+    """A device tier larger than the weights keeps optimizer states off the disk under an update on
+    the device, only weights under one on the host. Where the disk's rates are known (its bench-io
+    profile), ``"auto"`` weighs the disk's floors too: a slow disk moves to the device an update the
+    link alone put on the host. A fast disk leaves it there, and so do journal commits (the step
+    never runs in the backward, the one mode whose floors differ here)."""
+    from tiered_offload.engine.planner import DiskRates
+    from tiered_offload.engine.preflight import UpdateRates, optimizer_tier
+    from tiered_offload.store.tiers import Tier
+    s = Schedule(units(n_blocks=4, block=1000, rest=1000), KINDS)
+    state = s.state_bytes()
+    store = TwoTiers(state // 2, state // 4)
+    host_f = s.floors_in_backward(3 * state // 4, state // 2, update_on_host=True)
+    device_f = s.floors_in_backward(3 * state // 4, state // 2, update_on_host=False)
+    assert host_f["disk_read"] == state // 4 and device_f["disk_read"] == 0  # the device's room holds states
+    assert host_f["link"] < device_f["link"]  # the link alone: the host
+
+    def rates(disk_Bps=None, journal=False):
+        disk = DiskRates(disk_Bps, disk_Bps, "bench-io profile p.json") if disk_Bps else None
+        return lambda link: UpdateRates(host_Bps=1e9, device_Bps=1e9, link_Bps=1e6, disk=disk, journal=journal)
+    where, why = optimizer_tier("auto", store, s, measure=rates())
+    assert where == Tier.HOST and "the disk not weighed: no bench-io profile" in why
+    where, why = optimizer_tier("auto", store, s, measure=rates(1e6))
+    assert where == Tier.DEVICE and "disk 0.00 / 0.00 GB/s" in why
+    t = rates(1e6)(None).seconds(s, state // 4, state // 2)
+    assert t["host"] - t["device"] == pytest.approx((host_f["link"] - device_f["link"]) / 1e6 + state / 2 / 1e6)
+    assert optimizer_tier("auto", store, s, measure=rates(1e12))[0] == Tier.HOST
+    assert optimizer_tier("auto", store, s, measure=rates(1e6, journal=True))[0] == Tier.HOST
 
 
 def test_a_sharded_step_runs_as_plain_pytorch_only_where_the_gathered_buffers_fit_beside_the_share():

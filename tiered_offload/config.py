@@ -274,8 +274,10 @@ class EngineConfig:
     up), ``"device"`` (the states go to the GPU for the update and back), or ``"auto"``: the device
     when the whole state fits the device budget or the host budget cannot hold one unit's update,
     else whichever takes less time per step at rates measured when the engine is built (the
-    optimizer on the host and on the device, the link; ``engine.plan`` says which numbers decided;
-    a resumed run keeps the placement its state was trained with, sharded ranks agree on one).
+    optimizer on the host and on the device, the link) and the disk's from its ``bench-io``
+    profile, where one covers it (the device's room keeps optimizer states off the disk only under
+    an update on the device; ``engine.plan`` says which numbers decided; a resumed run keeps the
+    placement its state was trained with, sharded ranks agree on one).
     Either computes PyTorch's numbers: the host one those of the optimizer run on CPU copies of
     the parameters, the device one those of the optimizer on the GPU (they can differ in the last
     bits: name the placement where runs on different machines must agree bitwise)."""

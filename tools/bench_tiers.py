@@ -24,7 +24,7 @@ ratios against the inclusive, deep-window configuration measured in the same run
     python tools/bench_tiers.py --shares 0.0625,0.125,0.25,1   # the host tier's prefetch window alone
     python tools/bench_tiers.py --device cuda --d-model 2048 --layers 20 --vocab 32768 --batch 4 --context 512
     python tools/bench_tiers.py --placements       # the optimizer step on the device against on the host
-    python tools/bench_tiers.py --placements --disk-rate 300   # the same with the disk the bottleneck
+    python tools/bench_tiers.py --placements --disk-rate 300   # the same with the disk the bottleneck, and 'auto'
     python tools/bench_tiers.py --placements --least 300      # and the least link bytes for the same accesses
     python tools/bench_tiers.py --placements --step-in-backward   # and each placement with the step in the backward
 
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from tiered_offload import Engine, EngineConfig, Tier, empty_init, format_size
 from tiered_offload.engine.plan_monitor import PlanMonitor
+from tiered_offload.profile import filesystem_id, save_profile
 from tiered_offload_examples.models import GPT, GPTConfig
 
 from bench_step_modes import Accesses, least  # noqa: E402 (tools/)
@@ -80,6 +81,9 @@ IN_BACKWARD = {
 differ from run to run, and an offloaded one crosses the link), with the step run after the
 backward and in it (``backward(loss, step=True)``; then no configuration clips, so that all
 train alike)."""
+AUTO = {"update where 'auto' puts it, recomputed": ("exclusive", None, "auto", "recompute")}
+"""``--placements --disk-rate``: ``optimizer_device="auto"`` given a bench-io profile of the held
+disk (its rate, as ``bench-io`` would measure it): where it puts the update, against the two."""
 
 
 def _sync(device: torch.device) -> None:
@@ -133,6 +137,9 @@ def main(argv=None) -> int:
         configs, base_name = PLACEMENTS, "update on the device"
         if args.step_in_backward:
             configs = {**PLACEMENTS, **IN_BACKWARD}
+        if args.disk_rate:
+            configs = {**configs, **{name + (", in the backward" if args.step_in_backward else ""):
+                                     c + ((True,) if args.step_in_backward else ()) for name, c in AUTO.items()}}
     elif args.step_in_backward:
         ap.error("--step-in-backward goes with --placements")
     clip = not args.step_in_backward
@@ -167,6 +174,10 @@ def main(argv=None) -> int:
             if device.type == "cpu":
                 store["device_budget_bytes"] = dev_budget  # a device tier of CPU memory
             storage = SlowDisk(root / str(i), args.disk_rate * 1e6) if args.disk_rate else root / str(i)
+            if placement == "auto":  # (--disk-rate: the held disk's profile)
+                store["io_profile"] = str(save_profile({"filesystem": filesystem_id(root), "recommended": {
+                    "options": {}, "read_GBps": args.disk_rate / 1e3, "write_GBps": args.disk_rate / 1e3}},
+                    root / "profile.json"))
             engines[name] = Engine(model, torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.01), storage=storage,
                                    device=device, host_memory=host_budget, device_memory=dev_budget, durable=False,
                                    store_config=store, config=EngineConfig(optimizer_device=placement,
@@ -217,6 +228,8 @@ def main(argv=None) -> int:
         link_floor = {name: f.get("link") for name, f in floors.items()}
         disk_floor = {name: sum(f.get(k) or 0 for k in ("disk_read", "disk_written")) for name, f in floors.items()}
         activations = {name: engine.plan.summary().splitlines()[0] for name, engine in engines.items()}
+        placed = {name: f"'auto' put the update on the {engine._updater.tier.name.lower()}: {engine._updater.why}"
+                  for name, engine in engines.items() if configs[name][2] == "auto"}
         fewest = {name: least(recorded[name].events, engine.store.capacity(Tier.DEVICE), *windows[name],
                               time_limit=args.least) for name, engine in engines.items() if name in windows}
     finally:
@@ -283,6 +296,9 @@ def main(argv=None) -> int:
                   + (f"{med['step_vs_bytes_time']:.2f}" if moved else "- (no disk byte)")
                   + f", step / the plan's disk floor's time ({floor / rate:.3f} s) "
                   + (f"{med['step_vs_floor_time']:.2f}" if floor else "- (the floor is 0)"))
+    for name, why in placed.items():
+        print(f"{name}: {why}")
+        report["configs"][name]["placed"] = why
     print(f"\nthe plan of '{first}' (its disk bytes per step predicted, and measured over three steps):\n  "
           + plan.replace("\n", "\n  "))
     report["plan"] = plan

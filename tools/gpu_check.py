@@ -12,7 +12,7 @@ order of importance, each with its own time limit inside ``--budget-s``:
    torch sees it as pinned, host<->device copy rates from it; and PyTorch's caching pinned
    allocator's reservation for the same request, for contrast.
 3. ``bench_io``: ``tiered-offload bench-io`` with posix and kvikio (the disk's rate: the step's floor
-   is its bytes at that rate).
+   is its bytes at that rate), saved as the I/O profile the benchmarks' engines read.
 4. ``tests``: pytest on the GPU: the kvikio conformance suite with device buffers (and posix),
    the device-path tests (wsum64 on the GPU equal to the CPU's), the engine parity tests on CUDA
    (GPT-2 and Llama tiny, state on disk, host and device budgets a quarter of the state, against
@@ -236,8 +236,8 @@ def bench_io_section(check: Check, quick: bool):
         js = check.out / "bench_io.json"
         code, text = check.run([sys.executable, "-m", "tiered_offload", "bench-io", "--path", str(path), "--size",
                                 "512MiB" if quick else "1GiB", "--request-sizes", "8MiB", "--threads", "4,16",
-                                "--backends", "posix-direct,posix-buffered,kvikio", "--no-progress", "--json", str(js)],
-                               limit)
+                                "--backends", "posix-direct,posix-buffered,kvikio", "--no-progress", "--json", str(js),
+                                "--save-profile", str(check.out / "io-profile.json")], limit)
         shutil.rmtree(path, ignore_errors=True)
         out = {"exit": code, "tail": text[-1500:]}
         if js.exists():
@@ -249,9 +249,13 @@ def bench_io_section(check: Check, quick: bool):
 
 
 def _benchmark(check: Check, script: str, name: str, args: list[str], limit: float) -> dict:
-    """Run a benchmark of ``tools/`` that writes a JSON report; its exit, output tail and report."""
+    """Run a benchmark of ``tools/`` that writes a JSON report; its exit, output tail and report. The
+    engines it builds read the disk's rates from the profile ``bench_io`` saved (``optimizer_device
+    ="auto"`` weighs the disk with them; the plan's prediction uses them)."""
     js = check.out / f"{name}.json"
-    code, text = check.run([sys.executable, f"tools/{script}", "--json", str(js), *args], limit)
+    profile = check.out / "io-profile.json"
+    code, text = check.run([sys.executable, f"tools/{script}", "--json", str(js), *args], limit,
+                           {"TIERED_OFFLOAD_PROFILE": str(profile)} if profile.exists() else None)
     for left in ROOT.glob(".bench-gpu-*"):  # a run killed at its limit leaves its state (17 GB for the 1B model)
         shutil.rmtree(left, ignore_errors=True)
     out = {"exit": code, "tail": text[-2000:]}

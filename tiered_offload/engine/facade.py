@@ -40,7 +40,7 @@ from tiered_offload.engine.optim_spec import OptimizerSpec, optimizer_for_resume
 from tiered_offload.engine.optimizer_step import UnitUpdater
 from tiered_offload.engine.optimizer_view import OptimizerView
 from tiered_offload.engine.pipeline import UpdatePipeline
-from tiered_offload.engine.plan_monitor import PlanMonitor
+from tiered_offload.engine.plan_monitor import PlanMonitor, profiled_disk_rates
 from tiered_offload.engine.planner import choose_activation_modes
 from tiered_offload.engine.preflight import (check_budgets, check_disk, check_step_mode, measure_update_rates,
                                              optimizer_tier)
@@ -206,7 +206,9 @@ class Engine(EngineViews):
             # every refusal of the budgets or the configuration comes before the weights move into
             # the store: a refused engine leaves the model as it was, to build another engine from
             update_tier = optimizer_tier(self.config.optimizer_device, self.store, self.schedule, self.train_state,
-                                         functools.partial(measure_update_rates, self._spec, self.device),
+                                         functools.partial(measure_update_rates, self._spec, self.device,
+                                                           profiled_disk_rates(self.store),
+                                                           isinstance(self._commits, JournalCommits)),
                                          self._placement.all_agree)
             check_step_mode(self.config, self.store, self.schedule, update_tier[0])
             choose_activation_modes(recompute, self.config.activations, [b.name for b in self.blocks], False)

@@ -18,9 +18,17 @@ from tiered_offload.engine.stats import EngineStats
 from tiered_offload.profile import measured_rates
 from tiered_offload.store.tiers import Tier
 
-__all__ = ["PlanMonitor"]
+__all__ = ["PlanMonitor", "profiled_disk_rates"]
 
 log = logging.getLogger("tiered_offload")
+
+
+def profiled_disk_rates(store) -> DiskRates | None:
+    """The rates ``tiered-offload bench-io --save-profile`` measured on the file system of the
+    store's (first) storage directory; None without a profile of it, or without a disk."""
+    backend = store.backend
+    known = measured_rates(backend.directories[0], store.config.io_profile) if backend.directories else None
+    return DiskRates(known[0], known[1], f"bench-io profile {known[2]}") if known is not None else None
 
 
 @dataclass(frozen=True)
@@ -314,11 +322,9 @@ class PlanMonitor:
     def _disk_rates(self, m: StepMeasurement) -> DiskRates:
         """The disk's rates for the plan: the bench-io profile of its file system, else what the
         measured iteration's own transfers achieved (bytes over the time any was in flight)."""
-        backend = self.store.backend
-        if backend.directories:
-            known = measured_rates(backend.directories[0], self.store.config.io_profile)
-            if known is not None:
-                return DiskRates(known[0], known[1], f"bench-io profile {known[2]}")
+        known = profiled_disk_rates(self.store)
+        if known is not None:
+            return known
         moved = m.disk_read + m.disk_written
         if moved == 0 or m.disk_busy_seconds <= 0:
             return DiskRates(0.0, 0.0, "none: the measured step moved nothing to or from disk")

@@ -11,6 +11,7 @@ import torch
 
 from offload_core.errors import ConfigError, DiskFullError, TierCapacityError
 from offload_core.sizes import format_size, format_size_up
+from tiered_offload.engine.planner import DiskRates
 from tiered_offload.engine.schedule import FP32_BYTES, Schedule
 from tiered_offload.store.tiers import Tier
 
@@ -109,23 +110,41 @@ class UpdateRates:
     """The same on the device."""
     link_Bps: float
     """Bytes per second copied between the host and the device, both ways."""
+    disk: DiskRates | None = None
+    """The disk's rates (its bench-io profile); None: not known, the disk is not weighed."""
+    journal: bool = False
+    """Whether the commits write every rewritten tensor and the gradients each step (the disk's
+    written floor, the same under both placements)."""
 
-    def seconds(self, schedule: Schedule, device_budget: int) -> dict[str, float]:
+    def seconds(self, schedule: Schedule, host_budget: int, device_budget: int) -> dict[str, float]:
         """Predicted seconds per step of each placement: the update over the whole state at its
-        rate, plus the placement's link floor (:meth:`Schedule.floors`) at the link's rate."""
-        state = schedule.state_bytes()
-        link = {where: schedule.floors(0, device_budget, update_on_host=where == "host", journal=False)["link"]
-                for where in ("host", "device")}
-        return {"host": state / self.host_Bps + link["host"] / self.link_Bps,
-                "device": state / self.device_Bps + link["device"] / self.link_Bps}
+        rate, plus the placement's floors: the link's (:meth:`Schedule.floors`) at its rate and,
+        where its rates are known, the disk's in the step mode that moves least (the step in
+        the backward, :meth:`Schedule.floors_in_backward`, where the commits are no journal).
+        The placements differ on the disk where the device tier holds more than the weights: its
+        room keeps optimizer states off the disk under an update on the device, weights only
+        under one on the host."""
+        state, memory = schedule.state_bytes(), host_budget + device_budget
+        times = {}
+        for where, rate in (("host", self.host_Bps), ("device", self.device_Bps)):
+            on_host = where == "host"
+            floors = schedule.floors(memory, device_budget, update_on_host=on_host, journal=self.journal)
+            disk = 0.0
+            if self.disk is not None:
+                modes = [floors] + ([] if self.journal else
+                                    [schedule.floors_in_backward(memory, device_budget, update_on_host=on_host)])
+                disk = min(self.disk.seconds(f["disk_read"], f["disk_written"]) for f in modes)
+            times[where] = state / rate + floors["link"] / self.link_Bps + disk
+        return times
 
 
-def measure_update_rates(spec, device: torch.device, link_Bps: float | None,
+def measure_update_rates(spec, device: torch.device, disk: DiskRates | None, journal: bool, link_Bps: float | None,
                          numel: int = 1 << 22) -> UpdateRates | None:
     """Time the user's optimizer (its first group's hyperparameters) on ``numel`` parameters (a
     2-D tensor: Muon takes no other) on the host and on ``device``, the second step (the first
     creates the state), best of three; ``link_Bps`` from the store
-    (:meth:`~tiered_offload.store.copies.CopyChains.link_rate`; None: no rates). Four million
+    (:meth:`~tiered_offload.store.copies.CopyChains.link_rate`; None: no rates); ``disk`` and
+    ``journal``: as :class:`UpdateRates`'. Four million
     parameters: a state larger than the CPU's caches, as the real one is (on a GPU a transient
     64 MiB, before the first forward's activations). On the device stand-in (the CPU) both sides
     run the same kernels, so the update's time cancels out: a small probe there."""
@@ -150,7 +169,7 @@ def measure_update_rates(spec, device: torch.device, link_Bps: float | None,
         return numel * FP32_BYTES * (2 + len(spec.kinds)) / max(min(times), 1e-9)
 
     host = update_Bps(torch.device("cpu"))
-    return UpdateRates(host, update_Bps(device) if cuda else host, link_Bps)
+    return UpdateRates(host, update_Bps(device) if cuda else host, link_Bps, disk, journal)
 
 
 def optimizer_tier(setting: str, store, schedule: Schedule, state=None, measure=None, agree=None) -> tuple[Tier, str]:
@@ -160,8 +179,9 @@ def optimizer_tier(setting: str, store, schedule: Schedule, state=None, measure=
     arrangement, the link carries the gradients down and the weights up instead of the states
     both ways; ``"device"`` updates in the device tier; ``"auto"``: the device when the whole state
     fits it or the host budget cannot hold the step's working set, else the placement whose
-    update plus link traffic takes less time at the rates ``measure(link_Bps)`` returns
-    (:class:`UpdateRates`, given the store's :meth:`link_rate`; without it, the host).
+    update plus link and disk floors take less time at the rates ``measure(link_Bps)`` returns
+    (:class:`UpdateRates`, given the store's :meth:`link_rate`; without it, the host; the disk
+    weighed where its bench-io profile gives its rates).
 
     ``state`` (the :class:`~tiered_offload.engine.train_state.TrainState`): a run resumed under
     ``"auto"`` keeps the placement its state was trained with (``state.update_tier``: the two
@@ -207,8 +227,10 @@ def _placement(setting: str, store, schedule: Schedule, resumed: str | None, mea
         return Tier.HOST, f"the state does not fit the device tier (the update rates could not be measured: {e})"
     if rates is None:
         return Tier.HOST, "the state does not fit the device tier"
-    t = rates.seconds(schedule, store.capacity(Tier.DEVICE))
+    t = rates.seconds(schedule, host, store.capacity(Tier.DEVICE))
     where = Tier.HOST if t["host"] <= t["device"] else Tier.DEVICE
+    disk = (f"disk {rates.disk.read_Bps / 1e9:.2f} / {rates.disk.write_Bps / 1e9:.2f} GB/s read / written" if rates.disk
+            else "the disk not weighed: no bench-io profile of it (tiered-offload bench-io --save-profile)")
     return where, (f"measured: {t['host']:.3f} s per step on the host against {t['device']:.3f} s on the device "
                    f"(update {rates.host_Bps / 1e9:.2f} / {rates.device_Bps / 1e9:.2f} GB/s of state, "
-                   f"link {rates.link_Bps / 1e9:.2f} GB/s)")
+                   f"link {rates.link_Bps / 1e9:.2f} GB/s, {disk})")
