@@ -104,6 +104,42 @@ def test_the_disk_room_leaves_commits_their_space_and_shares_the_disk_among_rank
     assert PlanMonitor._disk_room(monitor(50 * MiB, 100 * MiB, 1)) == 0
 
 
+def test_a_state_striped_over_two_drives_is_planned_at_their_rates_together(tmp_path, monkeypatch):
+    """RAID-0 over ``n`` directories: a transfer takes as long as its slowest directory's share, so the
+    plan's rates (and ``optimizer_device="auto"``'s) are ``n`` x the least directory's, a file system's
+    rate shared by the directories on it; they were the first directory's alone (half two drives').
+    A directory whose file system has no profile leaves the rates unknown."""
+    import tiered_offload.engine.plan_monitor as plan_monitor
+    import tiered_offload.profile as profile
+    from tiered_offload.store import TieredStore
+    monkeypatch.setenv("TIERED_OFFLOAD_PROFILE", "none")
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    drives = {a: 1001, b: 1002, c: 1001}  # c on a's drive
+
+    def fs(path):
+        return {"st_dev": next(d for p, d in drives.items() if str(path).startswith(str(p))), "mount_point": str(path)}
+    monkeypatch.setattr(profile, "filesystem_id", fs)
+    monkeypatch.setattr(plan_monitor, "filesystem_id", fs, raising=False)
+    where = tmp_path / "profile.json"
+    for d, (r, w) in ((a, (2.0, 1.0)), (b, (3.0, 1.5))):
+        profile.save_profile({"filesystem": fs(d), "recommended": {"options": {}, "read_GBps": r, "write_GBps": w}},
+                             where)
+
+    def rates(*dirs):
+        with TieredStore([str(d) for d in dirs], host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+            return plan_monitor.profiled_disk_rates(store)
+    one = rates(a)
+    assert (one.read_Bps, one.write_Bps) == (2e9, 1e9) and one.source == f"bench-io profile {where}"
+    two = rates(a, b)
+    assert (two.read_Bps, two.write_Bps) == (4e9, 2e9) and "2 directories striped over 2 file systems" in two.source
+    shared = rates(a, c)  # one drive: its rate
+    assert (shared.read_Bps, shared.write_Bps) == (2e9, 1e9)
+    three = rates(a, b, c)  # a's drive serves two of the three stripes
+    assert (three.read_Bps, three.write_Bps) == (3e9, 1.5e9)
+    drives[tmp_path / "d"] = 1003  # a drive bench-io never measured
+    assert rates(a, tmp_path / "d") is None
+
+
 def test_a_fixed_plan_is_predicted_not_changed():
     m = measured()
     m.modes = ["offload", "recompute", "offload", "keep"]
