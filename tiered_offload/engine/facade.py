@@ -203,13 +203,11 @@ class Engine(EngineViews):
         """How a step becomes durable: no commits, the journal, or snapshots."""
         try:
             recovered = self._take_state(resume)
-            # every refusal of the budgets or the configuration comes before the weights move into
-            # the store: a refused engine leaves the model as it was, to build another engine from
+            # every refusal comes before the weights move in: a refused engine leaves the model as it was, to reuse
+            measure = functools.partial(measure_update_rates, self._spec, self.device,
+                                        profiled_disk_rates(self.store), self.commit_mode == "journal")
             update_tier = optimizer_tier(self.config.optimizer_device, self.store, self.schedule, self.train_state,
-                                         functools.partial(measure_update_rates, self._spec, self.device,
-                                                           profiled_disk_rates(self.store),
-                                                           isinstance(self._commits, JournalCommits)),
-                                         self._placement.all_agree)
+                                         measure, self._placement.all_agree)
             check_step_mode(self.config, self.store, self.schedule, update_tier[0])
             choose_activation_modes(recompute, self.config.activations, [b.name for b in self.blocks], False)
             self._fill_state(recovered, init_from)
