@@ -773,6 +773,45 @@ def test_a_profile_saved_to_a_file_tunes_a_store_that_names_it(tmp_path, monkeyp
         assert store.backend.threads != 3
 
 
+DAMAGED_PROFILES = {
+    "an entry that is not an object": lambda fs: "notadict",
+    "a filesystem without its device number": lambda fs: {"filesystem": {"mount_point": "/"}, "recommended": {}},
+    "a recommendation that is not an object": lambda fs: {"filesystem": fs, "recommended": [1, 2]},
+    "a rate that is a word": lambda fs: {"filesystem": fs, "recommended": {"read_GBps": "fast", "write_GBps": 1.0}},
+    "a negative rate": lambda fs: {"filesystem": fs, "recommended": {"read_GBps": -1.0, "write_GBps": 1.0}},
+    "options that are not an object": lambda fs: {"filesystem": fs, "recommended": {"options": "threads=4"}},
+    "a thread count the backend refuses": lambda fs: {"filesystem": fs, "recommended": {"options": {"threads": -3}}},
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_PROFILES))
+def test_a_damaged_io_profile_is_named_in_a_warning_and_the_engine_trains_without_it(tmp_path, caplog, damage):
+    """A bench-io profile edited by hand or cut short is advice the store and the planner read, not
+    the state: an entry of the wrong shape crashed the store's opening (``AttributeError``,
+    ``ValueError``), the first construction of an engine with a device tier (``TypeError``:
+    ``optimizer_device="auto"`` reads the disk's rates), or the plan after the second step; a thread
+    count the backend refuses stopped it with an error that did not name the file. Now each is a
+    warning naming the file and what to do, and the engine trains without the profile."""
+    import logging
+    from tiered_offload.profile import PROFILE_VERSION, filesystem_id, measured_rates
+    from test_durable import make_model
+    fs = filesystem_id(tmp_path)
+    where = tmp_path / "profile.json"
+    where.write_text(json.dumps({"version": PROFILE_VERSION, "filesystems": {"/": DAMAGED_PROFILES[damage](fs)}}))
+    assert measured_rates(tmp_path, where) is None
+    n = sum(p.numel() for p in make_model(2).parameters())
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(tmp_path / "s", layers=2, durable=False, host_memory=16 * n,  # (a unit's update: 0.55)
+                             store_config={"io_profile": str(where), "device_budget_bytes": 16 * n * 3 // 4})
+        with engine:
+            train(engine, 3)
+            assert engine._updater.why.endswith("(tiered-offload bench-io --save-profile))")  # (not weighed)
+            assert "(bench-io profile" not in engine.plan.summary()  # (the plan's disk rates: not from it)
+            assert engine.store.backend.threads == PosixBackend(tmp_path / "x").threads  # the default
+    said = [r.getMessage() for r in caplog.records if str(where) in r.getMessage()]
+    assert said and all("tiered-offload bench-io --save-profile" in m for m in said), caplog.text
+
+
 def test_an_export_of_a_bf16_model_says_its_weights_are_fp32(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tiered_offload import Engine

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
 from offload_core.errors import ProfileError
 
-__all__ = ["default_profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates", "filesystem_id"]
+__all__ = ["default_profile_path", "profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates", "filesystem_id"]
 
 log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
@@ -46,7 +47,7 @@ def filesystem_id(path: str | os.PathLike) -> dict:
 
 def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
     """Merge ``profile`` (one file system's entry) into the profile file; returns its path."""
-    target = Path(path).expanduser() if path else default_profile_path()
+    target = profile_path(path)
     if target is None:
         raise ProfileError("profiles are disabled (TIERED_OFFLOAD_PROFILE=none); pass a path to --save-profile")
     existing = {"version": PROFILE_VERSION, "filesystems": {}}
@@ -65,7 +66,7 @@ def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
 
 def load_profile(path: str | os.PathLike | None = None) -> dict:
     """Read a profile file; raises :class:`ProfileError` naming the file if it is malformed."""
-    target = Path(path).expanduser() if path else default_profile_path()
+    target = profile_path(path)
     if target is None or not target.exists():
         return {"version": PROFILE_VERSION, "filesystems": {}}
     try:
@@ -75,7 +76,34 @@ def load_profile(path: str | os.PathLike | None = None) -> dict:
     if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION or not isinstance(data.get("filesystems"), dict):
         raise ProfileError(f"I/O profile {target} has an unknown format (expected version {PROFILE_VERSION}); "
                            f"run tiered-offload bench-io --save-profile again")
+    for mount, entry in data["filesystems"].items():
+        wrong = _entry_fault(entry)
+        if wrong:
+            raise ProfileError(f"I/O profile {target}: the entry for {mount!r} {wrong}; delete the file or run "
+                               f"tiered-offload bench-io --save-profile again")
     return data
+
+
+def _entry_fault(entry) -> str | None:
+    """What is wrong with one file system's entry of a profile (None: nothing): the shape
+    :func:`save_profile` writes, each rate a finite number of GB/s, not negative."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    fs, rec = entry.get("filesystem"), entry.get("recommended", {})
+    if not isinstance(fs, dict) or type(fs.get("st_dev")) is not int:
+        return "has no file system device number (filesystem.st_dev)"
+    if not isinstance(rec, dict) or not isinstance(rec.get("options", {}), dict):
+        return "recommends no object of options"
+    for rate in ("read_GBps", "write_GBps"):
+        v = rec.get(rate)
+        if v is not None and (type(v) not in (int, float) or not 0 <= v < math.inf):  # (0: not measured)
+            return f"gives {rate} {v!r}, not a number of GB/s"
+    return None
+
+
+def profile_path(path: str | os.PathLike | None = None) -> Path | None:
+    """The profile file ``path`` names, else the one in use (:func:`default_profile_path`)."""
+    return Path(path).expanduser() if path else default_profile_path()
 
 
 def measured_rates(location: str | os.PathLike, path: str | os.PathLike | None = None) -> tuple[float, float, str] | None:
@@ -89,7 +117,7 @@ def measured_rates(location: str | os.PathLike, path: str | os.PathLike | None =
     for entry in data["filesystems"].values():
         rec = entry.get("recommended", {})
         if entry.get("filesystem", {}).get("st_dev") == fs["st_dev"] and rec.get("read_GBps") and rec.get("write_GBps"):
-            return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(Path(path).expanduser() if path else default_profile_path())
+            return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(profile_path(path))
     return None
 
 

@@ -37,7 +37,7 @@ def open_backend(backend_arg, profile=None) -> tuple[StorageBackend, bool]:
     file whose recommended options tune a file backend on the same file system (None: the
     default profile file, ``TIERED_OFFLOAD_PROFILE`` or the per-user one)."""
     from storage_backends import create_backend, resolve_storage  # the registry imports this package's errors
-    from tiered_offload.profile import tuned_options
+    from tiered_offload.profile import profile_path, tuned_options
     spec = resolve_storage(backend_arg)
     if spec.backend is not None:
         backend, owns = spec.backend, not spec.backend.is_open
@@ -45,7 +45,16 @@ def open_backend(backend_arg, profile=None) -> tuple[StorageBackend, bool]:
         # bench-io profiles tune the file backends (threads, request size, direct I/O)
         tuned = spec.name in ("posix", "kvikio", "auto") and spec.location
         defaults = tuned_options(spec.location.split(",")[0], profile) if tuned else {}
-        backend, owns = create_backend(spec, defaults=defaults), True
+        try:
+            backend = create_backend(spec, defaults=defaults)
+        except ConfigError as e:
+            if not defaults:
+                raise
+            backend = create_backend(spec)  # (the caller's own options failing too: their error)
+            log.warning("the I/O profile %s recommends options %s that %s refuses (%s); opened without them: delete "
+                        "the file or run tiered-offload bench-io --save-profile again", profile_path(profile), defaults,
+                        spec.name, e)
+        owns = True
     if owns:
         backend.open()
     if not backend.supports_rewrite:
