@@ -812,6 +812,20 @@ def test_a_damaged_io_profile_is_named_in_a_warning_and_the_engine_trains_withou
     assert said and all("tiered-offload bench-io --save-profile" in m for m in said), caplog.text
 
 
+@pytest.mark.parametrize("variable", ["TIERED_OFFLOAD_HOST_BUDGET", "TIERED_OFFLOAD_DEVICE_BUDGET"])
+def test_a_budget_from_the_environment_that_is_no_size_names_the_variable(monkeypatch, variable):
+    """``host_memory="auto"`` / ``device_memory="auto"`` read a budget from the environment: a value
+    that is no size was refused as ``host_budget_bytes`` / ``device_budget_bytes``, which the user
+    never wrote. The error names the variable."""
+    from offload_core.errors import ConfigError
+    from tiered_offload import StoreConfig
+    monkeypatch.setenv(variable, "lots")
+    with pytest.raises(ConfigError, match=f"^{variable} .*cannot read 'lots' as a byte size"):
+        StoreConfig(host_budget_bytes="auto", device="cpu", device_budget_bytes="auto").resolved()
+    with pytest.raises(ConfigError, match="^host_budget_bytes: cannot read 'plenty'"):  # (the user's own, as before)
+        StoreConfig(host_budget_bytes="plenty", device="cpu", device_budget_bytes=0).resolved()
+
+
 def test_an_export_of_a_bf16_model_says_its_weights_are_fp32(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tiered_offload import Engine

@@ -184,12 +184,14 @@ class StoreConfig:
     def resolved(self) -> "StoreConfig":
         """A copy with ``auto`` values and size strings replaced by numbers, validated."""
         device = resolve_device(self.device)
-        host = self.host_budget_bytes
+        host, host_from = self.host_budget_bytes, "host_budget_bytes"
         if host == "auto":
             host = os.environ.get("TIERED_OFFLOAD_HOST_BUDGET") or available_memory_bytes() // 4
-        dev_budget = self.device_budget_bytes
+            host_from = "TIERED_OFFLOAD_HOST_BUDGET (host_memory='auto')" if isinstance(host, str) else host_from
+        dev_budget, dev_from = self.device_budget_bytes, "device_budget_bytes"
         if dev_budget == "auto":
             dev_budget = os.environ.get("TIERED_OFFLOAD_DEVICE_BUDGET")
+            dev_from = "TIERED_OFFLOAD_DEVICE_BUDGET (device_memory='auto')"
             if dev_budget is None:
                 dev_budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 0
         if self.prefetch_depth < 0:
@@ -207,11 +209,11 @@ class StoreConfig:
         pin = self.pin_host_memory if self.pin_host_memory is not None else device.type == "cuda"
         if pin and not torch.cuda.is_available():
             raise ConfigError("pin_host_memory=True needs CUDA; leave it None on CPU-only machines")
-        host = parse_size(host, what="host_budget_bytes")
+        host = parse_size(host, what=host_from)
         _check_host_budget(host)
         return dataclasses.replace(
             self, device=device, pin_host_memory=pin, host_budget_bytes=host,
-            device_budget_bytes=parse_size(dev_budget, what="device_budget_bytes"))
+            device_budget_bytes=parse_size(dev_budget, what=dev_from))
 
 
 def _check_host_budget(host: int) -> None:
