@@ -389,7 +389,8 @@ def test_auto_weighs_the_disk_where_its_bench_io_profile_gives_its_rates():
     the device, only weights under one on the host. Where the disk's rates are known (its bench-io
     profile), ``"auto"`` weighs the disk's floors too: a slow disk moves to the device an update the
     link alone put on the host. A fast disk leaves it there, and so do journal commits (the step
-    never runs in the backward, the one mode whose floors differ here)."""
+    never runs in the backward, the one mode whose floors differ here), and so does a device tier
+    without room for the step in the backward."""
     from tiered_offload.engine.planner import DiskRates
     from tiered_offload.engine.preflight import UpdateRates, optimizer_tier
     from tiered_offload.store.tiers import Tier
@@ -412,6 +413,11 @@ def test_auto_weighs_the_disk_where_its_bench_io_profile_gives_its_rates():
     assert t["host"] - t["device"] == pytest.approx((host_f["link"] - device_f["link"]) / 1e6 + state / 2 / 1e6)
     assert optimizer_tier("auto", store, s, measure=rates(1e12))[0] == Tier.HOST
     assert optimizer_tier("auto", store, s, measure=rates(1e6, journal=True))[0] == Tier.HOST
+    # an update on the device with no room beside the backward's pins steps after the backward
+    # (StepInBackward.short_of_room), where the two placements' disk floors are the same
+    assert s.defer_budget() <= state // 2
+    s.defer_budget = lambda: state // 2 + 1
+    assert optimizer_tier("auto", store, s, measure=rates(1e6))[0] == Tier.HOST
 
 
 def test_a_sharded_step_runs_as_plain_pytorch_only_where_the_gathered_buffers_fit_beside_the_share():

@@ -120,10 +120,11 @@ class UpdateRates:
         """Predicted seconds per step of each placement: the update over the whole state at its
         rate, plus the placement's floors: the link's (:meth:`Schedule.floors`) at its rate and,
         where its rates are known, the disk's in the step mode that moves least (the step in
-        the backward, :meth:`Schedule.floors_in_backward`, where the commits are no journal).
-        The placements differ on the disk where the device tier holds more than the weights: its
-        room keeps optimizer states off the disk under an update on the device, weights only
-        under one on the host."""
+        the backward, :meth:`Schedule.floors_in_backward`, where it can run: the commits are no
+        journal, and an update on the device has room beside the backward's pins, as
+        :meth:`StepInBackward.short_of_room` requires). The placements differ on the disk where
+        the device tier holds more than the weights: its room keeps optimizer states off the
+        disk under an update on the device, weights only under one on the host."""
         state, memory = schedule.state_bytes(), host_budget + device_budget
         times = {}
         for where, rate in (("host", self.host_Bps), ("device", self.device_Bps)):
@@ -131,8 +132,9 @@ class UpdateRates:
             floors = schedule.floors(memory, device_budget, update_on_host=on_host, journal=self.journal)
             disk = 0.0
             if self.disk is not None:
-                modes = [floors] + ([] if self.journal else
-                                    [schedule.floors_in_backward(memory, device_budget, update_on_host=on_host)])
+                in_backward = not self.journal and (on_host or device_budget >= schedule.defer_budget())
+                modes = [floors] + ([schedule.floors_in_backward(memory, device_budget, update_on_host=on_host)]
+                                    if in_backward else [])
                 disk = min(self.disk.seconds(f["disk_read"], f["disk_written"]) for f in modes)
             times[where] = state / rate + floors["link"] / self.link_Bps + disk
         return times
