@@ -19,7 +19,8 @@ from pathlib import Path
 
 from offload_core.errors import ProfileError
 
-__all__ = ["default_profile_path", "profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates", "filesystem_id"]
+__all__ = ["default_profile_path", "profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates",
+           "filesystem_id"]
 
 log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
