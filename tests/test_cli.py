@@ -37,6 +37,35 @@ def test_bench_io_small_run_writes_json_plot_and_profile(tmp_path, capsys, monke
     store.close()
 
 
+def test_bench_io_measures_each_drive_of_a_striped_store_and_says_what_the_plan_assumes(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A store striped over several drives is planned at each drive's profiled rate (``n`` x the least,
+    a file system's rate shared by the directories on it): ``--path`` given once per directory
+    measures each, saves each one's profile, and prints the rates the plan will assume, as
+    ``plan_monitor.profiled_disk_rates`` computes them for a store over those directories."""
+    from tiered_offload.engine.plan_monitor import profiled_disk_rates
+    prof = tmp_path / "profile.json"
+    monkeypatch.setenv("TIERED_OFFLOAD_PROFILE", str(prof))
+    a, b = tmp_path / "nvme0", tmp_path / "nvme1"
+    small = ["--size", "4MiB", "--request-sizes", "1MiB", "--threads", "1", "--backends", "posix-direct",
+             "--no-progress"]
+    assert main(["bench-io", "--path", str(a), "--path", str(b), "--plot", str(tmp_path / "p.png"), *small]) == 2
+    assert "one --path" in capsys.readouterr().err and not a.exists()  # refused before measuring
+    out_json = tmp_path / "r.json"
+    assert main(["bench-io", "--path", str(a), "--path", str(b), "--json", str(out_json), "--save-profile",
+                 *small]) == 0
+    text = capsys.readouterr().out
+    reports = json.loads(out_json.read_text())["reports"]
+    assert [r["path"] for r in reports] == [str(a), str(b)]
+    assert f"bench-io: 4.00 MiB per test in {a}" in text and f"bench-io: 4.00 MiB per test in {b}" in text
+    assert "on one file system" in text  # (tmp_path: both on it; its profile holds the last measurement)
+    with TieredStore([str(a), str(b)], host_budget_bytes=1 << 20) as store:
+        rates = profiled_disk_rates(store)
+    said = re.search(r"striped over these 2 directories.*: read ([0-9.]+) GB/s, write ([0-9.]+) GB/s", text)
+    assert said and (float(said[1]), float(said[2])) == (round(rates.read_Bps / 1e9, 2),
+                                                         round(rates.write_Bps / 1e9, 2)), text
+
+
 def test_bench_io_bad_path_is_a_clear_error(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

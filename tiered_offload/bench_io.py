@@ -35,7 +35,7 @@ from storage_backends import auto_choice, get_backend_class
 from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.posix import probe_direct_io
 from tiered_offload.checkpoint.lock import kind_of
-from tiered_offload.profile import default_profile_path, filesystem_id, save_profile
+from tiered_offload.profile import default_profile_path, filesystem_id, save_profile, striped_rates
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench_io", "drop_page_cache"]
 
@@ -338,8 +338,14 @@ def _write_output(flag: str, path, write):
 
 
 def main(args) -> int:
-    """The ``bench-io`` subcommand (arguments parsed by :mod:`tiered_offload.cli`)."""
+    """The ``bench-io`` subcommand (arguments parsed by :mod:`tiered_offload.cli`): each ``--path`` in
+    turn; with several, the rates a store striped over them is planned at."""
+    paths = args.path or [None]
     if args.plot:  # before measuring for minutes, not after
+        if len(paths) > 1:
+            print("bench-io: --plot draws one directory's measurements: give one --path with it (nothing was "
+                  "measured)", file=sys.stderr)
+            return 2
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -348,14 +354,32 @@ def main(args) -> int:
             return 2
     for flag, path in (("--json", args.json), ("--plot", args.plot), ("--save-profile", args.save_profile or None)):
         _check_output(flag, path)
-    cfg = BenchConfig(
-        path=args.path,
-        size_bytes=parse_size(args.size, what="--size"),
-        request_sizes=tuple(parse_size(s, what="--request-sizes") for s in args.request_sizes.split(",")),
-        thread_counts=tuple(_count(t) for t in args.threads.split(",")),
-        backends=tuple(args.backends.split(",")),
-    ).validate()
-    report = run_bench_io(cfg, progress=not args.no_progress)
+    reports = []
+    for path in paths:
+        cfg = BenchConfig(
+            path=path,
+            size_bytes=parse_size(args.size, what="--size"),
+            request_sizes=tuple(parse_size(s, what="--request-sizes") for s in args.request_sizes.split(",")),
+            thread_counts=tuple(_count(t) for t in args.threads.split(",")),
+            backends=tuple(args.backends.split(",")),
+        ).validate()
+        reports.append(run_bench_io(cfg, progress=not args.no_progress))
+        _say(reports[-1], cfg, args)
+    if len(reports) > 1:
+        _say_striped(reports, saved=args.save_profile is not None)
+    if args.json:
+        data = reports[0] if len(reports) == 1 else {"reports": reports}
+        _write_output("--json", args.json, lambda: Path(args.json).write_text(json.dumps(data, indent=2)))
+        print(f"wrote {args.json}")
+    if args.plot:
+        results = [BenchResult(**{k: v for k, v in r.items() if k != "score_GBps"}) for r in reports[0]["results"]]
+        _write_output("--plot", args.plot, lambda: plot(results, args.plot))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _say(report: dict, cfg: BenchConfig, args) -> None:
+    """Print one directory's measurements and recommendation; save its profile (``--save-profile``)."""
     results = [BenchResult(**{k: v for k, v in r.items() if k != "score_GBps"}) for r in report["results"]]
     print(f"bench-io: {format_size(cfg.size_bytes)} per test in {report['path']}"
           f"{' (temporary, removed)' if report['temporary_path'] else ''}")
@@ -368,12 +392,6 @@ def main(args) -> int:
     rec = report["recommended"]
     print(f"recommended: {rec['backend']} {json.dumps(rec['options'])}  "
           f"(read {rec['read_GBps']:.2f} GB/s, write {rec['write_GBps']:.2f} GB/s)")
-    if args.json:
-        _write_output("--json", args.json, lambda: Path(args.json).write_text(json.dumps(report, indent=2)))
-        print(f"wrote {args.json}")
-    if args.plot:
-        _write_output("--plot", args.plot, lambda: plot(results, args.plot))
-        print(f"wrote {args.plot}")
     if args.save_profile is not None:
         where = _write_output("--save-profile", args.save_profile or default_profile_path(),
                               lambda: save_profile(report, args.save_profile or None))
@@ -382,5 +400,19 @@ def main(args) -> int:
                f"stores on this file system use it with TIERED_OFFLOAD_PROFILE={where} or "
                f"store_config={{'io_profile': '{where}'}}")
         print(f"saved profile for {report['filesystem']['mount_point']} to {where} ({how})")
-    return 0
 
+
+def _say_striped(reports: list[dict], saved: bool) -> None:
+    """With several directories: the rates a store striped over them is planned at
+    (:func:`~tiered_offload.profile.striped_rates`), from each one's recommended settings, once
+    their profiles are ``saved``."""
+    last = {r["filesystem"]["st_dev"]: (r["recommended"]["read_GBps"], r["recommended"]["write_GBps"]) for r in reports}
+    if len(last) < len(reports):
+        print("note: some of these directories are on one file system: they share its rate, and its profile holds "
+              "the last measurement of it")
+    read, write = striped_rates([(fs, *last[fs]) for fs in (r["filesystem"]["st_dev"] for r in reports)])
+    dirs = ", ".join(f'"{r["path"]}"' for r in reports)
+    print(f"striped over these {len(reports)} directories (storage=[{dirs}]), the plan assumes"
+          f"{'' if saved else ' (once their profiles are saved: --save-profile)'}: read {read:.2f} GB/s, write "
+          f"{write:.2f} GB/s ({len(reports)} x the least directory's rate, directories on one file system sharing it; "
+          f"measured one at a time, not together)")

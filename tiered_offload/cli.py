@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench-io", help="measure a directory's disk throughput and recommend I/O settings",
                        description="Measure sequential read and write throughput of a directory for each backend, "
                                    "request size and thread count; verify the data; recommend the best settings.")
-    b.add_argument("--path", help="directory to test (default: a temporary directory under the current one)")
+    b.add_argument("--path", action="append",
+                   help="directory to test (default: a temporary directory under the current one); once per "
+                        "drive a store stripes over: each measured, and the rates the plan assumes for the set")
     b.add_argument("--size", default="512MiB", help="test file size per configuration (default 512MiB)")
     b.add_argument("--request-sizes", default="1MiB,4MiB,16MiB", help="comma-separated request sizes")
     b.add_argument("--threads", default="1,4,8", help="comma-separated I/O thread counts")

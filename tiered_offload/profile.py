@@ -20,7 +20,7 @@ from pathlib import Path
 from offload_core.errors import ProfileError
 
 __all__ = ["default_profile_path", "profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates",
-           "filesystem_id"]
+           "striped_rates", "filesystem_id"]
 
 log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
@@ -120,6 +120,17 @@ def measured_rates(location: str | os.PathLike, path: str | os.PathLike | None =
         if entry.get("filesystem", {}).get("st_dev") == fs["st_dev"] and rec.get("read_GBps") and rec.get("write_GBps"):
             return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(profile_path(path))
     return None
+
+
+def striped_rates(drives: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """Read and write bytes per second of a store striped over directories (RAID-0: each tensor's
+    stripes in turn), each given as ``(its file system's st_dev, that file system's read rate, write
+    rate)``: a transfer takes as long as its slowest directory's share, so ``n`` x the least of the
+    directories' rates, the directories on one file system sharing its rate."""
+    n, sharing = len(drives), {}
+    for fs, _, _ in drives:
+        sharing[fs] = sharing.get(fs, 0) + 1
+    return n * min(r / sharing[fs] for fs, r, _ in drives), n * min(w / sharing[fs] for fs, _, w in drives)
 
 
 def tuned_options(location: str | os.PathLike, path: str | os.PathLike | None = None) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from offload_core.sizes import format_size
 from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan, median
 from tiered_offload.engine.stats import EngineStats
-from tiered_offload.profile import filesystem_id, measured_rates
+from tiered_offload.profile import filesystem_id, measured_rates, striped_rates
 from tiered_offload.store.tiers import Tier
 
 __all__ = ["PlanMonitor", "profiled_disk_rates"]
@@ -25,26 +25,21 @@ log = logging.getLogger("tiered_offload")
 
 def profiled_disk_rates(store) -> DiskRates | None:
     """The rates ``tiered-offload bench-io --save-profile`` measured on the file systems of the
-    store's storage directories; None without a disk, or where a directory's file system has no
-    profile. Striped over ``n`` directories (RAID-0: each tensor's stripes in turn), a transfer
-    takes as long as its slowest directory's share: ``n`` x the least of the directories' rates,
-    each its file system's rate shared by the directories on it."""
-    directories = store.backend.directories
-    known, sharing = [], {}
-    for d in directories:
-        rates = measured_rates(d, store.config.io_profile)
-        if rates is None:
+    store's storage directories, striped (:func:`~tiered_offload.profile.striped_rates`); None
+    without a disk, or where a directory's file system has no profile."""
+    drives, where = [], None
+    for d in store.backend.directories:
+        known = measured_rates(d, store.config.io_profile)
+        if known is None:
             return None
-        fs = filesystem_id(d)["st_dev"]
-        sharing[fs] = sharing.get(fs, 0) + 1
-        known.append((fs, rates))
-    if not known:
+        drives.append((filesystem_id(d)["st_dev"], known[0], known[1]))
+        where = known[2]
+    if not drives:
         return None
-    n = len(known)
-    read = n * min(r[0] / sharing[fs] for fs, r in known)
-    write = n * min(r[1] / sharing[fs] for fs, r in known)
-    return DiskRates(read, write, f"bench-io profile {known[0][1][2]}"
-                     + (f", {n} directories striped over {len(sharing)} file systems" if n > 1 else ""))
+    read, write = striped_rates(drives)
+    n = len(drives)
+    return DiskRates(read, write, f"bench-io profile {where}" + (
+        f", {n} directories striped over {len({fs for fs, _, _ in drives})} file systems" if n > 1 else ""))
 
 
 @dataclass(frozen=True)
