@@ -773,6 +773,30 @@ def test_a_profile_saved_to_a_file_tunes_a_store_that_names_it(tmp_path, monkeyp
         assert store.backend.threads != 3
 
 
+
+def test_direct_io_measured_on_one_drive_is_not_forced_on_a_striped_drive_that_lacks_it(tmp_path, monkeypatch):
+    """A bench-io profile that measured O_DIRECT best on the first drive recommends ``direct: true``.
+    A store striped over it and a drive whose file system has no O_DIRECT (tmpfs on older kernels,
+    a network file system) got that option as if the user had demanded it: the store would not
+    open (``O_DIRECT required but unavailable``), though no one asked for direct I/O. Now a
+    profile's direct I/O means "where the file system has it", so such a store opens, buffered, and
+    logs why, as it does with no profile."""
+    import storage_backends.posix as posix
+    from tiered_offload.profile import filesystem_id, save_profile
+    from tiered_offload.store import TieredStore
+    a, b = tmp_path / "nvme", tmp_path / "nfs"
+    a.mkdir()
+    where = save_profile({"filesystem": filesystem_id(a), "recommended": {
+        "options": {"threads": 3, "chunk_bytes": 1 << 20, "direct": True}, "read_GBps": 1.5, "write_GBps": 2.5}},
+        tmp_path / "profile.json")
+    probe = posix.probe_direct_io
+    monkeypatch.setattr(posix, "probe_direct_io", lambda d: "no O_DIRECT here (EINVAL)" if Path(d) == b else probe(d))
+    with TieredStore([str(a), str(b)], host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+        assert store.backend.threads == 3 and not store.backend.supports_direct_io  # (the profile's, buffered)
+        assert f"{b}: no O_DIRECT here" in store.backend.direct_reason  # (logged as a warning)
+    with TieredStore(str(a), host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+        assert store.backend.supports_direct_io == (probe(a) is None)  # (on its own drive: as measured)
+
 DAMAGED_PROFILES = {
     "an entry that is not an object": lambda fs: "notadict",
     "a filesystem without its device number": lambda fs: {"filesystem": {"mount_point": "/"}, "recommended": {}},
@@ -808,6 +832,38 @@ def test_a_damaged_io_profile_is_named_in_a_warning_and_the_engine_trains_withou
             assert engine._updater.why.endswith("(tiered-offload bench-io --save-profile))")  # (not weighed)
             assert "(bench-io profile" not in engine.plan.summary()  # (the plan's disk rates: not from it)
             assert engine.store.backend.threads == PosixBackend(tmp_path / "x").threads  # the default
+    said = [r.getMessage() for r in caplog.records if str(where) in r.getMessage()]
+    assert said and all("tiered-offload bench-io --save-profile" in m for m in said), caplog.text
+
+
+DAMAGED_STRIPED_SETS = {
+    "sets that are not an object": lambda fss: ["x"],
+    "a set without its file systems": lambda fss: {"1,1": {"recommended": {"read_GBps": 1.0, "write_GBps": 1.0}}},
+    "a set of one file system": lambda fss: {"1": {"filesystems": fss[:1], "recommended": {}}},
+    "a set filed under other file systems": lambda fss: {"1,2": {"filesystems": fss, "recommended": {}}},
+    "a rate that is infinite": lambda fss: {",".join(str(f["st_dev"]) for f in fss): {
+        "filesystems": fss, "recommended": {"read_GBps": float("inf"), "write_GBps": 1.0}}},
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_STRIPED_SETS))
+def test_a_damaged_striped_set_in_an_io_profile_is_named_in_a_warning_and_ignored(tmp_path, caplog, damage):
+    """The entry bench-io saves for directories measured together (a striped store's options and
+    rates) is checked as each file system's is: a damaged one is a warning naming the file, and a
+    store over those directories opens with the default options and plans without its rates."""
+    import logging
+    from tiered_offload.engine.plan_monitor import profiled_disk_rates
+    from tiered_offload.profile import PROFILE_VERSION, filesystem_id
+    from tiered_offload.store import TieredStore
+    a, b = tmp_path / "nvme0", tmp_path / "nvme1"
+    fss = [filesystem_id(tmp_path)] * 2
+    where = tmp_path / "profile.json"
+    where.write_text(json.dumps({"version": PROFILE_VERSION, "filesystems": {},
+                                 "striped": DAMAGED_STRIPED_SETS[damage](fss)}, allow_nan=True))
+    with caplog.at_level(logging.WARNING):
+        with TieredStore([str(a), str(b)], host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+            assert store.backend.threads == PosixBackend(tmp_path / "x").threads  # the default
+            assert profiled_disk_rates(store) is None
     said = [r.getMessage() for r in caplog.records if str(where) in r.getMessage()]
     assert said and all("tiered-offload bench-io --save-profile" in m for m in said), caplog.text
 

@@ -178,6 +178,61 @@ def _measure(mode: str, directory: Path, request: int, threads: int, src: torch.
     return BenchResult(mode, request, threads, n / write_s / GB, n / read_s / GB, verified, cache)
 
 
+def _measure_plan(plan: list[tuple[str, int, int]], location, size: int, progress: bool) -> list[BenchResult]:
+    """Measure each ``(mode, request, threads)`` of ``plan`` on ``location`` (a directory, or a list
+    of them: striped), a test file of ``size`` bytes each."""
+    host_src = aligned_empty(size)
+    g = torch.Generator().manual_seed(1234)
+    host_src.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g))
+    host_dst = aligned_empty(size)
+    results: list[BenchResult] = []
+    from tqdm import tqdm
+    bar = tqdm(plan, desc="bench-io", unit="cfg", disable=not progress, leave=False)
+    for mode, req, threads in bar:
+        bar.set_postfix_str(f"{mode} {format_size(req)} x{threads}")
+        if mode == "kvikio":
+            src, dst = host_src.to("cuda"), torch.empty(size, dtype=torch.uint8, device="cuda")
+        else:
+            src, dst = host_src, host_dst
+        results.append(_measure(mode, location, req, threads, src, dst))
+    bar.close()
+    return results
+
+
+def run_bench_striped(cfg: BenchConfig, reports: list[dict], *, progress: bool = True) -> dict:
+    """Measure the directories of ``reports`` (each one's :func:`run_bench_io`, in order) together,
+    striped as a store over them stripes them (one backend over all, ``--size`` a directory), in the
+    mode their recommendations share, at each request size and thread count of ``cfg`` and at the
+    sum of their recommended thread counts; return the report of the set (``--save-profile`` saves
+    it as the striped set's entry: the store over them is tuned and planned by it)."""
+    recs = [r["recommended"] for r in reports]
+    if any(r["backend"] == "aiofiles" for r in recs):
+        return {"skipped": "aiofiles was recommended for a directory, and it stores one directory (striping is a "
+                           "posix backend feature)"}
+    direct = all(r["options"].get("direct", True) for r in recs)  # (kvikio's: the posix path's O_DIRECT)
+    mode = "kvikio" if all(r["backend"] == "kvikio" for r in recs) else "posix-direct" if direct else "posix-buffered"
+    threads = sorted(set(cfg.thread_counts) | {sum(r["options"].get("threads", 1) for r in recs)})
+    plan = [(mode, req, t) for req in cfg.request_sizes for t in threads]
+    directories = [Path(r["path"]) for r in reports]
+    size = cfg.size_bytes * len(directories)
+    results = _measure_plan(plan, directories, size, progress)
+    best = recommend(results)
+    rule = striped_rates([(r["filesystem"]["st_dev"], rec["read_GBps"], rec["write_GBps"])
+                          for r, rec in zip(reports, recs)])
+    return {
+        "tool": "tiered-offload bench-io",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "directories": [str(d) for d in directories],
+        "filesystems": [r["filesystem"] for r in reports],
+        "size_bytes": size,
+        "results": [dataclasses.asdict(r) | {"score_GBps": r.score} for r in results],
+        "one_at_a_time": {"read_GBps": rule[0], "write_GBps": rule[1]},
+        "recommended": {"backend": "kvikio" if mode == "kvikio" else "posix", "options": _options_for(best),
+                        "read_GBps": best.read_GBps, "write_GBps": best.write_GBps},
+    }
+
+
 def recommend(results: list[BenchResult]) -> BenchResult:
     """The best verified configuration; among those within 3% of the best, the fewest threads."""
     # kvikio in compatibility mode is never recommended: auto would not pick it (see auto_choice)
@@ -260,22 +315,8 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
             shutil.rmtree(directory, ignore_errors=True)
         raise ConfigError(f"no mode of --backends can run here: {'; '.join(notes)}; name others "
                           f"({', '.join(MODES)})")
-    host_src = aligned_empty(cfg.size_bytes)
-    g = torch.Generator().manual_seed(1234)
-    host_src.copy_(torch.randint(0, 256, (cfg.size_bytes,), dtype=torch.uint8, generator=g))
-    host_dst = aligned_empty(cfg.size_bytes)
-    results: list[BenchResult] = []
     try:
-        from tqdm import tqdm
-        bar = tqdm(plan, desc="bench-io", unit="cfg", disable=not progress, leave=False)
-        for mode, req, threads in bar:
-            bar.set_postfix_str(f"{mode} {format_size(req)} x{threads}")
-            if mode == "kvikio":
-                src, dst = host_src.to("cuda"), torch.empty(cfg.size_bytes, dtype=torch.uint8, device="cuda")
-            else:
-                src, dst = host_src, host_dst
-            results.append(_measure(mode, directory, req, threads, src, dst))
-        bar.close()
+        results = _measure_plan(plan, directory, cfg.size_bytes, progress)
     finally:
         if created_tmp:
             shutil.rmtree(directory, ignore_errors=True)
@@ -339,7 +380,7 @@ def _write_output(flag: str, path, write):
 
 def main(args) -> int:
     """The ``bench-io`` subcommand (arguments parsed by :mod:`tiered_offload.cli`): each ``--path`` in
-    turn; with several, the rates a store striped over them is planned at."""
+    turn; with several, then all of them together, striped as a store over them is."""
     paths = args.path or [None]
     if args.plot:  # before measuring for minutes, not after
         if len(paths) > 1:
@@ -354,7 +395,7 @@ def main(args) -> int:
             return 2
     for flag, path in (("--json", args.json), ("--plot", args.plot), ("--save-profile", args.save_profile or None)):
         _check_output(flag, path)
-    reports = []
+    reports, striped = [], None
     for path in paths:
         cfg = BenchConfig(
             path=path,
@@ -366,9 +407,10 @@ def main(args) -> int:
         reports.append(run_bench_io(cfg, progress=not args.no_progress))
         _say(reports[-1], cfg, args)
     if len(reports) > 1:
-        _say_striped(reports, saved=args.save_profile is not None)
+        striped = run_bench_striped(cfg, reports, progress=not args.no_progress)
+        _say_striped(striped, reports, args)
     if args.json:
-        data = reports[0] if len(reports) == 1 else {"reports": reports}
+        data = reports[0] if striped is None else {"reports": reports, "striped": striped}
         _write_output("--json", args.json, lambda: Path(args.json).write_text(json.dumps(data, indent=2)))
         print(f"wrote {args.json}")
     if args.plot:
@@ -402,17 +444,36 @@ def _say(report: dict, cfg: BenchConfig, args) -> None:
         print(f"saved profile for {report['filesystem']['mount_point']} to {where} ({how})")
 
 
-def _say_striped(reports: list[dict], saved: bool) -> None:
-    """With several directories: the rates a store striped over them is planned at
-    (:func:`~tiered_offload.profile.striped_rates`), from each one's recommended settings, once
-    their profiles are ``saved``."""
-    last = {r["filesystem"]["st_dev"]: (r["recommended"]["read_GBps"], r["recommended"]["write_GBps"]) for r in reports}
-    if len(last) < len(reports):
-        print("note: some of these directories are on one file system: they share its rate, and its profile holds "
-              "the last measurement of it")
-    read, write = striped_rates([(fs, *last[fs]) for fs in (r["filesystem"]["st_dev"] for r in reports)])
+def _say_striped(striped: dict, reports: list[dict], args) -> None:
+    """Print the directories' measurement together (:func:`run_bench_striped`) against the rates
+    of each one alone; save it as the striped set's profile entry (``--save-profile``)."""
+    if len({r["filesystem"]["st_dev"] for r in reports}) < len(reports):
+        print("note: some of these directories are on one file system: they share its rate")
     dirs = ", ".join(f'"{r["path"]}"' for r in reports)
-    print(f"striped over these {len(reports)} directories (storage=[{dirs}]), the plan assumes"
-          f"{'' if saved else ' (once their profiles are saved: --save-profile)'}: read {read:.2f} GB/s, write "
-          f"{write:.2f} GB/s ({len(reports)} x the least directory's rate, directories on one file system sharing it; "
-          f"measured one at a time, not together)")
+    if "skipped" in striped:
+        print(f"striped over these {len(reports)} directories (storage=[{dirs}]): not measured together: "
+              f"{striped['skipped']}")
+        return
+    results = [BenchResult(**{k: v for k, v in r.items() if k != "score_GBps"}) for r in striped["results"]]
+    print(f"bench-io: striped over these {len(reports)} directories (storage=[{dirs}]), measured together, "
+          f"{format_size(striped['size_bytes'])} per test")
+    print(format_table(results))
+    rec, alone = striped["recommended"], striped["one_at_a_time"]
+    times = f"{_times(rec['read_GBps'], alone['read_GBps'])} and {_times(rec['write_GBps'], alone['write_GBps'])}"
+    print(f"recommended for the striped store: {rec['backend']} {json.dumps(rec['options'])}  (read "
+          f"{rec['read_GBps']:.2f} GB/s, write {rec['write_GBps']:.2f} GB/s: {times} what the plan's rule makes of "
+          f"the directories measured alone, {alone['read_GBps']:.2f} and {alone['write_GBps']:.2f} GB/s: "
+          f"{len(reports)} x the least, directories on one file system sharing its rate)")
+    if args.save_profile is not None:
+        where = _write_output("--save-profile", args.save_profile or default_profile_path(),
+                              lambda: save_profile(striped, args.save_profile or None))
+        print(f"saved profile for the striped set to {where}: a store over these directories uses its options, and "
+              f"its plan these rates")
+    else:
+        print("a store over these directories uses its options, and its plan these rates, once saved "
+              "(--save-profile)")
+
+
+def _times(measured: float, alone: float) -> str:
+    """``measured`` as a multiple of ``alone`` ("-" where nothing was measured alone)."""
+    return f"{measured / alone:.2f}x" if alone > 0 else "-"

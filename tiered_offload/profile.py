@@ -5,6 +5,12 @@ mount point), the backend options that gave the best throughput. :func:`tuned_op
 those options for a storage location on the same file system, and nothing for any other, so a
 profile measured on one drive never silently tunes another.
 
+A store striped over several directories is tuned and planned by the entry ``bench-io`` saves when
+given a ``--path`` per directory: it measures them together, striped as the store stripes them,
+and records the set by its directories' file systems (:func:`striped_key`). A set with no such
+entry takes its first directory's options, and ``n`` x the least directory's rates
+(:func:`striped_rates`).
+
 Where: ``--save-profile PATH``, by default ``~/.config/tiered-offload/io-profile.json``; the
 environment variable ``TIERED_OFFLOAD_PROFILE`` points elsewhere, or disables profiles with ``none``.
 """
@@ -20,7 +26,7 @@ from pathlib import Path
 from offload_core.errors import ProfileError
 
 __all__ = ["default_profile_path", "profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates",
-           "striped_rates", "filesystem_id"]
+           "striped_rates", "striped_key", "measured_striped_rates", "filesystem_id"]
 
 log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
@@ -47,7 +53,8 @@ def filesystem_id(path: str | os.PathLike) -> dict:
 
 
 def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
-    """Merge ``profile`` (one file system's entry) into the profile file; returns its path."""
+    """Merge ``profile`` (one file system's entry, or a striped set's: one with ``filesystems``) into
+    the profile file; returns its path."""
     target = profile_path(path)
     if target is None:
         raise ProfileError("profiles are disabled (TIERED_OFFLOAD_PROFILE=none); pass a path to --save-profile")
@@ -57,7 +64,10 @@ def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
             existing = load_profile(target)
         except ProfileError:
             log.warning("replacing unreadable profile %s", target)
-    existing["filesystems"][profile["filesystem"]["mount_point"]] = profile
+    if "filesystems" in profile:
+        existing.setdefault("striped", {})[striped_key(profile["filesystems"])] = profile
+    else:
+        existing["filesystems"][profile["filesystem"]["mount_point"]] = profile
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = target.with_suffix(".tmp")
     tmp.write_text(json.dumps(existing, indent=2, sort_keys=True))
@@ -69,7 +79,7 @@ def load_profile(path: str | os.PathLike | None = None) -> dict:
     """Read a profile file; raises :class:`ProfileError` naming the file if it is malformed."""
     target = profile_path(path)
     if target is None or not target.exists():
-        return {"version": PROFILE_VERSION, "filesystems": {}}
+        return {"version": PROFILE_VERSION, "filesystems": {}, "striped": {}}
     try:
         data = json.loads(target.read_text())
     except (OSError, ValueError) as e:
@@ -82,16 +92,32 @@ def load_profile(path: str | os.PathLike | None = None) -> dict:
         if wrong:
             raise ProfileError(f"I/O profile {target}: the entry for {mount!r} {wrong}; delete the file or run "
                                f"tiered-offload bench-io --save-profile again")
+    striped = data.setdefault("striped", {})
+    if not isinstance(striped, dict):
+        raise ProfileError(f"I/O profile {target}: its striped sets are not an object; delete the file or run "
+                           f"tiered-offload bench-io --save-profile again")
+    for key, entry in striped.items():
+        wrong = _entry_fault(entry, striped=True)
+        if wrong is None and key != striped_key(entry["filesystems"]):
+            wrong = f"is filed under another set's file systems ({striped_key(entry['filesystems'])})"
+        if wrong:
+            raise ProfileError(f"I/O profile {target}: the striped set {key!r} {wrong}; delete the file or run "
+                               f"tiered-offload bench-io --save-profile again with a --path per directory")
     return data
 
 
-def _entry_fault(entry) -> str | None:
-    """What is wrong with one file system's entry of a profile (None: nothing): the shape
-    :func:`save_profile` writes, each rate a finite number of GB/s, not negative."""
+def _entry_fault(entry, striped: bool = False) -> str | None:
+    """What is wrong with one file system's entry of a profile, or a striped set's (None: nothing):
+    the shape :func:`save_profile` writes, each rate a finite number of GB/s, not negative."""
     if not isinstance(entry, dict):
         return "is not an object"
-    fs, rec = entry.get("filesystem"), entry.get("recommended", {})
-    if not isinstance(fs, dict) or type(fs.get("st_dev")) is not int:
+    rec = entry.get("recommended", {})
+    if striped:
+        fss = entry.get("filesystems")
+        if not isinstance(fss, list) or len(fss) < 2 or not all(
+                isinstance(fs, dict) and type(fs.get("st_dev")) is int for fs in fss):
+            return "has no list of its directories' file system device numbers (filesystems[].st_dev)"
+    elif not isinstance(entry.get("filesystem"), dict) or type(entry["filesystem"].get("st_dev")) is not int:
         return "has no file system device number (filesystem.st_dev)"
     if not isinstance(rec, dict) or not isinstance(rec.get("options", {}), dict):
         return "recommends no object of options"
@@ -122,6 +148,31 @@ def measured_rates(location: str | os.PathLike, path: str | os.PathLike | None =
     return None
 
 
+def striped_key(locations) -> str:
+    """The key of a striped set's entry: the file systems of its directories (each a path, or a
+    :func:`filesystem_id`), sorted, as many times as the set has directories on each."""
+    return ",".join(sorted(str(loc["st_dev"] if isinstance(loc, dict) else filesystem_id(loc)["st_dev"])
+                           for loc in locations))
+
+
+def _directories(location) -> list:
+    """The directories a storage location names: a list, or a string separated by commas."""
+    return [p for p in str(location).split(",") if p] if isinstance(location, (str, os.PathLike)) else list(location)
+
+
+def measured_striped_rates(locations, path: str | os.PathLike | None = None) -> tuple[float, float, str] | None:
+    """``(read bytes/s, write bytes/s, profile path)`` that bench-io measured for directories on the
+    file systems of ``locations`` (two or more) striped together; None if no profile has the set."""
+    try:
+        data = load_profile(path)
+    except ProfileError:
+        return None
+    rec = data["striped"].get(striped_key(_directories(locations)), {}).get("recommended", {})
+    if rec.get("read_GBps") and rec.get("write_GBps"):
+        return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(profile_path(path))
+    return None
+
+
 def striped_rates(drives: list[tuple[int, float, float]]) -> tuple[float, float]:
     """Read and write bytes per second of a store striped over directories (RAID-0: each tensor's
     stripes in turn), each given as ``(its file system's st_dev, that file system's read rate, write
@@ -133,15 +184,29 @@ def striped_rates(drives: list[tuple[int, float, float]]) -> tuple[float, float]
     return n * min(r / sharing[fs] for fs, r, _ in drives), n * min(w / sharing[fs] for fs, _, w in drives)
 
 
-def tuned_options(location: str | os.PathLike, path: str | os.PathLike | None = None) -> dict:
-    """Backend options measured best for the file system holding ``location``; {} if none match."""
+def tuned_options(location, path: str | os.PathLike | None = None) -> dict:
+    """Backend options measured best for ``location`` (a directory, or several: a list or a string
+    separated by commas): its striped set's, else its first directory's file system's; {} if none."""
     try:
         data = load_profile(path)
     except ProfileError as e:
         log.warning("%s", e)
         return {}
-    fs = filesystem_id(location)
+    directories = _directories(location)
+    if len(directories) > 1 and striped_key(directories) in data["striped"]:
+        return _as_defaults(data["striped"][striped_key(directories)])
+    fs = filesystem_id(directories[0])
     for entry in data["filesystems"].values():
         if entry.get("filesystem", {}).get("st_dev") == fs["st_dev"]:
-            return dict(entry.get("recommended", {}).get("options", {}))
+            return _as_defaults(entry)
     return {}
+
+
+def _as_defaults(entry: dict) -> dict:
+    """An entry's recommended options as a backend's defaults. Direct I/O measured best becomes
+    ``"auto"`` (where the file system has it), not ``True``: a store whose other directory has none
+    would refuse to open, though nobody asked for direct I/O (it opens buffered, logging why)."""
+    options = dict(entry.get("recommended", {}).get("options", {}))
+    if options.get("direct") is True:
+        options["direct"] = "auto"
+    return options

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from offload_core.sizes import format_size
 from tiered_offload.engine.planner import DiskRates, Plan, StepMeasurement, make_plan, median
 from tiered_offload.engine.stats import EngineStats
-from tiered_offload.profile import filesystem_id, measured_rates, striped_rates
+from tiered_offload.profile import filesystem_id, measured_rates, measured_striped_rates, striped_rates
 from tiered_offload.store.tiers import Tier
 
 __all__ = ["PlanMonitor", "profiled_disk_rates"]
@@ -24,9 +24,15 @@ log = logging.getLogger("tiered_offload")
 
 
 def profiled_disk_rates(store) -> DiskRates | None:
-    """The rates ``tiered-offload bench-io --save-profile`` measured on the file systems of the
-    store's storage directories, striped (:func:`~tiered_offload.profile.striped_rates`); None
-    without a disk, or where a directory's file system has no profile."""
+    """The rates ``tiered-offload bench-io --save-profile`` measured for the store's storage
+    directories: striped together where it measured their set, else each directory's file system's,
+    striped (:func:`~tiered_offload.profile.striped_rates`); None without a disk, or where a
+    directory's file system has no profile."""
+    dirs = store.backend.directories
+    together = measured_striped_rates(dirs, store.config.io_profile) if len(dirs) > 1 else None
+    if together is not None:
+        return DiskRates(together[0], together[1], f"bench-io profile {together[2]}, {len(dirs)} directories "
+                                                   f"measured striped together")
     drives, where = [], None
     for d in store.backend.directories:
         known = measured_rates(d, store.config.io_profile)

@@ -44,7 +44,7 @@ def open_backend(backend_arg, profile=None) -> tuple[StorageBackend, bool]:
     else:
         # bench-io profiles tune the file backends (threads, request size, direct I/O)
         tuned = spec.name in ("posix", "kvikio", "auto") and spec.location
-        defaults = tuned_options(spec.location.split(",")[0], profile) if tuned else {}
+        defaults = tuned_options(spec.location, profile) if tuned else {}
         try:
             backend = create_backend(spec, defaults=defaults)
         except ConfigError as e:
