@@ -11,7 +11,7 @@ from pathlib import Path
 from offload_core.errors import DiskFullError, StorageDirectoryError, StorageIOError
 from offload_core.sizes import format_size
 
-__all__ = ["prepare_directory", "fsync_path", "disk_full", "regular_size"]
+__all__ = ["prepare_directory", "fsync_path", "disk_full", "regular_size", "striped_free"]
 
 
 def prepare_directory(directory: Path, *, create: bool, writable: bool = True) -> None:
@@ -47,6 +47,19 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def striped_free(directories) -> int:
+    """Bytes a set of directories can take when each gets an even share (RAID-0 stripes): a file
+    system holding ``k`` of the ``n`` directories takes ``k / n`` of them, so the least of its free
+    bytes x ``n / k``. A directory not made yet counts on its nearest existing parent's file system."""
+    shares: dict[int, list] = {}
+    for d in directories:
+        p = Path(d).expanduser().absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        shares.setdefault(os.stat(p).st_dev, [0, shutil.disk_usage(p).free])[0] += 1
+    return min(free * len(directories) // k for k, free in shares.values())
 
 
 def disk_full(key: str, path: str, needed: int, what: str = "writing") -> DiskFullError:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from offload_core.errors import (
 from offload_core.futures import IOFuture, gather
 from offload_core.sizes import parse_size
 
-from ._files import disk_full, fsync_path, prepare_directory, regular_size
+from ._files import disk_full, fsync_path, prepare_directory, regular_size, striped_free
 from .base import StorageBackend, filename_to_key, key_to_filename
 
 __all__ = ["PosixBackend", "probe_direct_io"]
@@ -432,8 +431,7 @@ class PosixBackend(StorageBackend):
             fsync_path(d)
 
     def free_bytes(self) -> int | None:
-        # Stripes spread evenly, so the fullest directory bounds what the set can take.
-        return min(shutil.disk_usage(d).free for d in self.directories) * len(self.directories)
+        return striped_free(self.directories)  # (stripes spread evenly: directories on one file system share it)
 
 
 def _address(mv: memoryview) -> int:

@@ -390,6 +390,61 @@ def test_enospc_on_a_small_file_system(tmp_path):
         os.system(f"umount {mnt}")
 
 
+
+def _free_by_place(monkeypatch, free: dict):
+    """``shutil.disk_usage`` reporting ``free[prefix]`` bytes free for a path under ``prefix``."""
+    import shutil
+    real = shutil.disk_usage
+
+    def usage(path):
+        got = real(path)
+        return got._replace(free=next(v for k, v in free.items() if str(path).startswith(str(k))))
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+
+
+def test_striped_directories_on_one_file_system_share_its_free_space(tmp_path, monkeypatch):
+    """Stripes spread evenly over the directories, so the set holds ``n`` x the least free
+    directory's space only where each is on its own file system. Two directories on one file
+    system share its free space: the set was said to hold twice what it can, so the engine's
+    check before training passed a state the disk could not hold, and the run failed with a full
+    disk after it began. Now the check refuses it up front."""
+    _free_by_place(monkeypatch, {tmp_path: 10 << 20})
+    b = PosixBackend([tmp_path / "a", tmp_path / "b"]).open()
+    try:
+        assert b.free_bytes() == 10 << 20  # (before: 20 MiB)
+    finally:
+        b.close()
+    from tiered_offload.engine.preflight import check_disk
+    b = PosixBackend([tmp_path / "a", tmp_path / "b"]).open()
+    try:
+        with pytest.raises(DiskFullError, match=r"needs 16\.00 MiB .* but 10\.00 MiB .* is free"):
+            check_disk(b, 16 << 20, 0)
+    finally:
+        b.close()
+
+
+def test_striped_directories_over_file_systems_hold_what_the_fullest_share_allows(tmp_path, monkeypatch):
+    """A file system holding ``k`` of ``n`` directories takes ``k / n`` of the set's bytes."""
+    other = Path("/dev/shm")
+    if not other.is_dir() or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs a second file system (/dev/shm); the test above covers one")
+    shm = other / f"tiered-offload-test-{os.getpid()}"
+    _free_by_place(monkeypatch, {tmp_path: 10 << 20, other: 30 << 20})
+    try:
+        b = PosixBackend([tmp_path / "a", tmp_path / "b", shm]).open()
+        try:
+            assert b.free_bytes() == 15 << 20  # (10 MiB for 2 of 3 stripes; before: 30 MiB, 3 x the least)
+        finally:
+            b.close()
+        b = PosixBackend([tmp_path / "a", shm]).open()
+        try:
+            assert b.free_bytes() == 20 << 20  # (each its own: 2 x the least, as before)
+        finally:
+            b.close()
+    finally:
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)
+
 def test_injected_enospc_is_reported_not_swallowed(tmp_path):
     b = FaultInjectingBackend(MemoryBackend(), write_quota_bytes=1000).open()
     try:

@@ -144,6 +144,20 @@ def test_bench_io_refuses_more_than_the_free_space(tmp_path, capsys):
     assert "free" in err and "--size" in err and str(tmp_path) in err
 
 
+
+def test_bench_io_refuses_drives_measured_together_that_their_free_space_cannot_hold(tmp_path, capsys, monkeypatch):
+    """Measured together, the drives hold ``--size`` each at once, and directories on one file
+    system share its free space: a size each fits alone, but not together, is refused before
+    anything is measured (not after each drive's minutes of measuring)."""
+    import shutil
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=6 << 20))
+    a, b = tmp_path / "nvme0", tmp_path / "nvme1"
+    rc = main(["bench-io", "--path", str(a), "--path", str(b), "--size", "4MiB", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "8.00 MiB" in err and f"{a}, {b}" in err and "--size" in err, err
+    assert not a.exists() and not b.exists()
+
 def test_corrupt_profile_names_the_file(tmp_path):
     p = tmp_path / "p.json"
     p.write_text("{not json")

@@ -32,6 +32,7 @@ from offload_core.buffers import aligned_empty
 from offload_core.errors import ConfigError, StorageDirectoryError
 from offload_core.sizes import format_size, parse_size
 from storage_backends import auto_choice, get_backend_class
+from storage_backends._files import striped_free
 from storage_backends.kvikio_backend import kvikio_status
 from storage_backends.posix import probe_direct_io
 from tiered_offload.checkpoint.lock import kind_of
@@ -178,6 +179,14 @@ def _measure(mode: str, directory: Path, request: int, threads: int, src: torch.
     return BenchResult(mode, request, threads, n / write_s / GB, n / read_s / GB, verified, cache)
 
 
+def _check_free(need: int, free: int, where) -> None:
+    """Refuse a test file of ``need`` bytes that ``free`` bytes (with a tenth to spare) cannot hold."""
+    if need > free * 0.9:
+        from offload_core.errors import DiskFullError
+        raise DiskFullError(f"bench-io needs {format_size(need)} in {where} but only {format_size(free)} is free; pass "
+                            f"a smaller --size", path=str(where), needed_bytes=need, free_bytes=free)
+
+
 def _measure_plan(plan: list[tuple[str, int, int]], location, size: int, progress: bool) -> list[BenchResult]:
     """Measure each ``(mode, request, threads)`` of ``plan`` on ``location`` (a directory, or a list
     of them: striped), a test file of ``size`` bytes each."""
@@ -215,6 +224,7 @@ def run_bench_striped(cfg: BenchConfig, reports: list[dict], *, progress: bool =
     plan = [(mode, req, t) for req in cfg.request_sizes for t in threads]
     directories = [Path(r["path"]) for r in reports]
     size = cfg.size_bytes * len(directories)
+    _check_free(size, striped_free(directories), ", ".join(map(str, directories)))
     results = _measure_plan(plan, directories, size, progress)
     best = recommend(results)
     rule = striped_rates([(r["filesystem"]["st_dev"], rec["read_GBps"], rec["write_GBps"])
@@ -304,11 +314,7 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
         raise StorageDirectoryError(e.errno, f"cannot create benchmark directory {directory}: {e.strerror}") from e
     if not os.access(directory, os.W_OK):
         raise StorageDirectoryError(13, f"benchmark directory {directory} is not writable; pass --path to a writable directory")
-    free = shutil.disk_usage(directory).free
-    if cfg.size_bytes > free * 0.9:
-        from offload_core.errors import DiskFullError
-        raise DiskFullError(f"bench-io needs {format_size(cfg.size_bytes)} in {directory} but only {format_size(free)} "
-                            f"is free; pass a smaller --size", path=str(directory), needed_bytes=cfg.size_bytes, free_bytes=free)
+    _check_free(cfg.size_bytes, shutil.disk_usage(directory).free, directory)
     plan, notes = _plan(cfg, directory)
     if not plan:
         if created_tmp:
@@ -395,6 +401,8 @@ def main(args) -> int:
             return 2
     for flag, path in (("--json", args.json), ("--plot", args.plot), ("--save-profile", args.save_profile or None)):
         _check_output(flag, path)
+    if len(paths) > 1:  # (measured together: --size in each, on file systems that some may share)
+        _check_free(len(paths) * parse_size(args.size, what="--size"), striped_free(paths), ", ".join(paths))
     reports, striped = [], None
     for path in paths:
         cfg = BenchConfig(
