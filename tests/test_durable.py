@@ -359,12 +359,14 @@ def test_the_update_runs_beside_the_intent_and_dying_before_it_is_durable_loses_
 
 def test_kill_loop_resumes_bitwise_every_time(tmp_path, zygote):
     """SIGKILL at random moments (start-up, forward, backward, write-back, commit), resume each time;
-    every block counts its calls in a persistent buffer its output depends on (committed with each step)."""
+    every block counts its calls in a persistent buffer its output depends on (committed with each step);
+    the state striped over two directories in 16 KiB stripes."""
     from crash_loop import crash_loop
     # 8 kills: the workers fork from a zygote that has imported torch (a start takes 0.1 s, not 6);
     # tools/crash_loop.py runs 30+
     summary = crash_loop(tmp_path, kills=8, steps=8, layers=8, seed=1, log=lambda *_: None, zygote=zygote,
-                         buffers=True)
+                         buffers=True, stripes=2)
+    assert sum(f.stat().st_size for f in (tmp_path / "reference.stripe1").iterdir() if f.is_file()) > 0
     assert summary["kills"] == 8
     assert summary["identical"], summary
     assert summary["resumes"] >= 2 and summary["resumes_bitwise_identical"] == summary["resumes"], summary

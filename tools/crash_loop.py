@@ -58,7 +58,7 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
            buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
-           in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto") -> None:
+           in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto", stripes: int = 1) -> None:
     import numpy as np
     import torch
 
@@ -77,7 +77,10 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
         # host_fraction 1.0: the 16 bytes per parameter of state, less what page alignment takes: the
         # state does not quite fit, units stream through the disk and commits use the journal
         opt_cls, opt_kwargs = OPTIMIZERS[optimizer]
-        engine = Engine(model, getattr(torch.optim, opt_cls), opt_kwargs, storage=directory,
+        # striped: 16 KiB stripes, so that the tensors of this small model spread over the directories
+        storage = (f"posix:{','.join(map(str, _stripes(Path(directory), stripes)))}?stripe_bytes=16KiB" if stripes > 1
+                   else directory)
+        engine = Engine(model, getattr(torch.optim, opt_cls), opt_kwargs, storage=storage,
                         host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every,
                         # a device tier of CPU memory: the GPU's three tiers on the CPU
                         store_config={"device_budget_bytes": int(16 * n * device_fraction)} if device_fraction
@@ -187,7 +190,8 @@ WORKER_ENV = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: bool = False, commit_every: int = 1,
                  host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
                  buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
-                 in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto") -> list[str]:
+                 in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto",
+                 stripes: int = 1) -> list[str]:
     """A worker's command-line arguments (``main`` parses them in the fork as in a fresh process)."""
     return (["--worker", str(directory), "--steps", str(steps), "--layers", str(layers), "--out", str(out),
              "--commit-every", str(commit_every), "--host-fraction", str(host_fraction),
@@ -195,7 +199,7 @@ def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: b
             + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
             + ["--accumulate", str(accumulate), "--dropout", str(dropout), "--own-noise", str(own_noise)]
             + (["--step-in-backward"] if in_backward else []) + (["--clip-in-backward", str(clip)] if clip else [])
-            + ["--optimizer-device", optimizer_device])
+            + ["--optimizer-device", optimizer_device, "--stripes", str(stripes)])
 
 
 def _zygote() -> Zygote:
@@ -265,12 +269,20 @@ class _Output:
         return "".join(self._out), "".join(self._err)
 
 
+def _stripes(directory: Path, stripes: int = 0) -> list[Path]:
+    """The directories of a run in ``directory``: it, then its ``.stripe1``... siblings (``stripes``
+    of them in all; 0: those that exist)."""
+    if stripes:
+        return [directory] + [directory.with_name(f"{directory.name}.stripe{i}") for i in range(1, stripes)]
+    return [directory] + sorted(directory.parent.glob(f"{directory.name}.stripe*"))
+
+
 def _du(directory: Path) -> tuple[int, int]:
-    """Bytes of the training state's files in ``directory``, and of the offloaded activations there
-    apart (the README's bound on extra space is the state's; activations spill only as far as the
-    free space holds them)."""
+    """Bytes of the training state's files in ``directory`` (and its stripes' directories), and of
+    the offloaded activations there apart (the README's bound on extra space is the state's;
+    activations spill only as far as the free space holds them)."""
     total = activations = 0
-    for root, _dirs, files in os.walk(directory):
+    for root, _dirs, files in (w for d in _stripes(directory) for w in os.walk(d)):
         if Path(root).name == ".tiered-offload":
             continue
         for f in files:
@@ -349,7 +361,7 @@ def _committed_files(directory: Path) -> set[Path]:
         if f.exists():
             names |= set(re.findall(r'"([^"]+@[0-9]+)"', f.read_text(errors="replace")))
     from storage_backends.base import key_to_filename
-    return {directory / key_to_filename(n) for n in names if (directory / key_to_filename(n)).exists()}
+    return {d / key_to_filename(n) for n in names for d in _stripes(directory) if (d / key_to_filename(n)).exists()}
 
 
 def _flip_a_bit(directory: Path, rng: random.Random) -> tuple[Path, int, int] | None:
@@ -403,7 +415,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
                optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0,
                own_noise: float = 0.0, in_backward: bool = False, zygote: Zygote | None = None,
-               clip: float = 0.0, optimizer_device: str = "auto") -> dict:
+               clip: float = 0.0, optimizer_device: str = "auto", stripes: int = 1) -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -426,7 +438,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     backward (``backward(loss, step=True)``, ``forward_backward(..., step=True)``; no clipping; needs
     snapshot commits: ``commit_every`` > 1 or the state in memory); ``clip`` > 0 with it: clipped at
     ``clip`` there (``clip_norm``), a step torn over it run again after the backward, resumed in the
-    same process (``TORN`` and a second ``START`` line). ``zygote``: where the workers fork
+    same process (``TORN`` and a second ``START`` line). ``stripes`` > 1: the storage is that many
+    directories, striped (a flipped bit may land in any of them). ``zygote``: where the workers fork
     from (one started with :data:`WORKER_ENV`; None: a zygote of the loop's own).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
@@ -437,7 +450,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
                    optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise,
-                   in_backward=in_backward, clip=clip, optimizer_device=optimizer_device)
+                   in_backward=in_backward, clip=clip, optimizer_device=optimizer_device, stripes=stripes)
     if zygote is not None:
         return _loop(_runs_workers(zygote), work, kills, steps, layers, rng, flip_bits, options, log)
     with _zygote() as zygote:
@@ -507,7 +520,8 @@ def _loop(zygote: Zygote, work: Path, kills: int, steps: int, layers: int, rng: 
         finished_identical += _same_file(ref_out, out)
         if not killing:
             break
-        shutil.rmtree(d, ignore_errors=True)  # the next episode trains from scratch again
+        for x in _stripes(d):  # the next episode trains from scratch again
+            shutil.rmtree(x, ignore_errors=True)
         episode += 1
         d, out = work / f"run{episode}", work / f"run{episode}.npz"
         if (episode % 10) == 0:
@@ -603,13 +617,15 @@ def main() -> None:
     ap.add_argument("--clip-in-backward", type=float, default=0.0, metavar="CLIP",
                     help="with --step-in-backward: each step clipped at CLIP in the backward (clip_norm); one torn "
                          "there (its norm over CLIP) runs again after the backward, resumed in the same process")
+    ap.add_argument("--stripes", type=int, default=1, metavar="N",
+                    help="the storage: N directories, striped in 16 KiB stripes (a flipped bit may land in any)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
                args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise,
-               args.step_in_backward, args.clip_in_backward, args.optimizer_device)
+               args.step_in_backward, args.clip_in_backward, args.optimizer_device, args.stripes)
         return
     if args.step_in_backward and args.commit_every < 2 and args.host_fraction <= 1.2:
         ap.error("--step-in-backward needs snapshot commits (--commit-every 2 or more)")
@@ -623,7 +639,7 @@ def main() -> None:
                              flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
                              accumulate=args.accumulate, dropout=args.dropout, own_noise=args.own_noise,
                              in_backward=args.step_in_backward, clip=args.clip_in_backward,
-                             optimizer_device=args.optimizer_device)
+                             optimizer_device=args.optimizer_device, stripes=args.stripes)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "
