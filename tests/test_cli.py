@@ -126,6 +126,26 @@ def test_bench_io_bad_arguments_are_refused_before_measuring(tmp_path, capsys, a
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
 
 
+@pytest.mark.parametrize("second, match", [
+    ("a/", r"--path .*/a and --path .*/a/ are one directory"),
+    ("link", r"--path .*/a and --path .*/link are one directory"),
+    ("file", r"benchmark path .*/file is a file, not a directory"),
+], ids=["the same twice", "a link to the first", "a file second"])
+def test_bench_io_paths_a_striped_store_cannot_use_are_refused_before_any_is_measured(tmp_path, capsys, second,
+                                                                                     match):
+    """With several ``--path``, a directory given twice (spelt another way, or through a link) was
+    measured twice, then refused by the backend opened over both ("given twice"); a file given
+    second was refused only once the first directory had been measured. Each is refused before
+    anything is measured."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "a", target_is_directory=True)
+    rc = main(["bench-io", "--size", "1MiB", "--no-progress", "--request-sizes", "1MiB", "--threads", "1",
+               "--path", str(tmp_path / "a"), "--path", f"{tmp_path}/{second}"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and re.search(match, err), err
+    assert "per test in" not in out and not any((tmp_path / "a").iterdir()), out  # nothing measured
+
 @pytest.mark.parametrize("command", ["inspect", "verify", "export"])
 def test_a_state_command_on_a_file_is_a_clear_error(tmp_path, capsys, command):
     """``inspect FILE`` (a file given for the storage directory): a ``NotADirectoryError``

@@ -179,6 +179,28 @@ def _measure(mode: str, directory: Path, request: int, threads: int, src: torch.
     return BenchResult(mode, request, threads, n / write_s / GB, n / read_s / GB, verified, cache)
 
 
+def _check_directory(directory: Path) -> None:
+    """Refuse a ``--path`` that is something other than a directory (or nothing yet)."""
+    if os.path.lexists(directory) and not directory.is_dir():
+        what = "a file" if directory.is_file() else kind_of(os.lstat(directory).st_mode)
+        raise StorageDirectoryError(errno.ENOTDIR, f"benchmark path {directory} is {what}, not a directory; pass "
+                                                   f"--path a directory (new or existing) on the disk to measure")
+
+
+def _check_paths(paths: list[str]) -> None:
+    """Refuse, before anything is measured, a ``--path`` that is no directory, and one directory
+    given twice (spelt another way, or through a link): a store striped over both would write
+    each stripe over another (the backend refuses it)."""
+    seen: dict[str, str] = {}
+    for p in paths:
+        directory = Path(p).expanduser().absolute()
+        _check_directory(directory)
+        first = seen.setdefault(os.path.realpath(directory), p)
+        if first is not p:
+            raise ConfigError(f"--path {first} and --path {p} are one directory; give each drive's directory once "
+                              f"(nothing was measured)")
+
+
 def _check_free(need: int, free: int, where) -> None:
     """Refuse a test file of ``need`` bytes that ``free`` bytes (with a tenth to spare) cannot hold."""
     if need > free * 0.9:
@@ -304,10 +326,7 @@ def run_bench_io(cfg: BenchConfig, *, progress: bool = True) -> dict:
     created_tmp = cfg.path is None
     directory = Path(tempfile.mkdtemp(prefix=".tiered-offload-bench-", dir=os.getcwd())) if created_tmp \
         else Path(cfg.path).expanduser().absolute()
-    if os.path.lexists(directory) and not directory.is_dir():
-        what = "a file" if directory.is_file() else kind_of(os.lstat(directory).st_mode)
-        raise StorageDirectoryError(errno.ENOTDIR, f"benchmark path {directory} is {what}, not a directory; pass "
-                                                   f"--path a directory (new or existing) on the disk to measure")
+    _check_directory(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -402,6 +421,7 @@ def main(args) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot), ("--save-profile", args.save_profile or None)):
         _check_output(flag, path)
     if len(paths) > 1:  # (measured together: --size in each, on file systems that some may share)
+        _check_paths(paths)
         _check_free(len(paths) * parse_size(args.size, what="--size"), striped_free(paths), ", ".join(paths))
     reports, striped = [], None
     for path in paths:
