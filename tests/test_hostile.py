@@ -773,6 +773,28 @@ def test_a_profile_saved_to_a_file_tunes_a_store_that_names_it(tmp_path, monkeyp
         assert store.backend.threads != 3
 
 
+@pytest.mark.parametrize("off", ["none", "off", "NONE"])
+def test_a_store_told_io_profile_none_uses_no_profile_though_the_environment_names_one(tmp_path, monkeypatch, off):
+    """``TIERED_OFFLOAD_PROFILE=none`` turns profiles off for a process; ``io_profile="none"`` did
+    not for one store: it was taken for a file named ``none`` (absent, so no profile, but by
+    accident, and a file of that name in the working directory would have been read). Now the
+    store's own setting turns the profile off as the variable does, whatever the variable says:
+    a benchmark compares an engine with the profile against one with the defaults."""
+    from tiered_offload.engine.plan_monitor import profiled_disk_rates
+    from tiered_offload.profile import filesystem_id, save_profile
+    from tiered_offload.store import TieredStore
+    (tmp_path / "s").mkdir()
+    where = save_profile({"filesystem": filesystem_id(tmp_path / "s"), "recommended": {
+        "options": {"threads": 3}, "read_GBps": 1.5, "write_GBps": 2.5}}, tmp_path / "profile.json")
+    monkeypatch.setenv("TIERED_OFFLOAD_PROFILE", str(where))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / off).write_text(where.read_text())  # (a file of that name here: not read)
+    with TieredStore(str(tmp_path / "s"), host_budget_bytes=1 << 20) as store:
+        assert store.backend.threads == 3 and profiled_disk_rates(store) is not None  # (the variable's)
+    with TieredStore(str(tmp_path / "s"), host_budget_bytes=1 << 20, io_profile=off) as store:
+        assert store.backend.threads != 3 and profiled_disk_rates(store) is None
+
+
 
 def test_direct_io_measured_on_one_drive_is_not_forced_on_a_striped_drive_that_lacks_it(tmp_path, monkeypatch):
     """A bench-io profile that measured O_DIRECT best on the first drive recommends ``direct: true``.

@@ -161,8 +161,8 @@ class StoreConfig:
     io_profile: str | None = None
     """The ``tiered-offload bench-io --save-profile`` file whose measurements tune the file backend
     and give the plan the disk's rates (None: ``TIERED_OFFLOAD_PROFILE``, else the per-user
-    default ``~/.config/tiered-offload/io-profile.json``; a profile applies only to the file
-    system it was measured on)."""
+    default ``~/.config/tiered-offload/io-profile.json``; ``"none"``: no profile, the backend's
+    defaults; a profile applies only to the file system it was measured on)."""
 
     checksum: str = "xxh3"
     """The checksum algorithm: ``"xxh3"`` (64-bit XXH3: fast, off the GIL) or ``"crc32"``

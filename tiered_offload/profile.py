@@ -32,11 +32,15 @@ log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
 
 
+OFF = ("", "none", "off")
+"""What ``TIERED_OFFLOAD_PROFILE`` or a store's ``io_profile`` is set to to turn profiles off (any case)."""
+
+
 def default_profile_path() -> Path | None:
     """The profile file in use: ``TIERED_OFFLOAD_PROFILE`` or the per-user default; None if disabled."""
     env = os.environ.get("TIERED_OFFLOAD_PROFILE")
     if env is not None:
-        return None if env.lower() in ("", "none", "off") else Path(env).expanduser()
+        return None if env.lower() in OFF else Path(env).expanduser()
     return Path("~/.config/tiered-offload/io-profile.json").expanduser()
 
 
@@ -129,7 +133,10 @@ def _entry_fault(entry, striped: bool = False) -> str | None:
 
 
 def profile_path(path: str | os.PathLike | None = None) -> Path | None:
-    """The profile file ``path`` names, else the one in use (:func:`default_profile_path`)."""
+    """The profile file ``path`` names (None: turned off, ``"none"``), else the one in use
+    (:func:`default_profile_path`)."""
+    if isinstance(path, str) and path.lower() in OFF[1:]:
+        return None
     return Path(path).expanduser() if path else default_profile_path()
 
 

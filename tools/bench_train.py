@@ -52,6 +52,14 @@ an engine runs the loop and learns the draws, the later ones draw the loop's num
 Its warm-up round, too, runs each engine until its plan is final, so the timed rounds measure the
 plan the run keeps.
 
+``--against-profile PROFILE`` runs, instead, the disk run (``durable=False``, ``--host-fraction``,
+every block recomputed: the plan's choice of activations, which the profile's rates can change, left
+out) twice: with the backend's default options (``io_profile="none"``) and with those the bench-io
+profile ``PROFILE`` recommends (``tiered-offload bench-io --save-profile PROFILE``: measured on
+the same drives), interleaved. It prints each one's options, step, disk bytes and the rate the disk
+delivered while busy (bytes / the time any transfer was in flight), and the ratios. ``--path``
+takes several directories there, separated by commas: the runs' storage striped over them.
+
 ``--disk-rate MB/S`` (the default mode and ``--accumulate``) holds the storage of the runs whose
 state is on disk to that rate (``tools/slow_disk.py``: a disk-bound machine, the GPU's case, on
 this compute-bound one); the I/O bounds are then their bytes at that rate.
@@ -120,6 +128,7 @@ class Config:
         self.moved = {"read": [], "written": []}
         self.read_by_kind: list[dict[str, float]] = []
         self.finish_s: list[float] = []
+        self.busy_s: list[float] = []
 
     def run(self, batches, lead_in=False):
         """Run ``batches``, timing them up to the end of their work (``finish``); with ``lead_in``
@@ -144,6 +153,7 @@ class Config:
         if self.engine:
             self.moved["read"].append((s1.bytes_read[Tier.DISK] - s0.bytes_read[Tier.DISK]) / len(batches))
             self.moved["written"].append((s1.bytes_written[Tier.DISK] - s0.bytes_written[Tier.DISK]) / len(batches))
+            self.busy_s.append((s1.store.disk_busy_seconds - s0.store.disk_busy_seconds) / len(batches))
             read = s1.store.by_kind(("disk->host", "disk->device"), since=s0.store)
             self.read_by_kind.append({kind: n / len(batches) for kind, n in read.items()})
 
@@ -269,6 +279,8 @@ def main() -> int:  # noqa: C901 - a script
     ap.add_argument("--trace", default=None, help="write the disk run's step timeline (Chrome trace) to this file")
     ap.add_argument("--accumulate", type=int, default=0, metavar="N",
                     help="compare N micro-batches per step as a loop of backwards and through forward_backward")
+    ap.add_argument("--against-profile", default=None, metavar="PROFILE",
+                    help="run the disk run with the backend's defaults and with this bench-io profile, nothing else")
     ap.add_argument("--sweep", default=None, help="comma-separated host budgets (fractions of the state): run plain "
                                                   "PyTorch and the engine (durable=False) at each, nothing else")
     args = ap.parse_args()
@@ -276,6 +288,8 @@ def main() -> int:  # noqa: C901 - a script
         return accumulate(args)
     if args.sweep:
         return sweep(args)
+    if args.against_profile:
+        return against_profile(args)
     cfg, base, g, directory = _setup(args)
     with _engines(args, directory) as engines:
         def engine_config(name, host_budget, recompute="auto", durable=True, activations="auto", trace=None):
@@ -428,6 +442,50 @@ def accumulate(args) -> int:
     print(f"step / ({n} x in-memory step {med['memory']:.3f} s + one micro-batch step's I/O floor {floor_one:.3f} s): "
           f"loop {med['loop'] / bound:.2f}, forward_backward {med['fused'] / bound:.2f}, recomputed "
           f"{med['fused-recompute'] / bound:.2f} (target <= 1.1)")
+    return 0
+
+
+def against_profile(args) -> int:
+    """The disk run with the backend's default options and with the bench-io profile's, interleaved."""
+    directories = args.path.split(",") if args.path else None
+    args.path = directories[0] if directories else None
+    cfg, base, g, directory = _setup(args)
+    with _engines(args, directory) as engines:
+        state = 16 * cfg.n_params()
+        configs = []
+        for name, profile in (("defaults", "none"), ("profiled", args.against_profile)):
+            storage = [os.path.join(d, name) for d in directories] if directories else os.path.join(directory, name)
+            # every block recomputed in both: a profile's rates could change the plan's choice, and so the bytes
+            engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=storage, durable=False,
+                            host_memory=int(state * float(args.host_fraction)), store_config={"io_profile": profile},
+                            config=EngineConfig(activations="recompute"))
+            engines.append(engine)
+
+            def step(x, engine=engine):
+                engine.backward(loss_of(engine, x))
+                engine.clip_grad_norm_(1.0)
+                engine.step()
+                engine.zero_grad()
+            configs.append(Config(name, step, finish=engine.wait_committed, engine=engine))
+        _rounds(args, configs, g)
+        options = {c.name: (c.engine.store.backend, c.engine.plan.rates.source if c.engine.plan.rates else "-")
+                   for c in configs}
+    print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
+          f"{args.context} tokens; AdamW + clipping; host budget {args.host_fraction} x the state, durable=False; "
+          f"{args.rounds} interleaved rounds of {args.steps_per_round} steps after a warm-up round, medians")
+    print("| backend options | s/step | disk read + written / step | delivered while busy |")
+    print("| --- | ---: | ---: | ---: |")
+    row = {}
+    for c in configs:
+        b = options[c.name][0]
+        moved = statistics.median(c.moved["read"][1:]) + statistics.median(c.moved["written"][1:])
+        busy = statistics.median(c.busy_s[1:])
+        row[c.name] = (statistics.median(c.per_step[1:]), moved / busy if busy else float("nan"))
+        print(f"| {c.name}: threads {b.threads}, requests {format_size(b.chunk_bytes)}, "
+              f"{'O_DIRECT' if b.supports_direct_io else 'buffered'} | {row[c.name][0]:.3f} | {format_size(moved)} | "
+              f"{row[c.name][1] / 1e9:.2f} GB/s |")
+    print(f"profiled / defaults: step {row['profiled'][0] / row['defaults'][0]:.2f}, delivered rate "
+          f"{row['profiled'][1] / row['defaults'][1]:.2f}; the profiled plan's disk rates: {options['profiled'][1]}")
     return 0
 
 
