@@ -11,7 +11,7 @@ from pathlib import Path
 from offload_core.errors import DiskFullError, StorageDirectoryError, StorageIOError
 from offload_core.sizes import format_size
 
-__all__ = ["prepare_directory", "fsync_path", "disk_full", "regular_size", "striped_free"]
+__all__ = ["prepare_directory", "fsync_path", "disk_full", "regular_size", "striped_free", "striped_total"]
 
 
 def prepare_directory(directory: Path, *, create: bool, writable: bool = True) -> None:
@@ -49,17 +49,27 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def striped_total(drives: list[tuple[int, float]]) -> float:
+    """What a set of directories striped evenly (RAID-0: each gets ``1 / n`` of every tensor) has of
+    a file system's quantity (its free bytes, its rate), given per directory ``(its file system's
+    st_dev, that file system's quantity)``: a file system holding ``k`` of the ``n`` directories
+    serves ``k / n`` of the set, so ``n`` x the least of quantity / ``k``."""
+    sharing: dict[int, int] = {}
+    for fs, _ in drives:
+        sharing[fs] = sharing.get(fs, 0) + 1
+    return len(drives) * min(v / sharing[fs] for fs, v in drives)
+
+
 def striped_free(directories) -> int:
-    """Bytes a set of directories can take when each gets an even share (RAID-0 stripes): a file
-    system holding ``k`` of the ``n`` directories takes ``k / n`` of them, so the least of its free
-    bytes x ``n / k``. A directory not made yet counts on its nearest existing parent's file system."""
-    shares: dict[int, list] = {}
+    """Bytes a set of striped directories can take (:func:`striped_total` of their file systems'
+    free bytes). A directory not made yet counts on its nearest existing parent's file system."""
+    drives = []
     for d in directories:
         p = Path(d).expanduser().absolute()
         while not p.exists() and p != p.parent:
             p = p.parent
-        shares.setdefault(os.stat(p).st_dev, [0, shutil.disk_usage(p).free])[0] += 1
-    return min(free * len(directories) // k for k, free in shares.values())
+        drives.append((os.stat(p).st_dev, shutil.disk_usage(p).free))
+    return int(striped_total(drives))
 
 
 def disk_full(key: str, path: str, needed: int, what: str = "writing") -> DiskFullError:

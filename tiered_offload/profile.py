@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from offload_core.errors import ProfileError
+from storage_backends._files import striped_total
 
 __all__ = ["default_profile_path", "profile_path", "save_profile", "load_profile", "tuned_options", "measured_rates",
            "striped_rates", "striped_key", "measured_striped_rates", "filesystem_id"]
@@ -184,11 +185,8 @@ def striped_rates(drives: list[tuple[int, float, float]]) -> tuple[float, float]
     """Read and write bytes per second of a store striped over directories (RAID-0: each tensor's
     stripes in turn), each given as ``(its file system's st_dev, that file system's read rate, write
     rate)``: a transfer takes as long as its slowest directory's share, so ``n`` x the least of the
-    directories' rates, the directories on one file system sharing its rate."""
-    n, sharing = len(drives), {}
-    for fs, _, _ in drives:
-        sharing[fs] = sharing.get(fs, 0) + 1
-    return n * min(r / sharing[fs] for fs, r, _ in drives), n * min(w / sharing[fs] for fs, _, w in drives)
+    directories' rates, the directories on one file system sharing its rate (:func:`striped_total`)."""
+    return (striped_total([(fs, r) for fs, r, _ in drives]), striped_total([(fs, w) for fs, _, w in drives]))
 
 
 def tuned_options(location, path: str | os.PathLike | None = None) -> dict:

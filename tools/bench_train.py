@@ -445,6 +445,16 @@ def accumulate(args) -> int:
     return 0
 
 
+def _clipped_steps(name: str, engine) -> Config:
+    """A configuration of ``engine``'s loop: backward, clipping at 1.0, step, zero_grad."""
+    def step(x):
+        engine.backward(loss_of(engine, x))
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+    return Config(name, step, finish=engine.wait_committed, engine=engine)
+
+
 def against_profile(args) -> int:
     """The disk run with the backend's default options and with the bench-io profile's, interleaved."""
     directories = args.path.split(",") if args.path else None
@@ -460,13 +470,7 @@ def against_profile(args) -> int:
                             host_memory=int(state * float(args.host_fraction)), store_config={"io_profile": profile},
                             config=EngineConfig(activations="recompute"))
             engines.append(engine)
-
-            def step(x, engine=engine):
-                engine.backward(loss_of(engine, x))
-                engine.clip_grad_norm_(1.0)
-                engine.step()
-                engine.zero_grad()
-            configs.append(Config(name, step, finish=engine.wait_committed, engine=engine))
+            configs.append(_clipped_steps(name, engine))
         _rounds(args, configs, g)
         options = {c.name: (c.engine.store.backend, c.engine.plan.rates.source if c.engine.plan.rates else "-")
                    for c in configs}
@@ -500,13 +504,7 @@ def sweep(args) -> int:
             engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=os.path.join(directory, f"{f:g}"),
                             host_memory=int(state * f), durable=False)
             engines.append(engine)
-
-            def step(x, engine=engine):
-                engine.backward(loss_of(engine, x))
-                engine.clip_grad_norm_(1.0)
-                engine.step()
-                engine.zero_grad()
-            configs.append(Config(f"{f:g}", step, finish=engine.wait_committed, engine=engine))
+            configs.append(_clipped_steps(f"{f:g}", engine))
         _rounds(args, configs, g)
         rows = []
         for c in configs[1:]:
