@@ -85,6 +85,28 @@ def test_bench_io_measures_the_drives_of_a_striped_store_together_and_the_store_
         assert profiled_disk_rates(store).read_Bps == data["reports"][1]["recommended"]["read_GBps"] * 1e9
 
 
+def test_bench_io_says_when_one_drive_alone_is_faster_than_the_striped_set(capsys):
+    """Stripes are even, so a set runs at ``n`` x about its slowest drive's rate: an NVMe drive
+    striped with a SATA one is slower than the NVMe alone. The striped measurement says so, naming
+    the faster drive, and says nothing where the set is the faster."""
+    from types import SimpleNamespace
+
+    from tiered_offload.bench_io import _say_striped
+
+    def report(path, read, write):
+        return {"path": path, "filesystem": {"st_dev": hash(path)}, "recommended": {"read_GBps": read,
+                                                                                   "write_GBps": write}}
+    reports = [report("/mnt/nvme", 7.0, 6.0), report("/mnt/sata", 0.5, 0.45)]
+    striped = {"results": [], "size_bytes": 1 << 30, "one_at_a_time": {"read_GBps": 1.0, "write_GBps": 0.9},
+               "recommended": {"backend": "posix", "options": {"threads": 8}, "read_GBps": 1.0, "write_GBps": 0.9}}
+    _say_striped(striped, reports, SimpleNamespace(save_profile=None))
+    said = capsys.readouterr().out
+    assert "note: /mnt/nvme alone (read 7.00 GB/s, write 6.00 GB/s) is faster than the set" in said, said
+    reports[1] = report("/mnt/nvme1", 6.5, 5.5)
+    striped["recommended"] |= {"read_GBps": 13.0, "write_GBps": 11.0}
+    _say_striped(striped, reports, SimpleNamespace(save_profile=None))
+    assert "faster than the set" not in capsys.readouterr().out
+
 def test_bench_io_bad_path_is_a_clear_error(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

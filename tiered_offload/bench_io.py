@@ -492,6 +492,12 @@ def _say_striped(striped: dict, reports: list[dict], args) -> None:
           f"{rec['read_GBps']:.2f} GB/s, write {rec['write_GBps']:.2f} GB/s: {times} what the plan's rule makes of "
           f"the directories measured alone, {alone['read_GBps']:.2f} and {alone['write_GBps']:.2f} GB/s: "
           f"{len(reports)} x the least, directories on one file system sharing its rate)")
+    fastest = max(reports, key=lambda r: _score(r["recommended"]))
+    if _score(fastest["recommended"]) > _score(rec):
+        print(f"note: {fastest['path']} alone (read {fastest['recommended']['read_GBps']:.2f} GB/s, write "
+              f"{fastest['recommended']['write_GBps']:.2f} GB/s) is faster than the set: stripes are even, so a set runs "
+              f"at {len(reports)} x about its slowest drive's rate. Train on the faster drive alone where it holds the "
+              f"state, and add a slower one only for its space")
     if args.save_profile is not None:
         where = _write_output("--save-profile", args.save_profile or default_profile_path(),
                               lambda: save_profile(striped, args.save_profile or None))
@@ -500,6 +506,11 @@ def _say_striped(striped: dict, reports: list[dict], args) -> None:
     else:
         print("a store over these directories uses its options, and its plan these rates, once saved "
               "(--save-profile)")
+
+
+def _score(rec: dict) -> float:
+    """A recommendation's :attr:`BenchResult.score` (the harmonic mean of its read and write rates)."""
+    return BenchResult("", 0, 0, rec["write_GBps"], rec["read_GBps"], True, "").score
 
 
 def _times(measured: float, alone: float) -> str:
