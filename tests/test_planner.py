@@ -813,6 +813,7 @@ def test_bench_train_times_the_steady_steps_and_leaves_the_last_deferred_update_
     class Store:  # a snapshot of the counters, as engine.stats().store is
         def __init__(self):
             self.read = moved["read"]
+            self.disk_busy_seconds = 0.0
 
         def by_kind(self, kinds, since):
             return {"state": self.read - since.read}
