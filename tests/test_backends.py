@@ -227,6 +227,7 @@ def test_a_plugin_installed_while_the_process_runs_is_found(monkeypatch):
     monkeypatch.setattr(storage_backends, "entry_points", lambda group: scanned)
     assert "late-test" not in storage_backends.available_backends()  # (uninstalled: listed no more)
 
+
 def test_spec_strings(tmp_path):
     assert parse_spec("posix:/a,/b?threads=4") == ("posix", "/a,/b", {"threads": "4"})
     assert parse_spec("/mnt/x") == ("auto", "/mnt/x", {})
@@ -444,6 +445,7 @@ def test_striped_directories_over_file_systems_hold_what_the_fullest_share_allow
     finally:
         import shutil
         shutil.rmtree(shm, ignore_errors=True)
+
 
 def test_injected_enospc_is_reported_not_swallowed(tmp_path):
     b = FaultInjectingBackend(MemoryBackend(), write_quota_bytes=1000).open()

@@ -107,6 +107,7 @@ def test_bench_io_says_when_one_drive_alone_is_faster_than_the_striped_set(capsy
     _say_striped(striped, reports, SimpleNamespace(save_profile=None))
     assert "faster than the set" not in capsys.readouterr().out
 
+
 def test_bench_io_bad_path_is_a_clear_error(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
@@ -168,6 +169,7 @@ def test_bench_io_paths_a_striped_store_cannot_use_are_refused_before_any_is_mea
     assert rc == 2 and re.search(match, err), err
     assert "per test in" not in out and not any((tmp_path / "a").iterdir()), out  # nothing measured
 
+
 @pytest.mark.parametrize("command", ["inspect", "verify", "export"])
 def test_a_state_command_on_a_file_is_a_clear_error(tmp_path, capsys, command):
     """``inspect FILE`` (a file given for the storage directory): a ``NotADirectoryError``
@@ -199,6 +201,7 @@ def test_bench_io_refuses_drives_measured_together_that_their_free_space_cannot_
     err = capsys.readouterr().err
     assert rc == 2 and "8.00 MiB" in err and f"{a}, {b}" in err and "--size" in err, err
     assert not a.exists() and not b.exists()
+
 
 def test_corrupt_profile_names_the_file(tmp_path):
     p = tmp_path / "p.json"
