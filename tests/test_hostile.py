@@ -819,6 +819,7 @@ def test_direct_io_measured_on_one_drive_is_not_forced_on_a_striped_drive_that_l
     with TieredStore(str(a), host_budget_bytes=1 << 20, io_profile=str(where)) as store:
         assert store.backend.supports_direct_io == (probe(a) is None)  # (on its own drive: as measured)
 
+
 DAMAGED_PROFILES = {
     "an entry that is not an object": lambda fs: "notadict",
     "a filesystem without its device number": lambda fs: {"filesystem": {"mount_point": "/"}, "recommended": {}},
