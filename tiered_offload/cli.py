@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory to test (default: a temporary directory under the current one); once per "
                         "drive a store stripes over: each measured alone, then all together, striped as the "
                         "store stripes them (their saved entry tunes and plans such a store)")
-    b.add_argument("--size", default="512MiB", help="test file size per configuration and directory (default 512MiB)")
+    b.add_argument("--size", default="512MiB", help="test file size per configuration and directory (default 512MiB; "
+                                                    "several --path together: their number x it, twice in memory)")
     b.add_argument("--request-sizes", default="1MiB,4MiB,16MiB", help="comma-separated request sizes")
     b.add_argument("--threads", default="1,4,8", help="comma-separated I/O thread counts")
     b.add_argument("--backends", default="posix-direct,posix-buffered,aiofiles,kvikio",
