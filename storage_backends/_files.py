@@ -49,18 +49,19 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def striped_total(drives: list[tuple[int, float]]) -> float:
-    """What a set of directories striped evenly (RAID-0: each gets ``1 / n`` of every tensor) has of
-    a file system's quantity (its free bytes, its rate), given per directory ``(its file system's
-    st_dev, that file system's quantity)``: a file system holding ``k`` of the ``n`` directories
-    serves ``k / n`` of the set, so ``n`` x the least of quantity / ``k``."""
-    sharing: dict[int, int] = {}
-    for fs, _ in drives:
-        sharing[fs] = sharing.get(fs, 0) + 1
-    return len(drives) * min(v / sharing[fs] for fs, v in drives)
+def striped_total(drives: list[tuple[int, float]], weights=None) -> float:
+    """What a set of striped directories has of a file system's quantity (its free bytes, its rate),
+    given per directory ``(its file system's st_dev, that file system's quantity)``. Directory ``i``
+    takes ``w[i] / sum(w)`` of every tensor (``weights``; None: even, ``1 / n``), and the directories
+    on one file system share it, so the least of quantity x ``sum(w)`` / (the weights on it)."""
+    weights = weights or [1] * len(drives)
+    share: dict[int, int] = {}
+    for (fs, _), w in zip(drives, weights):
+        share[fs] = share.get(fs, 0) + w
+    return min(v * sum(weights) / share[fs] for fs, v in drives)
 
 
-def striped_free(directories) -> int:
+def striped_free(directories, weights=None) -> int:
     """Bytes a set of striped directories can take (:func:`striped_total` of their file systems'
     free bytes). A directory not made yet counts on its nearest existing parent's file system."""
     drives = []
@@ -69,7 +70,7 @@ def striped_free(directories) -> int:
         while not p.exists() and p != p.parent:
             p = p.parent
         drives.append((os.stat(p).st_dev, shutil.disk_usage(p).free))
-    return int(striped_total(drives))
+    return int(striped_total(drives, weights))
 
 
 def disk_full(key: str, path: str, needed: int, what: str = "writing") -> DiskFullError:

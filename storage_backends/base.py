@@ -95,6 +95,9 @@ class StorageBackend(abc.ABC):
     stripe_bytes: int | None = None
     """Bytes per stripe when extents are striped over several :attr:`directories`."""
 
+    stripe_weights: list[int] | None = None
+    """Stripes each of several :attr:`directories` takes of a period of ``sum`` of them (None: even)."""
+
     def __init__(self) -> None:
         self._state_lock = threading.Condition()
         self._inflight = 0

@@ -14,13 +14,18 @@ views of the file coherent because they never share a page at the same time.
 
 Striping: with directories ``d0..dN-1``, stripe ``s`` of an extent (``stripe_bytes`` each) is
 stored in ``d[s % N]`` at offset ``(s // N) * stripe_bytes`` of that directory's file for the key.
+With ``stripe_weights`` (drives of unequal speed), directory ``i`` takes ``w[i]`` of every
+``sum(w)`` stripes, interleaved (smooth weighted round robin): stripe ``s`` is the ``s % sum(w)``-th
+of its period, whose directory is :attr:`PosixBackend._order`'s. Equal weights are the even layout.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,6 +95,45 @@ class _Part:
     length: int
 
 
+MAX_WEIGHT = 64
+"""The largest stripe weight (a period of stripes per weight unit: more only lengthens the tables)."""
+
+
+def _weights(value, n: int) -> list[int] | None:
+    """``stripe_weights`` (a list, or text such as ``"3:1"`` or ``"3,1"``) as integers reduced by their
+    greatest common divisor, one per directory; None where there are none or all are equal (the
+    even layout)."""
+    if value is None:
+        return None
+    items = re.split(r"[:,]", value) if isinstance(value, str) else list(value)
+    if len(items) != n:
+        raise ConfigError(f"posix backend: stripe_weights: {len(items)} weights for {n} directories; give one per "
+                          f"directory, in their order (3:1: the first takes 3 of every 4 stripes)")
+    weights = []
+    for x in items:
+        try:
+            w = int(x) if isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) else None
+        except ValueError:
+            w = None
+        if w is None or not 1 <= w <= MAX_WEIGHT:
+            raise ConfigError(f"posix backend: stripe_weights: {x!r} is not an integer from 1 to {MAX_WEIGHT}")
+        weights.append(w)
+    g = math.gcd(*weights)
+    return None if len(set(weights)) == 1 else [w // g for w in weights]
+
+
+def _order(weights: list[int]) -> list[int]:
+    """The directory of each stripe of a period of ``sum(weights)``, interleaved (smooth weighted
+    round robin: each turn the directory furthest behind its share, the first on ties)."""
+    current, total, order = [0] * len(weights), sum(weights), []
+    for _ in range(total):
+        current = [c + w for c, w in zip(current, weights)]
+        i = max(range(len(weights)), key=current.__getitem__)
+        current[i] -= total
+        order.append(i)
+    return order
+
+
 def _count(what: str, value) -> int:
     """A thread count given as ``what`` (an option's text, a number, the environment's), as an int."""
     try:
@@ -111,6 +155,10 @@ class PosixBackend(StorageBackend):
             ``TIERED_OFFLOAD_CHUNK``). ``tiered-offload bench-io`` measures the best value.
         stripe_bytes: stripe unit when striping over several directories. Part of the on-disk
             layout: reopen a directory set with the same value it was written with.
+        stripe_weights: one integer per directory (a list, or ``"3:1"``): directory ``i`` takes
+            ``w[i]`` of every ``sum(w)`` stripes, so drives of unequal speed each carry their share
+            (``tiered-offload bench-io`` with a ``--path`` per drive advises them). None or equal
+            weights: even stripes. Part of the on-disk layout, as ``stripe_bytes``.
         direct: ``"auto"`` (O_DIRECT where the file system allows it, buffered with a logged
             reason elsewhere), ``True`` (refuse to run without it) or ``False``.
         create: create missing directories (owner-only) instead of failing.
@@ -123,7 +171,7 @@ class PosixBackend(StorageBackend):
     def __init__(self, location: str | os.PathLike | Sequence[str | os.PathLike], *,
                  threads: int | None = None, chunk_bytes: int | str | None = None,
                  stripe_bytes: int | str = DEFAULT_STRIPE, direct: bool | str = "auto",
-                 create: bool = True, writable: bool = True):
+                 create: bool = True, writable: bool = True, stripe_weights=None):
         super().__init__()
         if isinstance(location, (str, os.PathLike)):
             location = [p for p in str(location).split(",") if p]
@@ -141,6 +189,15 @@ class PosixBackend(StorageBackend):
         self.chunk_bytes = parse_size(chunk_bytes or os.environ.get("TIERED_OFFLOAD_CHUNK") or DEFAULT_CHUNK,
                                       what="chunk_bytes")
         self.stripe_bytes = parse_size(stripe_bytes, what="stripe_bytes")
+        self.stripe_weights = _weights(stripe_weights, len(self.directories))
+        weights = self.stripe_weights or [1] * len(self.directories)
+        self._weight = weights
+        self._order = _order(weights)
+        """The directory of each stripe of a period (:func:`_order`)."""
+        self._slot = [self._order[:r].count(d) for r, d in enumerate(self._order)]
+        """Each stripe of a period: how many of its directory's stripes come before it in the period."""
+        self._positions = [[r for r, d in enumerate(self._order) if d == i] for i in range(len(weights))]
+        """Per directory: the places of its stripes in a period."""
         for what, v in (("chunk_bytes", self.chunk_bytes), ("stripe_bytes", self.stripe_bytes)):
             if v <= 0 or v % PAGE:
                 raise ConfigError(f"posix backend: {what} must be a positive multiple of {PAGE}, got {v}")
@@ -224,13 +281,25 @@ class PosixBackend(StorageBackend):
             if n > 1:
                 nxt = min(nxt, (pos // self.stripe_bytes + 1) * self.stripe_bytes)
                 stripe, within = divmod(pos, self.stripe_bytes)
-                path = paths[stripe % n]
-                file_offset = (stripe // n) * self.stripe_bytes + within
+                d, local = self._where(stripe)
+                path = paths[d]
+                file_offset = local * self.stripe_bytes + within
             else:
                 path, file_offset = paths[0], pos
             parts.append(_Part(path, file_offset, pos - offset, nxt - pos))
             pos = nxt
         return parts
+
+    def _where(self, stripe: int) -> tuple[int, int]:
+        """Stripe ``stripe`` of an extent: its directory, and its index among that directory's stripes."""
+        period, r = divmod(stripe, len(self._order))
+        d = self._order[r]
+        return d, period * self._weight[d] + self._slot[r]
+
+    def _stripe(self, d: int, local: int) -> int:
+        """The stripe of an extent that is directory ``d``'s ``local``-th (:meth:`_where` undone)."""
+        period, k = divmod(local, self._weight[d])
+        return period * len(self._order) + self._positions[d][k]
 
     # ---- requests -----------------------------------------------------------------------
     def _read_into(self, key: str, buffer, offset: int) -> IOFuture:
@@ -402,7 +471,7 @@ class PosixBackend(StorageBackend):
                 end = local
                 break
             k, within = divmod(local - 1, self.stripe_bytes)
-            end = max(end, (k * n + d) * self.stripe_bytes + within + 1)
+            end = max(end, self._stripe(d, k) * self.stripe_bytes + within + 1)
         if not found:
             raise ExtentNotFoundError(f"extent {key!r} does not exist (no file {self.describe(key)})")
         return end
@@ -431,7 +500,7 @@ class PosixBackend(StorageBackend):
             fsync_path(d)
 
     def free_bytes(self) -> int | None:
-        return striped_free(self.directories)  # (stripes spread evenly: directories on one file system share it)
+        return striped_free(self.directories, self.stripe_weights)  # (directories on one file system share it)
 
 
 def _address(mv: memoryview) -> int:

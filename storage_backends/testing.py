@@ -255,6 +255,10 @@ class FaultInjectingBackend(StorageBackend):
         return self.inner.stripe_bytes
 
     @property
+    def stripe_weights(self):
+        return self.inner.stripe_weights
+
+    @property
     def supports_rewrite(self) -> bool:
         return self.inner.supports_rewrite
 

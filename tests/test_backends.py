@@ -11,6 +11,7 @@ import torch
 import storage_backends
 from offload_core.errors import (
     BackendUnavailableError,
+    ConfigError,
     DirectIOUnsupportedError,
     DiskFullError,
     ShortReadError,
@@ -45,6 +46,58 @@ class TestPosixStriped(BackendConformanceTests):
         assert sum(sizes) == 1 << 20
         assert max(sizes) - min(sizes) <= 64 << 10
 
+
+class TestPosixWeightedStripes(BackendConformanceTests):
+    """Drives of unequal speed: a faster drive takes more of each tensor's stripes
+    (``stripe_weights``), so the set runs at the sum of their rates, not ``n`` x the slowest."""
+
+    large_bytes = 64 << 20
+
+    def make_backend(self, tmp_path):
+        return PosixBackend([tmp_path / "nvme0", tmp_path / "sata", tmp_path / "nvme1"], stripe_weights=[3, 1, 2],
+                            stripe_bytes="64KiB", chunk_bytes="256KiB", threads=4)
+
+    def test_each_directory_takes_its_weight_of_the_bytes(self, backend, tmp_path):
+        backend.write_from("k", torch.zeros(6 << 20, dtype=torch.uint8)).get()
+        sizes = [os.path.getsize(tmp_path / d / "k") for d in ("nvme0", "sata", "nvme1")]
+        assert sizes == [3 << 20, 1 << 20, 2 << 20]
+        backend.write_from("odd", torch.arange(100_000, dtype=torch.int32)).get()  # (ends inside a stripe)
+        assert backend.size("odd") == 400_000
+        out = torch.empty(100_000, dtype=torch.int32)
+        backend.read_into("odd", out).get()
+        assert torch.equal(out, torch.arange(100_000, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("weights, layout", [(None, "even"), ([1, 1], "even"), ([2, 2], "even"), ("2:1", [2, 1]),
+                                             ("4,2", [2, 1])])
+def test_stripe_weights_of_equal_drives_are_the_even_layout(tmp_path, weights, layout):
+    """Equal weights (or none) are the even layout, byte for byte: states striped before weights
+    existed read as they were written. Weights are reduced (4:2 is 2:1), and a spec string gives
+    them as ``2:1`` (or ``2,1`` after the ``?``)."""
+    b = PosixBackend([tmp_path / "a", tmp_path / "b"], stripe_weights=weights, stripe_bytes="4KiB")
+    assert b.stripe_weights == (None if layout == "even" else layout)
+    b.open()
+    try:
+        b.write_from("k", torch.arange(4096, dtype=torch.int32)).get()  # 16 KiB: 4 stripes
+        sizes = [os.path.getsize(tmp_path / d / "k") for d in "ab"]
+        assert sizes == ([8192, 8192] if layout == "even" else [12288, 4096])
+        first = torch.empty(1024, dtype=torch.int32)  # stripe 0: always the first directory's first
+        with open(tmp_path / "a" / "k", "rb") as f:
+            first.numpy().view("u1")[:] = list(f.read(4096))
+        assert torch.equal(first, torch.arange(1024, dtype=torch.int32))
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("weights, match", [
+    ([1, 2, 3], r"stripe_weights: 3 weights for 2 directories"),
+    ([0, 1], r"stripe_weights: 0 is not an integer from 1 to 64"),
+    ("fast:slow", r"stripe_weights: 'fast' is not an integer from 1 to 64"),
+    ([1.5, 1], r"stripe_weights: 1\.5 is not an integer from 1 to 64"),
+])
+def test_stripe_weights_that_name_no_layout_are_refused(tmp_path, weights, match):
+    with pytest.raises(ConfigError, match=match):
+        PosixBackend([tmp_path / "a", tmp_path / "b"], stripe_weights=weights)
 
 class TestPosixBuffered(BackendConformanceTests):
     def make_backend(self, tmp_path):

@@ -108,6 +108,51 @@ def test_bench_io_says_when_one_drive_alone_is_faster_than_the_striped_set(capsy
     assert "faster than the set" not in capsys.readouterr().out
 
 
+def test_bench_io_advises_stripe_weights_for_drives_of_unequal_speed_and_the_plan_takes_their_rates(
+        tmp_path, capsys, monkeypatch):
+    """With even stripes an NVMe drive striped with one half as fast runs at twice the slower's
+    rate; by weight (2:1) at the sum of both. bench-io advises the weights (the plan's rule, small
+    integers), measures the set by them, prints the storage spec that takes them, and saves the
+    measurement: a store given those weights is planned at it, one with even stripes at the even
+    measurement, one with other weights by the rule."""
+    from types import SimpleNamespace
+
+    import tiered_offload.profile as profile
+    from tiered_offload.bench_io import _say_striped, advised_weights
+    assert advised_weights([(1, 7.0, 6.0), (2, 3.5, 3.0)]) == [2, 1]
+    assert advised_weights([(1, 7.0, 6.0), (2, 7.0, 6.0)]) is None  # (equal drives: even)
+    assert advised_weights([(1, 7.0, 6.0), (1, 7.0, 6.0)]) is None  # (one drive: shared, whatever the weights)
+    assert advised_weights([(1, 6.0, 6.0), (2, 2.0, 2.0), (3, 4.0, 4.0)]) == [3, 1, 2]
+    a, b = tmp_path / "nvme", tmp_path / "sata"
+    fss = [{"st_dev": 101, "mount_point": str(a)}, {"st_dev": 102, "mount_point": str(b)}]
+    reports = [{"path": str(d), "filesystem": fs, "recommended": {"read_GBps": r, "write_GBps": w}}
+               for d, fs, (r, w) in zip((a, b), fss, ((7.0, 6.0), (3.5, 3.0)))]
+    striped = {"tool": "tiered-offload bench-io", "directories": [str(a), str(b)], "filesystems": fss, "results": [],
+               "size_bytes": 1 << 30, "one_at_a_time": {"read_GBps": 7.0, "write_GBps": 6.0},
+               "recommended": {"backend": "posix", "options": {"threads": 8}, "read_GBps": 6.8, "write_GBps": 5.9},
+               "weighted": {"stripe_weights": [2, 1], "read_GBps": 10.1, "write_GBps": 8.7, "verified": True,
+                            "rule": {"read_GBps": 10.5, "write_GBps": 9.0}}}
+    where = tmp_path / "profile.json"
+    _say_striped(striped, reports, SimpleNamespace(save_profile=str(where)))
+    said = capsys.readouterr().out
+    assert f'storage="posix:{a},{b}?stripe_weights=2:1"' in said and "read 10.10 GB/s, write 8.70 GB/s" in said
+    assert "faster than the set" not in said  # (by weight the set beats the NVMe alone)
+
+    import tiered_offload.engine.plan_monitor as plan_monitor
+    for module in (profile, plan_monitor):
+        monkeypatch.setattr(module, "filesystem_id", lambda p: next(f for f in fss if str(p).startswith(f["mount_point"])))
+    for d, fs, (r, w) in zip((a, b), fss, ((7.0, 6.0), (3.5, 3.0))):
+        profile.save_profile({"filesystem": fs, "recommended": {"options": {}, "read_GBps": r, "write_GBps": w}}, where)
+
+    def rates(weights):
+        spec = f"posix:{a},{b}" + (f"?stripe_weights={weights}" if weights else "")
+        with TieredStore(spec, host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+            got = plan_monitor.profiled_disk_rates(store)
+            return got.read_Bps / 1e9, got.write_Bps / 1e9, got.source
+    assert rates("2:1")[:2] == (10.1, 8.7) and "measured striped together by weights 2:1" in rates("2:1")[2]
+    assert rates(None)[:2] == (6.8, 5.9)
+    assert rates("1:2")[:2] == (pytest.approx(3.5 * 3 / 2), pytest.approx(3.0 * 3 / 2))  # (the rule)
+
 def test_bench_io_bad_path_is_a_clear_error(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

@@ -1082,6 +1082,30 @@ def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
     assert cli_main(["verify", str(dirs[0]), "--stripe", str(dirs[1])]) == 0
 
 
+def test_a_state_striped_by_weight_resumes_and_is_read_only_with_its_weights(tmp_path, uninterrupted):
+    """Drives of unequal speed (``stripe_weights=3:1``: the first takes 3 of every 4 stripes): the
+    state trains and resumes bitwise; the manifest records the weights, so a resume with other
+    weights (or none) is refused naming them, not read as another layout (wrong bytes: "damaged");
+    the readers (``verify``, ``inspect``, ``export``) take them from the manifest."""
+    per_step, _ = uninterrupted
+    a, b = tmp_path / "nvme", tmp_path / "sata"
+    spec = f"posix:{a},{b}?stripe_bytes=16KiB&stripe_weights=3:1"
+    engine = make_engine(spec)
+    torch.manual_seed(123)
+    train(engine, 2)
+    engine.close()
+    sizes = [sum(f.stat().st_size for f in d.iterdir() if f.is_file()) for d in (a, b)]
+    assert 2 < sizes[0] / sizes[1] <= 3, sizes  # (each tensor 3:1 but its last period; even stripes: 1)
+    for other in (f"posix:{a},{b}?stripe_bytes=16KiB", f"posix:{a},{b}?stripe_bytes=16KiB&stripe_weights=1:3"):
+        with pytest.raises(CheckpointError, match=r"stripe weights 3:1.*stripe_weights=3:1"):
+            make_engine(other, resume=True)
+    engine = make_engine(spec, resume=True)
+    train(engine, 4)
+    assert same(weights(engine), per_step[4])
+    engine.close()
+    assert StateDirectory(a, stripes=[b]).verify()["ok"]
+    assert cli_main(["verify", str(a), "--stripe", str(b)]) == 0
+
 def test_a_striped_states_other_directories_are_held_and_taken_in_their_order_only(tmp_path, uninterrupted):
     """Only a striped state's first directory was locked and read. With its directories swapped, an engine
     saw no state ("pass resume='auto' to start fresh"), and the fresh start it advised deleted the state's files

@@ -315,6 +315,23 @@ def test_the_manifest_cannot_point_reads_at_another_directory(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("weights, match", [("3:1", r"expected a list"), ([3, 0], r"0 is outside"),
+                                            ([3, 1, 2], r"3 weights for 2 directories"), ([2.5, 1], "an integer")])
+def test_a_manifests_stripe_weights_of_the_wrong_kind_are_refused_naming_them(tmp_path, weights, match):
+    """A state striped by weight records them in its manifest, and the readers lay out the stripes
+    by them: an edited list is a typed error naming the field, from the engine and the readers,
+    never a read of other bytes."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    spec = f"posix:{a},{b}?stripe_bytes=16KiB&stripe_weights=3:1"
+    engine = make_engine(spec)
+    train(engine, 1)
+    engine.close()
+    rewrite_manifest(a, lambda m: m["storage"].update(stripe_weights=weights))
+    with pytest.raises(CorruptionError, match=f"storage.stripe_weights.*{match}"):
+        make_engine(spec, resume=True)
+    with pytest.raises(CorruptionError, match=f"storage.stripe_weights.*{match}"):
+        StateDirectory(a, stripes=[b])
+
 @pytest.mark.parametrize("key, value", [("lr", "x"), ("betas", "nope"), ("betas", [0.9]), ("eps", True),
                                         ("initial_lr", [1]), ("amsgrad", 0.5)])
 def test_a_saved_hyperparameter_of_the_wrong_kind_is_refused_naming_it(tmp_path, key, value):

@@ -139,6 +139,16 @@ def test_a_state_striped_over_two_drives_is_planned_at_their_rates_together(tmp_
     drives[tmp_path / "d"] = 1003  # a drive bench-io never measured
     assert rates(a, tmp_path / "d") is None
 
+    def weighed(weights, *dirs):
+        spec = f"posix:{','.join(map(str, dirs))}?stripe_weights={weights}"
+        with TieredStore(spec, host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+            return plan_monitor.profiled_disk_rates(store)
+    # by weight: b (3.0 / 1.5 GB/s) taking 3 of every 5 stripes, a (2.0 / 1.0) 2: each its share in the same time
+    fair = weighed("2:3", a, b)
+    assert (fair.read_Bps, fair.write_Bps) == (5e9, 2.5e9) and "by weights 2:3" in fair.source
+    slow = weighed("3:1", a, b)  # the slower drive given the most: its share bounds the set
+    assert (slow.read_Bps, slow.write_Bps) == (pytest.approx(2e9 * 4 / 3), pytest.approx(1e9 * 4 / 3))
+
 
 def test_a_fixed_plan_is_predicted_not_changed():
     m = measured()

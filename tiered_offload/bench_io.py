@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
+import math
 import os
 import platform
 import shutil
@@ -143,18 +145,20 @@ def _plan(cfg: BenchConfig, directory: Path) -> tuple[list[tuple[str, int, int]]
     return plan, notes
 
 
-def _make_backend(mode: str, directory: Path, request: int, threads: int):
+def _make_backend(mode: str, directory: Path, request: int, threads: int, weights=None):
+    striped = {"stripe_weights": weights} if weights else {}
     if mode == "posix-direct":
-        return get_backend_class("posix")(directory, threads=threads, chunk_bytes=request, direct=True)
+        return get_backend_class("posix")(directory, threads=threads, chunk_bytes=request, direct=True, **striped)
     if mode == "posix-buffered":
-        return get_backend_class("posix")(directory, threads=threads, chunk_bytes=request, direct=False)
+        return get_backend_class("posix")(directory, threads=threads, chunk_bytes=request, direct=False, **striped)
     if mode == "aiofiles":
         return get_backend_class("aiofiles")(directory, chunk_bytes=request)
-    return get_backend_class("kvikio")(directory, threads=threads, chunk_bytes=request)
+    return get_backend_class("kvikio")(directory, threads=threads, chunk_bytes=request, **striped)
 
 
-def _measure(mode: str, directory: Path, request: int, threads: int, src: torch.Tensor, dst: torch.Tensor) -> BenchResult:
-    backend = _make_backend(mode, directory, request, threads).open()
+def _measure(mode: str, directory: Path, request: int, threads: int, src: torch.Tensor, dst: torch.Tensor,
+             weights=None) -> BenchResult:
+    backend = _make_backend(mode, directory, request, threads, weights).open()
     key = f"bench-{mode}-{request}-{threads}"
     try:
         dst.zero_()
@@ -209,9 +213,10 @@ def _check_free(need: int, free: int, where) -> None:
                             f"a smaller --size", path=str(where), needed_bytes=need, free_bytes=free)
 
 
-def _measure_plan(plan: list[tuple[str, int, int]], location, size: int, progress: bool) -> list[BenchResult]:
+def _measure_plan(plan: list[tuple[str, int, int]], location, size: int, progress: bool,
+                  weights=None) -> list[BenchResult]:
     """Measure each ``(mode, request, threads)`` of ``plan`` on ``location`` (a directory, or a list
-    of them: striped), a test file of ``size`` bytes each."""
+    of them: striped, by ``weights`` where given), a test file of ``size`` bytes each."""
     host_src = aligned_empty(size)
     g = torch.Generator().manual_seed(1234)
     host_src.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g))
@@ -225,7 +230,7 @@ def _measure_plan(plan: list[tuple[str, int, int]], location, size: int, progres
             src, dst = host_src.to("cuda"), torch.empty(size, dtype=torch.uint8, device="cuda")
         else:
             src, dst = host_src, host_dst
-        results.append(_measure(mode, location, req, threads, src, dst))
+        results.append(_measure(mode, location, req, threads, src, dst, weights))
     bar.close()
     return results
 
@@ -249,8 +254,16 @@ def run_bench_striped(cfg: BenchConfig, reports: list[dict], *, progress: bool =
     _check_free(size, striped_free(directories), ", ".join(map(str, directories)))
     results = _measure_plan(plan, directories, size, progress)
     best = recommend(results)
-    rule = striped_rates([(r["filesystem"]["st_dev"], rec["read_GBps"], rec["write_GBps"])
-                          for r, rec in zip(reports, recs)])
+    drives = [(r["filesystem"]["st_dev"], rec["read_GBps"], rec["write_GBps"]) for r, rec in zip(reports, recs)]
+    rule = striped_rates(drives)
+    weights = advised_weights(drives)
+    weighted = None
+    if weights:  # the even set's best settings again, each drive taking its share of the stripes
+        [by_weight] = _measure_plan([(best.backend, best.request_bytes, best.threads)], directories, size, progress,
+                                    weights)
+        weighted = {"stripe_weights": weights, "read_GBps": by_weight.read_GBps, "write_GBps": by_weight.write_GBps,
+                    "verified": by_weight.verified, "rule": dict(zip(("read_GBps", "write_GBps"),
+                                                                     striped_rates(drives, weights)))}
     return {
         "tool": "tiered-offload bench-io",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -260,9 +273,27 @@ def run_bench_striped(cfg: BenchConfig, reports: list[dict], *, progress: bool =
         "size_bytes": size,
         "results": [dataclasses.asdict(r) | {"score_GBps": r.score} for r in results],
         "one_at_a_time": {"read_GBps": rule[0], "write_GBps": rule[1]},
+        **({"weighted": weighted} if weighted else {}),
         "recommended": {"backend": "kvikio" if mode == "kvikio" else "posix", "options": _options_for(best),
                         "read_GBps": best.read_GBps, "write_GBps": best.write_GBps},
     }
+
+
+def advised_weights(drives: list[tuple[int, float, float]], most: int = 8) -> list[int] | None:
+    """The ``stripe_weights`` (each from 1 to ``most``) under which drives measured alone, each
+    ``(file system, read GB/s, write GB/s)``, give a striped set the best harmonic mean of read and
+    write rates by the plan's rule (:func:`~tiered_offload.profile.striped_rates`; a later one in
+    the order tried, small weights first, must be 1% better); None where even stripes do as well
+    (within 1%)."""
+    def score(weights):
+        read, write = striped_rates(drives, weights)
+        return 2 / (1 / read + 1 / write) if read > 0 and write > 0 else 0.0
+    even = score(None)
+    best, best_score = None, even
+    for weights in itertools.product(range(1, most + 1), repeat=len(drives)) if len(drives) <= 4 else ():
+        if math.gcd(*weights) == 1 and (s := score(list(weights))) > best_score * 1.01:
+            best, best_score = list(weights), s
+    return best
 
 
 def recommend(results: list[BenchResult]) -> BenchResult:
@@ -492,10 +523,20 @@ def _say_striped(striped: dict, reports: list[dict], args) -> None:
           f"{rec['read_GBps']:.2f} GB/s, write {rec['write_GBps']:.2f} GB/s: {times} what the plan's rule makes of "
           f"the directories measured alone, {alone['read_GBps']:.2f} and {alone['write_GBps']:.2f} GB/s: "
           f"{len(reports)} x the least, directories on one file system sharing its rate)")
+    weighted = striped.get("weighted")
+    if weighted:
+        said = ":".join(map(str, weighted["stripe_weights"]))
+        spec = f"posix:{','.join(r['path'] for r in reports)}?stripe_weights={said}"
+        print(f"by weight, each drive taking its share of the stripes ({said}; the plan's rule: read "
+              f"{weighted['rule']['read_GBps']:.2f}, write {weighted['rule']['write_GBps']:.2f} GB/s), measured with "
+              f"the settings above: read {weighted['read_GBps']:.2f} GB/s, write {weighted['write_GBps']:.2f} GB/s "
+              f"({_times(weighted['read_GBps'], rec['read_GBps'])} and {_times(weighted['write_GBps'], rec['write_GBps'])}"
+              f" the even set's){'' if weighted['verified'] else ' - NOT VERIFIED: the bytes read back differed'}. "
+              f"A fresh run takes them as storage=\"{spec}\" (part of the state's layout: give them on every resume)")
     fastest = max(reports, key=lambda r: _score(r["recommended"]))
-    if _score(fastest["recommended"]) > _score(rec):
+    if _score(fastest["recommended"]) > max(_score(rec), _score(weighted) if weighted else 0.0):
         print(f"note: {fastest['path']} alone (read {fastest['recommended']['read_GBps']:.2f} GB/s, write "
-              f"{fastest['recommended']['write_GBps']:.2f} GB/s) is faster than the set: stripes are even, so a set runs "
+              f"{fastest['recommended']['write_GBps']:.2f} GB/s) is faster than the set: with even stripes a set runs "
               f"at {len(reports)} x about its slowest drive's rate. Train on the faster drive alone where it holds the "
               f"state, and add a slower one only for its space")
     if args.save_profile is not None:

@@ -122,10 +122,26 @@ def _entry_fault(entry, striped: bool = False) -> str | None:
         if not isinstance(fss, list) or len(fss) < 2 or not all(
                 isinstance(fs, dict) and type(fs.get("st_dev")) is int for fs in fss):
             return "has no list of its directories' file system device numbers (filesystems[].st_dev)"
+        weighted = entry.get("weighted", {})
+        if not isinstance(weighted, dict):
+            return "gives stripe weights that are not an object (weighted)"
+        weights = weighted.get("stripe_weights", [1] * len(fss))
+        if not isinstance(weights, list) or len(weights) != len(fss) or not all(
+                type(w) is int and 1 <= w <= 64 for w in weights):
+            return "gives no stripe weight from 1 to 64 for each directory (weighted.stripe_weights)"
+        wrong = _rates_fault(weighted)
+        if wrong:
+            return wrong
     elif not isinstance(entry.get("filesystem"), dict) or type(entry["filesystem"].get("st_dev")) is not int:
         return "has no file system device number (filesystem.st_dev)"
     if not isinstance(rec, dict) or not isinstance(rec.get("options", {}), dict):
         return "recommends no object of options"
+    return _rates_fault(rec)
+
+
+def _rates_fault(rec: dict) -> str | None:
+    """What is wrong with a measurement's ``read_GBps`` and ``write_GBps`` (None: each a finite
+    number, not negative, or absent)."""
     for rate in ("read_GBps", "write_GBps"):
         v = rec.get(rate)
         if v is not None and (type(v) not in (int, float) or not 0 <= v < math.inf):  # (0: not measured)
@@ -168,25 +184,31 @@ def _directories(location) -> list:
     return [p for p in str(location).split(",") if p] if isinstance(location, (str, os.PathLike)) else list(location)
 
 
-def measured_striped_rates(locations, path: str | os.PathLike | None = None) -> tuple[float, float, str] | None:
+def measured_striped_rates(locations, path: str | os.PathLike | None = None,
+                           weights=None) -> tuple[float, float, str] | None:
     """``(read bytes/s, write bytes/s, profile path)`` that bench-io measured for directories on the
-    file systems of ``locations`` (two or more) striped together; None if no profile has the set."""
+    file systems of ``locations`` (two or more) striped together, in even stripes or (``weights``)
+    by the weights it advised; None if no profile has the set so striped."""
     try:
         data = load_profile(path)
     except ProfileError:
         return None
-    rec = data["striped"].get(striped_key(_directories(locations)), {}).get("recommended", {})
+    entry = data["striped"].get(striped_key(_directories(locations)), {})
+    rec = entry.get("recommended", {}) if not weights else (
+        entry.get("weighted") or {} if (entry.get("weighted") or {}).get("stripe_weights") == list(weights) else {})
     if rec.get("read_GBps") and rec.get("write_GBps"):
         return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(profile_path(path))
     return None
 
 
-def striped_rates(drives: list[tuple[int, float, float]]) -> tuple[float, float]:
+def striped_rates(drives: list[tuple[int, float, float]], weights=None) -> tuple[float, float]:
     """Read and write bytes per second of a store striped over directories (RAID-0: each tensor's
     stripes in turn), each given as ``(its file system's st_dev, that file system's read rate, write
-    rate)``: a transfer takes as long as its slowest directory's share, so ``n`` x the least of the
-    directories' rates, the directories on one file system sharing its rate (:func:`striped_total`)."""
-    return (striped_total([(fs, r) for fs, r, _ in drives]), striped_total([(fs, w) for fs, _, w in drives]))
+    rate)``: a transfer takes as long as its slowest directory's share, so, with even stripes, ``n``
+    x the least of the directories' rates, the directories on one file system sharing its rate
+    (:func:`striped_total`; ``weights``: the backend's ``stripe_weights``)."""
+    return (striped_total([(fs, r) for fs, r, _ in drives], weights),
+            striped_total([(fs, w) for fs, _, w in drives], weights))
 
 
 def tuned_options(location, path: str | os.PathLike | None = None) -> dict:

@@ -58,7 +58,8 @@ out) twice: with the backend's default options (``io_profile="none"``) and with 
 profile ``PROFILE`` recommends (``tiered-offload bench-io --save-profile PROFILE``: measured on
 the same drives), interleaved. It prints each one's options, step, disk bytes and the rate the disk
 delivered while busy (bytes / the time any transfer was in flight), and the ratios. ``--path``
-takes several directories there, separated by commas: the runs' storage striped over them.
+takes several directories there, separated by commas: the runs' storage striped over them; with
+``--stripe-weights 1:6`` (bench-io's advice) a third run stripes them by those weights, profiled.
 
 ``--disk-rate MB/S`` (the default mode and ``--accumulate``) holds the storage of the runs whose
 state is on disk to that rate (``tools/slow_disk.py``: a disk-bound machine, the GPU's case, on
@@ -281,6 +282,8 @@ def main() -> int:  # noqa: C901 - a script
                     help="compare N micro-batches per step as a loop of backwards and through forward_backward")
     ap.add_argument("--against-profile", default=None, metavar="PROFILE",
                     help="run the disk run with the backend's defaults and with this bench-io profile, nothing else")
+    ap.add_argument("--stripe-weights", default=None, metavar="W",
+                    help="with --against-profile and --path A,B: a third run striped by these weights (3:1)")
     ap.add_argument("--sweep", default=None, help="comma-separated host budgets (fractions of the state): run plain "
                                                   "PyTorch and the engine (durable=False) at each, nothing else")
     args = ap.parse_args()
@@ -463,8 +466,13 @@ def against_profile(args) -> int:
     with _engines(args, directory) as engines:
         state = 16 * cfg.n_params()
         configs = []
-        for name, profile in (("defaults", "none"), ("profiled", args.against_profile)):
+        runs = [("defaults", "none", None), ("profiled", args.against_profile, None)]
+        if args.stripe_weights:
+            runs.append(("weighted", args.against_profile, args.stripe_weights))
+        for name, profile, weights in runs:
             storage = [os.path.join(d, name) for d in directories] if directories else os.path.join(directory, name)
+            if weights:
+                storage = f"posix:{','.join(storage)}?stripe_weights={weights}"
             # every block recomputed in both: a profile's rates could change the plan's choice, and so the bytes
             engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=storage, durable=False,
                             host_memory=int(state * float(args.host_fraction)), store_config={"io_profile": profile},
@@ -486,10 +494,14 @@ def against_profile(args) -> int:
         busy = statistics.median(c.busy_s[1:])
         row[c.name] = (statistics.median(c.per_step[1:]), moved / busy if busy else float("nan"))
         print(f"| {c.name}: threads {b.threads}, requests {format_size(b.chunk_bytes)}, "
-              f"{'O_DIRECT' if b.supports_direct_io else 'buffered'} | {row[c.name][0]:.3f} | {format_size(moved)} | "
+              f"{'O_DIRECT' if b.supports_direct_io else 'buffered'}"
+              f"{', stripe weights ' + ':'.join(map(str, b.stripe_weights)) if b.stripe_weights else ''} | "
+              f"{row[c.name][0]:.3f} | {format_size(moved)} | "
               f"{row[c.name][1] / 1e9:.2f} GB/s |")
-    print(f"profiled / defaults: step {row['profiled'][0] / row['defaults'][0]:.2f}, delivered rate "
-          f"{row['profiled'][1] / row['defaults'][1]:.2f}; the profiled plan's disk rates: {options['profiled'][1]}")
+    for name in row:
+        if name != "defaults":
+            print(f"{name} / defaults: step {row[name][0] / row['defaults'][0]:.2f}, delivered rate "
+                  f"{row[name][1] / row['defaults'][1]:.2f}; its plan's disk rates: {options[name][1]}")
     return 0
 
 

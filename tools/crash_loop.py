@@ -58,7 +58,8 @@ OPTIMIZERS = {"adamw": ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
 def worker(directory: str, steps: int, layers: int, out: str, digests: bool = False, commit_every: int = 1,
            host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
            buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
-           in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto", stripes: int = 1) -> None:
+           in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto", stripes: int = 1,
+           stripe_weights: str = "") -> None:
     import numpy as np
     import torch
 
@@ -78,8 +79,8 @@ def worker(directory: str, steps: int, layers: int, out: str, digests: bool = Fa
         # state does not quite fit, units stream through the disk and commits use the journal
         opt_cls, opt_kwargs = OPTIMIZERS[optimizer]
         # striped: 16 KiB stripes, so that the tensors of this small model spread over the directories
-        storage = (f"posix:{','.join(map(str, _stripes(Path(directory), stripes)))}?stripe_bytes=16KiB" if stripes > 1
-                   else directory)
+        storage = (f"posix:{','.join(map(str, _stripes(Path(directory), stripes)))}?stripe_bytes=16KiB"
+                   + (f"&stripe_weights={stripe_weights}" if stripe_weights else "") if stripes > 1 else directory)
         engine = Engine(model, getattr(torch.optim, opt_cls), opt_kwargs, storage=storage,
                         host_memory=int(16 * n * host_fraction), resume="auto", commit_every=commit_every,
                         # a device tier of CPU memory: the GPU's three tiers on the CPU
@@ -191,7 +192,7 @@ def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: b
                  host_fraction: float = 1.0, device_fraction: float = 0.0, optimizer: str = "adamw",
                  buffers: bool = False, accumulate: int = 1, dropout: float = 0.0, own_noise: float = 0.0,
                  in_backward: bool = False, clip: float = 0.0, optimizer_device: str = "auto",
-                 stripes: int = 1) -> list[str]:
+                 stripes: int = 1, stripe_weights: str = "") -> list[str]:
     """A worker's command-line arguments (``main`` parses them in the fork as in a fresh process)."""
     return (["--worker", str(directory), "--steps", str(steps), "--layers", str(layers), "--out", str(out),
              "--commit-every", str(commit_every), "--host-fraction", str(host_fraction),
@@ -199,7 +200,8 @@ def _worker_argv(directory: Path, steps: int, layers: int, out: Path, digests: b
             + (["--digests"] if digests else []) + (["--buffers"] if buffers else [])
             + ["--accumulate", str(accumulate), "--dropout", str(dropout), "--own-noise", str(own_noise)]
             + (["--step-in-backward"] if in_backward else []) + (["--clip-in-backward", str(clip)] if clip else [])
-            + ["--optimizer-device", optimizer_device, "--stripes", str(stripes)])
+            + ["--optimizer-device", optimizer_device, "--stripes", str(stripes)]
+            + (["--stripe-weights", stripe_weights] if stripe_weights else []))
 
 
 def _zygote() -> Zygote:
@@ -415,7 +417,7 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
                host_fraction: float = 1.0, device_fraction: float = 0.0, flip_bits: float = 0.0,
                optimizer: str = "adamw", buffers: bool = False, accumulate: int = 1, dropout: float = 0.0,
                own_noise: float = 0.0, in_backward: bool = False, zygote: Zygote | None = None,
-               clip: float = 0.0, optimizer_device: str = "auto", stripes: int = 1) -> dict:
+               clip: float = 0.0, optimizer_device: str = "auto", stripes: int = 1, stripe_weights: str = "") -> dict:
     """Run the kill/resume loop; returns a summary (``identical``: every resume and every finished
     run matched the uninterrupted run bitwise).
 
@@ -439,7 +441,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     snapshot commits: ``commit_every`` > 1 or the state in memory); ``clip`` > 0 with it: clipped at
     ``clip`` there (``clip_norm``), a step torn over it run again after the backward, resumed in the
     same process (``TORN`` and a second ``START`` line). ``stripes`` > 1: the storage is that many
-    directories, striped (a flipped bit may land in any of them). ``zygote``: where the workers fork
+    directories, striped (a flipped bit may land in any of them), by ``stripe_weights`` (``"3:1"``)
+    where given. ``zygote``: where the workers fork
     from (one started with :data:`WORKER_ENV`; None: a zygote of the loop's own).
 
     ``flip_bits`` (a probability per kill): after the kill, one bit of the journal or of a committed
@@ -450,7 +453,8 @@ def crash_loop(work: Path, kills: int, steps: int, layers: int, seed: int = 0, l
     rng = random.Random(seed)
     options = dict(commit_every=commit_every, host_fraction=host_fraction, device_fraction=device_fraction,
                    optimizer=optimizer, buffers=buffers, accumulate=accumulate, dropout=dropout, own_noise=own_noise,
-                   in_backward=in_backward, clip=clip, optimizer_device=optimizer_device, stripes=stripes)
+                   in_backward=in_backward, clip=clip, optimizer_device=optimizer_device, stripes=stripes,
+                   stripe_weights=stripe_weights)
     if zygote is not None:
         return _loop(_runs_workers(zygote), work, kills, steps, layers, rng, flip_bits, options, log)
     with _zygote() as zygote:
@@ -619,13 +623,16 @@ def main() -> None:
                          "there (its norm over CLIP) runs again after the backward, resumed in the same process")
     ap.add_argument("--stripes", type=int, default=1, metavar="N",
                     help="the storage: N directories, striped in 16 KiB stripes (a flipped bit may land in any)")
+    ap.add_argument("--stripe-weights", default="", metavar="W",
+                    help="with --stripes: the directories' stripe weights (3:1: the first takes 3 of every 4)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--digests", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.layers, args.out, args.digests, args.commit_every, args.host_fraction,
                args.device_fraction, args.optimizer, args.buffers, args.accumulate, args.dropout, args.own_noise,
-               args.step_in_backward, args.clip_in_backward, args.optimizer_device, args.stripes)
+               args.step_in_backward, args.clip_in_backward, args.optimizer_device, args.stripes,
+               args.stripe_weights)
         return
     if args.step_in_backward and args.commit_every < 2 and args.host_fraction <= 1.2:
         ap.error("--step-in-backward needs snapshot commits (--commit-every 2 or more)")
@@ -639,7 +646,8 @@ def main() -> None:
                              flip_bits=args.flip_bits, optimizer=args.optimizer, buffers=args.buffers,
                              accumulate=args.accumulate, dropout=args.dropout, own_noise=args.own_noise,
                              in_backward=args.step_in_backward, clip=args.clip_in_backward,
-                             optimizer_device=args.optimizer_device, stripes=args.stripes)
+                             optimizer_device=args.optimizer_device, stripes=args.stripes,
+                             stripe_weights=args.stripe_weights)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(summary, indent=1))
         print(f"{summary['kills']} SIGKILLs over {summary['runs_finished']} training runs; "

@@ -149,7 +149,8 @@ class StateLayout:
         return {"format": FORMAT, "checksum": checksum, "step": step, "tensors": tensors, "meta": meta,
                 "model_config": model_config, **({"peft": peft} if peft is not None else {}),
                 "storage": {"backend": backend.name, "directories": [str(d) for d in backend.directories],
-                            "stripe_bytes": backend.stripe_bytes},
+                            "stripe_bytes": backend.stripe_bytes,
+                            **({"stripe_weights": backend.stripe_weights} if backend.stripe_weights else {})},
                 **self.describe()}
 
     def describer(self, store, model_config, peft: dict | None = None) -> Callable[[int, dict, dict], dict]:

@@ -252,6 +252,13 @@ def _check_manifest(m: Any) -> None:
     for i, d in enumerate(_list(storage.get("directories") or [], "storage.directories")):
         _str(d, f"storage.directories[{i}]")
     _opt(_int, storage.get("stripe_bytes"), "storage.stripe_bytes", 1, 2 ** 40)
+    if storage.get("stripe_weights") is not None:  # (a layout: one weight per directory)
+        weights = _list(storage["stripe_weights"], "storage.stripe_weights")
+        for i, w in enumerate(weights):
+            _int(w, f"storage.stripe_weights[{i}]", 1, 64)
+        if len(weights) != len(storage.get("directories") or []):
+            raise _Fail("storage.stripe_weights", f"{len(weights)} weights for "
+                                                  f"{len(storage.get('directories') or [])} directories")
     _opt(_obj, m.get("model_config"), "model_config")
     if m.get("peft") is not None:  # a PEFT model's adapter: its config, and which parameters make it (keys in its file)
         peft = _obj(m["peft"], "peft")

@@ -71,7 +71,7 @@ class CheckpointSession:
         self.stripe_locks = hold_stripes(backend.directories)
         self.files = StateFiles(where)
         state = read_committed(self.files)
-        check_stripes(backend.directories, state and state.manifest, backend.stripe_bytes)
+        check_stripes(backend.directories, state and state.manifest, backend.stripe_bytes, backend.stripe_weights)
         if state is not None and not resume:
             raise CheckpointError(
                 f"{backend.location} already holds a training state (step {state.manifest['step']}); pass "

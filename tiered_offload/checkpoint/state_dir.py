@@ -100,7 +100,8 @@ class StateDirectory:
         dirs = [self.path, *others]  # the first may have been moved since; the others are the caller's
         check_stripes(dirs, manifest)
         self.backend = PosixBackend(dirs, direct=False, create=False, writable=False,
-                                    **({"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}))
+                                    **({"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}),
+                                    stripe_weights=storage.get("stripe_weights"))
         self.backend.open()
 
     def close(self) -> None:

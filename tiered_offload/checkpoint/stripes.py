@@ -66,10 +66,12 @@ def _has_manifest(directory: Path) -> bool:
     return os.path.lexists(Path(directory) / STATE_DIR / MANIFEST)
 
 
-def check_stripes(directories: list[Path], manifest: dict | None, stripe_bytes: int | None = None) -> None:
+def check_stripes(directories: list[Path], manifest: dict | None, stripe_bytes: int | None = None,
+                  stripe_weights: list[int] | None = None) -> None:
     """Refuse ``directories`` (the first holding ``manifest``, the committed state; None: none) where
     they are not one state's directories in their order: a :class:`CheckpointError` naming the
-    directory and what to give instead. ``stripe_bytes``: the backend's, checked against the state's."""
+    directory and what to give instead. ``stripe_bytes`` and ``stripe_weights`` (None: even): the
+    backend's layout, checked against the state's (a reader passes neither: it takes the state's)."""
     dirs = [Path(d) for d in directories]
     n, first = len(dirs), dirs[0]
     for i, d in enumerate(dirs[1:], 1):
@@ -95,6 +97,15 @@ def check_stripes(directories: list[Path], manifest: dict | None, stripe_bytes: 
                 f"{first / STATE_DIR / MANIFEST}: the state is striped in stripes of {format_size(theirs)}, and this "
                 f"storage's are {format_size(stripe_bytes)}; give the storage stripe_bytes={theirs} "
                 f"(`posix:{','.join(map(str, dirs))}?stripe_bytes={theirs}`)")
+        weighed = storage.get("stripe_weights")
+        if n > 1 and stripe_bytes and weighed != stripe_weights:
+            said = ":".join(map(str, weighed)) if weighed else "even (none)"
+            mine = ":".join(map(str, stripe_weights)) if stripe_weights else "even (none)"
+            how = (f"stripe_weights={said} (`posix:{','.join(map(str, dirs))}?stripe_bytes={theirs or stripe_bytes}"
+                   f"&stripe_weights={said}`)" if weighed else "no stripe_weights")
+            raise CheckpointError(
+                f"{first / STATE_DIR / MANIFEST}: the state is striped with stripe weights {said}, and this storage's "
+                f"are {mine}; give the storage {how}")
     for i, d in enumerate(dirs[1:], 1):
         record = read_stripe(d)
         # with no state committed, a record of this place under this first directory is a start that died

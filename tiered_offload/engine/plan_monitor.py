@@ -25,14 +25,16 @@ log = logging.getLogger("tiered_offload")
 
 def profiled_disk_rates(store) -> DiskRates | None:
     """The rates ``tiered-offload bench-io --save-profile`` measured for the store's storage
-    directories: striped together where it measured their set, else each directory's file system's,
-    striped (:func:`~tiered_offload.profile.striped_rates`); None without a disk, or where a
-    directory's file system has no profile."""
-    dirs = store.backend.directories
-    together = measured_striped_rates(dirs, store.config.io_profile) if len(dirs) > 1 else None
+    directories: striped together where it measured their set (in even stripes, or by the weights
+    it advised where the backend has them), else each directory's file system's, striped
+    (:func:`~tiered_offload.profile.striped_rates`, by the backend's ``stripe_weights``); None
+    without a disk, or where a directory's file system has no profile."""
+    dirs, weights = store.backend.directories, store.backend.stripe_weights
+    together = measured_striped_rates(dirs, store.config.io_profile, weights) if len(dirs) > 1 else None
     if together is not None:
         return DiskRates(together[0], together[1], f"bench-io profile {together[2]}, {len(dirs)} directories "
-                                                   f"measured striped together")
+                                                   f"measured striped together" + (
+                                                       f" by weights {':'.join(map(str, weights))}" if weights else ""))
     drives, where = [], None
     for d in store.backend.directories:
         known = measured_rates(d, store.config.io_profile)
@@ -42,10 +44,11 @@ def profiled_disk_rates(store) -> DiskRates | None:
         where = known[2]
     if not drives:
         return None
-    read, write = striped_rates(drives)
+    read, write = striped_rates(drives, weights)
     n = len(drives)
     return DiskRates(read, write, f"bench-io profile {where}" + (
-        f", {n} directories striped over {len({fs for fs, _, _ in drives})} file systems" if n > 1 else ""))
+        f", {n} directories striped over {len({fs for fs, _, _ in drives})} file systems" if n > 1 else "")
+        + (f" by weights {':'.join(map(str, weights))}" if weights else ""))
 
 
 @dataclass(frozen=True)
