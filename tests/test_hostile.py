@@ -837,6 +837,22 @@ def test_direct_io_measured_on_one_drive_is_not_forced_on_a_striped_drive_that_l
         assert store.backend.supports_direct_io == (probe(a) is None)  # (on its own drive: as measured)
 
 
+def test_a_profile_never_sets_a_stores_layout(tmp_path):
+    """A profile's options tune how bytes move (threads, request size, direct I/O); the stripe size
+    and weights are the state's layout, which a resume must meet. A profile edited to give them
+    would have laid out a fresh state by them, and a resume after the profile changed would be
+    refused (or, before the manifest kept the weights, read by another layout). They are ignored."""
+    from tiered_offload.profile import filesystem_id, save_profile
+    from tiered_offload.store import TieredStore
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    where = save_profile({"filesystem": filesystem_id(a), "recommended": {
+        "options": {"threads": 3, "stripe_bytes": 8192, "stripe_weights": [3, 1]}, "read_GBps": 1.0,
+        "write_GBps": 1.0}}, tmp_path / "profile.json")
+    with TieredStore([str(a), str(b)], host_budget_bytes=1 << 20, io_profile=str(where)) as store:
+        assert store.backend.threads == 3  # (the profile's)
+        assert store.backend.stripe_weights is None and store.backend.stripe_bytes == 4 << 20  # (the defaults)
+
 DAMAGED_PROFILES = {
     "an entry that is not an object": lambda fs: "notadict",
     "a filesystem without its device number": lambda fs: {"filesystem": {"mount_point": "/"}, "recommended": {}},

@@ -229,11 +229,17 @@ def tuned_options(location, path: str | os.PathLike | None = None) -> dict:
     return {}
 
 
+LAYOUT = ("stripe_bytes", "stripe_weights")
+"""Backend options that lay out a state's bytes (a resume must give those it was written with): a
+profile never sets them, only how the bytes move."""
+
+
 def _as_defaults(entry: dict) -> dict:
-    """An entry's recommended options as a backend's defaults. Direct I/O measured best becomes
+    """An entry's recommended options as a backend's defaults, less any :data:`LAYOUT` option (a
+    profile edited by hand). Direct I/O measured best becomes
     ``"auto"`` (where the file system has it), not ``True``: a store whose other directory has none
     would refuse to open, though nobody asked for direct I/O (it opens buffered, logging why)."""
-    options = dict(entry.get("recommended", {}).get("options", {}))
+    options = {k: v for k, v in entry.get("recommended", {}).get("options", {}).items() if k not in LAYOUT}
     if options.get("direct") is True:
         options["direct"] = "auto"
     return options
