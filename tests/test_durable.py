@@ -1082,7 +1082,7 @@ def test_striped_directories_resume_and_verify(tmp_path, uninterrupted):
     assert cli_main(["verify", str(dirs[0]), "--stripe", str(dirs[1])]) == 0
 
 
-def test_a_state_striped_by_weight_resumes_and_is_read_only_with_its_weights(tmp_path, uninterrupted):
+def test_a_state_striped_by_weight_resumes_and_is_read_only_with_its_weights(tmp_path, uninterrupted, capsys):
     """Drives of unequal speed (``stripe_weights=3:1``: the first takes 3 of every 4 stripes): the
     state trains and resumes bitwise; the manifest records the weights, so a resume with other
     weights (or none) is refused naming them, not read as another layout (wrong bytes: "damaged");
@@ -1105,6 +1105,10 @@ def test_a_state_striped_by_weight_resumes_and_is_read_only_with_its_weights(tmp
     engine.close()
     assert StateDirectory(a, stripes=[b]).verify()["ok"]
     assert cli_main(["verify", str(a), "--stripe", str(b)]) == 0
+    capsys.readouterr()
+    assert cli_main(["inspect", str(a), "--stripe", str(b)]) == 0  # (it says what a resume must give)
+    assert f'resume with storage="posix:{a},{b}?stripe_bytes=16384&stripe_weights=3:1"' in capsys.readouterr().out
+
 
 def test_a_striped_states_other_directories_are_held_and_taken_in_their_order_only(tmp_path, uninterrupted):
     """Only a striped state's first directory was locked and read. With its directories swapped, an engine

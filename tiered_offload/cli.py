@@ -205,6 +205,12 @@ def _state_command(args) -> int:
         holder = info["lock_holder"]
         print("  in use by       " + (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}"
                                        if holder else "nobody"))
+        if info.get("stripe_bytes"):  # (what a resume must give again)
+            weights = ":".join(map(str, info["stripe_weights"] or []))
+            spec = (f"posix:{','.join(d['directory'] for d in info['storage'])}?stripe_bytes={info['stripe_bytes']}"
+                    + (f"&stripe_weights={weights}" if weights else ""))
+            print(f"  striped         in stripes of {format_size(info['stripe_bytes'])}"
+                  f"{f', by weights {weights}' if weights else ', evenly'}: resume with storage=\"{spec}\"")
         for d in info["storage"]:
             print(f"  {d['directory']}: {d['files']} files, {format_size(d['bytes'])}; "
                   f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}")

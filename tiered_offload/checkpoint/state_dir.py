@@ -264,6 +264,8 @@ class StateDirectory:
             "learning_rate": (m["meta"].get("param_groups") or [{}])[0].get("lr"),
             "user_state": m["meta"].get("user_state"),
             "storage": per_dir,
+            "stripe_bytes": self.backend.stripe_bytes if len(per_dir) > 1 else None,
+            "stripe_weights": self.backend.stripe_weights,
             "lock_holder": holder or None,
             "units": [{"name": u["name"], "numel": u["numel"],
                        "tensors": {k.split("/", 1)[1]: {"bytes": v["nbytes"], "file": v["extent"] and key_to_filename(v["extent"])}
