@@ -49,7 +49,7 @@ from offload_core.sizes import parse_size
 from ._files import disk_full, fsync_path, prepare_directory, regular_size, striped_free
 from .base import StorageBackend, filename_to_key, key_to_filename
 
-__all__ = ["PosixBackend", "probe_direct_io"]
+__all__ = ["PosixBackend", "probe_direct_io", "stripe_weights_of"]
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ MAX_WEIGHT = 64
 """The largest stripe weight (a period of stripes per weight unit: more only lengthens the tables)."""
 
 
-def _weights(value, n: int) -> list[int] | None:
+def stripe_weights_of(value, n: int) -> list[int] | None:
     """``stripe_weights`` (a list, or text such as ``"3:1"`` or ``"3,1"``) as integers reduced by their
     greatest common divisor, one per directory; None where there are none or all are equal (the
     even layout)."""
@@ -189,7 +189,7 @@ class PosixBackend(StorageBackend):
         self.chunk_bytes = parse_size(chunk_bytes or os.environ.get("TIERED_OFFLOAD_CHUNK") or DEFAULT_CHUNK,
                                       what="chunk_bytes")
         self.stripe_bytes = parse_size(stripe_bytes, what="stripe_bytes")
-        self.stripe_weights = _weights(stripe_weights, len(self.directories))
+        self.stripe_weights = stripe_weights_of(stripe_weights, len(self.directories))
         weights = self.stripe_weights or [1] * len(self.directories)
         self._weight = weights
         self._order = _order(weights)

@@ -332,6 +332,23 @@ def test_a_manifests_stripe_weights_of_the_wrong_kind_are_refused_naming_them(tm
     with pytest.raises(CorruptionError, match=f"storage.stripe_weights.*{match}"):
         StateDirectory(a, stripes=[b])
 
+def test_stripe_weights_a_manifest_gives_unreduced_are_the_layout_they_reduce_to(tmp_path):
+    """The backend reduces its weights (6:2 is 3:1; 2:2 even) and the manifest keeps them reduced; a
+    manifest that gives them unreduced (by hand) named a layout no storage could match: every
+    resume was refused, asking for weights the backend then reduced again. Compared reduced, it
+    resumes."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    spec = f"posix:{a},{b}?stripe_bytes=16KiB&stripe_weights=3:1"
+    engine = make_engine(spec)
+    train(engine, 1)
+    engine.close()
+    rewrite_manifest(a, lambda m: m["storage"].update(stripe_weights=[6, 2]))
+    with make_engine(spec, resume=True) as engine:
+        train(engine, 2)
+    rewrite_manifest(a, lambda m: m["storage"].update(stripe_weights=[2, 2]))  # (even: the bytes are not, now)
+    with pytest.raises(CheckpointError, match=r"stripe weights even \(none\), and this storage's are 3:1"):
+        make_engine(spec, resume=True)
+
 @pytest.mark.parametrize("key, value", [("lr", "x"), ("betas", "nope"), ("betas", [0.9]), ("eps", True),
                                         ("initial_lr", [1]), ("amsgrad", 0.5)])
 def test_a_saved_hyperparameter_of_the_wrong_kind_is_refused_naming_it(tmp_path, key, value):

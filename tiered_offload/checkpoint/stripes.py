@@ -29,6 +29,7 @@ from pathlib import Path
 
 from offload_core.errors import CheckpointError, CorruptionError
 from offload_core.sizes import format_size
+from storage_backends.posix import stripe_weights_of
 
 from .durable import MANIFEST, STATE_DIR, DirectoryLock, _write_all, create_fresh, fsync_directory, read_own
 from .schema import parse_json
@@ -97,7 +98,7 @@ def check_stripes(directories: list[Path], manifest: dict | None, stripe_bytes: 
                 f"{first / STATE_DIR / MANIFEST}: the state is striped in stripes of {format_size(theirs)}, and this "
                 f"storage's are {format_size(stripe_bytes)}; give the storage stripe_bytes={theirs} "
                 f"(`posix:{','.join(map(str, dirs))}?stripe_bytes={theirs}`)")
-        weighed = storage.get("stripe_weights")
+        weighed = stripe_weights_of(storage.get("stripe_weights"), n)  # (reduced, as the backend's are)
         if n > 1 and stripe_bytes and weighed != stripe_weights:
             said = ":".join(map(str, weighed)) if weighed else "even (none)"
             mine = ":".join(map(str, stripe_weights)) if stripe_weights else "even (none)"
