@@ -335,6 +335,7 @@ def _of_type(value, annotation: str) -> bool:
               "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
               "bool": lambda v: isinstance(v, bool), "None": lambda v: v is None,
               "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+              "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
               "list[float]": lambda v: isinstance(v, list) and all(
                   isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)}
     return any(checks[a.strip()](value) for a in annotation.split("|"))
@@ -951,6 +952,29 @@ def test_a_changed_lora_layout_on_resume_is_refused_naming_the_setting(tmp_path,
     assert train(write_config(tmp_path, model_dir, data, train__max_steps=2, lora__merged=True, **settings),
                  progress=False)["step"] == 2
 
+
+def test_drives_of_unequal_speed_are_striped_by_weight_and_the_same_command_resumes(tmp_path, model_dir, data):
+    """``offload.stripe_weights`` (bench-io's advice for drives of unequal speed): the storage striped
+    by them, recorded in the state, the same command resuming to the step an uninterrupted run
+    reaches with the same weights; a resume without them is refused naming them. ``3:1`` unquoted
+    is a number in YAML (181, base 60): refused, naming the key and the list to write."""
+    dirs = [str(tmp_path / "nvme"), str(tmp_path / "sata")]
+    settings = dict(offload__storage=dirs, offload__stripe_weights=[3, 1], output__export_every=0, train__eval_every=0)
+    assert train(write_config(tmp_path, model_dir, data, train__max_steps=2, **settings), progress=False)["step"] == 2
+    from tiered_offload.checkpoint.durable import StateFiles, state_directory
+    manifest = json.loads(StateFiles(state_directory(dirs[0])).manifest_path.read_text().split(" ", 1)[1])
+    assert manifest["storage"]["stripe_weights"] == [3, 1]
+    with pytest.raises(CheckpointError, match=r"stripe weights 3:1"):
+        train(write_config(tmp_path, model_dir, data, train__max_steps=3, **{**settings, "offload__stripe_weights": None}),
+              progress=False)
+    assert train(write_config(tmp_path, model_dir, data, train__max_steps=3, **settings), progress=False)["step"] == 3
+    for value, match in ((181, r"offload\.stripe_weights: 181 is not a list of weights.*\[3, 1\]"),
+                         ([3, 0], r"offload\.stripe_weights: .*0 is not an integer from 1 to 64"),
+                         ([3, 1, 1], r"offload\.stripe_weights: .*3 weights for 2 directories")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(write_config(tmp_path / "bad", model_dir, data, **{**settings, "offload__stripe_weights": value}))
+    with pytest.raises(ConfigError, match=r"offload\.stripe_weights: .*offload\.storage.*several directories"):
+        load_config(write_config(tmp_path / "one", model_dir, data, offload__stripe_weights=[3, 1]))
 
 @pytest.mark.parametrize("setting, match", [
     ({"lora__targets": ["nope"]}, r"lora\.targets \['nope'\] matches no module of the model.*q_proj"),

@@ -162,6 +162,10 @@ class OffloadSection:
     """Commit every this many steps (a crash loses at most this many - 1)."""
     backend: str | None = None
     """A storage backend name (``posix``, ``kvikio``, ``aiofiles``...; None: the default)."""
+    stripe_weights: list[int] | None = None
+    """With several ``storage`` directories on drives of unequal speed: the stripes each takes of
+    every ``sum`` of them (``[3, 1]``: what ``tiered-offload bench-io`` advises); None: even. Part of
+    the state's layout: the same on every resume."""
 
 
 @dataclass(kw_only=True)
@@ -237,6 +241,7 @@ class RunConfig:
         if any(not isinstance(d, str) or "," in d or not d for d in listed):  # (joined by commas: split again)
             raise ConfigError(f"offload.storage: each directory of the list must be a path without a comma (a comma "
                               f"separates striped directories), got {listed!r}")
+        _check_stripe_weights_of(self.offload)
         _choice("data.format", self.data.format, ("text", "completion", "prompt-completion", "alpaca", "chat"))
         _choice("data.chat_turns", self.data.chat_turns, ("all", "each"))
         if self.data.chat_turns != "all" and self.data.format != "chat":
@@ -340,6 +345,28 @@ class RunConfig:
         return self
 
 
+def _check_stripe_weights_of(offload: "OffloadSection") -> None:
+    """``offload.stripe_weights``: a list, one weight per directory of ``offload.storage`` (two or
+    more), for a backend that stripes; a :class:`ConfigError` naming the key otherwise."""
+    weights, storage = offload.stripe_weights, offload.storage
+    if weights is None:
+        return
+    if not isinstance(weights, list):
+        raise ConfigError(f"offload.stripe_weights: {weights!r} is not a list of weights, one per directory of "
+                          f"offload.storage; write [3, 1] (YAML reads 3:1 unquoted as a number, base 60)")
+    dirs = storage if isinstance(storage, list) else [d for d in str(storage).split(",") if d]
+    if len(dirs) < 2:
+        raise ConfigError(f"offload.stripe_weights: {weights} for offload.storage {storage!r}, one directory: the "
+                          f"weights share each tensor's stripes among several directories; list them, or drop the key")
+    if offload.backend not in (None, "posix", "kvikio", "auto"):
+        raise ConfigError(f"offload.stripe_weights: offload.backend {offload.backend!r} does not stripe; use posix")
+    from storage_backends.posix import stripe_weights_of
+    try:
+        stripe_weights_of(weights, len(dirs))
+    except ConfigError as e:
+        raise ConfigError(f"offload.stripe_weights: {e}") from None
+
+
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -349,7 +376,8 @@ _KINDS = {"str": (lambda v: isinstance(v, str), "a text"),
           "float": (_number, "a number"), "bool": (lambda v: isinstance(v, bool), "true or false"),
           "None": (lambda v: v is None, "null"),
           "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of texts"),
-          "list[float]": (lambda v: isinstance(v, list) and all(_number(x) for x in v), "a list of numbers")}
+          "list[float]": (lambda v: isinstance(v, list) and all(_number(x) for x in v), "a list of numbers"),
+          "list[int]": (lambda v: isinstance(v, list) and all(_is_a("int", x) for x in v), "a list of integers")}
 """A config field's type (its annotation's parts) -> (whether a value is of it, its name in an error)."""
 
 

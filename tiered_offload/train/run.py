@@ -330,6 +330,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
     from tiered_offload import Engine
     directories = _storage_location(cfg.offload.storage)
     location = directories if cfg.offload.backend is None else f"{cfg.offload.backend}:{directories}"
+    if cfg.offload.stripe_weights:  # (drives of unequal speed: each its share of the stripes)
+        location = (f"{cfg.offload.backend or 'auto'}:{directories}?stripe_weights="
+                    f"{':'.join(map(str, cfg.offload.stripe_weights))}")
     own = directories if ranks.world == 1 else ",".join(  # (this rank's directories: engine/sharding.py)
         str(Path(d) / f"rank-{ranks.rank}-of-{ranks.world}") for d in directories.split(","))
     resuming = StateFiles(state_directory(own)).manifest_path.exists()  # the same command continues
