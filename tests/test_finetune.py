@@ -473,11 +473,15 @@ def fused_step(engine, step, loss_fn, in_backward=False, clipped=None):
 
 def _storage(storage, path: Path):
     """``check_parity``'s ``storage=``: ``"dir"`` (``path``), ``"striped"`` (two directories),
-    ``"zarr"`` or ``"aiofiles"`` (that backend at ``path``), None (a temporary directory)."""
+    ``"weighted"`` (two, 3 of every 4 stripes of 16 KiB in the first), ``"zarr"`` or ``"aiofiles"`` (that
+    backend at ``path``), None (a temporary directory)."""
     if storage is None:
         return None
     if storage == "striped":
         return [path.with_name(path.name + "-a"), path.with_name(path.name + "-b")]
+    if storage == "weighted":
+        return f"posix:{path.with_name(path.name + '-a')},{path.with_name(path.name + '-b')}?stripe_bytes=16KiB" \
+               f"&stripe_weights=3:1"
     return path if storage == "dir" else f"{storage}:{path}"
 
 
@@ -2045,7 +2049,7 @@ def test_the_wide_options_fuzz_draws_more_and_the_seeds_it_found_failures_with_d
     # --stores: the storage and the store's options from a generator of their own, the rest as without it
     stored = [fuzz_options.draw(random.Random(seed), wide, True, random.Random(f"stores-{seed}"))[1]
               for seed in range(60)]
-    assert {kw["storage"] for kw in stored} == {"dir", "striped", "aiofiles", "zarr"}
+    assert {kw["storage"] for kw in stored} == {"dir", "striped", "weighted", "aiofiles", "zarr"}
     assert not any(kw["storage"] == "zarr" and kw["durable"] for kw in stored)  # (zarr's refused)
     assert all(kw["config"] == plain[1]["config"] for kw, plain in zip(stored, drawn))
 

@@ -12,7 +12,7 @@ exports and reads of the weights between steps, bf16 autocast, the optimizer's o
 of the cases run the step in the last backward (``step=True``), their loop made one that can
 (``--in-backward``: every case).
 ``--wide`` adds T5 and BART, frozen parameters, LoRA layers, Trainer's parameter groups and
-``generate()`` between steps; ``--stores`` the storage (striped, zarr, aiofiles) and the store's
+``generate()`` between steps; ``--stores`` the storage (striped, by weight too, zarr, aiofiles) and the store's
 options (LRU, CRC32, reads unverified, no reservation); ``--loops`` Mixtral's load-balancing loss,
 Hugging Face's gradient checkpointing, forwards in ``eval()`` mode or ``eval()`` before a backward,
 ``clip_grad_value_``, two forwards before a backward, micro-batches of other shapes and parameters
@@ -252,7 +252,7 @@ def draw(rng: random.Random, zoo: dict, wide: bool = False, stores: random.Rando
 
 
 def draw_store(rng: random.Random, store: dict, durable: bool) -> str:
-    """``--stores``: the storage (a directory, two striped, the aiofiles backend, or zarr's where
+    """``--stores``: the storage (a directory, two striped, evenly or by weight, the aiofiles backend, or zarr's where
     not ``durable``, which it refuses) and, into ``store``, the eviction policy, the checksum,
     whether reads verify it and disk space is reserved up front, and the host tier's prefetch share
     below a device tier."""
@@ -260,7 +260,9 @@ def draw_store(rng: random.Random, store: dict, durable: bool) -> str:
                  verify_checksums=rng.random() < 0.8, preallocate=rng.random() < 0.7)
     if "device_budget_bytes" in store:
         store["host_prefetch_share"] = rng.choice([0.125, 0.5])
-    return rng.choice(["dir", "dir", "striped", "aiofiles", *([] if durable else ["zarr"])])
+    kind = rng.choice(["dir", "dir", "striped", "aiofiles", *([] if durable else ["zarr"])])
+    # half the striped by weight (drawn last: a seed draws the rest as before)
+    return "weighted" if kind == "striped" and rng.random() < 0.5 else kind
 
 
 def habits(rng: random.Random, steps: int, accumulate: int, moe: bool, generates: bool = False):
