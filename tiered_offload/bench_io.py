@@ -286,8 +286,7 @@ def advised_weights(drives: list[tuple[int, float, float]], most: int = 8) -> li
     the order tried, small weights first, must be 1% better); None where even stripes do as well
     (within 1%)."""
     def score(weights):
-        read, write = striped_rates(drives, weights)
-        return 2 / (1 / read + 1 / write) if read > 0 and write > 0 else 0.0
+        return _score(dict(zip(("read_GBps", "write_GBps"), striped_rates(drives, weights))))
     even = score(None)
     best, best_score = None, even
     for weights in itertools.product(range(1, most + 1), repeat=len(drives)) if len(drives) <= 4 else ():
