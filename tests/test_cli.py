@@ -137,10 +137,16 @@ def test_bench_io_advises_stripe_weights_for_drives_of_unequal_speed_and_the_pla
     said = capsys.readouterr().out
     assert f'storage="posix:{a},{b}?stripe_weights=2:1"' in said and "read 10.10 GB/s, write 8.70 GB/s" in said
     assert "faster than the set" not in said  # (by weight the set beats the NVMe alone)
+    wrong = {**striped, "weighted": {**striped["weighted"], "verified": False}}
+    _say_striped(wrong, reports, SimpleNamespace(save_profile=None))
+    said = capsys.readouterr().out
+    assert "bytes read back differed from those written; not advised" in said and "stripe_weights=2:1" not in said
 
     import tiered_offload.engine.plan_monitor as plan_monitor
+    def fs(path):
+        return next(f for f in fss if str(path).startswith(f["mount_point"]))
     for module in (profile, plan_monitor):
-        monkeypatch.setattr(module, "filesystem_id", lambda p: next(f for f in fss if str(p).startswith(f["mount_point"])))
+        monkeypatch.setattr(module, "filesystem_id", fs)
     for d, fs, (r, w) in zip((a, b), fss, ((7.0, 6.0), (3.5, 3.0))):
         profile.save_profile({"filesystem": fs, "recommended": {"options": {}, "read_GBps": r, "write_GBps": w}}, where)
 

@@ -335,7 +335,7 @@ def _of_type(value, annotation: str) -> bool:
               "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
               "bool": lambda v: isinstance(v, bool), "None": lambda v: v is None,
               "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-              "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+              "list[int]": lambda v: isinstance(v, list) and all(type(x) is int for x in v),
               "list[float]": lambda v: isinstance(v, list) and all(
                   isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)}
     return any(checks[a.strip()](value) for a in annotation.split("|"))
@@ -964,15 +964,15 @@ def test_drives_of_unequal_speed_are_striped_by_weight_and_the_same_command_resu
     from tiered_offload.checkpoint.durable import StateFiles, state_directory
     manifest = json.loads(StateFiles(state_directory(dirs[0])).manifest_path.read_text().split(" ", 1)[1])
     assert manifest["storage"]["stripe_weights"] == [3, 1]
+    even = {**settings, "offload__stripe_weights": None}
     with pytest.raises(CheckpointError, match=r"stripe weights 3:1"):
-        train(write_config(tmp_path, model_dir, data, train__max_steps=3, **{**settings, "offload__stripe_weights": None}),
-              progress=False)
+        train(write_config(tmp_path, model_dir, data, train__max_steps=3, **even), progress=False)
     assert train(write_config(tmp_path, model_dir, data, train__max_steps=3, **settings), progress=False)["step"] == 3
     for value, match in ((181, r"offload\.stripe_weights: 181 is not a list of weights.*\[3, 1\]"),
                          ([3, 0], r"offload\.stripe_weights: .*0 is not an integer from 1 to 64"),
                          ([3, 1, 1], r"offload\.stripe_weights: .*3 weights for 2 directories")):
         with pytest.raises(ConfigError, match=match):
-            load_config(write_config(tmp_path / "bad", model_dir, data, **{**settings, "offload__stripe_weights": value}))
+            load_config(write_config(tmp_path / "bad", model_dir, data, **{**even, "offload__stripe_weights": value}))
     with pytest.raises(ConfigError, match=r"offload\.stripe_weights: .*offload\.storage.*several directories"):
         load_config(write_config(tmp_path / "one", model_dir, data, offload__stripe_weights=[3, 1]))
 

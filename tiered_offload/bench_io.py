@@ -523,15 +523,19 @@ def _say_striped(striped: dict, reports: list[dict], args) -> None:
           f"the directories measured alone, {alone['read_GBps']:.2f} and {alone['write_GBps']:.2f} GB/s: "
           f"{len(reports)} x the least, directories on one file system sharing its rate)")
     weighted = striped.get("weighted")
+    if weighted and not weighted["verified"]:
+        print(f"by weight ({':'.join(map(str, weighted['stripe_weights']))}): the bytes read back differed from "
+              f"those written; not advised (report it: the storage or the striping returned wrong bytes)")
+        weighted = None
     if weighted:
         said = ":".join(map(str, weighted["stripe_weights"]))
         spec = f"posix:{','.join(r['path'] for r in reports)}?stripe_weights={said}"
         print(f"by weight, each drive taking its share of the stripes ({said}; the plan's rule: read "
               f"{weighted['rule']['read_GBps']:.2f}, write {weighted['rule']['write_GBps']:.2f} GB/s), measured with "
               f"the settings above: read {weighted['read_GBps']:.2f} GB/s, write {weighted['write_GBps']:.2f} GB/s "
-              f"({_times(weighted['read_GBps'], rec['read_GBps'])} and {_times(weighted['write_GBps'], rec['write_GBps'])}"
-              f" the even set's){'' if weighted['verified'] else ' - NOT VERIFIED: the bytes read back differed'}. "
-              f"A fresh run takes them as storage=\"{spec}\" (part of the state's layout: give them on every resume)")
+              f"({_times(weighted['read_GBps'], rec['read_GBps'])} and "
+              f"{_times(weighted['write_GBps'], rec['write_GBps'])} the even set's). A fresh run takes them as "
+              f"storage=\"{spec}\" (part of the state's layout: give them on every resume)")
     fastest = max(reports, key=lambda r: _score(r["recommended"]))
     if _score(fastest["recommended"]) > max(_score(rec), _score(weighted) if weighted else 0.0):
         print(f"note: {fastest['path']} alone (read {fastest['recommended']['read_GBps']:.2f} GB/s, write "

@@ -194,8 +194,9 @@ def measured_striped_rates(locations, path: str | os.PathLike | None = None,
     except ProfileError:
         return None
     entry = data["striped"].get(striped_key(_directories(locations)), {})
+    weighted = entry.get("weighted") or {}
     rec = entry.get("recommended", {}) if not weights else (
-        entry.get("weighted") or {} if (entry.get("weighted") or {}).get("stripe_weights") == list(weights) else {})
+        weighted if weighted.get("stripe_weights") == list(weights) and weighted.get("verified", True) else {})
     if rec.get("read_GBps") and rec.get("write_GBps"):
         return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(profile_path(path))
     return None

@@ -99,8 +99,8 @@ class StateDirectory:
                 f"{len(others) + 1} given. Name the others (`--stripe DIR` for each, in that order) to read it")
         dirs = [self.path, *others]  # the first may have been moved since; the others are the caller's
         check_stripes(dirs, manifest)
-        self.backend = PosixBackend(dirs, direct=False, create=False, writable=False,
-                                    **({"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}),
+        layout = {"stripe_bytes": storage["stripe_bytes"]} if storage.get("stripe_bytes") else {}
+        self.backend = PosixBackend(dirs, direct=False, create=False, writable=False, **layout,
                                     stripe_weights=storage.get("stripe_weights"))
         self.backend.open()
 
