@@ -310,8 +310,10 @@ def run(out: Path, cfg: dict) -> int:
     from tiered_offload.engine.step_in_backward import StepInBackward
     model = build(dict(cfg, layers=cfg["layers"] + (1 if cfg.get("odd_rank") == rank else 0)))
     durable = cfg.get("durable", False)
-    # striped: each rank's directory in both roots (rank-R-of-W in each), the stripes 16 KiB
-    storage = f"posix:{out / 'state'},{out / 'stripe'}?stripe_bytes=16KiB" if cfg.get("striped") else out / "state"
+    # striped: each rank's directory in both roots (rank-R-of-W in each), the stripes 16 KiB (by weight: "3:1")
+    storage = (f"posix:{out / 'state'},{out / 'stripe'}?stripe_bytes=16KiB"
+               + (f"&stripe_weights={cfg['stripe_weights']}" if cfg.get("stripe_weights") else "")
+               if cfg.get("striped") else out / "state")
     engine = Engine(model, optimizer(model, cfg), storage=storage, durable=durable,
                     resume="auto" if durable else False, host_memory=cfg["host_memory"], device="cpu",
                     commit_every=cfg.get("commit_every", 1),

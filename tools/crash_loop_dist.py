@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--step-in-backward", action="store_true")
+    ap.add_argument("--stripe-weights", default=None, metavar="W",
+                    help="each rank's state striped over two directories by these weights (3:1)")
     ap.add_argument("--clip-in-backward", type=float, default=None, metavar="C",
                     help="with --step-in-backward: clip_norm=C in the backward (tears start the job again)")
     args = ap.parse_args()
@@ -60,7 +62,8 @@ def main() -> int:
         test_distributed._ZYGOTE = zygote
         while kills < args.kills:
             cfg = {"layers": 4, "optimizer": "adamw", "steps": args.steps, "accumulate": 1, "clip": 1.0,
-                   "durable": True, "timeout_s": 30, "scheduler": True, "commit_every": rng.choice([1, 2, 3])}
+                   "durable": True, "timeout_s": 30, "scheduler": True, "commit_every": rng.choice([1, 2, 3]),
+                   **({"striped": True, "stripe_weights": args.stripe_weights} if args.stripe_weights else {})}
             share = 16 * sum(p.numel() for p in build(cfg).parameters()) / args.ranks
             fraction = rng.choice([0.9, 3.0])
             if args.step_in_backward:  # 6 blocks: at 0.6 of a share a block's update fits beside the backward's pins
