@@ -102,8 +102,10 @@ def check_stripes(directories: list[Path], manifest: dict | None, stripe_bytes: 
         if n > 1 and stripe_bytes and weighed != stripe_weights:
             said = ":".join(map(str, weighed)) if weighed else "even (none)"
             mine = ":".join(map(str, stripe_weights)) if stripe_weights else "even (none)"
+            listed = ", ".join(map(str, weighed or []))
             how = (f"stripe_weights={said} (`posix:{','.join(map(str, dirs))}?stripe_bytes={theirs or stripe_bytes}"
-                   f"&stripe_weights={said}`)" if weighed else "no stripe_weights")
+                   f"&stripe_weights={said}`; tiered-offload train: offload.stripe_weights: [{listed}])"
+                   if weighed else "no stripe_weights")
             raise CheckpointError(
                 f"{first / STATE_DIR / MANIFEST}: the state is striped with stripe weights {said}, and this storage's "
                 f"are {mine}; give the storage {how}")
