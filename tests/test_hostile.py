@@ -916,6 +916,10 @@ DAMAGED_STRIPED_SETS = {
     "a set filed under other file systems": lambda fss: {"1,2": {"filesystems": fss, "recommended": {}}},
     "a rate that is infinite": lambda fss: {",".join(str(f["st_dev"]) for f in fss): {
         "filesystems": fss, "recommended": {"read_GBps": float("inf"), "write_GBps": 1.0}}},
+    "weights not one per directory": lambda fss: {",".join(str(f["st_dev"]) for f in fss): {
+        "filesystems": fss, "recommended": {}, "weighted": {"stripe_weights": [3], "read_GBps": 1.0}}},
+    "a weighted rate that is a word": lambda fss: {",".join(str(f["st_dev"]) for f in fss): {
+        "filesystems": fss, "recommended": {}, "weighted": {"stripe_weights": [3, 1], "read_GBps": "fast"}}},
 }
 
 
