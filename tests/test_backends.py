@@ -212,9 +212,12 @@ class TestKvikioBackendLogic(BackendConformanceTests):
             backend.read_into("k", out).get()
             assert torch.equal(out, data)
         assert sorted(fake.opened) == sorted(backend._paths("k"))  # one CuFile per stripe file, kept
-        # a stripe run is one request (kvikio splits it by task size), not one per chunk
+        # a stripe run is one request (kvikio splits it by task size), not one per chunk: a stripe is one
+        # unless it follows the one before in the same file (by weight: 2:1 puts stripes 2 and 3 in a row)
+        places = [backend._where(s) for s in range((1 << 20) // (64 << 10))]
+        runs = 1 + sum(not (b == (a[0], a[1] + 1)) for a, b in zip(places, places[1:]))
         reads = [c for c in fake.calls if c[0] == "read"]
-        assert len(reads) == 3 * (1 << 20) // (64 << 10)
+        assert len(reads) == 3 * runs and runs == (16 if backend.stripe_weights is None else 11)
         backend.delete("k")
         assert sorted(fake.closed) == sorted(backend._paths("k")) and backend.open_files() == 0
 
@@ -231,6 +234,13 @@ class TestKvikioBackendLogic(BackendConformanceTests):
         assert name == "posix" and "compatibility mode" in reason
         assert storage_backends.create_backend(f"auto:{tmp_path}").name == "posix"
 
+
+class TestKvikioBackendLogicByWeight(TestKvikioBackendLogic):
+    """The same, the stripes by weight (kvikio's ranges come from the posix layout's parts)."""
+
+    def make_backend(self, tmp_path):
+        return KvikioBackend([tmp_path / "a", tmp_path / "b"], stripe_bytes="64KiB", chunk_bytes="128KiB", threads=3,
+                             stripe_weights=[2, 1])
 
 def test_auto_picks_kvikio_only_with_gpudirect_on(monkeypatch, tmp_path):
     from fake_kvikio import FakeKvikio
