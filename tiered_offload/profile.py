@@ -166,9 +166,16 @@ def measured_rates(location: str | os.PathLike, path: str | os.PathLike | None =
         return None
     fs = filesystem_id(location)
     for entry in data["filesystems"].values():
-        rec = entry.get("recommended", {})
-        if entry.get("filesystem", {}).get("st_dev") == fs["st_dev"] and rec.get("read_GBps") and rec.get("write_GBps"):
-            return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(profile_path(path))
+        rates = _as_rates(entry.get("recommended", {}), path)
+        if entry.get("filesystem", {}).get("st_dev") == fs["st_dev"] and rates:
+            return rates
+    return None
+
+
+def _as_rates(measured: dict, path) -> tuple[float, float, str] | None:
+    """A measurement's ``(read bytes/s, write bytes/s, the profile's path)``; None where it lacks a rate."""
+    if measured.get("read_GBps") and measured.get("write_GBps"):
+        return measured["read_GBps"] * 1e9, measured["write_GBps"] * 1e9, str(profile_path(path))
     return None
 
 
@@ -197,9 +204,7 @@ def measured_striped_rates(locations, path: str | os.PathLike | None = None,
     weighted = entry.get("weighted") or {}
     rec = entry.get("recommended", {}) if not weights else (
         weighted if weighted.get("stripe_weights") == list(weights) and weighted.get("verified", True) else {})
-    if rec.get("read_GBps") and rec.get("write_GBps"):
-        return rec["read_GBps"] * 1e9, rec["write_GBps"] * 1e9, str(profile_path(path))
-    return None
+    return _as_rates(rec, path)
 
 
 def striped_rates(drives: list[tuple[int, float, float]], weights=None) -> tuple[float, float]:
