@@ -284,6 +284,9 @@ def main() -> int:  # noqa: C901 - a script
                     help="run the disk run with the backend's defaults and with this bench-io profile, nothing else")
     ap.add_argument("--stripe-weights", default=None, metavar="W",
                     help="with --against-profile and --path A,B: a third run striped by these weights (3:1)")
+    ap.add_argument("--plan-free", action="store_true",
+                    help="with --against-profile: the planner chooses each block's activations (default: all "
+                         "recomputed, so that only the options differ)")
     ap.add_argument("--sweep", default=None, help="comma-separated host budgets (fractions of the state): run plain "
                                                   "PyTorch and the engine (durable=False) at each, nothing else")
     args = ap.parse_args()
@@ -473,15 +476,16 @@ def against_profile(args) -> int:
             storage = [os.path.join(d, name) for d in directories] if directories else os.path.join(directory, name)
             if weights:
                 storage = f"posix:{','.join(storage)}?stripe_weights={weights}"
-            # every block recomputed in both: a profile's rates could change the plan's choice, and so the bytes
+            # every block recomputed in both (unless --plan-free): a profile's rates could change the plan's
+            # choice, and so the bytes
             engine = Engine(copy.deepcopy(base), torch.optim.AdamW, OPT_KWARGS, storage=storage, durable=False,
                             host_memory=int(state * float(args.host_fraction)), store_config={"io_profile": profile},
-                            config=EngineConfig(activations="recompute"))
+                            config=EngineConfig(activations="auto" if args.plan_free else "recompute"))
             engines.append(engine)
             configs.append(_clipped_steps(name, engine))
         _rounds(args, configs, g)
-        options = {c.name: (c.engine.store.backend, c.engine.plan.rates.source if c.engine.plan.rates else "-")
-                   for c in configs}
+        options = {c.name: (c.engine.store.backend, c.engine.plan.rates.source if c.engine.plan.rates else "-",
+                            _modes(c.engine.activation_modes)) for c in configs}
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
           f"{args.context} tokens; AdamW + clipping; host budget {args.host_fraction} x the state, durable=False; "
           f"{args.rounds} interleaved rounds of {args.steps_per_round} steps after a warm-up round, medians")
@@ -502,6 +506,8 @@ def against_profile(args) -> int:
         if name != "defaults":
             print(f"{name} / defaults: step {row[name][0] / row['defaults'][0]:.2f}, delivered rate "
                   f"{row[name][1] / row['defaults'][1]:.2f}; its plan's disk rates: {options[name][1]}")
+    if args.plan_free:
+        print("activations as planned: " + "; ".join(f"{name} {options[name][2]}" for name in row))
     return 0
 
 

@@ -65,7 +65,8 @@ class _Counters:
 
 class PlanMonitor:
     """Makes the plan, measures iterations, checks the prediction, goes back once if the plan did
-    not earn its disk bytes (:meth:`Plan.unearned`).
+    not earn its disk bytes (:meth:`Plan.unearned`; where it looked faster than the one step of the
+    modes it replaced, after those ran again for :attr:`CHECK_AFTER` steps).
 
     Args:
         store: the engine's store (its counters and budgets).
@@ -91,8 +92,8 @@ class PlanMonitor:
     """Iterations measured under a plan before its prediction is compared with them."""
     FINAL_AFTER = 1 + PLAN_FROM + 2 * CHECK_AFTER + 1
     """Steps after which the plan in force is the one the run keeps: made, checked, revised if it
-    did not earn its disk bytes, and its step mode tried (:meth:`_try_deferral`) where the disk
-    bounds it (a benchmark's warm-up runs this many)."""
+    did not earn its disk bytes (or kept after the modes it replaced ran again), and its step mode
+    tried (:meth:`_try_deferral`) where the disk bounds it (a benchmark's warm-up runs this many)."""
     SHARDED_TRIAL_AT = 1 + PLAN_FROM + 2 * CHECK_AFTER
     """Sharded, the measured iteration after which every rank decides whether to try the step
     deferred (each one's plan final by then, revised or not: the agreement is a collective, so
@@ -133,6 +134,9 @@ class PlanMonitor:
         self._check_at = 1 + self.PLAN_FROM + self.CHECK_AFTER
         """Measured iterations after which the plan in force is checked (and revised, once)."""
         self._revised = False
+        self._again: tuple[list[StepMeasurement], int, list[str]] | None = None
+        """While the modes the plan replaced run again: the plan's steps, the count of measured
+        iterations at which they are compared (:meth:`_end_again`), and the plan's modes."""
         self._overlapped: list[StepMeasurement] | None = None
         """The overlapped steps the deferred ones are compared with, while the step mode is tried."""
         self._trial_end: int | None = None
@@ -145,6 +149,8 @@ class PlanMonitor:
     def plan(self) -> Plan:
         """The plan, with the blocks recomputed since (their activations outgrew the budget) noted."""
         now = self.streamer.modes
+        if self._again is not None:  # the modes it replaced run again for a few steps: the plan as made
+            return self._plan
         if now is not None and self._plan.modes is not None and list(now) != self._plan.modes:
             fell = [b for b, was, is_ in zip(self._plan.blocks, self._plan.modes, now) if was != is_]
             self._plan.reasons.append(f"recomputed since the plan, their activations not fitting the budget at the "
@@ -209,15 +215,21 @@ class PlanMonitor:
         streamer.forward_calls.clear()
 
     def _after_iteration(self) -> None:
-        """After the planning iteration: plan. After a few more: compare and say if it is off."""
+        """After the planning iteration: plan. After a few more: compare and say if it is off; where
+        the plan moved more disk bytes than the modes it replaced, measure those again and keep the
+        faster."""
         measured = self.measured
+        kept = self._end_again() if self._again is not None and len(measured) == self._again[1] else None
         if self.ranks > 1 and len(measured) == self.SHARDED_TRIAL_AT:  # every rank at once, whatever its plan:
-            self._try_deferral(measured[-self.CHECK_AFTER:])           # the ranks agree (a collective)
+            self._try_deferral(kept or measured[-self.CHECK_AFTER:])    # the ranks agree (a collective)
         elif self.ranks > 1 and len(measured) == self._trial_end:
             self._end_trial()
         if self.streamer.modes is None:
             return  # plain PyTorch: nothing to plan
-        if len(measured) == 1 + self.PLAN_FROM:
+        if kept is not None:
+            if self.ranks == 1:  # the plan is final
+                self._try_deferral(kept)
+        elif len(measured) == 1 + self.PLAN_FROM:
             m = measured[self.PLAN_FROM]
             self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), not self.planner_chooses,
                                    disk_room=self._disk_room(), must_recompute=dict(self.streamer.held_on_ctx))
@@ -231,18 +243,49 @@ class PlanMonitor:
             for note in self._plan.check(under):
                 self._plan.reasons.append(note)
                 log.warning("tiered-offload: %s", note)
-            m = measured[self.PLAN_FROM]
-            why = self._plan.unearned(m, under) if self.planner_chooses and not self._revised else None
+            before = [measured[self.PLAN_FROM]]
+            judge = self.planner_chooses and not self._revised
+            why = self._plan.unearned(before, under) if judge else None
+            again = self._plan.measure_again(before, under) if judge and not why else None
             if why:  # the measurement of both choices overrules the model: the modes planned from
-                self._plan = make_plan(self._plan, m, self._disk_rates(m), *self._rooms(), True,
-                                       disk_room=self._disk_room())
-                self._plan.reasons.append(why)
-                self._revised, self._check_at = True, self._check_at + self.CHECK_AFTER
-                self._apply("tiered-offload plan, measured and revised:\n%s")
+                self._revise(why, before)
+                self._check_at += self.CHECK_AFTER
+            elif again:
+                self._again = (under, len(measured) + self.CHECK_AFTER, list(self.streamer.modes))
+                self.streamer.modes = list(before[0].modes)
+                log.info("tiered-offload: measuring the activation modes the plan replaced again for %d steps: %s",
+                         self.CHECK_AFTER, again)
             elif self.ranks == 1:  # the plan is final
                 self._try_deferral(under)
         elif self.ranks == 1 and len(measured) == self._trial_end:
             self._end_trial()
+
+    def _revise(self, why: str, before: list[StepMeasurement]) -> None:
+        """Go back to the modes of ``before`` (measured under them), predicted from the first."""
+        self._plan = make_plan(self._plan, before[0], self._disk_rates(before[0]), *self._rooms(), True,
+                               disk_room=self._disk_room())
+        self._plan.reasons.append(why)
+        self._revised = True
+        self._apply("tiered-offload plan, measured and revised:\n%s")
+
+    def _end_again(self) -> list[StepMeasurement]:
+        """The modes the plan replaced ran again (:meth:`Plan.measure_again`): keep the plan only if
+        it ran :attr:`Plan.EARN` faster than they did, by the medians of all their steps. Returns
+        the steps of the modes kept."""
+        planned, _, modes = self._again
+        self._again = None
+        before = [self.measured[self.PLAN_FROM]] + self.measured[-self.CHECK_AFTER:]
+        why = self._plan.unearned(before, planned)
+        if why is None:
+            self._plan.reasons.append(self._plan.earned(before, planned))
+            self.streamer.modes = modes
+            log.info("tiered-offload: %s", self._plan.reasons[-1])
+            return planned
+        self._revise(why, before)
+        for note in self._plan.check(before[1:]):
+            self._plan.reasons.append(note)
+            log.warning("tiered-offload: %s", note)
+        return before[1:]
 
     # ---- the step mode, measured -------------------------------------------------------------------
     def _try_deferral(self, overlapped: list[StepMeasurement]) -> None:

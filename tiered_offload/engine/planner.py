@@ -226,29 +226,54 @@ class Plan:
         self.measured_written = median([m.disk_written for m in steps])
 
     EARN = 0.05
-    """How much faster than the iteration it was planned from a plan's steps must run when they move
-    more disk bytes than it did (offloaded activations): a gain below that is within the noise of
-    a step, not worth the disk traffic, and the engine goes back (:meth:`unearned`)."""
+    """How much faster than the modes it replaced a plan's steps must run when they move more disk
+    bytes (offloaded activations): a gain below that is within the noise of a step, not worth the
+    disk traffic, and the engine goes back (:meth:`unearned`)."""
 
-    def unearned(self, before: StepMeasurement, after: list[StepMeasurement]) -> str | None:
-        """Why this plan should give way to the modes of ``before``, the iteration it was planned
-        from (None: it stays): its steps ``after`` moved more disk bytes than ``before`` (beyond
-        :attr:`BYTES_TOLERANCE`) and did not run :attr:`EARN` faster (medians). The prediction
-        is a model; this is the measurement of both choices on this machine."""
-        was = before.disk_read + before.disk_written
+    def _moves_more(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> bool:
+        """Whether steps ``after`` moved more disk bytes than ``before`` (medians), beyond
+        :attr:`BYTES_TOLERANCE`."""
+        was = median([m.disk_read + m.disk_written for m in before])
+        return median([m.disk_read + m.disk_written for m in after]) > was * (1 + self.BYTES_TOLERANCE)
+
+    def unearned(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> str | None:
+        """Why this plan should give way to the modes of ``before``, steps measured under the modes
+        it replaced (None: it stays): its steps ``after`` moved more disk bytes than they did
+        (beyond :attr:`BYTES_TOLERANCE`) and did not run :attr:`EARN` faster (medians). The
+        prediction is a model; this is the measurement of both choices on this machine."""
+        was = median([m.disk_read + m.disk_written for m in before])
         moved = median([m.disk_read + m.disk_written for m in after])
-        seconds = median([m.seconds for m in after])
-        if (moved <= was * (1 + self.BYTES_TOLERANCE) or before.seconds <= 0
-                or seconds <= before.seconds * (1 - self.EARN)):
+        then, seconds = median([m.seconds for m in before]), median([m.seconds for m in after])
+        if not self._moves_more(before, after) or then <= 0 or seconds <= then * (1 - self.EARN):
             return None
-        gain = 1 - seconds / before.seconds
-        back = ("recomputing every block" if set(before.modes) == {"recompute"}
+        gain = 1 - seconds / then
+        back = ("recomputing every block" if set(before[0].modes) == {"recompute"}
                 else "the activation modes it was planned from")
         mib = 1 << 20
+        again = f" ({len(before) - 1} of them measured again)" if len(before) > 1 else ""
         return (f"back to {back}: the planned activations moved {moved / max(was, 1):.1f}x the disk bytes "
                 f"({moved / mib:.1f} against {was / mib:.1f} MiB per step) and {len(after)} steps under them ran "
-                f"{seconds:.3f} s against {before.seconds:.3f} s ({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; "
-                f"a plan that moves more bytes must run {self.EARN:.0%} faster)")
+                f"{seconds:.3f} s against {then:.3f} s for {len(before)} under the modes before{again} "
+                f"({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; a plan that moves more bytes must run "
+                f"{self.EARN:.0%} faster)")
+
+    def measure_again(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> str | None:
+        """Why the modes planned from should run again before this plan is kept (None: no need).
+        Its steps ``after`` moved more disk bytes than ``before`` and ran faster, but ``before``
+        is one step (the one planned from): too few to tell a gain from a slow step (the machine's
+        other load, a cache filling)."""
+        if len(before) > 1 or not self._moves_more(before, after):
+            return None
+        seconds = median([m.seconds for m in after])
+        return (f"the planned activations moved more disk bytes and ran {seconds:.3f} s against {before[0].seconds:.3f} "
+                f"s for the one step measured under the modes before")
+
+    def earned(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> str:
+        """Why this plan stays after ``before`` measured the modes it replaced again (medians)."""
+        then, seconds = median([m.seconds for m in before]), median([m.seconds for m in after])
+        return (f"kept the planned activations: {len(after)} steps under them ran {seconds:.3f} s against {then:.3f} s "
+                f"for {len(before)} under the modes before ({len(before) - 1} of them measured again), "
+                f"{1 - seconds / then:.0%} faster for their extra disk bytes")
 
     def choose_step_mode(self, overlapped: list[StepMeasurement], deferred: list[StepMeasurement]) -> str:
         """Keep the step mode that measured better, from steps run ``overlapped`` with the next
