@@ -202,7 +202,8 @@ def test_a_plan_that_moves_more_bytes_must_measure_faster_or_it_goes_back():
     assert why is not None and "2.000 s" in why and "1.960 s" in why and "2% faster" in why and "1.5x" in why
     assert plan.unearned([before], under(2.4)) is not None  # slower: certainly back
     assert plan.unearned([before], under(1.8)) is None  # 10% faster than the one step: measure that again
-    assert "1.800 s against 2.000 s for the one step" in plan.measure_again([before], under(1.8))
+    assert "1.5x the disk bytes and ran 1.800 s against 2.000 s for the one step" in plan.measure_again(
+        [before], under(1.8))
     # against the medians of the step planned from and three more of its modes
     again = [before] + [measured(seconds=1.85) for _ in range(3)]
     assert plan.measure_again(again, under(1.8)) is None

@@ -250,10 +250,9 @@ class Plan:
         back = ("recomputing every block" if set(before[0].modes) == {"recompute"}
                 else "the activation modes it was planned from")
         mib = 1 << 20
-        again = f" ({len(before) - 1} of them measured again)" if len(before) > 1 else ""
         return (f"back to {back}: the planned activations moved {moved / max(was, 1):.1f}x the disk bytes "
                 f"({moved / mib:.1f} against {was / mib:.1f} MiB per step) and {len(after)} steps under them ran "
-                f"{seconds:.3f} s against {then:.3f} s for {len(before)} under the modes before{again} "
+                f"{seconds:.3f} s against {then:.3f} s for {_steps_before(before)} "
                 f"({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; a plan that moves more bytes must run "
                 f"{self.EARN:.0%} faster)")
 
@@ -265,15 +264,16 @@ class Plan:
         if len(before) > 1 or not self._moves_more(before, after):
             return None
         seconds = median([m.seconds for m in after])
-        return (f"the planned activations moved more disk bytes and ran {seconds:.3f} s against {before[0].seconds:.3f} "
-                f"s for the one step measured under the modes before")
+        moved = median([m.disk_read + m.disk_written for m in after])
+        return (f"the planned activations moved {moved / max(1, before[0].disk_read + before[0].disk_written):.1f}x "
+                f"the disk bytes and ran {seconds:.3f} s against {before[0].seconds:.3f} s for "
+                f"{_steps_before(before)}: too few to tell a gain from a slow step")
 
     def earned(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> str:
         """Why this plan stays after ``before`` measured the modes it replaced again (medians)."""
         then, seconds = median([m.seconds for m in before]), median([m.seconds for m in after])
         return (f"kept the planned activations: {len(after)} steps under them ran {seconds:.3f} s against {then:.3f} s "
-                f"for {len(before)} under the modes before ({len(before) - 1} of them measured again), "
-                f"{1 - seconds / then:.0%} faster for their extra disk bytes")
+                f"for {_steps_before(before)}: {1 - seconds / then:.0%} faster for their extra disk bytes")
 
     def choose_step_mode(self, overlapped: list[StepMeasurement], deferred: list[StepMeasurement]) -> str:
         """Keep the step mode that measured better, from steps run ``overlapped`` with the next
@@ -297,6 +297,13 @@ class Plan:
                 f"steps deferred ran {seconds[1]:.3f} s and moved {moved[1] / mib:.1f} MiB against {seconds[0]:.3f} s "
                 f"and {moved[0] / mib:.1f} MiB overlapped ({abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; "
                 f"the mode that moves more bytes must run {self.EARN:.0%} faster)")
+
+
+def _steps_before(before: list[StepMeasurement]) -> str:
+    """The steps of the modes a plan replaced, in words."""
+    if len(before) == 1:
+        return "the one step under the modes before"
+    return f"the {len(before)} steps under the modes before, {len(before) - 1} of them measured again"
 
 
 def median(xs: list):
