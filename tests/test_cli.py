@@ -85,6 +85,42 @@ def test_bench_io_measures_the_drives_of_a_striped_store_together_and_the_store_
         assert profiled_disk_rates(store).read_Bps == data["reports"][1]["recommended"]["read_GBps"] * 1e9
 
 
+def test_a_striped_set_whose_drives_recommend_different_modes_is_measured_in_each_it_can_run(tmp_path, monkeypatch):
+    """A disk's recommendation is O_DIRECT and a tmpfs's buffered I/O: the set was measured only
+    buffered (the mode they shared, as any buffered one made the whole set buffered), though with
+    O_DIRECT it may be the faster. It is now measured in both, and the better is recommended; in
+    the shared mode alone where the recommendations agree, and buffered alone where a directory
+    cannot take O_DIRECT (the backend's direct I/O is the whole set's)."""
+    import tiered_offload.bench_io as bench_io
+    from tiered_offload.bench_io import BenchConfig, BenchResult, run_bench_striped
+    a, b = tmp_path / "disk", tmp_path / "tmpfs"
+    a.mkdir(), b.mkdir()
+    lacks = {"dir": None}
+    monkeypatch.setattr(bench_io, "probe_direct_io", lambda d: "EINVAL" if str(d) == lacks["dir"] else None)
+    measured = []
+
+    def fake_plan(plan, location, size, progress, weights=None):  # O_DIRECT the faster together
+        measured.extend(plan)
+        return [BenchResult(mode, req, t, 2.0 if mode == "posix-direct" else 1.0, 2.0, True, "-")
+                for mode, req, t in plan]
+    monkeypatch.setattr(bench_io, "_measure_plan", fake_plan)
+
+    def report(path, direct):
+        return {"path": str(path), "filesystem": {"st_dev": hash(str(path))},
+                "recommended": {"backend": "posix", "options": {"threads": 2, "direct": direct}, "read_GBps": 1.0,
+                                "write_GBps": 1.0}}
+    cfg = BenchConfig(size_bytes=1 << 20, request_sizes=(1 << 20,), thread_counts=(1,))
+
+    def modes(direct_a, direct_b):
+        measured.clear()
+        out = run_bench_striped(cfg, [report(a, direct_a), report(b, direct_b)], progress=False)
+        return sorted({m for m, _, _ in measured}), out["recommended"]["options"]["direct"]
+    assert modes(True, False) == (["posix-buffered", "posix-direct"], True)
+    assert modes(False, False) == (["posix-buffered"], False) and modes(True, True) == (["posix-direct"], True)
+    lacks["dir"] = str(b)
+    assert modes(True, False) == (["posix-buffered"], False)
+
+
 def test_bench_io_says_when_one_drive_alone_is_faster_than_the_striped_set(capsys):
     """Stripes are even, so a set runs at ``n`` x about its slowest drive's rate: an NVMe drive
     striped with a SATA one is slower than the NVMe alone. The striped measurement says so, naming

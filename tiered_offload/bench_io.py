@@ -238,18 +238,18 @@ def _measure_plan(plan: list[tuple[str, int, int]], location, size: int, progres
 def run_bench_striped(cfg: BenchConfig, reports: list[dict], *, progress: bool = True) -> dict:
     """Measure the directories of ``reports`` (each one's :func:`run_bench_io`, in order) together,
     striped as a store over them stripes them (one backend over all, ``--size`` a directory), in the
-    mode their recommendations share, at each request size and thread count of ``cfg`` and at the
-    sum of their recommended thread counts; return the report of the set (``--save-profile`` saves
-    it as the striped set's entry: the store over them is tuned and planned by it)."""
+    mode their recommendations share (in each where they differ: :func:`_striped_modes`), at each
+    request size and thread count of ``cfg`` and at the sum of their recommended thread counts;
+    return the report of the set (``--save-profile`` saves it as the striped set's entry: the store
+    over them is tuned and planned by it)."""
     recs = [r["recommended"] for r in reports]
     if any(r["backend"] == "aiofiles" for r in recs):
         return {"skipped": "aiofiles was recommended for a directory, and it stores one directory (striping is a "
                            "posix backend feature)"}
-    direct = all(r["options"].get("direct", True) for r in recs)  # (kvikio's: the posix path's O_DIRECT)
-    mode = "kvikio" if all(r["backend"] == "kvikio" for r in recs) else "posix-direct" if direct else "posix-buffered"
-    threads = sorted(set(cfg.thread_counts) | {sum(r["options"].get("threads", 1) for r in recs)})
-    plan = [(mode, req, t) for req in cfg.request_sizes for t in threads]
     directories = [Path(r["path"]) for r in reports]
+    modes = _striped_modes(recs, directories)
+    threads = sorted(set(cfg.thread_counts) | {sum(r["options"].get("threads", 1) for r in recs)})
+    plan = [(mode, req, t) for mode in modes for req in cfg.request_sizes for t in threads]
     size = cfg.size_bytes * len(directories)
     _check_free(size, striped_free(directories), ", ".join(map(str, directories)))
     results = _measure_plan(plan, directories, size, progress)
@@ -274,9 +274,24 @@ def run_bench_striped(cfg: BenchConfig, reports: list[dict], *, progress: bool =
         "results": [dataclasses.asdict(r) | {"score_GBps": r.score} for r in results],
         "one_at_a_time": {"read_GBps": rule[0], "write_GBps": rule[1]},
         **({"weighted": weighted} if weighted else {}),
-        "recommended": {"backend": "kvikio" if mode == "kvikio" else "posix", "options": _options_for(best),
+        "recommended": {"backend": "kvikio" if best.backend == "kvikio" else "posix", "options": _options_for(best),
                         "read_GBps": best.read_GBps, "write_GBps": best.write_GBps},
     }
+
+
+def _striped_modes(recs: list[dict], directories: list[Path]) -> list[str]:
+    """The modes a striped set is measured in: the one its directories' recommendations share; where
+    they differ (O_DIRECT on a disk, buffered on a tmpfs), each the set can run in (O_DIRECT only
+    where every directory takes it: the backend's direct I/O is the whole set's), as either may be
+    the faster together."""
+    if all(r["backend"] == "kvikio" for r in recs):
+        return ["kvikio"]
+    direct = {bool(r["options"].get("direct", True)) for r in recs}  # (kvikio's: the posix path's O_DIRECT)
+    if direct == {True}:
+        return ["posix-direct"]
+    if direct == {False} or any(probe_direct_io(d) for d in directories):
+        return ["posix-buffered"]
+    return ["posix-direct", "posix-buffered"]
 
 
 def advised_weights(drives: list[tuple[int, float, float]], most: int = 8) -> list[int] | None:
