@@ -189,6 +189,25 @@ def _fail_during_update(engine, step: int, after_units: int) -> None:
     engine._update_unit = failing
 
 
+def _planned_again(engine, planning: float = 0.1, offloading: float = 0.02) -> None:
+    """This rank's plan offloads activations (the disk taken as free), its planning step (the third)
+    runs ``planning`` s longer in every block, and every block whose activations are offloaded
+    ``offloading`` s longer: the plan looks faster than the one slowed step it replaced, and is not
+    (:meth:`Plan.measure_again`)."""
+    import time
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    from tiered_offload.engine.planner import DiskRates
+    PlanMonitor._disk_rates = lambda self, m: DiskRates(1e11, 1e11, "test")
+    streamer = engine._streamer
+    forward = streamer.block_forward
+
+    def slowed(i, args, kwargs):
+        time.sleep((planning if engine.step_count == 2 else 0.0) + (offloading if streamer.modes[i] == "offload"
+                                                                    else 0.0))
+        return forward(i, args, kwargs)
+    streamer.block_forward = slowed
+
+
 def _fragment(engine, backwards: int) -> None:
     """The first ``backwards`` groups that pin a block's saved activations beside its buffers are
     refused, as a tier whose free room pinned copies split into holes too small for them refuses
@@ -327,6 +346,8 @@ def run(out: Path, cfg: dict) -> int:
     if cfg.get("no_room_on_rank") == rank:  # this rank cannot hold a rest gradient buffer per micro-batch
         from tiered_offload.engine import micro_batches
         micro_batches._RestGradients.open = lambda self, schedule: False
+    if cfg.get("planned_again_on_rank") == rank:  # its plan measured against the modes it replaced again
+        _planned_again(engine)
     if cfg.get("fragmented_on_rank") == rank:  # its tier too fragmented for a block's activations beside it
         _fragment(engine, backwards=3)
     if cfg.get("no_room_after_ahead"):
@@ -349,6 +370,7 @@ def run(out: Path, cfg: dict) -> int:
     if cfg.get("fail") and cfg["fail"][0] == rank:  # an error in the middle of a step's update on this rank
         _fail_during_update(engine, *cfg["fail"][1:])
     losses, step_modes, state_reads = [], [engine.step_mode], []
+    activation_modes = []  # after each step
     in_backward = bool(cfg.get("in_backward"))  # the step in the last backward (step=True): no step()
     norms, torn = [], None  # each step's total gradient norm (clipped runs); the error that tore a step
     # (in the backward, clipped: clip_norm, each norm told as it is known)
@@ -423,6 +445,7 @@ def run(out: Path, cfg: dict) -> int:
             norms.append(float(engine.clip_grad_norm_(cfg["clip"])))
         engine.step()
         step_modes.append(engine.step_mode)
+        activation_modes.append(list(engine.activation_modes or []))
         reads: dict[str, int] = {}  # per unit: its optimizer states' reads from the disk so far
         for k in engine.store.keys():
             if "/state" in k:
@@ -451,6 +474,7 @@ def run(out: Path, cfg: dict) -> int:
               "disk_read": engine.store.stats.bytes_read[Tier.DISK],
               "disk_written": engine.store.stats.bytes_written[Tier.DISK],
               "refused_groups": getattr(engine, "refused_groups", []), "step_modes": step_modes,
+              "activation_modes": activation_modes,
               "plan_reasons": list(engine.plan.reasons), "commits": type(engine._commits).__name__,
               "updated_in_backward": updated_in_backward, "norms": norms, "torn": torn,
               "step_count": engine.step_count,

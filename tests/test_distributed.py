@@ -325,6 +325,37 @@ def test_sharded_ranks_try_the_step_deferred_together_and_keep_one_mode(slow, tm
     have = torch.cat([got[k].flatten() for k in expected])
     assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
 
+def test_a_rank_whose_plan_is_measured_again_keeps_the_ranks_in_step(tmp_path):
+    """Each rank plans its activations; where a plan moved more disk bytes and beat the one step it
+    replaced, that rank runs the replaced modes again for 3 steps (``Plan.measure_again``). Those
+    end at the step where the ranks decide together whether to try the step deferred
+    (``SHARDED_TRIAL_AT``): the rank first settles its modes, then votes with their steps. Rank 0's
+    plan here offloads and is slowed, so it goes back; rank 1 recomputes throughout; both try the
+    step deferred and keep one mode, and train as one process does."""
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    cfg = {"layers": 6, "optimizer": "adamw", "steps": 12, "accumulate": 1, "clip": 0.5, "activations": "auto",
+           "activations_by_rank": {"1": "recompute"}, "planned_again_on_rank": 0, "try_step_modes": True}
+    model = build(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    cfg["host_memory"] = int(0.95 * 16 * n / 2)
+    results = launch(2, tmp_path, cfg)
+    modes = [("offload" in m) for m in results[0]["activation_modes"]]
+    plan_at, check_at = PlanMonitor.PLAN_FROM + 2, PlanMonitor.PLAN_FROM + 2 + PlanMonitor.CHECK_AFTER
+    # planned after step 3, measured again after step 6, back for good after step 9
+    assert modes == [False] * (plan_at - 1) + [True] * 3 + [False] * (12 - check_at + 1), modes
+    reasons = results[0]["plan_reasons"]
+    assert any(r.startswith("back to recomputing every block") and "3 of them measured again" in r for r in reasons), \
+        reasons
+    assert all(m == ["recompute"] * 6 for m in results[1]["activation_modes"])
+    assert results[0]["step_modes"] == results[1]["step_modes"]  # tried and kept together
+    assert len(set(results[0]["step_modes"])) == 2, results[0]["step_modes"]  # (the trial ran)
+    expected = reference(2, cfg)
+    got = results[0]["weights"]
+    want = torch.cat([w.detach().flatten() for w in expected.values()])
+    have = torch.cat([got[k].flatten() for k in expected])
+    assert ((have - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
 def test_sharded_forward_backward_with_dropout_draws_the_loops_numbers(tmp_path):
     """Dropout on 2 ranks: the first step runs the loop (every rank: they agree) and learns each
     block's draws, the next steps run the pass with the loop's numbers: the losses and weights
