@@ -377,7 +377,9 @@ def test_a_plan_that_moves_more_bytes_is_measured_against_the_modes_it_replaced_
     _train(engine, PlanMonitor.CHECK_AFTER)
     # the plan ran faster than the one (slowed) step it was planned from: measured again, not kept yet
     assert engine.activation_modes == ["recompute"] * 4
-    assert any("measuring the activation modes" in r.getMessage() for r in caplog.records)
+    assert any("the activation modes it replaced measured again" in r.getMessage() for r in caplog.records)
+    assert any("measured again for 3 steps" in r for r in engine.plan.reasons)  # (the plan as made, and why)
+    assert "offload" in engine.plan.modes
     _train(engine, PlanMonitor.CHECK_AFTER)
     if faster == "recomputing":
         assert engine.activation_modes == ["recompute"] * 4 and engine.plan.modes == ["recompute"] * 4

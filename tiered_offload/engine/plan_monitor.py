@@ -253,8 +253,9 @@ class PlanMonitor:
             elif again:
                 self._again = (under, len(measured) + self.CHECK_AFTER, list(self.streamer.modes))
                 self.streamer.modes = list(before[0].modes)
-                log.info("tiered-offload: measuring the activation modes the plan replaced again for %d steps: %s",
-                         self.CHECK_AFTER, again)
+                self._plan.reasons.append(f"the activation modes it replaced measured again for {self.CHECK_AFTER} "
+                                          f"steps: {again}")
+                log.info("tiered-offload: %s", self._plan.reasons[-1])
             elif self.ranks == 1:  # the plan is final
                 self._try_deferral(under)
         elif self.ranks == 1 and len(measured) == self._trial_end:
