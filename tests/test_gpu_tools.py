@@ -58,3 +58,21 @@ def test_the_step_benchmark_sets_the_traced_step_apart_and_measures_against_the_
     again = bench_gpu_step.against_floors(old["engine"], 1, BENCH_IO)
     assert again["steady_steps"] == "2-3" and again["step_s"] == pytest.approx(against["step_s"])
     assert "unread_write_share" not in again
+
+
+def test_the_gpu_check_given_a_relative_directory_hands_its_commands_absolute_paths(tmp_path, monkeypatch):
+    """The check's commands run in the repository's root, so an output directory given relative to
+    another directory named a place that did not exist for them: bench-io refused to write its
+    report there, and the check's disk-rate section failed in 2.5 s (a CPU smoke run,
+    2026-12-07: ``python tools/gpu_check.py gq --quick`` from another directory)."""
+    import gpu_check  # (tools/)
+    ran = []
+    monkeypatch.setattr(gpu_check.Check, "run", lambda self, cmd, limit, env=None: (ran.append(cmd), (0, ""))[1])
+    monkeypatch.chdir(tmp_path)
+    others = "env,pinned,tests,step_time,tiers,suite"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "out", "--quick", "--skip", others])
+    gpu_check.main()
+    [cmd] = ran
+    named = [cmd[i + 1] for i, a in enumerate(cmd) if a in ("--json", "--save-profile")]
+    assert named == [str(tmp_path / "out" / "bench_io.json"), str(tmp_path / "out" / "io-profile.json")]
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["sections"]["bench_io"]["exit"] == 0

@@ -339,7 +339,7 @@ def main() -> int:
                     help="extra pytest arguments for the whole suite (--timeout needs pytest-timeout, which the "
                          "GPU image has)")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # (its commands run in the repository root)
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, args.budget_s)
     skip = set(filter(None, args.skip.split(",")))
