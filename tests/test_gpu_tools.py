@@ -30,6 +30,9 @@ def test_the_step_benchmark_sets_the_traced_step_apart_and_measures_against_the_
     engine, against = report["engine"], report["against_floors"]
     assert len(engine["steps"]) == 3 and "traced_step" in engine  # the traced step is not a timed one
     assert all(step["loops"] == {} for step in engine["steps"])  # forward_backward ran passes, not the loop
+    # each step's activation modes as its forward ran them, by count: every block recomputed until planned
+    counts = [step["activations"] for step in engine["steps"]]
+    assert set(counts[0]) == {"recompute"} and all(sum(c.values()) == counts[0]["recompute"] for c in counts), counts
     # the disk bytes by kind per step: the optimizer states read back (a step may find them all in
     # memory, as the lookahead left them: CI once, with the compute tier's prefetch window)
     assert any(step["disk_read_by_kind"].get("state", 0) > 0 for step in engine["steps"][1:]), engine["steps"]

@@ -114,6 +114,11 @@ def _waits_by_phase(trace_path: Path) -> dict:
     return out
 
 
+def _mode_counts(modes) -> dict[str, int]:
+    """How many blocks keep, offload or recompute their activations (empty: plain PyTorch)."""
+    return {m: list(modes).count(m) for m in ("keep", "offload", "recompute") if modes and m in modes}
+
+
 def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device, warmup: int, storage: str,
                host_memory: str, device_memory: str, trace_dir: Path, optimizer_device: str = "auto",
                micro_batches: int = 1, progress=None, in_backward: bool = False) -> dict:
@@ -143,6 +148,7 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
             s0 = engine.stats()
             trace = trace_dir / "engine_step.json"
             ctx = engine.tracing(trace) if last else _null()
+            modes = _mode_counts(engine.activation_modes)  # (as this step's forward runs)
             _sync(device)
             t = time.perf_counter()
             with ctx:
@@ -165,6 +171,9 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                     "io_wait_s": s1.io_wait_seconds - s0.io_wait_seconds,
                     "disk_busy_s": s1.disk_busy_seconds - s0.disk_busy_seconds,
                     "step_mode": engine.step_mode,  # (where the disk bounds it, the plan tries both)
+                    # the blocks' activation modes in this step (the plan's check may measure the
+                    # modes it replaced again for a few steps: they part the steady steps)
+                    "activations": modes,
                     # by kind of tensor (weight, grad, state, activations): what goes beyond the floor
                     "disk_read_by_kind": s1.store.by_kind(("disk->host", "disk->device"), s0.store),
                     "disk_written_by_kind": s1.store.by_kind(("host->disk", "device->disk"), s0.store),
@@ -178,7 +187,8 @@ def engine_run(cfg: GPTConfig, batches: list[torch.Tensor], device: torch.device
                 progress(out)
             print(f"  engine step {i}: {dt:.2f} s, loss {value:.4f}, disk read {format_size(step['disk_read'])} "
                   f"written {format_size(step['disk_written'])}, PCIe in {format_size(step['into_device'])} "
-                  f"out {format_size(step['out_of_device'])}, step {step['step_mode']}"
+                  f"out {format_size(step['out_of_device'])}, step {step['step_mode']}, activations "
+                  f"{', '.join(f'{v} {k}' for k, v in modes.items()) or 'as plain PyTorch'}"
                   + (f", ran as the loop: {'; '.join(step['loops'])}" if step["loops"] else ""), flush=True)
         if trace.exists():
             out["waits_by_phase_s"] = _waits_by_phase(trace)
