@@ -230,22 +230,22 @@ class Plan:
     bytes (offloaded activations): a gain below that is within the noise of a step, not worth the
     disk traffic, and the engine goes back (:meth:`unearned`)."""
 
-    def _moves_more(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> bool:
-        """Whether steps ``after`` moved more disk bytes than ``before`` (medians), beyond
-        :attr:`BYTES_TOLERANCE`."""
-        was = median([m.disk_read + m.disk_written for m in before])
-        return median([m.disk_read + m.disk_written for m in after]) > was * (1 + self.BYTES_TOLERANCE)
+    def _more_bytes(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> tuple[int, int] | None:
+        """The disk bytes per step of ``before`` and of ``after`` (medians), where ``after`` moved more
+        than :attr:`BYTES_TOLERANCE` beyond ``before``; else None."""
+        was, moved = (median([m.disk_read + m.disk_written for m in steps]) for steps in (before, after))
+        return (was, moved) if moved > was * (1 + self.BYTES_TOLERANCE) else None
 
     def unearned(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> str | None:
         """Why this plan should give way to the modes of ``before``, steps measured under the modes
         it replaced (None: it stays): its steps ``after`` moved more disk bytes than they did
         (beyond :attr:`BYTES_TOLERANCE`) and did not run :attr:`EARN` faster (medians). The
         prediction is a model; this is the measurement of both choices on this machine."""
-        was = median([m.disk_read + m.disk_written for m in before])
-        moved = median([m.disk_read + m.disk_written for m in after])
+        more = self._more_bytes(before, after)
         then, seconds = median([m.seconds for m in before]), median([m.seconds for m in after])
-        if not self._moves_more(before, after) or then <= 0 or seconds <= then * (1 - self.EARN):
+        if more is None or then <= 0 or seconds <= then * (1 - self.EARN):
             return None
+        was, moved = more
         gain = 1 - seconds / then
         back = ("recomputing every block" if set(before[0].modes) == {"recompute"}
                 else "the activation modes it was planned from")
@@ -261,13 +261,13 @@ class Plan:
         Its steps ``after`` moved more disk bytes than ``before`` and ran faster, but ``before``
         is one step (the one planned from): too few to tell a gain from a slow step (the machine's
         other load, a cache filling)."""
-        if len(before) > 1 or not self._moves_more(before, after):
+        more = self._more_bytes(before, after)
+        if len(before) > 1 or more is None:
             return None
-        seconds = median([m.seconds for m in after])
-        moved = median([m.disk_read + m.disk_written for m in after])
-        return (f"the planned activations moved {moved / max(1, before[0].disk_read + before[0].disk_written):.1f}x "
-                f"the disk bytes and ran {seconds:.3f} s against {before[0].seconds:.3f} s for "
-                f"{_steps_before(before)}: too few to tell a gain from a slow step")
+        (was, moved), seconds = more, median([m.seconds for m in after])
+        return (f"the planned activations moved {moved / max(1, was):.1f}x the disk bytes and ran {seconds:.3f} s "
+                f"against {before[0].seconds:.3f} s for {_steps_before(before)}: too few to tell a gain from a slow "
+                f"step")
 
     def earned(self, before: list[StepMeasurement], after: list[StepMeasurement]) -> str:
         """Why this plan stays after ``before`` measured the modes it replaced again (medians)."""
