@@ -90,6 +90,12 @@ from tiered_offload_examples.models import GPT, GPTConfig
 from slow_disk import SlowDisk  # (tools/)
 
 
+def _checked(plan) -> list[str]:
+    """What the plan's check did with the planned activations: measured them against the modes they
+    replaced again, kept them, or went back."""
+    return [r for r in plan.reasons if r.startswith(("back to", "kept the planned", "the activation modes it replaced"))]
+
+
 def _modes(modes) -> str:
     if modes is None:
         return "plain (state fits)"
@@ -435,9 +441,8 @@ def accumulate(args) -> int:
         print(f"| {label} | {med[name]:.3f} | {format_size(rd[name])} | {format_size(wr[name])} |")
     print(f"planned activations: one micro-batch's run {modes['one']}; forward_backward's {modes['fused']}")
     for c in configs:
-        revised = [r for r in c.engine.plan.reasons if r.startswith("back to")] if c.engine.plan.modes else []
-        if revised:
-            print(f"{c.name}: {revised[0]}")
+        for why in _checked(c.engine.plan) if c.engine.plan.modes else []:
+            print(f"{c.name}: {why}")
     kinds = sorted({k for c in configs for row in c.read_by_kind for k in row})
     print("disk reads per optimizer step by kind of tensor (medians): " + "; ".join(
         f"{c.name} " + ", ".join(f"{k} {format_size(statistics.median(r.get(k, 0.0) for r in c.read_by_kind[1:]))}"
@@ -485,7 +490,7 @@ def against_profile(args) -> int:
             configs.append(_clipped_steps(name, engine))
         _rounds(args, configs, g)
         options = {c.name: (c.engine.store.backend, c.engine.plan.rates.source if c.engine.plan.rates else "-",
-                            _modes(c.engine.activation_modes)) for c in configs}
+                            _modes(c.engine.activation_modes), _checked(c.engine.plan)) for c in configs}
     print(f"model: {cfg.n_params() / 1e6:.1f}M params, training state {format_size(state)}; batch {args.batch} x "
           f"{args.context} tokens; AdamW + clipping; host budget {args.host_fraction} x the state, durable=False; "
           f"{args.rounds} interleaved rounds of {args.steps_per_round} steps after a warm-up round, medians")
@@ -508,6 +513,9 @@ def against_profile(args) -> int:
                   f"{row[name][1] / row['defaults'][1]:.2f}; its plan's disk rates: {options[name][1]}")
     if args.plan_free:
         print("activations as planned: " + "; ".join(f"{name} {options[name][2]}" for name in row))
+        for name in row:
+            for why in options[name][3]:
+                print(f"{name}: {why}")
     return 0
 
 
