@@ -395,6 +395,48 @@ def test_a_plan_that_moves_more_bytes_is_measured_against_the_modes_it_replaced_
     assert all(torch.equal(weights[k], w) for k, w in ref.named_parameters())
 
 
+def test_forward_backward_with_dropout_across_the_modes_measured_again_is_the_same_training(tmp_path, monkeypatch):
+    """``forward_backward`` over 2 micro-batches with dropout 0.1: the plan offloads, the modes it
+    replaced run again for 3 steps, and it goes back (the sleeps of the test above). Each change
+    of modes replays the dropout draws: the losses and the weights are those of an engine that
+    recomputed every block throughout, bitwise, and only the first call ran the loop (to learn
+    the draws)."""
+    from tiered_offload import Engine, EngineConfig
+    from tiered_offload.engine.plan_monitor import PlanMonitor
+    from tiered_offload_examples.models import GPT, GPTConfig
+
+    def run(name, activations):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=128, context=32, d_model=64, n_layers=4, n_heads=4, dropout=0.1))
+        n = sum(p.numel() for p in model.parameters())
+        engine = Engine(model, torch.optim.AdamW, dict(lr=1e-3), storage=tmp_path / name,
+                        host_memory=int(16 * n * 0.9), durable=False, config=EngineConfig(activations=activations))
+        if activations == "auto":
+            _slowed(engine, lambda modes: (0.1 if engine.step_count == 2 else 0) + (0.02 if "offload" in modes else 0))
+        torch.manual_seed(1)
+        modes, losses = [], []
+        for _ in range(3 * PlanMonitor.CHECK_AFTER + 1):
+            ids = [torch.randint(0, 128, (1, 33)) for _ in range(2)]
+            inputs = [x[:, :-1] for x in ids]
+            targets = {id(i): x[:, 1:].flatten() for i, x in zip(inputs, ids)}
+            modes.append("offload" in engine.activation_modes)
+            losses += [x.item() for x in engine.forward_backward(
+                inputs, lambda out, b: F.cross_entropy(out.flatten(0, 1), targets[id(b)]) / 2)]
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            engine.zero_grad()
+        weights = {k: w.detach().clone() for k, w in engine.named_parameters()}
+        loops = sum(engine.stats().forward_backward_loops.values())
+        engine.close()
+        return modes, losses, weights, loops
+    monkeypatch.setattr(PlanMonitor, "_disk_rates", lambda self, m: DiskRates(1e11, 1e11, "test"))  # offloading: free
+    modes, losses, weights, loops = run("planned", "auto")
+    assert modes == [False] * 3 + [True] * 3 + [False] * 4, modes  # planned, measured again, back
+    ref_modes, ref_losses, ref_weights, ref_loops = run("recomputed", "recompute")
+    assert losses == ref_losses and loops == ref_loops == 1
+    assert all(torch.equal(weights[k], w) for k, w in ref_weights.items())
+
+
 # ---- the step mode, measured ------------------------------------------------------------------------
 def test_the_step_mode_that_moves_more_bytes_must_measure_faster_to_be_kept():
     """Overlapped, the update writes each unit's weights and the forward may read them back; deferred,
