@@ -1370,6 +1370,46 @@ def test_a_data_file_without_examples_is_named_with_what_is_wrong(tmp_path, mode
         match = r"train.jsonl holds no example.*data.format completion"
     with pytest.raises(ConfigError, match=match):
         train(write_config(tmp_path, model_dir, path), progress=False)
+    assert not list((tmp_path / "out" / ".cache").glob("data-*"))  # (what was tokenised is removed)
+
+
+def test_a_plain_text_file_read_as_json_lines_says_which_format_reads_it(tmp_path, model_dir):
+    """A ``.txt`` file given without ``data.format`` (``completion``, the default, reads JSON lines)
+    stopped with "line 1: not JSON (Expecting value ...)", which does not say what to change. The
+    error now names the format that reads plain text. A JSON-lines file broken further down keeps
+    the line's own error alone: its format is the right one."""
+    path = tmp_path / "notes.txt"
+    path.write_text("\n\n".join(sentences(40, seed=3)))
+    with pytest.raises(ConfigError, match=r"notes\.txt line 1: not JSON .*data\.format completion reads JSON lines.*"
+                                          r"plain text trains with data\.format text"):
+        train(write_config(tmp_path, model_dir, path, train__max_steps=1), progress=False)
+    broken = tmp_path / "train.jsonl"
+    broken.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(5, seed=3)) + "{oops\n")
+    with pytest.raises(ConfigError, match=r"train\.jsonl line 6: not JSON \(Expecting .*\)$") as refused:
+        train(write_config(tmp_path, model_dir, broken, train__max_steps=1), progress=False)
+    assert "data.format" not in str(refused.value)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_json_file_given_as_text_is_refused_not_trained_on_as_characters(tmp_path, model_dir, suffix):
+    """``data.format: text`` with a ``.jsonl`` file (the format left at the wrong value, or copied
+    from a text run) trained on the file's characters: braces, quotes and keys in every sequence,
+    the loss falling, nothing said. A Parquet file was refused; a JSON one now is too, before any
+    tokenising, with the format that reads its examples. A glob matching one is refused alike. The
+    cache a refused run began is removed (it kept an empty directory; one that failed late, the
+    arrays tokenised so far, until a later run's start)."""
+    rows = [{"text": s} for s in sentences(40, seed=2)]
+    path = tmp_path / f"train{suffix}"
+    path.write_text(json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows))
+    for spec in (path, tmp_path / "train*"):
+        with pytest.raises(ConfigError, match=rf"train\{suffix} is JSON.*data\.format text reads plain text.*"
+                                              rf"data\.format completion"):
+            train(write_config(tmp_path, model_dir, spec, data__format="text", train__max_steps=1), progress=False)
+        assert not list((tmp_path / "out" / ".cache").glob("data-*"))  # (nothing tokenised is left behind)
+    (tmp_path / "notes.txt").write_text("\n\n".join(r["text"] for r in rows))
+    summary = train(write_config(tmp_path, model_dir, tmp_path / "notes.txt", data__format="text",
+                                 data__max_seq_len=16, train__max_steps=1, output__export_every=0), progress=False)
+    assert summary["step"] == 1
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])

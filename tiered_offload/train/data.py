@@ -358,8 +358,10 @@ def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positio
     if fresh:
         try:
             _tokenise(data, tokenizer, sources, path, cache)
-        except OSError as e:  # (writing the cache: reading the data is a ConfigError)
+        except BaseException as e:  # (writing the cache: an OSError; reading the data: a ConfigError; Ctrl-C)
             shutil.rmtree(cache, ignore_errors=True)  # (its room given back; made again from the start)
+            if not isinstance(e, OSError):
+                raise
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(f"output.dir: the disk filled while the data was tokenised into {cache} (about 13 "
                                     f"bytes a token while it is made, 9 kept); free space there, or put output.dir "

@@ -141,15 +141,18 @@ def _files(key: str, paths: list[Path]) -> list[Path]:
     return [p for p in paths if p.is_file()]
 
 
-def _json_array(path: Path) -> bool:
-    """Whether ``path`` is a ``.json`` file holding one array (Alpaca's ``alpaca_data.json``)."""
-    if path.suffix != ".json":
-        return False
+def _starts_with(path: Path, marks: str) -> bool:
+    """Whether ``path``'s first character that is not white space is one of ``marks``."""
     try:
         with _open(path) as f:
-            return f.read(1 << 12).lstrip().startswith("[")
+            return f.read(1 << 12).lstrip()[:1] in tuple(marks)
     except (OSError, UnicodeDecodeError):
         return False  # (read as JSON lines, whose reader names the fault)
+
+
+def _json_array(path: Path) -> bool:
+    """Whether ``path`` is a ``.json`` file holding one array (Alpaca's ``alpaca_data.json``)."""
+    return path.suffix == ".json" and _starts_with(path, "[")
 
 
 COLUMNS = {"completion": ((), ()), "prompt-completion": (("prompt", "completion"), ()),
@@ -219,13 +222,18 @@ def _rows(path: Path, fmt: str, field: str):
         for k, row in enumerate(items, 1):
             yield row, f"{path} item {k}"
         return
+    first = True
     for line, n in _lines(path):
         if not line.strip():
             continue
         try:
-            yield json.loads(line), f"{path} line {n}"
+            row = json.loads(line)
         except ValueError as e:
-            raise ConfigError(f"{path} line {n}: not JSON ({e})") from None
+            hint = (f"; data.format {fmt} reads JSON lines (a JSON object a line), and plain text trains with "
+                    f"data.format text") if first else ""
+            raise ConfigError(f"{path} line {n}: not JSON ({e}){hint}") from None
+        first = False
+        yield row, f"{path} line {n}"
 
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -272,6 +280,10 @@ def examples(path: Path, fmt: str, field: str, turns: str = "all"):
     if fmt == "text" and path.suffix == ".parquet":
         raise ConfigError(f"{path} is a Parquet file: data.format text reads .txt files; its rows train with "
                           f"data.format completion (data.field: the column of the text)")
+    if fmt == "text" and path.suffix in (".jsonl", ".json") and _starts_with(path, "{["):
+        raise ConfigError(f"{path} is JSON: data.format text reads plain text, and would train on its braces, "
+                          f"quotes and keys; its examples train with data.format completion (data.field: the key of "
+                          f"the text), prompt-completion, alpaca or chat")
     if fmt == "text":  # paragraphs: what text.split("\n\n") gives, a chunk at a time
         rest, i = "", 0
         for chunk in _chunks(path, "text"):
