@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -220,10 +221,13 @@ def _build_model(cfg, hf_config, model_dir: Path):
             raise ConfigError(f"lora.modules_to_save {name!r} matches no module of the model (a name such as lm_head)")
     def wrap(model, targets, parameters=None, dropout=lora.dropout, dora=lora.dora):
         try:
-            return peft.get_peft_model(model, peft.LoraConfig(
-                r=lora.r, lora_alpha=lora.alpha, lora_dropout=dropout, target_modules=targets,
-                target_parameters=parameters, task_type="CAUSAL_LM", modules_to_save=lora.modules_to_save,
-                use_dora=dora, revision=revision))
+            with warnings.catch_warnings():  # (PEFT reads a name transformers 5 deprecates: not the user's to fix)
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated",
+                                        category=FutureWarning)
+                return peft.get_peft_model(model, peft.LoraConfig(
+                    r=lora.r, lora_alpha=lora.alpha, lora_dropout=dropout, target_modules=targets,
+                    target_parameters=parameters, task_type="CAUSAL_LM", modules_to_save=lora.modules_to_save,
+                    use_dora=dora, revision=revision))
         except ValueError as e:  # (PEFT's NoMatchingPeftModuleError is one)
             if "ParamWrapper" in str(e):  # (LoRA on a parameter: no dropout, no DoRA)
                 raise ConfigError(f"lora.parameters {lora.parameters!r}: {e} (PEFT's LoRA on a parameter); set "
