@@ -2278,7 +2278,8 @@ def _one_at_a_time(tokenizer, example) -> tuple[list[int], list[int]]:
 def test_tokenising_in_batches_gives_each_example_its_own_tokens(tmp_path, model_dir, fmt, monkeypatch):
     """Examples are tokenised a batch at a time (a chunk of text: the fast tokenizer's threads share
     it; one at a time took 2.5x as long on two cores). Each example's ids and loss mask are those it
-    has tokenised alone, across batch ends, an example longer than a batch, and empty ones."""
+    has tokenised alone, across batch ends, an example longer than a batch, and empty ones (an empty
+    text, its EOS alone, has no token the loss is on past its first: left out)."""
     from tiered_offload.train import sources
     monkeypatch.setattr(sources, "CHUNK", 1 << 9)  # (read, tokenised and written a chunk at a time)
     texts = sentences(120, seed=9)
@@ -2300,9 +2301,10 @@ def test_tokenising_in_batches_gives_each_example_its_own_tokens(tmp_path, model
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     train_data, _ = _prepared(tmp_path, model, path, f"data.format={fmt}", "data.packing=false",
                               "data.max_seq_len=2000", "data.eval_fraction=0")
-    assert len(train_data) == len(rows)
-    for k, row in enumerate(rows):
-        ids, mask = _one_at_a_time(tokenizer, row["text"] if fmt == "completion" else row)
+    alone = [_one_at_a_time(tokenizer, row["text"] if fmt == "completion" else row) for row in rows]
+    alone = [(ids, mask) for ids, mask in alone if any(mask[1:])]
+    assert len(train_data) == len(alone) == len(rows) - (2 if fmt == "completion" else 0)
+    for k, (ids, mask) in enumerate(alone):
         n = len(ids)
         assert [int(x) for x in train_data.ids[k][:n]] == ids, k
         assert [int(x) != IGNORE for x in train_data.labels[k][:n]] == [bool(m) for m in mask], k
@@ -2967,3 +2969,102 @@ def test_the_commands_warnings_name_the_library_once(tmp_path, model_dir, data):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "WARNING tiered_offload: train.warmup_steps 8 is not below the run's 8 steps" in r.stderr, r.stderr[-2000:]
     assert "tiered-offload: train.warmup_steps" not in r.stderr
+
+
+def _long_prompts(path: Path, n: int = 48) -> Path:
+    """Prompt-completion examples, three in four with a prompt longer than 16 tokens: cut to 16
+    without packing, their completions are gone."""
+    words = sentences(n, seed=11)
+    path.write_text("".join(json.dumps({"prompt": " ".join([w] * (1 if i % 4 == 0 else 6)), "completion": " done"}) + "\n"
+                            for i, w in enumerate(words)))
+    return path
+
+
+@pytest.mark.parametrize("packing", [False, True, "documents"])
+def test_every_sequence_made_has_a_token_the_loss_is_on(tmp_path, model_dir, packing):
+    """A sequence whose loss-carrying tokens were cut away by ``max_seq_len`` (a prompt longer than
+    it), or that never had any, trains nothing, and a micro-batch of only such sequences has a loss
+    of 0/0: NaN. Such sequences are left out when the data is made, saying how many, and every one
+    made has a token the model's shifted loss counts (its label at position 1 or later)."""
+    import logging
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    path = _long_prompts(tmp_path / "train.jsonl")
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", "data.format=prompt-completion",
+                             f"data.packing={str(packing).lower()}", "data.max_seq_len=16", "data.eval_fraction=0.25",
+                             f"offload.storage={tmp_path / 's'}", "train.max_steps=1"])
+    logger = logging.getLogger("tiered_offload")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        train_data, eval_data = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+    finally:
+        logger.removeHandler(handler)
+    for part in (train_data, eval_data):
+        labels = np.asarray(part.labels)
+        assert len(labels) and (labels[:, 1:] != IGNORE).any(axis=1).all(), labels
+    if packing is not True:  # (packed, a window cut from the stream always reaches some completion here)
+        assert [m for m in said if re.search(r"\d+ of \d+ training sequences have no token the loss is on", m)], said
+
+
+def test_a_run_whose_cut_prompts_leave_some_sequences_without_loss_trains_on(tmp_path, model_dir):
+    """``micro_batch: 1`` and prompts longer than ``max_seq_len`` without packing: the run stopped at
+    the first sequence left without its completion, with "the loss is nan ... lower the learning
+    rate", and again at the same step on every resume. It now trains."""
+    path = _long_prompts(tmp_path / "train.jsonl")
+    config = write_config(tmp_path, model_dir, path, data__format="prompt-completion", data__packing=False,
+                          data__max_seq_len=16, data__eval_fraction=0.0, train__micro_batch=1, train__grad_accum=1,
+                          train__max_steps=8, output__export_every=0)
+    records = []
+    summary = train(config, progress=False, on_step=lambda s, r: records.append(r))
+    assert summary["step"] == 8 and all(math.isfinite(r["loss"]) for r in records), records
+
+
+@pytest.mark.parametrize("case", ["chat without an assistant turn", "every completion cut"])
+def test_data_without_a_token_the_loss_is_on_is_refused_saying_why(tmp_path, model_dir, case):
+    """Chat examples without an ``assistant`` turn (roles ``human`` / ``bot``, or the user's turns
+    only), or completions all cut away by ``max_seq_len``: every sequence had a loss of NaN, and
+    the run stopped at step 1 advising a lower learning rate. It is now refused before the model
+    is built, naming what carries the loss in that format."""
+    if case == "chat without an assistant turn":
+        model_dir = _chat_model(tmp_path, model_dir)
+        path = tmp_path / "chat.jsonl"
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": s}]}) + "\n"
+                                for s in sentences(40, seed=12)))
+        settings, match = dict(data__format="chat"), r"the assistant's turns"
+    else:
+        path = tmp_path / "train.jsonl"
+        path.write_text("".join(json.dumps({"prompt": s + " " + s, "completion": " done"}) + "\n"
+                                for s in sentences(40, seed=12)))
+        settings, match = dict(data__format="prompt-completion", data__max_seq_len=8), r"the completion.*max_seq_len 8"
+    config = write_config(tmp_path, model_dir, path, data__packing=False, train__max_steps=1, **settings)
+    with pytest.raises(ConfigError, match=r"chat\.jsonl|train\.jsonl") as refused:
+        train(config, progress=False)
+    assert re.search(r"no sequence has a token the loss is on", str(refused.value)), refused.value
+    assert re.search(match, str(refused.value)), refused.value
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_evaluation_examples_that_make_no_sequence_are_no_evaluation(tmp_path, model_dir):
+    """Held-out examples too few to fill one packed sequence (or none with a token the loss is on)
+    made an evaluation set of no sequence, and every evaluation reported ``eval_loss`` 0.0: a
+    perfect model. There is now no evaluation set, and the run says why."""
+    import logging
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(60, seed=13)))
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", "data.max_seq_len=32",
+                             "data.eval_fraction=0.02", f"offload.storage={tmp_path / 's'}", "train.max_steps=1"])
+    logger, said = logging.getLogger("tiered_offload"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        train_data, eval_data = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+        assert eval_data is None and len(train_data)
+        assert [m for m in said if "evaluation" in m and "no sequence" in m and "data.eval_fraction" in m], said
+        said.clear()
+        assert prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)[1] is None  # (from the cache)
+    finally:
+        logger.removeHandler(handler)

@@ -73,7 +73,9 @@ class DataSection:
     turns, as Qwen3's drops their reasoning, and has no ``{% generation %}`` marks); ``eval_fraction``
     then holds out whole conversations."""
     max_seq_len: int = 512
-    """Tokens per training sequence (at most the model's positions)."""
+    """Tokens per training sequence (at most the model's positions). A sequence left with no token
+    the loss is on (a prompt longer than it, a chat example without an assistant turn) trains
+    nothing and is left out, with a warning that says how many; data with none is refused."""
     packing: bool | str = True
     """Concatenate examples (each ended by the tokenizer's EOS) into full sequences, cut where full;
     ``documents``: each example whole in one sequence (best fit), attending to itself only (position

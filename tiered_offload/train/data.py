@@ -253,14 +253,40 @@ def _reserve(path: Path) -> None:
         os.close(fd)
 
 
-def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool | str, pad: int, out: Path) -> int:
+def _examples_with_loss(spool: _Spool, a: int, b: int, length: int) -> np.ndarray:
+    """The examples of ``a:b`` whose first ``length`` tokens (what a sequence keeps of one) hold a
+    token the loss is on past the first: a model's loss predicts each token from the ones before it,
+    so the first is no target (``documents`` marks it so), and an example without one trains nothing."""
+    offsets, lengths, mask = spool.offsets, spool.lengths, spool.mask
+    return np.fromiter((i for i in range(a, b) if mask[int(offsets[i]) + 1:int(offsets[i]) + min(int(lengths[i]), length)]
+                        .any()), dtype=np.int64)
+
+
+def _rows_with_loss(spool: _Spool, first: int, n: int, length: int) -> np.ndarray:
+    """Which of the ``n`` packed rows from token ``first`` on hold a token the loss is on past their
+    first (:func:`_examples_with_loss`)."""
+    keep, step = np.empty(n, dtype=bool), max(1, source_files.CHUNK // length)
+    for r in range(0, n, step):
+        m = spool.mask[first + r * length:first + min(n, r + step) * length].reshape(-1, length)
+        keep[r:r + len(m)] = m[:, 1:].any(axis=1)
+    return keep
+
+
+def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool | str, pad: int, out: Path
+                     ) -> tuple[int, int]:
     """Examples ``a:b`` of ``spool`` as ``length``-token sequences, written to ``out``'s
     ``_ids.npy`` and ``_labels.npy`` (and ``_attention.npy`` without packing) a stretch at a time;
-    returns the number of sequences. With packing the examples (each ended by EOS) are
-    concatenated and cut (``documents``: placed whole, with ``_positions.npy``); without, each is
-    one sequence, truncated or padded."""
+    returns the number of sequences made, and of those left out for holding no token the loss is on
+    (a micro-batch of only such has a loss of 0/0: NaN). With packing the examples (each ended by
+    EOS) are concatenated and cut (``documents``: placed whole, with ``_positions.npy``); without,
+    each is one sequence, truncated or padded."""
     first, tokens = int(spool.offsets[a]), spool.tokens(a, b)
-    n = tokens // length if packing else b - a
+    if packing and packing != DOCUMENTS:
+        keep = _rows_with_loss(spool, first, tokens // length, length)
+        n, dropped = int(keep.sum()), int((~keep).sum())
+    else:
+        examples = _examples_with_loss(spool, a, b, length)
+        n, dropped = len(examples), b - a - len(examples)
 
     def output(name: str, dtype, fill, count: int | None = None):
         count = n if count is None else count
@@ -274,18 +300,20 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool |
         return arr
 
     if packing == DOCUMENTS:
-        return write_documents(spool, a, b, length, pad, output, IGNORE)
+        return write_documents(spool, examples, length, pad, output, IGNORE), dropped
     ids, labels = output("ids", np.int32, pad), output("labels", np.int32, IGNORE)
     attention = None if packing else output("attention", np.int8, 0)
     if n and packing:
-        rows = max(1, source_files.CHUNK // length)
-        for r in range(0, n, rows):
-            s, e = first + r * length, first + min(n, r + rows) * length
-            t, m = spool.ids[s:e], spool.mask[s:e]
-            ids[r:r + rows] = t.reshape(-1, length)
-            labels[r:r + rows] = np.where(m == 1, t, IGNORE).reshape(-1, length)
+        rows, w = max(1, source_files.CHUNK // length), 0
+        for r in range(0, len(keep), rows):
+            s, e = first + r * length, first + min(len(keep), r + rows) * length
+            kept = keep[r:r + rows]
+            t, m = spool.ids[s:e].reshape(-1, length)[kept], spool.mask[s:e].reshape(-1, length)[kept]
+            ids[w:w + len(t)] = t
+            labels[w:w + len(t)] = np.where(m == 1, t, IGNORE)
+            w += len(t)
     elif n:
-        for row, i in enumerate(range(a, b)):
+        for row, i in enumerate(examples):
             s = int(spool.offsets[i])
             e = s + min(int(spool.lengths[i]), length)
             t, m = spool.ids[s:e], spool.mask[s:e]
@@ -295,7 +323,7 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool |
     for arr in (ids, labels, attention):
         if arr is not None:
             arr.flush()
-    return n
+    return n, dropped
 
 
 def _fingerprint(*parts) -> str:
@@ -387,6 +415,11 @@ def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positio
         if not (cache / f"{name}_ids.npy").exists():
             return None
         attention, positions = cache / f"{name}_attention.npy", cache / f"{name}_positions.npy"
+        if name == "eval" and not len(np.load(cache / f"{name}_ids.npy", mmap_mode="r")):
+            held = "data.eval_path's examples" if data.eval_path else "the examples data.eval_fraction holds out"
+            log.warning("tiered-offload: %s make no sequence of data.max_seq_len %d with a token the loss is on: the "
+                        "run has no evaluation; hold out more, or give shorter ones", held, data.max_seq_len)
+            return None
         return Dataset(np.load(cache / f"{name}_ids.npy", mmap_mode="r"), np.load(cache / f"{name}_labels.npy", mmap_mode="r"),
                        np.load(attention, mmap_mode="r") if attention.exists() else None, content,
                        np.load(positions, mmap_mode="r") if positions.exists() else None)
@@ -429,15 +462,44 @@ def _tokenise(data, tokenizer, sources: list[list[Path]], path, cache: Path) -> 
         for name, spool, a, b in parts:
             if a == b:
                 continue
-            made = _write_sequences(spool, a, b, data.max_seq_len, data.packing, pad, cache / name)
+            made, dropped = _write_sequences(spool, a, b, data.max_seq_len, data.packing, pad, cache / name)
+            if name == "train" and made == 0 and dropped:
+                raise ConfigError(f"data.path {path}: no sequence has a token the loss is on ({_loss_on(data)}) past "
+                                  f"its first, of the {dropped} that data.max_seq_len {data.max_seq_len} makes; "
+                                  f"{_what_to_do(data)}")
             if name == "train" and made == 0:
                 raise ConfigError(f"data.path {path}: {spool.tokens(a, b)} tokens make no sequence of "
                                   f"data.max_seq_len {data.max_seq_len}; give more data or a shorter max_seq_len")
+            if dropped:
+                log.warning("tiered-offload: %d of %d %s sequences have no token the loss is on (%s) past their "
+                            "first, within data.max_seq_len %d: left out, as they train nothing (a micro-batch of "
+                            "only such has no loss); %s", dropped, made + dropped,
+                            "training" if name == "train" else "evaluation", _loss_on(data), data.max_seq_len,
+                            _what_to_do(data))
         examples = sum(len(sp.lengths) for sp in spools)
     finally:
         for spool in spools:
             spool.remove()
     _write_done(cache, {"data": str(path), "examples": examples, "content": _content(cache)})
+
+
+LOSS_ON = {"text": "every token", "completion": "every token", "prompt-completion": "the completion",
+           "alpaca": "the output", "chat": "the assistant's turns"}
+"""What carries the loss in each ``data.format``."""
+
+
+def _loss_on(data) -> str:
+    return f"data.format {data.format}: {LOSS_ON[data.format]}"
+
+
+def _what_to_do(data) -> str:
+    """What gives sequences without a token the loss is on their loss back."""
+    if data.format in ("text", "completion"):
+        return "drop the empty examples"
+    cut = ("prompts longer than it leave their " + LOSS_ON[data.format].removeprefix("the ")
+           + " out: raise data.max_seq_len or shorten them")
+    return ("a chat example's loss is on its turns of role 'assistant' (none is a sequence with no loss); " + cut
+            if data.format == "chat" else cut)
 
 
 def _finished(cache: Path) -> bool:

@@ -70,11 +70,11 @@ def best_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return where
 
 
-def write_documents(spool, a: int, b: int, length: int, pad: int, output, ignore: int) -> int:
-    """Examples ``a:b`` of ``spool`` packed as documents into ``length``-token sequences: ``_ids``,
-    ``_labels`` and ``_positions`` arrays made by ``output(name, dtype, fill, n)``; returns the
-    number of sequences."""
-    lengths = np.minimum(np.asarray(spool.lengths[a:b]), length)
+def write_documents(spool, examples: np.ndarray, length: int, pad: int, output, ignore: int) -> int:
+    """The examples ``examples`` (their indices in ``spool``, in the data's order) packed as
+    documents into ``length``-token sequences: ``_ids``, ``_labels`` and ``_positions`` arrays made
+    by ``output(name, dtype, fill, n)``; returns the number of sequences."""
+    lengths = np.minimum(np.asarray(spool.lengths[examples]), length)
     where = best_fit(lengths, length)
     n = int(where.max()) + 1 if len(where) else 0
     ids, labels, positions = (output("ids", np.int32, pad, n), output("labels", np.int32, ignore, n),
@@ -84,7 +84,7 @@ def write_documents(spool, a: int, b: int, length: int, pad: int, output, ignore
     used = np.zeros(n, dtype=np.int64)
     for i in np.argsort(where, kind="stable"):  # each sequence's examples in the data's order
         row, k = int(where[i]), int(lengths[i])
-        s, p = int(spool.offsets[a + i]), int(used[row])
+        s, p = int(spool.offsets[examples[i]]), int(used[row])
         t, m = spool.ids[s:s + k], spool.mask[s:s + k]
         ids[row, p:p + k] = t
         target = np.where(m == 1, t, ignore)
@@ -94,10 +94,11 @@ def write_documents(spool, a: int, b: int, length: int, pad: int, output, ignore
         used[row] += k
     for row in np.flatnonzero(used < length):  # the padding: a stretch of its own
         positions[row, used[row]:] = np.arange(length - used[row])
-    truncated = int((np.asarray(spool.lengths[a:b]) > length).sum())
+    truncated = int((np.asarray(spool.lengths[examples]) > length).sum())
     if truncated:
-        log.info("%d of %d examples are longer than data.max_seq_len %d: truncated to it", truncated, b - a, length)
-    log.info("packed %d examples whole into %d sequences of %d tokens (%.1f%% padding)", b - a, n, length,
+        log.info("%d of %d examples are longer than data.max_seq_len %d: truncated to it", truncated, len(examples),
+                 length)
+    log.info("packed %d examples whole into %d sequences of %d tokens (%.1f%% padding)", len(examples), n, length,
              100 * (1 - used.sum() / (n * length)))
     for arr in (ids, labels, positions):
         arr.flush()
