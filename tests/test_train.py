@@ -135,13 +135,15 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
                                       dict(train__clip=None, offload__commit_every=2),
                                       dict(offload__commit_every=2, train__clip=1.2),
                                       dict(offload__commit_every=2, train__clip=1.2, train__clip_in_backward=1e9,
-                                           unpredicted=True)],
+                                           unpredicted=True),
+                                      dict(data__packing="documents", offload__commit_every=2, train__clip=None)],
                          ids=["defaults", "adam-settings", "documents", "no-clipping", "clipped-in-backward",
-                              "clipped-in-backward-torn"])
+                              "clipped-in-backward-torn", "documents-in-backward"])
 def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_dir, data, schedule, monkeypatch,
                                                                 caplog):
     """The recipe the command runs, written out in plain PyTorch on the model ``from_pretrained``
-    loads: the same micro-batches in the same order, the loss averaged over the accumulation, AdamW
+    loads: the same micro-batches in the same order, the loss averaged over the step's tokens the
+    loss counts (each micro-batch's mean weighed by its share of them; ``documents``: unequal), AdamW
     with weight decay on the matrices only, the warm-up and schedule (``train.min_lr``: the floor a
     linear or cosine decay ends at), clipping. Its losses and final weights are the run's, bitwise
     (the engine streams the state through the disk; the evaluations between steps change nothing).
@@ -190,28 +192,37 @@ def test_the_run_is_plain_pytorchs_training_of_the_same_recipe(tmp_path, model_d
         return floor + (1 - floor) * lr_factor(s, t.max_steps, t.warmup_steps, t.schedule)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     assert sorted(records) == list(range(1, t.max_steps + 1))
+    unequal = 0
     for step in range(t.max_steps):
         record, losses = records[step + 1], []
-        for micro in range(t.grad_accum):
-            batch = train_data.batch(micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro,
-                                                      t.micro_batch))
-            loss = model(**batch).loss / t.grad_accum
+        rows = [micro_batch_rows(len(train_data), t.seed, step * t.grad_accum + micro, t.micro_batch)
+                for micro in range(t.grad_accum)]
+        counts = [int((np.asarray(train_data.labels[r])[:, 1:] != IGNORE).sum()) for r in rows]
+        equal = len(set(counts)) == 1  # (then each weighs 1 / grad_accum: the mean of the means)
+        unequal += not equal
+        for r, n in zip(rows, counts):
+            out = model(**train_data.batch(r))
+            loss = out.loss / t.grad_accum if equal else out.loss * (n / sum(counts))  # (its share)
             loss.backward()
-            losses.append(loss.item() * t.grad_accum)
+            losses.append(loss.item() * t.grad_accum if equal else out.loss.item())
+        shares = [n / sum(counts) for n in counts]
+        mean = sum(losses) / len(losses) if equal else sum(x * w for x, w in zip(losses, shares))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip) if t.clip else None
         assert (record["loss"], record["grad_norm"], record["lr"]) == (
-            sum(losses) / len(losses), norm if norm is None else float(norm), optimizer.param_groups[0]["lr"]), step
+            mean, norm if norm is None else float(norm), optimizer.param_groups[0]["lr"]), step
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+    assert bool(unequal) == (schedule.get("data__packing") == "documents"), unequal  # (weighed where they differ)
     final = exported(Path(summary["final"]))
     assert set(final) == set(model.state_dict()) and all(torch.equal(final[k], v) for k, v in model.state_dict().items())
     blocks = model.config.num_hidden_layers
     torn = [r.getMessage() for r in caplog.records if "over train.clip" in r.getMessage()]
     if "offload__commit_every" not in schedule:  # (journal commits: after the backward)
         assert not inside and not torn
-    elif not t.clip:
-        assert inside == ([True] * blocks + [False]) * t.max_steps and not torn, inside
+    elif not t.clip:  # (documents: the first step after the backward, where the model's masks are checked)
+        first = schedule.get("data__packing") == "documents"
+        assert inside == ([True] * blocks + [False]) * (t.max_steps - first) and not torn, inside
     elif os.environ.get("TIERED_OFFLOAD_CLIP_PREDICT") != "0":  # (a step within in it; a torn one over the limit:
         # a jump the prediction missed, step 2 here, its norm 1.26 where 1.06 was predicted)
         within = [s for s in range(2, t.max_steps + 1) if records[s]["grad_norm"] <= t.clip]
@@ -527,6 +538,25 @@ def test_torchrun_trains_each_ranks_batches_as_one_process_accumulating_them_all
     assert (tmp_path / "ranks" / "out" / "final" / "tokenizer.json").is_file()
     refused = _finish_ranks(_start_ranks(zygote, sharded, 3, "train.max_steps=6"))  # (nothing started over)
     assert all(code != 0 and "another number of ranks (rank-0-of-2" in err for code, _, err in refused), refused
+
+
+def test_under_torchrun_the_loss_is_the_mean_over_every_ranks_tokens(tmp_path, model_dir, zygote):
+    """Prompt-completion examples of unequal completions, no packing: each rank's micro-batch holds
+    another number of tokens the loss counts. With ``train.average: tokens`` 2 ranks x 1 micro-batch
+    train one process's 1 x 2 (the step's loss the mean over both ranks' tokens: each rank weighs
+    its own by its share of all), to rounding; the recorded loss too."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": w, "completion": " " + " ".join([w] * (1 + i % 5))}) + "\n"
+                            for i, w in enumerate(sentences(64, seed=16))))
+    settings = dict(data__format="prompt-completion", data__packing=False, data__max_seq_len=64,
+                    data__eval_fraction=0.0, train__max_steps=3, output__export_every=0)
+    _torchrun(zygote, write_config(tmp_path / "ranks", model_dir, path, train__grad_accum=1, **settings), 2)
+    train(write_config(tmp_path / "one", model_dir, path, train__grad_accum=2, **settings), progress=False)
+    ranks, alone = _records(tmp_path / "ranks" / "out"), _records(tmp_path / "one" / "out")
+    assert [r["step"] for r in ranks] == [r["step"] for r in alone] == [1, 2, 3]
+    for a, b in zip(ranks, alone):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                   rel=1e-5), (a, b)
 
 
 def test_under_torchrun_without_clipping_the_ranks_step_in_the_backward_as_one_process(tmp_path, model_dir, data,
@@ -3068,3 +3098,59 @@ def test_evaluation_examples_that_make_no_sequence_are_no_evaluation(tmp_path, m
         assert prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)[1] is None  # (from the cache)
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("average", ["tokens", "micro_batches"])
+def test_accumulated_micro_batches_give_the_large_batch_s_gradient(tmp_path, model_dir, average):
+    """The loss of a step of ``grad_accum`` micro-batches was the mean of their means: a micro-batch
+    with few tokens the loss is on (short completions, a prompt-completion set without packing)
+    weighed as much as one with many, so 4 x 2 sequences trained another gradient than 8 x 1 of the
+    same rows (Hugging Face's Trainer has averaged over the step's tokens since 4.46). The default
+    ``train.average: tokens`` does the same: the gradient norm and loss of 4 x 2 are those of 8 x 1
+    up to rounding. ``micro_batches`` keeps the mean of means (a run begun before keeps it)."""
+    path = tmp_path / "train.jsonl"
+    words = sentences(64, seed=14)
+    path.write_text("".join(json.dumps({"prompt": w, "completion": " " + " ".join([w] * (1 + i % 5))}) + "\n"
+                            for i, w in enumerate(words)))
+    runs = {}
+    for mb, accum in ((8, 1), (4, 2), (2, 4)):
+        config = write_config(tmp_path / f"{mb}x{accum}", model_dir, path, data__format="prompt-completion",
+                              data__packing=False, data__max_seq_len=64, data__eval_fraction=0.0,
+                              train__micro_batch=mb, train__grad_accum=accum, train__max_steps=1,
+                              train__average=average, output__export_every=0)
+        records = []
+        train(config, progress=False, on_step=lambda s, r: records.append(r))
+        runs[mb] = records[0]
+    for mb in (4, 2):
+        close = runs[mb]["grad_norm"] == pytest.approx(runs[8]["grad_norm"], rel=1e-5)
+        assert close == (average == "tokens"), (mb, runs[mb]["grad_norm"], runs[8]["grad_norm"])
+        close = runs[mb]["loss"] == pytest.approx(runs[8]["loss"], rel=1e-5)
+        assert close == (average == "tokens"), (mb, runs[mb]["loss"], runs[8]["loss"])
+
+
+def test_a_run_begun_before_train_average_goes_on_as_it_began(tmp_path, model_dir, monkeypatch, caplog):
+    """A run whose saved settings hold no ``train.average`` (begun before it) resumed with the new
+    default would change its steps' loss midway: it keeps the mean of the micro-batches' means at
+    every resume, saying so, and its steps are bitwise those of a run with ``micro_batches``
+    throughout."""
+    import logging
+    from tiered_offload.train import run as run_module
+    caplog.set_level(logging.INFO, logger="tiered_offload")
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": w, "completion": " " + " ".join([w] * (1 + i % 5))}) + "\n"
+                            for i, w in enumerate(sentences(64, seed=15))))
+    settings = dict(data__format="prompt-completion", data__packing=False, data__max_seq_len=64,
+                    data__eval_fraction=0.0, train__grad_accum=2, output__export_every=0)
+    records = {"before": [], "throughout": []}
+    config = write_config(tmp_path / "before", model_dir, path, train__max_steps=1, **settings)
+    with monkeypatch.context() as m:  # (the first step as the command before the setting ran it)
+        m.setattr(run_module, "_average", lambda cfg, saved, location: "micro_batches")
+        train(config, progress=False, on_step=lambda s, r: records["before"].append(r))
+    for steps in (2, 3):
+        train(config, [f"train.max_steps={steps}"], progress=False, on_step=lambda s, r: records["before"].append(r))
+    assert sum("began before train.average" in r.getMessage() for r in caplog.records) == 2
+    config = write_config(tmp_path / "throughout", model_dir, path, train__max_steps=3, train__average="micro_batches",
+                          **settings)
+    train(config, progress=False, on_step=lambda s, r: records["throughout"].append(r))
+    assert [(r["loss"], r["grad_norm"]) for r in records["before"]] == \
+        [(r["loss"], r["grad_norm"]) for r in records["throughout"]]

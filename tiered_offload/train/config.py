@@ -94,6 +94,12 @@ class TrainSection:
     grad_accum: int = 1
     """Micro-batches per optimizer step (of each rank, under torchrun: a step trains ``micro_batch *
     grad_accum * ranks`` sequences)."""
+    average: str = "tokens"
+    """The step's loss: ``tokens``, the mean over every token the loss is on in the step's
+    micro-batches (and ranks), so that ``micro_batch x grad_accum`` trains the gradient of one batch
+    of them all (Hugging Face's Trainer since 4.46); ``micro_batches``, the mean of the micro-batches'
+    own means (a micro-batch of few such tokens weighs as much as one of many; a run begun before
+    this setting keeps it). The same where every micro-batch holds as many (packed plain text)."""
     max_steps: int | None = None
     """Optimizer steps to train (or ``epochs``)."""
     epochs: float | None = None
@@ -249,6 +255,7 @@ class RunConfig:
         if self.data.chat_turns != "all" and self.data.format != "chat":
             raise ConfigError(f"data.chat_turns applies to data.format chat, not {self.data.format}; drop it")
         _choice("train.schedule", self.train.schedule, ("constant", "linear", "cosine"))
+        _choice("train.average", self.train.average, ("tokens", "micro_batches"))
         _choice("train.precision", self.train.precision, ("fp32", "bf16-autocast"))
         _choice("output.dtype", self.output.dtype, ("fp32", "bf16", "fp16"))
         for key, value, lo in (("data.max_seq_len", self.data.max_seq_len, 2), ("train.micro_batch", self.train.micro_batch, 1),

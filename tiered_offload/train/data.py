@@ -78,6 +78,11 @@ class Dataset:
         """Tokens that carry loss in ``rows``."""
         return int((np.asarray(self.labels[rows]) != IGNORE).sum())
 
+    def targets(self, rows: list[int]) -> int:
+        """The tokens the model's loss counts in ``rows``: those that carry loss past each row's first
+        (the loss predicts each token from the ones before it)."""
+        return int((np.asarray(self.labels[rows])[:, 1:] != IGNORE).sum())
+
 
 def _size(example) -> int:
     """An example's characters (what a batch is measured in)."""

@@ -45,7 +45,7 @@ from tiered_offload.train.outputs import (check_export_space, export, export_ste
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
-from tiered_offload.train.steps import ClipSpeculation, train_step
+from tiered_offload.train.steps import ClipSpeculation, token_weights, train_step
 
 __all__ = ["train", "lr_factor"]
 
@@ -394,6 +394,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
         settings = _batch_settings(cfg, train_data)
+        average = _average(cfg, engine.user_state.get("settings") if start else None, location)
+        if average == cfg.train.average:  # (a run begun before the setting: saved without it, as it began)
+            settings["train.average"] = average
         if start:
             _say_other_settings(engine.user_state.get("settings"), settings, location, start, changed)
 
@@ -440,18 +443,21 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         while engine.step_count < total and not stopping():
             t0 = time.perf_counter()
             step = engine.step_count
-            batches, tokens = [], 0
+            batches, tokens, targets = [], 0, []
             for micro in range(t.grad_accum):
                 rows = micro_batch_rows(len(train_data), t.seed, ranks.micro_batch(step, micro, t.grad_accum),
                                         t.micro_batch)
                 batches.append(train_data.batch(rows))
                 tokens += train_data.tokens(rows)
+                targets.append(train_data.targets(rows))
+            weights = None if average != "tokens" else token_weights(
+                targets, ranks.sums([sum(targets)])[0], ranks.world, t.grad_accum)
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
             # (a check of the model's first forward in this process raises after it: a step after the backward)
             fused = in_backward and checked is None and speculation.allows(step + 1)
             own = train_step(engine, batches, t, tokens, fused,
                              lambda checked=checked: _forwards(t.precision, engine, checked),
-                             {"micro_batches": (step + 1) * t.grad_accum, "settings": settings})
+                             {"micro_batches": (step + 1) * t.grad_accum, "settings": settings}, weights)
             speculation.seen(own[3])
             checked_documents = True  # (the model's first step in this process: before it is taken)
             now = _disk_bytes(engine)
@@ -553,6 +559,18 @@ def _own_hyperparameters():
         yield
     finally:
         logger.removeFilter(keep)
+
+
+def _average(cfg, saved: dict | None, location: str) -> str:
+    """The step's loss (``train.average``): the command's (a change named by
+    :func:`_say_other_settings`), but ``micro_batches`` for a run begun before the setting: its steps
+    go on as they began, at every resume."""
+    if saved is None or "train.average" in saved:
+        return cfg.train.average
+    if cfg.train.average != "micro_batches":
+        log.info("tiered-offload: %s began before train.average: its steps go on with the loss the mean of the "
+                 "micro-batches' means (train.average micro_batches), as they began", location)
+    return "micro_batches"
 
 
 def _take_hyperparameters(engine, scheduler, t) -> list[str]:

@@ -16,7 +16,9 @@ the limit; not for a while after a tear, and only where a tear would run few ste
 
 from __future__ import annotations
 
-__all__ = ["ClipSpeculation", "train_step"]
+import torch
+
+__all__ = ["ClipSpeculation", "token_weights", "train_step"]
 
 
 class ClipSpeculation:
@@ -67,34 +69,54 @@ class ClipSpeculation:
         return step
 
 
-def train_step(engine, batches: list, t, tokens: int, in_backward: bool, around, state: dict) -> list:
+def token_weights(targets: list[int], total: float, world: int, grad_accum: int) -> list[float] | None:
+    """Each micro-batch's weight in the step's loss under ``train.average: tokens``: its share of the
+    ``total`` tokens the loss counts in the step's micro-batches on every rank, times ``world`` (the
+    ranks' gradients are averaged), so that the gradient is the whole batch's token mean. None where
+    every one is ``1 / grad_accum`` (each holds as many: the mean of means, the same numbers)."""
+    if not total or all(n * world * grad_accum == total for n in targets):
+        return None
+    return [n * world / total for n in targets]
+
+
+def train_step(engine, batches: list, t, tokens: int, in_backward: bool, around, state: dict,
+               weights: list[float] | None = None) -> list:
     """One optimizer step over ``batches`` (the step's micro-batches), their forwards and backwards
     in the context ``around()`` makes; returns this rank's part of the step's record, ``[mean loss,
     tokens, lr, gradient norm]``. The record is committed with the step (``engine.user_state``:
     ``state`` and the record): a kill before the run writes it leaves the resume what to write it
     from. ``in_backward``: the step runs in the backward (``forward_backward(..., step=True)``,
     clipped by ``clip_norm``: the module's docstring); the record is set as the last micro-batch's
-    loss is known, before any update, and its norm before the step's commit."""
+    loss is known, before any update, and its norm before the step's commit. ``weights``: each
+    micro-batch's loss scaled by its own (:func:`token_weights`; the record's loss the losses so
+    weighed, added: over the ranks, their mean is the step's token mean), else by ``1 / grad_accum``
+    (the record's loss their mean)."""
     lr = engine.param_groups[0]["lr"]  # (the step's: the scheduler moves it as the step opens)
+    seen: dict[int, torch.Tensor] = {}  # (each micro-batch's loss; read once all are known)
+
+    def record() -> list:
+        losses = [seen[i].item() * t.grad_accum if weights is None else seen[i].item() for i in range(len(batches))]
+        if weights is None:
+            return [sum(losses) / len(losses), tokens, lr, None]
+        return [sum(x * w for x, w in zip(losses, weights)), tokens, lr, None]  # (the ranks' mean: the tokens')
+
+    def loss_fn(out, batch):
+        i = next(i for i, b in enumerate(batches) if b is batch)
+        loss = out.loss / t.grad_accum if weights is None else out.loss * weights[i]
+        seen[i] = (loss if weights is None else out.loss).detach()
+        if in_backward and len(seen) == len(batches):  # (a pass undone before its backward runs them again: the same values)
+            engine.user_state = {**state, "record": record()}
+        return loss
+
     if not in_backward:
         with around():
-            losses = [loss.item() * t.grad_accum for loss in
-                      engine.forward_backward(batches, lambda out, _: out.loss / t.grad_accum)]
+            engine.forward_backward(batches, loss_fn)
         norm = engine.clip_grad_norm_(t.clip) if t.clip else None
-        own = [sum(losses) / len(losses), tokens, lr, None if norm is None else float(norm)]
+        own = [*record()[:3], None if norm is None else float(norm)]
         engine.user_state = {**state, "record": own}
         engine.step()
         engine.zero_grad()
         return own
-    seen: dict[int, float] = {}
-
-    def loss_fn(out, batch):
-        loss = out.loss / t.grad_accum
-        seen[next(i for i, b in enumerate(batches) if b is batch)] = loss.item() * t.grad_accum
-        if len(seen) == len(batches):  # (a pass undone before its backward runs them again: the same values)
-            losses = [seen[i] for i in range(len(batches))]
-            engine.user_state = {**state, "record": [sum(losses) / len(losses), tokens, lr, None]}
-        return loss
 
     def on_norm(norm) -> None:
         engine.user_state = {**engine.user_state, "record": [*engine.user_state["record"][:3], float(norm)]}
