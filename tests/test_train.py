@@ -3154,3 +3154,33 @@ def test_a_run_begun_before_train_average_goes_on_as_it_began(tmp_path, model_di
     train(config, progress=False, on_step=lambda s, r: records["throughout"].append(r))
     assert [(r["loss"], r["grad_norm"]) for r in records["before"]] == \
         [(r["loss"], r["grad_norm"]) for r in records["throughout"]]
+
+
+def test_the_evaluation_loss_is_the_mean_over_the_held_out_tokens(tmp_path, model_dir):
+    """``eval_loss`` was each micro-batch's mean weighed by its sequences: with completions of
+    unequal length, a short one's tokens weighed more than a long one's, so it was no token mean
+    (its exponent no perplexity) and not the quantity the training loss is. It is now the mean over
+    every held-out token the loss counts: the final model's, read back from the export."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": w, "completion": " " + " ".join([w] * (1 + 3 * (i % 5)))}) + "\n"
+                            for i, w in enumerate(sentences(96, seed=17))))
+    config = write_config(tmp_path, model_dir, path, data__format="prompt-completion", data__packing=False,
+                          data__max_seq_len=64, data__eval_fraction=0.25, train__max_steps=2, output__export_every=0)
+    summary = train(config, progress=False)
+    cfg = load_config(config, [])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    _, eval_data = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "reference-cache", None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(summary["final"]).eval()
+    total, count, means = 0.0, 0, []
+    with torch.no_grad():
+        for a in range(0, len(eval_data), 5):
+            batch = eval_data.batch(list(range(a, min(len(eval_data), a + 5))))
+            logits = model(**batch).logits[:, :-1]
+            labels = batch["labels"][:, 1:]
+            losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                       ignore_index=IGNORE, reduction="sum")
+            total, count = total + losses.item(), count + int((labels != IGNORE).sum())
+            means.append((losses.item() / int((labels != IGNORE).sum()), len(batch["labels"])))
+    assert summary["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+    by_rows = sum(m * n for m, n in means) / sum(n for _, n in means)
+    assert by_rows != pytest.approx(total / count, rel=1e-5)  # (the data makes the two differ past that rounding)

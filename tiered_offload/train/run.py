@@ -626,15 +626,16 @@ def _precision(precision: str, engine):
 
 
 def _evaluate(engine, model, data, micro_batch: int, precision: str, ranks: Ranks) -> float:
-    """The mean loss over the evaluation sequences (dropout off, no gradient, training untouched;
-    the ranks split them: :meth:`Ranks.eval_rows`)."""
+    """The mean loss over the evaluation sequences' tokens the loss counts, each micro-batch's mean
+    weighed by its own (dropout off, no gradient, training untouched; the ranks split them:
+    :meth:`Ranks.eval_rows`)."""
     model.eval()
     total, count = 0.0, 0
     try:
         with torch.no_grad(), _precision(precision, engine):
             for rows in ranks.eval_rows(len(data), micro_batch):
-                loss = float(engine(**data.batch(rows or [0])).loss)
-                total, count = total + loss * len(rows), count + len(rows)
+                loss, n = float(engine(**data.batch(rows or [0])).loss), data.targets(rows) if rows else 0
+                total, count = total + loss * n, count + n
     finally:
         model.train()
     total, count = ranks.sums([total, count])
