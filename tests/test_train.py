@@ -3184,3 +3184,23 @@ def test_the_evaluation_loss_is_the_mean_over_the_held_out_tokens(tmp_path, mode
     assert summary["eval_loss"] == pytest.approx(total / count, rel=1e-5)
     by_rows = sum(m * n for m, n in means) / sum(n for _, n in means)
     assert by_rows != pytest.approx(total / count, rel=1e-5)  # (the data makes the two differ past that rounding)
+
+
+def test_a_cache_made_before_sequences_without_loss_were_left_out_is_made_again(tmp_path, model_dir, monkeypatch):
+    """The tokenised data is cached by the files and settings. A cache made by the code before,
+    which kept sequences with no token the loss counts, would have been read as it was by a run
+    after the fix (the user who met the NaN, running again): it is made again."""
+    from tiered_offload.train import data as data_module
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    path = _long_prompts(tmp_path / "train.jsonl")
+    cfg = load_config(None, [f"model.path={model_dir}", f"data.path={path}", "data.format=prompt-completion",
+                             "data.packing=false", "data.max_seq_len=16", f"offload.storage={tmp_path / 's'}",
+                             "train.max_steps=1"])
+    with monkeypatch.context() as m:  # (the code before: its key, every example a sequence)
+        m.setattr(data_module, "MADE", 1)
+        m.setattr(data_module, "_examples_with_loss", lambda spool, a, b, length: np.arange(a, b))
+        before, _ = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+    assert not (np.asarray(before.labels)[:, 1:] != IGNORE).any(axis=1).all()
+    after, _ = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
+    assert len(after) < len(before) and (np.asarray(after.labels)[:, 1:] != IGNORE).any(axis=1).all()
+    assert len(list((tmp_path / "cache").glob("data-*"))) == 1  # (the one before removed)

@@ -331,6 +331,11 @@ def _write_sequences(spool: _Spool, a: int, b: int, length: int, packing: bool |
     return n, dropped
 
 
+MADE = 2
+"""How the cached sequences are made, in the cache's key: 2, without sequences that hold no token
+the loss counts (a cache made before, which may hold them, is made again once)."""
+
+
 def _fingerprint(*parts) -> str:
     """A key of ``parts``: a file by its path, size and time; a list by its items."""
     h = hashlib.sha256()
@@ -385,7 +390,8 @@ def _prepare(data, tokenizer, tokenizer_dir: Path, cache_root: Path, max_positio
     files = [f[0] if len(f) == 1 else f for f in sources]  # (one file: the key it had before shards were read)
     key = _fingerprint(files[0], data.format, data.field, data.max_seq_len, data.packing, data.eval_fraction,
                        files[1] if data.eval_path else None, *tokenizer_files,
-                       *([f"chat_turns={data.chat_turns}"] if data.chat_turns != "all" else []))
+                       *([f"chat_turns={data.chat_turns}"] if data.chat_turns != "all" else []),
+                       *([f"made={MADE}"] if MADE > 1 else []))
     cache = cache_root / f"data-{key}"
     fresh = not _finished(cache)
     if fresh:
