@@ -1004,8 +1004,11 @@ def test_model_without_blocks_needs_a_hint():
     with pytest.raises(ModelStructureError) as info:
         Engine(nn.Linear(4, 4), storage="memory", host_memory="1MiB")
     assert "blocks=" in str(info.value)
-    with pytest.raises(ModelStructureError):
-        Engine(plain_gpt(2), storage="memory", host_memory="1MiB", blocks="nope.layers")
+    with pytest.raises(ModelStructureError, match=r"no submodule 'nope.layers'.* its layer sequences: blocks \(2 "
+                                                  r"layers, \d[\d,]* parameters\)"):
+        Engine(plain_gpt(2), storage="memory", host_memory="1MiB", blocks="nope.layers")  # (a name mistyped)
+    with pytest.raises(ModelStructureError, match=r"'head' is a Linear, not an nn.ModuleList.*: blocks \(2 layers"):
+        Engine(plain_gpt(2), storage="memory", host_memory="1MiB", blocks="head")
 
 
 def test_explicit_block_hint(tmp_path):

@@ -149,26 +149,26 @@ def find_block_sequence(model: nn.Module, hint: str | None = None) -> tuple[str,
     With ``hint`` (e.g. ``"transformer.h"``), that submodule; otherwise the ``ModuleList`` or
     ``Sequential`` of at least two children that holds the most parameters.
     """
+    largest = sorted(((name, mod, n) for name, mod in model.named_modules()
+                      if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2 and mod is not model
+                      and (n := sum(p.numel() for p in mod.parameters()))), key=lambda s: -s[2])  # (stable)
     if hint is not None:
+        have = "; its layer sequences: " + ", ".join(f"{name} ({len(mod)} layers, {n:,} parameters)"
+                                                     for name, mod, n in largest[:6]) if largest else ""
         try:
             seq = model.get_submodule(hint)
         except AttributeError:
-            raise ModelStructureError(f"the model has no submodule {hint!r} to use as its block sequence; "
-                                      f"pass blocks= with the dotted name of its nn.ModuleList of layers") from None
+            raise ModelStructureError(f"the model has no submodule {hint!r} to use as its block sequence; pass "
+                                      f"blocks= with the dotted name of its nn.ModuleList of layers{have}") from None
         if not isinstance(seq, (nn.ModuleList, nn.Sequential)):
-            raise ModelStructureError(f"{hint!r} is a {type(seq).__name__}, not an nn.ModuleList or nn.Sequential")
+            raise ModelStructureError(f"{hint!r} is a {type(seq).__name__}, not an nn.ModuleList or "
+                                      f"nn.Sequential{have}")
         return hint, seq
-    best, best_n = None, 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2 and mod is not model:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_n:
-                best, best_n = (name, mod), n
-    if best is None:
+    if not largest:
         raise ModelStructureError(
             f"{type(model).__name__} has no block sequence (an nn.ModuleList or nn.Sequential of two or more "
             f"layers holding parameters); pass blocks='<dotted name>' to say which submodule holds the layers")
-    return best
+    return largest[0][:2]  # (the first of the largest)
 
 
 def plan_units(model: nn.Module, hint: str | None = None, stream_modules_numel: int | None = 0
