@@ -3204,3 +3204,18 @@ def test_a_cache_made_before_sequences_without_loss_were_left_out_is_made_again(
     after, _ = prepare_data(cfg.data, tokenizer, model_dir, tmp_path / "cache", None)
     assert len(after) < len(before) and (np.asarray(after.labels)[:, 1:] != IGNORE).any(axis=1).all()
     assert len(list((tmp_path / "cache").glob("data-*"))) == 1  # (the one before removed)
+
+
+def test_a_step_larger_than_the_data_is_warned_of(tmp_path, model_dir, caplog):
+    """``train.micro_batch`` x ``grad_accum`` above the number of training sequences (a batch size
+    copied from a large run onto a small data set) trained each step on some sequences twice or
+    more, without a word: the run now warns, naming both numbers."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="tiered_offload")
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences(12, seed=18)))
+    config = write_config(tmp_path, model_dir, path, data__eval_fraction=0.0, data__max_seq_len=16,
+                          train__micro_batch=8, train__grad_accum=2, train__max_steps=1, output__export_every=0)
+    train(config, progress=False)
+    said = [r.getMessage() for r in caplog.records if "a step's 16 sequences" in r.getMessage()]
+    assert len(said) == 1 and re.search(r"more than the data's \d+: a step trains some of them twice", said[0]), said

@@ -354,6 +354,10 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
     total = t.max_steps or max(1, math.ceil(t.epochs * len(train_data) / per_step))
     if ranks.first and (unfinished := t.unfinished_warmup(total)):
         log.warning("tiered-offload: %s", unfinished)
+    if ranks.first and per_step > len(train_data):
+        log.warning("tiered-offload: a step's %d sequences (train.micro_batch x train.grad_accum%s) are more than the "
+                    "data's %d: a step trains some of them twice or more; lower them, or give more data", per_step,
+                    " x ranks" if ranks.world > 1 else "", len(train_data))
     if dry_run:
         with contextlib.redirect_stdout(io.StringIO()) if not ranks.first else contextlib.nullcontext():
             return _dry_run(cfg, hf_config, model_dir, tokenizer, train_data, eval_data, total, resuming, location)
