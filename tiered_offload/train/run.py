@@ -398,7 +398,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
         settings = _batch_settings(cfg, train_data)
-        average = _average(cfg, engine.user_state.get("settings") if start else None, location)
+        average = _average(cfg, (engine.user_state.get("settings") or {}) if start else None, location)
         if average == cfg.train.average:  # (a run begun before the setting: saved without it, as it began)
             settings["train.average"] = average
         if start:
