@@ -507,10 +507,11 @@ def _what_to_do(data) -> str:
     """What gives sequences without a token the loss is on their loss back."""
     if data.format in ("text", "completion"):
         return "drop the empty examples"
-    cut = ("prompts longer than it leave their " + LOSS_ON[data.format].removeprefix("the ")
-           + " out: raise data.max_seq_len or shorten them")
-    return ("a chat example's loss is on its turns of role 'assistant' (none is a sequence with no loss); " + cut
-            if data.format == "chat" else cut)
+    if data.format == "chat":
+        return ("a chat example's loss is on its turns of role 'assistant', and one without any trains nothing; turns "
+                "before an assistant's that fill data.max_seq_len leave it out: raise data.max_seq_len or shorten them")
+    return (f"a prompt that fills data.max_seq_len leaves its {LOSS_ON[data.format].removeprefix('the ')} out: raise "
+            f"data.max_seq_len or shorten the prompts")
 
 
 def _finished(cache: Path) -> bool:
