@@ -748,6 +748,33 @@ def test_the_step_ranks_resume_at_is_one_every_rank_holds_or_refused():
             reconcile_resume(apart, 0)
     with pytest.raises(DistributedError, match=r"rank\(s\) \[1\] of 2 hold a training state"):
         reconcile_resume([None, [2, None, None]], 0)
+    # (a first start killed between one rank's first manifest and another's: that first commit, the
+    # starting weights, is made again by every rank, as a fresh start makes it)
+    assert each([None, [0, None, None]]) == [(None, False, False)] * 2
+    assert each([[0, None, None], None, [0, None, None]]) == [(None, False, False)] * 3
+    with pytest.raises(DistributedError, match=r"rank\(s\) \[1, 2\] of 3 hold a training state"):
+        reconcile_resume([None, [0, None, None], [1, None, None]], 0)
+
+
+def test_a_first_start_killed_between_the_ranks_first_commits_starts_again(tmp_path):
+    """A job killed in its first start after one rank wrote its first manifest (step 0: the starting
+    weights) and before another did (a kill or Ctrl-C while a large model is initialised): its next
+    start refused, "rank(s) [1] of 2 hold a training state and the others none", and the directory
+    had to be deleted by hand (found by ``tools/crash_loop_dist.py --seed 38``). Every rank now
+    starts fresh, rank 1 saying it forgets its first commit, and the run ends bitwise where an
+    uninterrupted one does."""
+    from tiered_offload.checkpoint.durable import StateFiles
+    cfg = {"layers": 4, "optimizer": "adamw", "steps": 3, "accumulate": 1, "clip": 1.0, "host_memory": "64MiB",
+           "durable": True, "timeout_s": 30, "commit_every": 1}
+    (tmp_path / "once").mkdir()
+    (tmp_path / "killed").mkdir()
+    whole = launch(2, tmp_path / "once", cfg)[0]["weights"]
+    launch(2, tmp_path / "killed", dict(cfg, steps=0))  # (both ranks' first commits) ...
+    first = StateFiles(tmp_path / "killed" / "state" / "rank-0-of-2" / ".tiered-offload")
+    first.manifest_path.unlink()  # ... then rank 0's as if it was killed before it wrote it
+    resumed = launch(2, tmp_path / "killed", cfg)[0]["weights"]
+    assert "forgets its first commit" in (tmp_path / "killed" / "rank-1.log").read_text()
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
 def test_a_commit_that_failed_on_one_rank_stops_every_rank_typed_and_the_job_resumes_before_it(tmp_path):

@@ -653,6 +653,39 @@ def test_under_torchrun_a_fresh_run_into_an_earlier_runs_output_dir_stops_every_
     assert (out / "metrics.jsonl").read_text() == json.dumps({"step": 1, "loss": 2.0}) + "\n"
 
 
+def test_under_torchrun_a_first_start_killed_between_the_ranks_first_commits_starts_again(tmp_path, model_dir,
+                                                                                          data, zygote):
+    """A torchrun job stopped in its first start after one rank wrote its first commit (step 0, the
+    pretrained weights) and before another did: its next start refused ("rank(s) [1] of 2 hold a
+    training state and the others none") until the storage was deleted by hand. Every rank now
+    starts fresh from the model directory (the engine forgetting rank 1's first commit), and the
+    run is the one a fresh directory gives, bitwise. Here the first start stops at its first step
+    (``packing: documents`` with OPT, refused there), and rank 0's first manifest is removed."""
+    from tiered_offload.checkpoint.durable import StateFiles, state_directory
+    other = tmp_path / "tiny-opt"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.save_pretrained(other)
+    torch.manual_seed(0)
+    transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).save_pretrained(other)
+    settings = dict(train__max_steps=2, output__export_every=0, train__grad_accum=1, train__eval_every=0,
+                    offload__host_memory="4MiB")
+    config = write_config(tmp_path / "killed", other, data, **settings)
+    done = _finish_ranks(_start_ranks(zygote, config, 2, "data.packing=documents"))
+    assert all(code != 0 and "data.packing: documents" in err for code, _, err in done), done
+    state = tmp_path / "killed" / "run"
+    assert all(StateFiles(state_directory(str(state / f"rank-{r}-of-2"))).read_manifest()["step"] == 0 for r in (0, 1))
+    StateFiles(state_directory(str(state / "rank-0-of-2"))).manifest_path.unlink()
+    done = _finish_ranks(_start_ranks(zygote, config, 2))
+    assert all(code == 0 for code, _, _ in done), done
+    assert "rank 1 forgets its first commit" in done[1][2], done[1][2][-3000:]
+    _torchrun(zygote, write_config(tmp_path / "fresh", other, data, **settings), 2)
+    got, want = exported(tmp_path / "killed" / "out" / "final"), exported(tmp_path / "fresh" / "out" / "final")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, model_dir, data, zygote):
     """SIGINT to one rank of a torchrun (a scheduler's SIGTERM may also reach one first): every rank
     finishes the same step, commits and exits 0 (one rank stopping alone would leave the others

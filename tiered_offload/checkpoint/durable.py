@@ -260,6 +260,13 @@ class StateFiles:
         finally:
             os.close(fd)
 
+    def forget_first_commit(self) -> None:
+        """Remove the manifest of a first commit (step 0) that a fresh start makes again (sharded: not
+        every rank made it); its tensors are the garbage the start removes."""
+        self.manifest_path.unlink(missing_ok=True)
+        fsync_directory(self.dir)
+        self.reset_journal()
+
     def reset_journal(self) -> None:
         fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

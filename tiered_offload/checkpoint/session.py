@@ -328,7 +328,7 @@ class DurableCommits(Commits):
         (a first start that died before its first manifest too)."""
         session = self.session
         self.ranks = placement if placement.world > 1 else None
-        recovered = placement.reconcile(session.open(resume), resume, session.files)
+        recovered = session.recovered = placement.reconcile(session.open(resume), resume, session.files)
         if recovered is not None and recovered.previous is not None:  # every rank is at one step now
             session.files.drop_previous()
             recovered.previous = None

@@ -333,7 +333,9 @@ class Sharding:
 def reconcile_resume(positions: list, rank: int) -> tuple[int | None, bool, bool]:
     """The step every rank resumes at, from each rank's ``[manifest step, step in flight or None,
     step of the commit before that it keeps or None]`` (None: the rank holds no state). Returns
-    ``(target, drop, back)``: ``target`` None when no rank holds a state; ``drop``: this rank must
+    ``(target, drop, back)``: ``target`` None when no rank holds a state, or those that do hold
+    their first commit alone (step 0, the starting weights: a first start was killed before every
+    rank made it; every rank starts fresh, and makes it again); ``drop``: this rank must
     forget its step in flight (not every rank committed it); ``back``: this rank must go back to the
     commit before its manifest's (snapshot commits: not every rank made the newer one).
 
@@ -344,9 +346,9 @@ def reconcile_resume(positions: list, rank: int) -> tuple[int | None, bool, bool
     holds, as its manifest or as the commit before. Pure: tested without ``torch.distributed``.
     """
     if any(p is None for p in positions):
-        if all(p is None for p in positions):
-            return None, False, False
         have = [r for r, p in enumerate(positions) if p is not None]
+        if all(positions[r][:2] == [0, None] and (len(positions[r]) < 3 or positions[r][2] is None) for r in have):
+            return None, False, False  # (none, or a first start killed between the ranks' first commits: made again)
         raise DistributedError(
             f"rank(s) {have} of {len(positions)} hold a training state and the others none: every rank's directory "
             f"must come from the same run (storage= the same root on every rank, with resume=True)")
@@ -618,6 +620,11 @@ class Sharded(Placement):
         self.set_phase("resume")
         positions = self.sharding.all_gather_object(position(recovered), "each rank's committed step")
         target, drop, back = reconcile_resume(positions, self.rank)
+        if target is None and recovered is not None:
+            log.warning("rank %d forgets its first commit (step 0, the starting weights): not every rank made it, so "
+                        "every rank starts fresh and makes it again", self.rank)
+            files.forget_first_commit()
+            return None
         if drop:  # not every rank committed it: nothing of it was updated
             log.warning("rank %d: dropping step %d's intent (not every rank had committed it); resuming at step %d",
                         self.rank, recovered.intent["step"], target)

@@ -339,8 +339,10 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                     f"{':'.join(map(str, cfg.offload.stripe_weights))}")
     own = directories if ranks.world == 1 else ",".join(  # (this rank's directories: engine/sharding.py)
         str(Path(d) / f"rank-{ranks.rank}-of-{ranks.world}") for d in directories.split(","))
-    resuming = StateFiles(state_directory(own)).manifest_path.exists()  # the same command continues
-    resuming = ranks.sums([float(resuming)])[0] > 0  # (every rank, where one has a committed state)
+    mine = StateFiles(state_directory(own))  # (a committed state: the same command continues it, on every rank)
+    have, past_first = ranks.sums([float(mine.manifest_path.exists()), float(_past_first_commit(mine))])
+    restarted = ranks.world > 1 and 0 < have < ranks.world and not past_first  # (engine/sharding.py reconcile_resume)
+    resuming = have > 0 and not restarted
     root = Path(directories.split(",")[0]).expanduser()
     resuming |= ranks.world > 1 and any(  # (another number of ranks' state: the engine refuses it, naming them)
         p.name.split("-of-")[-1] != str(ranks.world) for p in root.glob("rank-*-of-*"))
@@ -377,7 +379,7 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         with _own_hyperparameters() if resuming else contextlib.nullcontext():
             engine = Engine(model, optimizer, storage=location, host_memory=cfg.offload.host_memory,
                             device_memory=cfg.offload.device_memory, blocks=cfg.model.blocks, durable=True,
-                            commit_every=cfg.offload.commit_every, resume=resuming,
+                            commit_every=cfg.offload.commit_every, resume="auto" if restarted else resuming,
                             init_from=None if resuming else [model_dir, *([Path(cfg.lora.adapter).expanduser()]
                                                                           if cfg.lora.adapter else [])])
     except CheckpointError:
@@ -563,6 +565,16 @@ def _own_hyperparameters():
         yield
     finally:
         logger.removeFilter(keep)
+
+
+def _past_first_commit(files: StateFiles) -> bool:
+    """Whether ``files`` hold a commit after the first (step 0, the starting weights), or one that
+    cannot be read (the engine names its fault). Where no rank does and some hold none, a first start
+    was killed between the ranks' first commits: every rank starts fresh, the engine forgetting those."""
+    try:
+        return files.manifest_path.exists() and files.read_manifest()["step"] > 0
+    except (TieredOffloadError, KeyError, TypeError):
+        return True
 
 
 def _average(cfg, saved: dict | None, location: str) -> str:
