@@ -1000,6 +1000,24 @@ def test_parameter_without_initialiser_is_reported(tmp_path):
 
 
 # ---- bad input --------------------------------------------------------------------------
+def test_an_optimizer_whose_step_fails_is_refused_at_construction_typed():
+    """AdamW with a learning rate past float32's range (``lr=1e38``: the step's size overflows)
+    stopped the engine's construction with PyTorch's bare ``RuntimeError`` from its probe step (a
+    traceback through the engine's internals). It is a ``ConfigError`` naming the optimizer, the
+    group and PyTorch's message; PyTorch's own first step fails alike."""
+    model = plain_gpt(2)
+    with pytest.raises(RuntimeError, match="overflow"):  # (PyTorch's own step on the model's parameters)
+        params = [p for p in model.parameters()]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        torch.optim.AdamW(params, lr=1e38).step()
+    with empty_init():
+        model = plain_gpt(2)
+    with pytest.raises(ConfigError, match=r"AdamW cannot take a step with the hyperparameters of group 0 .*"
+                                          r"lr.*1e\+38.*overflow"):
+        Engine(model, torch.optim.AdamW, dict(lr=1e38), storage="memory", host_memory="1MiB")
+
+
 def test_model_without_blocks_needs_a_hint():
     with pytest.raises(ModelStructureError) as info:
         Engine(nn.Linear(4, 4), storage="memory", host_memory="1MiB")

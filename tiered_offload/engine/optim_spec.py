@@ -239,7 +239,11 @@ def _probe_state(spec: OptimizerSpec) -> None:
         except TypeError as e:
             raise ConfigError(f"{spec.cls.__name__} rejected the hyperparameters of group {i} ({group}): {e}") from e
         p.grad = torch.ones(3)
-        opt.step()
+        try:
+            opt.step()
+        except (ValueError, RuntimeError, TypeError) as e:  # (PyTorch's own step on the model fails alike)
+            raise ConfigError(f"{spec.cls.__name__} cannot take a step with the hyperparameters of group {i} "
+                              f"({group}): {e}") from e
         state = opt.state[p]
         kinds = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape]
         if seen is not None and kinds != seen:
