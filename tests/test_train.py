@@ -27,7 +27,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from offload_core.errors import CheckpointError, ConfigError, DiskFullError, TierCapacityError  # noqa: E402
+from offload_core.errors import CheckpointError, ConfigError, DiskFullError, NonFiniteError, TierCapacityError  # noqa: E402
 from tiered_offload import format_size  # noqa: E402
 from tiered_offload.cli import main as cli_main  # noqa: E402
 from tiered_offload.train import load_config, train  # noqa: E402
@@ -3177,7 +3177,7 @@ def test_a_run_begun_before_train_average_goes_on_as_it_began(tmp_path, model_di
     records = {"before": [], "throughout": []}
     config = write_config(tmp_path / "before", model_dir, path, train__max_steps=1, **settings)
     with monkeypatch.context() as m:  # (the first step as the command before the setting ran it)
-        m.setattr(run_module, "_average", lambda cfg, saved, location: "micro_batches")
+        m.setattr(run_module, "loss_average", lambda average, saved, location: "micro_batches")
         train(config, progress=False, on_step=lambda s, r: records["before"].append(r))
     for steps in (2, 3):
         train(config, [f"train.max_steps={steps}"], progress=False, on_step=lambda s, r: records["before"].append(r))
@@ -3252,3 +3252,22 @@ def test_a_step_larger_than_the_data_is_warned_of(tmp_path, model_dir, caplog):
     train(config, progress=False)
     said = [r.getMessage() for r in caplog.records if "a step's 16 sequences" in r.getMessage()]
     assert len(said) == 1 and re.search(r"more than the data's \d+: a step trains some of them twice", said[0]), said
+
+
+def test_a_loss_that_turns_non_finite_names_the_command_s_way_on(tmp_path, model_dir, data):
+    """A loss or gradients that turned non-finite (a learning rate far too high here) stopped the
+    command with the engine's advice, "pass on_nonfinite='skip'", an argument of the engine's that
+    the command has no key for. It now names the step, ``train.lr`` and the same command again
+    (which resumes from the last commit with the new rate), and an earlier export where the
+    committed weights had diverged already: here they had (step 1 at ``lr=1e30``), and the resume
+    at a sane rate stops alike, typed."""
+    config = write_config(tmp_path, model_dir, data, train__max_steps=4, train__lr=1e30, train__warmup_steps=0,
+                          output__export_every=0)
+    with pytest.raises(NonFiniteError, match=r"^step \d: (the loss is nan|non-finite gradients in [^;]+); the "
+                                             r"training state is the last commit's\. Lower train\.lr .*run the same "
+                                             r"command again.*an earlier export \(model\.path: .*/out/step-N\)"
+                       ) as stopped:
+        train(config, progress=False)
+    assert "on_nonfinite" not in str(stopped.value)
+    with pytest.raises(NonFiniteError, match=r"^step 2: "):
+        train(config, ["train.lr=1e-3"], progress=False)

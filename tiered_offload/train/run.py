@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from offload_core.buffers import PAGE
-from offload_core.errors import CheckpointError, ClipTornError, ConfigError, StepFailedError, TieredOffloadError
+from offload_core.errors import (CheckpointError, ClipTornError, ConfigError, NonFiniteError, StepFailedError,
+                                 TieredOffloadError)
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint import quantized
 from tiered_offload.checkpoint.durable import StateFiles, state_directory
@@ -45,7 +46,7 @@ from tiered_offload.train.outputs import (check_export_space, export, export_ste
 from tiered_offload.train.sources import first_line
 from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
-from tiered_offload.train.steps import ClipSpeculation, token_weights, train_step
+from tiered_offload.train.steps import ClipSpeculation, loss_average, token_weights, train_step
 
 __all__ = ["train", "lr_factor"]
 
@@ -400,8 +401,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
                               f"({engine.user_state}); resume with the same train.grad_accum")
         settings = _batch_settings(cfg, train_data)
-        average = _average(cfg, (engine.user_state.get("settings") or {}) if start else None, location)
-        if average == cfg.train.average:  # (a run begun before the setting: saved without it, as it began)
+        average = loss_average(t.average, (engine.user_state.get("settings") or {}) if start else None, location)
+        if average == t.average:  # (a run begun before the setting: saved without it, as it began)
             settings["train.average"] = average
         if start:
             _say_other_settings(engine.user_state.get("settings"), settings, location, start, changed)
@@ -461,9 +462,15 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
             # (a check of the model's first forward in this process raises after it: a step after the backward)
             fused = in_backward and checked is None and speculation.allows(step + 1)
-            own = train_step(engine, batches, t, tokens, fused,
-                             lambda checked=checked: _forwards(t.precision, engine, checked),
-                             {"micro_batches": (step + 1) * t.grad_accum, "settings": settings}, weights)
+            try:
+                own = train_step(engine, batches, t, tokens, fused,
+                                 lambda checked=checked: _forwards(t.precision, engine, checked),
+                                 {"micro_batches": (step + 1) * t.grad_accum, "settings": settings}, weights)
+            except NonFiniteError as e:  # (the engine's advice names its own arguments)
+                raise NonFiniteError(f"step {step + 1}: {str(e).split(';')[0]}; the training state is the last "
+                                     f"commit's. Lower train.lr (or check the data) and run the same command again: "
+                                     f"it resumes there with the new rate; where the weights had diverged already, "
+                                     f"start a new run from an earlier export (model.path: {out}/step-N)") from None
             speculation.seen(own[3])
             checked_documents = True  # (the model's first step in this process: before it is taken)
             now = _disk_bytes(engine)
@@ -575,18 +582,6 @@ def _past_first_commit(files: StateFiles) -> bool:
         return files.manifest_path.exists() and files.read_manifest()["step"] > 0
     except (TieredOffloadError, KeyError, TypeError):
         return True
-
-
-def _average(cfg, saved: dict | None, location: str) -> str:
-    """The step's loss (``train.average``): the command's (a change named by
-    :func:`_say_other_settings`), but ``micro_batches`` for a run begun before the setting: its steps
-    go on as they began, at every resume."""
-    if saved is None or "train.average" in saved:
-        return cfg.train.average
-    if cfg.train.average != "micro_batches":
-        log.info("tiered-offload: %s began before train.average: its steps go on with the loss the mean of the "
-                 "micro-batches' means (train.average micro_batches), as they began", location)
-    return "micro_batches"
 
 
 def _take_hyperparameters(engine, scheduler, t) -> list[str]:

@@ -16,9 +16,13 @@ the limit; not for a while after a tear, and only where a tear would run few ste
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-__all__ = ["ClipSpeculation", "token_weights", "train_step"]
+log = logging.getLogger("tiered_offload")
+
+__all__ = ["ClipSpeculation", "loss_average", "token_weights", "train_step"]
 
 
 class ClipSpeculation:
@@ -67,6 +71,19 @@ class ClipSpeculation:
         step, self.tried = self.tried, None
         self.held_until, self.hold = step + self.hold - 1, min(2 * self.hold, 1024)
         return step
+
+
+def loss_average(average: str, saved: dict | None, location: str) -> str:
+    """The step's loss (``train.average``): the command's ``average`` (a change named by
+    ``train/run.py`` ``_say_other_settings``), but ``micro_batches`` for a run begun before the
+    setting (``saved``: its settings; None: a fresh run): its steps go on as they began, at every
+    resume."""
+    if saved is None or "train.average" in saved:
+        return average
+    if average != "micro_batches":
+        log.info("tiered-offload: %s began before train.average: its steps go on with the loss the mean of the "
+                 "micro-batches' means (train.average micro_batches), as they began", location)
+    return "micro_batches"
 
 
 def token_weights(targets: list[int], total: float, world: int, grad_accum: int) -> list[float] | None:
