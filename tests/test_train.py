@@ -27,7 +27,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from offload_core.errors import CheckpointError, ConfigError, DiskFullError, NonFiniteError, TierCapacityError  # noqa: E402
+from offload_core.errors import (CheckpointError, ConfigError, DiskFullError, NonFiniteError,  # noqa: E402
+                                 TierCapacityError)
 from tiered_offload import format_size  # noqa: E402
 from tiered_offload.cli import main as cli_main  # noqa: E402
 from tiered_offload.train import load_config, train  # noqa: E402
@@ -3038,8 +3039,8 @@ def _long_prompts(path: Path, n: int = 48) -> Path:
     """Prompt-completion examples, three in four with a prompt longer than 16 tokens: cut to 16
     without packing, their completions are gone."""
     words = sentences(n, seed=11)
-    path.write_text("".join(json.dumps({"prompt": " ".join([w] * (1 if i % 4 == 0 else 6)), "completion": " done"}) + "\n"
-                            for i, w in enumerate(words)))
+    path.write_text("".join(json.dumps({"prompt": " ".join([w] * (1 if i % 4 == 0 else 6)), "completion": " done"})
+                            + "\n" for i, w in enumerate(words)))
     return path
 
 

@@ -262,9 +262,9 @@ def _examples_with_loss(spool: _Spool, a: int, b: int, length: int) -> np.ndarra
     """The examples of ``a:b`` whose first ``length`` tokens (what a sequence keeps of one) hold a
     token the loss is on past the first: a model's loss predicts each token from the ones before it,
     so the first is no target (``documents`` marks it so), and an example without one trains nothing."""
-    offsets, lengths, mask = spool.offsets, spool.lengths, spool.mask
-    return np.fromiter((i for i in range(a, b) if mask[int(offsets[i]) + 1:int(offsets[i]) + min(int(lengths[i]), length)]
-                        .any()), dtype=np.int64)
+    starts, ends = spool.offsets[a:b], spool.offsets[a:b] + np.minimum(spool.lengths[a:b], length)
+    return np.fromiter((a + k for k, (s, e) in enumerate(zip(starts.tolist(), ends.tolist()))
+                        if spool.mask[s + 1:e].any()), dtype=np.int64)
 
 
 def _rows_with_loss(spool: _Spool, first: int, n: int, length: int) -> np.ndarray:

@@ -112,16 +112,17 @@ def train_step(engine, batches: list, t, tokens: int, in_backward: bool, around,
     seen: dict[int, torch.Tensor] = {}  # (each micro-batch's loss; read once all are known)
 
     def record() -> list:
-        losses = [seen[i].item() * t.grad_accum if weights is None else seen[i].item() for i in range(len(batches))]
         if weights is None:
+            losses = [seen[i].item() * t.grad_accum for i in range(len(batches))]
             return [sum(losses) / len(losses), tokens, lr, None]
-        return [sum(x * w for x, w in zip(losses, weights)), tokens, lr, None]  # (the ranks' mean: the tokens')
+        # (the losses so weighed, added: over the ranks, their mean is the step's token mean)
+        return [sum(seen[i].item() * w for i, w in enumerate(weights)), tokens, lr, None]
 
     def loss_fn(out, batch):
         i = next(i for i, b in enumerate(batches) if b is batch)
         loss = out.loss / t.grad_accum if weights is None else out.loss * weights[i]
         seen[i] = (loss if weights is None else out.loss).detach()
-        if in_backward and len(seen) == len(batches):  # (a pass undone before its backward runs them again: the same values)
+        if in_backward and len(seen) == len(batches):  # (a pass undone before its backward: the same values again)
             engine.user_state = {**state, "record": record()}
         return loss
 
