@@ -3272,3 +3272,23 @@ def test_a_loss_that_turns_non_finite_names_the_command_s_way_on(tmp_path, model
     assert "on_nonfinite" not in str(stopped.value)
     with pytest.raises(NonFiniteError, match=r"^step 2: "):
         train(config, ["train.lr=1e-3"], progress=False)
+
+
+def test_a_longer_run_that_warms_a_finished_schedule_again_says_so(tmp_path, model_dir, data, caplog):
+    """A cosine run to its end, then the same command with a larger ``train.max_steps``: the
+    schedule is drawn over the new length, and the learning rate jumped from near zero back to
+    near its peak without a word (by design: a longer run gets its own cosine). The resume now
+    says so, with the rate it had reached; a slightly longer run, whose rate moves little, and the
+    warm-up say nothing."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="tiered_offload")
+    config = write_config(tmp_path, model_dir, data, train__max_steps=8, output__export_every=0)
+    train(config, ["train.max_steps=1"], progress=False)
+    train(config, progress=False)
+    assert not [r for r in caplog.records if "learning rate rises" in r.getMessage()]
+    train(config, ["train.max_steps=40"], progress=False)
+    said = [r.getMessage() for r in caplog.records if "learning rate rises" in r.getMessage()]
+    assert len(said) == 1 and re.search(r"at step 8 to [\d.e-]+ at step 9: the cosine schedule is drawn over the "
+                                        r"run's 40 steps", said[0]), said
+    train(config, ["train.max_steps=41"], progress=False)
+    assert len([r for r in caplog.records if "learning rate rises" in r.getMessage()]) == 1

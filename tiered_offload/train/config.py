@@ -155,6 +155,18 @@ class TrainSection:
                 f"never reaches train.lr {self.lr:g} (the last step's is {last:.3g}); lower train.warmup_steps")
 
 
+    def rewarmed(self, was: float | None, now: float, start: int, total: int, changed: list[str]) -> str | None:
+        """What to warn of where a resume's schedule, drawn over a longer run, raises the learning
+        rate past twice the last step's ``was`` (a finished cosine warmed again): not in the
+        warm-up, nor where the command changed ``train.lr`` itself (named already)."""
+        if was is None or now <= 2 * was or start < self.warmup_steps or self.schedule == "constant" or any(
+                c.startswith("train.lr ") for c in changed):
+            return None
+        return (f"the learning rate rises from {was:.3g} at step {start} to {now:.3g} at step {start + 1}: the "
+                f"{self.schedule} schedule is drawn over the run's {total} steps, more than before; to go on at the "
+                f"rate reached, set train.lr {was:.3g} and train.schedule constant")
+
+
 @dataclass(kw_only=True)
 class OffloadSection:
     storage: str | list[str] = ""

@@ -396,6 +396,9 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
         engine.attach_scheduler(scheduler)
         start = engine.step_count
         changed = _take_hyperparameters(engine, scheduler, t) if resuming else []  # (also at step 0)
+        was = (engine.user_state.get("record") or [None] * 3)[2] if start else None
+        if ranks.first and (rises := t.rewarmed(was, engine.param_groups[0]["lr"], start, total, changed)):
+            log.warning("tiered-offload: %s", rises)
         metrics = metrics_from(out / "metrics.jsonl", start) if ranks.first else None
         if start and engine.user_state.get("micro_batches") != start * t.grad_accum:
             raise ConfigError(f"{location} was trained with another grad_accum or data position "
