@@ -74,14 +74,13 @@ class Dataset:
             out["position_ids"] = torch.from_numpy(np.asarray(self.positions[rows], dtype=np.int64))
         return out
 
-    def tokens(self, rows: list[int]) -> int:
-        """Tokens that carry loss in ``rows``."""
-        return int((np.asarray(self.labels[rows]) != IGNORE).sum())
 
-    def targets(self, rows: list[int]) -> int:
-        """The tokens the model's loss counts in ``rows``: those that carry loss past each row's first
-        (the loss predicts each token from the ones before it)."""
-        return int((np.asarray(self.labels[rows])[:, 1:] != IGNORE).sum())
+
+def loss_tokens(labels: torch.Tensor) -> tuple[int, int]:
+    """Of a batch's ``labels``: the tokens that carry loss, and those the model's loss counts (past
+    each row's first: the loss predicts each token from the ones before it)."""
+    carry = labels != IGNORE
+    return int(carry.sum()), int(carry[:, 1:].sum())
 
 
 def _size(example) -> int:

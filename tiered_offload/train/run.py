@@ -40,7 +40,7 @@ from tiered_offload.engine.step_in_backward import StepInBackward
 from tiered_offload.engine.train_state import KEPT_HYPERPARAMETERS
 from tiered_offload.store.tiers import Tier
 from tiered_offload.train.config import RunConfig, load_config, lr_factor
-from tiered_offload.train.data import micro_batch_rows, prepare_data
+from tiered_offload.train.data import loss_tokens, micro_batch_rows, prepare_data
 from tiered_offload.train.outputs import (check_export_space, export, export_step, metrics_from, refuse_earlier_run,
                                           refuse_inside_exports)
 from tiered_offload.train.sources import first_line
@@ -458,8 +458,8 @@ def _run(cfg, model_dir: Path, out: Path, dry_run: bool, progress: bool, on_step
                 rows = micro_batch_rows(len(train_data), t.seed, ranks.micro_batch(step, micro, t.grad_accum),
                                         t.micro_batch)
                 batches.append(train_data.batch(rows))
-                tokens += train_data.tokens(rows)
-                targets.append(train_data.targets(rows))
+                carry, counted = loss_tokens(batches[-1]["labels"])
+                tokens, targets = tokens + carry, [*targets, counted]
             weights = None if average != "tokens" else token_weights(
                 targets, ranks.sums([sum(targets)])[0], ranks.world, t.grad_accum)
             checked = documents_seen(model) if cfg.data.packing == DOCUMENTS and not checked_documents else None
@@ -648,7 +648,8 @@ def _evaluate(engine, model, data, micro_batch: int, precision: str, ranks: Rank
     try:
         with torch.no_grad(), _precision(precision, engine):
             for rows in ranks.eval_rows(len(data), micro_batch):
-                loss, n = float(engine(**data.batch(rows or [0])).loss), data.targets(rows) if rows else 0
+                batch = data.batch(rows or [0])
+                loss, n = float(engine(**batch).loss), loss_tokens(batch["labels"])[1] if rows else 0
                 total, count = total + loss * n, count + n
     finally:
         model.train()
