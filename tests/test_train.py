@@ -129,6 +129,38 @@ def test_the_loss_falls_and_the_export_loads_with_from_pretrained(tmp_path, mode
             assert torch.equal(engine(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+def test_the_export_command_with_tokenizer_writes_the_run_s_final_model_directory(tmp_path, model_dir, data, capsys,
+                                                                                  monkeypatch):
+    """`tiered-offload export STORAGE OUT --tokenizer MODEL_DIR` writes what the run's final/ holds, byte for byte
+    (it wrote the weights alone, and a tokenizer had to be copied by hand); without it, a note says how."""
+    summary = train(write_config(tmp_path, model_dir, data, train__max_steps=2, output__export_every=0),
+                    progress=False)
+    final, offline = Path(summary["final"]), tmp_path / "offline"
+    assert cli_main(["export", str(tmp_path / "run"), str(offline), "--tokenizer", str(model_dir)]) == 0
+    names = sorted(p.name for p in final.iterdir())
+    assert "tokenizer.json" in names and sorted(p.name for p in offline.iterdir()) == names
+    assert all((offline / n).read_bytes() == (final / n).read_bytes() for n in names), names
+    assert transformers.AutoTokenizer.from_pretrained(offline)("a b").input_ids
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "bare")]) == 0
+    assert "--tokenizer MODEL_DIR" in capsys.readouterr().err and not (tmp_path / "bare" / "tokenizer.json").exists()
+    # a directory with no tokenizer is refused before anything is written
+    for wrong in (tmp_path / "bare" / "config.json", tmp_path / "missing", tmp_path / "run"):
+        assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "x"), "--tokenizer", str(wrong)]) == 2
+        err = capsys.readouterr().err
+        assert f"--tokenizer {wrong}" in err and "Nothing was exported" in err, err
+        assert not (tmp_path / "x").exists()
+    # a disk with no room for the tokenizer: typed, naming the file
+    import errno
+    import tiered_offload.checkpoint.safetensors_io as io
+    real = io.write_private
+    monkeypatch.setattr(io, "write_private", lambda path, data, **kw: real(path, data, **kw) if path.name !=
+                        "tokenizer.json" else (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "y"), "--tokenizer", str(model_dir)]) == 2
+    assert f"y: the weights are exported, and the tokenizer's files are not ({tmp_path / 'y' / 'tokenizer.json'}: " \
+        "No space left on device)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("schedule", [dict(train__schedule="cosine"),
                                       dict(train__schedule="linear", train__betas=[0.9, 0.95], train__eps=1e-6,
                                            train__min_lr=2e-3, train__weight_decay=0.1),
@@ -1970,7 +2002,7 @@ def test_a_tokenizer_file_an_export_cannot_write_is_named(tmp_path, model_dir, d
     untyped ``OSError``. It is a ``DiskFullError`` naming the export and the file, and the same
     command again writes the final export whole."""
     import errno
-    import tiered_offload.train.outputs as run_module
+    import tiered_offload.checkpoint.safetensors_io as run_module  # (where the copy writes: copy_tokenizer)
     real = run_module.write_private
 
     def full(path, data, **kw):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
+from pathlib import Path
 
-from offload_core.errors import TieredOffloadError
+from offload_core.errors import CheckpointError, ConfigError, DiskFullError, TieredOffloadError
 
 __all__ = ["main", "build_parser"]
 
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a PEFT run: the model with its adapter merged into the weights (as PEFT's "
                         "merge_and_unload() saves it, with the base model's config.json), for from_pretrained; "
                         "streamed, one unit in memory at a time")
+    e.add_argument("--tokenizer", metavar="MODEL_DIR",
+                   help="copy the tokenizer's files (tokenizer.json, tokenizer_config.json, ..., "
+                        "generation_config.json) from this model directory (the one trained from), so that OUT is a "
+                        "complete model directory, as the train command's exports are")
     return parser
 
 
@@ -161,11 +167,7 @@ def _state_command(args) -> int:
     with open_state(args.directory, stripes=args.stripe, live=args.command == "inspect") as sd, \
             progress.shown(not getattr(args, "json", False)):
         if args.command == "export":
-            files = sd.export(args.out, args.max_shard_size, args.dtype, adapter_only=args.adapter_only,
-                              merged=args.merged)
-            for f in files:
-                print(f)
-            return 0
+            return _export(sd, args)
         if args.command == "verify":
             with progress.counter(None, desc="verifying") as advance:
                 report = sd.verify(advance)
@@ -225,6 +227,35 @@ def _state_command(args) -> int:
             files = ", ".join(f"{k}={t['file'] or '(zero)'}" for k, t in u["tensors"].items())
             print(f"  {u['name']:<14}{u['numel']:>12,}  {files}")
         return 0
+
+
+def _export(sd, args) -> int:
+    """``export``: the weights, and the tokenizer's files where ``--tokenizer`` names their directory
+    (checked before the weights are written; both under one hold of OUT)."""
+    from tiered_offload.checkpoint.safetensors_io import TOKENIZER_FILES, copy_tokenizer, exporting, tokenizer_files
+    source = Path(args.tokenizer).expanduser() if args.tokenizer else None
+    if source is not None and not tokenizer_files(source):
+        raise ConfigError(f"--tokenizer {source}: " + (
+            f"no tokenizer file there (looked for {', '.join(TOKENIZER_FILES)}); name the model directory the run "
+            f"was trained from" if source.is_dir() else "no such directory; name the model directory the run was "
+                                                         "trained from") + ". Nothing was exported")
+    out = Path(args.out)
+    with exporting(out):
+        files = sd.export(out, args.max_shard_size, args.dtype, adapter_only=args.adapter_only, merged=args.merged)
+        if source is not None:
+            try:
+                files += copy_tokenizer(source, out)
+            except OSError as e:
+                message = (f"{out}: the weights are exported, and the tokenizer's files are not ({e.filename}: "
+                           f"{e.strerror or e}); free space there and export again, or copy them from {source}")
+                raise (DiskFullError(message, path=str(out)) if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                       else CheckpointError(message)) from None
+    for f in files:
+        print(f)
+    if source is None and (out / "config.json").is_file():
+        print(f"note: {out} has no tokenizer; add --tokenizer MODEL_DIR to copy it from the model directory "
+              f"trained from", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

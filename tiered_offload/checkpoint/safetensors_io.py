@@ -38,7 +38,8 @@ from offload_core.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PretrainedReader", "SafetensorsWriter", "pick_weights", "plan_shards", "INDEX_NAME"]
+__all__ = ["PretrainedReader", "SafetensorsWriter", "pick_weights", "plan_shards", "INDEX_NAME", "TOKENIZER_FILES",
+           "copy_tokenizer"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -595,6 +596,32 @@ def write_private(path: Path, data: str | bytes, *, sync: bool = False) -> None:
         tmp.unlink(missing_ok=True)
         raise
 
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+"""Copied from a model directory beside an export, so the export is a complete model directory."""
+
+
+def tokenizer_files(model_dir: Path) -> list[Path]:
+    """The tokenizer's files (:data:`TOKENIZER_FILES`) ``model_dir`` holds, as plain files."""
+    return [model_dir / name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
+
+
+def copy_tokenizer(model_dir: Path, out: Path) -> list[Path]:
+    """Copy ``model_dir``'s tokenizer files into ``out`` (each written whole: :func:`write_private`);
+    returns the files written. An ``OSError`` names the file it failed on (``filename``)."""
+    written = []
+    for source in tokenizer_files(model_dir):
+        data = source.read_bytes()
+        try:
+            write_private(out / source.name, data)
+        except OSError as e:
+            e.filename = str(out / source.name)
+            raise
+        written.append(out / source.name)
+    return written
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -20,19 +20,13 @@ from offload_core.errors import CheckpointError, ConfigError, DiskFullError, Tie
 from offload_core.sizes import format_size
 from tiered_offload.checkpoint.durable import fsync_directory
 from tiered_offload.checkpoint.lock import read_own
-from tiered_offload.checkpoint.safetensors_io import exporting, write_private
+from tiered_offload.checkpoint.safetensors_io import copy_tokenizer as copy_files, exporting, write_private
 from tiered_offload.train.ranks import Ranks
 
-__all__ = ["TOKENIZER_FILES", "export", "export_step", "rotate_exports", "refuse_inside_exports", "refuse_earlier_run",
+__all__ = ["export", "export_step", "rotate_exports", "refuse_inside_exports", "refuse_earlier_run",
            "metrics_from", "Metrics", "write_failed", "check_export_space"]
 
 log = logging.getLogger("tiered_offload")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
-"""Copied from the model directory into every export, so the export is a complete model directory."""
-
 
 def export(engine, model_dir: Path, out: Path, cfg, ranks: Ranks) -> None:
     """The weights (with LoRA: the adapter alone, or the model with it merged) in ``output.dtype``,
@@ -46,14 +40,14 @@ def export(engine, model_dir: Path, out: Path, cfg, ranks: Ranks) -> None:
 
 def copy_tokenizer(model_dir: Path, out: Path, ranks: Ranks) -> None:
     """The tokenizer's files beside an export (rank 0 writes them)."""
-    for name in TOKENIZER_FILES:
-        if ranks.first and (model_dir / name).is_file():
-            try:
-                write_private(out / name, (model_dir / name).read_bytes())
-            except OSError as e:
-                raise write_failed(e, out / name, f"{out}: the weights are exported, and the tokenizer's {name} is "
-                                    f"not ({{why}}); free space there, then copy it from {model_dir}, or run the same "
-                                    f"command again (it writes the final export again)") from None
+    if ranks.first:
+        try:
+            copy_files(model_dir, out)
+        except OSError as e:
+            name = Path(e.filename or "").name
+            raise write_failed(e, out / name, f"{out}: the weights are exported, and the tokenizer's {name} is "
+                                f"not ({{why}}); free space there, then copy it from {model_dir}, or run the same "
+                                f"command again (it writes the final export again)") from None
 
 
 STEP_EXPORT = re.compile(r"step-(\d+)")
