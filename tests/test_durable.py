@@ -167,6 +167,45 @@ def test_a_clean_close_commits_the_steps_since_the_last_commit(tmp_path, uninter
         make_engine(tmp_path / "y", commit_every=2, durable=False)
 
 
+@pytest.mark.parametrize("commit_every", [1, 2])
+def test_a_model_with_no_parameter_outside_its_streamed_units_resumes(tmp_path, commit_every):
+    """An embedding, blocks and a head, each streamed as its own unit, leave the rest of the model no parameter:
+    its unit's 0-byte tensor is recorded with no file (none is written), and every resume failed on it with an
+    untyped ExtentNotFoundError (the file check of the committed state did not skip it): the state could never be
+    opened again. Now it resumes bitwise, and the offline tools read it."""
+    def model():
+        torch.manual_seed(0)
+        with empty_init():
+            return torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Sequential(
+                *[torch.nn.Linear(16, 16) for _ in range(3)]), torch.nn.Linear(16, 64))
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+
+    def run(engine, steps):
+        for _ in range(steps):
+            engine.backward(F.cross_entropy(engine(x).flatten(0, 1), x.flatten()))
+            engine.step()
+            engine.zero_grad()
+        return {k: v.clone() for k, v in engine.named_parameters()}
+    kw = dict(host_memory="48KiB", blocks="1", commit_every=commit_every)
+    with Engine(model(), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "whole", **kw) as engine:
+        assert [u.name for u in engine.units][-1] == "rest" and engine.units[-1].numel == 0
+        whole = run(engine, 4)
+    with Engine(model(), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / "s", **kw) as engine:
+        run(engine, 2)
+    with Engine.resume(tmp_path / "s", model(), **kw) as engine:
+        assert engine.step_count == 2
+        assert same(run(engine, 2), whole)
+    assert cli_main(["verify", str(tmp_path / "s")]) == 0
+    assert cli_main(["export", str(tmp_path / "s"), str(tmp_path / "out")]) == 0
+    if commit_every == 1:  # killed with step 3's update part-way recorded: the resume redoes it from its gradients
+        for recorded in (1, 4):
+            engine = Engine(model(), torch.optim.AdamW, dict(lr=1e-2), storage=tmp_path / f"k{recorded}", **kw)
+            run(engine, 2)
+            die_after_records(engine, 3, recorded, train_fn=lambda e, until: run(e, until - e.step_count))
+            with Engine.resume(tmp_path / f"k{recorded}", model(), **kw) as engine:
+                assert same(run(engine, 4 - engine.step_count), whole)
+
+
 def _die_in_step(engine, step: int) -> None:
     """Train into ``step`` with a simulated death armed: the engine fails, and its lock goes as the
     kernel would release it."""

@@ -13,7 +13,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from offload_core.errors import CheckpointError, ConfigError, CorruptionError, DistributedError, TieredOffloadError
+from offload_core.errors import (CheckpointError, ConfigError, CorruptionError, DistributedError, ExtentNotFoundError,
+                                 TieredOffloadError)
 from tiered_offload.trace import span
 
 from .buffer_file import BUFFER_KEY, BufferFile, referenced
@@ -109,7 +110,7 @@ class CheckpointSession:
                     f"{self.store.backend.location}: the committed state needs {len(missing)} file(s) that are not there "
                     f"({first}), as {where} it. A record may be damaged or a file was removed; nothing was deleted. "
                     f"Restore the directory from a copy")
-            self._check_sizes(refs, sizes)
+            self._check_sizes({k: r for k, r in refs.items() if k not in empty}, sizes)
         for extent in present:
             key, generation = parse_extent(extent)
             if key in mine and generation is not None and extent not in keep:
@@ -125,7 +126,7 @@ class CheckpointSession:
                 continue
             try:
                 held = backend.size(ref[0])
-            except OSError as e:
+            except (OSError, ExtentNotFoundError) as e:
                 raise CorruptionError(f"{backend.location}: tensor {key!r} of the committed state cannot be "
                                       f"read: {e}; nothing was deleted") from None
             need = sizes.get(key, {}).get("nbytes", 0)  # (a gradient's size is its unit's: checked when read)

@@ -82,12 +82,14 @@ class StateDirectory:
         self.tensors = {k: dict(v) for k, v in manifest["tensors"].items()}
         self.checksum = manifest_checksum(manifest)
         """The directory's checksum algorithm (its manifest names it)."""
-        for k, ref in current.items():
+        for k, ref in current.items():  # (a 0-byte tensor has no file, as an all-zero one: its extent is None)
+            ref = ref if int(self.tensors[k]["nbytes"]) else None
             self.tensors[k].update(extent=ref and ref[0], crc=ref and ref[1])
         for k, ref in state.grads().items():
             unit = k.split("/", 1)[0]
             info = next(u for u in manifest["units"] if u["name"] == unit)
             n = info.get("grad_numel", info["numel"]) * 4
+            ref = ref if n else None
             self.tensors[k] = {"extent": ref and ref[0], "crc": ref and ref[1], "nbytes": n, "dtype": "float32",
                                "shape": [n // 4], "offset": 0}
         storage = manifest.get("storage") or {}
