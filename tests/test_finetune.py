@@ -2137,6 +2137,20 @@ def test_the_zoo_fuzz_draws_shared_and_computed_weights_and_its_seeds_train_bitw
     assert fuzz_options.run(kw, tmp_path / "113144") == "ok"
 
 
+def test_the_bare_fuzz_draws_a_model_with_no_parameter_outside_its_blocks_and_its_resumes_train_bitwise(tmp_path):
+    """``tools/fuzz_options.py --bare`` adds a model whose every parameter is in a block (the engine's rest unit
+    empty), and leaves what a seed draws without it as it was. Its seed 141554 (a resume at step 2) failed with
+    an untyped ExtentNotFoundError on the rest unit's 0-byte tensor, which has no file
+    (test_durable.py::test_a_model_with_no_parameter_outside_its_streamed_units_resumes)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import fuzz_options
+    bare = fuzz_options.models(True, zoo=True, bare=True)
+    assert set(bare) - set(fuzz_options.models(True, zoo=True)) == {"blocks-only"}
+    case, kw = fuzz_options.draw(random.Random(141554), bare, True, random.Random("stores-141554"))
+    assert (case["model"], case["resume_at"]) == ("blocks-only", 2)
+    assert fuzz_options.run(kw, tmp_path) == "ok"
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["loop", "forward_backward"])
 def test_parity_with_several_intra_op_threads(tmp_path, fused):
     """The suite runs one intra-op thread (``conftest.SUITE_THREADS``); users run many. With two,

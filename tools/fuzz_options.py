@@ -44,6 +44,7 @@ instead (:func:`draw_sharded`), within 1e-6 of one process or refused.
     python tools/fuzz_options.py --loops --cases 300    # what loops do besides: eval(), clip values
     python tools/fuzz_options.py --zoo --cases 300      # ALBERT, weight_norm, spectral_norm too
     python tools/fuzz_options.py --calls --cases 200    # block(h, h), return y, y, in-place changes too
+    python tools/fuzz_options.py --bare --cases 100     # a model with no parameter outside its blocks too
 
 ``--load N`` runs N processes that only spin beside the cases: the store's threads then interleave
 otherwise (seed 74049 failed 5 runs of 10 beside two busy processes, and never alone).
@@ -143,7 +144,27 @@ def _checkpointed_gpt2():
     return model
 
 
-def models(wide: bool = False, loops: bool = False, zoo: bool = False, calls: bool = False) -> dict:
+def _blocks_only_lm():
+    """Every parameter in a block: a fixed (buffer) projection in and out, so the engine's rest unit holds none
+    (its 0-byte tensor has no file: a resume of such a state once failed on it)."""
+    from test_finetune import MLP, VOCAB, TinyLM
+
+    class BlocksOnlyLM(TinyLM):
+        def __init__(self):
+            super().__init__(lambda d: MLP(d), d=32)
+            del self.emb, self.norm, self.head
+            self.register_buffer("project", torch.randn(VOCAB, 32) / 6)
+
+        def forward(self, ids, route=None):
+            h = self.project[ids]
+            for block in self.blocks:
+                h = block(h)
+            return h @ self.project.T
+    torch.manual_seed(0)
+    return BlocksOnlyLM()
+
+
+def models(wide: bool = False, loops: bool = False, zoo: bool = False, calls: bool = False, bare: bool = False) -> dict:
     """name: (make, loss, streamed blocks); ``wide``: encoder-decoders (their encoder's blocks
     streamed, then the decoder's), a model with frozen parameters and one with LoRA layers too;
     ``loops``: Mixtral with its load-balancing loss and GPT-2 with gradient checkpointing on;
@@ -151,7 +172,8 @@ def models(wide: bool = False, loops: bool = False, zoo: bool = False, calls: bo
     two layers; a model that calls every other block twice) and whose linear layers' weights are
     parametrizations (``weight_norm``, ``spectral_norm``); ``calls``: block calls that take one
     tensor in two places (``block(h, h)``) or return one twice, and a model that changes a block's
-    input in place after the block ran, where the block did not save it."""
+    input in place after the block ran, where the block did not save it; ``bare``: a model with no
+    parameter outside its blocks."""
     from test_finetune import hf_loss, lm_loss, make_deberta, make_gpt2, make_llama, make_lora, make_moe
     table = {"gpt2": (make_gpt2, hf_loss, 4), "gpt2-dropout": (lambda: make_gpt2(dropout=0.1), hf_loss, 4),
              "llama": (make_llama, hf_loss, 4), "moe": (make_moe, lm_loss, 4), "deberta": (make_deberta, hf_loss, 6)}
@@ -176,6 +198,8 @@ def models(wide: bool = False, loops: bool = False, zoo: bool = False, calls: bo
                       "output-twice": (_seeded(TwoOfOneOutputLM), lm_loss, 4),
                       "unsaved-in-place": (_seeded(lambda: InPlaceLM(lambda d: ShiftBlock(d, MLP(d)), "input")),
                                            lm_loss, 4)})
+    if bare:
+        table["blocks-only"] = (_blocks_only_lm, lm_loss, 4)
     return table
 
 
@@ -481,6 +505,8 @@ def main() -> int:
                                                           "mid-run too (a third generator)")
     ap.add_argument("--zoo", action="store_true", help="models whose weights are shared or computed too (ALBERT, "
                                                         "a block called twice, weight_norm, spectral_norm)")
+    ap.add_argument("--bare", action="store_true", help="a model with no parameter outside its blocks too (the "
+                                                         "engine's rest unit empty)")
     ap.add_argument("--calls", action="store_true", help="block calls that take one tensor twice or return one "
                                                           "twice, a block's unsaved input changed in place too")
     ap.add_argument("--stores", action="store_true", help="the storage backend, striping and the store's options "
@@ -491,7 +517,7 @@ def main() -> int:
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # (save_pretrained's, in the export checks)
-    zoo = models(args.wide, args.loops, args.zoo, args.calls)
+    zoo = models(args.wide, args.loops, args.zoo, args.calls, args.bare)
     counts = {"ok": 0, "refused": 0, "failed": 0, "torn": 0}
     with contextlib.ExitStack() as stack:
         for _ in range(args.load):  # each spins until this process is gone (a hang's dump exits it at once)
