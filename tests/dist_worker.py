@@ -29,6 +29,9 @@ def build(cfg: dict):
     if cfg.get("model") == "moe":  # top-1 mixture of experts (tests/test_finetune.py's), see batch()
         from test_finetune import make_moe
         return make_moe()
+    if cfg.get("model") == "bare":  # every parameter in a block (the engine's rest unit empty)
+        from test_finetune import make_blocks_only
+        return make_blocks_only()
     if cfg.get("model") == "mixtral":  # PEFT's LoRA all-linear: on the router and the experts too (ParamWrapper)
         from test_finetune import _peft_mixtral
         return _peft_mixtral()

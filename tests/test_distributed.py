@@ -664,9 +664,11 @@ def test_two_machines_with_torchrun_on_localhost(tmp_path):
     assert [d.name for d in (tmp_path / "machine1" / "state").iterdir()] == ["rank-1-of-2"]
 
 
-@pytest.mark.parametrize("after_units,fused,striped", [(2, False, False), (-1, False, True), (2, True, False)],
-                         ids=["mid-update", "before-its-intent-striped", "mid-update-after-forward-backward"])
-def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, striped, tmp_path):
+@pytest.mark.parametrize("after_units,fused,striped,model", [(2, False, False, None), (-1, False, True, None),
+                                                            (2, True, False, None), (2, False, False, "bare")],
+                         ids=["mid-update", "before-its-intent-striped", "mid-update-after-forward-backward",
+                              "mid-update-no-parameter-outside-the-blocks"])
+def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, striped, model, tmp_path):
     """Durable sharded training: rank 1 is SIGKILLed in step 3, while its update is half done
     (rank 0 has committed the step: rank 1 finishes it at the restart), or just before its intent
     (rank 0 has written its own: it drops it at the restart, since no rank updated anything); rank
@@ -674,9 +676,10 @@ def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, striped, tmp
     after step 5 are bitwise those of a run that was never interrupted. Also with 3 micro-batches
     a step through ``forward_backward`` (4 steps). Each rank at 0.9 of its share of the state: the
     state streams through its disk, and the steps commit through the journal. Killed before its intent,
-    each rank's state is striped over two directories (each rank's in each root)."""
+    each rank's state is striped over two directories (each rank's in each root). A model with no parameter
+    outside its blocks (the rest unit empty, which one process could not resume) resumes alike."""
     cfg = {"layers": 4, "optimizer": "adamw", "steps": 5, "accumulate": 1, "clip": 1.0,
-           "durable": True, "timeout_s": 30, "scheduler": True, "striped": striped}
+           "durable": True, "timeout_s": 30, "scheduler": True, "striped": striped, "model": model}
     cfg["host_memory"] = int(0.9 * 16 * sum(p.numel() for p in build(cfg).parameters()) / 2)
     if fused:
         cfg.update(accumulate=3, fused=True, activations="offload", steps=4)

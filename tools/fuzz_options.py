@@ -144,26 +144,6 @@ def _checkpointed_gpt2():
     return model
 
 
-def _blocks_only_lm():
-    """Every parameter in a block: a fixed (buffer) projection in and out, so the engine's rest unit holds none
-    (its 0-byte tensor has no file: a resume of such a state once failed on it)."""
-    from test_finetune import MLP, VOCAB, TinyLM
-
-    class BlocksOnlyLM(TinyLM):
-        def __init__(self):
-            super().__init__(lambda d: MLP(d), d=32)
-            del self.emb, self.norm, self.head
-            self.register_buffer("project", torch.randn(VOCAB, 32) / 6)
-
-        def forward(self, ids, route=None):
-            h = self.project[ids]
-            for block in self.blocks:
-                h = block(h)
-            return h @ self.project.T
-    torch.manual_seed(0)
-    return BlocksOnlyLM()
-
-
 def models(wide: bool = False, loops: bool = False, zoo: bool = False, calls: bool = False, bare: bool = False) -> dict:
     """name: (make, loss, streamed blocks); ``wide``: encoder-decoders (their encoder's blocks
     streamed, then the decoder's), a model with frozen parameters and one with LoRA layers too;
@@ -199,7 +179,8 @@ def models(wide: bool = False, loops: bool = False, zoo: bool = False, calls: bo
                       "unsaved-in-place": (_seeded(lambda: InPlaceLM(lambda d: ShiftBlock(d, MLP(d)), "input")),
                                            lm_loss, 4)})
     if bare:
-        table["blocks-only"] = (_blocks_only_lm, lm_loss, 4)
+        from test_finetune import make_blocks_only
+        table["blocks-only"] = (make_blocks_only, lm_loss, 4)
     return table
 
 
