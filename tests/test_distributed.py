@@ -667,7 +667,7 @@ def test_two_machines_with_torchrun_on_localhost(tmp_path):
 @pytest.mark.parametrize("after_units,fused,striped,model", [(2, False, False, None), (-1, False, True, None),
                                                             (2, True, False, None), (2, False, False, "bare")],
                          ids=["mid-update", "before-its-intent-striped", "mid-update-after-forward-backward",
-                              "mid-update-no-parameter-outside-the-blocks"])
+                              "mid-update-blocks-only"])
 def test_a_rank_killed_mid_step_resumes_exactly(after_units, fused, striped, model, tmp_path):
     """Durable sharded training: rank 1 is SIGKILLed in step 3, while its update is half done
     (rank 0 has committed the step: rank 1 finishes it at the restart), or just before its intent

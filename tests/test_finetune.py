@@ -2158,7 +2158,7 @@ def test_the_zoo_fuzz_draws_shared_and_computed_weights_and_its_seeds_train_bitw
     assert fuzz_options.run(kw, tmp_path / "113144") == "ok"
 
 
-def test_the_bare_fuzz_draws_a_model_with_no_parameter_outside_its_blocks_and_its_resumes_train_bitwise(tmp_path):
+def test_the_bare_fuzz_draws_a_model_of_blocks_only_whose_resumes_train_bitwise(tmp_path):
     """``tools/fuzz_options.py --bare`` adds a model whose every parameter is in a block (the engine's rest unit
     empty), and leaves what a seed draws without it as it was. Its seed 141554 (a resume at step 2) failed with
     an untyped ExtentNotFoundError on the rest unit's 0-byte tensor, which has no file
