@@ -150,6 +150,17 @@ def test_the_export_command_with_tokenizer_writes_the_run_s_final_model_director
         err = capsys.readouterr().err
         assert f"--tokenizer {wrong}" in err and "Nothing was exported" in err, err
         assert not (tmp_path / "x").exists()
+    # the Hub id the run was trained from, read through huggingface_hub's cache as model.path is; not cached: named
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    _hub_cache(tmp_path / "hub", model_dir, "acme/tiny-llama")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "by-id"), "--tokenizer", "acme/tiny-llama"]) == 0
+    assert all((tmp_path / "by-id" / n).read_bytes() == (final / n).read_bytes() for n in names)
+    assert cli_main(["export", str(tmp_path / "run"), str(tmp_path / "z"), "--tokenizer", "acme/missing"]) == 2
+    assert "--tokenizer acme/missing is not a local directory, and the Hugging Face Hub gave no model" in \
+        capsys.readouterr().err and not (tmp_path / "z").exists()
     # a disk with no room for the tokenizer: typed, naming the file
     import errno
     import tiered_offload.checkpoint.safetensors_io as io

@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "streamed, one unit in memory at a time")
     e.add_argument("--tokenizer", metavar="MODEL_DIR",
                    help="copy the tokenizer's files (tokenizer.json, tokenizer_config.json, ..., "
-                        "generation_config.json) from this model directory (the one trained from), so that OUT is a "
-                        "complete model directory, as the train command's exports are")
+                        "generation_config.json) from this model directory (the one trained from; or its Hugging Face "
+                        "Hub id), so that OUT is a complete model directory, as the train command's exports are")
     return parser
 
 
@@ -233,7 +233,7 @@ def _export(sd, args) -> int:
     """``export``: the weights, and the tokenizer's files where ``--tokenizer`` names their directory
     (checked before the weights are written; both under one hold of OUT)."""
     from tiered_offload.checkpoint.safetensors_io import TOKENIZER_FILES, copy_tokenizer, exporting, tokenizer_files
-    source = Path(args.tokenizer).expanduser() if args.tokenizer else None
+    source = _tokenizer_dir(args.tokenizer) if args.tokenizer else None
     if source is not None and not tokenizer_files(source):
         raise ConfigError(f"--tokenizer {source}: " + (
             f"no tokenizer file there (looked for {', '.join(TOKENIZER_FILES)}); name the model directory the run "
@@ -256,6 +256,26 @@ def _export(sd, args) -> int:
         print(f"note: {out} has no tokenizer; add --tokenizer MODEL_DIR to copy it from the model directory "
               f"trained from", file=sys.stderr)
     return 0
+
+
+def _tokenizer_dir(given: str) -> Path:
+    """The directory ``--tokenizer`` names: a local one, or a Hub id's snapshot in huggingface_hub's cache
+    (its tokenizer's files fetched there if missing), as train's ``model.path`` reads one."""
+    source = Path(given).expanduser()
+    from tiered_offload.train.run import hub_model
+    named = hub_model(given)
+    if named is None:
+        return source
+    from tiered_offload.checkpoint.safetensors_io import TOKENIZER_FILES
+    from tiered_offload.train.sources import first_line
+    try:
+        import huggingface_hub
+        return Path(huggingface_hub.snapshot_download(named[0], revision=named[1], allow_patterns=list(TOKENIZER_FILES),
+                                                      ignore_patterns=["*/*"]))
+    except Exception as e:  # noqa: BLE001 - (no network, not cached, no such repository, gated, no huggingface_hub)
+        raise ConfigError(f"--tokenizer {given} is not a local directory, and the Hugging Face Hub gave no model of "
+                          f"that id ({type(e).__name__}: {first_line(e)}); name the model directory the run was "
+                          f"trained from. Nothing was exported") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

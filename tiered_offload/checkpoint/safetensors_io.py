@@ -597,7 +597,6 @@ def write_private(path: Path, data: str | bytes, *, sync: bool = False) -> None:
         raise
 
 
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")

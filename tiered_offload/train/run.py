@@ -48,7 +48,7 @@ from tiered_offload.train.packing import DOCUMENTS, documents_seen
 from tiered_offload.train.ranks import Ranks
 from tiered_offload.train.steps import ClipSpeculation, loss_average, token_weights, train_step
 
-__all__ = ["train", "lr_factor"]
+__all__ = ["train", "lr_factor", "hub_model"]
 
 log = logging.getLogger("tiered_offload")
 
@@ -88,7 +88,7 @@ HUB_MODEL = re.compile(r"(?:hf://)?([\w.-]+/[\w.-]+)(?:@([\w./-]+))?")
 either with ``@REVISION`` (a commit, branch or tag)."""
 
 
-def _hub_model(path: str) -> tuple[str, str | None] | None:
+def hub_model(path: str) -> tuple[str, str | None] | None:
     """``(repository id, revision or None)`` of a ``model.path`` that is no local path and names a
     Hub model (:data:`HUB_MODEL`); None otherwise."""
     if Path(path).expanduser().exists():
@@ -104,7 +104,7 @@ def _model_dir(path: str, dry_run: bool = False) -> Path:
     directory = Path(path).expanduser()
     hub = not directory.exists()
     if hub:
-        named = _hub_model(path)
+        named = hub_model(path)
         if named is None:
             raise ConfigError(f"model.path {directory} does not exist")
         repo, revision = named
@@ -206,7 +206,7 @@ def _build_model(cfg, hf_config, model_dir: Path):
     on those parameters too, PEFT's ``target_parameters``). The adapter's
     ``base_model_name_or_path`` is the directory, or the Hub id that named it (and its ``revision``
     the revision named)."""
-    base, revision = _hub_model(cfg.model.path) or (str(model_dir), None)
+    base, revision = hub_model(cfg.model.path) or (str(model_dir), None)
     model = _causal_lm(hf_config, model_dir)
     if not cfg.lora.r:
         return model
