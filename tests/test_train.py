@@ -469,6 +469,32 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused_unless_told_to_o
     assert train(config, ["train.max_steps=3"])["step"] == 3
 
 
+def test_a_copy_of_the_storage_restored_later_continues_the_run_from_its_step(tmp_path, model_dir, data):
+    """Our errors say "restore the directory from a copy": a copy (`cp -a`) of offload.storage made between two
+    commands, put back after the run went on to its end, continues the run from the copy's step: the same final
+    weights, exports and metrics.jsonl (the later steps' records and the stale final evaluation dropped) as a
+    run that went on from that step once."""
+    compared = ("step", "loss", "lr", "grad_norm", "tokens", "eval_loss")
+
+    def history(out):
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [tuple(r.get(k) for k in compared) for r in map(json.loads, lines)]
+    train(write_config(tmp_path / "once", model_dir, data, train__max_steps=2), progress=False)
+    whole = train(write_config(tmp_path / "once", model_dir, data, train__max_steps=6), progress=False)
+    train(write_config(tmp_path / "r", model_dir, data, train__max_steps=2), progress=False)
+    shutil.copytree(tmp_path / "r" / "run", tmp_path / "backup", symlinks=True)
+    config = write_config(tmp_path / "r", model_dir, data, train__max_steps=6)
+    train(config, progress=False)
+    shutil.rmtree(tmp_path / "r" / "run")
+    shutil.copytree(tmp_path / "backup", tmp_path / "r" / "run", symlinks=True)
+    restored = train(config, progress=False)
+    assert restored["step"] == 6 and exported(Path(restored["final"])).keys() == exported(Path(whole["final"])).keys()
+    assert all(torch.equal(v, exported(Path(whole["final"]))[k]) for k, v in exported(Path(restored["final"])).items())
+    assert sorted(p.name for p in (tmp_path / "r" / "out").iterdir()) == sorted(
+        p.name for p in (tmp_path / "once" / "out").iterdir())
+    assert history(tmp_path / "r" / "out") == history(tmp_path / "once" / "out")
+
+
 def test_a_sigkill_and_the_same_command_again_give_the_uninterrupted_weights(tmp_path, model_dir, data, zygote):
     """Also the metrics: the steps a crash lost after the last commit (here 4 and 5) are trained
     again, and ``metrics.jsonl`` held their first records too (step 4, 5, then 4, 5 again: a plot
