@@ -216,8 +216,22 @@ def resolve_storage(storage) -> StorageSpec:
                 f"storage {str(storage)!r} names no storage backend {name!r}; they are "
                 f"{', '.join(available_backends())} (or auto). A directory whose name holds a colon: pass it as a "
                 f"pathlib.Path")
-        return StorageSpec("auto", str(storage))  # a directory whose name holds a colon
+        name, location, options = "auto", str(storage), {}  # a directory whose name holds a colon
+    if name in FILE_BACKENDS and location:
+        _check_stripes_named(storage, location)
     return StorageSpec(name, location, options)
+
+
+def _check_stripes_named(storage: str, location: str) -> None:
+    """A comma separates striped directories; directories some absolute and some relative (``/data/lr=1,bs=2``:
+    ``/data/lr=1`` and ``./bs=2``) are one directory whose name holds a comma, not stripes: refused."""
+    pieces = location.split(",")
+    absolute = [os.path.isabs(os.path.expanduser(p)) for p in pieces]
+    if len(pieces) > 1 and any(absolute) and not all(absolute):
+        raise ConfigError(f"storage {storage!r} names {len(pieces)} striped directories (a comma separates them): "
+                          f"{', '.join(pieces)}, some absolute and some relative to the working directory. One "
+                          f"directory whose name holds a comma: rename it, or give a link to it whose path has none; "
+                          f"several: give each as an absolute path (or a list)")
 
 
 def create_backend(spec: str | StorageSpec, *, defaults: dict | None = None, **options) -> StorageBackend:

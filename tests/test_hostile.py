@@ -1043,18 +1043,24 @@ def test_an_unknown_storage_option_is_a_typed_error_naming_it(tmp_path):
     (["{d}", None], r"storage directory None \(NoneType\)"),
     (["{d}", b"/x"], r"storage directory b'/x' \(bytes\)"),
     ("path {d}/run,1", "holds a comma"),
-    (["{d}/a", "{d}/run,1"], "holds a comma")])
-def test_a_storage_option_or_directory_of_the_wrong_kind_is_a_typed_error_naming_it(tmp_path, storage, match):
+    (["{d}/a", "{d}/run,1"], "holds a comma"),
+    ("{d}/lr=1e-4,bs=32", "names 2 striped directories .* some absolute and some relative"),
+    ("posix:{d}/a,b?threads=2", "names 2 striped directories .* some absolute and some relative")])
+def test_a_storage_option_or_directory_of_the_wrong_kind_is_a_typed_error_naming_it(tmp_path, storage, match,
+                                                                                     monkeypatch):
     """threads=abc was an untyped ValueError from int(), a list with a number in it a TypeError from Path(); a
-    pathlib.Path whose name holds a comma (the escape the docs give for a colon) trained in two directories."""
+    pathlib.Path whose name holds a comma (the escape the docs give for a colon) trained in two directories. So
+    did a string naming one (``/data/lr=1e-4,bs=32``: ``/data/lr=1e-4`` and ``./bs=32``, striped)."""
     from offload_core.errors import ConfigError
     d = tmp_path / "s"
     storage = storage.format(d=d) if isinstance(storage, str) else [s.format(d=d) if isinstance(s, str) else s
                                                                     for s in storage]
     if isinstance(storage, str) and storage.startswith("path "):  # (a comma in a path: split into two, silently)
         storage = Path(storage.removeprefix("path "))
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=match):
         make_engine(storage)
+    assert not any((tmp_path / name).exists() for name in ("bs=32", "b", "1"))  # (nothing made where it ran)
 
 
 def test_the_io_threads_variable_of_the_wrong_kind_is_named(tmp_path, monkeypatch):

@@ -375,6 +375,8 @@ def test_the_example_configuration_reads_as_it_says():
     ("offload.device_memory=-1", r"^offload\.device_memory: cannot read '-1' as a byte size"),
     # (joined by commas, then split again: /b and c, a directory relative to wherever the command ran)
     ('offload.storage=["/a", "/b,c"]', r"^offload\.storage: each directory of the list must be a path without a comma"),
+    # (one directory whose name holds a comma: striped over /runs/lr=1e-4 and ./bs=32, where the command ran)
+    ("offload.storage=/runs/lr=1e-4,bs=32", r"^offload\.storage '/runs/lr=1e-4,bs=32' names 2 striped directories"),
     # (an empty output.dir wrote final/ and metrics.jsonl into the directory the command ran in)
     ("output.dir=", r"^output\.dir is required")])
 def test_a_bad_optimizer_setting_is_refused_naming_it(tmp_path, setting, match):

@@ -261,6 +261,12 @@ class RunConfig:
         if any(not isinstance(d, str) or "," in d or not d for d in listed):  # (joined by commas: split again)
             raise ConfigError(f"offload.storage: each directory of the list must be a path without a comma (a comma "
                               f"separates striped directories), got {listed!r}")
+        if isinstance(self.offload.storage, str):  # (a comma in one directory's name: refused before anything runs)
+            from storage_backends import resolve_storage
+            try:
+                resolve_storage(self.offload.storage)
+            except ConfigError as e:
+                raise ConfigError(f"offload.{e}") from None
         _check_stripe_weights_of(self.offload)
         _choice("data.format", self.data.format, ("text", "completion", "prompt-completion", "alpaca", "chat"))
         _choice("data.chat_turns", self.data.chat_turns, ("all", "each"))
