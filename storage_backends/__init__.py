@@ -218,15 +218,20 @@ def resolve_storage(storage) -> StorageSpec:
                 f"pathlib.Path")
         name, location, options = "auto", str(storage), {}  # a directory whose name holds a colon
     if name in FILE_BACKENDS and location:
-        _check_stripes_named(storage, location)
+        check_stripes_named(storage, location)
     return StorageSpec(name, location, options)
 
 
-def _check_stripes_named(storage: str, location: str) -> None:
+def check_stripes_named(storage: str, location: str, warn: bool = True) -> None:
     """A comma separates striped directories; directories some absolute and some relative (``/data/lr=1,bs=2``:
-    ``/data/lr=1`` and ``./bs=2``) are one directory whose name holds a comma, not stripes: refused."""
+    ``/data/lr=1`` and ``./bs=2``) are one directory whose name holds a comma, not stripes: refused. All relative
+    (``runs/lr=1,bs=2``) may be either: a warning (``warn``) says which it is taken for."""
     pieces = location.split(",")
     absolute = [os.path.isabs(os.path.expanduser(p)) for p in pieces]
+    if warn and len(pieces) > 1 and not any(absolute):
+        log.warning("storage %r stripes over %d directories relative to the working directory (%s), a comma "
+                    "separating them; one directory whose name holds a comma: rename it", storage, len(pieces),
+                    ", ".join(pieces))
     if len(pieces) > 1 and any(absolute) and not all(absolute):
         raise ConfigError(f"storage {storage!r} names {len(pieces)} striped directories (a comma separates them): "
                           f"{', '.join(pieces)}, some absolute and some relative to the working directory. One "

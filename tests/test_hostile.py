@@ -1063,6 +1063,23 @@ def test_a_storage_option_or_directory_of_the_wrong_kind_is_a_typed_error_naming
     assert not any((tmp_path / name).exists() for name in ("bs=32", "b", "1"))  # (nothing made where it ran)
 
 
+def test_a_storage_string_striped_over_relative_directories_says_so(caplog):
+    """``runs/lr=1e-4,bs=32`` may be two relative stripes or one directory named with a comma: a warning says it is
+    taken for stripes, naming them; stripes given as absolute paths (or a list) stripe without one."""
+    import logging
+
+    from storage_backends import resolve_storage
+    with caplog.at_level(logging.WARNING, logger="storage_backends"):  # (conftest quiets it to errors)
+        assert resolve_storage("runs/lr=1e-4,bs=32").location == "runs/lr=1e-4,bs=32"
+    assert "stripes over 2 directories relative to the working directory (runs/lr=1e-4, bs=32)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="storage_backends"):
+        resolve_storage("/mnt/a,/mnt/b")
+        resolve_storage("posix:~/a,/mnt/b?threads=2")
+        resolve_storage(["a", "b"])
+    assert caplog.text == ""
+
+
 def test_the_io_threads_variable_of_the_wrong_kind_is_named(tmp_path, monkeypatch):
     from offload_core.errors import ConfigError
     monkeypatch.setenv("TIERED_OFFLOAD_IO_THREADS", "many")

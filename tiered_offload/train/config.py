@@ -262,9 +262,10 @@ class RunConfig:
             raise ConfigError(f"offload.storage: each directory of the list must be a path without a comma (a comma "
                               f"separates striped directories), got {listed!r}")
         if isinstance(self.offload.storage, str):  # (a comma in one directory's name: refused before anything runs)
-            from storage_backends import resolve_storage
+            from storage_backends import check_stripes_named, parse_spec
             try:
-                resolve_storage(self.offload.storage)
+                check_stripes_named(self.offload.storage, parse_spec(self.offload.storage)[1] or self.offload.storage,
+                                    warn=False)
             except ConfigError as e:
                 raise ConfigError(f"offload.{e}") from None
         _check_stripe_weights_of(self.offload)
