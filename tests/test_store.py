@@ -1343,3 +1343,29 @@ def test_room_another_thread_has_just_taken_is_waited_for_not_refused():
     loader.join(10)
     assert torch.equal(store.read("a"), torch.full((12 * KiB,), 1.0))
     store.close()
+
+
+def test_a_group_the_lookahead_split_with_other_copies_is_placed_side_by_side():
+    """The conformance sweep's Jamba with offloaded activations stopped mid-step, about 1 run in 8, with
+    "cannot fit tensor 'block.3/state.exp_avg_sq' (60.50 KiB) in the host tier: in use 232 KiB, largest free
+    block 60 KiB": the update's weights, gradient and first state were pinned with copies the lookahead had
+    loaded between them, each gap too small for the last state. The group's retry gave up its own copies and
+    asked again, and the lookahead (and the copies still there) split it the same way. Now the retry holds the
+    lookahead, and a last one makes room by giving up every copy of the tier that nothing pins."""
+    f = 1024  # floats: 4 KiB
+    store = make_store(MemoryBackend(threads=0), host=92 * KiB, device=0, policy="lookahead")
+    store.register("r", (2 * f,), data=torch.full((2 * f,), 9.0))
+    for k, v in (("w", 1.0), ("g", 2.0), ("m", 3.0), ("v", 4.0)):
+        store.register(k, (4 * f,), data=torch.full((4 * f,), v))
+    for k in ("f1", "f2", "f3"):
+        store.register(k, (3 * f,), data=torch.full((3 * f,), 5.0))
+    store.flush()
+    for k in ("r", "w", "g", "m", "v", "f1", "f2", "f3"):
+        store.evict(k, "host").get()
+    store.declare_access_sequence(["r", "w", "f1", "g", "f2", "m", "f3", "v"])
+    r = store.get("r", "host")  # (pinned through the group: the rest's weights, bound for the whole pass)
+    w, g, m, v = store.get_group(["w", "g", "m", "v"], "host")
+    assert [t[0].item() for t in (r, w, g, m, v)] == [9.0, 1.0, 2.0, 3.0, 4.0]
+    for k in ("r", "w", "g", "m", "v"):
+        store.release(k, "host")
+    store.close()

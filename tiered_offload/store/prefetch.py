@@ -27,6 +27,7 @@ and gradient room in turn with the disk idle through the compute (docs/RESULTS.m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -124,9 +125,23 @@ class Prefetching:
             if t == tier or t not in self._own_sequence:
                 p.on_access(key)
 
+    @contextlib.contextmanager
+    def lookahead_held(self) -> Iterator[None]:
+        """No load ahead starts inside (on any thread): a group placed side by side after its copies
+        were split by loads ahead (``get_group``) is not split again by the next ones."""
+        with self._lock:
+            self._lookahead_held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._lookahead_held -= 1
+
     def _prefetch_ahead(self) -> None:
         """Start loading the tensors the policies expect next (see :class:`Lookahead`), as far as free
         or cheaply freed space allows."""
+        if self._lookahead_held:
+            return
         for tier, policy, window, nearest_load in self._lookahead.tiers():
             ahead, first = 0, nearest_load
             for key in policy.upcoming(self.config.prefetch_depth):
