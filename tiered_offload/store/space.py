@@ -282,6 +282,10 @@ class TierSpace:
             gaps[best] -= need
         return True
 
+    def unpinned(self) -> list[str]:
+        """The keys of the copies in this tier that nothing pins (call with the store's lock)."""
+        return [key for key, r in self.resident.items() if not r.slots[self.tier].pins]
+
     def capacity_error(self, records: Iterable[TensorRecord], rec: TensorRecord, why: str) -> TierCapacityError:
         """The error for ``rec`` not fitting, with the numbers (budget, in use, pinned, largest hole)."""
         arena, tier = self.arena, self.tier

@@ -402,14 +402,10 @@ class TieredStore(CopyChains, Prefetching):
     def get_group(self, keys: list[str], tier: Tier | str | None = None) -> list[torch.Tensor]:
         """:meth:`get` every one of ``keys`` (default tier: the compute tier), returned in that order.
 
-        The budget check counts bytes, but the tier's free space can be split into holes by the
-        copies pinned so far, none large enough for the next tensor. Then the group lets go of
-        what it holds, moves its own copies out (written back first if dirty), and asks again,
-        the lookahead held: freed, those holes merge and the group is placed side by side. Where
-        copies between them still split it (loaded ahead while the group was placed: the
-        conformance sweep's Jamba, 1 run in 8), a last try moves out every copy of the tier that
-        nothing pins.
-        """
+        The budget counts bytes, but the copies pinned so far can split the free room into holes too
+        small for the next tensor. Then the group lets go, moves its own copies out (written back if
+        dirty) and asks again, the lookahead held (its loads landed between them: the sweep's Jamba);
+        at last it moves out every unpinned copy of the tier, and the group is placed side by side."""
         memory = self._memory_tier(tier)
         for attempt in range(3):
             got: list[torch.Tensor] = []
@@ -424,8 +420,7 @@ class TieredStore(CopyChains, Prefetching):
                 if attempt == 2:
                     raise
                 with self._lock:
-                    out = keys if not attempt else [k for k, r in self._spaces[memory].resident.items()
-                                                    if not r.slots[memory].pins]
+                    out = self._spaces[memory].unpinned() if attempt else keys
                 for k in out:
                     with contextlib.suppress(TensorStateError):  # pinned elsewhere: stays where it is
                         self.evict(k, memory).get()
