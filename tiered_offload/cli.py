@@ -262,6 +262,8 @@ def _tokenizer_dir(given: str) -> Path:
     """The directory ``--tokenizer`` names: a local one, or a Hub id's snapshot in huggingface_hub's cache
     (its tokenizer's files fetched there if missing), as train's ``model.path`` reads one."""
     source = Path(given).expanduser()
+    if source.exists():
+        return source
     from tiered_offload.train.run import hub_model
     named = hub_model(given)
     if named is None:
